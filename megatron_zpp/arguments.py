@@ -1,0 +1,116 @@
+"""Command line and YAML -> Config.
+
+The parser is generated from the config dataclasses (each field names its flag), so a
+flag cannot drift from the setting it controls. Precedence: defaults < --config YAML <
+command line. YAML keys are flag names with or without dashes (`hidden-size` or
+`hidden_size`), flat or nested under the section names of Config.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+import yaml
+
+from .config import SECTIONS, Config, ConfigError
+
+# Megatron-LM spellings accepted as aliases: flag -> (section, field, value).
+ALIASES = {
+    "--swiglu": ("model", "activation", "swiglu"),
+    "--fp32": ("train", "bf16", False),
+}
+
+
+def _base_type(tp):
+    """int | None -> int; list[str] -> list."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # dataclass annotations are strings under `from __future__`
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x CP x ZeRO++ DP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of settings; command-line flags override it")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            if "flag" not in f.metadata:
+                continue
+            meta, dest = f.metadata, f"{section}.{f.name}"
+            tp = _base_type(f.type)
+            default = argparse.SUPPRESS  # absent flags do not override YAML
+            if tp is bool:
+                group.add_argument(meta["flag"], dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=default, help=meta["help"] + f" (default: {f.default})")
+            elif typing.get_origin(tp) is list or tp is list:
+                group.add_argument(meta["flag"], dest=dest, nargs=meta.get("nargs", "+"), type=meta.get("type", str),
+                                   default=default, help=meta["help"])
+            else:
+                group.add_argument(meta["flag"], dest=dest, type=tp, choices=meta.get("choices"),
+                                   default=default, help=meta["help"] + f" (default: {f.default})")
+    for flag, (section, name, value) in ALIASES.items():
+        parser.add_argument(flag, dest=f"{section}.{name}", action="store_const", const=value,
+                            default=argparse.SUPPRESS, help=f"alias of {name}={value} (Megatron-LM spelling)")
+    return parser
+
+
+def _flag_index() -> dict[str, tuple[str, str]]:
+    """'hidden_size' -> ('model', 'hidden_size'), keyed by flag name without dashes."""
+    index = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if "flag" in f.metadata:
+                index[f.metadata["flag"].lstrip("-").replace("-", "_")] = (section, f.name)
+                index[f.name] = (section, f.name)
+    return index
+
+
+def load_yaml(path: str) -> dict[str, object]:
+    """YAML -> {'section.field': value}; unknown keys are an error naming them."""
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: invalid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings at the top level")
+    flat: dict[str, object] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    index, out, unknown = _flag_index(), {}, []
+    for key, value in flat.items():
+        name = key.split(".")[-1].lstrip("-").replace("-", "_")
+        if name not in index:
+            unknown.append(key)
+            continue
+        section, field_name = index[name]
+        out[f"{section}.{field_name}"] = value
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown settings: {', '.join(unknown)}")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse argv (and --config YAML) into an unvalidated Config."""
+    args = vars(build_parser().parse_args(argv))
+    values = load_yaml(args.pop("config")) if args.get("config") else {}
+    args.pop("config", None)
+    values.update(args)
+    cfg = Config()
+    for dest, value in values.items():
+        section, name = dest.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg

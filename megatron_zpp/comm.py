@@ -1,0 +1,215 @@
+"""The only door to the wire: every collective and p2p call, and the byte ledger.
+
+Each call records the bytes this rank sends, keyed by (group role, phase, op, link
+class), twice:
+
+* ``bytes``: what the algorithm sends on a real fabric (NCCL) under a stated model:
+  ring all-reduce 2(n-1)/n·B, ring all-gather (n-1)·shard, ring reduce-scatter
+  (n-1)/n·B, pairwise all-to-all (n-1)/n·B, pipelined broadcast (n-1)/n·B, p2p B.
+* ``gloo_bytes``: what gloo moved for it here (gloo's reduce-scatter runs as an
+  all-reduce; the rest match the model).
+
+B is the size of the full (unsharded) buffer in bytes. A collective's link class is
+the slowest link its group spans (see topology.py): the papers count a flat collective
+over several nodes as cross-node traffic, and a hierarchical one hop by hop.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .topology import Group
+
+# ---------------------------------------------------------------- ledger
+
+BYTE_MODEL = ("bytes each rank sends on a real fabric: ring all-reduce 2(n-1)/n*B, ring all-gather (n-1)/n*B_out, "
+              "ring reduce-scatter (n-1)/n*B_in, pairwise all-to-all (n-1)/n*B, pipelined broadcast (n-1)/n*B, "
+              "p2p B; link = slowest link the group spans")
+
+
+def model_bytes(op: str, n: int, nbytes: int) -> float:
+    """Bytes one rank sends for `op` over n ranks; nbytes = full buffer (all_gather: the
+    gathered output; reduce_scatter: the unreduced input; p2p: the message)."""
+    if n <= 1:
+        return 0.0
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "broadcast": (n - 1) / n,
+        "send": 1.0,
+    }[op] * nbytes
+
+
+GLOO_EMULATED = {"reduce_scatter": "all_reduce"}  # gloo runs these as another collective
+
+
+@dataclass
+class Record:
+    bytes: float = 0.0
+    gloo_bytes: float = 0.0
+    calls: int = 0
+
+
+class CommLedger:
+    def __init__(self):
+        self.records: dict[tuple[str, str, str, str], Record] = defaultdict(Record)
+        self.steps = 0
+
+    def add(self, role: str, phase: str, op: str, link: str, n: int, nbytes: int):
+        rec = self.records[(role, phase, op, link)]
+        rec.bytes += model_bytes(op, n, nbytes)
+        rec.gloo_bytes += model_bytes(GLOO_EMULATED.get(op, op), n, nbytes)
+        rec.calls += 1
+
+    def step(self):
+        self.steps += 1
+
+    def reset(self):
+        self.records.clear()
+        self.steps = 0
+
+    def total(self, **match) -> float:
+        """Sum of `bytes` over records whose fields equal `match` (role, phase, op, link)."""
+        keys = ("role", "phase", "op", "link")
+        return sum(r.bytes for k, r in self.records.items()
+                   if all(dict(zip(keys, k))[f] == v for f, v in match.items()))
+
+    def local_rows(self) -> list[dict]:
+        steps = max(self.steps, 1)
+        return [{"role": k[0], "phase": k[1], "op": k[2], "link": k[3], "bytes": r.bytes / steps,
+                 "gloo_bytes": r.gloo_bytes / steps, "calls": r.calls / steps}
+                for k, r in sorted(self.records.items())]
+
+
+LEDGER = CommLedger()
+
+
+def gather_report(world_size: int) -> dict:
+    """Collect every rank's ledger (collective on the default group; not itself recorded).
+    bytes_per_rank_per_step is the mean over all ranks; max_* the busiest rank."""
+    rows = LEDGER.local_rows()
+    all_rows = [None] * world_size
+    if dist.is_initialized() and world_size > 1:
+        dist.all_gather_object(all_rows, rows)
+    else:
+        all_rows = [rows]
+    merged: dict[tuple, dict] = {}
+    for rank, rank_rows in enumerate(all_rows):
+        for row in rank_rows:
+            key = (row["role"], row["phase"], row["op"], row["link"])
+            m = merged.setdefault(key, dict(zip(("role", "phase", "op", "link"), key), bytes_per_rank_per_step=0.0,
+                                            gloo_bytes_per_rank_per_step=0.0, max_rank_bytes_per_step=0.0,
+                                            calls_per_step=0.0))
+            m["bytes_per_rank_per_step"] += row["bytes"] / world_size
+            m["gloo_bytes_per_rank_per_step"] += row["gloo_bytes"] / world_size
+            m["max_rank_bytes_per_step"] = max(m["max_rank_bytes_per_step"], row["bytes"])
+            m["calls_per_step"] = max(m["calls_per_step"], row["calls"])
+    return {"world_size": world_size, "steps": LEDGER.steps, "byte_model": BYTE_MODEL,
+            "records": list(merged.values())}
+
+
+def write_report(path: str, world_size: int, rank: int):
+    report = gather_report(world_size)
+    if rank == 0:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+class _Done:
+    """Handle of a call that needed no communication."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _skip(group: Group | None) -> bool:
+    return group is None or group.size == 1
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+    if _skip(group):
+        return _Done() if async_op else None
+    LEDGER.add(group.role, phase, "all_reduce", group.link, group.size, tensor.numel() * tensor.element_size())
+    return dist.all_reduce(tensor, op=op, group=group.handle, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, async_op: bool = False):
+    """Concatenate every rank's `input` along dim 0 into `output` (group-rank order)."""
+    if _skip(group):
+        output.copy_(input.reshape(output.shape))
+        return _Done() if async_op else None
+    LEDGER.add(group.role, phase, "all_gather", group.link, group.size, output.numel() * output.element_size())
+    return dist.all_gather_single(output, input, group=group.handle, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
+    """Reduce `input` over the group; group rank i keeps slice i (dim 0) in `output`."""
+    if _skip(group):
+        output.copy_(input.reshape(output.shape))
+        return _Done() if async_op else None
+    LEDGER.add(group.role, phase, "reduce_scatter", group.link, group.size, input.numel() * input.element_size())
+    return dist.reduce_scatter_single(output, input, op=op, group=group.handle, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, async_op: bool = False):
+    """Slice i (dim 0) of `input` goes to group rank i; slice j of `output` comes from j."""
+    if _skip(group):
+        output.copy_(input)
+        return _Done() if async_op else None
+    LEDGER.add(group.role, phase, "all_to_all", group.link, group.size, input.numel() * input.element_size())
+    return dist.all_to_all_single(output, input, group=group.handle, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op: bool = False):
+    """Broadcast from group rank `src`."""
+    if _skip(group):
+        return _Done() if async_op else None
+    LEDGER.add(group.role, phase, "broadcast", group.link, group.size, tensor.numel() * tensor.element_size())
+    return dist.broadcast(tensor, group=group.handle, group_src=src, async_op=async_op)
+
+
+def p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group, phase: str) -> list:
+    """Batched point-to-point: ops are ('send'|'recv', tensor, peer group rank).
+    Receives are posted before sends so that chains cannot deadlock."""
+    if not ops:
+        return []
+    ordered = sorted(ops, key=lambda o: o[0] != "recv")
+    p2p_ops = []
+    for kind, tensor, peer in ordered:
+        if kind == "send":
+            LEDGER.add(group.role, phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p_ops.append(dist.P2POp(fn, tensor, group=group.handle, group_peer=peer))
+    return dist.batch_isend_irecv(p2p_ops)
+
+
+def send(tensor: torch.Tensor, peer: int, group: Group, phase: str):
+    """Asynchronous send to group rank `peer`; returns a handle."""
+    LEDGER.add(group.role, phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
+    return dist.isend(tensor, group=group.handle, group_dst=peer)
+
+
+def recv(tensor: torch.Tensor, peer: int, group: Group):
+    """Asynchronous receive from group rank `peer`; returns a handle."""
+    return dist.irecv(tensor, group=group.handle, group_src=peer)
+
+
+def barrier(group: Group | None = None):
+    if group is None:
+        if dist.is_initialized():
+            dist.barrier()
+    elif not _skip(group):
+        dist.barrier(group=group.handle)

@@ -1,0 +1,320 @@
+"""Typed configuration: the one source of truth for every setting.
+
+Each field carries its command-line flag (Megatron-LM's name where Megatron has the
+concept, DeepSpeed's for ZeRO) and its help text; `arguments.py` builds the parser from
+these dataclasses, so a setting is declared exactly once. `validate()` checks the whole
+configuration against the world size before any process group exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """An inconsistent or unsupported setting. The message says what to change."""
+
+
+def opt(default, flag: str, help: str, **kw):
+    """A config field with its CLI flag. kw: choices, nargs, type (element type for lists)."""
+    meta = {"flag": flag, "help": help, **kw}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(4, "--num-layers", "number of transformer layers")
+    hidden_size: int = opt(128, "--hidden-size", "model width")
+    num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads (query heads)")
+    num_query_groups: int | None = opt(
+        None, "--num-query-groups", "key/value heads for grouped-query attention (default: = heads)")
+    ffn_hidden_size: int | None = opt(
+        None, "--ffn-hidden-size", "MLP inner width (default 4*hidden for gelu, 8/3*hidden rounded to 64 for swiglu)")
+    seq_length: int = opt(256, "--seq-length", "training sequence length in tokens")
+    max_position_embeddings: int | None = opt(
+        None, "--max-position-embeddings", "longest position the model supports (default: seq length)")
+    vocab_size: int = opt(
+        512, "--vocab-size", "vocabulary size when no tokenizer model gives one (mock data, NullTokenizer)")
+    make_vocab_size_divisible_by: int = opt(
+        128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP")
+    normalization: str = opt("RMSNorm", "--normalization", "norm layer", choices=["RMSNorm", "LayerNorm"])
+    norm_epsilon: float = opt(1e-5, "--norm-epsilon", "epsilon of the norm layers")
+    activation: str = opt("swiglu", "--activation", "MLP activation", choices=["swiglu", "gelu"])
+    rotary_base: float = opt(10000.0, "--rotary-base", "RoPE base frequency")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights")
+    attention_type: str = opt("softmax", "--attention-type", "token mixer of every layer", choices=["softmax", "gla"])
+    softmax_attention_every: int = opt(
+        0, "--softmax-attention-every",
+        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none")
+    gla_chunk_size: int = opt(16, "--gla-chunk-size", "chunk length of the chunked GLA form")
+    gla_gate_low_rank: int = opt(16, "--gla-gate-low-rank", "rank of the GLA decay-gate projection")
+    gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
+    hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout after attention and MLP outputs")
+    attention_dropout: float = opt(0.0, "--attention-dropout", "dropout on softmax attention probabilities")
+    init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+        return 4 * self.hidden_size
+
+    def layer_kind(self, layer: int) -> str:
+        """'softmax' or 'gla' for global layer index `layer` (0-based)."""
+        if self.attention_type == "softmax":
+            return "softmax"
+        k = self.softmax_attention_every
+        return "softmax" if k and (layer + 1) % k == 0 else "gla"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", "TP: ranks that split each layer")
+    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", "PP: pipeline stages")
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "--num-layers-per-virtual-pipeline-stage", "layers per virtual stage (interleaved 1F1B)")
+    context_parallel_size: int = opt(1, "--context-parallel-size", "CP: ranks that split each sequence")
+    sequence_parallel: bool = opt(False, "--sequence-parallel", "Megatron sequence parallelism in norm/dropout regions")
+    cp_algo: str = opt("all-scan", "--cp-algo", "linear-attention CP algorithm",
+                       choices=["all-scan", "all-gather", "ring"])
+    order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
+    ranks_per_node: int | None = opt(
+        None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes")
+
+    # filled by validate()
+    world_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass
+class ZeroConfig:
+    zero_stage: int = opt(0, "--zero-stage", "ZeRO stage over the data-parallel group", choices=[0, 1, 2, 3])
+    zero_quantized_weights: bool = opt(False, "--zero-quantized-weights", "qwZ: int8 block-quantized weight all-gather")
+    zero_hpz_partition_size: int = opt(1, "--zero-hpz-partition-size", "hpZ: secondary weight shard over K ranks of a node")
+    zero_quantized_gradients: bool = opt(False, "--zero-quantized-gradients", "qgZ: int4 hierarchical all-to-all gradient reduce")
+    zero_hierarchy: list[int] = opt([], "--zero-hierarchy", "ranks per tier, innermost first (multi-level ZeRO++)",
+                                    nargs="+", type=int)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(3e-4, "--lr", "peak learning rate")
+    min_lr: float = opt(3e-5, "--min-lr", "learning rate at the end of decay")
+    lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup iterations")
+    lr_decay_iters: int | None = opt(None, "--lr-decay-iters", "iterations of decay (default: train iters)")
+    lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup",
+                              choices=["constant", "linear", "cosine", "WSD"])
+    lr_wsd_decay_iters: int | None = opt(
+        None, "--lr-wsd-decay-iters", "WSD: iterations of the final decay (default: 10%% of decay iters)")
+    lr_wsd_decay_style: str = opt("linear", "--lr-wsd-decay-style", "WSD: shape of the final decay",
+                                  choices=["linear", "cosine", "exponential"])
+    weight_decay: float = opt(0.1, "--weight-decay", "AdamW weight decay (not applied to norms and biases)")
+    adam_beta1: float = opt(0.9, "--adam-beta1", "AdamW beta1")
+    adam_beta2: float = opt(0.95, "--adam-beta2", "AdamW beta2")
+    adam_eps: float = opt(1e-8, "--adam-eps", "AdamW epsilon")
+    clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip (0 = off)")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = opt([], "--data-path", "dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...",
+                               nargs="+", type=str)
+    split: str = opt("969,30,1", "--split", "train,valid,test proportions of each dataset")
+    mock_data: bool = opt(False, "--mock-data", "synthetic learnable token sequences instead of --data-path")
+    tokenizer_type: str = opt("NullTokenizer", "--tokenizer-type", "tokenizer",
+                              choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
+    data_cache_path: str | None = opt(None, "--data-cache-path", "where dataset indices are cached (.npy)")
+    reset_attention_mask: bool = opt(False, "--reset-attention-mask", "no attention across document boundaries")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = opt(1, "--micro-batch-size", "sequences per micro-batch per data-parallel rank")
+    global_batch_size: int | None = opt(
+        None, "--global-batch-size", "sequences per step over all data-parallel ranks (default: micro x DP)")
+    train_iters: int = opt(100, "--train-iters", "optimizer steps")
+    eval_interval: int = opt(0, "--eval-interval", "evaluate every N steps (0 = never)")
+    eval_iters: int = opt(2, "--eval-iters", "validation batches per evaluation")
+    seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
+    bf16: bool = opt(False, "--bf16", "bf16 compute with fp32 master weights")
+    device: str = opt("auto", "--device", "cpu, cuda, or auto (cuda when available)")
+    save: str | None = opt(None, "--save", "checkpoint directory to write")
+    load: str | None = opt(None, "--load", "checkpoint directory to resume from")
+    save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
+    generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
+    generate_prompt: str = opt("def ", "--generate-prompt", "prompt text for --generate-tokens")
+
+
+@dataclass
+class LogConfig:
+    log_interval: int = opt(1, "--log-interval", "print a log line every N steps")
+    metrics_file: str | None = opt(None, "--metrics-file", "JSONL of per-iteration metrics (written by one rank)")
+    comm_report: str | None = opt(None, "--comm-report", "JSON of communication bytes per group/phase/link")
+    tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "write tensorboard scalars here")
+    wandb_project: str | None = opt(None, "--wandb-project", "log to Weights & Biases under this project")
+    wandb_mode: str = opt("offline", "--wandb-mode", "W&B mode (offline unless you say so)",
+                          choices=["offline", "online", "disabled"])
+    peak_tflops: float | None = opt(
+        None, "--peak-tflops", "dense peak TFLOP/s per rank for MFU (default: known GPU peak, or measured CPU matmul)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+
+
+SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+
+# Features whose flags exist but whose implementation has not landed. Each is refused
+# with its reason until it works (a flag that is accepted must work).
+NOT_YET = {
+    "tensor_model_parallel_size": (lambda c: c.parallel.tensor_model_parallel_size > 1,
+                                   "tensor parallelism is not implemented yet"),
+    "pipeline_model_parallel_size": (lambda c: c.parallel.pipeline_model_parallel_size > 1,
+                                     "pipeline parallelism is not implemented yet"),
+    "num_layers_per_virtual_pipeline_stage": (lambda c: c.parallel.num_layers_per_virtual_pipeline_stage is not None,
+                                              "interleaved pipeline parallelism is not implemented yet"),
+    "context_parallel_size": (lambda c: c.parallel.context_parallel_size > 1,
+                              "context parallelism is not implemented yet"),
+    "sequence_parallel": (lambda c: c.parallel.sequence_parallel, "sequence parallelism needs tensor parallelism, "
+                          "which is not implemented yet"),
+    "zero_stage": (lambda c: c.zero.zero_stage > 0, "ZeRO is not implemented yet"),
+    "zero_quantized_weights": (lambda c: c.zero.zero_quantized_weights, "qwZ is not implemented yet"),
+    "zero_hpz_partition_size": (lambda c: c.zero.zero_hpz_partition_size > 1, "hpZ is not implemented yet"),
+    "zero_quantized_gradients": (lambda c: c.zero.zero_quantized_gradients, "qgZ is not implemented yet"),
+    "zero_hierarchy": (lambda c: bool(c.zero.zero_hierarchy), "hierarchical ZeRO++ is not implemented yet"),
+    "save": (lambda c: c.train.save is not None, "checkpointing is not implemented yet"),
+    "load": (lambda c: c.train.load is not None, "checkpointing is not implemented yet"),
+    "reset_attention_mask": (lambda c: c.data.reset_attention_mask, "--reset-attention-mask is not implemented yet"),
+}
+
+
+def flag_of(section: str, name: str) -> str:
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.name == name:
+            return f.metadata["flag"]
+    raise KeyError(name)
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Check every setting against each other and the world size; fill derived values.
+
+    Raises ConfigError with a message that names the flags to change. Runs before any
+    process group exists, so a bad layout wastes no work.
+    """
+    m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    errors: list[str] = []
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            errors.append(msg)
+
+    for section in SECTIONS:
+        for name, (is_set, why) in NOT_YET.items():
+            if hasattr(getattr(cfg, section), name) and is_set(cfg):
+                errors.append(f"{flag_of(section, name)}: {why}; leave it at its default")
+
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    for flag, v in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--context-parallel-size", cp), ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                    ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                    ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters)]:
+        need(v >= 1, f"{flag} must be >= 1 (got {v})")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+    model_parallel = tp * pp * cp
+    need(world_size % model_parallel == 0,
+         f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {model_parallel}; "
+         f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
+    dp = max(world_size // model_parallel, 1)
+    p.world_size, p.data_parallel_size = world_size, dp
+
+    axes = p.order.split("-")
+    need(sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
+         f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp")
+
+    need(m.hidden_size % m.num_attention_heads == 0,
+         f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    need(m.num_attention_heads % m.kv_heads == 0,
+         f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}")
+    need(m.num_attention_heads % tp == 0,
+         f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    need(m.kv_heads % tp == 0,
+         f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    need(m.head_dim % 2 == 0, f"head dim {m.head_dim} (hidden/heads) must be even for RoPE")
+    need(m.ffn_size % tp == 0, f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+    need(m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0")
+    need(not (m.softmax_attention_every and m.attention_type == "softmax"),
+         "--softmax-attention-every needs --attention-type gla (the other layers are GLA)")
+
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    need(m.seq_length <= m.max_position_embeddings,
+         f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}")
+    need(m.seq_length % cp == 0,
+         f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}")
+    if m.attention_type == "gla":
+        need((m.seq_length // cp) % m.gla_chunk_size == 0,
+             f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}")
+
+    vpp = p.num_layers_per_virtual_pipeline_stage
+    need(m.num_layers % pp == 0,
+         f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if vpp is not None:
+        need(vpp >= 1 and m.num_layers % (pp * vpp) == 0,
+             f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
+             f"= {pp} x {vpp}")
+
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+         f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+         f"{t.micro_batch_size} x {dp}; use a multiple of {t.micro_batch_size * dp}")
+
+    o = cfg.optim
+    need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    need(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+
+    d = cfg.data
+    need(d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data")
+    need(not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both")
+    if d.tokenizer_type != "NullTokenizer":
+        need(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
+    parts = d.split.replace("/", ",").split(",")
+    need(all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
+         f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1")
+
+    need(z.zero_hpz_partition_size >= 1, "--zero-hpz-partition-size must be >= 1")
+    need(cfg.log.log_interval >= 1, "--log-interval must be >= 1")
+
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return cfg

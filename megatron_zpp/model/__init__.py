@@ -1,0 +1,5 @@
+"""The GPT model (softmax, GLA and hybrid layers) and its layout-independent init."""
+from .gpt import GPT, Block
+from .init import count_parameters, init_weights
+
+__all__ = ["GPT", "Block", "init_weights", "count_parameters"]

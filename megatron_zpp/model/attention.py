@@ -1,0 +1,38 @@
+"""Causal softmax self-attention with grouped-query heads (GQA) and RoPE, on PyTorch
+SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
+over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .rope import apply_rope
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float):
+        super().__init__()
+        n = 1 if tp is None else tp.size
+        self.head_dim = d = cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
+        self.dropout = cfg.attention_dropout
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * d, cfg.kv_heads * d,
+                                                          cfg.kv_heads * d], tp, cfg.init_method_std,
+                                        sequence_parallel)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv(x)
+        B, T, _ = qkv.shape
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = apply_rope(q.view(B, T, self.heads, d), *rope)
+        k = apply_rope(k.view(B, T, self.kv_heads, d), *rope)
+        v = v.view(B, T, self.kv_heads, d)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.kv_heads != self.heads)
+        return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))

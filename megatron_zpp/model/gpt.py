@@ -1,0 +1,84 @@
+"""The GPT model, top to bottom.
+
+A stack of pre-norm blocks: token embedding -> [norm -> mixer -> residual, norm -> MLP
+-> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
+cross-entropy. The mixer of each layer is causal softmax attention or gated linear
+attention (config.layer_kind). Parallelism enters only through the layers: they take
+the tensor-parallel group, and a pipeline stage builds the model with just its layers
+(`layer_ids`) and the ends it owns (`pre_process`: embedding, `post_process`: output).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..config import ModelConfig
+from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear
+from .attention import SelfAttention
+from .linear_attention import GatedLinearAttention
+from .mlp import MLP
+from .norm import build_norm
+from .rope import rope_tables
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp, sequence_parallel: bool):
+        super().__init__()
+        out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
+        mixer = SelfAttention if cfg.layer_kind(layer) == "softmax" else GatedLinearAttention
+        self.norm1 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
+        self.mixer = mixer(cfg, tp, sequence_parallel, out_std)
+        self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
+        self.mlp = MLP(cfg, tp, sequence_parallel, out_std)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.dropout(self.mixer(self.norm1(x), rope))
+        x = x + self.dropout(self.mlp(self.norm2(x)))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, tp=None, sequence_parallel: bool = False,
+                 layer_ids=None, pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        self.cfg, self.tp, self.sequence_parallel = cfg, tp, sequence_parallel
+        self.pre_process, self.post_process = pre_process, post_process
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+
+        if pre_process or (post_process and self.tied):  # the last stage keeps a copy of a tied embedding
+            self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp, cfg.init_method_std,
+                                                    sequence_parallel)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, sequence_parallel) for i in layer_ids})
+        if post_process:
+            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
+            if not self.tied:
+                self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp, cfg.init_method_std,
+                                                   sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, position_offset: int = 0) -> torch.Tensor:
+        """tokens [B, T] (first stage) or hidden [B, T', H] (later stages; T' = T/TP under
+        sequence parallelism). Returns per-token losses [B, T] when labels are given,
+        logits (vocab-sharded over TP) on the last stage otherwise, else hidden states."""
+        x = self.embedding(tokens) if self.pre_process else hidden
+        seq_len = tokens.shape[1] if tokens is not None else x.shape[1] * (
+            self.tp.size if self.sequence_parallel and self.tp is not None else 1)
+        positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
+        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
+
+        for block in self.layers.values():
+            x = block(x, rope)
+        if not self.post_process:
+            return x
+
+        x = self.final_norm(x)
+        weight = self.embedding.weight if self.tied else self.output.weight
+        logits = column_parallel_linear(x, weight, self.tp, self.sequence_parallel)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.tp)

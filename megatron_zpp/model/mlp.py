@@ -1,0 +1,28 @@
+"""Feed-forward block: SwiGLU (default) or GeLU, column- then row-parallel."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        ffn = cfg.ffn_size
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], tp,
+                                        cfg.init_method_std, sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, tp, out_std, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)

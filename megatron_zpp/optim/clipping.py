@@ -1,0 +1,37 @@
+"""Global gradient norm over every parallel dimension, each parameter counted once.
+
+A parameter replicated over TP (norm weights) has the same gradient on every TP rank:
+only TP rank 0 counts it. A tied embedding held by the first and the last pipeline stage
+is counted on the first stage only. The squared sums are then added over the model-
+parallel group (TP x PP), and over DP when gradients are sharded (ZeRO-2/3)."""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+def counted_once(param, tp_rank: int, is_first_stage: bool) -> bool:
+    if getattr(param, "tp_split", None) is None and tp_rank != 0:
+        return False
+    if getattr(param, "pipeline_duplicate", False) and not is_first_stage:
+        return False
+    return True
+
+
+def global_grad_norm(grads: list[torch.Tensor], groups_to_sum) -> float:
+    """sqrt of the sum of squares of `grads` (this rank's share), summed over groups."""
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    for group in groups_to_sum:
+        comm.all_reduce(sq, group, "grad_norm")
+    return sq.sqrt().item()
+
+
+def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    if max_norm > 0 and total_norm > max_norm:
+        scale = max_norm / (total_norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)

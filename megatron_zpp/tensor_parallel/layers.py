@@ -1,0 +1,121 @@
+"""Megatron tensor-parallel layers.
+
+Each sharded parameter records how it splits the full (single-rank) weight:
+``param.tp_split = (dim, sections)``: the full tensor is cut along `dim` into
+`sections` (e.g. q, k, v of a fused projection), and each section is split evenly over
+the TP ranks. `init.py` uses this to build every shard from the full weight of the same
+seed (so any layout starts from the single-rank model), and checkpoints use it to
+reassemble full weights. With a TP group of size 1 the layers are plain linears.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..topology import Group
+from .mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+
+
+def _size(group: Group | None) -> int:
+    return 1 if group is None else group.size
+
+
+def mark(param: nn.Parameter, init: tuple, tp_split: tuple | None = None) -> nn.Parameter:
+    """Attach the init rule ('normal', std) | ('ones',) | ('zeros',) and the TP split."""
+    param.init = init
+    param.tp_split = tp_split
+    return param
+
+
+def shard(full: torch.Tensor, tp_split: tuple | None, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's piece of a full tensor."""
+    if tp_split is None or size == 1:
+        return full
+    dim, sections = tp_split
+    pieces = torch.split(full, list(sections), dim=dim)
+    return torch.cat([p.chunk(size, dim=dim)[rank] for p in pieces], dim=dim)
+
+
+def unshard(pieces: list[torch.Tensor], tp_split: tuple | None) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's piece (in rank order)."""
+    if tp_split is None or len(pieces) == 1:
+        return pieces[0]
+    dim, sections = tp_split
+    size = len(pieces)
+    local = [s // size for s in sections]
+    per_rank = [torch.split(p, local, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([r[i] for r in per_rank], dim=dim) for i in range(len(sections))], dim=dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows: each rank computes its slice of y.
+
+    `sections` lists the full output sizes of fused projections (q|k|v, gate|up) so
+    each rank holds its share of every section. With sequence parallelism the input
+    arrives sharded along the sequence and is all-gathered here."""
+
+    def __init__(self, in_features: int, out_features: int | list[int], tp: Group | None, init_std: float,
+                 sequence_parallel: bool = False, gather_output: bool = False):
+        super().__init__()
+        sections = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
+        n = _size(tp)
+        if any(s % n for s in sections):
+            raise ValueError(f"output sections {sections} not divisible by TP size {n}")
+        self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel, gather_output
+        self.weight = mark(nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std),
+                           (0, tuple(sections)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = column_parallel_linear(x, self.weight, self.tp, self.sequence_parallel)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: Group | None, sequence_parallel: bool):
+    """The column-parallel product with a weight held elsewhere (the tied output layer)."""
+    x = gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+    return F.linear(x, weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns: partial sums are all-reduced (or
+    reduce-scattered along the sequence with sequence parallelism)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group | None, init_std: float,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        n = _size(tp)
+        if in_features % n:
+            raise ValueError(f"input size {in_features} not divisible by TP size {n}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // n)), ("normal", init_std),
+                           (1, (in_features,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split over TP ranks; each rank looks up the ids it
+    owns and the partial results are summed (reduce-scattered with sequence parallel)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: Group | None, init_std: float,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        n = _size(tp)
+        if vocab_size % n:
+            raise ValueError(f"vocab size {vocab_size} not divisible by TP size {n}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.per_rank = vocab_size // n
+        self.start = (tp.rank if tp else 0) * self.per_rank
+        self.weight = mark(nn.Parameter(torch.empty(self.per_rank, hidden_size)), ("normal", init_std),
+                           (0, (vocab_size,)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if _size(self.tp) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sp(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)

@@ -1,0 +1,212 @@
+"""The 4D rank grid: coordinates, every process group, node layout and link classes.
+
+Ranks are laid out by an order string such as Megatron's ``tp-cp-dp-pp``: the first
+axis varies fastest, so TP peers are neighbours (and share a node) while PP stages are
+farthest apart. All membership is plain arithmetic (`Topology`, testable without
+processes); `build_groups` then creates the torch process groups once, on every rank in
+the same order, and layers receive the `Group` objects they need, never building their
+own.
+
+Link classes name the slowest link a group spans: the innermost physical domain that
+holds all its members ("intra_node" for a node), else "inter_node". Sub-node tiers
+(e.g. GCD pairs on Frontier) add inner domains named "tier0", "tier1", ...
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+AXES = ("tp", "cp", "dp", "pp")
+
+# Groups spanning several axes, named as Megatron names them.
+COMPOSITE = {
+    "dp_cp": ("dp", "cp"),        # weights replicated over DP and CP reduce their grads here
+    "tp_cp": ("tp", "cp"),
+    "mp": ("tp", "pp"),           # model-parallel: one model replica's shards (per CP rank)
+    "tp_pp_cp": ("tp", "cp", "pp"),
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One process group as a layer sees it."""
+    role: str                     # tp, cp, dp, pp, dp_cp, embedding, dp_intra, ...
+    ranks: tuple[int, ...]        # global ranks, in group-rank order
+    rank: int                     # this process's index in `ranks`
+    link: str                     # slowest link class inside the group
+    peer_links: tuple[str, ...] = ()  # link class from this rank to each member (for p2p)
+    handle: object = field(default=None, compare=False, repr=False)  # torch ProcessGroup; None if size 1
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+
+class Topology:
+    """Arithmetic of the grid; no torch.distributed here."""
+
+    def __init__(self, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, order: str = "tp-cp-dp-pp",
+                 ranks_per_node: int | None = None, sub_node_tiers: tuple[int, ...] = ()):
+        if world_size % (tp * cp * pp):
+            raise ValueError(f"world size {world_size} not divisible by tp*cp*pp={tp * cp * pp}")
+        self.world_size = world_size
+        self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": world_size // (tp * cp * pp)}
+        self.order = tuple(order.split("-"))
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"order {order!r} must name each of {AXES} once")
+        self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % self.ranks_per_node:
+            raise ValueError(f"world size {world_size} is not a multiple of ranks per node {self.ranks_per_node}")
+        # physical domains, innermost first: (name, span in consecutive global ranks)
+        self.levels = [(f"tier{i}", s) for i, s in enumerate(sub_node_tiers)] + [("intra_node", self.ranks_per_node)]
+        for (_, inner), (name, outer) in zip(self.levels, self.levels[1:]):
+            if outer % inner:
+                raise ValueError(f"tier of {inner} ranks does not nest in {name} of {outer} ranks")
+        self.strides = {}
+        stride = 1
+        for axis in self.order:
+            self.strides[axis] = stride
+            stride *= self.sizes[axis]
+
+    # --- coordinates ---
+    def coords(self, rank: int) -> dict[str, int]:
+        return {a: (rank // self.strides[a]) % self.sizes[a] for a in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        return sum(coords.get(a, 0) * self.strides[a] for a in AXES)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    # --- links ---
+    def link_class(self, ranks) -> str:
+        """Slowest link among `ranks`: the innermost domain holding all of them."""
+        ranks = list(ranks)
+        for name, span in self.levels:
+            if len({r // span for r in ranks}) == 1:
+                return name
+        return "inter_node"
+
+    # --- membership ---
+    def groups(self, axes) -> list[list[int]]:
+        """All groups whose members vary along `axes` (others fixed), each ordered with
+        the first axis of the order string fastest."""
+        axes = [a for a in self.order if a in axes]
+        fixed = [a for a in self.order if a not in axes]
+        out = []
+        for fixed_vals in itertools.product(*(range(self.sizes[a]) for a in reversed(fixed))):
+            base = dict(zip(reversed(fixed), fixed_vals))
+            members = []
+            for vals in itertools.product(*(range(self.sizes[a]) for a in reversed(axes))):
+                members.append(self.rank_of(**base, **dict(zip(reversed(axes), vals))))
+            out.append(members)
+        return sorted(out)
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline: they hold the tied embedding."""
+        return [sorted({g[0], g[-1]}) for g in self.groups(["pp"])]
+
+    def dp_node_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Hierarchical DP subgroups from the real node layout (not rank arithmetic):
+        intra = the members of a DP group on one node; inter = members with the same
+        position on their node, one per node. Raises if nodes hold unequal shares."""
+        intra, inter = [], []
+        for dp_group in self.groups(["dp"]):
+            by_node: dict[int, list[int]] = {}
+            for r in dp_group:
+                by_node.setdefault(self.node_of(r), []).append(r)
+            counts = {len(v) for v in by_node.values()}
+            if len(counts) != 1:
+                raise ValueError(f"DP group {dp_group} is spread unevenly over nodes ({by_node}); "
+                                 "hierarchical DP needs the same number of its ranks on every node")
+            nodes = sorted(by_node)
+            intra += [by_node[n] for n in nodes]
+            inter += [[by_node[n][i] for n in nodes] for i in range(counts.pop())]
+        return sorted(intra), sorted(inter)
+
+    def dp_tier_groups(self, tier_sizes: list[int]) -> list[list[list[int]]]:
+        """Multi-level hierarchy over each DP group, innermost first. tier_sizes are DP
+        ranks per tier domain (e.g. [2, 4]: pairs, then 4-rank domains, then all). Hop i
+        groups vary one digit of the mixed-radix DP index: members of one tier-i domain at
+        the same position within their tier-(i-1) domains."""
+        dp = self.sizes["dp"]
+        spans = list(tier_sizes) + [dp]
+        radices, prev = [], 1
+        for s in spans:
+            if s % prev or dp % s:
+                raise ValueError(f"tier sizes {tier_sizes} must each divide the next and DP size {dp}")
+            radices.append(s // prev)
+            prev = s
+        hops: list[list[list[int]]] = [[] for _ in spans]
+        for dp_group in self.groups(["dp"]):
+            lower = 1
+            for i, radix in enumerate(radices):
+                for idx in range(dp):
+                    if (idx // lower) % radix == 0:  # first member of its hop group
+                        hops[i].append([dp_group[idx + j * lower] for j in range(radix)])
+                lower *= radix
+        return [sorted(h) for h in hops]
+
+    def all_group_kinds(self, dp_tiers: list[int] | None = None) -> dict[str, list[list[int]]]:
+        kinds = {a: self.groups([a]) for a in AXES}
+        kinds.update({name: self.groups(axes) for name, axes in COMPOSITE.items()})
+        kinds["embedding"] = self.embedding_groups()
+        try:
+            kinds["dp_intra"], kinds["dp_inter"] = self.dp_node_groups()
+        except ValueError:
+            pass  # uneven layout: only hierarchical DP features need these, and they check
+        for i, hop in enumerate(self.dp_tier_groups(dp_tiers) if dp_tiers else []):
+            kinds[f"dp_tier{i}"] = hop
+        return kinds
+
+
+class ProcessGroups:
+    """This rank's Group for every kind, created collectively on all ranks."""
+
+    def __init__(self, topo: Topology, rank: int, groups: dict[str, Group]):
+        self.topo, self.rank, self._groups = topo, rank, groups
+        c = topo.coords(rank)
+        self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
+
+    def __getattr__(self, kind: str) -> Group:
+        groups = self.__dict__.get("_groups", {})
+        if kind in groups:
+            return groups[kind]
+        raise AttributeError(kind)
+
+    def __contains__(self, kind: str) -> bool:
+        return kind in self._groups
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.topo.sizes["pp"] - 1
+
+
+def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, backend: str | None = None
+                 ) -> ProcessGroups:
+    """Create every process group (collective: all ranks call this identically)."""
+    import torch.distributed as dist
+
+    created: dict[tuple[int, ...], object] = {}
+    mine: dict[str, Group] = {}
+    for kind, groups in topo.all_group_kinds(dp_tiers).items():
+        for members in groups:
+            key = tuple(members)
+            if len(key) > 1 and key not in created and dist.is_initialized():
+                created[key] = dist.new_group(list(key), backend=backend)
+            if rank in key:
+                mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key),
+                                   tuple(topo.link_class([rank, r]) for r in key), created.get(key))
+    return ProcessGroups(topo, rank, mine)

@@ -1,0 +1,220 @@
+"""Set up a run and train: the loop, evaluation, throughput/MFU and logging.
+
+    cfg -> distributed init -> topology groups -> tokenizer -> model (init from the
+    single-rank weights) -> optimizer -> data -> steps
+
+One step: forward/backward over the micro-batches (schedule), average gradients over
+data parallel, clip by the global norm, AdamW on fp32 masters, log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import Config
+from .data.loader import BatchIterator
+from .logging_utils import MetricsSink, log
+from .model import GPT, count_parameters, init_weights
+from .ops.norm import backend as norm_backend
+from .optim import MixedPrecisionAdamW, clip_, counted_once, global_grad_norm, learning_rate
+from .perf import flops_per_token, memory_gib, peak_tflops
+from .pipeline_parallel import forward_backward_no_pipelining
+from .topology import ProcessGroups, Topology, build_groups
+from .zero import GradBuffer
+
+
+@dataclass
+class Run:
+    cfg: Config
+    groups: ProcessGroups
+    device: torch.device
+    rank: int
+    tokenizer: object
+    model: torch.nn.Module
+    optimizer: MixedPrecisionAdamW
+    grads: GradBuffer
+    train_data: BatchIterator
+    valid_data: object
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
+    """Start torch.distributed (torchrun env, or a single process) and build all groups."""
+    want = cfg.train.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.accelerator.set_device_index(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    p = cfg.parallel
+    topo = Topology(world, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=p.ranks_per_node)
+    return build_groups(topo, rank, dp_tiers=cfg.zero.zero_hierarchy or None), device
+
+
+def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> GPT:
+    model = GPT(cfg.model, vocab_size, tp=groups.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    init_weights(model, cfg.train.seed, groups.tp_rank, groups.tp.size)
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    return model.to(device=device, dtype=dtype)
+
+
+def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int):
+    t = cfg.train
+    eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    num_samples = (t.train_iters * t.global_batch_size, eval_rounds * t.global_batch_size,
+                   t.eval_iters * t.global_batch_size)
+    seq = cfg.model.seq_length
+    if cfg.data.mock_data:
+        from .data.mock import MockGPTDataset
+        train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed)
+        valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1)
+    else:
+        from .data.gpt_dataset import build_gpt_datasets
+        train, valid, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed, num_samples,
+                                             cfg.data.data_cache_path, is_builder=groups.rank == 0,
+                                             barrier=lambda: comm.barrier())
+    mbs = t.micro_batch_size
+    valid_it = (lambda: BatchIterator(valid, 0, mbs, groups, device)) if valid is not None and eval_rounds else None
+    return BatchIterator(train, consumed, mbs, groups, device), valid_it
+
+
+def setup(cfg: Config) -> Run:
+    groups, device = init_distributed(cfg)
+    rank = groups.rank
+    from .data.tokenizer import build_tokenizer
+    d = cfg.data
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size,
+                                cfg.model.make_vocab_size_divisible_by, groups.tp.size)
+    torch.manual_seed(cfg.train.seed + 100 * groups.pp_rank + 10 * groups.dp_rank)  # dropout streams
+    model = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
+    grads = GradBuffer(list(model.parameters()))
+    optimizer = MixedPrecisionAdamW(list(model.parameters()), cfg.optim)
+    train_data, valid_data = build_data(cfg, groups, tokenizer, device, consumed=0)
+
+    p = cfg.parallel
+    log(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
+        f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size} (order {p.order}, "
+        f"{groups.topo.num_nodes} node(s) of {groups.topo.ranks_per_node} ranks), device {device}", rank)
+    kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
+    log(f"model: {count_parameters(model, groups.tp.size) / 1e6:.2f}M parameters, layers "
+        f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
+        f"{tokenizer.vocab_size} padded to {tokenizer.padded_vocab_size}, "
+        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}", rank)
+    log(f"kernels: {norm_backend(device)}; attention: torch SDPA; GLA: torch chunked reference; "
+        f"transformer-engine: {'present, not used' if _importable('transformer_engine') else 'not installed'}",
+        rank)
+    return Run(cfg, groups, device, rank, tokenizer, model, optimizer, grads, train_data, valid_data)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def train_step(run: Run) -> tuple[float, float, float]:
+    """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
+    cfg, g = run.cfg, run.groups
+    run.grads.zero()
+    losses = forward_backward_no_pipelining(run.model, run.train_data, cfg.num_micro_batches)
+    run.grads.all_reduce_mean(g.dp_cp)
+
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    counted = [p.main_grad for p in params if counted_once(p, g.tp_rank, g.is_first_stage)]
+    grad_norm = global_grad_norm(counted, [g.mp])
+    clip_([p.main_grad for p in params], grad_norm, cfg.optim.clip_grad)
+    lr = learning_rate(cfg.optim, run.iteration, cfg.train.train_iters)
+    run.optimizer.step(lr)
+
+    loss = torch.stack(losses).mean().reshape(1)
+    comm.all_reduce(loss, g.dp_cp, "loss_report")
+    return loss.item() / g.dp_cp.size, grad_norm, lr
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    run.model.eval()
+    data = run.valid_data()
+    losses = []
+    for _ in range(run.cfg.train.eval_iters):
+        losses += forward_backward_no_pipelining(run.model, data, run.cfg.num_micro_batches, forward_only=True)
+    run.model.train()
+    loss = torch.stack(losses).mean().reshape(1)
+    comm.all_reduce(loss, run.groups.dp_cp, "loss_report")
+    return loss.item() / run.groups.dp_cp.size
+
+
+def train(run: Run) -> list[dict]:
+    cfg, rank = run.cfg, run.rank
+    t = cfg.train
+    sink = MetricsSink(cfg.log, dataclasses.asdict(cfg), enabled=rank == 0)
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    flops_step = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * tokens_per_step
+    peak, peak_desc = peak_tflops(run.device, torch.bfloat16 if t.bf16 else torch.float32, cfg.log.peak_tflops)
+    log(f"MFU is measured against {peak_desc}: {peak:.3f}; model FLOPs per step {flops_step / 1e9:.2f} G", rank)
+    world = cfg.parallel.world_size
+    history = []
+    comm.LEDGER.reset()
+    while run.iteration < t.train_iters:
+        start = time.perf_counter()
+        loss, grad_norm, lr = train_step(run)
+        elapsed = time.perf_counter() - start
+        run.iteration += 1
+        run.consumed_samples += t.global_batch_size
+        comm.LEDGER.step()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
+        tflops = flops_step / elapsed / world / 1e12
+        metrics = {"iteration": run.iteration, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                   "tokens_per_sec": tokens_per_step / elapsed, "step_time": elapsed,
+                   "tflops_per_rank": tflops, "mfu": tflops / peak if peak else None,
+                   "consumed_samples": run.consumed_samples, "memory_gib": memory_gib(run.device)}
+        if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
+            metrics["val_loss"] = evaluate(run)
+        history.append(metrics)
+        sink.write(metrics, run.iteration)
+        if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
+            mfu = f"{100 * metrics['mfu']:.1f}%" if metrics["mfu"] is not None else "n/a"
+            val = f" | val loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+            log(f"iter {run.iteration:5d}/{t.train_iters} | loss {loss:.4f}{val} | lr {lr:.3e} | "
+                f"grad norm {grad_norm:.3f} | {metrics['tokens_per_sec']:.0f} tok/s | "
+                f"{tflops:.3f} TFLOP/s/rank | MFU {mfu} | mem {metrics['memory_gib']:.2f} GiB", rank)
+    sink.close()
+    if cfg.log.comm_report:
+        comm.write_report(cfg.log.comm_report, world, rank)
+        log(f"communication report written to {cfg.log.comm_report}", rank)
+    return history
+
+
+def shutdown() -> None:
+    """Leave together: a rank exiting while a peer still talks to it aborts the peer."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@torch.no_grad()
+def greedy_generate(run: Run, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding with the trained model (single pipeline stage, TP=1, CP=1)."""
+    run.model.eval()
+    ids = list(prompt_ids)
+    for _ in range(num_tokens):
+        context = torch.tensor([ids[-run.cfg.model.seq_length:]], device=run.device)
+        logits = run.model(tokens=context)
+        ids.append(int(logits[0, -1, :run.tokenizer.vocab_size].argmax()))
+    return ids[len(prompt_ids):]

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create or reuse .venv at the repo root with everything the project needs.
+# Idempotent: a stamp of the dependency files skips pip when nothing changed.
+# CPU-only machines get the CPU wheel torch==2.13.0 (never a CUDA build); machines
+# with an NVIDIA driver keep the torch they have (NGC image) or get PyPI's default.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=.venv/.megatron_zpp_setup
+want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${pip[@]}" torch
+  elif ls /opt/wheels/torch-${TORCH_VERSION}+cpu-* >/dev/null 2>&1; then
+    "${pip[@]}" "torch==${TORCH_VERSION}"   # the CPU wheel on disk (pip's find-links)
+  else
+    "${pip[@]}" "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+"${pip[@]}" -e ".[data,logging,dev]"
+echo "$want" > "$stamp"
+echo "environment ready: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
