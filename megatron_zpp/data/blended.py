@@ -1,0 +1,150 @@
+"""Blends of several datasets (`--data-path 0.3 a 0.7 b`) and the per-split assembly.
+
+Semantics follow Megatron: weights are normalized; each dataset of a blend is built with its
+share of the requested samples plus 0.5%; sample t of the blend comes from the dataset whose
+count lags its weight the most (greedy largest deficit), so after any N samples each dataset's
+fraction is within 1/N of its weight. Without weights, datasets are blended in proportion to
+their size (Megatron's rule), here for the requested number of samples.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from megatron_zpp.data.gpt_dataset import (INDEX_FORMAT, SPLITS, GPTDataset, cache_paths, load_arrays,
+                                           missing_cache_error, open_indexed, save_arrays, split_ranges)
+
+SURPLUS = 0.005  # Megatron's margin of extra samples built per blended dataset
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """['p'] or ['0.3', 'a', '0.7', 'b'] or ['a', 'b'] -> (prefixes, normalized weights or None)."""
+    items = [s for s in (data_path or []) if s.strip()]
+    if not items:
+        raise ValueError("--data-path is empty: give PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+
+    def number(s):
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if len(items) % 2 == 0 and all(number(w) is not None for w in items[::2]):
+        weights = [number(w) for w in items[::2]]
+        prefixes = [p.strip() for p in items[1::2]]
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+        if any(number(p) is not None for p in prefixes):
+            raise ValueError(f"--data-path {data_path}: expected W1 PREFIX1 W2 PREFIX2 ..., found a number as a prefix")
+        return prefixes, [w / sum(weights) for w in weights]
+    if any(number(s) is not None for s in items):
+        raise ValueError(f"--data-path {data_path}: weights and prefixes must alternate (W1 PREFIX1 W2 PREFIX2 ...)")
+    return [p.strip() for p in items], None
+
+
+def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy largest deficit: sample t goes to argmax_i (w_i * max(t, 1) - count_i).
+    Returns (dataset id per sample, sample number within that dataset)."""
+    n = len(weights)
+    dataset_index = np.empty(size, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
+    counts = [0] * n
+    w = [float(x) for x in weights]
+    r = range(1, n)
+    for t in range(size):  # a plain loop: ~1 s per million samples for a few datasets
+        tt = t if t > 0 else 1
+        best, best_err = 0, w[0] * tt - counts[0]
+        for i in r:
+            err = w[i] * tt - counts[i]
+            if err > best_err:
+                best, best_err = i, err
+        dataset_index[t] = best
+        sample_index[t] = counts[best]
+        counts[best] += 1
+    return dataset_index, sample_index
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """`size` samples drawn from `datasets` in the proportions `weights` (normalized)."""
+
+    ARRAYS = ("dataset_index", "dataset_sample_index")
+
+    def __init__(self, datasets: list, weights: list[float], size: int, split: str, cache_dir: str, build: bool):
+        self.datasets = datasets
+        total = sum(weights)
+        self.weights = [w / total for w in weights]
+        self.description = {"class": "BlendedDataset", "format": INDEX_FORMAT, "split": split, "size": int(size),
+                            "weights": self.weights, "datasets": [d.description for d in datasets]}
+        paths = cache_paths(cache_dir, self.description, f"BlendedDataset-{split}", self.ARRAYS)
+        arrays = load_arrays(paths)
+        if arrays is None:
+            if not build:
+                raise missing_cache_error(paths)
+            ids, samples = build_blending_indices(self.weights, size)
+            counts = np.bincount(ids, minlength=len(datasets))
+            for d, c in zip(datasets, counts):
+                if c > len(d):
+                    raise ValueError(f"blend needs {c} samples of {d.description['prefix']} but it has {len(d)}")
+            arrays = {"dataset_index": ids, "dataset_sample_index": samples}
+            save_arrays(paths, arrays, self.description)
+        self.dataset_index = arrays["dataset_index"]
+        self.dataset_sample_index = arrays["dataset_sample_index"]
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i) -> np.ndarray:
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+def _split_dataset(prefix: str, split_id: int, fractions, num_samples, seq_length, seed, cache_dir, build):
+    indexed = open_indexed(prefix)
+    rng = split_ranges(fractions, len(indexed))[split_id]
+    if rng is None:
+        return None
+    documents = np.arange(*rng, dtype=np.int64)
+    if int(indexed.sequence_lengths[documents].sum(dtype=np.int64)) == 0:
+        return None
+    return GPTDataset(indexed, documents, SPLITS[split_id], num_samples, seq_length, seed, cache_dir, build)
+
+
+def split_tokens(prefix: str, split_id: int, fractions) -> int:
+    indexed = open_indexed(prefix)
+    rng = split_ranges(fractions, len(indexed))[split_id]
+    return 0 if rng is None else int(indexed.sequence_lengths[rng[0]:rng[1]].sum(dtype=np.int64))
+
+
+def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build):
+    """[train, valid, test] for one prefix or a blend; a split is None when no dataset has documents in it."""
+    for p in prefixes:
+        for ext in (".idx", ".bin"):
+            if not os.path.isfile(p + ext):
+                from megatron_zpp.data.indexed_dataset import IndexedDatasetError
+
+                raise IndexedDatasetError(f"{p + ext}: missing (from --data-path {p})")
+    out = []
+    for s in range(3):
+        want = num_samples[s]
+        if len(prefixes) == 1:
+            out.append(_split_dataset(prefixes[0], s, fractions, want, seq_length, seed, cache_dir, build))
+            continue
+        # Megatron's unweighted rule: proportional to size (tokens of this split).
+        w = weights if weights is not None else [split_tokens(p, s, fractions) for p in prefixes]
+        # A dataset with no documents in this split drops out and the others are renormalized.
+        members = [(p, wi) for p, wi in zip(prefixes, w) if wi > 0 and split_tokens(p, s, fractions) > 0]
+        if not members:
+            out.append(None)
+            continue
+        total = sum(wi for _, wi in members)
+        shares = [wi / total for _, wi in members]
+        per = [max(math.ceil(sh * want * (1 + SURPLUS)), math.floor(sh * want) + 2) if want else 0 for sh in shares]
+        datasets = [_split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build)
+                    for (p, _), n in zip(members, per)]
+        # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
+        size = want if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
+        out.append(BlendedDataset(datasets, shares, size, SPLITS[s], cache_dir, build))
+    return tuple(out)

@@ -1,0 +1,212 @@
+"""GPTDataset with Megatron's semantics, and `build_gpt_datasets`, the one entry point of training.
+
+A split of an indexed dataset (a contiguous range of its documents) becomes fixed-length samples:
+  document index  the split's documents, shuffled anew each epoch, epochs back to back;
+  sample index    row i = (position in the document index, token offset) where sample i starts;
+                  sample i runs to row i+1 inclusive, so consecutive samples share one token
+                  (the last label of one is the first input of the next) and each token is an
+                  input exactly once per epoch;
+  shuffle index   a permutation of the samples (the last, partial epoch permuted on its own
+                  when it is small, as in Megatron, so full epochs are consumed first).
+The three arrays are cached as .npy named by a hash of everything they depend on, built on one
+rank and loaded by the others after a barrier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Callable
+
+import numpy as np
+import torch
+
+from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+
+SPLITS = ("train", "valid", "test")
+SEPARATE_LAST_EPOCH_BELOW = 0.80  # Megatron's threshold for shuffling a short last epoch on its own
+INDEX_FORMAT = 1  # bump when the meaning of the cached arrays changes
+
+
+# ---------------------------------------------------------------- cache of index arrays
+def config_hash(description: dict) -> str:
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def cache_paths(cache_dir: str, description: dict, kind: str, names: tuple[str, ...]) -> dict:
+    h = config_hash(description)
+    return {n: os.path.join(cache_dir, f"{h}-{kind}-{n}.npy") for n in names}
+
+
+def save_arrays(paths: dict, arrays: dict, description: dict) -> None:
+    """Write each array under a temporary name and rename: a reader never sees half a file."""
+    os.makedirs(os.path.dirname(next(iter(paths.values()))), exist_ok=True)
+    for name, path in paths.items():
+        tmp = f"{path}.tmp{os.getpid()}.npy"
+        np.save(tmp, arrays[name])
+        os.replace(tmp, path)
+    with open(next(iter(paths.values())).rsplit("-", 1)[0] + "-description.json", "w") as f:
+        json.dump(description, f, indent=1, sort_keys=True)
+
+
+def load_arrays(paths: dict) -> dict | None:
+    if not all(os.path.isfile(p) for p in paths.values()):
+        return None
+    return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+
+
+def missing_cache_error(paths: dict) -> IndexedDatasetError:
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
+    return IndexedDatasetError(f"{missing[0]}: index cache missing on a non-builder rank; the builder rank "
+                               "failed or writes to a different --data-cache-path (it must be shared)")
+
+
+# ---------------------------------------------------------------- index construction
+def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Fewest epochs whose tokens make num_samples samples of seq_length + 1 (one shared)."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("split has no tokens")
+    return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    """One independent permutation of the split's documents per epoch, concatenated."""
+    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int32)
+
+
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
+    """Rows (position in document_index, offset); sample i starts at stream token i*seq_length."""
+    doc_sizes = sizes[document_index].astype(np.int64)
+    ends = np.cumsum(doc_sizes)
+    num_samples = (int(ends[-1]) - 1) // seq_length
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    position = np.searchsorted(ends, starts, side="right")  # skips empty documents
+    offset = starts - (ends[position] - doc_sizes[position])
+    fits = len(document_index) < 2**31 and doc_sizes.max(initial=0) < 2**31
+    return np.stack([position, offset], axis=1).astype(np.int32 if fits else np.int64)
+
+
+def build_shuffle_index(num_samples: int, first_epochs_samples: int | None, rng: np.random.RandomState) -> np.ndarray:
+    """Permutation of range(num_samples); [first_epochs_samples, num_samples) permuted separately if given."""
+    dtype = np.uint32 if num_samples < 2**32 - 1 else np.int64
+    if first_epochs_samples is None:
+        return rng.permutation(num_samples).astype(dtype)
+    head = rng.permutation(first_epochs_samples)
+    tail = first_epochs_samples + rng.permutation(num_samples - first_epochs_samples)
+    return np.concatenate([head, tail]).astype(dtype)
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of `seq_length + 1` tokens over `documents` (sequence ids) of one indexed dataset."""
+
+    ARRAYS = ("document_index", "sample_index", "shuffle_index")
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, split: str, num_samples: int,
+                 seq_length: int, seed: int, cache_dir: str, build: bool):
+        self.indexed, self.seq_length = indexed, seq_length
+        self.description = {
+            "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
+            "index_sequences": len(indexed), "index_tokens": indexed.num_tokens, "split": split,
+            "documents": [int(documents[0]), int(documents[-1]) + 1], "seq_length": seq_length,
+            "seed": seed, "num_samples": int(num_samples)}
+        paths = cache_paths(cache_dir, self.description, f"GPTDataset-{split}", self.ARRAYS)
+        arrays = load_arrays(paths)
+        if arrays is None:
+            if not build:
+                raise missing_cache_error(paths)
+            arrays = self._build(documents, num_samples, seed)
+            save_arrays(paths, arrays, self.description)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def _build(self, documents: np.ndarray, num_samples: int, seed: int) -> dict:
+        sizes = self.indexed.sequence_lengths
+        tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+        if tokens_per_epoch <= self.seq_length and num_samples == 0:
+            num_samples = 1
+        epochs = num_epochs_for(tokens_per_epoch, self.seq_length, num_samples)
+        rng = np.random.RandomState(seed)
+        document_index = build_document_index(documents, epochs, rng)
+        sample_index = build_sample_index(sizes, document_index, self.seq_length)
+        total = len(sample_index) - 1
+        first = None
+        if epochs > 1:
+            before_last = ((epochs - 1) * tokens_per_epoch - 1) // self.seq_length
+            per_epoch = (tokens_per_epoch - 1) // self.seq_length
+            if num_samples - before_last < int(SEPARATE_LAST_EPOCH_BELOW * per_epoch):
+                first = before_last
+        shuffle_index = build_shuffle_index(total, first, rng)
+        return dict(document_index=document_index, sample_index=sample_index, shuffle_index=shuffle_index)
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def __getitem__(self, i) -> np.ndarray:
+        j = int(self.shuffle_index[i])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        doc = self.document_index
+        if d0 == d1:
+            return self.indexed.get(int(doc[d0]), int(o0), int(o1 - o0 + 1)).astype(np.int64)
+        parts = [self.indexed.get(int(doc[d0]), int(o0))]
+        parts += [self.indexed.get(int(doc[d])) for d in range(d0 + 1, d1)]
+        parts.append(self.indexed.get(int(doc[d1]), 0, int(o1) + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+# ---------------------------------------------------------------- splits and the entry point
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing ones are 0)."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def split_ranges(fractions: list[float], num_documents: int) -> list[tuple[int, int] | None]:
+    """Contiguous document ranges per split, bookends rounded as Megatron does; None when empty."""
+    bounds = np.concatenate([[0.0], np.cumsum(fractions)])
+    out = []
+    for i in range(3):
+        beg, end = int(round(bounds[i] * num_documents)), int(round(bounds[i + 1] * num_documents))
+        out.append((beg, end) if fractions[i] > 0 and end > beg else None)
+    return out
+
+
+def open_indexed(prefix: str) -> IndexedDataset:
+    return IndexedDataset(prefix)
+
+
+def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
+                       num_samples: tuple[int, int, int], cache_path: str | None, is_builder: bool,
+                       barrier: Callable[[], None]):
+    """(train, valid, test) datasets, each None when its split has no documents.
+
+    The builder rank builds (or finds) every cached index, then calls barrier(); the other ranks
+    call barrier() and then load. Every rank calls barrier() exactly once, even on error, so a
+    failure raises on all ranks instead of hanging some.
+    """
+    from megatron_zpp.data.blended import build_split_datasets, parse_data_path
+
+    prefixes, weights = parse_data_path(data_path)
+    cache_dir = cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    fractions = parse_split(split)
+    args = (prefixes, weights, fractions, seq_length, seed, tuple(int(n) for n in num_samples), cache_dir)
+    result, error = None, None
+    if is_builder:
+        try:
+            result = build_split_datasets(*args, build=True)
+        except Exception as e:  # re-raised after the barrier so no rank waits forever
+            error = e
+    barrier()
+    if error is not None:
+        raise error
+    if not is_builder:
+        result = build_split_datasets(*args, build=False)
+    return result

@@ -1,0 +1,170 @@
+"""GPTDataset / blends: coverage per epoch, determinism, blend fractions, build-on-one-rank, errors."""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from megatron_zpp.data.blended import build_blending_indices, parse_data_path
+from megatron_zpp.data.gpt_dataset import build_gpt_datasets, parse_split, split_ranges
+from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
+
+SEQ = 16
+
+
+def make_corpus(prefix, num_docs=50, seed=0, tag=0):
+    """Token = tag*10^6 + doc*1000 + position: every token of the corpus is unique and traceable."""
+    rng = np.random.default_rng(seed)
+    w = IndexedDatasetWriter(prefix + ".bin", np.int32)
+    for d in range(num_docs):
+        n = int(rng.integers(1, 40))
+        w.add_document(tag * 10**6 + d * 1000 + np.arange(n))
+    w.finalize(prefix + ".idx")
+    return prefix
+
+
+def no_barrier():
+    pass
+
+
+def build(prefixes, num_samples, tmp_path, split="1,0,0", seed=1, cache="cache", builder=True, barrier=no_barrier):
+    return build_gpt_datasets(list(prefixes), split, SEQ, seed, num_samples, str(tmp_path / cache), builder, barrier)
+
+
+def in_stream_order(ds):
+    """Samples in unshuffled order (the shuffle index is a permutation)."""
+    inv = np.empty(len(ds), dtype=np.int64)
+    inv[np.asarray(ds.shuffle_index, dtype=np.int64)] = np.arange(len(ds))
+    return [ds[i] for i in inv]
+
+
+@pytest.mark.parametrize("num_samples", [10, 250])  # within one epoch, then ~4 epochs
+def test_each_token_once_per_epoch_with_one_token_overlap(tmp_path, num_samples):
+    prefix = make_corpus(str(tmp_path / "c"))
+    indexed = IndexedDataset(prefix)
+    train, valid, test = build([prefix], (num_samples, 0, 0), tmp_path)
+    assert valid is None and test is None and len(train) >= num_samples
+    assert sorted(np.asarray(train.shuffle_index)) == list(range(len(train)))
+    samples = in_stream_order(train)
+    assert all(s.shape == (SEQ + 1,) and s.dtype == np.int64 for s in samples)
+    for a, b in zip(samples, samples[1:]):
+        assert a[-1] == b[0]  # the label of one sample's last position is the next one's first input
+    inputs = np.concatenate([s[:-1] for s in samples])
+    everything = np.sort(np.concatenate([indexed[i] for i in range(len(indexed))]))
+    per_epoch = len(everything)
+    for e in range(len(inputs) // per_epoch):
+        np.testing.assert_array_equal(np.sort(inputs[e * per_epoch:(e + 1) * per_epoch]), everything)
+    tail = inputs[(len(inputs) // per_epoch) * per_epoch:]
+    assert len(np.unique(tail)) == len(tail)  # the partial last epoch repeats nothing either
+    epochs = len(train.document_index) // len(indexed)
+    assert 1 <= epochs * per_epoch - len(inputs) <= SEQ  # only the tail short of a full sample is dropped
+
+
+def test_documents_reshuffled_each_epoch_and_deterministic(tmp_path):
+    prefix = make_corpus(str(tmp_path / "c"))
+    a = build([prefix], (300, 0, 0), tmp_path, cache="c1")[0]
+    b = build([prefix], (300, 0, 0), tmp_path, cache="c2")[0]
+    c = build([prefix], (300, 0, 0), tmp_path, cache="c3", seed=2)[0]
+    n = len(IndexedDataset(prefix))
+    doc = np.asarray(a.document_index)
+    assert not np.array_equal(doc[:n], doc[n:2 * n]) and sorted(doc[n:2 * n]) == list(range(n))
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.shuffle_index, c.shuffle_index)
+    assert all(np.array_equal(a[i], b[i]) for i in range(0, len(a), 7))
+
+
+def test_split_ranges_and_cache_reuse(tmp_path):
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
+    assert split_ranges(parse_split("969,30,1"), 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges(parse_split("98,2"), 10) == [(0, 10), None, None]  # 0.2 docs round to 0
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("a,b")
+    prefix = make_corpus(str(tmp_path / "c"), num_docs=100)
+    train, valid, test = build([prefix], (100, 20, 5), tmp_path, split="80,15,5")
+    assert len(train) >= 100 and len(valid) >= 20 and len(test) >= 5
+    docs = lambda ds: {int(t) // 1000 for s in in_stream_order(ds) for t in s}  # noqa: E731
+    assert docs(train) <= set(range(80)) and docs(valid) <= set(range(80, 95)) and docs(test) <= set(range(95, 100))
+    files = sorted(os.listdir(tmp_path / "cache"))
+    assert len([f for f in files if f.endswith(".npy")]) == 9 and not [f for f in files if ".tmp" in f]
+    mtimes = {f: os.path.getmtime(tmp_path / "cache" / f) for f in files}
+    build([prefix], (100, 20, 5), tmp_path, split="80,15,5")  # same config: loaded, not rebuilt
+    assert mtimes == {f: os.path.getmtime(tmp_path / "cache" / f) for f in files}
+    make_corpus(prefix, num_docs=100, seed=5)  # data re-preprocessed: the old cache no longer matches
+    build([prefix], (100, 20, 5), tmp_path, split="80,15,5")
+    assert len(os.listdir(tmp_path / "cache")) > len(files)
+
+
+@pytest.mark.parametrize("weights", [[0.2, 0.3, 0.5], [0.7, 0.3]])
+def test_blend_fractions_within_one_over_n(tmp_path, weights):
+    prefixes = [make_corpus(str(tmp_path / f"d{i}"), seed=i, tag=i + 1) for i in range(len(weights))]
+    data_path = [x for w, p in zip(weights, prefixes) for x in (str(w * 10), p)]  # unnormalized on purpose
+    train = build(data_path, (500, 0, 0), tmp_path)[0]
+    assert len(train) == 500
+    source = np.array([int(train[i][0]) // 10**6 - 1 for i in range(len(train))])
+    np.testing.assert_array_equal(source, train.dataset_index)  # samples really come from that dataset
+    n = np.arange(1, len(train) + 1)
+    for i, w in enumerate(weights):
+        assert (np.abs(np.cumsum(source == i) / n - w) <= 1 / n + 1e-12).all()
+
+
+def test_blending_is_fast_and_exact_at_scale():
+    w = [0.123, 0.456, 0.421]
+    ids, within = build_blending_indices(w, 300_000)
+    n = np.arange(1, len(ids) + 1)
+    for i in range(3):
+        hits = ids == i
+        assert (np.abs(np.cumsum(hits) - w[i] * n) <= 1 + 1e-9).all()
+        np.testing.assert_array_equal(within[hits], np.arange(hits.sum()))  # each sample used once, in order
+
+
+def test_unweighted_blend_follows_sizes(tmp_path):
+    a = make_corpus(str(tmp_path / "a"), num_docs=30, tag=1)
+    b = make_corpus(str(tmp_path / "b"), num_docs=90, tag=2)
+    assert parse_data_path([a, b]) == ([a, b], None)
+    train = build([a, b], (400, 0, 0), tmp_path)[0]
+    ta, tb = IndexedDataset(a).num_tokens, IndexedDataset(b).num_tokens
+    assert np.mean(np.asarray(train.dataset_index) == 0) == pytest.approx(ta / (ta + tb), abs=1 / 400)
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(IndexedDatasetError, match=str(tmp_path / "nope") + ".idx: missing"):
+        build([str(tmp_path / "nope")], (1, 0, 0), tmp_path)
+    with pytest.raises(ValueError, match="alternate"):
+        parse_data_path(["0.5", "a", "b"])
+    prefix = make_corpus(str(tmp_path / "c"))
+    calls = []
+    with pytest.raises(IndexedDatasetError, match="index cache missing on a non-builder rank"):
+        build([prefix], (5, 0, 0), tmp_path, builder=False, barrier=lambda: calls.append(1))
+    assert calls == [1]
+    with open(prefix + ".idx", "r+b") as f:
+        f.write(b"NOTMAGIC!")
+    with pytest.raises(IndexedDatasetError, match="bad magic"):
+        build([prefix], (5, 0, 0), tmp_path, barrier=lambda: calls.append(2))
+    assert calls == [1, 2]  # the failing builder still reached the barrier, so no rank hangs
+
+
+def _rank_fn(rank, world_size, prefix, cache):
+    import torch.distributed as dist
+
+    barriers = []
+
+    def barrier():
+        barriers.append(1)
+        dist.barrier()
+
+    train = build_gpt_datasets([prefix], "1,0,0", SEQ, 3, (200, 0, 0), cache, rank == 0, barrier)[0]
+    digest = hashlib.md5(np.stack([train[i] for i in range(len(train))]).tobytes()).hexdigest()
+    return len(barriers), len(train), digest, sorted(os.listdir(cache))
+
+
+def test_built_on_one_rank_others_wait_and_load(tmp_path):
+    from tests.dist import run_distributed
+
+    prefix = make_corpus(str(tmp_path / "c"))
+    results = run_distributed(_rank_fn, 2, prefix, str(tmp_path / "cache"), timeout=120)
+    assert [r[0] for r in results] == [1, 1]
+    assert results[0][1:] == results[1][1:]
+    local = build([prefix], (200, 0, 0), tmp_path, seed=3, cache="again")[0]  # and across runs
+    assert hashlib.md5(np.stack([local[i] for i in range(len(local))]).tobytes()).hexdigest() == results[0][2]
