@@ -181,18 +181,22 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op
     return dist.broadcast(tensor, group=group.handle, group_src=src, async_op=async_op)
 
 
-def p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group, phase: str) -> list:
-    """Batched point-to-point: ops are ('send'|'recv', tensor, peer group rank).
-    Receives are posted before sends so that chains cannot deadlock."""
+def p2p(ops: list[tuple], group: Group, phase: str) -> list:
+    """Batched point-to-point. Each op is (kind, tensor, peer) or (kind, tensor, peer, tag,
+    phase): kind 'send' or 'recv', peer a group rank, tag separating streams between the
+    same pair, phase overriding the call's phase in the ledger. Receives are posted
+    before sends so that chains cannot deadlock."""
     if not ops:
         return []
     ordered = sorted(ops, key=lambda o: o[0] != "recv")
     p2p_ops = []
-    for kind, tensor, peer in ordered:
+    for kind, tensor, peer, *rest in ordered:
+        tag = rest[0] if rest else 0
+        op_phase = rest[1] if len(rest) > 1 else phase
         if kind == "send":
-            LEDGER.add(group.role, phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
+            LEDGER.add(group.role, op_phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, tensor, group=group.handle, group_peer=peer))
+        p2p_ops.append(dist.P2POp(fn, tensor, group=group.handle, tag=tag, group_peer=peer))
     return dist.batch_isend_irecv(p2p_ops)
 
 

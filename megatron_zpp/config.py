@@ -86,6 +86,10 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", "PP: pipeline stages")
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None, "--num-layers-per-virtual-pipeline-stage", "layers per virtual stage (interleaved 1F1B)")
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage (default: even split)")
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage (default: even split)")
     context_parallel_size: int = opt(1, "--context-parallel-size", "CP: ranks that split each sequence")
     sequence_parallel: bool = opt(False, "--sequence-parallel", "Megatron sequence parallelism in norm/dropout regions")
     cp_algo: str = opt("all-scan", "--cp-algo", "linear-attention CP algorithm",
@@ -195,16 +199,8 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
 NOT_YET = {
-    "tensor_model_parallel_size": (lambda c: c.parallel.tensor_model_parallel_size > 1,
-                                   "tensor parallelism is not implemented yet"),
-    "pipeline_model_parallel_size": (lambda c: c.parallel.pipeline_model_parallel_size > 1,
-                                     "pipeline parallelism is not implemented yet"),
-    "num_layers_per_virtual_pipeline_stage": (lambda c: c.parallel.num_layers_per_virtual_pipeline_stage is not None,
-                                              "interleaved pipeline parallelism is not implemented yet"),
     "context_parallel_size": (lambda c: c.parallel.context_parallel_size > 1,
                               "context parallelism is not implemented yet"),
-    "sequence_parallel": (lambda c: c.parallel.sequence_parallel, "sequence parallelism needs tensor parallelism, "
-                          "which is not implemented yet"),
     "zero_stage": (lambda c: c.zero.zero_stage > 0, "ZeRO is not implemented yet"),
     "zero_quantized_weights": (lambda c: c.zero.zero_quantized_weights, "qwZ is not implemented yet"),
     "zero_hpz_partition_size": (lambda c: c.zero.zero_hpz_partition_size > 1, "hpZ is not implemented yet"),
@@ -286,18 +282,43 @@ def validate(cfg: Config, world_size: int) -> Config:
              f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}")
 
     vpp = p.num_layers_per_virtual_pipeline_stage
-    need(m.num_layers % pp == 0,
-         f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if vpp is not None:
+        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
         need(vpp >= 1 and m.num_layers % (pp * vpp) == 0,
              f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
              f"= {pp} x {vpp}")
+        need(first is None and last is None,
+             "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage")
+    elif first is not None or last is not None:
+        need(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        fixed = (first or 0) + (last or 0)
+        free = pp - (first is not None) - (last is not None)
+        rest = m.num_layers - fixed
+        need(rest >= 0 and (rest % free == 0 if free else rest == 0),
+             f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
+             f"the other {free} stages")
+    else:
+        need(m.num_layers % pp == 0,
+             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+             f"change one, or set --decoder-first/last-pipeline-num-layers")
+    if p.sequence_parallel:
+        need((m.seq_length // cp) % tp == 0,
+             f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}")
 
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
          f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
          f"{t.micro_batch_size} x {dp}; use a multiple of {t.micro_batch_size * dp}")
+
+    if vpp is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        need(micro % pp == 0, f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
+             f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size {pp}")
+    if t.generate_tokens:
+        need(pp == 1 and cp == 1, "--generate-tokens needs --pipeline-model-parallel-size 1 and "
+             "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)")
 
     o = cfg.optim
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")

@@ -23,9 +23,11 @@ from .data.loader import BatchIterator
 from .logging_utils import MetricsSink, log
 from .model import GPT, count_parameters, init_weights
 from .ops.norm import backend as norm_backend
-from .optim import MixedPrecisionAdamW, clip_, counted_once, global_grad_norm, learning_rate
+from .optim import MixedPrecisionAdamW, clip_, counted_once, finalize_model_grads, global_grad_norm, learning_rate
 from .perf import flops_per_token, memory_gib, peak_tflops
-from .pipeline_parallel import forward_backward_no_pipelining
+from .pipeline_parallel import StageLink, run_schedule, stage_layers, virtual_stage_layers
+from .tensor_parallel.mappings import gather_from_tp
+from .tensor_parallel.random import seed_parallel_rng
 from .topology import ProcessGroups, Topology, build_groups
 from .zero import GradBuffer
 
@@ -37,7 +39,8 @@ class Run:
     device: torch.device
     rank: int
     tokenizer: object
-    model: torch.nn.Module
+    chunks: list[GPT]            # this pipeline stage's model chunks (one, or V virtual stages)
+    link: StageLink | None       # p2p to the neighbouring stages (None without PP)
     optimizer: MixedPrecisionAdamW
     grads: GradBuffer
     train_data: BatchIterator
@@ -67,11 +70,31 @@ def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
     return build_groups(topo, rank, dp_tiers=cfg.zero.zero_hierarchy or None), device
 
 
-def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> GPT:
-    model = GPT(cfg.model, vocab_size, tp=groups.tp, sequence_parallel=cfg.parallel.sequence_parallel)
-    init_weights(model, cfg.train.seed, groups.tp_rank, groups.tp.size)
+def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:
+    """This rank's model chunks, each initialized from the single-rank weights."""
+    p, pp, stage = cfg.parallel, groups.pp.size, groups.pp_rank
+    if p.num_layers_per_virtual_pipeline_stage:
+        layer_sets = virtual_stage_layers(cfg.model.num_layers, pp, p.num_layers_per_virtual_pipeline_stage, stage)
+    else:
+        layer_sets = [stage_layers(cfg.model.num_layers, pp, stage, p.decoder_first_pipeline_num_layers,
+                                   p.decoder_last_pipeline_num_layers)]
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
-    return model.to(device=device, dtype=dtype)
+    chunks = []
+    for v, layers in enumerate(layer_sets):
+        chunk = GPT(cfg.model, vocab_size, tp=groups.tp, sequence_parallel=p.sequence_parallel, layer_ids=layers,
+                    pre_process=groups.is_first_stage and v == 0,
+                    post_process=groups.is_last_stage and v == len(layer_sets) - 1)
+        init_weights(chunk, cfg.train.seed, groups.tp_rank, groups.tp.size)
+        chunks.append(chunk.to(device=device, dtype=dtype))
+    return chunks
+
+
+def activation_shape(cfg: Config, groups: ProcessGroups) -> tuple[int, int, int]:
+    """Shape of the hidden states passed between pipeline stages."""
+    seq = cfg.model.seq_length // groups.cp.size
+    if cfg.parallel.sequence_parallel:
+        seq //= groups.tp.size
+    return (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
 
 
 def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int):
@@ -101,10 +124,13 @@ def setup(cfg: Config) -> Run:
     d = cfg.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size,
                                 cfg.model.make_vocab_size_divisible_by, groups.tp.size)
-    torch.manual_seed(cfg.train.seed + 100 * groups.pp_rank + 10 * groups.dp_rank)  # dropout streams
-    model = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
-    grads = GradBuffer(list(model.parameters()))
-    optimizer = MixedPrecisionAdamW(list(model.parameters()), cfg.optim)
+    seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
+    chunks = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    grads = GradBuffer(params)
+    optimizer = MixedPrecisionAdamW(params, cfg.optim)
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    link = StageLink(groups.pp, activation_shape(cfg, groups), dtype, device) if groups.pp.size > 1 else None
     train_data, valid_data = build_data(cfg, groups, tokenizer, device, consumed=0)
 
     p = cfg.parallel
@@ -112,14 +138,15 @@ def setup(cfg: Config) -> Run:
         f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size} (order {p.order}, "
         f"{groups.topo.num_nodes} node(s) of {groups.topo.ranks_per_node} ranks), device {device}", rank)
     kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
-    log(f"model: {count_parameters(model, groups.tp.size) / 1e6:.2f}M parameters, layers "
+    n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)
+    log(f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{tokenizer.vocab_size} padded to {tokenizer.padded_vocab_size}, "
         f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}", rank)
     log(f"kernels: {norm_backend(device)}; attention: torch SDPA; GLA: torch chunked reference; "
         f"transformer-engine: {'present, not used' if _importable('transformer_engine') else 'not installed'}",
         rank)
-    return Run(cfg, groups, device, rank, tokenizer, model, optimizer, grads, train_data, valid_data)
+    return Run(cfg, groups, device, rank, tokenizer, chunks, link, optimizer, grads, train_data, valid_data)
 
 
 def _importable(name: str) -> bool:
@@ -127,36 +154,49 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def _report_loss(run: Run, losses: list[torch.Tensor]) -> float:
+    """Mean loss over the global batch, known on every rank: the last pipeline stage
+    holds it; broadcast over PP, then average over DP x CP."""
+    g = run.groups
+    loss = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=run.device)
+    loss = loss.float()
+    comm.broadcast(loss, g.pp.size - 1, g.pp, "loss_report")
+    comm.all_reduce(loss, g.dp_cp, "loss_report")
+    return loss.item() / g.dp_cp.size
+
+
+def _position_offset(run: Run) -> int:
+    return run.groups.cp_rank * (run.cfg.model.seq_length // run.groups.cp.size)
+
+
 def train_step(run: Run) -> tuple[float, float, float]:
     """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
     cfg, g = run.cfg, run.groups
     run.grads.zero()
-    losses = forward_backward_no_pipelining(run.model, run.train_data, cfg.num_micro_batches)
-    run.grads.all_reduce_mean(g.dp_cp)
+    losses = run_schedule(run.chunks, run.train_data, cfg.num_micro_batches, run.link, _position_offset(run))
+    finalize_model_grads(run.chunks, g, run.grads)
 
-    params = [p for p in run.model.parameters() if p.requires_grad]
+    params = [p for chunk in run.chunks for p in chunk.parameters() if p.requires_grad]
     counted = [p.main_grad for p in params if counted_once(p, g.tp_rank, g.is_first_stage)]
     grad_norm = global_grad_norm(counted, [g.mp])
     clip_([p.main_grad for p in params], grad_norm, cfg.optim.clip_grad)
     lr = learning_rate(cfg.optim, run.iteration, cfg.train.train_iters)
     run.optimizer.step(lr)
-
-    loss = torch.stack(losses).mean().reshape(1)
-    comm.all_reduce(loss, g.dp_cp, "loss_report")
-    return loss.item() / g.dp_cp.size, grad_norm, lr
+    return _report_loss(run, losses), grad_norm, lr
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    run.model.eval()
+    for chunk in run.chunks:
+        chunk.eval()
     data = run.valid_data()
     losses = []
     for _ in range(run.cfg.train.eval_iters):
-        losses += forward_backward_no_pipelining(run.model, data, run.cfg.num_micro_batches, forward_only=True)
-    run.model.train()
-    loss = torch.stack(losses).mean().reshape(1)
-    comm.all_reduce(loss, run.groups.dp_cp, "loss_report")
-    return loss.item() / run.groups.dp_cp.size
+        losses += run_schedule(run.chunks, data, run.cfg.num_micro_batches, run.link, _position_offset(run),
+                               forward_only=True)
+    for chunk in run.chunks:
+        chunk.train()
+    return _report_loss(run, losses)
 
 
 def train(run: Run) -> list[dict]:
@@ -210,11 +250,15 @@ def shutdown() -> None:
 
 @torch.no_grad()
 def greedy_generate(run: Run, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with the trained model (single pipeline stage, TP=1, CP=1)."""
-    run.model.eval()
+    """Greedy decoding with the trained model (one pipeline stage, no CP; TP ranks
+    decode together and agree, since they see the same gathered logits)."""
+    model = run.chunks[0]
+    model.eval()
     ids = list(prompt_ids)
     for _ in range(num_tokens):
         context = torch.tensor([ids[-run.cfg.model.seq_length:]], device=run.device)
-        logits = run.model(tokens=context)
+        if run.cfg.parallel.sequence_parallel:  # the sequence must split over TP: left-pad to a multiple
+            context = torch.nn.functional.pad(context, (-context.shape[1] % run.groups.tp.size, 0))
+        logits = gather_from_tp(model(tokens=context), run.groups.tp)
         ids.append(int(logits[0, -1, :run.tokenizer.vocab_size].argmax()))
     return ids[len(prompt_ids):]

@@ -3,12 +3,15 @@ SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are 
 over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.random import model_parallel_rng
 from .rope import apply_rope
 
 
@@ -32,7 +35,8 @@ class SelfAttention(nn.Module):
         q = apply_rope(q.view(B, T, self.heads, d), *rope)
         k = apply_rope(k.view(B, T, self.kv_heads, d), *rope)
         v = v.view(B, T, self.kv_heads, d)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.kv_heads != self.heads)
+        dropout = self.dropout if self.training else 0.0
+        with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..config import ModelConfig
 from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear
+from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
@@ -33,7 +34,8 @@ class Block(nn.Module):
         self.mixer = mixer(cfg, tp, sequence_parallel, out_std)
         self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
         self.mlp = MLP(cfg, tp, sequence_parallel, out_std)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # sequence-parallel activations differ per TP rank: their dropout masks must too
+        self.dropout = (ShardedDropout if sequence_parallel else nn.Dropout)(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.dropout(self.mixer(self.norm1(x), rope))
@@ -53,6 +55,7 @@ class GPT(nn.Module):
         if pre_process or (post_process and self.tied):  # the last stage keeps a copy of a tied embedding
             self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp, cfg.init_method_std,
                                                     sequence_parallel)
+            self.embedding.weight.pipeline_duplicate = not pre_process  # the first stage's copy is the one counted
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, sequence_parallel) for i in layer_ids})
         if post_process:
             self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)

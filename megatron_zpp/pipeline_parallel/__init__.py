@@ -1,4 +1,7 @@
-"""Pipeline parallelism: schedules (no pipelining now; 1F1B and interleaved to come)."""
-from .schedules import forward_backward_no_pipelining
+"""Pipeline parallelism: layer placement, p2p between stages, and the schedules
+(no pipelining, 1F1B, interleaved 1F1B)."""
+from .p2p import StageLink
+from .schedules import run_schedule
+from .stages import stage_layers, virtual_stage_layers
 
-__all__ = ["forward_backward_no_pipelining"]
+__all__ = ["StageLink", "run_schedule", "stage_layers", "virtual_stage_layers"]

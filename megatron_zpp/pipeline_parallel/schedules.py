@@ -1,26 +1,183 @@
 """Forward-backward schedules over the micro-batches of one step.
 
-Every schedule returns the mean loss of each micro-batch (detached). Each micro-batch's
-loss is the mean over its tokens divided by the number of micro-batches, so the
-accumulated gradient is that of the mean over the rank's share of the global batch."""
+* no pipelining: forward + backward of each micro-batch in turn (PP = 1);
+* 1F1B: stage p runs PP - p - 1 warm-up forwards, then alternates one forward and one
+  backward, then drains the backwards: at most PP - p activations alive, bubble
+  (PP-1)/(M+PP-1);
+* interleaved 1F1B: each stage holds V chunks (virtual stages) and the same alternation
+  runs over V x M virtual micro-batches, cutting the bubble by V (Megatron's schedule).
+
+A micro-batch's loss is the mean over its tokens divided by the number of micro-batches,
+so the accumulated gradient is that of the mean over the rank's share of the global
+batch. The schedules return the per-micro-batch losses on the last stage (empty
+elsewhere); the caller broadcasts what it reports.
+"""
 from __future__ import annotations
 
 import torch
 
-
-def micro_batch_loss(model, batch: dict) -> torch.Tensor:
-    losses = model(tokens=batch["tokens"], labels=batch["labels"], position_offset=batch["position_offset"])
-    return losses.mean()
+from .p2p import StageLink
 
 
-def forward_backward_no_pipelining(model, batches, num_micro_batches: int, forward_only: bool = False
-                                   ) -> list[torch.Tensor]:
-    losses = []
-    for _ in range(num_micro_batches):
-        batch = next(batches)
-        with torch.set_grad_enabled(not forward_only):
-            loss = micro_batch_loss(model, batch)
-            if not forward_only:
-                (loss / num_micro_batches).backward()
-        losses.append(loss.detach())
-    return losses
+class Stage:
+    """This rank's model chunks and how to run one micro-batch through a chunk."""
+
+    def __init__(self, chunks: list, batches, num_micro_batches: int, position_offset: int, forward_only: bool):
+        self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
+        self.position_offset, self.forward_only = position_offset, forward_only
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, chunk_id: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        model = self.chunks[chunk_id]
+        batch = next(self.batches) if (model.pre_process or model.post_process) else {}
+        with torch.set_grad_enabled(not self.forward_only):
+            out = model(tokens=batch.get("tokens"), labels=batch.get("labels"), hidden=hidden,
+                        position_offset=self.position_offset)
+        if not model.post_process:
+            return out
+        loss = out.mean()
+        self.losses.append(loss.detach())
+        return loss / self.m
+
+    @staticmethod
+    def backward(hidden: torch.Tensor | None, out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        torch.autograd.backward(out, grad_tensors=grad)
+        return hidden.grad if hidden is not None else None
+
+
+def forward_backward_no_pipelining(stage: Stage) -> list[torch.Tensor]:
+    for _ in range(stage.m):
+        out = stage.forward(0, None)
+        if not stage.forward_only:
+            stage.backward(None, out, None)
+    return stage.losses
+
+
+def forward_backward_1f1b(stage: Stage, link: StageLink) -> list[torch.Tensor]:
+    pp, p = link.pp.size, link.pp.rank
+    first, last = p == 0, p == pp - 1
+    m = stage.m
+    if stage.forward_only:
+        for _ in range(m):
+            x, _ = link.exchange(recv_prev=not first)
+            y = stage.forward(0, x)
+            link.exchange(send_next=None if last else y)
+        return stage.losses
+
+    warmup = min(pp - p - 1, m)
+    inputs, outputs = [], []
+    for _ in range(warmup):
+        x, _ = link.exchange(recv_prev=not first)
+        y = stage.forward(0, x)
+        link.exchange(send_next=None if last else y)
+        inputs.append(x)
+        outputs.append(y)
+
+    steady = m - warmup
+    x = link.exchange(recv_prev=not first)[0] if steady else None
+    for i in range(steady):
+        y = stage.forward(0, x)
+        _, dy = link.exchange(send_next=None if last else y, recv_next=not last)
+        inputs.append(x)
+        outputs.append(y)
+        dx = stage.backward(inputs.pop(0), outputs.pop(0), dy)
+        x, _ = link.exchange(send_prev=dx, recv_prev=not first and i < steady - 1)
+
+    for _ in range(warmup):
+        _, dy = link.exchange(recv_next=not last)
+        dx = stage.backward(inputs.pop(0), outputs.pop(0), dy)
+        link.exchange(send_prev=dx)
+    return stage.losses
+
+
+def forward_backward_interleaved(stage: Stage, link: StageLink) -> list[torch.Tensor]:
+    """Megatron's interleaved 1F1B over V chunks; needs M to be a multiple of PP."""
+    pp, p, V, m = link.pp.size, link.pp.rank, len(stage.chunks), stage.m
+    first, last = p == 0, p == pp - 1
+    total = m * V
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (pp * V)) // pp
+        return c if forward else V - 1 - c
+
+    inputs = [[] for _ in range(V)]
+    outputs = [[] for _ in range(V)]
+    out_grads = [[] for _ in range(V)]
+
+    def forward_k(k: int) -> torch.Tensor | None:
+        c = chunk_of(k, True)
+        if first and c == 0 and len(inputs[c]) == len(outputs[c]):
+            inputs[c].append(None)
+        y = stage.forward(c, inputs[c][-1])
+        outputs[c].append(y)
+        return None if (last and c == V - 1) else y
+
+    def backward_k(k: int) -> torch.Tensor | None:
+        c = chunk_of(k, False)
+        if last and c == V - 1 and not out_grads[c]:
+            out_grads[c].append(None)
+        dx = stage.backward(inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0))
+        return None if (first and c == 0) else dx
+
+    if stage.forward_only:
+        warmup, all_warmup = total, True
+    elif m == pp:
+        warmup, all_warmup = total, True
+    else:
+        warmup, all_warmup = min((pp - p - 1) * 2 + (V - 1) * pp, total), False
+    steady = total - warmup
+
+    inputs[0].append(link.exchange(recv_prev=not first)[0])
+    for k in range(warmup):
+        y = forward_k(k)
+        next_c = chunk_of(k + 1, True)
+        recv_prev = not (first and next_c == 0) and k != total - 1
+        if k == warmup - 1 and not stage.forward_only and not all_warmup:
+            x, dy = link.exchange(send_next=y, recv_prev=recv_prev, recv_next=not last)
+            out_grads[V - 1].append(dy)
+        else:
+            x, _ = link.exchange(send_next=y, recv_prev=recv_prev)
+        inputs[next_c].append(x)
+
+    for i in range(steady):
+        fk, bk = i + warmup, i
+        y = forward_k(fk)
+        dx = backward_k(bk)
+        if first:
+            next_fc = chunk_of(fk - (pp - 1), True)
+            recv_prev = next_fc != V - 1
+            next_fc += 1
+        else:
+            recv_prev, next_fc = True, chunk_of(fk + 1, True)
+        if last:
+            next_bc = chunk_of(bk - (pp - 1), False)
+            recv_next = next_bc != 0
+            next_bc -= 1
+        else:
+            recv_next, next_bc = True, chunk_of(bk + 1, False)
+        recv_prev = recv_prev and i != steady - 1
+        x, dy = link.exchange(send_next=y, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
+        if recv_prev:
+            inputs[next_fc].append(x)
+        if recv_next:
+            out_grads[next_bc].append(dy)
+
+    if not stage.forward_only:
+        if all_warmup:
+            out_grads[V - 1].append(link.exchange(recv_next=not last)[1])
+        for k in range(steady, total):
+            dx = backward_k(k)
+            next_bc = chunk_of(k + 1, False)
+            recv_next = not (last and next_bc == V - 1) and k != total - 1
+            out_grads[next_bc].append(link.exchange(send_prev=dx, recv_next=recv_next)[1])
+    return stage.losses
+
+
+def run_schedule(chunks: list, batches, num_micro_batches: int, link: StageLink | None, position_offset: int = 0,
+                 forward_only: bool = False) -> list[torch.Tensor]:
+    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only)
+    if link is None or link.pp.size == 1:
+        return forward_backward_no_pipelining(stage)
+    if len(chunks) == 1:
+        return forward_backward_1f1b(stage, link)
+    return forward_backward_interleaved(stage, link)

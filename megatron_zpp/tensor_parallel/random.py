@@ -1,0 +1,54 @@
+"""RNG streams for dropout under tensor parallelism (Megatron's RNG tracker).
+
+Activations replicated over TP (the residual stream without sequence parallelism) must
+drop the same elements on every TP rank: they use the default generator, seeded alike
+on all TP ranks. Activations split over TP (attention heads, sequence-parallel shards)
+must drop independent elements: they run inside `model_parallel_rng()`, a generator
+seeded differently per TP rank."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_STATE: dict = {}
+
+
+def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int, cp_rank: int, device: torch.device) -> None:
+    """Default stream: same on the TP ranks of a stage; model-parallel stream: per TP rank."""
+    default_seed = seed + 100 * pp_rank + 1000 * cp_rank
+    torch.manual_seed(default_seed)
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+        torch.manual_seed(default_seed + 2718 + tp_rank)
+        _STATE.update(device=device, cpu=torch.get_rng_state(), dev=_device_state(device))
+
+
+def _device_state(device: torch.device):
+    return None if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
+
+
+@contextlib.contextmanager
+def model_parallel_rng():
+    """Run the body on the per-TP-rank stream (a no-op before seed_parallel_rng)."""
+    if not _STATE:
+        yield
+        return
+    device = _STATE["device"]
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+        torch.set_rng_state(_STATE["cpu"])
+        if device.type != "cpu":
+            torch.get_device_module(device).set_rng_state(_STATE["dev"], device)
+        try:
+            yield
+        finally:
+            _STATE["cpu"], _STATE["dev"] = torch.get_rng_state(), _device_state(device)
+
+
+class ShardedDropout(torch.nn.Dropout):
+    """Dropout on activations that differ across TP ranks (e.g. sequence-parallel shards)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        with model_parallel_rng():
+            return super().forward(x)
