@@ -62,6 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _coerce(section: str, name: str, value, path: str):
+    """A YAML value converted to its field's type and checked against its choices."""
+    f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    tp, meta = _base_type(f.type), f.metadata
+    where = f"--config {path}: {meta['flag'].lstrip('-')}"
+    if value is None:
+        return None
+    try:
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+        elif typing.get_origin(tp) is list or tp is list:
+            items = value if isinstance(value, list) else [value]
+            value = [meta.get("type", str)(v) for v in items]
+        else:
+            value = tp(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: invalid value {value!r} ({e})") from None
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{where}: {value!r} is not one of {meta['choices']}")
+    return value
+
+
 def _flag_index() -> dict[str, tuple[str, str]]:
     """'hidden_size' -> ('model', 'hidden_size'), keyed by flag name without dashes."""
     index = {}
@@ -97,7 +120,7 @@ def load_yaml(path: str) -> dict[str, object]:
             unknown.append(key)
             continue
         section, field_name = index[name]
-        out[f"{section}.{field_name}"] = value
+        out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
     if unknown:
         raise ConfigError(f"--config {path}: unknown settings: {', '.join(unknown)}")
     return out

@@ -238,18 +238,23 @@ def validate(cfg: Config, world_size: int) -> Config:
                 errors.append(f"{flag_of(section, name)}: {why}; leave it at its default")
 
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    refused = len(errors)
     for flag, v in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                     ("--context-parallel-size", cp), ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                     ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                     ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters)]:
         need(v >= 1, f"{flag} must be >= 1 (got {v})")
-    if errors:
+    if len(errors) > refused:  # the checks below divide by these sizes
         raise ConfigError("\n".join(errors))
 
     model_parallel = tp * pp * cp
     need(world_size % model_parallel == 0,
-         f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {model_parallel}; "
+         f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+         f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
          f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
+    if p.ranks_per_node is not None:
+        need(p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0,
+             f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}")
     dp = max(world_size // model_parallel, 1)
     p.world_size, p.data_parallel_size = world_size, dp
 
@@ -265,7 +270,7 @@ def validate(cfg: Config, world_size: int) -> Config:
          f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     need(m.kv_heads % tp == 0,
          f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    need(m.head_dim % 2 == 0, f"head dim {m.head_dim} (hidden/heads) must be even for RoPE")
+    need(m.head_dim % 2 == 0, f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE")
     need(m.ffn_size % tp == 0, f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
     need(m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0")
     need(not (m.softmax_attention_every and m.attention_type == "softmax"),

@@ -51,6 +51,10 @@ class Topology:
 
     def __init__(self, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, order: str = "tp-cp-dp-pp",
                  ranks_per_node: int | None = None, sub_node_tiers: tuple[int, ...] = ()):
+        for name, v in [("world size", world_size), ("tp", tp), ("cp", cp), ("pp", pp),
+                        ("ranks per node", 1 if ranks_per_node is None else ranks_per_node)] + [("tier", t) for t in sub_node_tiers]:
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1 (got {v})")
         if world_size % (tp * cp * pp):
             raise ValueError(f"world size {world_size} not divisible by tp*cp*pp={tp * cp * pp}")
         self.world_size = world_size
@@ -58,7 +62,8 @@ class Topology:
         self.order = tuple(order.split("-"))
         if sorted(self.order) != sorted(AXES):
             raise ValueError(f"order {order!r} must name each of {AXES} once")
-        self.ranks_per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.ranks_per_node = ranks_per_node if ranks_per_node is not None else int(
+            os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if world_size % self.ranks_per_node:
             raise ValueError(f"world size {world_size} is not a multiple of ranks per node {self.ranks_per_node}")
         # physical domains, innermost first: (name, span in consecutive global ranks)
@@ -141,7 +146,7 @@ class Topology:
         spans = list(tier_sizes) + [dp]
         radices, prev = [], 1
         for s in spans:
-            if s % prev or dp % s:
+            if s < 1 or s % prev or dp % s:
                 raise ValueError(f"tier sizes {tier_sizes} must each divide the next and DP size {dp}")
             radices.append(s // prev)
             prev = s
