@@ -22,7 +22,7 @@ def main(argv=None):
     from megatron_zpp import training
     run = training.setup(cfg)
     training.train(run)
-    if cfg.train.generate_tokens and run.rank == 0:
+    if cfg.train.generate_tokens:  # every rank decodes: TP ranks must take part in each forward
         prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
         out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)
         log(f"greedy sample: {cfg.train.generate_prompt!r} -> {run.tokenizer.detokenize(out)!r}", run.rank)

@@ -20,9 +20,9 @@ def _all_reduce(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group: Group, phase: str) -> torch.Tensor:
-    out = x.new_empty((group.size,) + x.shape)
+    out = x.new_empty((group.size * x.shape[0],) + x.shape[1:])
     comm.all_gather(out, x.contiguous(), group, phase)
-    return torch.cat(out.unbind(0), dim=-1)
+    return torch.cat(out.chunk(group.size, dim=0), dim=-1)
 
 
 def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -33,6 +33,16 @@ def _layers_worker(rank, world):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(xp.grad, xr.grad, rtol=1e-12, atol=1e-12)
 
+    # gather_output: every rank gets the full output of a column-parallel layer
+    col_full = ColumnParallelLinear(16, 24, tp, 0.02, gather_output=True).double()
+    with torch.no_grad():
+        col_full.weight.copy_(col.weight)
+    xg = x.clone().requires_grad_()
+    full = col_full(xg)
+    torch.testing.assert_close(full, F.linear(x, w1), rtol=1e-12, atol=1e-12)
+    full.sum().backward()
+    torch.testing.assert_close(xg.grad, torch.ones(2, 8, 24, dtype=torch.float64) @ w1, rtol=1e-12, atol=1e-12)
+
     # sequence parallel: input and output sharded along the sequence (dim 1)
     col_sp, row_sp = (ColumnParallelLinear(16, 24, tp, 0.02, sequence_parallel=True).double(),
                       RowParallelLinear(24, 16, tp, 0.02, sequence_parallel=True).double())

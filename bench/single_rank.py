@@ -1,0 +1,249 @@
+"""Single-rank throughput: our GPT against a plain-PyTorch nanoGPT-style GPT of the same config.
+
+`PeerGPT` below is a straightforward model of the identical architecture (pre-norm RMSNorm,
+RoPE rotating (x[i], x[i+d/2]), causal SDPA, SwiGLU, tied embeddings, no biases) built from
+separate nn.Linear modules. It is loaded with OUR initialized weights (fused qkv = [q;k;v] and
+fc1 = [gate;up] are split), and before any timing both must give the same loss and gradients
+on the same batch in fp32 (1e-4 relative): identical config and init. Both are then cast to
+--dtype (the whole model, as pretrain_gpt.py does with --bf16) and timed on forward + backward
++ torch.optim.AdamW(foreach) step, alternating ours/peer after warmup; the median step counts.
+TFLOP/s use megatron_zpp.perf.flops_per_token for both; MFU is against perf.peak_tflops (GPU
+data-sheet peak, or measured CPU matmul peak). The peer is softmax-only: with
+--attention-type gla only our model is timed. The last stdout line is one JSON object.
+
+Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 90 s on an idle machine)
+      .venv/bin/python bench/single_rank.py --device cuda --dtype bf16 --micro-batch-size 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_zpp.config import ModelConfig  # noqa: E402
+from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
+from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
+
+
+class PeerAttention(nn.Module):
+    def __init__(self, h: int, heads: int, seq: int, base: float):
+        super().__init__()
+        self.heads, self.d = heads, h // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        inv_freq = 1.0 / base ** (torch.arange(0, self.d, 2).float() / self.d)
+        angles = torch.arange(seq).float()[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def rope(self, x):  # x [B, heads, T, d]
+        T, half = x.shape[2], self.d // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos[:T].to(x.dtype) + rotated * self.sin[:T].to(x.dtype)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, self.heads, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class PeerMLP(nn.Module):
+    def __init__(self, h: int, ffn: int):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(h, ffn, False), nn.Linear(h, ffn, False), nn.Linear(ffn, h, False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class PeerBlock(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
+        self.attn = PeerAttention(c.hidden_size, c.num_attention_heads, c.seq_length, c.rotary_base)
+        self.ln_2 = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
+        self.mlp = PeerMLP(c.hidden_size, c.ffn_size)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class PeerGPT(nn.Module):
+    def __init__(self, c: ModelConfig, vocab: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, c.hidden_size)
+        self.h = nn.ModuleList(PeerBlock(c) for _ in range(c.num_layers))
+        self.ln_f = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
+        self.lm_head = nn.Linear(c.hidden_size, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
+
+
+def to_peer_names(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Our parameter names/layouts -> the peer's (fused weights split in order); for weights or grads."""
+    out = {"wte.weight": sd["embedding.weight"], "ln_f.weight": sd["final_norm.weight"]}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        q, k, v = sd[p + "mixer.qkv.weight"].chunk(3, dim=0)
+        gate, up = sd[p + "mlp.fc1.weight"].chunk(2, dim=0)
+        out.update({f"h.{i}.ln_1.weight": sd[p + "norm1.weight"], f"h.{i}.ln_2.weight": sd[p + "norm2.weight"],
+                    f"h.{i}.attn.q.weight": q, f"h.{i}.attn.k.weight": k, f"h.{i}.attn.v.weight": v,
+                    f"h.{i}.attn.o.weight": sd[p + "mixer.proj.weight"], f"h.{i}.mlp.gate.weight": gate,
+                    f"h.{i}.mlp.up.weight": up, f"h.{i}.mlp.down.weight": sd[p + "mlp.fc2.weight"]})
+    return out
+
+
+def check_equal(ours: GPT, peer: PeerGPT, x, y, tol: float) -> dict:
+    """Same loss and gradients on one batch; raises naming the first parameter that differs."""
+    lo, lp = ours(x, y).mean(), peer(x, y)  # ours returns per-token losses, the peer (like nanoGPT) their mean
+    (lo + lp).backward()
+    rel = abs(lo.item() - lp.item()) / abs(lp.item())
+    if not rel <= tol:
+        raise AssertionError(f"loss differs: ours {lo.item():.6f} peer {lp.item():.6f} (rel {rel:.2e} > {tol})")
+    ours_grads = to_peer_names({n: p.grad for n, p in ours.named_parameters()}, ours.cfg.num_layers)
+    peer_grads = {n: p.grad for n, p in peer.named_parameters()}  # lm_head.weight is wte.weight: listed once
+    worst = ("", 0.0)
+    for name, g in ours_grads.items():
+        e = ((g - peer_grads[name]).norm() / peer_grads[name].norm().clamp_min(1e-30)).item()
+        if not e <= tol * 10:
+            raise AssertionError(f"gradient of {name} differs: relative error {e:.2e}")
+        worst = max(worst, (name, e), key=lambda t: t[1])
+    return {"loss_ours": lo.item(), "loss_peer": lp.item(), "loss_rel_diff": rel, "worst_grad": worst[0],
+            "worst_grad_rel_diff": worst[1]}
+
+
+def make_step(model, loss_fn, sync):
+    model.zero_grad(set_to_none=True)  # drop the equivalence check's gradients
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+
+    def step() -> float:
+        sync()
+        t0 = time.perf_counter()
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - t0
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, default in [("--hidden-size", 256), ("--num-layers", 4), ("--num-attention-heads", 8),
+                          ("--seq-length", 256), ("--micro-batch-size", 8), ("--vocab-size", 4096),
+                          ("--steps", 15), ("--warmup", 3), ("--seed", 1234)]:
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--max-seconds", type=float, default=50, help="stop the timed loop early past this (>= 3 steps)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--attention-type", choices=["softmax", "gla"], default="softmax")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    a = ap.parse_args()
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    device = torch.device(a.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                      seq_length=a.seq_length, vocab_size=a.vocab_size, attention_type=a.attention_type)
+    assert cfg.hidden_size % cfg.num_attention_heads == 0 and cfg.head_dim % 2 == 0, "heads must divide hidden, even"
+    load0 = os.getloadavg()[0]
+
+    ours = GPT(cfg, a.vocab_size).to(device)
+    init_weights(ours, a.seed)
+    data = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
+                         generator=torch.Generator().manual_seed(a.seed))
+    x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+    check, peer = {}, None
+    if a.attention_type == "softmax":
+        peer = PeerGPT(cfg, a.vocab_size)
+        peer.load_state_dict(to_peer_names(ours.state_dict(), cfg.num_layers), strict=False)  # lm_head tied to wte
+        peer.to(device)
+        check = check_equal(ours, peer, x, y, tol=1e-4)  # fp32: same config, same init
+        peer.to(dtype)
+    else:
+        print("note: the peer is softmax-only; with --attention-type gla only our model is timed")
+    ours.to(dtype)
+    if peer is not None and dtype != torch.float32:  # informative only: the two differ in where they round
+        with torch.no_grad():
+            lo, lp = ours(x, y).mean().item(), peer(x, y).item()
+        check[f"loss_rel_diff_{a.dtype}"] = abs(lo - lp) / abs(lp)
+
+    peak, peak_desc = peak_tflops(device, dtype, None)
+    steps = {"ours": make_step(ours, lambda: ours(x, y).mean(), sync)}
+    if peer is not None:
+        steps["peer"] = make_step(peer, lambda: peer(x, y), sync)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    start = time.perf_counter()
+    for i in range(a.warmup + a.steps):  # alternate ours, peer, ours, peer, ...
+        for k, step in steps.items():
+            t = step()
+            if i >= a.warmup:
+                times[k].append(t)
+        if a.warmup + 2 <= i < a.warmup + a.steps - 1 and time.perf_counter() - start > a.max_seconds:
+            print(f"note: stopped after {i + 1 - a.warmup} timed steps (--max-seconds {a.max_seconds})")
+            break
+    peak, load1 = max(peak, peak_tflops(device, dtype, None)[0]), os.getloadavg()[0]  # peak: best of two
+
+    fpt, tokens = flops_per_token(cfg, a.vocab_size), a.micro_batch_size * a.seq_length
+    res = {}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        res[k] = {"step_ms": med * 1e3, "min_step_ms": min(ts) * 1e3, "tokens_per_s": tokens / med,
+                  "tflops": fpt * tokens / med / 1e12, "mfu": fpt * tokens / med / 1e12 / peak if peak else None}
+
+    print(f"\nsingle-rank GPT: {count_parameters(ours) / 1e6:.2f}M params, hidden {a.hidden_size}, layers "
+          f"{a.num_layers}, heads {a.num_attention_heads}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
+          f"vocab {a.vocab_size}, {a.attention_type}, {a.dtype}, {device}, {torch.get_num_threads()} threads")
+    if "loss_ours" in check:
+        print(f"equivalence (fp32): loss ours {check['loss_ours']:.6f} peer {check['loss_peer']:.6f} (rel "
+              f"{check['loss_rel_diff']:.1e}); worst grad {check['worst_grad']} rel {check['worst_grad_rel_diff']:.1e}")
+    print(f"peak: {peak:.3f} TFLOP/s ({peak_desc}); model FLOPs/token {fpt / 1e6:.2f}M (fwd+bwd); "
+          f"median of {len(times['ours'])} alternating steps\n")
+    spread = max(r["step_ms"] / r["min_step_ms"] for r in res.values())
+    paired = statistics.median(p / o for o, p in zip(times["ours"], times["peer"])) if peer else None
+    if spread > 1.15:  # something else runs on the device (seen on shared CPUs: bursts that slow a step 2-10x)
+        print(f"WARNING: noisy timing (a median step is {spread:.2f}x the fastest; load {load0:.1f} -> {load1:.1f} "
+              f"on {os.cpu_count()} CPUs): trust the fastest steps and the paired speedup {paired or 0:.3f}\n")
+    print(f"{'':20}" + "".join(f"{c:>12}" for c in res) + ("   speedup (>1: ours faster)" if "peer" in res else ""))
+    for key, label, fmt in [("step_ms", "median step (ms)", "{:12.1f}"), ("min_step_ms", "fastest step (ms)",
+                            "{:12.1f}"), ("tokens_per_s", "tokens/s", "{:12.0f}"),
+                            ("tflops", "model TFLOP/s", "{:12.4f}"), ("mfu", "MFU", "{:12.2%}")]:
+        row = "".join(fmt.format(res[c][key]) if res[c][key] is not None else f"{'n/a':>12}" for c in res)
+        if "peer" in res and res["peer"][key]:
+            r = res["ours"][key] / res["peer"][key]
+            row += f"{1 / r if key.endswith('ms') else r:12.3f}"
+        print(f"{label:20}{row}")
+
+    out = {"bench": "single_rank", **{f"{k}_{f}" if f != "mfu" else f"mfu_{k}": res.get(k, {}).get(f)
+                                      for f in res["ours"] for k in ("ours", "peer")},
+           "ratio": res["ours"]["tokens_per_s"] / res["peer"]["tokens_per_s"] if "peer" in res else None,
+           "ratio_fastest": res["peer"]["min_step_ms"] / res["ours"]["min_step_ms"] if "peer" in res else None,
+           "ratio_paired": paired,
+           "peak_tflops": peak, "peak_desc": peak_desc, "flops_per_token": fpt, "params": count_parameters(ours),
+           "steps_timed": len(times["ours"]), "loadavg": [load0, load1], "noisy": spread > 1.15,
+           **check,
+           "peer": "nanoGPT-style plain PyTorch (in bench)" if peer else "none (softmax-only peer)",
+           "config": {**vars(a), "ffn_size": cfg.ffn_size, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__}}
+    print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()
