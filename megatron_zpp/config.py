@@ -8,6 +8,7 @@ configuration against the world size before any process group exists.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 
@@ -109,8 +110,11 @@ class ZeroConfig:
     zero_quantized_weights: bool = opt(False, "--zero-quantized-weights", "qwZ: int8 block-quantized weight all-gather")
     zero_hpz_partition_size: int = opt(1, "--zero-hpz-partition-size", "hpZ: secondary weight shard over K ranks of a node")
     zero_quantized_gradients: bool = opt(False, "--zero-quantized-gradients", "qgZ: int4 hierarchical all-to-all gradient reduce")
-    zero_hierarchy: list[int] = opt([], "--zero-hierarchy", "ranks per tier, innermost first (multi-level ZeRO++)",
-                                    nargs="+", type=int)
+    zero_hierarchy: list[int] = opt([], "--zero-hierarchy",
+                                    "multi-level ZeRO++: data-parallel ranks per tier, innermost first (e.g. 2 4); "
+                                    "qgZ reduces tier by tier", nargs="+", type=int)
+    zero_quantization_block_size: int = opt(2048, "--zero-quantization-block-size",
+                                            "elements per quantization block (one fp32 scale each) of qwZ and qgZ")
 
 
 @dataclass
@@ -201,11 +205,6 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 NOT_YET = {
     "context_parallel_size": (lambda c: c.parallel.context_parallel_size > 1,
                               "context parallelism is not implemented yet"),
-    "zero_stage": (lambda c: c.zero.zero_stage > 0, "ZeRO is not implemented yet"),
-    "zero_quantized_weights": (lambda c: c.zero.zero_quantized_weights, "qwZ is not implemented yet"),
-    "zero_hpz_partition_size": (lambda c: c.zero.zero_hpz_partition_size > 1, "hpZ is not implemented yet"),
-    "zero_quantized_gradients": (lambda c: c.zero.zero_quantized_gradients, "qgZ is not implemented yet"),
-    "zero_hierarchy": (lambda c: bool(c.zero.zero_hierarchy), "hierarchical ZeRO++ is not implemented yet"),
     "save": (lambda c: c.train.save is not None, "checkpointing is not implemented yet"),
     "load": (lambda c: c.train.load is not None, "checkpointing is not implemented yet"),
     "reset_attention_mask": (lambda c: c.data.reset_attention_mask, "--reset-attention-mask is not implemented yet"),
@@ -217,6 +216,38 @@ def flag_of(section: str, name: str) -> str:
         if f.name == name:
             return f.metadata["flag"]
     raise KeyError(name)
+
+
+def zero_topology(cfg: Config, world_size: int):
+    """The Topology of this run as arithmetic (no processes), with the sub-node tiers of
+    --zero-hierarchy named tier0, tier1, ... for the ledger."""
+    from .topology import Topology
+    p = cfg.parallel
+    rpn = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    stride = p.tensor_model_parallel_size if p.order.startswith("tp-") else 1  # global ranks between ZeRO peers
+    sub_node = tuple(t * stride for t in cfg.zero.zero_hierarchy if t * stride < rpn and rpn % (t * stride) == 0)
+    return Topology(world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=rpn, sub_node_tiers=sub_node)
+
+
+def qgz_tiers(cfg: Config, topo) -> list[int]:
+    """ZeRO-group ranks per tier for the qgZ hops: --zero-hierarchy, else one node."""
+    return list(cfg.zero.zero_hierarchy) or [topo.zero_ranks_per_node()]
+
+
+def _check_zero_layout(cfg: Config, world_size: int, need) -> None:
+    z = cfg.zero
+    try:
+        topo = zero_topology(cfg, world_size)
+        per_node = topo.zero_ranks_per_node()
+    except ValueError as e:
+        need(False, f"ZeRO++ layout: {e}")
+        return
+    if z.zero_hpz_partition_size > 1:
+        spans = {topo.link_class(g) for g in topo.dp_tier_groups([z.zero_hpz_partition_size])[0]}
+        need("inter_node" not in spans,
+             f"--zero-hpz-partition-size {z.zero_hpz_partition_size} spans nodes: the ZeRO group has {per_node} "
+             f"ranks per node; use a size that divides {per_node}")
 
 
 def validate(cfg: Config, world_size: int) -> Config:
@@ -339,6 +370,27 @@ def validate(cfg: Config, world_size: int) -> Config:
          f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1")
 
     need(z.zero_hpz_partition_size >= 1, "--zero-hpz-partition-size must be >= 1")
+    need(z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
+         "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)")
+    zpp = [f for f, on in [("--zero-quantized-weights", z.zero_quantized_weights),
+                           ("--zero-hpz-partition-size", z.zero_hpz_partition_size > 1),
+                           ("--zero-quantized-gradients", z.zero_quantized_gradients),
+                           ("--zero-hierarchy", bool(z.zero_hierarchy))] if on]
+    for flag in zpp:
+        need(z.zero_stage == 3, f"{flag} is a ZeRO++ feature of ZeRO-3: add --zero-stage 3")
+    zero_group = dp * cp  # weights replicated over DP and CP are sharded over both
+    hpz = z.zero_hpz_partition_size
+    if hpz > 1:
+        need(zero_group % hpz == 0, f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
+             f"(data parallel x context parallel = {zero_group})")
+    tiers = z.zero_hierarchy
+    if tiers:
+        need(all(b % a == 0 for a, b in zip(tiers, tiers[1:])) and all(zero_group % t == 0 for t in tiers)
+             and all(t >= 1 for t in tiers),
+             f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
+             f"size {zero_group}")
+    if not errors and (hpz > 1 or z.zero_quantized_gradients or tiers):
+        _check_zero_layout(cfg, world_size, need)
     need(cfg.log.log_interval >= 1, "--log-interval must be >= 1")
 
     if errors:

@@ -138,29 +138,39 @@ class Topology:
         return sorted(intra), sorted(inter)
 
     def dp_tier_groups(self, tier_sizes: list[int]) -> list[list[list[int]]]:
-        """Multi-level hierarchy over each DP group, innermost first. tier_sizes are DP
-        ranks per tier domain (e.g. [2, 4]: pairs, then 4-rank domains, then all). Hop i
-        groups vary one digit of the mixed-radix DP index: members of one tier-i domain at
-        the same position within their tier-(i-1) domains."""
-        dp = self.sizes["dp"]
-        spans = list(tier_sizes) + [dp]
+        """Multi-level hierarchy over each ZeRO group (DP x CP: the ranks that share
+        weights), innermost first. tier_sizes are its ranks per tier domain (e.g. [2, 4]:
+        pairs, then 4-rank domains, then all). Hop i groups vary one digit of the
+        mixed-radix index in the ZeRO group: the members of one tier-i domain at the same
+        position within their tier-(i-1) domains."""
+        n = self.sizes["dp"] * self.sizes["cp"]
+        spans = list(tier_sizes) + [n]
         radices, prev = [], 1
         for s in spans:
-            if s < 1 or s % prev or dp % s:
-                raise ValueError(f"tier sizes {tier_sizes} must each divide the next and DP size {dp}")
+            if s < 1 or s % prev or n % s:
+                raise ValueError(f"tier sizes {tier_sizes} must each divide the next and the ZeRO group size {n}")
             radices.append(s // prev)
             prev = s
         hops: list[list[list[int]]] = [[] for _ in spans]
-        for dp_group in self.groups(["dp"]):
+        for zero_group in self.groups(["dp", "cp"]):
             lower = 1
             for i, radix in enumerate(radices):
-                for idx in range(dp):
+                for idx in range(n):
                     if (idx // lower) % radix == 0:  # first member of its hop group
-                        hops[i].append([dp_group[idx + j * lower] for j in range(radix)])
+                        hops[i].append([zero_group[idx + j * lower] for j in range(radix)])
                 lower *= radix
         return [sorted(h) for h in hops]
 
-    def all_group_kinds(self, dp_tiers: list[int] | None = None) -> dict[str, list[list[int]]]:
+    def zero_ranks_per_node(self) -> int:
+        """Members of a ZeRO group (DP x CP) on one node; raises if nodes hold unequal shares."""
+        counts = {sum(1 for r in g if self.node_of(r) == node) for g in self.groups(["dp", "cp"])
+                  for node in {self.node_of(r) for r in g}}
+        if len(counts) != 1:
+            raise ValueError("the ZeRO group (DP x CP) is spread unevenly over nodes; hierarchical ZeRO++ needs "
+                             "the same number of its ranks on every node (check --ranks-per-node and the order)")
+        return counts.pop()
+
+    def all_group_kinds(self, dp_tiers: list[int] | None = None, hpz: int = 1) -> dict[str, list[list[int]]]:
         kinds = {a: self.groups([a]) for a in AXES}
         kinds.update({name: self.groups(axes) for name, axes in COMPOSITE.items()})
         kinds["embedding"] = self.embedding_groups()
@@ -170,6 +180,8 @@ class Topology:
             pass  # uneven layout: only hierarchical DP features need these, and they check
         for i, hop in enumerate(self.dp_tier_groups(dp_tiers) if dp_tiers else []):
             kinds[f"dp_tier{i}"] = hop
+        if hpz > 1:  # hpZ: the secondary weight shard lives in consecutive ZeRO-group ranks
+            kinds["dp_hpz"] = self.dp_tier_groups([hpz])[0]
         return kinds
 
 
@@ -199,14 +211,14 @@ class ProcessGroups:
         return self.pp_rank == self.topo.sizes["pp"] - 1
 
 
-def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, backend: str | None = None
-                 ) -> ProcessGroups:
+def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, hpz: int = 1,
+                 backend: str | None = None) -> ProcessGroups:
     """Create every process group (collective: all ranks call this identically)."""
     import torch.distributed as dist
 
     created: dict[tuple[int, ...], object] = {}
     mine: dict[str, Group] = {}
-    for kind, groups in topo.all_group_kinds(dp_tiers).items():
+    for kind, groups in topo.all_group_kinds(dp_tiers, hpz).items():
         for members in groups:
             key = tuple(members)
             if len(key) > 1 and key not in created and dist.is_initialized():

@@ -18,18 +18,18 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import Config
+from .config import Config, qgz_tiers, zero_topology
 from .data.loader import BatchIterator
 from .logging_utils import MetricsSink, log
 from .model import GPT, count_parameters, init_weights
 from .ops.norm import backend as norm_backend
-from .optim import MixedPrecisionAdamW, clip_, counted_once, finalize_model_grads, global_grad_norm, learning_rate
+from .optim import learning_rate
 from .perf import flops_per_token, memory_gib, peak_tflops
 from .pipeline_parallel import StageLink, run_schedule, stage_layers, virtual_stage_layers
 from .tensor_parallel.mappings import gather_from_tp
 from .tensor_parallel.random import seed_parallel_rng
-from .topology import ProcessGroups, Topology, build_groups
-from .zero import GradBuffer
+from .topology import ProcessGroups, build_groups
+from .zero import PlainDP, ZeroDP
 
 
 @dataclass
@@ -41,8 +41,7 @@ class Run:
     tokenizer: object
     chunks: list[GPT]            # this pipeline stage's model chunks (one, or V virtual stages)
     link: StageLink | None       # p2p to the neighbouring stages (None without PP)
-    optimizer: MixedPrecisionAdamW
-    grads: GradBuffer
+    dp: PlainDP | ZeroDP         # gradient reduction, clipping and the optimizer step
     train_data: BatchIterator
     valid_data: object
     iteration: int = 0
@@ -64,10 +63,10 @@ def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
-    p = cfg.parallel
-    topo = Topology(world, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=p.ranks_per_node)
-    return build_groups(topo, rank, dp_tiers=cfg.zero.zero_hierarchy or None), device
+    z = cfg.zero
+    topo = zero_topology(cfg, world)
+    tiers = qgz_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
+    return build_groups(topo, rank, dp_tiers=tiers, hpz=z.zero_hpz_partition_size), device
 
 
 def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:
@@ -126,9 +125,8 @@ def setup(cfg: Config) -> Run:
                                 cfg.model.make_vocab_size_divisible_by, groups.tp.size)
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    grads = GradBuffer(params)
-    optimizer = MixedPrecisionAdamW(params, cfg.optim)
+    n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)  # before ZeRO-3 shards them
+    dp = build_dp_engine(cfg, chunks, groups)
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     link = StageLink(groups.pp, activation_shape(cfg, groups), dtype, device) if groups.pp.size > 1 else None
     train_data, valid_data = build_data(cfg, groups, tokenizer, device, consumed=0)
@@ -138,7 +136,6 @@ def setup(cfg: Config) -> Run:
         f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size} (order {p.order}, "
         f"{groups.topo.num_nodes} node(s) of {groups.topo.ranks_per_node} ranks), device {device}", rank)
     kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
-    n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)
     log(f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{tokenizer.vocab_size} padded to {tokenizer.padded_vocab_size}, "
@@ -146,7 +143,18 @@ def setup(cfg: Config) -> Run:
     log(f"kernels: {norm_backend(device)}; attention: torch SDPA; GLA: torch chunked reference; "
         f"transformer-engine: {'present, not used' if _importable('transformer_engine') else 'not installed'}",
         rank)
-    return Run(cfg, groups, device, rank, tokenizer, chunks, link, optimizer, grads, train_data, valid_data)
+    log(dp.describe(), rank)
+    return Run(cfg, groups, device, rank, tokenizer, chunks, link, dp, train_data, valid_data)
+
+
+def build_dp_engine(cfg: Config, chunks: list[GPT], groups: ProcessGroups) -> PlainDP | ZeroDP:
+    z = cfg.zero
+    if z.zero_stage == 0:
+        return PlainDP(chunks, groups, cfg.optim)
+    hops = None
+    if z.zero_quantized_gradients:
+        hops = [getattr(groups, f"dp_tier{i}") for i in range(len(qgz_tiers(cfg, groups.topo)) + 1)]
+    return ZeroDP(chunks, groups, cfg.optim, z, qgz_hops=hops)
 
 
 def _importable(name: str) -> bool:
@@ -171,17 +179,10 @@ def _position_offset(run: Run) -> int:
 
 def train_step(run: Run) -> tuple[float, float, float]:
     """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
-    cfg, g = run.cfg, run.groups
-    run.grads.zero()
-    losses = run_schedule(run.chunks, run.train_data, cfg.num_micro_batches, run.link, _position_offset(run))
-    finalize_model_grads(run.chunks, g, run.grads)
-
-    params = [p for chunk in run.chunks for p in chunk.parameters() if p.requires_grad]
-    counted = [p.main_grad for p in params if counted_once(p, g.tp_rank, g.is_first_stage)]
-    grad_norm = global_grad_norm(counted, [g.mp])
-    clip_([p.main_grad for p in params], grad_norm, cfg.optim.clip_grad)
-    lr = learning_rate(cfg.optim, run.iteration, cfg.train.train_iters)
-    run.optimizer.step(lr)
+    run.dp.zero_grad()
+    losses = run_schedule(run.chunks, run.train_data, run.cfg.num_micro_batches, run.link, _position_offset(run))
+    lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
+    grad_norm = run.dp.step(lr)
     return _report_loss(run, losses), grad_norm, lr
 
 

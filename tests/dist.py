@@ -9,8 +9,11 @@ a hang is killed after `timeout` seconds and reported as such.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import queue as queue_lib
 import socket
+import time
 import traceback
 
 import torch
@@ -29,6 +32,7 @@ def _worker(rank, world_size, port, env, fn, args, queue):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    faulthandler.enable()  # a crash in native code prints its Python stack instead of vanishing
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -49,18 +53,24 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, env: dict 
         p.start()
     results: dict[int, object] = {}
     failures = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and not failures:
             try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Exception:  # queue.Empty
-                raise TimeoutError(f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s "
-                                   f"(ranks done: {sorted(results)})") from None
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_lib.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead:  # exited without reporting: killed, or crashed in native code
+                    failures.append((dead[0][0], f"process exited with code {dead[0][1]} without a result "
+                                                  f"(see its stderr above)"))
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s "
+                                       f"(ranks done: {sorted(results)})") from None
+                continue
             if ok:
                 results[rank] = value
             else:
                 failures.append((rank, value))
-                break  # the others may now hang in a collective: stop them
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 0.5)

@@ -43,6 +43,8 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
     losses = [h["loss"] for h in training.train(run)]
+    if hasattr(run.dp, "gather_all"):  # ZeRO-3 keeps only shards between uses
+        run.dp.gather_all()
     weights = {name: p.detach().double().numpy().copy() for chunk in run.chunks
                for name, p in chunk.named_parameters()}
     splits = {name: p.tp_split for chunk in run.chunks for name, p in chunk.named_parameters()}

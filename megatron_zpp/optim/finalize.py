@@ -12,10 +12,10 @@ import torch
 
 from .. import comm
 from ..topology import ProcessGroups
-from ..zero import GradBuffer
 
 
-def finalize_model_grads(chunks: list[torch.nn.Module], groups: ProcessGroups, grads: GradBuffer) -> None:
+def finalize_model_grads(chunks: list[torch.nn.Module], groups: ProcessGroups, grads) -> None:
+    """grads: the zero.GradBuffer holding every parameter's main_grad."""
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
     if sp and groups.tp.size > 1:

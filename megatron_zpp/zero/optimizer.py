@@ -1,0 +1,267 @@
+"""The data-parallel engines: what happens between the last backward and the next step.
+
+`PlainDP` (stage 0): full gradients in one fp32 buffer, all-reduced over DP x CP.
+
+`ZeroDP` (stages 1-3) over the ZeRO group (DP x CP):
+* stage 1: full fp32 gradients accumulate over the micro-batches and are
+  reduce-scattered once per step; each rank updates its shard of the fp32 master
+  weights and optimizer state, then the weights are all-gathered;
+* stage 2: each unit's gradients are reduce-scattered as soon as its backward is done
+  (overlapping the rest of the backward) and accumulate in an fp32 shard;
+* stage 3: as stage 2, and the weights themselves live as shards, gathered unit by unit
+  just before use (the next unit's gather is issued while the current one computes) and
+  freed after; with qwZ, hpZ and qgZ (ZeRO++) as configured.
+
+Every engine then finishes the gradients the same way (sequence-parallel norm weights
+summed over TP, the tied embedding over its two stages), divides by the ZeRO group size
+exactly once, clips by the global norm (each parameter counted once over TP, PP and DP)
+and steps AdamW on fp32 master weights.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import comm
+from ..optim import MixedPrecisionAdamW, clip_, counted_once, finalize_model_grads, global_grad_norm
+from ..topology import ProcessGroups
+from .grad_buffer import GradBuffer
+from .grad_reduce import hierarchical_reduce_scatter
+from .sharded_params import FlatUnit
+
+
+class PlainDP:
+    def __init__(self, chunks, groups: ProcessGroups, optim_cfg):
+        self.chunks, self.groups = chunks, groups
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self.grads = GradBuffer(self.params)
+        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
+        self.clip = optim_cfg.clip_grad
+
+    def describe(self) -> str:
+        return (f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({self.groups.dp_cp.size} ranks, "
+                f"{self.groups.dp_cp.link})")
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def step(self, lr: float) -> float:
+        g = self.groups
+        finalize_model_grads(self.chunks, g, self.grads)
+        counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
+        norm = global_grad_norm(counted, [g.mp])
+        clip_([p.main_grad for p in self.params], norm, self.clip)
+        self.optimizer.step(lr)
+        return norm
+
+
+def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
+    """(name, params, module) per unit: embedding, each block, head (final norm, output)."""
+    units = []
+    if hasattr(chunk, "embedding"):
+        units.append(("embedding", list(chunk.embedding.parameters()), None))
+    for idx, block in chunk.layers.items():
+        units.append((f"layer{idx}", list(block.parameters()), block))
+    head = [p for n, p in chunk.named_parameters() if n.startswith(("final_norm.", "output."))]
+    if head:
+        units.append(("head", head, None))
+    return units
+
+
+class ZeroDP:
+    def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, qgz_hops=None):
+        self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
+        self.group = groups.dp_cp
+        self.clip = optim_cfg.clip_grad
+        self.qgz_hops = qgz_hops
+        self.block = block = zero_cfg.zero_quantization_block_size
+        hpz = groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
+        qwz = block if zero_cfg.zero_quantized_weights else None
+        self.units: list[FlatUnit] = []
+        self.roots, self.blocks = [], []  # per chunk: units used by the chunk's own code / by blocks
+        for chunk in chunks:
+            roots, blocks = [], []
+            for name, params, module in model_units(chunk):
+                unit = FlatUnit(name, params, self.group, self.stage, block, hpz=hpz, qwz_block=qwz)
+                unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
+                self.units.append(unit)
+                (blocks if module is not None else roots).append((unit, module))
+            self.roots.append([u for u, _ in roots])
+            self.blocks.append(blocks)
+            if self.stage == 3:
+                self._install_gather_hooks(chunk, self.roots[-1], blocks)
+
+        for unit in self.units:  # fp32 master shard, fp32 gradient shard
+            unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
+            unit.flat_grad, unit.ready = None, 0
+            if self.stage == 1:
+                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._grad_hook(unit))
+        self._pending: list = []
+
+        decay, no_decay = [], []
+        self.opt_segments = []  # (unit, a, b, master view param)
+        for unit in self.units:
+            for p, a, b, _ in unit.segments():
+                view = torch.nn.Parameter(unit.master[a:b])
+                self.opt_segments.append((unit, a, b, view))
+                (decay if unit.ndims[id(p)] >= 2 else no_decay).append(view)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2), eps=optim_cfg.adam_eps,
+            foreach=True)
+
+    def describe(self) -> str:
+        mib = 2 ** -20
+        numel = sum(u.numel for u in self.units)
+        padded = sum(u.padded for u in self.units)
+        size = self.units[0].full.element_size() if self.units else 4
+        parts = [f"ZeRO-{self.stage} over DP x CP ({self.group.size} ranks, {self.group.link}): {len(self.units)} "
+                 f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
+                 f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"]
+        u0 = self.units[0] if self.units else None
+        if u0 is not None and u0.qwz_block:
+            parts.append(f"qwZ int8 weight gathers, blocks of {u0.qwz_block}")
+        if u0 is not None and u0.hpz is not None:
+            extra = sum(u.secondary_numel for u in self.units) * size * mib
+            parts.append(f"hpZ secondary shard over {u0.hpz.size} ranks ({u0.hpz.link}): {extra:.2f} MiB extra per rank")
+        if self.qgz_hops is not None:
+            hops = ", ".join(f"{h.size} ranks {h.link}" for h in self.qgz_hops)
+            parts.append(f"qgZ int4 hierarchical gradient all-to-all, blocks of {self.block}, hops: {hops}")
+        return "; ".join(parts)
+
+    def gather_all(self) -> None:
+        """Make every weight readable in full (export, generation, tests); stage 3 frees
+        them again at the next use."""
+        for unit in self.units:
+            unit.gather()
+
+    # ---- stage 3: gather before use, free after ----------------------------------------
+    def _install_gather_hooks(self, chunk, roots: list[FlatUnit], blocks: list[tuple[FlatUnit, torch.nn.Module]]):
+        units = [u for u, _ in blocks]
+
+        def chunk_forward(module, args, kwargs):
+            for u in roots:
+                u.gather()
+            if units:
+                units[0].start_gather(backward=False)
+
+        def chunk_backward(module, grad_output):
+            for u in roots:
+                u.gather(backward=True)
+            if units:
+                units[-1].start_gather(backward=True)
+
+        # the chunk's inputs (token ids) need no grad; the pre-hook only needs the output grads
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                "respect to module outputs since no inputs require gradients")
+        chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
+        chunk.register_full_backward_pre_hook(chunk_backward)
+        for i, (unit, block) in enumerate(blocks):
+            nxt = units[i + 1] if i + 1 < len(units) else None
+            prev = units[i - 1] if i > 0 else None
+            block.register_forward_pre_hook(self._before_forward(unit, nxt))
+            block.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
+            block.register_full_backward_pre_hook(self._before_backward(unit, prev))
+
+    @staticmethod
+    def _before_forward(unit: FlatUnit, nxt: FlatUnit | None):
+        def hook(module, args):
+            unit.gather()
+            if nxt is not None:  # prefetch: the next block's gather runs while this one computes
+                nxt.start_gather(backward=False)
+        return hook
+
+    @staticmethod
+    def _before_backward(unit: FlatUnit, prev: FlatUnit | None):
+        def hook(module, grad_output):
+            unit.gather(backward=True)
+            if prev is not None:
+                prev.start_gather(backward=True)
+        return hook
+
+    # ---- gradients -----------------------------------------------------------------------
+    def _grad_hook(self, unit: FlatUnit):
+        index = {id(p): i for i, p in enumerate(unit.params)}
+
+        def hook(p):
+            i = index[id(p)]
+            off, n = unit.offsets[i], unit.numels[i]
+            if unit.flat_grad is None:
+                unit.flat_grad = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+            unit.flat_grad[off:off + n].add_(p.grad.reshape(-1))
+            p.grad = None
+            if self.stage >= 2:
+                unit.ready += 1
+                if unit.ready == len(unit.params):
+                    self._reduce(unit)
+        return hook
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        """Reduce-scatter one unit's gradients into its fp32 shard (summed, not averaged)."""
+        flat, unit.flat_grad, unit.ready = unit.flat_grad, (None if self.stage >= 2 else unit.flat_grad), 0
+        if self.qgz_hops is not None:
+            unit.grad_shard.add_(hierarchical_reduce_scatter(flat, self.qgz_hops, "qgz_grad", bits=4, block=self.block))
+        else:
+            out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+            work = comm.reduce_scatter(out, flat, self.group, "zero_grad_reducescatter", async_op=True)
+            self._pending.append((unit, out, work, flat))
+        unit.release()  # stage 3: its backward is over
+
+    def _drain(self) -> None:
+        for unit, out, work, _ in self._pending:
+            work.wait()
+            unit.grad_shard.add_(out)
+        self._pending.clear()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            if self.stage == 1:
+                unit.flat_grad.zero_()
+
+    def _finish_grads(self) -> None:
+        g = self.groups
+        if self.stage == 1:
+            for unit in self.units:
+                self._reduce(unit)
+        for unit in self.units:  # a unit whose backward did not touch every parameter
+            if self.stage >= 2 and unit.ready:
+                self._reduce(unit)
+        self._drain()
+
+        sp = [(u, a, b) for u in self.units for p, a, b, _ in u.segments() if getattr(p, "sequence_parallel", False)]
+        if sp and g.tp.size > 1:  # norm weights under sequence parallelism: partial sums over TP
+            flat = torch.cat([u.grad_shard[a:b] for u, a, b in sp])
+            comm.all_reduce(flat, g.tp, "sp_norm_grad_allreduce")
+            off = 0
+            for u, a, b in sp:
+                u.grad_shard[a:b].copy_(flat[off:off + b - a])
+                off += b - a
+        if "embedding" in g and g.embedding.size > 1:
+            for unit in self.units:
+                if unit.tied:
+                    comm.all_reduce(unit.grad_shard, g.embedding, "embedding_grad_allreduce")
+        for unit in self.units:
+            unit.grad_shard.div_(self.group.size)
+
+    def step(self, lr: float) -> float:
+        self._finish_grads()
+        g = self.groups
+        counted = [u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments()
+                   if counted_once(p, g.tp_rank, g.is_first_stage)]
+        norm = global_grad_norm(counted, [self.group, g.mp])
+        clip_([u.grad_shard for u in self.units], norm, self.clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for unit, a, b, view in self.opt_segments:
+            view.grad = unit.grad_shard[a:b]
+        self.optimizer.step()
+        for _, _, _, view in self.opt_segments:
+            view.grad = None
+        for unit in self.units:
+            unit.set_shard(unit.master)
+        return norm

@@ -1,0 +1,134 @@
+"""ZeRO parameter units: groups of parameters stored as one flat buffer, sharded over
+the ZeRO group (data parallel x context parallel).
+
+A unit is a transformer block, the embedding, or the head (final norm and untied output
+layer). Its flat buffer is padded to a multiple of group size x quantization block, so
+every shard and every quantization block is whole. Rank r owns slice r of the flat
+buffer: its fp32 master weights, optimizer state and (stages 2-3) gradients.
+
+Stage 3 keeps only the shard between uses: the full buffer's storage is freed after a
+unit's forward and re-gathered before its backward (saved activations keep pointing into
+the same storage, so they are valid again once it is refilled).
+
+* qwZ: the forward gather sends int8 blocks with one fp32 scale each.
+* hpZ: the forward gather also leaves each rank a secondary shard, its slice of the full
+  weights within its hpZ group (inside one node); the backward gather reads only those,
+  so it never leaves the node. The secondary is rebuilt by every forward gather, so it is
+  never older than the weights that forward used, and it is written before the unit's
+  backward (which is the only reader) can start.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from ..topology import Group
+from .quantize import dequantize_int8, quantize_int8
+
+
+class FlatUnit:
+    def __init__(self, name: str, params: list[torch.nn.Parameter], group: Group, stage: int, pad_block: int,
+                 hpz: Group | None = None, qwz_block: int | None = None):
+        self.name, self.params, self.group, self.stage = name, params, group, stage
+        self.hpz, self.qwz_block = hpz, qwz_block
+        p0 = params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.numels = [p.numel() for p in params]
+        self.ndims = {id(p): p.ndim for p in params}  # stage 3 empties p.data; weight decay needs the real rank
+        self.offsets = [0] + list(torch.tensor(self.numels).cumsum(0).tolist())
+        self.numel = self.offsets[-1]
+        self.padded = math.ceil(self.numel / (group.size * pad_block)) * group.size * pad_block
+        self.shard_numel = self.padded // group.size
+        self.lo = group.rank * self.shard_numel  # my slice [lo, hi) of the flat buffer
+        self.hi = self.lo + self.shard_numel
+
+        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p, off, n in zip(params, self.offsets, self.numels):
+            self.full[off:off + n].copy_(p.detach().reshape(-1))
+        self._views = [self.full[off:off + n].view(p.shape) for p, off, n in zip(params, self.offsets, self.numels)]
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._attach()
+        self.shard = self.full[self.lo:self.hi].clone()  # training-dtype copy of my slice (what I send)
+        self.gathered, self._pending = True, None
+        if hpz is not None:
+            self.secondary_numel = self.padded // hpz.size
+            self.secondary = self.full[hpz.rank * self.secondary_numel:(hpz.rank + 1) * self.secondary_numel].clone()
+        if stage == 3:
+            self.release()
+
+    # ---- parameter gathering (stage 3) -----------------------------------------------
+    def start_gather(self, backward: bool) -> None:
+        """Issue the all-gather of this unit's full weights (async; `wait_gather` ends it)."""
+        if self.gathered or self._pending is not None:
+            return
+        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        if backward and self.hpz is not None:  # hpZ: inside the node, from the secondary shards
+            work = comm.all_gather(self.full, self.secondary, self.hpz, "zero_bwd_allgather", async_op=True)
+            self._pending = ("plain", [work], None, True)
+        elif self.qwz_block:
+            q, scales = quantize_int8(self.shard, self.qwz_block)
+            q_all = q.new_empty(self.padded)
+            s_all = scales.new_empty(scales.numel() * self.group.size)
+            phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
+            works = [comm.all_gather(q_all, q, self.group, phase, async_op=True),
+                     comm.all_gather(s_all, scales, self.group, phase + "_scales", async_op=True)]
+            self._pending = ("qwz", works, (q_all, s_all), backward)
+        else:
+            phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
+            work = comm.all_gather(self.full, self.shard, self.group, phase, async_op=True)
+            self._pending = ("plain", [work], None, backward)
+
+    def wait_gather(self) -> None:
+        if self.gathered:
+            return
+        if self._pending is None:
+            raise RuntimeError(f"ZeRO unit {self.name}: waited for a gather that was never started")
+        kind, works, bufs, backward = self._pending
+        for w in works:
+            w.wait()
+        if kind == "qwz":
+            self.full.copy_(dequantize_int8(bufs[0], bufs[1], self.qwz_block, self.dtype))
+        if self.hpz is not None and not backward:
+            s = self.secondary_numel
+            self.secondary.copy_(self.full[self.hpz.rank * s:(self.hpz.rank + 1) * s])
+        self._pending, self.gathered = None, True
+        self._attach()
+
+    def gather(self, backward: bool = False) -> None:
+        self.start_gather(backward)
+        self.wait_gather()
+
+    def release(self) -> None:
+        """Free the full weights (stage 3); the shard stays."""
+        if self.stage == 3 and self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+            for p in self.params:  # reading a released weight gives an empty tensor, not freed memory
+                p.data = self._empty
+
+    def _attach(self) -> None:
+        for p, view in zip(self.params, self._views):
+            p.data = view
+
+    # ---- after the optimizer step ------------------------------------------------------
+    def set_shard(self, new_shard: torch.Tensor) -> None:
+        """Take the updated shard; stages 1-2 gather the full weights again at once."""
+        self.shard.copy_(new_shard)
+        if self.stage < 3:
+            comm.all_gather(self.full, self.shard, self.group, "zero_param_allgather")
+        else:
+            self.release()
+
+    # ---- shard geometry ----------------------------------------------------------------
+    def segments(self):
+        """(param, start in shard, end in shard, start in param) for each parameter piece
+        that falls into this rank's shard."""
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            a, b = max(off, self.lo), min(off + n, self.hi)
+            if a < b:
+                yield p, a - self.lo, b - self.lo, a - off
+
+    def full_param_numel(self) -> int:
+        return self.numel
