@@ -93,8 +93,9 @@ class ParallelConfig:
         None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage (default: even split)")
     context_parallel_size: int = opt(1, "--context-parallel-size", "CP: ranks that split each sequence")
     sequence_parallel: bool = opt(False, "--sequence-parallel", "Megatron sequence parallelism in norm/dropout regions")
-    cp_algo: str = opt("all-scan", "--cp-algo", "linear-attention CP algorithm",
-                       choices=["all-scan", "all-gather", "ring"])
+    cp_algo: str = opt("all-scan", "--cp-algo", "GLA state passing under CP: ZeCO all-scan, LASP-2 all-gather, "
+                       "LASP-1 ring (softmax layers all-gather K/V)", choices=["all-scan", "all-gather", "ring"])
+    all_scan_blocks: int = opt(1, "--all-scan-blocks", "All-Scan: pipeline the state in this many blocks along d_k")
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(
         None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes")
@@ -203,11 +204,11 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
 NOT_YET = {
-    "context_parallel_size": (lambda c: c.parallel.context_parallel_size > 1,
-                              "context parallelism is not implemented yet"),
     "save": (lambda c: c.train.save is not None, "checkpointing is not implemented yet"),
     "load": (lambda c: c.train.load is not None, "checkpointing is not implemented yet"),
-    "reset_attention_mask": (lambda c: c.data.reset_attention_mask, "--reset-attention-mask is not implemented yet"),
+    "reset_attention_mask": (lambda c: c.data.reset_attention_mask,
+                             "--reset-attention-mask (decay and attention reset at document boundaries) is not "
+                             "implemented yet: documents are packed and attend across boundaries"),
 }
 
 
@@ -313,6 +314,8 @@ def validate(cfg: Config, world_size: int) -> Config:
          f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}")
     need(m.seq_length % cp == 0,
          f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}")
+    if p.all_scan_blocks < 1 or m.head_dim % p.all_scan_blocks:
+        need(False, f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}")
     if m.attention_type == "gla":
         need((m.seq_length // cp) % m.gla_chunk_size == 0,
              f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}")

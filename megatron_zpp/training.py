@@ -82,7 +82,8 @@ def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: tor
     for v, layers in enumerate(layer_sets):
         chunk = GPT(cfg.model, vocab_size, tp=groups.tp, sequence_parallel=p.sequence_parallel, layer_ids=layers,
                     pre_process=groups.is_first_stage and v == 0,
-                    post_process=groups.is_last_stage and v == len(layer_sets) - 1)
+                    post_process=groups.is_last_stage and v == len(layer_sets) - 1,
+                    cp=groups.cp, cp_algo=p.cp_algo, all_scan_blocks=p.all_scan_blocks)
         init_weights(chunk, cfg.train.seed, groups.tp_rank, groups.tp.size)
         chunks.append(chunk.to(device=device, dtype=dtype))
     return chunks

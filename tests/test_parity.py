@@ -32,6 +32,10 @@ LAYOUTS = {  # name: (world size, layers, flags)
     "pp4_interleaved": (4, 8, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_pp2": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2_pp2_dp2": (8, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, 4, ["--context-parallel-size", "2"]),
+    "tp2_cp2_sp": (4, 4, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
+                          "--all-scan-blocks", "2"]),
+    "cp4_allgather": (4, 4, ["--context-parallel-size", "4", "--cp-algo", "all-gather"]),
 }
 
 
@@ -116,9 +120,9 @@ def check_ledger(kind, layers, flags, world, results):
     chunk boundary each way."""
     cfg = validate(parse_args(argv_for(kind, layers, flags)), world)
     p = cfg.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     micro = cfg.num_micro_batches
-    act = MBS * SEQ * HIDDEN * 4
+    act = MBS * SEQ // cp * HIDDEN * 4
     for r in results:
         rows, c = r["ledger"], r["coords"]
         if tp > 1:
@@ -132,6 +136,16 @@ def check_ledger(kind, layers, flags, world, results):
                 ring = 2 * (tp - 1) / tp * act * micro
                 assert _bytes(rows, "tp", "tp_fwd_allreduce") == pytest.approx((2 * stage_layers + first) * ring)
                 assert _bytes(rows, "tp", "tp_bwd_allreduce") == pytest.approx((2 * stage_layers + last) * ring)
+        if cp > 1:  # GLA: one fp32 state [micro, heads/TP, d, d] per layer each way (All-Scan), whatever CP is
+            m = cfg.model
+            gla_layers = sum(m.layer_kind(i) == "gla" for i in range(layers))
+            state = MBS * (m.num_attention_heads // tp) * m.head_dim ** 2 * 4
+            fwd, bwd = _bytes(rows, "cp", "cp_allscan_fwd"), _bytes(rows, "cp", "cp_allscan_bwd")
+            if p.cp_algo == "all-scan":
+                assert fwd == pytest.approx(micro * gla_layers * state * (c["cp"] != cp - 1))
+                assert bwd == pytest.approx(micro * gla_layers * state * (c["cp"] != 0))
+            else:  # LASP-2: every rank gathers (P-1) states (+ their decays), so the bytes grow with P
+                assert _bytes(rows, "cp", "cp_lasp2_fwd") >= micro * gla_layers * state * (cp - 1)
         if pp > 1:
             chunks = p.num_layers_per_virtual_pipeline_stage and layers // (pp * p.num_layers_per_virtual_pipeline_stage)
             chunks = chunks or 1

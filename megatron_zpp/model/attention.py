@@ -11,13 +11,15 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..sequence_parallel import attention_context_parallel
 from ..tensor_parallel.random import model_parallel_rng
 from .rope import apply_rope
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float):
+    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float, cp=None, **_):
         super().__init__()
+        self.cp = cp
         n = 1 if tp is None else tp.size
         self.head_dim = d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
@@ -36,7 +38,11 @@ class SelfAttention(nn.Module):
         k = apply_rope(k.view(B, T, self.kv_heads, d), *rope)
         v = v.view(B, T, self.kv_heads, d)
         dropout = self.dropout if self.training else 0.0
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                               dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
+            if self.cp is not None and self.cp.size > 1:  # local queries against the keys of every CP slice
+                o = attention_context_parallel(q, k, v, self.cp, dropout, self.training)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                   enable_gqa=self.kv_heads != self.heads)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))

@@ -4,7 +4,8 @@ A stack of pre-norm blocks: token embedding -> [norm -> mixer -> residual, norm 
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
 attention (config.layer_kind). Parallelism enters only through the layers: they take
-the tensor-parallel group, and a pipeline stage builds the model with just its layers
+the tensor-parallel group (and the context-parallel group: each rank then holds a
+contiguous slice of the sequence, at `position_offset`), and a pipeline stage builds the model with just its layers
 (`layer_ids`) and the ends it owns (`pre_process`: embedding, `post_process`: output).
 """
 from __future__ import annotations
@@ -26,12 +27,14 @@ from .rope import rope_tables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, tp, sequence_parallel: bool, cp=None, cp_algo: str = "all-scan",
+                 all_scan_blocks: int = 1):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
         mixer = SelfAttention if cfg.layer_kind(layer) == "softmax" else GatedLinearAttention
         self.norm1 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
-        self.mixer = mixer(cfg, tp, sequence_parallel, out_std)
+        self.mixer = mixer(cfg, tp, sequence_parallel, out_std, cp=cp, cp_algo=cp_algo,
+                           all_scan_blocks=all_scan_blocks)
         self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
         self.mlp = MLP(cfg, tp, sequence_parallel, out_std)
         # sequence-parallel activations differ per TP rank: their dropout masks must too
@@ -45,7 +48,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, tp=None, sequence_parallel: bool = False,
-                 layer_ids=None, pre_process: bool = True, post_process: bool = True):
+                 layer_ids=None, pre_process: bool = True, post_process: bool = True, cp=None,
+                 cp_algo: str = "all-scan", all_scan_blocks: int = 1):
         super().__init__()
         self.cfg, self.tp, self.sequence_parallel = cfg, tp, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
@@ -56,7 +60,8 @@ class GPT(nn.Module):
             self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp, cfg.init_method_std,
                                                     sequence_parallel)
             self.embedding.weight.pipeline_duplicate = not pre_process  # the first stage's copy is the one counted
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, sequence_parallel) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, sequence_parallel, cp, cp_algo, all_scan_blocks)
+                                     for i in layer_ids})
         if post_process:
             self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
             if not self.tied:

@@ -14,14 +14,17 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..ops.gla import chunk_gla
+from ..sequence_parallel import gla_context_parallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float):
+    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float, cp=None, cp_algo="all-scan",
+                 all_scan_blocks: int = 1):
         super().__init__()
         n = 1 if tp is None else tp.size
+        self.cp, self.cp_algo, self.all_scan_blocks = cp, cp_algo, all_scan_blocks
         self.heads, self.head_dim = cfg.num_attention_heads // n, cfg.head_dim
         self.chunk_size, self.normalizer, self.eps = cfg.gla_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
         width = cfg.num_attention_heads * cfg.head_dim
@@ -35,11 +38,14 @@ class GatedLinearAttention(nn.Module):
         B, T, _ = h.shape
         q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in h.chunk(5, dim=-1))
         g = F.logsigmoid(g.float()) / self.normalizer
-        pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
-        if pad:
-            q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
-        o, _ = chunk_gla(q, k, v, g, chunk_size=self.chunk_size)
-        o = o[:, :T]
+        if self.cp is not None and self.cp.size > 1:  # this rank's slice; the state flows over the CP ranks
+            o = gla_context_parallel(q, k, v, g, self.cp, self.cp_algo, self.all_scan_blocks,
+                                     chunk_size=self.chunk_size)
+        else:
+            pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
+            if pad:
+                q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+            o = chunk_gla(q, k, v, g, chunk_size=self.chunk_size)[0][:, :T]
         o = F.rms_norm(o.float(), (self.head_dim,), eps=self.eps) * self.head_norm.float().view(self.heads, -1)
         o = o.to(x.dtype) * F.silu(gate)
         return self.proj_out(o.reshape(B, T, -1))
