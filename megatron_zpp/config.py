@@ -114,6 +114,12 @@ class ZeroConfig:
     zero_hierarchy: list[int] = opt([], "--zero-hierarchy",
                                     "multi-level ZeRO++: data-parallel ranks per tier, innermost first (e.g. 2 4); "
                                     "qgZ reduces tier by tier", nargs="+", type=int)
+    zero_param_persistence: str = opt(
+        "microbatch", "--zero-param-persistence",
+        "ZeRO-3: free gathered weights after each micro-batch's forward and backward (least memory; 2 gathers per "
+        "micro-batch), or keep them from their first gather until the optimizer step (1 gather per step; with "
+        "pipelining and many micro-batches this trades ZeRO-2-like weight memory for far fewer gathers)",
+        choices=["microbatch", "step"])
     zero_quantization_block_size: int = opt(2048, "--zero-quantization-block-size",
                                             "elements per quantization block (one fp32 scale each) of qwZ and qgZ")
 
@@ -375,12 +381,13 @@ def validate(cfg: Config, world_size: int) -> Config:
     need(z.zero_hpz_partition_size >= 1, "--zero-hpz-partition-size must be >= 1")
     need(z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
          "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)")
-    zpp = [f for f, on in [("--zero-quantized-weights", z.zero_quantized_weights),
+    zpp = [f for f, on in [("--zero-param-persistence step", z.zero_param_persistence == "step"),
+                           ("--zero-quantized-weights", z.zero_quantized_weights),
                            ("--zero-hpz-partition-size", z.zero_hpz_partition_size > 1),
                            ("--zero-quantized-gradients", z.zero_quantized_gradients),
                            ("--zero-hierarchy", bool(z.zero_hierarchy))] if on]
     for flag in zpp:
-        need(z.zero_stage == 3, f"{flag} is a ZeRO++ feature of ZeRO-3: add --zero-stage 3")
+        need(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3")
     zero_group = dp * cp  # weights replicated over DP and CP are sharded over both
     hpz = z.zero_hpz_partition_size
     if hpz > 1:

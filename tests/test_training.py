@@ -24,7 +24,8 @@ def run_training(argv: list[str], world_size: int) -> tuple[list[float], list[np
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
     history = training.train(run)
-    return [h["loss"] for h in history], [p.detach().double().numpy().copy() for p in run.model.parameters()]
+    return [h["loss"] for h in history], [p.detach().double().numpy().copy() for c in run.chunks
+                                          for p in c.parameters()]
 
 
 def _dp_worker(rank, world_size, argv):
@@ -50,12 +51,16 @@ def test_bf16_trains_with_fp32_masters():
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
-def test_lr_schedule_and_metrics_file(tmp_path):
+def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
     metrics = tmp_path / "m.jsonl"
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
     argv = TINY + ["--train-iters", "5", "--lr-decay-style", "linear", "--min-lr", "1e-4",
                    "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
-                   "--eval-interval", "5", "--eval-iters", "2"]
+                   "--wandb-project", "zpp-test", "--eval-interval", "5", "--eval-iters", "2"]
     run_training(argv, 1)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))  # offline unless the user says otherwise
+    assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_rank", "mfu", "memory_gib"):

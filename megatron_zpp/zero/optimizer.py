@@ -73,6 +73,7 @@ class ZeroDP:
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, qgz_hops=None):
         self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
         self.group = groups.dp_cp
+        self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         self.clip = optim_cfg.clip_grad
         self.qgz_hops = qgz_hops
         self.block = block = zero_cfg.zero_quantization_block_size
@@ -119,7 +120,7 @@ class ZeroDP:
         numel = sum(u.numel for u in self.units)
         padded = sum(u.padded for u in self.units)
         size = self.units[0].full.element_size() if self.units else 4
-        parts = [f"ZeRO-{self.stage} over DP x CP ({self.group.size} ranks, {self.group.link}): {len(self.units)} "
+        parts = [f"ZeRO-{self.stage}{' (weights kept gathered until the step)' if self.per_step else ''} over DP x CP ({self.group.size} ranks, {self.group.link}): {len(self.units)} "
                  f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
                  f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"]
         u0 = self.units[0] if self.units else None
@@ -164,7 +165,8 @@ class ZeroDP:
             nxt = units[i + 1] if i + 1 < len(units) else None
             prev = units[i - 1] if i > 0 else None
             block.register_forward_pre_hook(self._before_forward(unit, nxt))
-            block.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
+            if not self.per_step:
+                block.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
             block.register_full_backward_pre_hook(self._before_backward(unit, prev))
 
     @staticmethod
@@ -209,7 +211,8 @@ class ZeroDP:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
             work = comm.reduce_scatter(out, flat, self.group, "zero_grad_reducescatter", async_op=True)
             self._pending.append((unit, out, work, flat))
-        unit.release()  # stage 3: its backward is over
+        if not self.per_step:
+            unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
     def _drain(self) -> None:
         for unit, out, work, _ in self._pending:

@@ -35,7 +35,9 @@ def test_zero_stages_and_hpz_equal_plain_data_parallel():
                 "zero3": ["--zero-stage", "3"], "zero3_hpz": ["--zero-stage", "3", "--zero-hpz-partition-size", "2"],
                 "zero3_tp2_sp": ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 "zero3_pp2": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
-                "zero3_cp2": ["--zero-stage", "3", "--context-parallel-size", "2"]}
+                "zero3_cp2": ["--zero-stage", "3", "--context-parallel-size", "2"],
+                "zero3_pp2_per_step": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2",
+                                       "--zero-param-persistence", "step"]}
     per_rank = run_distributed(_worker, 4, [BASE + steps + v for v in variants.values()], timeout=600)
     results = {name: [r[i] for r in per_rank] for i, name in enumerate(variants)}
     ref_losses, ref_weights = results["plain"][0]["losses"], full_weights(results["plain"])
