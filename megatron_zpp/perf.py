@@ -37,7 +37,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
     if override:
         return override, f"{override} TFLOP/s (--peak-tflops)"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        name = torch.get_device_module(device).get_device_name(device)
         for key, value in KNOWN_PEAKS.items():
             if key in name:
                 return value, f"{value} TFLOP/s dense bf16 peak of {name}"
@@ -56,13 +56,13 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 10
         start = time.perf_counter()
         for _ in range(2):
             a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type != "cpu":
+            torch.get_device_module(device).synchronize(device)
         best = max(best, 2 * 2 * n ** 3 / (time.perf_counter() - start) / 1e12)
     return best
 
 
 def memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+    if device.type != "cpu":
+        return torch.get_device_module(device).max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)

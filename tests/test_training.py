@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
