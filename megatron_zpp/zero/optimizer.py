@@ -211,14 +211,19 @@ class ZeroDP:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
             work = comm.reduce_scatter(out, flat, self.group, "zero_grad_reducescatter", async_op=True)
             self._pending.append((unit, out, work, flat))
+            while len(self._pending) > 2:  # overlap with the backward, but hold at most two full gradients
+                self._finish_oldest()
         if not self.per_step:
             unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
+    def _finish_oldest(self) -> None:
+        unit, out, work, _ = self._pending.pop(0)
+        work.wait()
+        unit.grad_shard.add_(out)
+
     def _drain(self) -> None:
-        for unit, out, work, _ in self._pending:
-            work.wait()
-            unit.grad_shard.add_(out)
-        self._pending.clear()
+        while self._pending:
+            self._finish_oldest()
 
     def zero_grad(self) -> None:
         for unit in self.units:

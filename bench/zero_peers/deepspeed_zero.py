@@ -1,0 +1,82 @@
+"""Peer: DeepSpeed ZeRO-3 (optionally + hpZ) on CPU (DS_ACCELERATOR=cpu, gloo), training the
+model of common.py with our weights, data order, AdamW settings (torch.optim.AdamW as the
+client optimizer), LR schedule and gradient clipping. Runs in .venv-bench-ds/ (DeepSpeed is
+a bench-only dependency). DeepSpeed's own ZeRO-3 defaults are kept (buckets, prefetch,
+persistence threshold); only the settings below are ours.
+
+    torchrun ... bench/zero_peers/deepspeed_zero.py --warmup 1 --hpz 2 -- <model flags>
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import PeerBatches, Probe, adamw_kwargs, adamw_param_groups, build_peer_model, lr_at, \
+    parse_model_args  # noqa: E402
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size")
+    ap.add_argument("--zero-config", default="{}", help="JSON merged into zero_optimization (experiments)")
+    ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
+    a = ap.parse_args(argv[:split])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+
+    probe = Probe(a.warmup, a.gate_every)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = parse_model_args(argv[split + 1:])
+    torch.manual_seed(cfg.train.seed)
+    model, _ = build_peer_model(cfg)
+    t = cfg.train
+    num_micro = t.global_batch_size // (t.micro_batch_size * world)
+    ds_config = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": num_micro,
+        "gradient_clipping": cfg.optim.clip_grad,
+        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": a.hpz, **json.loads(a.zero_config)},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    opt = torch.optim.AdamW(adamw_param_groups(model, cfg), foreach=True, **adamw_kwargs(cfg))
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    batches = PeerBatches(cfg, rank, world)
+
+    for it in range(t.train_iters):
+        probe.step_begin()
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(cfg, it)
+        losses = []
+        for k in range(num_micro):
+            x, y = batches.micro_batch(it, k)
+            loss = engine(x, y)
+            engine.backward(loss)  # scales by 1/gradient_accumulation_steps
+            engine.step()  # steps the optimizer at the accumulation boundary
+            losses.append(loss.detach())
+        mean = torch.stack(losses).mean().reshape(1).float()
+        dist.all_reduce(mean)
+        probe.step_end(mean.item() / world)
+        if rank == 0:
+            print(f"deepspeed iter {it + 1} loss {probe.losses[-1]:.4f} grad norm "
+                  f"{engine.get_global_grad_norm()} step {probe.step_times[-1]:.3f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    probe.finish(system="deepspeed", hpz=a.hpz, deepspeed=deepspeed.__version__, torch=torch.__version__)
+
+
+if __name__ == "__main__":
+    main()
