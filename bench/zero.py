@@ -255,7 +255,7 @@ def take_lock() -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = open(LOCK).read().strip()
-        raise SystemExit(f"error: another bench/zero.py (pid {holder or '?'}) is running; it holds {LOCK}")
+        raise SystemExit(f"error: another emulated-cluster bench (bench/zero.py or bench/cp.py, pid {holder or '?'}) is running; it holds {LOCK}")
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
