@@ -150,19 +150,7 @@ def test_data_source_both_or_neither(with_data_path):
     assert "--mock-data" in line
 
 
-NOT_YET_CASES = {
-    "tensor_model_parallel_size": (dict(parallel__tensor_model_parallel_size=2), 2, "--tensor-model-parallel-size"),
-    "pipeline_model_parallel_size": (dict(parallel__pipeline_model_parallel_size=2), 2,
-                                     "--pipeline-model-parallel-size"),
-    "num_layers_per_virtual_pipeline_stage": (dict(parallel__num_layers_per_virtual_pipeline_stage=1), 1,
-                                              "--num-layers-per-virtual-pipeline-stage"),
-    "context_parallel_size": (dict(parallel__context_parallel_size=2), 2, "--context-parallel-size"),
-    "sequence_parallel": (dict(parallel__sequence_parallel=True), 1, "--sequence-parallel"),
-    "zero_stage": (dict(zero__zero_stage=3), 1, "--zero-stage"),
-    "zero_quantized_weights": (dict(zero__zero_quantized_weights=True), 1, "--zero-quantized-weights"),
-    "zero_hpz_partition_size": (dict(zero__zero_hpz_partition_size=2), 1, "--zero-hpz-partition-size"),
-    "zero_quantized_gradients": (dict(zero__zero_quantized_gradients=True), 1, "--zero-quantized-gradients"),
-    "zero_hierarchy": (dict(zero__zero_hierarchy=[2]), 1, "--zero-hierarchy"),
+NOT_YET_CASES = {  # the flags still refused; a case leaves when its feature lands
     "save": (dict(train__save="/tmp/ckpt"), 1, "--save"),
     "load": (dict(train__load="/tmp/ckpt"), 1, "--load"),
     "reset_attention_mask": (dict(data__reset_attention_mask=True), 1, "--reset-attention-mask"),
@@ -194,8 +182,8 @@ def test_multiple_problems_reported_together():
 
 def test_not_yet_flag_does_not_hide_other_problems():
     # a refused feature and a bad head count: both must be reported in one go
-    lines = errors_of(make(model__num_attention_heads=3, zero__zero_stage=1), 1)
-    line_with(lines, "--zero-stage")
+    lines = errors_of(make(model__num_attention_heads=3, train__save="/tmp/ckpt"), 1)
+    line_with(lines, "--save")
     line_with(lines, "--num-attention-heads")
 
 

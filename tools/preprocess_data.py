@@ -195,7 +195,9 @@ def encoded_stream(args, tok_args, dtype, stop: threading.Event):
                 return
             yield batch
 
-    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    # spawn, not fork: forking a process that already runs threads (tqdm, the feeder, a
+    # host that imported torch) can deadlock the children on a lock copied mid-use
+    ctx = mp.get_context("spawn")
     pool = ctx.Pool(args.workers, init_worker, (tok_args, args.json_keys, args.append_eod, dtype))
     try:
         for enc in pool.imap(encode_batch, tasks()):
