@@ -171,7 +171,7 @@ class TrainConfig:
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
     generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
-    generate_prompt: str = opt("def ", "--generate-prompt", "prompt text for --generate-tokens")
+    generate_prompt: str = opt("def", "--generate-prompt", "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)")
 
 
 @dataclass

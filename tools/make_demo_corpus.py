@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled"}
+# test suites, vendored wheels, and codec/help tables (hex and generated text that would dominate a small model)
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled", "encodings",
+             "pydoc_data"}
 
 
 def stdlib_modules(root: Path):
