@@ -210,8 +210,6 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
 NOT_YET = {
-    "save": (lambda c: c.train.save is not None, "checkpointing is not implemented yet"),
-    "load": (lambda c: c.train.load is not None, "checkpointing is not implemented yet"),
     "reset_attention_mask": (lambda c: c.data.reset_attention_mask,
                              "--reset-attention-mask (decay and attention reset at document boundaries) is not "
                              "implemented yet: documents are packed and attend across boundaries"),
@@ -364,6 +362,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     if t.generate_tokens:
         need(pp == 1 and cp == 1, "--generate-tokens needs --pipeline-model-parallel-size 1 and "
              "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)")
+
+    need(t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})")
+    need(not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)")
 
     o = cfg.optim
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")

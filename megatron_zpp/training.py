@@ -3,6 +3,10 @@
     cfg -> distributed init -> topology groups -> tokenizer -> model (init from the
     single-rank weights) -> optimizer -> data -> steps
 
+With --load, setup restores the checkpoint (model, optimizer, RNG, iteration, data
+position) before the data iterator is built; with --save, train saves every
+--save-interval steps and after the last one.
+
 One step: forward/backward over the micro-batches (schedule), average gradients over
 data parallel, clip by the global norm, AdamW on fp32 masters, log.
 """
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, qgz_tiers, zero_topology
 from .data.loader import BatchIterator
 from .logging_utils import MetricsSink, log
@@ -130,7 +135,13 @@ def setup(cfg: Config) -> Run:
     dp = build_dp_engine(cfg, chunks, groups)
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     link = StageLink(groups.pp, activation_shape(cfg, groups), dtype, device) if groups.pp.size > 1 else None
-    train_data, valid_data = build_data(cfg, groups, tokenizer, device, consumed=0)
+    run = Run(cfg, groups, device, rank, tokenizer, chunks, link, dp, None, None)
+    if cfg.train.load and load_checkpoint(run, cfg.train.load):  # model, optimizer, RNG, position
+        log(f"resumed from {cfg.train.load} at iteration {run.iteration} "
+            f"({run.consumed_samples} samples consumed)", rank)
+    elif cfg.train.load:
+        log(f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", rank)
+    run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
 
     p = cfg.parallel
     log(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
@@ -145,7 +156,7 @@ def setup(cfg: Config) -> Run:
         f"transformer-engine: {'present, not used' if _importable('transformer_engine') else 'not installed'}",
         rank)
     log(dp.describe(), rank)
-    return Run(cfg, groups, device, rank, tokenizer, chunks, link, dp, train_data, valid_data)
+    return run
 
 
 def build_dp_engine(cfg: Config, chunks: list[GPT], groups: ProcessGroups) -> PlainDP | ZeroDP:
@@ -236,6 +247,8 @@ def train(run: Run) -> list[dict]:
             log(f"iter {run.iteration:5d}/{t.train_iters} | loss {loss:.4f}{val} | lr {lr:.3e} | "
                 f"grad norm {grad_norm:.3f} | {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{tflops:.3f} TFLOP/s/rank | MFU {mfu} | mem {metrics['memory_gib']:.2f} GiB", rank)
+        if t.save and (run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0)):
+            log(f"saved checkpoint {save_checkpoint(run, t.save)}", rank)
     sink.close()
     if cfg.log.comm_report:
         comm.write_report(cfg.log.comm_report, world, rank)

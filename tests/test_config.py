@@ -151,8 +151,6 @@ def test_data_source_both_or_neither(with_data_path):
 
 
 NOT_YET_CASES = {  # the flags still refused; a case leaves when its feature lands
-    "save": (dict(train__save="/tmp/ckpt"), 1, "--save"),
-    "load": (dict(train__load="/tmp/ckpt"), 1, "--load"),
     "reset_attention_mask": (dict(data__reset_attention_mask=True), 1, "--reset-attention-mask"),
 }
 
@@ -182,9 +180,15 @@ def test_multiple_problems_reported_together():
 
 def test_not_yet_flag_does_not_hide_other_problems():
     # a refused feature and a bad head count: both must be reported in one go
-    lines = errors_of(make(model__num_attention_heads=3, train__save="/tmp/ckpt"), 1)
-    line_with(lines, "--save")
+    lines = errors_of(make(model__num_attention_heads=3, data__reset_attention_mask=True), 1)
+    line_with(lines, "--reset-attention-mask")
     line_with(lines, "--num-attention-heads")
+
+
+def test_save_interval_needs_save():
+    line = line_with(errors_of(make(train__save_interval=5), 1), "--save-interval")
+    assert "--save DIR" in line
+    validate(make(train__save_interval=5, train__save="/tmp/ckpt", train__load="/tmp/ckpt"), 1)
 
 
 # ------------------------------------------------------------------ command line

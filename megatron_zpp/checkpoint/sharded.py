@@ -1,0 +1,225 @@
+"""Sharded checkpoints: every rank saves and loads its own state (same layout only).
+
+Format of a checkpoint directory DIR:
+
+    DIR/latest                 text: the name of the newest complete iteration dir
+    DIR/iter_0000010/
+        meta.json              {"format", "iteration", "consumed_samples", "world_size",
+                                "layout": {tp, pp, cp, dp, zero_stage, vpp, ...},
+                                "config": the full config dict, "files": {name: sha256}}
+        rank_00000.pt ...      one per global rank, a plain dict (torch.save; loads with
+                               weights_only=True: only tensors, dicts, lists, numbers, strings)
+
+A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
+* "model": PlainDP: {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master};
+  ZeroDP: {"unit{u}.{unit name}.shard": training-dtype shard, "...master": fp32 master shard}
+  (ZeRO-3 never saves the freed full weights; hpZ secondary shards are not saved either:
+  the next forward gather rebuilds them before any backward reads them);
+* "optimizer": the torch AdamW state_dict (PlainDP's `optimizer.opt`, ZeroDP's `optimizer`);
+* "rng": torch CPU state, device state (or absent), the tensor-parallel stream's states,
+  numpy's and Python's global states (as tensors / lists).
+
+Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
+rename), then rank 0 hashes the files, writes meta.json, renames the directory to its
+final name and replaces `latest` atomically. A save interrupted at any point leaves the
+previous `latest` and its directory intact.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+
+import torch
+
+from .. import comm
+from ..config import ConfigError
+from .rng import get_rng_state, set_rng_state
+
+FORMAT = "megatron_zpp.sharded.v1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file or setting."""
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def layout_of(cfg) -> dict:
+    """Everything that decides which tensor lives on which rank with which shape."""
+    p, z = cfg.parallel, cfg.zero
+    return {"world_size": p.world_size, "tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "cp": p.context_parallel_size, "dp": p.data_parallel_size, "order": p.order,
+            "zero_stage": z.zero_stage, "vpp": p.num_layers_per_virtual_pipeline_stage,
+            "first_stage_layers": p.decoder_first_pipeline_num_layers,
+            "last_stage_layers": p.decoder_last_pipeline_num_layers,
+            "zero_quantization_block_size": z.zero_quantization_block_size if z.zero_stage else None}
+
+
+# ---- what one rank holds ------------------------------------------------------------------
+def _model_state(run) -> dict:
+    dp = run.dp
+    if hasattr(dp, "units"):  # ZeroDP
+        out = {}
+        for i, u in enumerate(dp.units):
+            out[f"unit{i}.{u.name}.shard"] = u.shard.detach().clone()
+            out[f"unit{i}.{u.name}.master"] = u.master.detach().clone()
+        return out
+    out = {f"chunk{c}.{n}": p.detach().clone() for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
+    for i, (p, m) in enumerate(zip(dp.optimizer.params, dp.optimizer.masters)):
+        if m is not p:  # bf16: the fp32 master is the real weight
+            out[f"master.{i}"] = m.detach().clone()
+    return out
+
+
+def _copy_into(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"shape mismatch for {name}: checkpoint has {tuple(src.shape)}, "
+                              f"the model has {tuple(dst.shape)}")
+    dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+
+@torch.no_grad()
+def _load_model_state(run, state: dict) -> None:
+    dp = run.dp
+    if hasattr(dp, "units"):
+        mine = {f"unit{i}.{u.name}": u for i, u in enumerate(dp.units)}
+        _check_keys(set(state), {f"{k}.{s}" for k in mine for s in ("shard", "master")})
+        for key, u in mine.items():
+            # in place: the optimizer's segment views alias unit.master (and ZeRO-3 fp32 shard == master)
+            _copy_into(f"{key}.master", u.master, state[f"{key}.master"])
+            _copy_into(f"{key}.shard", u.shard, state[f"{key}.shard"])
+            u.set_shard(u.shard)  # stages 1-2: all-gather the full weights; stage 3: stay released
+        return
+    params = {f"chunk{c}.{n}": p for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
+    masters = {f"master.{i}": m for i, (p, m) in enumerate(zip(dp.optimizer.params, dp.optimizer.masters)) if m is not p}
+    _check_keys(set(state), set(params) | set(masters))
+    for name, t in {**params, **masters}.items():
+        _copy_into(name, t.data, state[name])
+
+
+def _check_keys(got: set, want: set) -> None:
+    if got != want:
+        raise CheckpointError(f"checkpoint tensors do not match the model: missing {sorted(want - got)[:5]}, "
+                              f"unexpected {sorted(got - want)[:5]}")
+
+
+def _optimizer(run):
+    return run.dp.optimizer.opt if hasattr(run.dp.optimizer, "opt") else run.dp.optimizer
+
+
+# ---- files --------------------------------------------------------------------------------
+def _fsync_write(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_checkpoint(run, directory: str) -> str:
+    """Collective: every rank writes its file; rank 0 seals the directory and `latest`."""
+    name = iter_name(run.iteration)
+    final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+    if run.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        os.makedirs(tmp)
+    comm.barrier()
+    buf = io.BytesIO()
+    torch.save({"iteration": run.iteration, "consumed_samples": run.consumed_samples, "model": _model_state(run),
+                "optimizer": _optimizer(run).state_dict(), "rng": get_rng_state()}, buf)
+    _fsync_write(os.path.join(tmp, rank_file(run.rank)), buf.getvalue())
+    comm.barrier()
+    if run.rank == 0:
+        world = run.cfg.parallel.world_size
+        files = {rank_file(r): sha256_of(os.path.join(tmp, rank_file(r))) for r in range(world)}
+        meta = {"format": FORMAT, "iteration": run.iteration, "consumed_samples": run.consumed_samples,
+                "world_size": world, "layout": layout_of(run.cfg), "config": run.cfg.to_dict(), "files": files}
+        _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # saved this iteration before: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+        _fsync_write(os.path.join(directory, "latest"), (name + "\n").encode())
+        _fsync_dir(directory)
+    comm.barrier()
+    return final
+
+
+def read_meta(directory: str) -> tuple[str, dict] | None:
+    """(iteration dir, meta) of the checkpoint `latest` names; None when there is none."""
+    latest = os.path.join(directory, "latest")
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        path = os.path.join(directory, f.read().strip())
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{latest} names {path}, which has no meta.json (incomplete checkpoint)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
+    return path, meta
+
+
+def check_layout(meta: dict, cfg, path: str) -> None:
+    saved, now = meta["layout"], layout_of(cfg)
+    diff = [f"{k} {saved.get(k)} (checkpoint) vs {now[k]} (this run)" for k in now if saved.get(k) != now[k]]
+    if diff:
+        raise ConfigError(f"--load {path} was saved with a different parallel layout: {'; '.join(diff)}. "
+                          f"Resharding a checkpoint to another layout is not implemented yet: resume with "
+                          f"the layout it was saved with")
+
+
+def load_checkpoint(run, directory: str) -> bool:
+    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
+    checkpoint `latest` names. Returns False (and changes nothing) when there is none."""
+    found = read_meta(directory)
+    if found is None:
+        return False
+    path, meta = found
+    check_layout(meta, run.cfg, path)
+    fname = rank_file(run.rank)
+    fpath = os.path.join(path, fname)
+    if not os.path.exists(fpath):
+        raise CheckpointError(f"checkpoint file {fpath} is missing")
+    if sha256_of(fpath) != meta["files"].get(fname):
+        raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
+                              f"meta.json")
+    try:
+        state = torch.load(fpath, map_location=run.device, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
+    _load_model_state(run, state["model"])
+    _optimizer(run).load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    run.iteration, run.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
+    return True
