@@ -11,6 +11,12 @@ import torch
 from ..tensor_parallel import random as tp_random
 
 
+def _accelerator():
+    """The run's accelerator device (seeded by tensor_parallel.random), or None on CPU."""
+    device = tp_random._STATE.get("device")
+    return device if device is not None and device.type != "cpu" else None
+
+
 def get_rng_state() -> dict:
     """Every random stream of this process, as tensors, lists and numbers."""
     st = tp_random._STATE
@@ -20,8 +26,9 @@ def get_rng_state() -> dict:
            "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
            "python": {"version": py_state[0], "state": list(py_state[1]), "gauss_next": py_state[2]}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["device"] = torch.cuda.get_rng_state()
+    device = _accelerator()
+    if device is not None:
+        out["device"] = torch.get_device_module(device).get_rng_state(device)
     if st:
         out["tp_cpu"] = st["cpu"]
         if st.get("dev") is not None:
@@ -36,8 +43,9 @@ def set_rng_state(s: dict) -> None:
                          n["cached_gaussian"]))
     py = s["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    if "device" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["device"])
+    device = _accelerator()
+    if "device" in s and device is not None:
+        torch.get_device_module(device).set_rng_state(s["device"], device)
     if "tp_cpu" in s:
         tp_random._STATE["cpu"] = s["tp_cpu"]
         tp_random._STATE["dev"] = s.get("tp_device")
