@@ -21,7 +21,7 @@ gives the bytes each rank sends per forward + backward (ring model for the all-g
 also in units of one state: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
 Settings: "loopback": tests/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
-2-node cluster of bench/zero.py (its Cluster: namespaces zpp_n0/zpp_n1, veth, tc tbf at --rate on both
+2-node cluster of bench/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at --rate on both
 veth ends), P/2 ranks per namespace, launched here with MASTER_ADDR = node 0's veth address and
 GLOO_SOCKET_IFNAME = the namespace's veth; only the hop between rank P/2-1 and P/2 crosses the shaped
 link (the all-gather ring crosses it twice). Needs root and iproute2, else it is skipped with the reason.
@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.zero import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
+from bench.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 
@@ -256,7 +256,7 @@ def main() -> int:
     results, skipped, lock_fd = {"loopback": {}}, None, None
     if a.quick or a.no_netns:
         skipped = "--quick" if a.quick else "--no-netns"
-    else:  # bench/zero.py's lock: one emulated cluster (and one bench on the cores) at a time
+    else:  # bench/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
         try:
             lock_fd = take_lock()
         except SystemExit as e:

@@ -30,7 +30,7 @@ from ..pipeline_parallel.stages import stage_layers, virtual_stage_layers
 from ..tensor_parallel.layers import unshard
 from ..topology import Topology
 from ..zero.optimizer import model_units
-from .sharded import FORMAT, CheckpointError, rank_file, read_meta, sha256_of
+from .sharded import FORMAT, CheckpointError, read_meta, read_rank_file
 
 
 @dataclass(frozen=True)
@@ -72,20 +72,7 @@ def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list[GP
 
 
 def _load_rank_files(path: str, meta: dict) -> list[dict]:
-    states = []
-    for r in range(meta["world_size"]):
-        fname = rank_file(r)
-        fpath = os.path.join(path, fname)
-        if not os.path.exists(fpath):
-            raise CheckpointError(f"checkpoint file {fpath} is missing")
-        if sha256_of(fpath) != meta["files"].get(fname):
-            raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
-                                  f"meta.json")
-        try:
-            states.append(torch.load(fpath, map_location="cpu", weights_only=True)["model"])
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
-    return states
+    return [read_rank_file(path, meta, r)["model"] for r in range(meta["world_size"])]
 
 
 def _padded_vocab(cfg: Config, states: list[dict], zero: bool) -> int:

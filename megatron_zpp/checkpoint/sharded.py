@@ -199,6 +199,20 @@ def check_layout(meta: dict, cfg, path: str) -> None:
                           f"the layout it was saved with")
 
 
+def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu") -> dict:
+    """One rank's file, checked against meta.json's sha256 and loaded without unpickling code."""
+    fpath = os.path.join(path, rank_file(rank))
+    if not os.path.exists(fpath):
+        raise CheckpointError(f"checkpoint file {fpath} is missing")
+    if sha256_of(fpath) != meta["files"].get(rank_file(rank)):
+        raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
+                              f"meta.json")
+    try:
+        return torch.load(fpath, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
+
+
 def load_checkpoint(run, directory: str) -> bool:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
     checkpoint `latest` names. Returns False (and changes nothing) when there is none."""
@@ -207,17 +221,7 @@ def load_checkpoint(run, directory: str) -> bool:
         return False
     path, meta = found
     check_layout(meta, run.cfg, path)
-    fname = rank_file(run.rank)
-    fpath = os.path.join(path, fname)
-    if not os.path.exists(fpath):
-        raise CheckpointError(f"checkpoint file {fpath} is missing")
-    if sha256_of(fpath) != meta["files"].get(fname):
-        raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
-                              f"meta.json")
-    try:
-        state = torch.load(fpath, map_location=run.device, weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
+    state = read_rank_file(path, meta, run.rank, map_location=run.device)
     _load_model_state(run, state["model"])
     _optimizer(run).load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
