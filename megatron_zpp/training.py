@@ -51,6 +51,7 @@ class Run:
     valid_data: object
     iteration: int = 0
     consumed_samples: int = 0
+    resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
 
 
 def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
@@ -139,6 +140,9 @@ def setup(cfg: Config) -> Run:
     if cfg.train.load and load_checkpoint(run, cfg.train.load):  # model, optimizer, RNG, position
         log(f"resumed from {cfg.train.load} at iteration {run.iteration} "
             f"({run.consumed_samples} samples consumed)", rank)
+        if run.resharded_from:
+            log(f"resharded from the checkpoint's layout ({', '.join(run.resharded_from)}): weights and AdamW "
+                f"state carried over; RNG streams start from this layout's seeds", rank)
     elif cfg.train.load:
         log(f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", rank)
     run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)

@@ -1,10 +1,11 @@
-"""Sharded checkpoints: every rank saves and loads its own state (same layout only).
+"""Sharded checkpoints: every rank saves its own state; a run loads it at the same layout
+(bitwise exact resume) or at any other (resharded: reshard.py).
 
 Format of a checkpoint directory DIR:
 
     DIR/latest                 text: the name of the newest complete iteration dir
     DIR/iter_0000010/
-        meta.json              {"format", "iteration", "consumed_samples", "world_size",
+        meta.json              {"format", "iteration", "consumed_samples", "padded_vocab_size", "world_size",
                                 "layout": {tp, pp, cp, dp, zero_stage, vpp, ...},
                                 "config": the full config dict, "files": {name: sha256}}
         rank_00000.pt ...      one per global rank, a plain dict (torch.save; loads with
@@ -35,7 +36,6 @@ import shutil
 import torch
 
 from .. import comm
-from ..config import ConfigError
 from .rng import get_rng_state, set_rng_state
 
 FORMAT = "megatron_zpp.sharded.v1"
@@ -160,7 +160,7 @@ def save_checkpoint(run, directory: str) -> str:
         world = run.cfg.parallel.world_size
         files = {rank_file(r): sha256_of(os.path.join(tmp, rank_file(r))) for r in range(world)}
         meta = {"format": FORMAT, "iteration": run.iteration, "consumed_samples": run.consumed_samples,
-                "world_size": world, "layout": layout_of(run.cfg), "config": run.cfg.to_dict(), "files": files}
+                "padded_vocab_size": run.tokenizer.padded_vocab_size, "world_size": world, "layout": layout_of(run.cfg), "config": run.cfg.to_dict(), "files": files}
         _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
         _fsync_dir(tmp)
         if os.path.exists(final):  # saved this iteration before: replace it
@@ -190,17 +190,15 @@ def read_meta(directory: str) -> tuple[str, dict] | None:
     return path, meta
 
 
-def check_layout(meta: dict, cfg, path: str) -> None:
+def layout_changes(meta: dict, cfg) -> list[str]:
+    """How this run's layout differs from the checkpoint's ([] when it is the same)."""
     saved, now = meta["layout"], layout_of(cfg)
-    diff = [f"{k} {saved.get(k)} (checkpoint) vs {now[k]} (this run)" for k in now if saved.get(k) != now[k]]
-    if diff:
-        raise ConfigError(f"--load {path} was saved with a different parallel layout: {'; '.join(diff)}. "
-                          f"Resharding a checkpoint to another layout is not implemented yet: resume with "
-                          f"the layout it was saved with")
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k]]
 
 
-def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu") -> dict:
-    """One rank's file, checked against meta.json's sha256 and loaded without unpickling code."""
+def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu", mmap: bool = False) -> dict:
+    """One rank's file, checked against meta.json's sha256 and loaded without unpickling code
+    (`mmap`: tensors stay in the file until read)."""
     fpath = os.path.join(path, rank_file(rank))
     if not os.path.exists(fpath):
         raise CheckpointError(f"checkpoint file {fpath} is missing")
@@ -208,22 +206,35 @@ def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu") -> dict
         raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
                               f"meta.json")
     try:
-        return torch.load(fpath, map_location=map_location, weights_only=True)
+        return torch.load(fpath, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
 
 
 def load_checkpoint(run, directory: str) -> bool:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `latest` names. Returns False (and changes nothing) when there is none."""
+    checkpoint `latest` names (saved at this layout or, resharded, at any other). Returns
+    False (and changes nothing) when there is none."""
     found = read_meta(directory)
     if found is None:
         return False
     path, meta = found
-    check_layout(meta, run.cfg, path)
-    state = read_rank_file(path, meta, run.rank, map_location=run.device)
-    _load_model_state(run, state["model"])
-    _optimizer(run).load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
-    run.iteration, run.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
+    from .reshard import SavedCheckpoint, check_same_model, rank_state_for
+    vocab = run.tokenizer.padded_vocab_size
+    check_same_model(path, meta, run.cfg, vocab)
+    changes = layout_changes(meta, run.cfg)
+    if changes:
+        saved = SavedCheckpoint(path, meta)
+        dtype = torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+        state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
+        _load_model_state(run, {k: v.to(run.device) for k, v in state["model"].items()})
+        opt = _optimizer(run)
+        opt.load_state_dict({"state": state["optimizer_state"], "param_groups": opt.state_dict()["param_groups"]})
+        run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
+    else:
+        state = read_rank_file(path, meta, run.rank, map_location=run.device)
+        _load_model_state(run, state["model"])
+        _optimizer(run).load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+    run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     return True

@@ -28,6 +28,25 @@ from ..topology import Group
 from .quantize import dequantize_int8, quantize_int8
 
 
+def flat_geometry(numels: list[int], group_size: int, pad_block: int) -> tuple[list[int], int, int]:
+    """(offsets of the parameters in the flat buffer, padded length, shard length): the
+    buffer is padded to a multiple of group size x block, so shards and blocks are whole."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    padded = math.ceil(offsets[-1] / (group_size * pad_block)) * group_size * pad_block
+    return offsets, padded, padded // group_size
+
+
+def shard_segments(offsets: list[int], lo: int, hi: int):
+    """(parameter index, start in shard, end in shard, start in parameter) for each piece
+    of a parameter that falls into the shard [lo, hi) of the flat buffer."""
+    for i, (off, end) in enumerate(zip(offsets, offsets[1:])):
+        a, b = max(off, lo), min(end, hi)
+        if a < b:
+            yield i, a - lo, b - lo, a - off
+
+
 class FlatUnit:
     def __init__(self, name: str, params: list[torch.nn.Parameter], group: Group, stage: int, pad_block: int,
                  hpz: Group | None = None, qwz_block: int | None = None):
@@ -37,10 +56,8 @@ class FlatUnit:
         self.dtype, self.device = p0.dtype, p0.device
         self.numels = [p.numel() for p in params]
         self.ndims = {id(p): p.ndim for p in params}  # stage 3 empties p.data; weight decay needs the real rank
-        self.offsets = [0] + list(torch.tensor(self.numels).cumsum(0).tolist())
+        self.offsets, self.padded, self.shard_numel = flat_geometry(self.numels, group.size, pad_block)
         self.numel = self.offsets[-1]
-        self.padded = math.ceil(self.numel / (group.size * pad_block)) * group.size * pad_block
-        self.shard_numel = self.padded // group.size
         self.lo = group.rank * self.shard_numel  # my slice [lo, hi) of the flat buffer
         self.hi = self.lo + self.shard_numel
 
@@ -125,10 +142,8 @@ class FlatUnit:
     def segments(self):
         """(param, start in shard, end in shard, start in param) for each parameter piece
         that falls into this rank's shard."""
-        for p, off, n in zip(self.params, self.offsets, self.numels):
-            a, b = max(off, self.lo), min(off + n, self.hi)
-            if a < b:
-                yield p, a - self.lo, b - self.lo, a - off
+        for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
+            yield self.params[i], a, b, start
 
     def full_param_numel(self) -> int:
         return self.numel

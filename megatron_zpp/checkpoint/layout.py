@@ -1,0 +1,164 @@
+"""What a rank file holds, in terms of the single-rank model: the map behind resharding
+and consolidation.
+
+A rank file's tensors are described by *slots*. A slot is a flat span of one tensor of
+the file that holds a flat range of one parameter's TP piece:
+
+* plain DP: a whole piece, `chunk{c}.{name}` (with bf16, `master.{i}` is its fp32 master);
+* ZeRO: the part of a parameter inside this rank's shard of a unit, `unit{u}.{unit}`
+  (`.master` fp32, `.shard` the training-dtype copy).
+
+Each slot also says which optimizer parameter holds its AdamW moments and where. The
+slots of any rank follow from the run's config alone: the rank's model chunks are rebuilt
+on the meta device (shapes and names, no memory, no process groups) exactly as
+`training.build_model` places layers on pipeline stages, and the ZeRO units are cut as
+`ZeroDP` cuts them (`model_units`, `flat_geometry`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import Config
+from ..model import GPT
+from ..model.init import full_shape
+from ..pipeline_parallel.stages import stage_layers, virtual_stage_layers
+from ..topology import Topology
+from ..zero.optimizer import model_units
+from ..zero.sharded_params import flat_geometry, shard_segments
+from .sharded import CheckpointError
+
+
+@dataclass(frozen=True)
+class FakeGroup:
+    """Stands in for a process group where only .rank and .size are read (construction)."""
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    key: str                 # tensor of the rank file's "model" dict (ZeRO: without .master/.shard)
+    lo: int                  # its flat span [lo, hi)
+    hi: int
+    opt: int                 # the optimizer parameter whose AdamW state is the span's (same length)
+    name: str                # the single-rank parameter name
+    tp_split: tuple | None   # how the full parameter is cut over TP (tensor_parallel.layers.shard)
+    tp_rank: int
+    tp_size: int
+    full_shape: tuple        # the single-rank parameter's shape
+    shape: tuple             # this TP rank's piece of it
+    start: int               # flat offset of the span in this rank's TP piece
+    master_key: str | None   # plain DP with bf16: the fp32 master's key
+
+
+@dataclass
+class RankLayout:
+    """Every tensor of one rank's file: shapes of the "model" dict, optimizer state shapes, slots."""
+    zero: bool
+    tensors: dict[str, tuple[tuple, bool]] = field(default_factory=dict)  # key -> (shape, fp32 master?)
+    opt_shapes: list[tuple] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+
+
+def config_from_dict(d: dict) -> Config:
+    """The Config a checkpoint's meta["config"] (Config.to_dict()) describes."""
+    cfg = Config()
+    for section, values in d.items():
+        obj = getattr(cfg, section, None)
+        if obj is None:
+            raise CheckpointError(f"checkpoint config has an unknown section {section!r}")
+        for name, value in values.items():
+            if not hasattr(obj, name):
+                raise CheckpointError(f"checkpoint config has an unknown setting {section}.{name}")
+            setattr(obj, name, value)
+    return cfg
+
+
+def topology_of(cfg: Config) -> Topology:
+    """The rank grid of a config as arithmetic (nodes do not matter for what a rank holds)."""
+    p = cfg.parallel
+    return Topology(p.world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=p.world_size)
+
+
+def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list[GPT]:
+    """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only)."""
+    p, m = cfg.parallel, cfg.model
+    pp = p.pipeline_model_parallel_size
+    if p.num_layers_per_virtual_pipeline_stage:
+        layer_sets = virtual_stage_layers(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage, pp_rank)
+    else:
+        layer_sets = [stage_layers(m.num_layers, pp, pp_rank, p.decoder_first_pipeline_num_layers,
+                                   p.decoder_last_pipeline_num_layers)]
+    tp = FakeGroup(tp_rank, p.tensor_model_parallel_size)
+    with torch.device("meta"):
+        return [GPT(m, vocab, tp=tp, sequence_parallel=p.sequence_parallel, layer_ids=layers,
+                    pre_process=pp_rank == 0 and v == 0,
+                    post_process=pp_rank == pp - 1 and v == len(layer_sets) - 1)
+                for v, layers in enumerate(layer_sets)]
+
+
+def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
+    """{single-rank parameter name: full shape} of the model `cfg` describes."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    return {n: tuple(full_shape(p, tp)) for stage in range(cfg.parallel.pipeline_model_parallel_size)
+            for chunk in build_chunks(cfg, vocab, 0, stage) for n, p in chunk.named_parameters()}
+
+
+def _decay_first(ndims: list[int]) -> list[int]:
+    """Optimizer index of each parameter: AdamW's groups list the decayed (>= 2-D) ones first."""
+    decay = [i for i, n in enumerate(ndims) if n >= 2]
+    no_decay = [i for i, n in enumerate(ndims) if n < 2]
+    index = [0] * len(ndims)
+    for j, i in enumerate(decay + no_decay):
+        index[i] = j
+    return index
+
+
+def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None) -> RankLayout:
+    """The slots of `rank`'s file in a run of `cfg` (padded vocabulary `vocab`)."""
+    topo = topo or topology_of(cfg)
+    c = topo.coords(rank)
+    tp_size = cfg.parallel.tensor_model_parallel_size
+    chunks = build_chunks(cfg, vocab, c["tp"], c["pp"])
+    zero, bf16 = cfg.zero.zero_stage > 0, cfg.train.bf16
+    out = RankLayout(zero=zero)
+
+    def slot(key, lo, hi, name, p, start, master_key=None):
+        return dict(key=key, lo=lo, hi=hi, name=name, tp_split=p.tp_split, tp_rank=c["tp"], tp_size=tp_size,
+                    full_shape=tuple(full_shape(p, tp_size)), shape=tuple(p.shape), start=start, master_key=master_key)
+
+    pending, ndims = [], []  # (slot fields, optimizer state shape) in the engine's parameter order
+    if not zero:  # PlainDP: every parameter whole, optimizer over chunks' parameters in order
+        params = [(ci, n, p) for ci, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
+        for i, (ci, name, p) in enumerate(params):
+            key, master = f"chunk{ci}.{name}", (f"master.{i}" if bf16 else None)
+            out.tensors[key] = (tuple(p.shape), False)
+            if master:
+                out.tensors[master] = (tuple(p.shape), True)
+            pending.append((slot(key, 0, p.numel(), name, p, 0, master), tuple(p.shape)))
+            ndims.append(p.ndim)
+    else:  # ZeroDP: units of each chunk, sharded over the DP x CP group
+        members = next(g for g in topo.groups(["dp", "cp"]) if rank in g)
+        size, grank, block = len(members), members.index(rank), cfg.zero.zero_quantization_block_size
+        u = 0
+        for chunk in chunks:
+            names = {id(p): n for n, p in chunk.named_parameters()}
+            for uname, uparams, _ in model_units(chunk):
+                key = f"unit{u}.{uname}"
+                offsets, _, shard = flat_geometry([p.numel() for p in uparams], size, block)
+                out.tensors[key + ".master"] = ((shard,), True)
+                out.tensors[key + ".shard"] = ((shard,), False)
+                for i, a, b, start in shard_segments(offsets, grank * shard, (grank + 1) * shard):
+                    p = uparams[i]
+                    pending.append((slot(key, a, b, names[id(p)], p, start), (b - a,)))
+                    ndims.append(p.ndim)
+                u += 1
+    index = _decay_first(ndims)
+    out.opt_shapes = [None] * len(pending)
+    for (fields, shape), j in zip(pending, index):
+        out.slots.append(Slot(opt=j, **fields))
+        out.opt_shapes[j] = shape
+    return out

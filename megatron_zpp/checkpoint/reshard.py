@@ -1,0 +1,164 @@
+"""Read a sharded checkpoint as full single-rank tensors, and rebuild any rank's file of
+another layout from it: the base of resharding on load and of consolidation.
+
+    saved = SavedCheckpoint(path, meta)
+    saved.full("layers.1.mlp.fc1.weight")   # {"param": fp32, "exp_avg": ..., "exp_avg_sq": ...}
+    state = rank_state_for(saved, cfg, vocab, rank)   # what `rank` of `cfg` would have saved
+
+Any layout can be read: TP, PP (virtual stages too), CP, DP and the ZeRO stage may all
+differ between the saving and the loading run. A parameter is reassembled from the spans
+of one replica (plain DP: the ranks with DP = CP = 0; ZeRO: the DP x CP group's shards;
+the first pipeline stage holding it, for a tied embedding) and cut again with the new
+layout's TP split and ZeRO shard. Files are memory-mapped after their sha256 is checked,
+so a rank touches only the bytes of the parameters it needs, one parameter at a time.
+
+What carries over: fp32 master weights, both AdamW moments and its step count, the
+iteration and the consumed samples (so the data order continues). What does not: RNG
+states belong to ranks, so a resharded run keeps its fresh per-rank seeds (dropout masks
+differ from an unchanged run). When a TP change changes the vocabulary padding, padding
+rows are cut, or added as copies of the last one (as Megatron's converter does): they are
+never a target, but their logits are in the softmax, so the loss moves slightly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tensor_parallel.layers import shard, unshard
+from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
+from .sharded import CheckpointError, read_rank_file
+
+FIELDS = ("param", "exp_avg", "exp_avg_sq")
+VOCAB_ROWS = ("embedding.weight", "output.weight")  # their dim 0 is the padded vocabulary
+
+
+class SavedCheckpoint:
+    """One checkpoint directory of any layout, readable parameter by parameter."""
+
+    def __init__(self, path: str, meta: dict, vocab: int | None = None):
+        self.path, self.meta = path, meta
+        self.cfg = config_from_dict(meta["config"])
+        self.vocab = meta.get("padded_vocab_size") or vocab
+        if self.vocab is None:
+            raise CheckpointError(f"{path}/meta.json does not record the padded vocabulary size; pass the run's "
+                                  f"tokenizer so it can be computed")
+        topo = topology_of(self.cfg)
+        zero = self.cfg.zero.zero_stage > 0
+        # one replica of every parameter: ZeRO shards span DP x CP; plain DP ranks hold it whole
+        sources = [r for r in range(meta["world_size"]) if zero or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0]
+        self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo) for r in sources}
+        self.index: dict[str, list[tuple[int, object]]] = {}  # name -> [(rank, slot)] of its first stage
+        stage_of: dict[str, int] = {}
+        for r in sources:
+            pp = topo.coords(r)["pp"]
+            for s in self.layouts[r].slots:
+                if s.tp_split is None and s.tp_rank > 0:
+                    continue  # replicated over TP: TP rank 0's copy is the one read
+                if stage_of.setdefault(s.name, pp) == pp:
+                    self.index.setdefault(s.name, []).append((r, s))
+        self._files: dict[int, dict] = {}
+        self.step = self._step()
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def _file(self, rank: int) -> dict:
+        if rank not in self._files:
+            self._files[rank] = read_rank_file(self.path, self.meta, rank, mmap=True)
+        return self._files[rank]
+
+    def _step(self):
+        """AdamW's step count (shared by every parameter), or None for a weights-only checkpoint."""
+        state = self._file(next(iter(self.layouts)))["optimizer"].get("state", {})
+        return next(iter(state.values()))["step"].clone() if state else None
+
+    def full(self, name: str, moments: bool = True) -> dict[str, torch.Tensor]:
+        """The single-rank fp32 weight of `name` and (if saved and asked for) its AdamW moments."""
+        fields = FIELDS if moments and self.step is not None else FIELDS[:1]
+        pieces: dict[int, dict[str, torch.Tensor]] = {}  # TP rank -> field -> flat TP piece
+        split = None
+        for rank, s in self.index[name]:
+            f = self._file(rank)
+            model, opt_state = f["model"], f["optimizer"].get("state", {})
+            if s.tp_rank not in pieces:
+                pieces[s.tp_rank] = {k: torch.zeros(s.shape).view(-1) for k in fields}
+            split = s.tp_split
+            src = model[s.master_key or (s.key + ".master" if self.layouts[rank].zero else s.key)]
+            dst = pieces[s.tp_rank]
+            dst["param"][s.start:s.start + s.hi - s.lo] = src.reshape(-1)[s.lo:s.hi]
+            for k in fields[1:]:
+                if s.opt not in opt_state:
+                    raise CheckpointError(f"{self.path}: rank {rank}'s optimizer has no state for {name}")
+                dst[k][s.start:s.start + s.hi - s.lo] = opt_state[s.opt][k].reshape(-1)
+        shape = self.index[name][0][1].shape
+        return {k: unshard([pieces[t][k].view(shape) for t in sorted(pieces)], split) for k in fields}
+
+
+def _fit(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """`t` at `shape`: as it is, or a vocabulary padded differently: padding rows cut, or
+    added as copies of the last (padding) row, as Megatron's converter does;
+    `check_same_model` has refused any other difference."""
+    if tuple(t.shape) == shape:
+        return t
+    if shape[0] <= t.shape[0]:
+        return t[:shape[0]]
+    return torch.cat([t, t[-1:].expand(shape[0] - t.shape[0], *shape[1:])])
+
+
+def _vocab_padding_only(name: str, a: tuple, b: tuple) -> bool:
+    return name in VOCAB_ROWS and a[1:] == b[1:]
+
+
+def model_differences(saved_cfg, cfg) -> str:
+    """': a (checkpoint) vs b (this run); ...' over the model settings, or ''."""
+    a, b = saved_cfg.model, cfg.model
+    diff = [f"{k} {getattr(a, k)} (checkpoint) vs {getattr(b, k)} (this run)" for k in vars(b)
+            if getattr(a, k, None) != getattr(b, k)]
+    return (": " + "; ".join(diff)) if diff else ""
+
+
+def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
+    """Refuse, before loading anything, a checkpoint whose parameters differ from this
+    model's (names or shapes; a vocabulary padded for another TP size is fine)."""
+    saved_cfg = config_from_dict(meta["config"])
+    mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta.get("padded_vocab_size") or vocab)
+    missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+    shapes = [f"{n} {theirs[n]} (checkpoint) vs {mine[n]} (this run)" for n in sorted(set(mine) & set(theirs))
+              if theirs[n] != mine[n] and not _vocab_padding_only(n, theirs[n], mine[n])]
+    if missing or extra or shapes:
+        what = ([f"missing in the checkpoint: {missing[:4]}"] if missing else []) + \
+               ([f"not in this model: {extra[:4]}"] if extra else []) + shapes[:4]
+        raise CheckpointError(f"{path} holds another model ({'; '.join(what)})"
+                              f"{model_differences(saved_cfg, cfg)}")
+
+
+def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: torch.dtype) -> dict:
+    """The "model" and "optimizer" entries `rank` of a run of `cfg` would have saved, built
+    from `saved` (any layout). `dtype` is the run's training dtype."""
+    lay = rank_layout(cfg, vocab, rank)
+    model = {k: torch.zeros(shape, dtype=torch.float32 if master else dtype) for k, (shape, master) in lay.tensors.items()}
+    moments = saved.step is not None
+    state = {j: {"step": saved.step.clone(), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
+             for j, shape in enumerate(lay.opt_shapes)} if moments else {}
+    by_name: dict[str, list] = {}
+    for s in lay.slots:
+        by_name.setdefault(s.name, []).append(s)
+    for name, slots in by_name.items():  # one parameter at a time: memory stays one parameter's
+        full = {k: _fit(name, t, slots[0].full_shape) for k, t in saved.full(name).items()}
+        for s in slots:
+            n = s.hi - s.lo
+            piece = {k: shard(t, s.tp_split, s.tp_rank, s.tp_size).reshape(-1)[s.start:s.start + n]
+                     for k, t in full.items()}
+            if lay.zero:
+                model[s.key + ".master"][s.lo:s.hi] = piece["param"]
+            else:
+                model[s.key].view(-1).copy_(piece["param"])
+                if s.master_key:
+                    model[s.master_key].view(-1).copy_(piece["param"])
+            if moments:
+                state[s.opt]["exp_avg"].view(-1).copy_(piece["exp_avg"])
+                state[s.opt]["exp_avg_sq"].view(-1).copy_(piece["exp_avg_sq"])
+    if lay.zero:  # the training-dtype shard is the rounded master, as after an optimizer step
+        for k in lay.tensors:
+            if k.endswith(".shard"):
+                model[k].copy_(model[k[:-len(".shard")] + ".master"])
+    return {"model": model, "optimizer_state": state}
