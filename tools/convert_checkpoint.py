@@ -1,4 +1,4 @@
-"""Convert a sharded megatron_zpp checkpoint (any parallel layout) to one file or to HF Llama.
+"""Convert a sharded megatron_zpp checkpoint (any parallel layout) to one file or to HF Llama, and back.
 
     python tools/convert_checkpoint.py --load ckpt --to consolidated --output model.pt
         one file {"config": the run's config dict, "model": {name: fp32 tensor}}, loadable
@@ -6,6 +6,10 @@
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
         a LlamaForCausalLM directory: config.json + model.safetensors (+ tokenizer.model);
         only for softmax-attention models with RMSNorm, SwiGLU and RoPE
+    python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
+        a HF Llama directory (model.safetensors or its sharded index) -> a weights-only
+        checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
+        reshards it to any layout (pass the model flags that match; a mismatch is named)
 
 RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]) as HF
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
@@ -85,6 +89,75 @@ def to_hf_state(state: dict, cfg) -> dict[str, torch.Tensor]:
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
+def from_hf_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """HF Llama names -> our single-rank names: the inverse of `to_hf_state`."""
+    out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
+    if cfg.model.untie_embeddings_and_output_weights:
+        out["output.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.model.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        out.update({dst + "mixer.qkv.weight": torch.cat([hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
+                                                          hf[attn + "v_proj.weight"]]),
+                    dst + "mixer.proj.weight": hf[attn + "o_proj.weight"],
+                    dst + "mlp.fc1.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
+                    dst + "mlp.fc2.weight": hf[mlp + "down_proj.weight"],
+                    dst + "norm1.weight": hf[src + "input_layernorm.weight"],
+                    dst + "norm2.weight": hf[src + "post_attention_layernorm.weight"]})
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def config_from_hf(hf: dict, hf_dir: str):
+    """Our Config of the Llama model a HF config.json describes; refuses what we cannot hold."""
+    from megatron_zpp.config import Config
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    why = [w for w, bad in [
+        (f"model_type {hf.get('model_type')!r} is not llama", hf.get("model_type") != "llama"),
+        (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
+        ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
+        ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
+        (f"head_dim {hf.get('head_dim')} is not hidden_size / heads", hf.get("head_dim", hidden // heads) != hidden // heads),
+    ] if bad]
+    if why:
+        raise ConversionError(f"cannot import {hf_dir}: " + "; ".join(why))
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
+    m.num_query_groups = hf.get("num_key_value_heads", heads)
+    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
+    m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
+    m.norm_epsilon, m.rotary_base = hf.get("rms_norm_eps", 1e-6), float(hf.get("rope_theta", 10000.0))
+    m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
+    m.normalization, m.activation, m.attention_type = "RMSNorm", "swiglu", "softmax"
+    m.init_method_std = hf.get("initializer_range", m.init_method_std)
+    tok = os.path.join(hf_dir, "tokenizer.model")
+    if os.path.isfile(tok):
+        cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", os.path.abspath(tok)
+    return cfg
+
+
+def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
+    """(our weights, checkpoint dir) of a HF Llama directory, saved as a weights-only checkpoint."""
+    from safetensors.torch import load_file
+    from megatron_zpp.checkpoint.sharded import save_weights
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = config_from_hf(json.load(f), hf_dir)
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):  # a sharded HF checkpoint: the index names each tensor's file
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    hf = {}
+    for name in files:
+        hf.update(load_file(os.path.join(hf_dir, name)))
+    try:
+        state = from_hf_state(hf, cfg)
+    except KeyError as e:
+        raise ConversionError(f"cannot import {hf_dir}: tensor {e} is missing") from None
+    return state, save_weights(output, cfg, state)
+
+
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> None:
     cfg = config_from_dict(config)
     why = hf_unsupported(cfg)
@@ -101,20 +174,35 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(hf_config(cfg, vocab, tokenizer), f, indent=2)
     save_file(to_hf_state(state, cfg), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_model:
-        if not os.path.isfile(tokenizer_model):
-            raise ConversionError(f"--tokenizer-model {tokenizer_model}: no such file")
-        shutil.copyfile(tokenizer_model, os.path.join(output, "tokenizer.model"))
+    if tokenizer_model and not os.path.isfile(tokenizer_model):
+        raise ConversionError(f"--tokenizer-model {tokenizer_model}: no such file")
+    if tokenizer is not None:  # the run's sentencepiece model (or the one passed) goes along
+        shutil.copyfile(tok_model, os.path.join(output, "tokenizer.model"))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--load", required=True, help="checkpoint directory (with `latest`) or an iter_XXXXXXX dir")
-    ap.add_argument("--to", required=True, choices=["consolidated", "hf"])
-    ap.add_argument("--output", required=True, help="FILE.pt for consolidated, a directory for hf")
+    ap.add_argument("--from", dest="source", default="megatron_zpp", choices=["megatron_zpp", "hf"],
+                    help="what --load is: our sharded checkpoint (default) or a HF Llama directory")
+    ap.add_argument("--load", required=True, help="checkpoint directory (with `latest`), an iter_XXXXXXX dir, or "
+                                                  "a HF directory (--from hf)")
+    ap.add_argument("--to", required=True, choices=["consolidated", "hf", "sharded"],
+                    help="sharded: our checkpoint format (only --from hf)")
+    ap.add_argument("--output", required=True, help="FILE.pt for consolidated, a directory for hf and sharded")
     ap.add_argument("--tokenizer-model", default=None,
                     help="sentencepiece .model (hf: copied as tokenizer.model; also used to size the vocabulary)")
     args = ap.parse_args(argv)
+    if (args.source == "hf") != (args.to == "sharded"):
+        ap.error("--to sharded goes with --from hf (our own checkpoints are sharded already)")
+    try:
+        if args.source == "hf":
+            state, out = import_hf(args.load, args.output)
+            n = sum(t.numel() for t in state.values())
+            print(f"wrote {out} (weights-only checkpoint: {len(state)} tensors, {n / 1e6:.2f}M parameters)")
+            return 0
+    except (ConversionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     state, config = consolidate(args.load, tokenizer_model=args.tokenizer_model)
     if args.to == "consolidated":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -142,34 +142,67 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
+def _start(directory: str, iteration: int) -> tuple[str, str]:
+    """(final, tmp): the iteration dir and the one its files are written in first."""
+    final = os.path.join(directory, iter_name(iteration))
+    return final, final + ".tmp"
+
+
+def _fresh_dir(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+    os.makedirs(tmp)
+
+
+def _write_rank_file(tmp: str, rank: int, state: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    _fsync_write(os.path.join(tmp, rank_file(rank)), buf.getvalue())
+
+
+def _seal(directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int) -> None:
+    """Hash the rank files, write meta.json, rename tmp to final, then point `latest` at it."""
+    world = cfg.parallel.world_size
+    files = {rank_file(r): sha256_of(os.path.join(tmp, rank_file(r))) for r in range(world)}
+    meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed,
+            "padded_vocab_size": padded_vocab, "world_size": world, "layout": layout_of(cfg),
+            "config": cfg.to_dict(), "files": files}
+    _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # saved this iteration before: replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    _fsync_write(os.path.join(directory, "latest"), (os.path.basename(final) + "\n").encode())
+    _fsync_dir(directory)
+
+
 def save_checkpoint(run, directory: str) -> str:
     """Collective: every rank writes its file; rank 0 seals the directory and `latest`."""
-    name = iter_name(run.iteration)
-    final, tmp = os.path.join(directory, name), os.path.join(directory, name + ".tmp")
+    final, tmp = _start(directory, run.iteration)
     if run.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        os.makedirs(tmp)
+        _fresh_dir(tmp)
     comm.barrier()
-    buf = io.BytesIO()
-    torch.save({"iteration": run.iteration, "consumed_samples": run.consumed_samples, "model": _model_state(run),
-                "optimizer": _optimizer(run).state_dict(), "rng": get_rng_state()}, buf)
-    _fsync_write(os.path.join(tmp, rank_file(run.rank)), buf.getvalue())
+    _write_rank_file(tmp, run.rank, {"iteration": run.iteration, "consumed_samples": run.consumed_samples,
+                                     "model": _model_state(run), "optimizer": _optimizer(run).state_dict(),
+                                     "rng": get_rng_state()})
     comm.barrier()
     if run.rank == 0:
-        world = run.cfg.parallel.world_size
-        files = {rank_file(r): sha256_of(os.path.join(tmp, rank_file(r))) for r in range(world)}
-        meta = {"format": FORMAT, "iteration": run.iteration, "consumed_samples": run.consumed_samples,
-                "padded_vocab_size": run.tokenizer.padded_vocab_size, "world_size": world, "layout": layout_of(run.cfg), "config": run.cfg.to_dict(), "files": files}
-        _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # saved this iteration before: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(directory)
-        _fsync_write(os.path.join(directory, "latest"), (name + "\n").encode())
-        _fsync_dir(directory)
+        _seal(directory, final, tmp, run.cfg, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size)
     comm.barrier()
+    return final
+
+
+def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
+    """A weights-only checkpoint (iteration 0, no optimizer state, no RNG) of single-rank fp32
+    `weights`, as a 1-rank plain-DP layout of `cfg`; `--load` reshards it to any layout and
+    starts a fresh optimizer. For importers (tools/convert_checkpoint.py --from hf)."""
+    if cfg.parallel.world_size != 1 or cfg.zero.zero_stage or cfg.train.bf16:
+        raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
+    final, tmp = _start(directory, 0)
+    _fresh_dir(tmp)
+    _write_rank_file(tmp, 0, {"iteration": 0, "consumed_samples": 0, "optimizer": {}, "rng": {},
+                              "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}})
+    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0])
     return final
 
 
@@ -234,7 +267,9 @@ def load_checkpoint(run, directory: str) -> bool:
     else:
         state = read_rank_file(path, meta, run.rank, map_location=run.device)
         _load_model_state(run, state["model"])
-        _optimizer(run).load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+        if state["optimizer"]:  # a weights-only checkpoint (save_weights) leaves both fresh
+            _optimizer(run).load_state_dict(state["optimizer"])
+        if state["rng"]:
+            set_rng_state(state["rng"])
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     return True

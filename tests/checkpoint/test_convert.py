@@ -115,9 +115,7 @@ def test_generate_matches_our_forward(trained):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hf_export_matches_logits(trained, layout, tmp_path):
-    transformers = pytest.importorskip(
-        "transformers", reason="the HF export check needs `transformers` (and `safetensors`): pip install "
-                               "transformers safetensors (the dev extra)")
+    import transformers  # a test dependency (the dev extra)
     ckpt, _ = trained[layout]
     hf_dir = str(tmp_path / "hf")
     assert _tool("convert_checkpoint").main(["--load", ckpt, "--to", "hf", "--output", hf_dir]) == 0
@@ -130,6 +128,40 @@ def test_hf_export_matches_logits(trained, layout, tmp_path):
         got = hf(input_ids=tokens).logits
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "zero3_untied"])
+def test_hf_import_round_trip(trained, layout, tmp_path):
+    """HF -> ours gives back the exported weights bitwise, as a weights-only checkpoint that
+    loads at its own layout and, resharded, under ZeRO-3 (fresh optimizer, iteration 0)."""
+    ckpt, _ = trained[layout]
+    conv = _tool("convert_checkpoint")
+    hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "back")
+    assert conv.main(["--load", ckpt, "--to", "hf", "--output", hf_dir]) == 0
+    assert conv.main(["--from", "hf", "--load", hf_dir, "--to", "sharded", "--output", back]) == 0
+    original, imported = consolidate(ckpt)[0], consolidate(back)[0]
+    assert sorted(imported) == sorted(original)
+    for name, w in original.items():
+        assert torch.equal(imported[name], w), name
+    argv = BASE + UNTIE[layout] + ["--load", back]
+    first_losses = []
+    for extra in ([], ["--zero-stage", "3"]):
+        run = training.setup(validate(parse_args(argv + extra), 1))
+        if extra:
+            run.dp.gather_all()
+        assert run.iteration == 0 and bool(run.resharded_from) == bool(extra)
+        for name, p in run.chunks[0].named_parameters():
+            assert torch.equal(p.detach(), original[name]), name
+        first_losses.append([training.train_step(run)[0] for _ in range(2)])
+    torch.testing.assert_close(first_losses[0], first_losses[1], rtol=1e-5, atol=0)  # both start fresh from it
+
+
+def test_hf_import_refuses_what_we_cannot_hold(tmp_path):
+    conv = _tool("convert_checkpoint")
+    hf = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+          "intermediate_size": 64, "vocab_size": 128, "rope_scaling": {"rope_type": "llama3"}, "mlp_bias": True}
+    with pytest.raises(conv.ConversionError, match="rope_scaling; it has attention or MLP biases"):
+        conv.config_from_hf(hf, str(tmp_path))
 
 
 def test_hf_export_refuses_what_llama_cannot_hold(tmp_path):
