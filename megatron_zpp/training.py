@@ -137,14 +137,10 @@ def setup(cfg: Config) -> Run:
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     link = StageLink(groups.pp, activation_shape(cfg, groups), dtype, device) if groups.pp.size > 1 else None
     run = Run(cfg, groups, device, rank, tokenizer, chunks, link, dp, None, None)
-    if cfg.train.load and load_checkpoint(run, cfg.train.load):  # model, optimizer, RNG, position
-        log(f"resumed from {cfg.train.load} at iteration {run.iteration} "
-            f"({run.consumed_samples} samples consumed)", rank)
-        if run.resharded_from:
-            log(f"resharded from the checkpoint's layout ({', '.join(run.resharded_from)}): weights and AdamW "
-                f"state carried over; RNG streams start from this layout's seeds", rank)
-    elif cfg.train.load:
-        log(f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", rank)
+    if cfg.train.load:  # model, optimizer, RNG, position
+        restored = load_checkpoint(run, cfg.train.load)
+        log(f"loaded {restored}" if restored else
+            f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", rank)
     run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
 
     p = cfg.parallel

@@ -244,13 +244,13 @@ def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu", mmap: b
         raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
 
 
-def load_checkpoint(run, directory: str) -> bool:
+def load_checkpoint(run, directory: str) -> str | None:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `latest` names (saved at this layout or, resharded, at any other). Returns
-    False (and changes nothing) when there is none."""
+    checkpoint `latest` names, saved at this layout or (resharded) at any other. Returns
+    what was restored, in words; None (and nothing changed) when there is no checkpoint."""
     found = read_meta(directory)
     if found is None:
-        return False
+        return None
     path, meta = found
     from .reshard import SavedCheckpoint, check_same_model, rank_state_for
     vocab = run.tokenizer.padded_vocab_size
@@ -264,12 +264,17 @@ def load_checkpoint(run, directory: str) -> bool:
         opt = _optimizer(run)
         opt.load_state_dict({"state": state["optimizer_state"], "param_groups": opt.state_dict()["param_groups"]})
         run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
+        has_optimizer = saved.step is not None
+        how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
     else:
         state = read_rank_file(path, meta, run.rank, map_location=run.device)
         _load_model_state(run, state["model"])
-        if state["optimizer"]:  # a weights-only checkpoint (save_weights) leaves both fresh
+        has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has neither
+        if has_optimizer:
             _optimizer(run).load_state_dict(state["optimizer"])
         if state["rng"]:
             set_rng_state(state["rng"])
+        how = "same layout"
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
-    return True
+    what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
+    return f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed; {how}; {what}"
