@@ -4,11 +4,8 @@
 # then pretrain a small hybrid GPT on 4 CPU ranks as TP 2 x DP 2 and print a greedy sample.
 # Extra arguments go to pretrain_gpt.py (e.g. --pipeline-model-parallel-size 2 --generate-tokens 0).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash tools/setup_env.sh
-.venv/bin/python tools/make_demo_corpus.py --output data_cache/demo --build
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/torchrun --standalone --nproc-per-node "${NPROC:-4}" pretrain_gpt.py \
+source "$(dirname "$0")/demo_env.sh"   # repo root, .venv, data_cache/demo/
+exec "$TORCHRUN" --standalone --nproc-per-node "${NPROC:-4}" pretrain_gpt.py \
   --config examples/configs/tiny_cpu.yaml \
   --tensor-model-parallel-size 2 \
   --metrics-file runs/quickstart/metrics.jsonl \
