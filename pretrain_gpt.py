@@ -3,14 +3,23 @@
     torchrun --standalone --nproc-per-node 2 pretrain_gpt.py --mock-data --train-iters 50
 
 `--help` lists every flag. The configuration is checked before any process group is
-created: an invalid layout costs one clear error, not a failed job.
+created: an invalid layout costs one clear error, not a failed job. A rank whose peer
+died or hung (past --distributed-timeout-minutes), or whose checkpoint cannot be loaded,
+exits non-zero with one line naming the cause; any other exception is a bug and keeps
+its traceback.
 """
 import os
+import re
 import sys
+import traceback
 
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, validate
 from megatron_zpp.logging_utils import fail, log
+
+# what gloo says when the other end of a collective is gone (NCCL raises DistBackendError)
+LOST_PEER = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 
 def main(argv=None):
@@ -20,14 +29,59 @@ def main(argv=None):
         fail(str(e).replace("\n", "\nerror: "))
 
     from megatron_zpp import training
-    run = training.setup(cfg)
-    training.train(run)
-    if cfg.train.generate_tokens:  # every rank decodes: TP ranks must take part in each forward
-        prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
-        out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)
-        log(f"greedy sample: {cfg.train.generate_prompt!r} -> {run.tokenizer.detokenize(out)!r}", run.rank)
-    training.shutdown()
-    log("done", run.rank)
+    from megatron_zpp.checkpoint import CheckpointError
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        run = training.setup(cfg)
+        training.train(run)
+        if cfg.train.generate_tokens:  # every rank decodes: TP ranks must take part in each forward
+            prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
+            out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)
+            log(f"greedy sample: {cfg.train.generate_prompt!r} -> {run.tokenizer.detokenize(out)!r}", run.rank)
+        training.shutdown()
+        log("done", run.rank)
+    except ConfigError as e:  # a setting found invalid during set-up: alike on every rank
+        fail(str(e))
+    except CheckpointError as e:
+        fail(f"rank {rank}: {e}", code=1, every_rank=True)
+    except RuntimeError as e:
+        cause = distributed_failure(e, cfg)
+        if cause is None:
+            raise
+        fail(f"rank {rank}: {cause}", code=1, every_rank=True)
+
+
+def distributed_failure(e: RuntimeError, cfg) -> str | None:
+    """What a failed collective means for the user, or None when `e` is no such failure."""
+    import torch.distributed as dist
+    text = str(e)
+    if not (isinstance(e, dist.DistError) or "gloo" in text):
+        return None
+    if LOST_PEER.search(text):
+        what, why = "lost a peer", "Another rank died or was killed (its log or the launcher's summary says why)"
+    elif TIMED_OUT.search(text):
+        what, why = "a collective timed out", (f"Another rank hung or fell more than --distributed-timeout-minutes "
+                                               f"{cfg.parallel.distributed_timeout_minutes} behind")
+    elif isinstance(e, dist.DistError):
+        what, why = "a collective failed", "The communication backend reported an error"
+    else:  # gloo refusing mismatched tensors and the like: a bug, keep the traceback
+        return None
+    # gloo's text: "[.../pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". ")[0].rstrip(".")
+    ckpt = cfg.train.save or cfg.train.load
+    resume = f"resume from the last checkpoint with --load {ckpt}" if ckpt else "rerun it (no --save: no checkpoint)"
+    return f"{what}{_where(e)}: {detail}. {why}; {resume}"
+
+
+def _where(e: BaseException) -> str:
+    """ ' in fn (file:line)' of the innermost frame of ours that called the collective
+    (every collective goes through comm.py, which says nothing about where)."""
+    ours = [f for f in traceback.extract_tb(e.__traceback__)
+            if "megatron_zpp" in f.filename and os.path.basename(f.filename) != "comm.py"]
+    if not ours:
+        return ""
+    f = ours[-1]
+    return f" in {f.name} ({os.path.relpath(f.filename, os.path.dirname(os.path.abspath(__file__)))}:{f.lineno})"
 
 
 if __name__ == "__main__":

@@ -99,6 +99,9 @@ class ParallelConfig:
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(
         None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes")
+    distributed_timeout_minutes: float = opt(
+        10.0, "--distributed-timeout-minutes",
+        "a collective waiting longer than this for another rank fails the run instead of hanging (fractions allowed)")
 
     # filled by validate()
     world_size: int = 1
@@ -288,6 +291,8 @@ def validate(cfg: Config, world_size: int) -> Config:
          f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
          f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
          f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
+    need(p.distributed_timeout_minutes > 0,
+         f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})")
     if p.ranks_per_node is not None:
         need(p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0,
              f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}")

@@ -51,8 +51,10 @@ class MetricsSink:
             self.wandb.finish()
 
 
-def fail(msg: str, code: int = 2) -> None:
-    """Print one clear error (on rank 0 only) and exit without a traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
+    """Print one clear error and exit without a traceback: on rank 0 only (an error all
+    ranks find alike, e.g. the configuration), or, with every_rank, on each rank that
+    calls it (a failure of its own: its peer died, its checkpoint file is bad)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)

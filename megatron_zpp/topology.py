@@ -212,8 +212,9 @@ class ProcessGroups:
 
 
 def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, hpz: int = 1,
-                 backend: str | None = None) -> ProcessGroups:
-    """Create every process group (collective: all ranks call this identically)."""
+                 backend: str | None = None, timeout=None) -> ProcessGroups:
+    """Create every process group (collective: all ranks call this identically). `timeout`
+    (a timedelta) bounds each collective's wait; None is torch's default (30 min on gloo)."""
     import torch.distributed as dist
 
     created: dict[tuple[int, ...], object] = {}
@@ -222,7 +223,7 @@ def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, h
         for members in groups:
             key = tuple(members)
             if len(key) > 1 and key not in created and dist.is_initialized():
-                created[key] = dist.new_group(list(key), backend=backend)
+                created[key] = dist.new_group(list(key), backend=backend, timeout=timeout)
             if rank in key:
                 mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key),
                                    tuple(topo.link_class([rank, r]) for r in key), created.get(key))

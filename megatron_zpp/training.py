@@ -13,6 +13,7 @@ data parallel, clip by the global norm, AdamW on fp32 masters, log.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import time
@@ -67,12 +68,14 @@ def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
         device = torch.device("cpu")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # a rank waiting on a dead or hung peer fails after this instead of hanging the job
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout)
     z = cfg.zero
     topo = zero_topology(cfg, world)
     tiers = qgz_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
-    return build_groups(topo, rank, dp_tiers=tiers, hpz=z.zero_hpz_partition_size), device
+    return build_groups(topo, rank, dp_tiers=tiers, hpz=z.zero_hpz_partition_size, timeout=timeout), device
 
 
 def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:

@@ -6,6 +6,10 @@ fn must be a module-level function (it is pickled into spawned processes). Each 
 gets torch.distributed initialized on gloo over loopback and a share of the cores, so N
 ranks do not oversubscribe the machine. A failing rank's traceback is re-raised here;
 a hang is killed after `timeout` seconds and reported as such.
+
+Fault tests: init_group=False leaves creating the process group to fn (e.g. through
+training.setup, with its --distributed-timeout-minutes); keep_failures=True waits for
+every rank and returns a RankFailure in place of each failed rank's result.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import queue as queue_lib
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,56 +32,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, env, fn, args, queue):
+@dataclass
+class RankFailure:
+    """In place of a failed rank's result (keep_failures=True): its traceback, or how its
+    process ended."""
+    message: str
+
+
+def _worker(rank, world_size, port, env, fn, args, queue, init_group):
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     faulthandler.enable()  # a crash in native code prints its Python stack instead of vanishing
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (report any failure to the parent)
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180, env: dict | None = None) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 180, env: dict | None = None,
+                    init_group: bool = True, keep_failures: bool = False) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env or {}, fn, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env or {}, fn, args, queue, init_group),
+                         daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, object] = {}
-    failures = []
+    finished: dict[int, tuple[bool, object]] = {}  # rank -> (ok, result or failure text)
     deadline = time.monotonic() + timeout
+
+    def failed() -> bool:
+        return not all(ok for ok, _ in finished.values())
+
     try:
-        while len(results) < world_size and not failures:
+        while len(finished) < world_size and (keep_failures or not failed()):
+            # a rank's report is in the queue before its process ends, so one that had
+            # ended before this wait and still sent nothing during it never will
+            ended = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
             try:
                 rank, ok, value = queue.get(timeout=1.0)
             except queue_lib.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
-                if dead:  # exited without reporting: killed, or crashed in native code
-                    failures.append((dead[0][0], f"process exited with code {dead[0][1]} without a result "
-                                                  f"(see its stderr above)"))
-                elif time.monotonic() > deadline:
+                for r, code in ended:  # killed, or crashed in native code
+                    finished[r] = (False, f"process exited with code {code} without a result (see its stderr above)")
+                if not ended and time.monotonic() > deadline:
+                    done = sorted(r for r, (ok, _) in finished.items() if ok)
                     raise TimeoutError(f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s "
-                                       f"(ranks done: {sorted(results)})") from None
+                                       f"(ranks done: {done})") from None
                 continue
-            if ok:
-                results[rank] = value
-            else:
-                failures.append((rank, value))
+            finished.setdefault(rank, (ok, value))  # a failure after the result (the final barrier) is moot
     finally:
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            p.join(timeout=5 if not failed() else 0.5)
             if p.is_alive():
                 p.kill()
+    if keep_failures:  # the loop ended with every rank finished
+        return [value if ok else RankFailure(value) for ok, value in (finished[r] for r in range(world_size))]
+    failures = [(r, value) for r, (ok, value) in sorted(finished.items()) if not ok]
     if failures:
         rank, tb = failures[0]
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
-    return [results[r] for r in range(world_size)]
+    return [finished[r][1] for r in range(world_size)]

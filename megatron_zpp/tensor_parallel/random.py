@@ -8,7 +8,9 @@ seeded differently per TP rank."""
 from __future__ import annotations
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 
 _STATE: dict = {}
@@ -18,6 +20,8 @@ def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int, cp_rank: int, devic
     """Default stream: same on the TP ranks of a stage; model-parallel stream: per TP rank."""
     default_seed = seed + 100 * pp_rank + 1000 * cp_rank
     torch.manual_seed(default_seed)
+    random.seed(default_seed)  # Python's and numpy's global generators too: identical runs, identical checkpoints
+    np.random.seed(default_seed % 2**32)
     with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
         torch.manual_seed(default_seed + 2718 + tp_rank)
         _STATE.update(device=device, cpu=torch.get_rng_state(), dev=_device_state(device))
