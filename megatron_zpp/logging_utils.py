@@ -14,14 +14,18 @@ def log(msg: str, rank: int = 0) -> None:
 
 
 class MetricsSink:
-    def __init__(self, log_cfg, config_dict: dict, enabled: bool):
+    def __init__(self, log_cfg, config_dict: dict, enabled: bool, start_iteration: int = 0):
+        """A run resumed at `start_iteration` keeps the metrics file's lines up to it (those
+        of the steps after it are redone) and appends."""
         self.enabled = enabled
         self.jsonl = self.tb = self.wandb = None
         if not enabled:
             return
         if log_cfg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(log_cfg.metrics_file)), exist_ok=True)
+            kept = _lines_up_to(log_cfg.metrics_file, start_iteration) if start_iteration else []
             self.jsonl = open(log_cfg.metrics_file, "w")
+            self.jsonl.writelines(kept)
         if log_cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(log_cfg.tensorboard_dir)
@@ -49,6 +53,13 @@ class MetricsSink:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def _lines_up_to(path: str, iteration: int) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
 
 
 def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:

@@ -141,7 +141,7 @@ def setup(cfg: Config) -> Run:
     link = StageLink(groups.pp, activation_shape(cfg, groups), dtype, device) if groups.pp.size > 1 else None
     run = Run(cfg, groups, device, rank, tokenizer, chunks, link, dp, None, None)
     if cfg.train.load:  # model, optimizer, RNG, position
-        restored = load_checkpoint(run, cfg.train.load)
+        restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
         log(f"loaded {restored}" if restored else
             f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", rank)
     run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
@@ -218,7 +218,7 @@ def evaluate(run: Run) -> float:
 def train(run: Run) -> list[dict]:
     cfg, rank = run.cfg, run.rank
     t = cfg.train
-    sink = MetricsSink(cfg.log, dataclasses.asdict(cfg), enabled=rank == 0)
+    sink = MetricsSink(cfg.log, dataclasses.asdict(cfg), enabled=rank == 0, start_iteration=run.iteration)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     flops_step = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * tokens_per_step
     peak, peak_desc = peak_tflops(run.device, torch.bfloat16 if t.bf16 else torch.float32, cfg.log.peak_tflops)

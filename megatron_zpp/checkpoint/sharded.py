@@ -206,16 +206,25 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
     return final
 
 
-def read_meta(directory: str) -> tuple[str, dict] | None:
-    """(iteration dir, meta) of the checkpoint `latest` names; None when there is none."""
+def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] | None:
+    """(iteration dir, meta) of the checkpoint `latest` names, or of `iteration`; None when
+    `directory` holds no `latest` (and no iteration is asked for)."""
     latest = os.path.join(directory, "latest")
-    if not os.path.exists(latest):
+    if iteration is not None:
+        path, named_by = os.path.join(directory, iter_name(iteration)), f"--ckpt-step {iteration}"
+        if not os.path.isdir(path):
+            have = sorted(d for d in os.listdir(directory) if d.startswith("iter_") and not d.endswith(".tmp")) \
+                if os.path.isdir(directory) else []
+            raise CheckpointError(f"{named_by}: {path} does not exist (saved iterations in {directory}: "
+                                  f"{', '.join(have) or 'none'})")
+    elif not os.path.exists(latest):
         return None
-    with open(latest) as f:
-        path = os.path.join(directory, f.read().strip())
+    else:
+        with open(latest) as f:
+            path, named_by = os.path.join(directory, f.read().strip()), latest
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
-        raise CheckpointError(f"{latest} names {path}, which has no meta.json (incomplete checkpoint)")
+        raise CheckpointError(f"{named_by} names {path}, which has no meta.json (incomplete checkpoint)")
     with open(meta_path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
@@ -226,7 +235,10 @@ def read_meta(directory: str) -> tuple[str, dict] | None:
 def layout_changes(meta: dict, cfg) -> list[str]:
     """How this run's layout differs from the checkpoint's ([] when it is the same)."""
     saved, now = meta["layout"], layout_of(cfg)
-    return [f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k]]
+    changed = [k for k in now if saved.get(k) != now[k]]
+    if "zero_stage" in changed:  # the block size only matters when both sides shard: not news here
+        changed = [k for k in changed if k != "zero_quantization_block_size"]
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in changed]
 
 
 def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu", mmap: bool = False) -> dict:
@@ -244,11 +256,12 @@ def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu", mmap: b
         raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
 
 
-def load_checkpoint(run, directory: str) -> str | None:
+def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `latest` names, saved at this layout or (resharded) at any other. Returns
-    what was restored, in words; None (and nothing changed) when there is no checkpoint."""
-    found = read_meta(directory)
+    checkpoint `latest` names (or that of `iteration`), saved at this layout or (resharded)
+    at any other. Returns what was restored, in words; None (and nothing changed) when
+    there is no checkpoint."""
+    found = read_meta(directory, iteration)
     if found is None:
         return None
     path, meta = found

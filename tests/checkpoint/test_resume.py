@@ -143,3 +143,20 @@ def test_rank_file_has_no_pickled_code(saved):
     assert set(state) == {"iteration", "consumed_samples", "model", "optimizer", "rng"}
     assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor)
     assert np.isfinite(sum(float(t.sum()) for t in state["model"].values()))
+
+
+def test_ckpt_step_loads_that_iteration(saved):
+    run = _setup(BASE + ["--load", saved, "--ckpt-step", str(N)])
+    assert run.iteration == N and run.consumed_samples == 4 * N
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 5: .*iter_0000005 does not exist \(saved iterations in "
+                                              r".*: iter_0000003, iter_0000006\)"):
+        _setup(BASE + ["--load", saved, "--ckpt-step", "5"])
+
+
+def test_metrics_file_keeps_the_steps_before_the_resume(saved, tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    training.train(_setup(BASE + ["--metrics-file", metrics]))
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"iteration": 99}) + "\n")  # a step the resumed run does not reach
+    training.train(_setup(BASE + ["--metrics-file", metrics, "--load", saved, "--ckpt-step", str(N)]))
+    assert [json.loads(line)["iteration"] for line in open(metrics)] == list(range(1, 2 * N + 1))
