@@ -108,3 +108,18 @@ def test_other_model_is_refused_with_its_differences(source, tmp_path):
     with pytest.raises(CheckpointError, match=r"holds another model \(not in this model: \['layers\.2\..*"
                                               r"num_layers 4 \(checkpoint\) vs 2 \(this run\)"):
         training.setup(validate(parse_args(argv), 1))
+
+
+def test_bf16_masters_into_interleaved_pipeline(tmp_path):
+    """bf16 ZeRO-1 over DP2 -> plain DP at PP2 with 2 virtual stages per rank: the fp32
+    master weights (not their bf16 roundings) arrive bitwise."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    run_distributed(_train, 2, BASE + ["--bf16", "--zero-stage", "1", "--save", src, "--train-iters", str(N)])
+    changes = run_distributed(_load_and_save, 2, BASE + ["--bf16", "--pipeline-model-parallel-size", "2",
+                                                         "--num-layers-per-virtual-pipeline-stage", "1",
+                                                         "--load", src], dst)[0]
+    assert "vpp None -> 1" in changes
+    before, after = consolidate(src)[0], consolidate(dst)[0]
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in before.values())  # masters are not bf16 values
+    for name, w in before.items():
+        assert torch.equal(after[name], w), name
