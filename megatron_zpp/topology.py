@@ -174,6 +174,7 @@ class Topology:
         kinds = {a: self.groups([a]) for a in AXES}
         kinds.update({name: self.groups(axes) for name, axes in COMPOSITE.items()})
         kinds["embedding"] = self.embedding_groups()
+        kinds["world"] = [list(range(self.world_size))]  # control plane: checkpoint digests
         try:
             kinds["dp_intra"], kinds["dp_inter"] = self.dp_node_groups()
         except ValueError:

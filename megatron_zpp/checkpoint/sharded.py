@@ -21,14 +21,13 @@ A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}
   numpy's and Python's global states (as tensors / lists).
 
 Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
-rename), then rank 0 hashes the files, writes meta.json, renames the directory to its
+rename) and hash their own file; rank 0 gathers the digests, writes meta.json, renames the directory to its
 final name and replaces `latest` atomically. A save interrupted at any point leaves the
 previous `latest` and its directory intact.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -153,16 +152,23 @@ def _fresh_dir(tmp: str) -> None:
     os.makedirs(tmp)
 
 
-def _write_rank_file(tmp: str, rank: int, state: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    _fsync_write(os.path.join(tmp, rank_file(rank)), buf.getvalue())
+def _write_rank_file(tmp: str, rank: int, state: dict) -> str:
+    """Write one rank's file (streamed to disk, fsynced, renamed into place); its sha256."""
+    path = os.path.join(tmp, rank_file(rank))
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return sha256_of(path)  # read back from the page cache
 
 
-def _seal(directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int) -> None:
-    """Hash the rank files, write meta.json, rename tmp to final, then point `latest` at it."""
+def _seal(directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int,
+          digests: list[str]) -> None:
+    """Write meta.json (with every rank file's sha256), rename tmp to final, then point
+    `latest` at it."""
+    files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
-    files = {rank_file(r): sha256_of(os.path.join(tmp, rank_file(r))) for r in range(world)}
     meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed,
             "padded_vocab_size": padded_vocab, "world_size": world, "layout": layout_of(cfg),
             "config": cfg.to_dict(), "files": files}
@@ -182,12 +188,17 @@ def save_checkpoint(run, directory: str) -> str:
     if run.rank == 0:
         _fresh_dir(tmp)
     comm.barrier()
-    _write_rank_file(tmp, run.rank, {"iteration": run.iteration, "consumed_samples": run.consumed_samples,
-                                     "model": _model_state(run), "optimizer": _optimizer(run).state_dict(),
-                                     "rng": get_rng_state()})
-    comm.barrier()
+    digest = _write_rank_file(tmp, run.rank, {"iteration": run.iteration, "consumed_samples": run.consumed_samples,
+                                              "model": _model_state(run), "optimizer": _optimizer(run).state_dict(),
+                                              "rng": get_rng_state()})
+    # each rank hashed its own file; rank 0 collects the digests (also: every file is written)
+    world = run.groups.world
+    digests = torch.zeros(world.size, 32, dtype=torch.uint8, device=run.device)
+    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=run.device).view(1, 32)
+    comm.all_gather(digests, mine, world, "checkpoint_digests")
     if run.rank == 0:
-        _seal(directory, final, tmp, run.cfg, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size)
+        _seal(directory, final, tmp, run.cfg, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
+              [bytes(d.tolist()).hex() for d in digests.cpu()])
     comm.barrier()
     return final
 
@@ -200,9 +211,9 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
         raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
     final, tmp = _start(directory, 0)
     _fresh_dir(tmp)
-    _write_rank_file(tmp, 0, {"iteration": 0, "consumed_samples": 0, "optimizer": {}, "rng": {},
-                              "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}})
-    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0])
+    digest = _write_rank_file(tmp, 0, {"iteration": 0, "consumed_samples": 0, "optimizer": {}, "rng": {},
+                                       "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}})
+    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], [digest])
     return final
 
 

@@ -13,6 +13,7 @@ resuming from what it left gives what an uninterrupted run gives.
   --distributed-timeout-minutes (gloo's own message quotes the wait) with a line saying so.
 """
 import contextlib
+import io
 import json
 import os
 import re
@@ -190,17 +191,19 @@ SAVE_ITERS = 6
 def _die_in_second_save(rank, world_size, argv):
     """Rank 1 writes half of its file of the second save (iteration 4), then SIGKILLs itself."""
     if rank == 1:
-        write = sharded._fsync_write
+        write = sharded._write_rank_file
 
-        def write_half_then_die(path, data):
-            if sharded.iter_name(4) in path:
-                with open(path, "wb") as f:
-                    f.write(data[: len(data) // 2])
+        def write_half_then_die(tmp, rank_, state):
+            if sharded.iter_name(4) in tmp:
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                with open(os.path.join(tmp, sharded.rank_file(rank_)), "wb") as f:
+                    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
                     f.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            write(path, data)
+            return write(tmp, rank_, state)
 
-        sharded._fsync_write = write_half_then_die
+        sharded._write_rank_file = write_half_then_die
     pretrain_gpt.main(argv)
 
 
