@@ -34,7 +34,7 @@ def main(argv=None):
     try:
         run = training.setup(cfg)
         training.train(run)
-        if cfg.train.generate_tokens:  # every rank decodes: TP ranks must take part in each forward
+        if cfg.train.generate_tokens and not run.stopped_by_signal:  # every rank decodes: TP ranks must take part in each forward
             prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
             out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)
             log(f"greedy sample: {cfg.train.generate_prompt!r} -> {run.tokenizer.detokenize(out)!r}", run.rank)

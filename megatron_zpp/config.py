@@ -174,6 +174,8 @@ class TrainConfig:
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
     ckpt_step: int | None = opt(None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names")
+    exit_signal_handler: bool = opt(False, "--exit-signal-handler",
+                                    "on SIGTERM (preemption), finish the step, save to --save and exit")
     generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
     generate_prompt: str = opt("def", "--generate-prompt", "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)")
 
@@ -372,6 +374,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     need(t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})")
     need(not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)")
     need(t.ckpt_step is None or t.load is not None, "--ckpt-step needs --load DIR (which checkpoints to choose from)")
+    need(not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)")
 
     o = cfg.optim
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class Run:
     iteration: int = 0
     consumed_samples: int = 0
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
+    stopped_by_signal: bool = False  # --exit-signal-handler: SIGTERM ended train() early
 
 
 def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
@@ -215,6 +217,30 @@ def evaluate(run: Run) -> float:
     return _report_loss(run, losses)
 
 
+class ExitSignal:
+    """--exit-signal-handler: SIGTERM only sets a flag; after each step the ranks agree on it
+    (a 1-element MAX all-reduce over the world), so a signal that reached any rank stops
+    every rank at the same step boundary, after a checkpoint."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device, self.received = enabled, device, False
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def anywhere(self, groups: ProcessGroups) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([float(self.received)], device=self.device)
+        comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
 def train(run: Run) -> list[dict]:
     cfg, rank = run.cfg, run.rank
     t = cfg.train
@@ -226,6 +252,7 @@ def train(run: Run) -> list[dict]:
     world = cfg.parallel.world_size
     history = []
     comm.LEDGER.reset()
+    stop = ExitSignal(t.exit_signal_handler, run.device)
     while run.iteration < t.train_iters:
         start = time.perf_counter()
         loss, grad_norm, lr = train_step(run)
@@ -250,8 +277,17 @@ def train(run: Run) -> list[dict]:
             log(f"iter {run.iteration:5d}/{t.train_iters} | loss {loss:.4f}{val} | lr {lr:.3e} | "
                 f"grad norm {grad_norm:.3f} | {metrics['tokens_per_sec']:.0f} tok/s | "
                 f"{tflops:.3f} TFLOP/s/rank | MFU {mfu} | mem {metrics['memory_gib']:.2f} GiB", rank)
+        saved = None
         if t.save and (run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0)):
-            log(f"saved checkpoint {save_checkpoint(run, t.save)}", rank)
+            saved = save_checkpoint(run, t.save)
+            log(f"saved checkpoint {saved}", rank)
+        if stop.anywhere(run.groups):
+            saved = saved or save_checkpoint(run, t.save)
+            log(f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
+                f"--load {t.save}", rank)
+            run.stopped_by_signal = True
+            break
+    stop.close()
     sink.close()
     if cfg.log.comm_report:
         comm.write_report(cfg.log.comm_report, world, rank)

@@ -191,6 +191,12 @@ def test_save_interval_needs_save():
     validate(make(train__save_interval=5, train__save="/tmp/ckpt", train__load="/tmp/ckpt"), 1)
 
 
+def test_checkpoint_flags_need_their_directory():
+    lines = errors_of(make(train__exit_signal_handler=True, train__ckpt_step=4), 1)
+    assert "--save DIR" in line_with(lines, "--exit-signal-handler")
+    assert "--load DIR" in line_with(lines, "--ckpt-step")
+
+
 # ------------------------------------------------------------------ command line
 
 def test_parse_args_empty_is_defaults():

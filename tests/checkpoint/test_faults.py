@@ -9,6 +9,8 @@ resuming from what it left gives what an uninterrupted run gives.
   itself. The survivor fails at the save's barrier with one line naming the lost peer;
   `latest` still names the first save, and loading it and training on gives bitwise the
   losses of the uninterrupted run.
+* SIGTERM with --exit-signal-handler: one rank is signalled mid-step; every rank stops
+  after that step with a checkpoint of it, and resuming gives the uninterrupted run's losses.
 * hung peer: a rank that stays alive but stops taking part makes the other fail after
   --distributed-timeout-minutes (gloo's own message quotes the wait) with a line saying so.
 """
@@ -234,6 +236,36 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
     for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
         assert start == (2, 2 * 4)  # iteration and consumed samples of the first save
         assert resumed == plain[2:]
+
+
+def _sigterm_at_step_3(rank, world_size, argv):
+    """Rank 1 gets SIGTERM (as from a preempting scheduler) during its third step."""
+    if rank == 1:
+        step = training.train_step
+
+        def step_then_signal(run):
+            out = step(run)
+            if run.iteration == 2:  # the third step (the counter moves after it returns)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        training.train_step = step_then_signal
+    run = training.setup(validate(parse_args(argv), world_size))
+    return len(training.train(run)), run.stopped_by_signal
+
+
+def test_sigterm_saves_at_the_step_boundary_and_stops(tmp_path):
+    """--exit-signal-handler: a SIGTERM that reaches one rank stops every rank after the same
+    step, with a checkpoint of it; resuming gives the uninterrupted run's losses bitwise."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = TINY + ["--train-iters", str(SAVE_ITERS)]
+    out = run_distributed(_sigterm_at_step_3, 2, argv + ["--save", ckpt, "--exit-signal-handler"],
+                          timeout=NO_HANG_S)
+    assert out == [(3, True), (3, True)]
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000003"
+    for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
+        assert start == (3, 3 * 4)
+        assert resumed == plain[3:]
 
 
 def _hang_one_rank(rank, world_size, argv, flag):
