@@ -8,15 +8,17 @@
 #    with ZeRO-3, for 60 steps, saving every 20 (--save DIR --save-interval 20). The command
 #    also carries --load DIR from the start: with no checkpoint there yet it starts from
 #    scratch, so the very same command line serves the first launch and every restart.
-# 2. Kill it (SIGTERM, as a preemption would) once it is past step 30. Its newest complete
-#    checkpoint is DIR/iter_0000020; the steps it took after that are lost.
+# 2. Stop it with SIGTERM, as a preempting scheduler would, once it is past step 30. With
+#    --exit-signal-handler every rank finishes the step it is in and saves it (torchrun
+#    passes the signal on to its ranks), so nothing is lost. (A kill -9 would lose the
+#    steps since the last --save-interval checkpoint, step 20, and nothing else.)
 # 3. Run the same command again: --load finds DIR/latest and restores every rank's shard
 #    (ZeRO-3 weight and fp32 master shards, AdamW state, every RNG stream, the iteration and
-#    the data position), then it trains steps 21..60.
+#    the data position), then it trains the remaining steps.
 # 4. Run the same training once more without --save/--load, uninterrupted, and compare the
-#    per-step metrics (--metrics-file JSONL) of steps 21..60: loss, grad norm and lr must be
+#    per-step metrics (--metrics-file JSONL) of every step: loss, grad norm and lr must be
 #    equal to the last bit.
-# 5. Resume the step-20 checkpoint at another layout (TP 1 x PP 2 x DP 2, no ZeRO): the
+# 5. Resume the stopped run's checkpoint at another layout (TP 1 x PP 2 x DP 2, no ZeRO): the
 #    checkpoint is resharded on load, and the losses follow the uninterrupted run's to fp32
 #    round-off (other reduction orders).
 set -euo pipefail
@@ -34,7 +36,7 @@ TRAINING=(--config examples/configs/tiny_cpu.yaml      # model, data, optimizer:
           --train-iters "$ITERS" --log-interval 10 --generate-tokens 0)
 # The command a job script would hold. It is never edited between restarts.
 RUN=("$TORCHRUN" --standalone --nproc-per-node 4 pretrain_gpt.py "${TRAINING[@]}"
-     --save "$CKPT" --save-interval 20 --load "$CKPT"
+     --save "$CKPT" --save-interval 20 --load "$CKPT" --exit-signal-handler
      --metrics-file "$OUT/metrics.jsonl")
 
 echo "=== 1. launch (no checkpoint in $CKPT yet: starts from scratch) ==="
@@ -50,12 +52,12 @@ until [ -f "$OUT/metrics.jsonl" ] && [ "$(wc -l < "$OUT/metrics.jsonl")" -ge "$K
   sleep 0.2
 done
 
-echo "=== 2. kill it at step $(wc -l < "$OUT/metrics.jsonl") (SIGTERM to torchrun, which stops its 4 ranks) ==="
+echo "=== 2. SIGTERM at step $(wc -l < "$OUT/metrics.jsonl") (to torchrun, which passes it to its 4 ranks) ==="
 echo "(torchrun reports the signal with a SignalException traceback: expected)"
 kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
-echo "torchrun exited with status $rc (killed, as intended)"
+echo "torchrun exited with status $rc (signalled, as intended)"
 RESUME_FROM=$(cat "$CKPT/latest")
 echo "newest complete checkpoint: $CKPT/$RESUME_FROM  (ls $CKPT: $(ls "$CKPT" | tr '\n' ' '))"
 # The restart keeps the metrics file's lines up to the checkpoint and appends its own; keep
@@ -106,7 +108,7 @@ EOF
 echo "=== 5. resume $RESUME_FROM at another layout: TP 1 x PP 2 x DP 2, plain DP ==="
 # Later flags override earlier ones: the same training at another layout. --load reshards
 # the ZeRO-3 TP-2 shards (weights, fp32 masters, AdamW moments and step) to this layout;
-# --ckpt-step picks the step-20 checkpoint although `latest` now names step 60.
+# --ckpt-step picks the stopped run's checkpoint although `latest` now names step 60.
 "$TORCHRUN" --standalone --nproc-per-node 4 pretrain_gpt.py "${TRAINING[@]}" \
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --zero-stage 0 \
   --load "$CKPT" --ckpt-step "${RESUME_FROM#iter_}" --metrics-file "$OUT/metrics.resharded.jsonl"
