@@ -5,8 +5,8 @@ A rank file's tensors are described by *slots*. A slot is a flat span of one ten
 the file that holds a flat range of one parameter's TP piece:
 
 * plain DP: a whole piece, `chunk{c}.{name}` (with bf16, `master.{i}` is its fp32 master);
-* ZeRO: the part of a parameter inside this rank's shard of a unit, `unit{u}.{unit}`
-  (`.master` fp32, `.shard` the training-dtype copy).
+* ZeRO: the part of a parameter inside this rank's shard of a unit, `unit{u}.{unit}.master`
+  (fp32).
 
 Each slot also says which optimizer parameter holds its AdamW moments and where. The
 slots of any rank follow from the run's config alone: the rank's model chunks are rebuilt
@@ -39,7 +39,7 @@ class FakeGroup:
 
 @dataclass(frozen=True)
 class Slot:
-    key: str                 # tensor of the rank file's "model" dict (ZeRO: without .master/.shard)
+    key: str                 # tensor of the rank file's "model" dict (ZeRO: without .master)
     lo: int                  # its flat span [lo, hi)
     hi: int
     opt: int                 # the optimizer parameter whose AdamW state is the span's (same length)
@@ -150,7 +150,6 @@ def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None
                 key = f"unit{u}.{uname}"
                 offsets, _, shard = flat_geometry([p.numel() for p in uparams], size, block)
                 out.tensors[key + ".master"] = ((shard,), True)
-                out.tensors[key + ".shard"] = ((shard,), False)
                 for i, a, b, start in shard_segments(offsets, grank * shard, (grank + 1) * shard):
                     p = uparams[i]
                     pending.append((slot(key, a, b, names[id(p)], p, start), (b - a,)))

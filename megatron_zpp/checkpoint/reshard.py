@@ -157,8 +157,4 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
             if moments:
                 state[s.opt]["exp_avg"].view(-1).copy_(piece["exp_avg"])
                 state[s.opt]["exp_avg_sq"].view(-1).copy_(piece["exp_avg_sq"])
-    if lay.zero:  # the training-dtype shard is the rounded master, as after an optimizer step
-        for k in lay.tensors:
-            if k.endswith(".shard"):
-                model[k].copy_(model[k[:-len(".shard")] + ".master"])
     return {"model": model, "optimizer_state": state}

@@ -13,8 +13,9 @@ Format of a checkpoint directory DIR:
 
 A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
 * "model": PlainDP: {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master};
-  ZeroDP: {"unit{u}.{unit name}.shard": training-dtype shard, "...master": fp32 master shard}
-  (ZeRO-3 never saves the freed full weights; hpZ secondary shards are not saved either:
+  ZeroDP: {"unit{u}.{unit name}.master": fp32 master shard} (the training-dtype shard is
+  its rounding, as after every step, so it is not saved; ZeRO-3 never saves the freed full
+  weights; hpZ secondary shards are not saved either:
   the next forward gather rebuilds them before any backward reads them);
 * "optimizer": the torch AdamW state_dict (PlainDP's `optimizer.opt`, ZeroDP's `optimizer`);
 * "rng": torch CPU state, device state (or absent), the tensor-parallel stream's states,
@@ -37,7 +38,7 @@ import torch
 from .. import comm
 from .rng import get_rng_state, set_rng_state
 
-FORMAT = "megatron_zpp.sharded.v1"
+FORMAT = "megatron_zpp.sharded.v2"  # v2: ZeRO files hold the fp32 masters only
 
 
 class CheckpointError(RuntimeError):
@@ -69,7 +70,6 @@ def _model_state(run) -> dict:
     if hasattr(dp, "units"):  # ZeroDP
         out = {}
         for i, u in enumerate(dp.units):
-            out[f"unit{i}.{u.name}.shard"] = u.shard.detach().clone()
             out[f"unit{i}.{u.name}.master"] = u.master.detach().clone()
         return out
     out = {f"chunk{c}.{n}": p.detach().clone() for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
@@ -91,12 +91,11 @@ def _load_model_state(run, state: dict) -> None:
     dp = run.dp
     if hasattr(dp, "units"):
         mine = {f"unit{i}.{u.name}": u for i, u in enumerate(dp.units)}
-        _check_keys(set(state), {f"{k}.{s}" for k in mine for s in ("shard", "master")})
+        _check_keys(set(state), {f"{k}.master" for k in mine})
         for key, u in mine.items():
             # in place: the optimizer's segment views alias unit.master (and ZeRO-3 fp32 shard == master)
             _copy_into(f"{key}.master", u.master, state[f"{key}.master"])
-            _copy_into(f"{key}.shard", u.shard, state[f"{key}.shard"])
-            u.set_shard(u.shard)  # stages 1-2: all-gather the full weights; stage 3: stay released
+            u.set_shard(u.master)  # the rounded shard; stages 1-2 all-gather the full weights, 3 stay released
         return
     params = {f"chunk{c}.{n}": p for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
     masters = {f"master.{i}": m for i, (p, m) in enumerate(zip(dp.optimizer.params, dp.optimizer.masters)) if m is not p}
