@@ -20,6 +20,7 @@ AdamW of our hyperparameters (no decay on 1-D weights), our LR schedule and clip
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -129,6 +130,19 @@ class Probe:
 
 
 # ---------------------------------------------------------------- peers: model, data, optimizer
+
+
+def peer_args(add_own=None) -> tuple[argparse.Namespace, list[str]]:
+    """(this runner's flags, the flags after `--`): every runner takes --warmup and
+    --gate-every; `add_own(parser)` adds its own."""
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
+    if add_own:
+        add_own(ap)
+    return ap.parse_args(argv[:split]), argv[split + 1:]
 
 
 def parse_model_args(argv: list[str]):

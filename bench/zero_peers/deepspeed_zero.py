@@ -8,25 +8,20 @@ persistence threshold); only the settings below are ours.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PeerBatches, Probe, adamw_kwargs, adamw_param_groups, build_peer_model, lr_at, \
-    parse_model_args  # noqa: E402
+    parse_model_args, peer_args  # noqa: E402
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size")
-    ap.add_argument("--zero-config", default="{}", help="JSON merged into zero_optimization (experiments)")
-    ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
-    a = ap.parse_args(argv[:split])
+    def own(ap):
+        ap.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size")
+        ap.add_argument("--zero-config", default="{}", help="JSON merged into zero_optimization (experiments)")
+    a, model_argv = peer_args(own)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     import torch
@@ -37,7 +32,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = parse_model_args(argv[split + 1:])
+    cfg = parse_model_args(model_argv)
     torch.manual_seed(cfg.train.seed)
     model, _ = build_peer_model(cfg)
     t = cfg.train

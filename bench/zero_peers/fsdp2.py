@@ -9,23 +9,16 @@ and backward, so the backward all-gather stays in the node: FSDP2's analogue of 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import PeerBatches, Probe, adamw_kwargs, adamw_param_groups, build_peer_model, lr_at, \
-    parse_model_args  # noqa: E402
+    parse_model_args, peer_args  # noqa: E402
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reshard-after-forward", default="true")
-    ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
-    a = ap.parse_args(argv[:split])
+    a, model_argv = peer_args(lambda ap: ap.add_argument("--reshard-after-forward", default="true"))
     raf = {"true": True, "false": False}.get(a.reshard_after_forward.lower())
     raf = int(a.reshard_after_forward) if raf is None else raf
 
@@ -38,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = parse_model_args(argv[split + 1:])
+    cfg = parse_model_args(model_argv)
     torch.manual_seed(cfg.train.seed)
     model, _ = build_peer_model(cfg)
     mesh = init_device_mesh("cpu", (world,))

@@ -5,24 +5,17 @@ peak RSS of the timed steps, veth tx bytes at step boundaries; see common.py).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, Probe  # noqa: E402
+from common import ROOT, Probe, peer_args  # noqa: E402
 
 sys.path.insert(0, ROOT)
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
-    a = ap.parse_args(argv[:split])
-    pretrain_argv = argv[split + 1:]
+    a, pretrain_argv = peer_args()
     probe = Probe(a.warmup, a.gate_every)
     from megatron_zpp import training
     if hasattr(training, "train_step"):
