@@ -13,18 +13,19 @@ Format of a checkpoint directory DIR:
 
 A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
 * "model": PlainDP: {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master};
-  ZeroDP: {"unit{u}.{unit name}.master": fp32 master shard} (the training-dtype shard is
-  its rounding, as after every step, so it is not saved; ZeRO-3 never saves the freed full
-  weights; hpZ secondary shards are not saved either:
-  the next forward gather rebuilds them before any backward reads them);
+  ZeroDP: {"unit{u}.{unit name}.master": fp32 master shard}. Not saved, because they are
+  rebuilt: the training-dtype shard (the master's rounding, as after every step), ZeRO-3's
+  freed full weights and hpZ's secondary shards (the next forward gather rebuilds them
+  before any backward reads them);
 * "optimizer": the torch AdamW state_dict (PlainDP's `optimizer.opt`, ZeroDP's `optimizer`);
 * "rng": torch CPU state, device state (or absent), the tensor-parallel stream's states,
   numpy's and Python's global states (as tensors / lists).
+A weights-only checkpoint (`save_weights`, e.g. imported from HF) has both of the last empty.
 
 Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
-rename) and hash their own file; rank 0 gathers the digests, writes meta.json, renames the directory to its
-final name and replaces `latest` atomically. A save interrupted at any point leaves the
-previous `latest` and its directory intact.
+rename) and hash their own file; rank 0 gathers the digests, writes meta.json, renames the
+directory to its final name and replaces `latest` atomically. A save interrupted at any
+point leaves the previous `latest` and its directory intact.
 """
 from __future__ import annotations
 
