@@ -117,12 +117,18 @@ def _decay_first(ndims: list[int]) -> list[int]:
     return index
 
 
-def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None) -> RankLayout:
-    """The slots of `rank`'s file in a run of `cfg` (padded vocabulary `vocab`)."""
+def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None,
+                chunk_cache: dict | None = None) -> RankLayout:
+    """The slots of `rank`'s file in a run of `cfg` (padded vocabulary `vocab`). A caller
+    describing many ranks of one run passes a `chunk_cache` dict: the meta-device chunks
+    depend only on the (TP, PP) coordinates, so DP x CP replicas share them."""
     topo = topo or topology_of(cfg)
     c = topo.coords(rank)
     tp_size = cfg.parallel.tensor_model_parallel_size
-    chunks = build_chunks(cfg, vocab, c["tp"], c["pp"])
+    cache = chunk_cache if chunk_cache is not None else {}
+    if (c["tp"], c["pp"]) not in cache:
+        cache[c["tp"], c["pp"]] = build_chunks(cfg, vocab, c["tp"], c["pp"])
+    chunks = cache[c["tp"], c["pp"]]
     zero, bf16 = cfg.zero.zero_stage > 0, cfg.train.bf16
     out = RankLayout(zero=zero)
 

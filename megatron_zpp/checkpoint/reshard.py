@@ -45,7 +45,8 @@ class SavedCheckpoint:
         zero = self.cfg.zero.zero_stage > 0
         # one replica of every parameter: ZeRO shards span DP x CP; plain DP ranks hold it whole
         sources = [r for r in range(meta["world_size"]) if zero or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0]
-        self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo) for r in sources}
+        chunks: dict = {}
+        self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo, chunks) for r in sources}
         self.index: dict[str, list[tuple[int, object]]] = {}  # name -> [(rank, slot)] of its first stage
         stage_of: dict[str, int] = {}
         for r in sources:
