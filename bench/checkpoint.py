@@ -9,13 +9,13 @@ barrier before and after (the slowest rank's time), median of the repeats (5); e
 runs every kind in turn (ours, DCP, ...: drift and the page cache's state hit them alike),
 after one untimed round; every save goes to a fresh directory:
 
-  save     ours: checkpoint.save_checkpoint(run, dir) (each rank: clone its state, torch.save
-           into its file, fsync, rename, read the file back for its sha256; the digests are
+  save     ours: checkpoint.save_checkpoint(run, dir) (each rank: clone its state, write it as
+           safetensors, fsync, rename, read the file back for its sha256; the digests are
            all-gathered; rank 0 writes meta.json and renames the directory)
            DCP:  torch.distributed.checkpoint.save(state, checkpoint_id=dir) with its default
            FileSystemWriter (one file per rank, sync_files=True: fsync) and DefaultSavePlanner
-  load     ours: checkpoint.load_checkpoint(run, dir) (sha256 check, torch.load, copy into the
-           model, optimizer.load_state_dict, RNG)
+  load     ours: checkpoint.load_checkpoint(run, dir) (sha256 check, safetensors read, copy into
+           the model, optimizer.load_state_dict, RNG)
            DCP:  dcp.load(state, checkpoint_id=dir) in place into the live tensors, then
            optimizer.load_state_dict and the RNG states, as ours
   reshard  ours only: the ZeRO-3 DP2 checkpoint loaded by the TP2 x DP2 plain-DP run (TP, DP
@@ -46,9 +46,10 @@ as our checkpoint holds with os.write (16 MiB blocks) and one fsync, into a file
 filesystem, while the other ranks wait at the barrier; for loads, one sequential read of that
 file, warm or cold. Other byte counts (DCP's, the reshard source's) scale its time by their
 bytes. "/lim" = time / limit time.
-"Where the time goes": this process's time inside sharded._model_state (clone), torch.save,
-os.fsync, sharded.sha256_of, torch.load, _load_model_state and reshard.rank_state_for
-(wrapped with timers, rank 0, the median repeat); DCP calls torch.save/torch.load/fsync too.
+"Where the time goes": this process's time inside sharded._model_state (clone), safetensors'
+save_file, os.fsync, sharded.sha256_of, RankFile.state (safetensors load), _load_model_state
+and reshard.rank_state_for (wrapped with timers, rank 0, the median repeat); DCP calls
+torch.save/torch.load/fsync.
 GB/s = bytes of the checkpoint directory (every file) / time. 4 ranks time-share 2 cores:
 absolute times are this machine's; the ratios are the figure. The last stdout line is one
 JSON object with everything.
@@ -144,8 +145,9 @@ def phase_timers():
     """Times the parts of our save/load in this process: yields {phase: seconds}, accumulated."""
     from megatron_zpp.checkpoint import reshard, sharded
     acc: dict[str, float] = {}
-    patched = [(sharded, "_model_state", "clone state"), (torch, "save", "torch.save"), (os, "fsync", "fsync"),
-               (sharded, "sha256_of", "sha256"), (torch, "load", "torch.load"),
+    patched = [(sharded, "_model_state", "clone state"), (sharded, "save_file", "safetensors save"),
+               (torch, "save", "torch.save"), (os, "fsync", "fsync"), (sharded, "sha256_of", "sha256"),
+               (sharded.RankFile, "state", "safetensors load"), (torch, "load", "torch.load"),
                (sharded, "_load_model_state", "copy into model"), (reshard, "rank_state_for", "reshard")]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 

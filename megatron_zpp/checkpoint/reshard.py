@@ -9,8 +9,8 @@ Any layout can be read: TP, PP (virtual stages too), CP, DP and the ZeRO stage m
 differ between the saving and the loading run. A parameter is reassembled from the spans
 of one replica (plain DP: the ranks with DP = CP = 0; ZeRO: the DP x CP group's shards;
 the first pipeline stage holding it, for a tied embedding) and cut again with the new
-layout's TP split and ZeRO shard. Files are memory-mapped after their sha256 is checked,
-so a rank touches only the bytes of the parameters it needs, one parameter at a time.
+layout's TP split and ZeRO shard. Each file is opened once its sha256 is checked, and a
+rank reads only the tensors of the parameters it needs, one parameter at a time.
 
 What carries over: fp32 master weights, both AdamW moments and its step count, the
 iteration and the consumed samples (so the data order continues). What does not: RNG
@@ -25,7 +25,7 @@ import torch
 
 from ..tensor_parallel.layers import shard, unshard
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
-from .sharded import CheckpointError, read_rank_file
+from .sharded import CheckpointError, RankFile, open_rank_file
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 VOCAB_ROWS = ("embedding.weight", "output.weight")  # their dim 0 is the padded vocabulary
@@ -56,21 +56,22 @@ class SavedCheckpoint:
                     continue  # replicated over TP: TP rank 0's copy is the one read
                 if stage_of.setdefault(s.name, pp) == pp:
                     self.index.setdefault(s.name, []).append((r, s))
-        self._files: dict[int, dict] = {}
+        self._files: dict[int, RankFile] = {}
         self.step = self._step()
 
     def names(self) -> list[str]:
         return list(self.index)
 
-    def _file(self, rank: int) -> dict:
-        if rank not in self._files:
-            self._files[rank] = read_rank_file(self.path, self.meta, rank, mmap=True)
+    def _file(self, rank: int) -> RankFile:
+        if rank not in self._files:  # opened once, read one tensor at a time
+            self._files[rank] = open_rank_file(self.path, self.meta, rank)
         return self._files[rank]
 
     def _step(self):
         """AdamW's step count (shared by every parameter), or None for a weights-only checkpoint."""
-        state = self._file(next(iter(self.layouts)))["optimizer"].get("state", {})
-        return next(iter(state.values()))["step"].clone() if state else None
+        f = self._file(next(iter(self.layouts)))
+        steps = sorted(k for k in f.keys if k.startswith("/optimizer/state/") and k.endswith("/step"))
+        return f.tensor(steps[0]).clone() if steps else None
 
     def full(self, name: str, moments: bool = True) -> dict[str, torch.Tensor]:
         """The single-rank fp32 weight of `name` and (if saved and asked for) its AdamW moments."""
@@ -79,17 +80,14 @@ class SavedCheckpoint:
         split = None
         for rank, s in self.index[name]:
             f = self._file(rank)
-            model, opt_state = f["model"], f["optimizer"].get("state", {})
             if s.tp_rank not in pieces:
                 pieces[s.tp_rank] = {k: torch.zeros(s.shape).view(-1) for k in fields}
             split = s.tp_split
-            src = model[s.master_key or (s.key + ".master" if self.layouts[rank].zero else s.key)]
+            src = f.tensor("/model/" + (s.master_key or (s.key + ".master" if self.layouts[rank].zero else s.key)))
             dst = pieces[s.tp_rank]
             dst["param"][s.start:s.start + s.hi - s.lo] = src.reshape(-1)[s.lo:s.hi]
             for k in fields[1:]:
-                if s.opt not in opt_state:
-                    raise CheckpointError(f"{self.path}: rank {rank}'s optimizer has no state for {name}")
-                dst[k][s.start:s.start + s.hi - s.lo] = opt_state[s.opt][k].reshape(-1)
+                dst[k][s.start:s.start + s.hi - s.lo] = f.tensor(f"/optimizer/state/{s.opt}/{k}").reshape(-1)
         shape = self.index[name][0][1].shape
         return {k: unshard([pieces[t][k].view(shape) for t in sorted(pieces)], split) for k in fields}
 

@@ -1,5 +1,5 @@
-"""Random-number state of one rank, stored without pickled objects (so a checkpoint loads
-with torch.load(weights_only=True)): torch CPU and device generators, the tensor-parallel
+"""Random-number state of one rank, as tensors, numbers and lists (a checkpoint holds no
+pickled objects): torch CPU and device generators, the tensor-parallel
 dropout stream (tensor_parallel.random._STATE), numpy's and Python's global generators."""
 from __future__ import annotations
 

@@ -8,8 +8,12 @@ Format of a checkpoint directory DIR:
         meta.json              {"format", "iteration", "consumed_samples", "padded_vocab_size", "world_size",
                                 "layout": {tp, pp, cp, dp, zero_stage, vpp, ...},
                                 "config": the full config dict, "files": {name: sha256}}
-        rank_00000.pt ...      one per global rank, a plain dict (torch.save; loads with
-                               weights_only=True: only tensors, dicts, lists, numbers, strings)
+        rank_00000.safetensors ...  one per global rank: a nested dict stored as safetensors
+                               (every tensor under its path in the dict, e.g.
+                               "/model/unit3.layer2.master", "/optimizer/state/5/exp_avg"; the
+                               rest, numbers, strings and the dict's shape, as JSON in the
+                               header's "megatron_zpp" entry): nothing is ever unpickled, and a
+                               rank reads only the tensors it asks for
 
 A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
 * "model": PlainDP: {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master};
@@ -35,11 +39,13 @@ import os
 import shutil
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import comm
 from .rng import get_rng_state, set_rng_state
 
-FORMAT = "megatron_zpp.sharded.v2"  # v2: ZeRO files hold the fp32 masters only
+FORMAT = "megatron_zpp.sharded.v3"  # v2: ZeRO files hold the fp32 masters only; v3: safetensors
 
 
 class CheckpointError(RuntimeError):
@@ -51,7 +57,7 @@ def iter_name(iteration: int) -> str:
 
 
 def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+    return f"rank_{rank:05d}.safetensors"
 
 
 def layout_of(cfg) -> dict:
@@ -152,13 +158,44 @@ def _fresh_dir(tmp: str) -> None:
     os.makedirs(tmp)
 
 
+def _flatten(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(every tensor by its path, a JSON skeleton of the rest): what a safetensors file holds."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x, path: str):
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x.detach().contiguous()
+            return {"t": path}
+        if isinstance(x, dict):  # keys keep their type (the optimizer's are ints)
+            return {"d": [[k, walk(v, f"{path}/{k}")] for k, v in x.items()]}
+        if isinstance(x, (list, tuple)):
+            return {"u" if isinstance(x, tuple) else "l": [walk(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        return {"v": x}
+
+    return tensors, walk(state, "")
+
+
+def _unflatten(skeleton: dict, tensor) -> object:
+    if "t" in skeleton:
+        return tensor(skeleton["t"])
+    if "d" in skeleton:
+        return {k: _unflatten(v, tensor) for k, v in skeleton["d"]}
+    if "l" in skeleton or "u" in skeleton:
+        items = [_unflatten(v, tensor) for v in skeleton.get("l", skeleton.get("u"))]
+        return items if "l" in skeleton else tuple(items)
+    return skeleton["v"]
+
+
 def _write_rank_file(tmp: str, rank: int, state: dict) -> str:
-    """Write one rank's file (streamed to disk, fsynced, renamed into place); its sha256."""
+    """Write one rank's file (fsynced, renamed into place); its sha256."""
     path = os.path.join(tmp, rank_file(rank))
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    tensors, skeleton = _flatten(state)
+    save_file(tensors, path + ".tmp", metadata={"megatron_zpp": json.dumps(skeleton)})
+    fd = os.open(path + ".tmp", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(path + ".tmp", path)
     return sha256_of(path)  # read back from the page cache
 
@@ -252,19 +289,42 @@ def layout_changes(meta: dict, cfg) -> list[str]:
     return [f"{k} {saved.get(k)} -> {now[k]}" for k in changed]
 
 
-def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu", mmap: bool = False) -> dict:
-    """One rank's file, checked against meta.json's sha256 and loaded without unpickling code
-    (`mmap`: tensors stay in the file until read)."""
+class RankFile:
+    """One rank's file, opened: tensors are read when asked for (`tensor(path)`), or all at
+    once as the nested dict that was saved (`state()`)."""
+
+    def __init__(self, fpath: str, device="cpu"):
+        self.fpath = fpath
+        try:
+            self._file = safe_open(fpath, framework="pt", device=str(device))
+            self._skeleton = json.loads(self._file.metadata()["megatron_zpp"])
+            self.keys = set(self._file.keys())
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
+
+    def tensor(self, path: str) -> torch.Tensor:
+        if path not in self.keys:
+            raise CheckpointError(f"checkpoint file {self.fpath} has no tensor {path}")
+        return self._file.get_tensor(path)
+
+    def state(self) -> dict:
+        return _unflatten(self._skeleton, self.tensor)
+
+
+def open_rank_file(path: str, meta: dict, rank: int, device="cpu") -> RankFile:
+    """One rank's file, checked against meta.json's sha256 first."""
     fpath = os.path.join(path, rank_file(rank))
     if not os.path.exists(fpath):
         raise CheckpointError(f"checkpoint file {fpath} is missing")
     if sha256_of(fpath) != meta["files"].get(rank_file(rank)):
         raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
                               f"meta.json")
-    try:
-        return torch.load(fpath, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot read checkpoint file {fpath}: {e}") from e
+    return RankFile(fpath, device)
+
+
+def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu") -> dict:
+    """One rank's file as the nested dict that was saved (checked, nothing unpickled)."""
+    return open_rank_file(path, meta, rank, map_location).state()
 
 
 def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
