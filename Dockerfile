@@ -7,7 +7,7 @@ COPY pyproject.toml README.md ./
 COPY megatron_zpp ./megatron_zpp
 # keep the image's torch: install our package and extras without touching it
 RUN pip install --no-cache-dir --no-deps -e . \
- && pip install --no-cache-dir numpy pyyaml tqdm sentencepiece datasets tensorboard wandb pytest pytest-timeout
+ && pip install --no-cache-dir numpy pyyaml tqdm safetensors sentencepiece datasets tensorboard wandb pytest pytest-timeout
 COPY . .
 
 # e.g. docker run --gpus all --ipc=host IMAGE torchrun --nproc-per-node 8 pretrain_gpt.py ...

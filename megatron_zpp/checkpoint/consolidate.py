@@ -2,7 +2,7 @@
 
     state, config = consolidate("ckpt")   # state: {param name: fp32 tensor}, as GPT(cfg.model, V) names them
 
-Every rank file is checked against meta.json's sha256 and read with `weights_only=True`;
+Every rank file is checked against meta.json's sha256 and read as safetensors (nothing unpickled);
 the parameters are reassembled by `reshard.SavedCheckpoint` (the same reader that
 reshards a checkpoint into another layout on load), from the fp32 master weights.
 """
