@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sharded: our checkpoint format (only --from hf)")
     ap.add_argument("--output", required=True, help="FILE.pt for consolidated, a directory for hf and sharded")
     ap.add_argument("--tokenizer-model", default=None,
-                    help="sentencepiece .model (hf: copied as tokenizer.model; also used to size the vocabulary)")
+                    help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)")
     args = ap.parse_args(argv)
     if (args.source == "hf") != (args.to == "sharded"):
         ap.error("--to sharded goes with --from hf (our own checkpoints are sharded already)")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state, config = consolidate(args.load, tokenizer_model=args.tokenizer_model)
+    state, config = consolidate(args.load)
     if args.to == "consolidated":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         torch.save({"config": config, "model": state}, args.output)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-model", default=None, help="default: the one the run trained with")
     args = ap.parse_args(argv)
 
-    state, config = consolidate(args.load, tokenizer_model=args.tokenizer_model)
+    state, config = consolidate(args.load)
     model, cfg = load_model(state, config)
     m, d = cfg.model, cfg.data
     tok = build_tokenizer(args.tokenizer_type or d.tokenizer_type, args.tokenizer_model or d.tokenizer_model,

@@ -13,7 +13,6 @@ import os
 
 import torch
 
-from ..data.tokenizer import build_tokenizer
 from .layout import config_from_dict
 from .reshard import SavedCheckpoint
 from .sharded import FORMAT, CheckpointError, read_meta
@@ -34,23 +33,11 @@ def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
     return found
 
 
-def _tokenizer_vocab(cfg, tokenizer_model: str | None) -> int | None:
-    """The padded vocabulary from the run's tokenizer, for checkpoints whose meta lacks it."""
-    m, d = cfg.model, cfg.data
-    try:
-        return build_tokenizer(d.tokenizer_type, tokenizer_model or d.tokenizer_model, m.vocab_size,
-                               m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
-                               ).padded_vocab_size
-    except (OSError, ValueError, ImportError):
-        return None
-
-
-def consolidate(ckpt_dir: str, tokenizer_model: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def consolidate(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full fp32 weights by single-rank parameter name, the run's config dict) of the
     checkpoint `ckpt_dir/latest` names (or of an iteration directory itself)."""
     path, meta = find_checkpoint(ckpt_dir)
-    vocab = meta.get("padded_vocab_size") or _tokenizer_vocab(config_from_dict(meta["config"]), tokenizer_model)
-    saved = SavedCheckpoint(path, meta, vocab)
+    saved = SavedCheckpoint(path, meta)
     return {name: saved.full(name, moments=False)["param"] for name in saved.names()}, meta["config"]
 
 

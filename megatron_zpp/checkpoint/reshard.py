@@ -34,13 +34,10 @@ VOCAB_ROWS = ("embedding.weight", "output.weight")  # their dim 0 is the padded 
 class SavedCheckpoint:
     """One checkpoint directory of any layout, readable parameter by parameter."""
 
-    def __init__(self, path: str, meta: dict, vocab: int | None = None):
+    def __init__(self, path: str, meta: dict):
         self.path, self.meta = path, meta
         self.cfg = config_from_dict(meta["config"])
-        self.vocab = meta.get("padded_vocab_size") or vocab
-        if self.vocab is None:
-            raise CheckpointError(f"{path}/meta.json does not record the padded vocabulary size; pass the run's "
-                                  f"tokenizer so it can be computed")
+        self.vocab = meta["padded_vocab_size"]
         topo = topology_of(self.cfg)
         zero = self.cfg.zero.zero_stage > 0
         # one replica of every parameter: ZeRO shards span DP x CP; plain DP ranks hold it whole
@@ -119,7 +116,7 @@ def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     """Refuse, before loading anything, a checkpoint whose parameters differ from this
     model's (names or shapes; a vocabulary padded for another TP size is fine)."""
     saved_cfg = config_from_dict(meta["config"])
-    mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta.get("padded_vocab_size") or vocab)
+    mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta["padded_vocab_size"])
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     shapes = [f"{n} {theirs[n]} (checkpoint) vs {mine[n]} (this run)" for n in sorted(set(mine) & set(theirs))
               if theirs[n] != mine[n] and not _vocab_padding_only(n, theirs[n], mine[n])]

@@ -131,7 +131,8 @@ def _fsync_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
+    """fsync a written file, or a directory after renames in it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -191,11 +192,7 @@ def _write_rank_file(tmp: str, rank: int, state: dict) -> str:
     path = os.path.join(tmp, rank_file(rank))
     tensors, skeleton = _flatten(state)
     save_file(tensors, path + ".tmp", metadata={"megatron_zpp": json.dumps(skeleton)})
-    fd = os.open(path + ".tmp", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(path + ".tmp")
     os.replace(path + ".tmp", path)
     return sha256_of(path)  # read back from the page cache
 
@@ -210,13 +207,13 @@ def _seal(directory: str, final: str, tmp: str, cfg, iteration: int, consumed: i
             "padded_vocab_size": padded_vocab, "world_size": world, "layout": layout_of(cfg),
             "config": cfg.to_dict(), "files": files}
     _fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
-    _fsync_dir(tmp)
+    _fsync_path(tmp)
     if os.path.exists(final):  # saved this iteration before: replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    _fsync_path(directory)
     _fsync_write(os.path.join(directory, "latest"), (os.path.basename(final) + "\n").encode())
-    _fsync_dir(directory)
+    _fsync_path(directory)
 
 
 def save_checkpoint(run, directory: str) -> str:
