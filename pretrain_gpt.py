@@ -13,8 +13,8 @@ import re
 import sys
 import traceback
 
-from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import ConfigError, validate
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.config import ConfigError
 from megatron_zpp.logging_utils import fail, log
 
 # what gloo says when the other end of a collective is gone (NCCL raises DistBackendError)
@@ -24,7 +24,7 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 def main(argv=None):
     try:
-        cfg = validate(parse_args(argv), int(os.environ.get("WORLD_SIZE", 1)))
+        cfg = parse_config(argv, int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as e:
         fail(str(e).replace("\n", "\nerror: "))
 

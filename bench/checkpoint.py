@@ -46,8 +46,8 @@ as our checkpoint holds with os.write (16 MiB blocks) and one fsync, into a file
 filesystem, while the other ranks wait at the barrier; for loads, one sequential read of that
 file, warm or cold. Other byte counts (DCP's, the reshard source's) scale its time by their
 bytes. "/lim" = time / limit time.
-"Where the time goes": this process's time inside sharded._model_state (clone), safetensors'
-save_file, os.fsync, sharded.sha256_of, RankFile.state (safetensors load), _load_model_state
+"Where the time goes": this process's time inside sharded._rank_state (clone), safetensors'
+save_file, os.fsync, files.sha256_of, RankFile.state (safetensors load), sharded._restore
 and reshard.rank_state_for (wrapped with timers, rank 0, the median repeat); DCP calls
 torch.save/torch.load/fsync.
 GB/s = bytes of the checkpoint directory (every file) / time. 4 ranks time-share 2 cores:
@@ -83,20 +83,11 @@ RESHARD = ("zero3_dp2", "tp2_dp2")  # source layout's checkpoint, loaded by the 
 # ------------------------------------------------------------------ this rank's state
 
 
-def live_model_state(run) -> dict:
-    """sharded._model_state's entries without the clone: the live tensors (fp32 here: no masters at plain DP)."""
-    dp = run.dp
-    if hasattr(dp, "units"):
-        return {f"unit{i}.{u.name}.master": u.master for i, u in enumerate(dp.units)}  # the shard is its rounding
-    return {f"chunk{c}.{n}": p.detach() for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
-
-
 def tensors_of(run) -> list[torch.Tensor]:
-    """What a load must restore: model tensors and the AdamW moments."""
-    from megatron_zpp.checkpoint.sharded import _optimizer
-    opt = _optimizer(run)
-    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    return list(live_model_state(run).values()) + moments
+    """What a load must restore: the engine's live model tensors (what our save clones) and the AdamW moments."""
+    state = run.dp.state_dict()
+    moments = [s[k] for s in state["optimizer"]["state"].values() for k in ("exp_avg", "exp_avg_sq")]
+    return list(state["model"].values()) + moments
 
 
 def fingerprint(run) -> list[float]:
@@ -112,9 +103,8 @@ def wipe(run) -> None:
 def dcp_state(run, dedup: bool) -> dict:
     """The state DCP saves and loads in place; see the module docstring for the keys."""
     from megatron_zpp.checkpoint.rng import get_rng_state
-    from megatron_zpp.checkpoint.sharded import _optimizer
     shared, mine = dcp_keys(run, dedup)
-    return {shared: {"model": live_model_state(run), "optimizer": _optimizer(run).state_dict()},
+    return {shared: run.dp.state_dict(),
             mine: {"rng": get_rng_state(), "iteration": run.iteration, "consumed_samples": run.consumed_samples}}
 
 
@@ -127,12 +117,8 @@ def dcp_keys(run, dedup: bool) -> tuple[str, str]:
 def dcp_apply(run, state: dict, dedup: bool) -> None:
     """After dcp.load: what load_checkpoint does after reading (tensors are already in place)."""
     from megatron_zpp.checkpoint.rng import set_rng_state
-    from megatron_zpp.checkpoint.sharded import _optimizer
     shared, mine = dcp_keys(run, dedup)
-    if hasattr(run.dp, "units"):
-        for u in run.dp.units:
-            u.set_shard(u.master)  # stages 1-2 re-gather the full weights, stage 3 stays released (as ours)
-    _optimizer(run).load_state_dict(state[shared]["optimizer"])
+    run.dp.load_state_dict(state[shared])  # its tensors are in place: ZeRO re-derives its shards, as ours
     set_rng_state(state[mine]["rng"])
     run.iteration, run.consumed_samples = int(state[mine]["iteration"]), int(state[mine]["consumed_samples"])
 
@@ -143,12 +129,12 @@ def dcp_apply(run, state: dict, dedup: bool) -> None:
 @contextlib.contextmanager
 def phase_timers():
     """Times the parts of our save/load in this process: yields {phase: seconds}, accumulated."""
-    from megatron_zpp.checkpoint import reshard, sharded
+    from megatron_zpp.checkpoint import files, sharded
     acc: dict[str, float] = {}
-    patched = [(sharded, "_model_state", "clone state"), (sharded, "save_file", "safetensors save"),
-               (torch, "save", "torch.save"), (os, "fsync", "fsync"), (sharded, "sha256_of", "sha256"),
-               (sharded.RankFile, "state", "safetensors load"), (torch, "load", "torch.load"),
-               (sharded, "_load_model_state", "copy into model"), (reshard, "rank_state_for", "reshard")]
+    patched = [(sharded, "_rank_state", "clone state"), (files, "save_file", "safetensors save"),
+               (torch, "save", "torch.save"), (os, "fsync", "fsync"), (files, "sha256_of", "sha256"),
+               (files.RankFile, "state", "safetensors load"), (torch, "load", "torch.load"),
+               (sharded, "_restore", "copy into model"), (sharded, "rank_state_for", "reshard")]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 
     stack: list[str] = []  # a phase inside another is recorded as "outer>inner"
@@ -226,6 +212,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     from megatron_zpp.arguments import parse_args
     from megatron_zpp.checkpoint import load_checkpoint, save_checkpoint
     from megatron_zpp.config import validate
+    from megatron_zpp.zero import DDPEngine
 
     label, _, extra = LAYOUTS[name]
     argv = ["--mock-data", "--device", "cpu", "--num-layers", str(a["layers"]), "--hidden-size", str(a["hidden"]),
@@ -248,7 +235,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
             raise AssertionError(f"{name}: {what} did not restore the saved state ({len(bad)} tensors differ)")
 
     # every kind in turn within a repeat (drift and the page cache's state hit all alike), after one untimed round
-    plain_dp = not hasattr(run.dp, "units") and run.groups.topo.sizes["dp"] > 1
+    plain_dp = isinstance(run.dp, DDPEngine) and run.groups.topo.sizes["dp"] > 1
     savers = {"ours": lambda d: save_checkpoint(run, d),
               "dcp": lambda d: dcp.save(dcp_state(run, False), checkpoint_id=d)}
     if plain_dp:

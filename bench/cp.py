@@ -4,7 +4,7 @@
     sudo .venv/bin/python bench/cp.py               (P = 2, 4, 8 on loopback and on the shaped link, < 10 min)
     .venv/bin/python bench/cp.py --no-netns --ps 2 4 8 --heads 8 --head-k 128 --head-v 256 --t-local 128
 
-What is timed: the GLA operator alone (megatron_zpp.sequence_parallel.gla_context_parallel), forward +
+What is timed: the GLA operator alone (megatron_zpp.context_parallel.gla_context_parallel), forward +
 backward with autograd (loss = o.sum()), on each rank's contiguous slice of the sequence: B = 1, H heads,
 key/value head dims K, V, T_local tokens per rank (weak scaling as in the ZeCO paper: the sequence is
 P * T_local), fp32, chunk size --chunk-size. A state is B*H*K*V*4 bytes (default 8*128*256*4 = 1 MiB).
@@ -63,7 +63,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     """Time every variant on this rank; return {"times": {name: [s]}, "ledger": {name: {fwd, bwd}}}."""
     from megatron_zpp import comm
     from megatron_zpp.ops.gla import chunk_gla_local
-    from megatron_zpp.sequence_parallel import gla_context_parallel
+    from megatron_zpp.context_parallel import gla_context_parallel
     from megatron_zpp.topology import Topology, build_groups
     torch.set_num_threads(1)
     cp = build_groups(Topology(world, cp=world, ranks_per_node=cfg["per_node"]), rank).cp

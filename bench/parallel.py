@@ -63,13 +63,13 @@ def our_config(a: dict, world: int, extra: list[str]):
 
 @contextlib.contextmanager
 def stage_timers(emulate: float = 0.0, V: int = 1):
-    """Wraps Stage.forward/backward and training.run_schedule with timers (this process only);
+    """Wraps Stage.forward/backward and the training step's run_schedule with timers (this process only);
     yields [compute, schedule wall], accumulated. With `emulate` > 0 each chunk's forward also
     sleeps emulate/V s and its backward 2*emulate/V s: an ideal machine without core contention."""
-    from megatron_zpp import training
     from megatron_zpp.pipeline_parallel import schedules
+    from megatron_zpp.training import step
     acc = [0.0, 0.0]
-    fwd, bwd, sched = schedules.Stage.forward, schedules.Stage.backward, training.run_schedule
+    fwd, bwd, sched = schedules.Stage.forward, schedules.Stage.backward, step.run_schedule
 
     def timed(fn, slot, sleep=0.0, barrier=False):
         def wrapper(*args, **kw):
@@ -84,12 +84,12 @@ def stage_timers(emulate: float = 0.0, V: int = 1):
 
     schedules.Stage.forward = timed(fwd, 0, emulate / V)
     schedules.Stage.backward = staticmethod(timed(bwd, 0, 2 * emulate / V))
-    training.run_schedule = timed(sched, 1, barrier=True)
+    step.run_schedule = timed(sched, 1, barrier=True)
     try:
         yield acc
     finally:
         schedules.Stage.forward, schedules.Stage.backward = fwd, staticmethod(bwd)
-        training.run_schedule = sched
+        step.run_schedule = sched
 
 
 def timed_steps(step, warmup: int, steps: int) -> list[float]:

@@ -14,7 +14,8 @@ import typing
 
 import yaml
 
-from .config import SECTIONS, Config, ConfigError
+from .config import SECTIONS, Config, ConfigError, validate
+from .topology import check_node_layout
 
 # Megatron-LM spellings accepted as aliases: flag -> (section, field, value).
 ALIASES = {
@@ -23,10 +24,13 @@ ALIASES = {
 }
 
 
+def _field_types(cls) -> dict[str, object]:
+    """Field name -> its type (the annotations are strings under `from __future__`)."""
+    return typing.get_type_hints(cls)
+
+
 def _base_type(tp):
     """int | None -> int; list[str] -> list."""
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # dataclass annotations are strings under `from __future__`
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -41,11 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of settings; command-line flags override it")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
+        types_of = _field_types(cls)
         for f in dataclasses.fields(cls):
             if "flag" not in f.metadata:
                 continue
             meta, dest = f.metadata, f"{section}.{f.name}"
-            tp = _base_type(f.type)
+            tp = _base_type(types_of[f.name])
             default = argparse.SUPPRESS  # absent flags do not override YAML
             if tp is bool:
                 group.add_argument(meta["flag"], dest=dest, action=argparse.BooleanOptionalAction,
@@ -65,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _coerce(section: str, name: str, value, path: str):
     """A YAML value converted to its field's type and checked against its choices."""
     f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
-    tp, meta = _base_type(f.type), f.metadata
+    tp, meta = _base_type(_field_types(SECTIONS[section])[name]), f.metadata
     where = f"--config {path}: {meta['flag'].lstrip('-')}"
     if value is None:
         return None
@@ -136,4 +141,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
     for dest, value in values.items():
         section, name = dest.split(".")
         setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def parse_config(argv: list[str] | None, world_size: int) -> Config:
+    """argv -> a validated Config, node layout included: every check that needs no process
+    group, so a bad setting costs one error line before any work (raises ConfigError)."""
+    cfg = validate(parse_args(argv), world_size)
+    check_node_layout(cfg)
     return cfg

@@ -181,22 +181,35 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op
     return dist.broadcast(tensor, group=group.handle, group_src=src, async_op=async_op)
 
 
-def p2p(ops: list[tuple], group: Group, phase: str) -> list:
-    """Batched point-to-point. Each op is (kind, tensor, peer) or (kind, tensor, peer, tag,
-    phase): kind 'send' or 'recv', peer a group rank, tag separating streams between the
-    same pair, phase overriding the call's phase in the ledger. Receives are posted
-    before sends so that chains cannot deadlock."""
+@dataclass
+class Send:
+    """A point-to-point send to group rank `peer` (`phase` overrides the call's in the ledger)."""
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+    phase: str | None = None
+
+
+@dataclass
+class Recv:
+    """A point-to-point receive from group rank `peer` into `tensor`."""
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+def p2p(ops: list[Send | Recv], group: Group, phase: str) -> list:
+    """Batched point-to-point; `tag` separates streams between the same pair. Receives are
+    posted before sends so that chains cannot deadlock. Returns the handles."""
     if not ops:
         return []
-    ordered = sorted(ops, key=lambda o: o[0] != "recv")
     p2p_ops = []
-    for kind, tensor, peer, *rest in ordered:
-        tag = rest[0] if rest else 0
-        op_phase = rest[1] if len(rest) > 1 else phase
-        if kind == "send":
-            LEDGER.add(group.role, op_phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
-        fn = dist.isend if kind == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, tensor, group=group.handle, tag=tag, group_peer=peer))
+    for op in sorted(ops, key=lambda o: isinstance(o, Send)):
+        if isinstance(op, Send):
+            LEDGER.add(group.role, op.phase or phase, "send", group.peer_links[op.peer], 2,
+                       op.tensor.numel() * op.tensor.element_size())
+        fn = dist.isend if isinstance(op, Send) else dist.irecv
+        p2p_ops.append(dist.P2POp(fn, op.tensor, group=group.handle, tag=op.tag, group_peer=op.peer))
     return dist.batch_isend_irecv(p2p_ops)
 
 

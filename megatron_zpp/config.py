@@ -2,13 +2,14 @@
 
 Each field carries its command-line flag (Megatron-LM's name where Megatron has the
 concept, DeepSpeed's for ZeRO) and its help text; `arguments.py` builds the parser from
-these dataclasses, so a setting is declared exactly once. `validate()` checks the whole
-configuration against the world size before any process group exists.
+these dataclasses, so a setting is declared exactly once. `validate()` derives the values
+that follow from others and checks every section against the world size before any
+process group exists. A leaf module: what depends on the node layout is checked with the
+topology (topology.check_node_layout).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 
@@ -51,7 +52,9 @@ class ModelConfig:
         0, "--softmax-attention-every",
         "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none")
     gla_chunk_size: int = opt(16, "--gla-chunk-size", "chunk length of the chunked GLA form")
-    gla_gate_low_rank: int = opt(16, "--gla-gate-low-rank", "rank of the GLA decay-gate projection")
+    gla_gate_low_rank: int = opt(
+        0, "--gla-gate-low-rank", "rank of the GLA decay-gate projection x W_down W_up + b (the GLA paper uses 16); "
+        "0 = full rank (one more head-split section of the input projection)")
     gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
     hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout after attention and MLP outputs")
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout on softmax attention probabilities")
@@ -136,7 +139,7 @@ class OptimConfig:
     lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup",
                               choices=["constant", "linear", "cosine", "WSD"])
     lr_wsd_decay_iters: int | None = opt(
-        None, "--lr-wsd-decay-iters", "WSD: iterations of the final decay (default: 10%% of decay iters)")
+        None, "--lr-wsd-decay-iters", "WSD: iterations of the final decay (default: a tenth of the decay iters after warmup)")
     lr_wsd_decay_style: str = opt("linear", "--lr-wsd-decay-style", "WSD: shape of the final decay",
                                   choices=["linear", "cosine", "exponential"])
     weight_decay: float = opt(0.1, "--weight-decay", "AdamW weight decay (not applied to norms and biases)")
@@ -229,191 +232,201 @@ def flag_of(section: str, name: str) -> str:
     raise KeyError(name)
 
 
-def zero_topology(cfg: Config, world_size: int):
-    """The Topology of this run as arithmetic (no processes), with the sub-node tiers of
-    --zero-hierarchy named tier0, tier1, ... for the ledger."""
-    from .topology import Topology
-    p = cfg.parallel
-    rpn = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    stride = p.tensor_model_parallel_size if p.order.startswith("tp-") else 1  # global ranks between ZeRO peers
-    sub_node = tuple(t * stride for t in cfg.zero.zero_hierarchy if t * stride < rpn and rpn % (t * stride) == 0)
-    return Topology(world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=rpn, sub_node_tiers=sub_node)
-
-
-def qgz_tiers(cfg: Config, topo) -> list[int]:
-    """ZeRO-group ranks per tier for the qgZ hops: --zero-hierarchy, else one node."""
-    return list(cfg.zero.zero_hierarchy) or [topo.zero_ranks_per_node()]
-
-
-def _check_zero_layout(cfg: Config, world_size: int, need) -> None:
-    z = cfg.zero
-    try:
-        topo = zero_topology(cfg, world_size)
-        per_node = topo.zero_ranks_per_node()
-    except ValueError as e:
-        need(False, f"ZeRO++ layout: {e}")
-        return
-    if z.zero_hpz_partition_size > 1:
-        spans = {topo.link_class(g) for g in topo.dp_tier_groups([z.zero_hpz_partition_size])[0]}
-        need("inter_node" not in spans,
-             f"--zero-hpz-partition-size {z.zero_hpz_partition_size} spans nodes: the ZeRO group has {per_node} "
-             f"ranks per node; use a size that divides {per_node}")
+def _failed(checks: list[tuple[bool, str]]) -> list[str]:
+    return [msg for ok, msg in checks if not ok]
 
 
 def validate(cfg: Config, world_size: int) -> Config:
-    """Check every setting against each other and the world size; fill derived values.
+    """Fill derived values, then check every setting against each other and the world size.
 
-    Raises ConfigError with a message that names the flags to change. Runs before any
-    process group exists, so a bad layout wastes no work.
+    Raises ConfigError listing every problem, each naming the flags to change.
     """
-    m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
-    errors: list[str] = []
-
-    def need(ok: bool, msg: str):
-        if not ok:
-            errors.append(msg)
-
-    for section in SECTIONS:
-        for name, (is_set, why) in NOT_YET.items():
-            if hasattr(getattr(cfg, section), name) and is_set(cfg):
-                errors.append(f"{flag_of(section, name)}: {why}; leave it at its default")
-
-    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    refused = len(errors)
-    for flag, v in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                    ("--context-parallel-size", cp), ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                    ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-                    ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters)]:
-        need(v >= 1, f"{flag} must be >= 1 (got {v})")
-    if len(errors) > refused:  # the checks below divide by these sizes
+    errors = _refused(cfg) + _check_sizes(cfg)
+    if len(errors) > len(_refused(cfg)):  # the checks below divide by these sizes
         raise ConfigError("\n".join(errors))
-
-    model_parallel = tp * pp * cp
-    need(world_size % model_parallel == 0,
-         f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-         f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
-         f"launch a multiple of {model_parallel} ranks or change the parallel sizes")
-    need(p.distributed_timeout_minutes > 0,
-         f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})")
-    if p.ranks_per_node is not None:
-        need(p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0,
-             f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}")
-    dp = max(world_size // model_parallel, 1)
-    p.world_size, p.data_parallel_size = world_size, dp
-
-    axes = p.order.split("-")
-    need(sorted(axes) == sorted(["tp", "cp", "dp", "pp"]),
-         f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp")
-
-    need(m.hidden_size % m.num_attention_heads == 0,
-         f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
-    need(m.num_attention_heads % m.kv_heads == 0,
-         f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}")
-    need(m.num_attention_heads % tp == 0,
-         f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    need(m.kv_heads % tp == 0,
-         f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    need(m.head_dim % 2 == 0, f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE")
-    need(m.ffn_size % tp == 0, f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
-    need(m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0")
-    need(not (m.softmax_attention_every and m.attention_type == "softmax"),
-         "--softmax-attention-every needs --attention-type gla (the other layers are GLA)")
-
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    need(m.seq_length <= m.max_position_embeddings,
-         f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}")
-    need(m.seq_length % cp == 0,
-         f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}")
-    if p.all_scan_blocks < 1 or m.head_dim % p.all_scan_blocks:
-        need(False, f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}")
-    if m.attention_type == "gla":
-        need((m.seq_length // cp) % m.gla_chunk_size == 0,
-             f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}")
-
-    vpp = p.num_layers_per_virtual_pipeline_stage
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if vpp is not None:
-        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        need(vpp >= 1 and m.num_layers % (pp * vpp) == 0,
-             f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
-             f"= {pp} x {vpp}")
-        need(first is None and last is None,
-             "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage")
-    elif first is not None or last is not None:
-        need(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
-        fixed = (first or 0) + (last or 0)
-        free = pp - (first is not None) - (last is not None)
-        rest = m.num_layers - fixed
-        need(rest >= 0 and (rest % free == 0 if free else rest == 0),
-             f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
-             f"the other {free} stages")
-    else:
-        need(m.num_layers % pp == 0,
-             f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-             f"change one, or set --decoder-first/last-pipeline-num-layers")
-    if p.sequence_parallel:
-        need((m.seq_length // cp) % tp == 0,
-             f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}")
-
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-         f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
-         f"{t.micro_batch_size} x {dp}; use a multiple of {t.micro_batch_size * dp}")
-
-    if vpp is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0:
-        micro = t.global_batch_size // (t.micro_batch_size * dp)
-        need(micro % pp == 0, f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
-             f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size {pp}")
-    if t.generate_tokens:
-        need(pp == 1 and cp == 1, "--generate-tokens needs --pipeline-model-parallel-size 1 and "
-             "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)")
-
-    need(t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})")
-    need(not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)")
-    need(t.ckpt_step is None or t.load is not None, "--ckpt-step needs --load DIR (which checkpoints to choose from)")
-    need(not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)")
-
-    o = cfg.optim
-    need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
-    need(o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
-
-    d = cfg.data
-    need(d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data")
-    need(not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both")
-    if d.tokenizer_type != "NullTokenizer":
-        need(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
-    parts = d.split.replace("/", ",").split(",")
-    need(all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
-         f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1")
-
-    need(z.zero_hpz_partition_size >= 1, "--zero-hpz-partition-size must be >= 1")
-    need(z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
-         "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)")
-    zpp = [f for f, on in [("--zero-param-persistence step", z.zero_param_persistence == "step"),
-                           ("--zero-quantized-weights", z.zero_quantized_weights),
-                           ("--zero-hpz-partition-size", z.zero_hpz_partition_size > 1),
-                           ("--zero-quantized-gradients", z.zero_quantized_gradients),
-                           ("--zero-hierarchy", bool(z.zero_hierarchy))] if on]
-    for flag in zpp:
-        need(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3")
-    zero_group = dp * cp  # weights replicated over DP and CP are sharded over both
-    hpz = z.zero_hpz_partition_size
-    if hpz > 1:
-        need(zero_group % hpz == 0, f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
-             f"(data parallel x context parallel = {zero_group})")
-    tiers = z.zero_hierarchy
-    if tiers:
-        need(all(b % a == 0 for a, b in zip(tiers, tiers[1:])) and all(zero_group % t == 0 for t in tiers)
-             and all(t >= 1 for t in tiers),
-             f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
-             f"size {zero_group}")
-    if not errors and (hpz > 1 or z.zero_quantized_gradients or tiers):
-        _check_zero_layout(cfg, world_size, need)
-    need(cfg.log.log_interval >= 1, "--log-interval must be >= 1")
-
+    derive(cfg, world_size)
+    for check in (_check_layout, _check_model, _check_pipeline, _check_batch, _check_checkpointing, _check_optim,
+                  _check_data, _check_zero, _check_log):
+        errors += check(cfg, world_size)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
+
+
+def derive(cfg: Config, world_size: int) -> None:
+    """The values that follow from others: world and data-parallel sizes, defaults that
+    depend on other settings."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    p.world_size, p.data_parallel_size = world_size, max(world_size // model_parallel, 1)
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * p.data_parallel_size
+
+
+def _refused(cfg: Config) -> list[str]:
+    return [f"{flag_of(section, name)}: {why}; leave it at its default"
+            for section in SECTIONS for name, (is_set, why) in NOT_YET.items()
+            if hasattr(getattr(cfg, section), name) and is_set(cfg)]
+
+
+def _check_sizes(cfg: Config) -> list[str]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    return [f"{flag} must be >= 1 (got {v})" for flag, v in [
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size), ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
+        ("--train-iters", t.train_iters)] if v < 1]
+
+
+def _check_layout(cfg: Config, world_size: int) -> list[str]:
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    model_parallel = tp * pp * cp
+    return _failed([
+        (world_size % model_parallel == 0,
+         f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+         f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
+         f"launch a multiple of {model_parallel} ranks or change the parallel sizes"),
+        (p.distributed_timeout_minutes > 0,
+         f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})"),
+        (p.ranks_per_node is None or (p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0),
+         f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}"),
+        (sorted(p.order.split("-")) == sorted(["tp", "cp", "dp", "pp"]),
+         f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp"),
+    ])
+
+
+def _check_model(cfg: Config, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    return _failed([
+        (m.hidden_size % m.num_attention_heads == 0,
+         f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"),
+        (m.num_attention_heads % m.kv_heads == 0,
+         f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}"),
+        (m.num_attention_heads % tp == 0,
+         f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}"),
+        (m.kv_heads % tp == 0, f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}"),
+        (m.head_dim % 2 == 0, f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE"),
+        (m.ffn_size % tp == 0, f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}"),
+        (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
+        (not (m.softmax_attention_every and m.attention_type == "softmax"),
+         "--softmax-attention-every needs --attention-type gla (the other layers are GLA)"),
+        (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
+        (m.seq_length <= m.max_position_embeddings,
+         f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}"),
+        (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
+        (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0,
+         f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}"),
+        (m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,
+         f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}"),
+        (not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+         f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}"),
+    ])
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if vpp is not None:
+        return _failed([
+            (pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+            (vpp >= 1 and m.num_layers % (pp * vpp) == 0,
+             f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
+             f"= {pp} x {vpp}"),
+            (first is None and last is None,
+             "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage"),
+        ])
+    if first is not None or last is not None:
+        fixed = (first or 0) + (last or 0)
+        free = pp - (first is not None) - (last is not None)
+        rest = m.num_layers - fixed
+        return _failed([
+            (pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"),
+            (rest >= 0 and (rest % free == 0 if free else rest == 0),
+             f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
+             f"the other {free} stages"),
+        ])
+    return _failed([(m.num_layers % pp == 0,
+                     f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                     f"change one, or set --decoder-first/last-pipeline-num-layers")])
+
+
+def _check_batch(cfg: Config, world_size: int) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    dp, pp, cp = p.data_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    per_step = t.micro_batch_size * dp
+    errors = _failed([(t.global_batch_size % per_step == 0,
+                       f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+                       f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}")])
+    if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
+        micro = t.global_batch_size // per_step
+        errors += _failed([(micro % pp == 0,
+                            f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
+                            f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
+                            f"{pp}")])
+    if t.generate_tokens:
+        errors += _failed([(pp == 1 and cp == 1, "--generate-tokens needs --pipeline-model-parallel-size 1 and "
+                            "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)")])
+    return errors
+
+
+def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.train
+    return _failed([
+        (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
+        (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
+        (t.ckpt_step is None or t.load is not None, "--ckpt-step needs --load DIR (which checkpoints to choose from)"),
+        (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
+    ])
+
+
+def _check_optim(cfg: Config, world_size: int) -> list[str]:
+    o = cfg.optim
+    return _failed([(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
+                    (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")])
+
+
+def _check_data(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.data
+    parts = d.split.replace("/", ",").split(",")
+    return _failed([
+        (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
+        (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
+        (d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,
+         f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model"),
+        (all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
+         f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1"),
+    ])
+
+
+def _check_zero(cfg: Config, world_size: int) -> list[str]:
+    z = cfg.zero
+    zero_group = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # replicas of each weight
+    hpz, tiers = z.zero_hpz_partition_size, z.zero_hierarchy
+    zpp = [f for f, on in [("--zero-param-persistence step", z.zero_param_persistence == "step"),
+                           ("--zero-quantized-weights", z.zero_quantized_weights),
+                           ("--zero-hpz-partition-size", hpz > 1),
+                           ("--zero-quantized-gradients", z.zero_quantized_gradients),
+                           ("--zero-hierarchy", bool(tiers))] if on]
+    return _failed([
+        (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
+        (z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
+         "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)"),
+        *[(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3") for flag in zpp],
+        (hpz <= 1 or zero_group % hpz == 0, f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
+         f"(data parallel x context parallel = {zero_group})"),
+        (not tiers or (all(b % a == 0 for a, b in zip(tiers, tiers[1:])) and all(t >= 1 for t in tiers)
+                       and all(zero_group % t == 0 for t in tiers)),
+         f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
+         f"size {zero_group}"),
+    ])
+
+
+def _check_log(cfg: Config, world_size: int) -> list[str]:
+    return _failed([(cfg.log.log_interval >= 1, "--log-interval must be >= 1")])

@@ -17,6 +17,8 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
+from .config import Config, ConfigError
+
 AXES = ("tp", "cp", "dp", "pp")
 
 # Groups spanning several axes, named as Megatron names them.
@@ -203,6 +205,13 @@ class ProcessGroups:
     def __contains__(self, kind: str) -> bool:
         return kind in self._groups
 
+    def dp_tier_hops(self) -> list[Group]:
+        """This rank's qgZ hop groups, innermost first (dp_tier0, dp_tier1, ...)."""
+        hops = []
+        while f"dp_tier{len(hops)}" in self._groups:
+            hops.append(self._groups[f"dp_tier{len(hops)}"])
+        return hops
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -229,3 +238,50 @@ def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, h
                 mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key),
                                    tuple(topo.link_class([rank, r]) for r in key), created.get(key))
     return ProcessGroups(topo, rank, mine)
+
+
+# ---------------------------------------------------------------- from a config
+
+
+def topology_from_config(cfg: Config, world_size: int | None = None, ranks_per_node: int | None = None) -> Topology:
+    """The Topology of a run of `cfg` as arithmetic (no processes). Nodes: `ranks_per_node`,
+    else --ranks-per-node, else LOCAL_WORLD_SIZE; the sub-node tiers of --zero-hierarchy
+    become inner link domains named tier0, tier1, ... for the ledger."""
+    p = cfg.parallel
+    world = world_size or p.world_size
+    rpn = ranks_per_node or p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    stride = p.tensor_model_parallel_size if p.order.startswith("tp-") else 1  # global ranks between ZeRO peers
+    sub_node = tuple(t * stride for t in cfg.zero.zero_hierarchy if t * stride < rpn and rpn % (t * stride) == 0)
+    return Topology(world, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
+                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=rpn, sub_node_tiers=sub_node)
+
+
+def qgz_tiers(cfg: Config, topo: Topology) -> list[int]:
+    """ZeRO-group ranks per tier for the qgZ hops: --zero-hierarchy, else one node."""
+    return list(cfg.zero.zero_hierarchy) or [topo.zero_ranks_per_node()]
+
+
+def build_groups_from_config(cfg: Config, rank: int, timeout=None) -> ProcessGroups:
+    """Every process group a run of `cfg` needs (collective: all ranks call it alike)."""
+    z = cfg.zero
+    topo = topology_from_config(cfg)
+    tiers = qgz_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
+    return build_groups(topo, rank, dp_tiers=tiers, hpz=z.zero_hpz_partition_size, timeout=timeout)
+
+
+def check_node_layout(cfg: Config) -> None:
+    """The settings that depend on how ranks sit on nodes (a validated `cfg`); raises
+    ConfigError naming the flag to change."""
+    z = cfg.zero
+    if not (z.zero_hpz_partition_size > 1 or z.zero_quantized_gradients or z.zero_hierarchy):
+        return
+    try:
+        topo = topology_from_config(cfg)
+        per_node = topo.zero_ranks_per_node()
+    except ValueError as e:
+        raise ConfigError(f"ZeRO++ layout: {e}") from None
+    if z.zero_hpz_partition_size > 1:
+        spans = {topo.link_class(g) for g in topo.dp_tier_groups([z.zero_hpz_partition_size])[0]}
+        if "inter_node" in spans:
+            raise ConfigError(f"--zero-hpz-partition-size {z.zero_hpz_partition_size} spans nodes: the ZeRO group "
+                              f"has {per_node} ranks per node; use a size that divides {per_node}")

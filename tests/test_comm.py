@@ -74,7 +74,7 @@ def _exercise(g, rank, phase):
     if n > 1:  # ring: send to the next group rank, receive from the previous one
         recv = torch.empty(7)
         sendbuf = torch.full((7,), float(rank))
-        reqs = comm.p2p([("send", sendbuf, (me + 1) % n), ("recv", recv, (me - 1) % n)], g, phase)
+        reqs = comm.p2p([comm.Send(sendbuf, (me + 1) % n), comm.Recv(recv, (me - 1) % n)], g, phase)
         for r in reqs:
             r.wait()
         out["p2p"] = (recv.tolist(), _snap())
@@ -105,9 +105,9 @@ def _comm_2ranks(rank, world_size):
     comm.LEDGER.reset()
     a, b = torch.empty(2), torch.empty(3)
     peer = 1 - g.dp.rank
-    for r in comm.p2p([("send", torch.full((2,), 10.0 + rank), peer, 5, "act"),
-                       ("send", torch.full((3,), 20.0 + rank), peer, 6),
-                       ("recv", b, peer, 6), ("recv", a, peer, 5)], g.dp, "grad"):
+    for r in comm.p2p([comm.Send(torch.full((2,), 10.0 + rank), peer, 5, "act"),
+                       comm.Send(torch.full((3,), 20.0 + rank), peer, 6),
+                       comm.Recv(b, peer, 6), comm.Recv(a, peer, 5)], g.dp, "grad"):
         r.wait()
     res["tagged"] = (a.tolist(), b.tolist(), _snap())
     return res
@@ -128,7 +128,7 @@ def _comm_4ranks(rank, world_size, report_dir):
     for _ in range(2):
         comm.all_reduce(torch.zeros(256), flat.dp, "grad")
         recv = torch.empty(64)
-        for r in comm.p2p([("send", torch.zeros(64), (rank + 1) % 4), ("recv", recv, (rank - 1) % 4)],
+        for r in comm.p2p([comm.Send(torch.zeros(64), (rank + 1) % 4), comm.Recv(recv, (rank - 1) % 4)],
                           flat.dp, "act"):
             r.wait()
         comm.LEDGER.step()

@@ -2,9 +2,11 @@
 
 Same seed, same data, fp32: the per-step losses for 10 steps and the final weights
 (reassembled from TP shards and pipeline stages) equal the single-process run within
-1e-5 relative, for softmax, GLA and hybrid models. Gradient clipping is active (the
-clip is below the gradient norm), so the global norm must count every parameter once.
-The same runs check the ledger: TP and PP bytes per step equal their closed forms.
+1e-5 relative, for softmax, GLA and hybrid models (the hybrid with the GLA paper's
+low-rank decay gate, whose replicated down-projection gets partial gradients under TP).
+Gradient clipping is active (the clip is below the gradient norm), so the global norm
+must count every parameter once. The same runs check the ledger: TP, CP, PP and plain-DP
+bytes per step equal their closed forms.
 """
 import functools
 
@@ -24,8 +26,9 @@ BASE = ["--mock-data", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4
         "--gla-chunk-size", "8", "--train-iters", str(STEPS), "--global-batch-size", str(GBS),
         "--micro-batch-size", str(MBS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "0.5", "--seed", "11"]
 KINDS = {"softmax": ["--attention-type", "softmax"], "gla": ["--attention-type", "gla"],
-         "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2"]}
+         "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--gla-gate-low-rank", "4"]}
 LAYOUTS = {  # name: (world size, layers, flags)
+    "dp2": (2, 4, []),  # plain data parallelism, 2 micro-batches accumulated per rank
     "tp2": (2, 4, ["--tensor-model-parallel-size", "2"]),
     "tp2_sp": (2, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, 4, ["--pipeline-model-parallel-size", "2"]),
@@ -47,10 +50,9 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
     losses = [h["loss"] for h in training.train(run)]
-    if hasattr(run.dp, "gather_all"):  # ZeRO-3 keeps only shards between uses
-        run.dp.gather_all()
-    weights = {name: p.detach().double().numpy().copy() for chunk in run.chunks
-               for name, p in chunk.named_parameters()}
+    with run.dp.full_parameters():  # ZeRO-3 keeps only shards between uses
+        weights = {name: p.detach().double().numpy().copy() for chunk in run.chunks
+                   for name, p in chunk.named_parameters()}
     splits = {name: p.tp_split for chunk in run.chunks for name, p in chunk.named_parameters()}
     g = run.groups
     return {"losses": losses, "weights": weights, "splits": splits, "ledger": comm.LEDGER.local_rows(),
@@ -117,7 +119,7 @@ def _bytes(rows, role, phase) -> float:
 def check_ledger(kind, layers, flags, world, results):
     """TP: per micro-batch, 2 per layer + 1 (embedding / output layer) collectives of a
     [micro, seq, hidden] activation each way; PP: one activation per micro-batch and
-    chunk boundary each way."""
+    chunk boundary each way; plain DP: one ring all-reduce of the fp32 gradients per step."""
     cfg = validate(parse_args(argv_for(kind, layers, flags)), world)
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
@@ -146,6 +148,9 @@ def check_ledger(kind, layers, flags, world, results):
                 assert bwd == pytest.approx(micro * gla_layers * state * (c["cp"] != 0))
             else:  # LASP-2: every rank gathers (P-1) states (+ their decays), so the bytes grow with P
                 assert _bytes(rows, "cp", "cp_lasp2_fwd") >= micro * gla_layers * state * (cp - 1)
+        if p.data_parallel_size > 1 and cfg.zero.zero_stage == 0:
+            dp, numel = p.data_parallel_size, sum(w.size for w in r["weights"].values())
+            assert _bytes(rows, "dp_cp", "grad_allreduce") == pytest.approx(2 * (dp - 1) / dp * 4 * numel)
         if pp > 1:
             chunks = p.num_layers_per_virtual_pipeline_stage and layers // (pp * p.num_layers_per_virtual_pipeline_stage)
             chunks = chunks or 1

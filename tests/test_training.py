@@ -1,5 +1,5 @@
-"""The training loop: data-parallel parity with one rank, bf16, logging outputs, and
-pretrain_gpt.py end to end under torchrun."""
+"""The training loop: bf16, logging outputs, and pretrain_gpt.py end to end under torchrun
+(data-parallel parity with one rank is the "dp2" layout of tests/test_parity.py)."""
 import json
 import os
 import subprocess
@@ -11,7 +11,6 @@ import pytest
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import validate
-from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -25,24 +24,6 @@ def run_training(argv: list[str], world_size: int) -> tuple[list[float], list[np
     history = training.train(run)
     return [h["loss"] for h in history], [p.detach().double().numpy().copy() for c in run.chunks
                                           for p in c.parameters()]
-
-
-def _dp_worker(rank, world_size, argv):
-    return run_training(argv, world_size)
-
-
-@pytest.mark.parametrize("kind", [["--attention-type", "softmax"],
-                                  ["--attention-type", "gla", "--softmax-attention-every", "2"]])
-def test_data_parallel_matches_single_rank(kind):
-    """DP2 with 2 micro-batches per rank reproduces one rank with 4 micro-batches."""
-    argv = TINY + kind + ["--train-iters", "6", "--global-batch-size", "8", "--micro-batch-size", "2"]
-    ref_losses, ref_weights = run_training(argv, 1)
-    results = run_distributed(_dp_worker, 2, argv)
-    for losses, weights in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for w, r in zip(weights, ref_weights):
-            np.testing.assert_allclose(w, r, rtol=1e-5, atol=1e-7)
-    assert ref_losses[-1] < ref_losses[0]
 
 
 def test_bf16_trains_with_fp32_masters():

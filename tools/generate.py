@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_zpp import generation  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
 from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron_zpp.model import GPT  # noqa: E402
@@ -32,37 +33,14 @@ def load_model(state: dict, config: dict) -> tuple[GPT, object]:
     return model.eval(), cfg
 
 
-def next_token(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None = None) -> int:
-    """One token id from 1-D logits (already restricted to the real vocabulary)."""
-    if greedy or temperature <= 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0.0 < top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
-        logits[order[drop]] = float("-inf")
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-
-
-@torch.no_grad()
 def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, context: int, vocab_size: int,
-             greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             eod: int | None = None, seed: int = 0) -> list[int]:
-    """New token ids after `prompt_ids` (stops early at `eod` when given)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        logits = model(tokens=torch.tensor([ids[-context:]]))[0, -1, :vocab_size]
-        tok = next_token(logits, greedy, temperature, top_k, top_p, gen)
-        ids.append(tok)
-        if eod is not None and tok == eod:
-            break
-    return ids[len(prompt_ids):]
+             **sampling) -> list[int]:
+    """New token ids after `prompt_ids` from a single-rank model (sampling: see
+    megatron_zpp.generation.generate)."""
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        return model(tokens=torch.tensor([ids[-context:]]))[0, -1, :vocab_size]
+
+    return generation.generate(next_logits, prompt_ids, max_new_tokens, **sampling)
 
 
 def main(argv: list[str] | None = None) -> int:

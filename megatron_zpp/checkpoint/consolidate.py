@@ -8,29 +8,11 @@ reshards a checkpoint into another layout on load), from the fp32 master weights
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
+from .files import find_checkpoint
 from .layout import config_from_dict
 from .reshard import SavedCheckpoint
-from .sharded import FORMAT, CheckpointError, read_meta
-
-
-def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
-    """(iteration dir, meta) of `ckpt_dir/latest`, or of `ckpt_dir` when it is an iteration dir."""
-    meta_path = os.path.join(ckpt_dir, "meta.json")
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
-        return ckpt_dir, meta
-    found = read_meta(ckpt_dir)
-    if found is None:
-        raise CheckpointError(f"{ckpt_dir}: no checkpoint (no 'latest' file)")
-    return found
 
 
 def consolidate(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:

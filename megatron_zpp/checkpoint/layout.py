@@ -11,8 +11,9 @@ the file that holds a flat range of one parameter's TP piece:
 Each slot also says which optimizer parameter holds its AdamW moments and where. The
 slots of any rank follow from the run's config alone: the rank's model chunks are rebuilt
 on the meta device (shapes and names, no memory, no process groups) exactly as
-`training.build_model` places layers on pipeline stages, and the ZeRO units are cut as
-`ZeroDP` cuts them (`model_units`, `flat_geometry`).
+training places layers on pipeline stages (`build_stage_model`), the ZeRO units are cut as
+the ZeRO engine cuts them (`model_units`, `flat_geometry`) and AdamW numbers its
+parameters by the one rule of `adamw_order`.
 """
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config
-from ..model import GPT
+from ..model import GPT, ParallelContext
 from ..model.init import full_shape
-from ..pipeline_parallel.stages import stage_layers, virtual_stage_layers
-from ..topology import Topology
-from ..zero.optimizer import model_units
-from ..zero.sharded_params import flat_geometry, shard_segments
-from .sharded import CheckpointError
+from ..optim import adamw_order
+from ..pipeline_parallel import build_stage_model
+from ..topology import Topology, topology_from_config
+from ..zero.sharded_params import flat_geometry, model_units, shard_segments
+from .files import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -77,27 +78,16 @@ def config_from_dict(d: dict) -> Config:
 
 
 def topology_of(cfg: Config) -> Topology:
-    """The rank grid of a config as arithmetic (nodes do not matter for what a rank holds)."""
-    p = cfg.parallel
-    return Topology(p.world_size, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=p.world_size)
+    """The rank grid of a config (nodes do not matter for what a rank holds)."""
+    return topology_from_config(cfg, ranks_per_node=cfg.parallel.world_size)
 
 
 def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list[GPT]:
     """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only)."""
-    p, m = cfg.parallel, cfg.model
-    pp = p.pipeline_model_parallel_size
-    if p.num_layers_per_virtual_pipeline_stage:
-        layer_sets = virtual_stage_layers(m.num_layers, pp, p.num_layers_per_virtual_pipeline_stage, pp_rank)
-    else:
-        layer_sets = [stage_layers(m.num_layers, pp, pp_rank, p.decoder_first_pipeline_num_layers,
-                                   p.decoder_last_pipeline_num_layers)]
-    tp = FakeGroup(tp_rank, p.tensor_model_parallel_size)
+    ctx = ParallelContext(tp=FakeGroup(tp_rank, cfg.parallel.tensor_model_parallel_size),
+                          sequence_parallel=cfg.parallel.sequence_parallel)
     with torch.device("meta"):
-        return [GPT(m, vocab, tp=tp, sequence_parallel=p.sequence_parallel, layer_ids=layers,
-                    pre_process=pp_rank == 0 and v == 0,
-                    post_process=pp_rank == pp - 1 and v == len(layer_sets) - 1)
-                for v, layers in enumerate(layer_sets)]
+        return build_stage_model(cfg, vocab, ctx, pp_rank)
 
 
 def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
@@ -107,12 +97,10 @@ def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
             for chunk in build_chunks(cfg, vocab, 0, stage) for n, p in chunk.named_parameters()}
 
 
-def _decay_first(ndims: list[int]) -> list[int]:
-    """Optimizer index of each parameter: AdamW's groups list the decayed (>= 2-D) ones first."""
-    decay = [i for i, n in enumerate(ndims) if n >= 2]
-    no_decay = [i for i, n in enumerate(ndims) if n < 2]
+def _optimizer_index(ndims: list[int]) -> list[int]:
+    """Each parameter's index in AdamW's state (its numbering, `adamw_order`)."""
     index = [0] * len(ndims)
-    for j, i in enumerate(decay + no_decay):
+    for j, i in enumerate(adamw_order(ndims)):
         index[i] = j
     return index
 
@@ -161,7 +149,7 @@ def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None
                     pending.append((slot(key, a, b, names[id(p)], p, start), (b - a,)))
                     ndims.append(p.ndim)
                 u += 1
-    index = _decay_first(ndims)
+    index = _optimizer_index(ndims)
     out.opt_shapes = [None] * len(pending)
     for (fields, shape), j in zip(pending, index):
         out.slots.append(Slot(opt=j, **fields))

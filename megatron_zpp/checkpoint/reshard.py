@@ -25,7 +25,7 @@ import torch
 
 from ..tensor_parallel.layers import shard, unshard
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
-from .sharded import CheckpointError, RankFile, open_rank_file
+from .files import CheckpointError, RankFile, open_rank_file
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 VOCAB_ROWS = ("embedding.weight", "output.weight")  # their dim 0 is the padded vocabulary

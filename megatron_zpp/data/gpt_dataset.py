@@ -1,4 +1,4 @@
-"""GPTDataset with Megatron's semantics, and `build_gpt_datasets`, the one entry point of training.
+"""GPTDataset with Megatron's semantics (data/builder.py assembles the datasets training uses).
 
 A split of an indexed dataset (a contiguous range of its documents) becomes fixed-length samples:
   document index  the split's documents, shuffled anew each epoch, epochs back to back;
@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-from typing import Callable
 
 import numpy as np
 import torch
@@ -156,19 +155,7 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts).astype(np.int64)
 
 
-# ---------------------------------------------------------------- splits and the entry point
-def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> normalized [train, valid, test] fractions (missing ones are 0)."""
-    try:
-        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
-    parts += [0.0] * (3 - len(parts))
-    return [p / sum(parts) for p in parts]
-
-
+# ---------------------------------------------------------------- splits
 def split_ranges(fractions: list[float], num_documents: int) -> list[tuple[int, int] | None]:
     """Contiguous document ranges per split, bookends rounded as Megatron does; None when empty."""
     bounds = np.concatenate([[0.0], np.cumsum(fractions)])
@@ -181,32 +168,3 @@ def split_ranges(fractions: list[float], num_documents: int) -> list[tuple[int, 
 
 def open_indexed(prefix: str) -> IndexedDataset:
     return IndexedDataset(prefix)
-
-
-def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
-                       num_samples: tuple[int, int, int], cache_path: str | None, is_builder: bool,
-                       barrier: Callable[[], None]):
-    """(train, valid, test) datasets, each None when its split has no documents.
-
-    The builder rank builds (or finds) every cached index, then calls barrier(); the other ranks
-    call barrier() and then load. Every rank calls barrier() exactly once, even on error, so a
-    failure raises on all ranks instead of hanging some.
-    """
-    from megatron_zpp.data.blended import build_split_datasets, parse_data_path
-
-    prefixes, weights = parse_data_path(data_path)
-    cache_dir = cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
-    fractions = parse_split(split)
-    args = (prefixes, weights, fractions, seq_length, seed, tuple(int(n) for n in num_samples), cache_dir)
-    result, error = None, None
-    if is_builder:
-        try:
-            result = build_split_datasets(*args, build=True)
-        except Exception as e:  # re-raised after the barrier so no rank waits forever
-            error = e
-    barrier()
-    if error is not None:
-        raise error
-    if not is_builder:
-        result = build_split_datasets(*args, build=False)
-    return result

@@ -10,17 +10,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..context_parallel import attention_context_parallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from ..sequence_parallel import attention_context_parallel
 from ..tensor_parallel.random import model_parallel_rng
+from .context import ParallelContext
 from .rope import apply_rope
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float, cp=None, **_):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        self.cp = cp
-        n = 1 if tp is None else tp.size
+        self.cp = ctx.cp
+        n, tp, sequence_parallel = ctx.tp_size, ctx.tp, ctx.sequence_parallel
         self.head_dim = d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
         self.dropout = cfg.attention_dropout

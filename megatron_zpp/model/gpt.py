@@ -3,10 +3,11 @@
 A stack of pre-norm blocks: token embedding -> [norm -> mixer -> residual, norm -> MLP
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
-attention (config.layer_kind). Parallelism enters only through the layers: they take
-the tensor-parallel group (and the context-parallel group: each rank then holds a
-contiguous slice of the sequence, at `position_offset`), and a pipeline stage builds the model with just its layers
-(`layer_ids`) and the ends it owns (`pre_process`: embedding, `post_process`: output).
+attention (config.layer_kind). Parallelism enters only through the layers and one
+ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
+algorithm: each CP rank holds a contiguous slice of the sequence, at `position_offset`),
+and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
+owns (`pre_process`: embedding, `post_process`: output).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entro
 from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear
 from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
+from .context import ParallelContext
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
 from .norm import build_norm
@@ -27,18 +29,17 @@ from .rope import rope_tables
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp, sequence_parallel: bool, cp=None, cp_algo: str = "all-scan",
-                 all_scan_blocks: int = 1):
+    def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelContext):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
         mixer = SelfAttention if cfg.layer_kind(layer) == "softmax" else GatedLinearAttention
-        self.norm1 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
-        self.mixer = mixer(cfg, tp, sequence_parallel, out_std, cp=cp, cp_algo=cp_algo,
-                           all_scan_blocks=all_scan_blocks)
-        self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
-        self.mlp = MLP(cfg, tp, sequence_parallel, out_std)
+        sp = ctx.sequence_parallel
+        self.norm1 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.mixer = mixer(cfg, ctx, out_std)
+        self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.mlp = MLP(cfg, ctx, out_std)
         # sequence-parallel activations differ per TP rank: their dropout masks must too
-        self.dropout = (ShardedDropout if sequence_parallel else nn.Dropout)(cfg.hidden_dropout)
+        self.dropout = (ShardedDropout if sp else nn.Dropout)(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.dropout(self.mixer(self.norm1(x), rope))
@@ -47,26 +48,23 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, tp=None, sequence_parallel: bool = False,
-                 layer_ids=None, pre_process: bool = True, post_process: bool = True, cp=None,
-                 cp_algo: str = "all-scan", all_scan_blocks: int = 1):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, ctx: ParallelContext = ParallelContext(),
+                 layer_ids=None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
-        self.cfg, self.tp, self.sequence_parallel = cfg, tp, sequence_parallel
+        self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not cfg.untie_embeddings_and_output_weights
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        sp, std = ctx.sequence_parallel, cfg.init_method_std
 
         if pre_process or (post_process and self.tied):  # the last stage keeps a copy of a tied embedding
-            self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp, cfg.init_method_std,
-                                                    sequence_parallel)
+            self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, ctx.tp, std, sp)
             self.embedding.weight.pipeline_duplicate = not pre_process  # the first stage's copy is the one counted
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, tp, sequence_parallel, cp, cp_algo, all_scan_blocks)
-                                     for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, ctx) for i in layer_ids})
         if post_process:
-            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel)
+            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
             if not self.tied:
-                self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp, cfg.init_method_std,
-                                                   sequence_parallel)
+                self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, ctx.tp, std, sp)
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, position_offset: int = 0) -> torch.Tensor:
@@ -75,7 +73,7 @@ class GPT(nn.Module):
         logits (vocab-sharded over TP) on the last stage otherwise, else hidden states."""
         x = self.embedding(tokens) if self.pre_process else hidden
         seq_len = tokens.shape[1] if tokens is not None else x.shape[1] * (
-            self.tp.size if self.sequence_parallel and self.tp is not None else 1)
+            self.ctx.tp_size if self.ctx.sequence_parallel else 1)
         positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
         rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
 
@@ -86,7 +84,7 @@ class GPT(nn.Module):
 
         x = self.final_norm(x)
         weight = self.embedding.weight if self.tied else self.output.weight
-        logits = column_parallel_linear(x, weight, self.tp, self.sequence_parallel)
+        logits = column_parallel_linear(x, weight, self.ctx.tp, self.ctx.sequence_parallel)
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.tp)
+        return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp)

@@ -2,10 +2,13 @@
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,     o_t = scale * q_t S_t
 
-The log-decay g = logsigmoid(W_g x) / normalizer is computed in log space and the
-recurrence runs in the chunked form of ops/gla.py with an fp32 state. Output: per-head
-RMSNorm, times a SiLU output gate, then the output projection. All projections are
-split by heads over TP (the decay gate is full-rank so that it splits like q and k)."""
+The log-decay g = logsigmoid(gate logits) / normalizer is computed in log space and the
+recurrence runs in the chunked form of ops/gla.py with an fp32 state. The gate logits
+come from a full-rank projection (--gla-gate-low-rank 0: a fifth head-split section of
+the input projection) or, as in the GLA paper, from a low-rank one x W_down W_up + b
+(rank 16 there). Output: per-head RMSNorm, times a SiLU output gate, then the output
+projection. Every projection is split by heads over TP; W_down is replicated, and its
+gradient, computed from this rank's heads only, is a partial sum over TP."""
 from __future__ import annotations
 
 import torch
@@ -13,39 +16,57 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..context_parallel import gla_context_parallel
 from ..ops.gla import chunk_gla
-from ..sequence_parallel import gla_context_parallel
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from ..tensor_parallel.layers import mark
+from .context import ParallelContext
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float, cp=None, cp_algo="all-scan",
-                 all_scan_blocks: int = 1):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        n = 1 if tp is None else tp.size
-        self.cp, self.cp_algo, self.all_scan_blocks = cp, cp_algo, all_scan_blocks
-        self.heads, self.head_dim = cfg.num_attention_heads // n, cfg.head_dim
+        self.ctx = ctx
+        self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         self.chunk_size, self.normalizer, self.eps = cfg.gla_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
-        width = cfg.num_attention_heads * cfg.head_dim
-        # q | k | v | output gate | decay gate, each split by heads over TP
-        self.proj_in = ColumnParallelLinear(cfg.hidden_size, [width] * 5, tp, cfg.init_method_std, sequence_parallel)
+        self.low_rank = cfg.gla_gate_low_rank
+        width, std = cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
+        # q | k | v | output gate (| decay gate when full rank), each split by heads over TP
+        sections = [width] * (4 if self.low_rank else 5)
+        self.proj_in = ColumnParallelLinear(cfg.hidden_size, sections, ctx.tp, std, ctx.sequence_parallel)
+        if self.low_rank:
+            local = self.heads * self.head_dim
+            self.gate_down = mark(nn.Parameter(torch.empty(self.low_rank, cfg.hidden_size)), ("normal", std),
+                                  tp_partial_grad=ctx.tp_size > 1)
+            self.gate_up = mark(nn.Parameter(torch.empty(local, self.low_rank)), ("normal", std), (0, (width,)))
+            self.gate_bias = mark(nn.Parameter(torch.empty(local)), ("zeros",), (0, (width,)))
         self.head_norm = mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), ("ones",), (0, (width,)))
-        self.proj_out = RowParallelLinear(width, cfg.hidden_size, tp, out_std, sequence_parallel)
+        self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # no positional encoding: decay orders tokens
-        h = self.proj_in(x)
+        x = enter_tp_region(x, self.ctx.tp, self.ctx.sequence_parallel)  # once for every projection
+        h = self.proj_in(x, input_in_tp_region=True)
         B, T, _ = h.shape
-        q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in h.chunk(5, dim=-1))
-        g = F.logsigmoid(g.float()) / self.normalizer
-        if self.cp is not None and self.cp.size > 1:  # this rank's slice; the state flows over the CP ranks
-            o = gla_context_parallel(q, k, v, g, self.cp, self.cp_algo, self.all_scan_blocks,
-                                     chunk_size=self.chunk_size)
-        else:
-            pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
-            if pad:
-                q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
-            o = chunk_gla(q, k, v, g, chunk_size=self.chunk_size)[0][:, :T]
-        o = F.rms_norm(o.float(), (self.head_dim,), eps=self.eps) * self.head_norm.float().view(self.heads, -1)
+        parts = h.chunk(4 if self.low_rank else 5, dim=-1)
+        gate_logits = parts[4] if not self.low_rank else \
+            F.linear(F.linear(x, self.gate_down), self.gate_up, self.gate_bias)  # no comm: see the docstring
+        q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in (*parts[:4], gate_logits))
+        g = F.logsigmoid(_at_least_fp32(g)) / self.normalizer
+        o = _at_least_fp32(self._mix(q, k, v, g))
+        o = F.rms_norm(o, (self.head_dim,), eps=self.eps) * self.head_norm.to(o.dtype).view(self.heads, -1)
         o = o.to(x.dtype) * F.silu(gate)
         return self.proj_out(o.reshape(B, T, -1))
+
+    def _mix(self, q, k, v, g) -> torch.Tensor:
+        ctx, T = self.ctx, q.shape[1]
+        if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
+            return gla_context_parallel(q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=self.chunk_size)
+        pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
+        if pad:
+            q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+        return chunk_gla(q, k, v, g, chunk_size=self.chunk_size)[0][:, :T]
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """Gates and the head norm run in fp32 for bf16 models (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))

@@ -7,16 +7,17 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .context import ParallelContext
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, sequence_parallel: bool, out_std: float):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         ffn = cfg.ffn_size
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], tp,
-                                        cfg.init_method_std, sequence_parallel)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, tp, out_std, sequence_parallel)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp,
+                                        cfg.init_method_std, ctx.sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -1,6 +1,6 @@
 """RMSNorm and LayerNorm. Their weights are replicated over TP; under sequence
 parallelism each rank sees a different part of the sequence, so the weight grads are
-partial and get summed over TP (`param.sequence_parallel` tells the optimizer)."""
+partial sums per TP rank (`tp_partial_grad`: the optimizer's finalize sums them)."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +14,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",))
-        self.weight.sequence_parallel = sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",), tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm_ops.rms_norm(x, self.weight, self.eps)
@@ -25,9 +24,8 @@ class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",))
-        self.bias = mark(nn.Parameter(torch.empty(dim)), ("zeros",))
-        self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
+        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",), tp_partial_grad=sequence_parallel)
+        self.bias = mark(nn.Parameter(torch.empty(dim)), ("zeros",), tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm_ops.layer_norm(x, self.weight, self.bias, self.eps)

@@ -35,3 +35,12 @@ def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None
         scale = max_norm / (total_norm + 1e-6)
         for g in grads:
             g.mul_(scale)
+
+
+def clip_by_global_norm(counted: list[torch.Tensor], grads: list[torch.Tensor], groups_to_sum,
+                        max_norm: float) -> float:
+    """Global norm of the `counted` gradients (each parameter once, summed over
+    `groups_to_sum`), then clip all of `grads` by it. Returns the norm before clipping."""
+    norm = global_grad_norm(counted, groups_to_sum)
+    clip_(grads, norm, max_norm)
+    return norm

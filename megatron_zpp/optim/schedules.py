@@ -1,6 +1,8 @@
-"""Learning-rate schedules with Megatron's semantics: linear warmup from 0 to --lr over
---lr-warmup-iters, then decay to --min-lr by iteration warmup + decay_iters (constant,
-linear, cosine), or WSD: stay at --lr, then decay over the last --lr-wsd-decay-iters."""
+"""Learning-rate schedules: linear warmup over --lr-warmup-iters (step i of the warmup
+takes lr * (i + 1) / warmup), then decay to --min-lr, reached at iteration
+--lr-decay-iters (counted from 0, warmup included, as Megatron counts it; default the
+train iters): constant, linear, cosine, or WSD: stay at --lr, then decay over the last
+--lr-wsd-decay-iters before it (default a tenth of the iterations after the warmup)."""
 from __future__ import annotations
 
 import math

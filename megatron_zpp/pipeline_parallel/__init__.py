@@ -2,6 +2,7 @@
 (no pipelining, 1F1B, interleaved 1F1B)."""
 from .p2p import StageLink
 from .schedules import run_schedule
-from .stages import stage_layers, virtual_stage_layers
+from .stages import ChunkPlacement, build_stage_model, stage_chunks, stage_layers, virtual_stage_layers
 
-__all__ = ["StageLink", "run_schedule", "stage_layers", "virtual_stage_layers"]
+__all__ = ["StageLink", "run_schedule", "ChunkPlacement", "build_stage_model", "stage_chunks", "stage_layers",
+           "virtual_stage_layers"]

@@ -28,14 +28,14 @@ class StageLink:
         ops, got_act, got_grad = [], None, None
         if recv_prev:
             got_act = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
-            ops.append(("recv", got_act, self.prev, ACT, "pp_fwd_p2p"))
+            ops.append(comm.Recv(got_act, self.prev, ACT))
         if send_next is not None:
-            ops.append(("send", send_next.detach().contiguous(), self.next, ACT, "pp_fwd_p2p"))
+            ops.append(comm.Send(send_next.detach().contiguous(), self.next, ACT, "pp_fwd_p2p"))
         if recv_next:
             got_grad = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(("recv", got_grad, self.next, GRAD, "pp_bwd_p2p"))
+            ops.append(comm.Recv(got_grad, self.next, GRAD))
         if send_prev is not None:
-            ops.append(("send", send_prev.contiguous(), self.prev, GRAD, "pp_bwd_p2p"))
+            ops.append(comm.Send(send_prev.contiguous(), self.prev, GRAD, "pp_bwd_p2p"))
         for work in comm.p2p(ops, self.pp, "pp_p2p"):
             work.wait()
         if got_act is not None:

@@ -21,10 +21,14 @@ def _size(group: Group | None) -> int:
     return 1 if group is None else group.size
 
 
-def mark(param: nn.Parameter, init: tuple, tp_split: tuple | None = None) -> nn.Parameter:
-    """Attach the init rule ('normal', std) | ('ones',) | ('zeros',) and the TP split."""
+def mark(param: nn.Parameter, init: tuple, tp_split: tuple | None = None, tp_partial_grad: bool = False
+         ) -> nn.Parameter:
+    """Attach the init rule ('normal', std) | ('ones',) | ('zeros',), the TP split, and
+    whether the gradient of this replicated parameter is a partial sum per TP rank (the
+    optimizer's finalize then sums it over TP)."""
     param.init = init
     param.tp_split = tp_split
+    param.tp_partial_grad = tp_partial_grad
     return param
 
 
@@ -66,15 +70,23 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std),
                            (0, tuple(sections)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.tp, self.sequence_parallel)
+    def forward(self, x: torch.Tensor, input_in_tp_region: bool = False) -> torch.Tensor:
+        """input_in_tp_region: x already went through enter_tp_region (a layer that feeds
+        several projections from one input enters the region once)."""
+        x = x if input_in_tp_region else enter_tp_region(x, self.tp, self.sequence_parallel)
+        y = F.linear(x, self.weight)
         return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+def enter_tp_region(x: torch.Tensor, tp: Group | None, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel products: all-gathered from sequence shards, or
+    replicated (its gradient is then all-reduced over TP in backward)."""
+    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: Group | None, sequence_parallel: bool):
     """The column-parallel product with a weight held elsewhere (the tied output layer)."""
-    x = gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
-    return F.linear(x, weight)
+    return F.linear(enter_tp_region(x, tp, sequence_parallel), weight)
 
 
 class RowParallelLinear(nn.Module):

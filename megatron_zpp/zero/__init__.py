@@ -1,9 +1,20 @@
 """Data parallelism: plain (stage 0) and ZeRO-1/2/3 with ZeRO++ (qwZ, hpZ, qgZ) and
-multi-level hierarchical partitioning, over the DP x CP group of the topology."""
-from .grad_buffer import GradBuffer
-from .grad_reduce import hierarchical_reduce_scatter
-from .optimizer import PlainDP, ZeroDP
-from .quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+multi-level hierarchical partitioning, over the DP x CP group of the topology. Both
+engines implement `DataParallelEngine` (engine.py); `build_engine` picks one."""
+from __future__ import annotations
 
-__all__ = ["GradBuffer", "PlainDP", "ZeroDP", "hierarchical_reduce_scatter", "quantize_int8", "dequantize_int8",
-           "quantize_int4", "dequantize_int4"]
+import torch
+
+from ..config import Config
+from ..topology import ProcessGroups
+from .ddp_engine import DDPEngine
+from .engine import DataParallelEngine
+from .zero_engine import ZeroEngine
+
+__all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "build_engine"]
+
+
+def build_engine(cfg: Config, chunks: list[torch.nn.Module], groups: ProcessGroups) -> DataParallelEngine:
+    if cfg.zero.zero_stage == 0:
+        return DDPEngine(chunks, groups, cfg.optim)
+    return ZeroEngine(chunks, groups, cfg.optim, cfg.zero)

@@ -1,4 +1,4 @@
-"""Block-wise symmetric quantization (ZeRO++ qwZ / qgZ) and the quantized all-gather.
+"""Block-wise symmetric quantization (ZeRO++ qwZ / qgZ): the codecs, no communication.
 
 A 1-D tensor of n elements is cut into n/block blocks; each block gets one fp32 scale
 = absmax/L (L = 127 for int8, 7 for int4) and its values become round(x/scale) in
@@ -16,9 +16,6 @@ Everything is pure torch and allocates on the input's device (CPU or GPU).
 from __future__ import annotations
 
 import torch
-
-from .. import comm
-from ..topology import Group
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
@@ -79,28 +76,3 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, block: int,
     _check_scales(2 * packed.numel(), scales, block)
     q = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1, block).float() - 8
     return (q * scales.float()[:, None]).reshape(-1).to(dtype)
-
-
-def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group | None, phase: str,
-                         block: int) -> None:
-    """qwZ: gather every rank's 1-D `shard` [s] into `output` [group.size * s] (group-rank
-    order, output.dtype), moving int8 data plus one fp32 scale per block: two all-gathers,
-    so the ledger sees s + 4*s/block bytes per shard instead of s * element_size.
-
-    Every rank decodes every shard, its own included, so all ranks hold bit-identical
-    weights. A group of size 1 moves nothing and copies the shard exactly."""
-    n = 1 if group is None else group.size
-    if shard.dim() != 1 or output.dim() != 1 or output.numel() != n * shard.numel():
-        raise ValueError(f"output {tuple(output.shape)} must be 1-D with {n} x {shard.numel()} elements "
-                         f"of the 1-D shard {tuple(shard.shape)}")
-    if n == 1:
-        output.copy_(shard)
-        return
-    q, scales = quantize_int8(shard, block)
-    q_all = torch.empty(n * q.numel(), dtype=q.dtype, device=q.device)
-    s_all = torch.empty(n * scales.numel(), dtype=scales.dtype, device=scales.device)
-    handles = [comm.all_gather(q_all, q, group, phase, async_op=True),
-               comm.all_gather(s_all, scales, group, phase, async_op=True)]
-    for h in handles:
-        h.wait()
-    output.copy_(dequantize_int8(q_all, s_all, block, output.dtype))

@@ -25,7 +25,7 @@ import torch
 
 from .. import comm
 from ..topology import Group
-from .quantize import dequantize_int8, quantize_int8
+from .gather import PendingGather, all_gather_weights
 
 
 def flat_geometry(numels: list[int], group_size: int, pad_block: int) -> tuple[list[int], int, int]:
@@ -45,6 +45,20 @@ def shard_segments(offsets: list[int], lo: int, hi: int):
         a, b = max(off, lo), min(end, hi)
         if a < b:
             yield i, a - lo, b - lo, a - off
+
+
+def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
+    """(name, params, module) per unit of a model chunk: the embedding, each block, the
+    head (final norm, untied output layer). Blocks carry their module (stage 3 hooks it)."""
+    units = []
+    if hasattr(chunk, "embedding"):
+        units.append(("embedding", list(chunk.embedding.parameters()), None))
+    for idx, block in chunk.layers.items():
+        units.append((f"layer{idx}", list(block.parameters()), block))
+    head = [p for n, p in chunk.named_parameters() if n.startswith(("final_norm.", "output."))]
+    if head:
+        units.append(("head", head, None))
+    return units
 
 
 class FlatUnit:
@@ -68,7 +82,9 @@ class FlatUnit:
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._attach()
         self.shard = self.full[self.lo:self.hi].clone()  # training-dtype copy of my slice (what I send)
-        self.gathered, self._pending = True, None
+        self.gathered = True
+        self._gather: PendingGather | None = None
+        self._gather_backward = False
         if hpz is not None:
             self.secondary_numel = self.padded // hpz.size
             self.secondary = self.full[hpz.rank * self.secondary_numel:(hpz.rank + 1) * self.secondary_numel].clone()
@@ -78,39 +94,26 @@ class FlatUnit:
     # ---- parameter gathering (stage 3) -----------------------------------------------
     def start_gather(self, backward: bool) -> None:
         """Issue the all-gather of this unit's full weights (async; `wait_gather` ends it)."""
-        if self.gathered or self._pending is not None:
+        if self.gathered or self._gather is not None:
             return
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
         if backward and self.hpz is not None:  # hpZ: inside the node, from the secondary shards
-            work = comm.all_gather(self.full, self.secondary, self.hpz, "zero_bwd_allgather", async_op=True)
-            self._pending = ("plain", [work], None, True)
-        elif self.qwz_block:
-            q, scales = quantize_int8(self.shard, self.qwz_block)
-            q_all = q.new_empty(self.padded)
-            s_all = scales.new_empty(scales.numel() * self.group.size)
-            phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
-            works = [comm.all_gather(q_all, q, self.group, phase, async_op=True),
-                     comm.all_gather(s_all, scales, self.group, phase + "_scales", async_op=True)]
-            self._pending = ("qwz", works, (q_all, s_all), backward)
+            self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase)
         else:
-            phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
-            work = comm.all_gather(self.full, self.shard, self.group, phase, async_op=True)
-            self._pending = ("plain", [work], None, backward)
+            self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block)
+        self._gather_backward = backward
 
     def wait_gather(self) -> None:
         if self.gathered:
             return
-        if self._pending is None:
+        if self._gather is None:
             raise RuntimeError(f"ZeRO unit {self.name}: waited for a gather that was never started")
-        kind, works, bufs, backward = self._pending
-        for w in works:
-            w.wait()
-        if kind == "qwz":
-            self.full.copy_(dequantize_int8(bufs[0], bufs[1], self.qwz_block, self.dtype))
-        if self.hpz is not None and not backward:
+        self._gather.wait()
+        if self.hpz is not None and not self._gather_backward:  # refresh the secondary from this forward's weights
             s = self.secondary_numel
             self.secondary.copy_(self.full[self.hpz.rank * s:(self.hpz.rank + 1) * s])
-        self._pending, self.gathered = None, True
+        self._gather, self.gathered = None, True
         self._attach()
 
     def gather(self, backward: bool = False) -> None:

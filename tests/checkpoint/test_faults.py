@@ -29,8 +29,9 @@ import torch
 
 import pretrain_gpt
 from megatron_zpp import training
+from megatron_zpp.training import loop
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.checkpoint import sharded
+from megatron_zpp.checkpoint import files, sharded
 from megatron_zpp.config import validate
 from tests.dist import RankFailure, run_distributed
 
@@ -181,8 +182,8 @@ def test_kill_9_mid_run_then_resume(tmp_path, launch):
     assert [got[i]["grad_norm"] for i in got] == [want[i]["grad_norm"] for i in got]
     final = f"iter_{ITERS:07d}"
     for rank in range(2):
-        name = sharded.rank_file(rank)
-        got, want = (sharded.RankFile(str(d / final / name)).state() for d in (ckpt, ref))
+        name = files.rank_file(rank)
+        got, want = (files.RankFile(str(d / final / name)).state() for d in (ckpt, ref))
         assert_same_state(got, want, name)
 
 
@@ -193,19 +194,19 @@ SAVE_ITERS = 6
 def _die_in_second_save(rank, world_size, argv):
     """Rank 1 writes half of its file of the second save (iteration 4), then SIGKILLs itself."""
     if rank == 1:
-        write = sharded._write_rank_file
+        write = sharded.write_rank_file
 
         def write_half_then_die(tmp, rank_, state):
-            if sharded.iter_name(4) in tmp:
+            if files.iter_name(4) in tmp:
                 buf = io.BytesIO()
                 torch.save(state, buf)
-                with open(os.path.join(tmp, sharded.rank_file(rank_)), "wb") as f:
+                with open(os.path.join(tmp, files.rank_file(rank_)), "wb") as f:
                     f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
                     f.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(tmp, rank_, state)
 
-        sharded._write_rank_file = write_half_then_die
+        sharded.write_rank_file = write_half_then_die
     pretrain_gpt.main(argv)
 
 
@@ -230,7 +231,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
                      rf"resume from the last checkpoint with --load {re.escape(ckpt)}$", err, re.M), err[-3000:]
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000002"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
-    partial = os.path.join(ckpt, "iter_0000004.tmp", sharded.rank_file(1))
+    partial = os.path.join(ckpt, "iter_0000004.tmp", files.rank_file(1))
     assert os.path.getsize(partial) > 0  # the dying write did happen, and is ignored
 
     for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
@@ -241,7 +242,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
 def _sigterm_at_step_3(rank, world_size, argv):
     """Rank 1 gets SIGTERM (as from a preempting scheduler) during its third step."""
     if rank == 1:
-        step = training.train_step
+        step = loop.train_step  # what the loop calls
 
         def step_then_signal(run):
             out = step(run)
@@ -249,7 +250,7 @@ def _sigterm_at_step_3(rank, world_size, argv):
                 os.kill(os.getpid(), signal.SIGTERM)
             return out
 
-        training.train_step = step_then_signal
+        loop.train_step = step_then_signal
     run = training.setup(validate(parse_args(argv), world_size))
     return len(training.train(run)), run.stopped_by_signal
 

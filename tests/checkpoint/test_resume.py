@@ -15,7 +15,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.checkpoint import CheckpointError, sharded
+from megatron_zpp.checkpoint import CheckpointError, files
 from megatron_zpp.config import validate
 from tests.dist import run_distributed
 
@@ -35,10 +35,11 @@ LAYOUTS = {"dp2": (2, []), "zero3": (2, ["--zero-stage", "3"]), "tp2": (2, ["--t
 def run_once(argv: list[str], world_size: int) -> dict:
     run = training.setup(validate(parse_args(argv), world_size))
     losses = [h["loss"] for h in training.train(run)]
-    if hasattr(run.dp, "gather_all"):
-        run.dp.gather_all()
-    # numpy, not tensors: a tensor sent back through the spawn queue dies with its process
-    weights = {f"{c}.{n}": p.detach().numpy().copy() for c, chunk in enumerate(run.chunks) for n, p in chunk.named_parameters()}
+    with run.dp.full_parameters():
+        # numpy, not tensors: a tensor sent back through the spawn queue dies with its process; a copy,
+        # not a numpy view (a view pins the storage that ZeRO-3 frees when full_parameters ends)
+        weights = {f"{c}.{n}": p.detach().clone().numpy() for c, chunk in enumerate(run.chunks)
+                   for n, p in chunk.named_parameters()}
     return {"losses": losses, "weights": weights, "iteration": run.iteration, "consumed": run.consumed_samples}
 
 
@@ -64,7 +65,7 @@ def test_exact_resume(layout, tmp_path):
     first = run_distributed(_first_leg, world, argv, ckpt)
     meta = json.loads((tmp_path / "ckpt" / "iter_0000003" / "meta.json").read_text())
     assert meta["iteration"] == N and meta["consumed_samples"] == 4 * N and meta["world_size"] == world
-    assert sorted(meta["files"]) == [sharded.rank_file(r) for r in range(world)]
+    assert sorted(meta["files"]) == [files.rank_file(r) for r in range(world)]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000006"
     point_latest_at(ckpt, N)  # as if the run had stopped after step N
     second = run_distributed(_second_leg, world, argv, ckpt)
@@ -94,7 +95,7 @@ def test_corrupted_shard_names_the_file(saved, tmp_path):
     import shutil
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
-    shard = os.path.join(ckpt, "iter_0000006", sharded.rank_file(0))
+    shard = os.path.join(ckpt, "iter_0000006", files.rank_file(0))
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors.*corrupted or truncated"):
@@ -109,7 +110,7 @@ def test_interrupted_save_keeps_previous(saved, tmp_path):
     # a save of step 2N that died midway: a partial directory (no meta.json), `latest` not updated
     shutil.rmtree(os.path.join(ckpt, "iter_0000006"))
     os.makedirs(os.path.join(ckpt, "iter_0000006.tmp"))
-    with open(os.path.join(ckpt, "iter_0000006.tmp", sharded.rank_file(0)), "wb") as f:
+    with open(os.path.join(ckpt, "iter_0000006.tmp", files.rank_file(0)), "wb") as f:
         f.write(b"partial")
     run = _setup(BASE + ["--load", ckpt])
     assert run.iteration == N and run.consumed_samples == 4 * N
@@ -140,12 +141,12 @@ def test_missing_checkpoint_starts_from_scratch(tmp_path):
 
 def test_rank_file_is_safetensors_with_nothing_pickled(saved):
     from safetensors import safe_open
-    path = os.path.join(saved, "iter_0000006", sharded.rank_file(0))
+    path = os.path.join(saved, "iter_0000006", files.rank_file(0))
     with open(path, "rb") as f:
         assert b"pickle" not in f.read(1 << 16) and not path.endswith(".pt")
     skeleton = json.loads(safe_open(path, framework="pt").metadata()["megatron_zpp"])  # the dict's shape: JSON
     assert {k for k, _ in skeleton["d"]} == {"iteration", "consumed_samples", "model", "optimizer", "rng"}
-    state = sharded.RankFile(path).state()
+    state = files.RankFile(path).state()
     assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor) and isinstance(state["rng"]["python"]["state"], list)
     assert isinstance(state["optimizer"]["param_groups"][0]["betas"], tuple)  # tuples stay tuples
     assert sorted(state["optimizer"]["state"])[0] == 0  # int keys stay ints

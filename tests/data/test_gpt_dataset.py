@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from megatron_zpp.data.blended import build_blending_indices, parse_data_path
-from megatron_zpp.data.gpt_dataset import build_gpt_datasets, parse_split, split_ranges
+from megatron_zpp.data.builder import build_gpt_datasets, parse_split
+from megatron_zpp.data.gpt_dataset import split_ranges
 from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 
 SEQ = 16

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_zpp.config import ModelConfig
-from megatron_zpp.model import GPT, count_parameters, init_weights
+from megatron_zpp.model import GPT, ParallelContext, count_parameters, init_weights
 from megatron_zpp.tensor_parallel import shard, unshard
 
 VOCAB = 96
@@ -104,10 +104,10 @@ def test_tp_shards_reassemble_to_full_weights(tp):
 
     shards = []
     for r in range(tp):
-        m = GPT(cfg, VOCAB, tp=FakeTP(r))
+        m = GPT(cfg, VOCAB, ParallelContext(tp=FakeTP(r)))
         init_weights(m, 3, r, tp)
         shards.append(dict(m.named_parameters()))
-    assert count_parameters(GPT(cfg, VOCAB, tp=FakeTP(0)), tp) == count_parameters(full)
+    assert count_parameters(GPT(cfg, VOCAB, ParallelContext(tp=FakeTP(0))), tp) == count_parameters(full)
     for name, p in full.named_parameters():
         pieces = [s[name].detach().double() for s in shards]
         assert torch.equal(unshard(pieces, shards[0][name].tp_split), p.detach()), name

@@ -10,8 +10,8 @@ import torch
 
 from megatron_zpp import comm
 from megatron_zpp.topology import Topology, build_groups
-from megatron_zpp.zero.quantize import (dequantize_int4, dequantize_int8, quantize_int4, quantize_int8,
-                                        quantized_all_gather)
+from megatron_zpp.zero.gather import all_gather_weights
+from megatron_zpp.zero.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 from tests.dist import run_distributed
 
@@ -111,11 +111,11 @@ def _qwz_4ranks(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
         comm.LEDGER.reset()
         out = torch.empty(world_size * SHARD, dtype=dtype)
-        quantized_all_gather(out, _shard(rank, dtype), g.dp, "fwd", BLOCK)
+        all_gather_weights(out, _shard(rank, dtype), g.dp, "fwd", BLOCK).wait()  # what ZeRO-3's qwZ gathers run
         res[dtype] = (out, {k: (r.bytes, r.calls) for k, r in comm.LEDGER.records.items()})
     comm.LEDGER.reset()
     one = torch.empty(SHARD, dtype=torch.bfloat16)
-    quantized_all_gather(one, _shard(rank, torch.bfloat16), g.pp, "fwd", BLOCK)   # size-1 group
+    all_gather_weights(one, _shard(rank, torch.bfloat16), g.pp, "fwd", BLOCK).wait()   # size-1 group
     res["single"] = (one, dict(comm.LEDGER.records))
     return res
 

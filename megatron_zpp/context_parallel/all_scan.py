@@ -50,7 +50,7 @@ def all_scan_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: st
     edges = [K * i // blocks for i in range(blocks + 1)]
     spans = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
     # Post every receive first, one batch per block (NCCL returns one handle per batch).
-    recvs = [comm.p2p([("recv", x_in[a:b], src, tag + i)], cp, phase) if has_src else []
+    recvs = [comm.p2p([comm.Recv(x_in[a:b], src, tag + i)], cp, phase) if has_src else []
              for i, (a, b) in enumerate(spans)]
     sends = []
     for i, (a, b) in enumerate(spans):
@@ -58,7 +58,7 @@ def all_scan_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: st
             work.wait()
         if has_dst:  # forward this block at once: the next rank starts while we wait for the rest
             out = (loc[a:b] + gam[a:b] * x_in[a:b]).contiguous()  # K-major like x_in
-            sends += comm.p2p([("send", out, dst, tag + i)], cp, phase)
+            sends += comm.p2p([comm.Send(out, dst, tag + i)], cp, phase)
     for work in sends:
         work.wait()
     return x_in.movedim(0, 2)

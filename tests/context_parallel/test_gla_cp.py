@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron_zpp import comm
 from megatron_zpp.ops.gla import chunk_gla
-from megatron_zpp.sequence_parallel import gla_context_parallel
+from megatron_zpp.context_parallel import gla_context_parallel
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
 

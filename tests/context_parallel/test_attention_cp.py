@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp import comm
-from megatron_zpp.sequence_parallel import attention_context_parallel
+from megatron_zpp.context_parallel import attention_context_parallel
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
 

@@ -1,8 +1,5 @@
-"""The data-parallel engines: what happens between the last backward and the next step.
+"""ZeRO-1/2/3 with ZeRO++ over the ZeRO group (DP x CP: the ranks that replicate weights):
 
-`PlainDP` (stage 0): full gradients in one fp32 buffer, all-reduced over DP x CP.
-
-`ZeroDP` (stages 1-3) over the ZeRO group (DP x CP):
 * stage 1: full fp32 gradients accumulate over the micro-batches and are
   reduce-scattered once per step; each rank updates its shard of the fp32 master
   weights and optimizer state, then the weights are all-gathered;
@@ -12,70 +9,45 @@
   just before use (the next unit's gather is issued while the current one computes) and
   freed after; with qwZ, hpZ and qgZ (ZeRO++) as configured.
 
-Every engine then finishes the gradients the same way (sequence-parallel norm weights
-summed over TP, the tied embedding over its two stages), divides by the ZeRO group size
-exactly once, clips by the global norm (each parameter counted once over TP, PP and DP)
-and steps AdamW on fp32 master weights.
+The reduced shards then get the finalize syncs every engine shares (optim/finalize.py),
+are divided by the ZeRO group size exactly once, clipped by the global norm (each
+parameter counted once over TP, PP and DP) and stepped by AdamW on the fp32 masters.
+
+State dict ("model"): {"unit{u}.{unit name}.master": fp32 master shard}. The training-
+dtype shard is its rounding, and ZeRO-3's full weights and hpZ's secondary shards are
+rebuilt by the next gather, so none of them is saved.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from .. import comm
-from ..optim import MixedPrecisionAdamW, clip_, counted_once, finalize_model_grads, global_grad_norm
+from ..optim import build_adamw, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
 from ..topology import ProcessGroups
-from .grad_buffer import GradBuffer
+from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import hierarchical_reduce_scatter
-from .sharded_params import FlatUnit
+from .sharded_params import FlatUnit, model_units
 
 
-class PlainDP:
-    def __init__(self, chunks, groups: ProcessGroups, optim_cfg):
-        self.chunks, self.groups = chunks, groups
-        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-        self.grads = GradBuffer(self.params)
-        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
-        self.clip = optim_cfg.clip_grad
-
-    def describe(self) -> str:
-        return (f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({self.groups.dp_cp.size} ranks, "
-                f"{self.groups.dp_cp.link})")
-
-    def zero_grad(self) -> None:
-        self.grads.zero()
-
-    def step(self, lr: float) -> float:
-        g = self.groups
-        finalize_model_grads(self.chunks, g, self.grads)
-        counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
-        norm = global_grad_norm(counted, [g.mp])
-        clip_([p.main_grad for p in self.params], norm, self.clip)
-        self.optimizer.step(lr)
-        return norm
+@dataclass
+class PendingReduce:
+    """A unit's reduce-scatter in flight: `out` is added to its gradient shard when done."""
+    unit: FlatUnit
+    out: torch.Tensor
+    work: object
+    source: torch.Tensor  # the full gradient, kept alive until the wire is done with it
 
 
-def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
-    """(name, params, module) per unit: embedding, each block, head (final norm, output)."""
-    units = []
-    if hasattr(chunk, "embedding"):
-        units.append(("embedding", list(chunk.embedding.parameters()), None))
-    for idx, block in chunk.layers.items():
-        units.append((f"layer{idx}", list(block.parameters()), block))
-    head = [p for n, p in chunk.named_parameters() if n.startswith(("final_norm.", "output."))]
-    if head:
-        units.append(("head", head, None))
-    return units
-
-
-class ZeroDP:
-    def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, qgz_hops=None):
+class ZeroEngine(DataParallelEngine):
+    def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg):
         self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         self.clip = optim_cfg.clip_grad
-        self.qgz_hops = qgz_hops
+        self.qgz_hops = groups.dp_tier_hops() if zero_cfg.zero_quantized_gradients else None
         self.block = block = zero_cfg.zero_quantization_block_size
         hpz = groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
         qwz = block if zero_cfg.zero_quantized_weights else None
@@ -101,19 +73,15 @@ class ZeroDP:
                 unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
             for p in unit.params:
                 p.register_post_accumulate_grad_hook(self._grad_hook(unit))
-        self._pending: list = []
+        self._pending: list[PendingReduce] = []
 
-        decay, no_decay = [], []
-        self.opt_segments = []  # (unit, a, b, master view param)
+        self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
+        ndims = []
         for unit in self.units:
             for p, a, b, _ in unit.segments():
-                view = torch.nn.Parameter(unit.master[a:b])
-                self.opt_segments.append((unit, a, b, view))
-                (decay if unit.ndims[id(p)] >= 2 else no_decay).append(view)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim_cfg.lr, betas=(optim_cfg.adam_beta1, optim_cfg.adam_beta2), eps=optim_cfg.adam_eps,
-            foreach=True)
+                self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
+                ndims.append(unit.ndims[id(p)])
+        self.optimizer = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
 
     def describe(self) -> str:
         mib = 2 ** -20
@@ -134,11 +102,13 @@ class ZeroDP:
             parts.append(f"qgZ int4 hierarchical gradient all-to-all, blocks of {self.block}, hops: {hops}")
         return "; ".join(parts)
 
-    def gather_all(self) -> None:
-        """Make every weight readable in full (export, generation, tests); stage 3 frees
-        them again at the next use."""
+    def gather_parameters(self) -> None:
         for unit in self.units:
             unit.gather()
+
+    def release_parameters(self) -> None:
+        for unit in self.units:
+            unit.release()
 
     # ---- stage 3: gather before use, free after ----------------------------------------
     def _install_gather_hooks(self, chunk, roots: list[FlatUnit], blocks: list[tuple[FlatUnit, torch.nn.Module]]):
@@ -210,16 +180,16 @@ class ZeroDP:
         else:
             out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
             work = comm.reduce_scatter(out, flat, self.group, "zero_grad_reducescatter", async_op=True)
-            self._pending.append((unit, out, work, flat))
+            self._pending.append(PendingReduce(unit, out, work, flat))
             while len(self._pending) > 2:  # overlap with the backward, but hold at most two full gradients
                 self._finish_oldest()
         if not self.per_step:
             unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
     def _finish_oldest(self) -> None:
-        unit, out, work, _ = self._pending.pop(0)
-        work.wait()
-        unit.grad_shard.add_(out)
+        done = self._pending.pop(0)
+        done.work.wait()
+        done.unit.grad_shard.add_(done.out)
 
     def _drain(self) -> None:
         while self._pending:
@@ -232,7 +202,6 @@ class ZeroDP:
                 unit.flat_grad.zero_()
 
     def _finish_grads(self) -> None:
-        g = self.groups
         if self.stage == 1:
             for unit in self.units:
                 self._reduce(unit)
@@ -240,19 +209,9 @@ class ZeroDP:
             if self.stage >= 2 and unit.ready:
                 self._reduce(unit)
         self._drain()
-
-        sp = [(u, a, b) for u in self.units for p, a, b, _ in u.segments() if getattr(p, "sequence_parallel", False)]
-        if sp and g.tp.size > 1:  # norm weights under sequence parallelism: partial sums over TP
-            flat = torch.cat([u.grad_shard[a:b] for u, a, b in sp])
-            comm.all_reduce(flat, g.tp, "sp_norm_grad_allreduce")
-            off = 0
-            for u, a, b in sp:
-                u.grad_shard[a:b].copy_(flat[off:off + b - a])
-                off += b - a
-        if "embedding" in g and g.embedding.size > 1:
-            for unit in self.units:
-                if unit.tied:
-                    comm.all_reduce(unit.grad_shard, g.embedding, "embedding_grad_allreduce")
+        partial = [u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments()
+                   if getattr(p, "tp_partial_grad", False)]
+        finalize_model_grads(partial, [u.grad_shard for u in self.units if u.tied], self.groups)
         for unit in self.units:
             unit.grad_shard.div_(self.group.size)
 
@@ -261,15 +220,29 @@ class ZeroDP:
         g = self.groups
         counted = [u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments()
                    if counted_once(p, g.tp_rank, g.is_first_stage)]
-        norm = global_grad_norm(counted, [self.group, g.mp])
-        clip_([u.grad_shard for u in self.units], norm, self.clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        norm = clip_by_global_norm(counted, [u.grad_shard for u in self.units], [self.group, g.mp], self.clip)
+        set_lr(self.optimizer, lr)
         for unit, a, b, view in self.opt_segments:
             view.grad = unit.grad_shard[a:b]
         self.optimizer.step()
-        for _, _, _, view in self.opt_segments:
+        for *_, view in self.opt_segments:
             view.grad = None
         for unit in self.units:
             unit.set_shard(unit.master)
         return norm
+
+    # ---- state -------------------------------------------------------------------------
+    def _masters(self) -> dict[str, FlatUnit]:
+        return {f"unit{i}.{u.name}.master": u for i, u in enumerate(self.units)}
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return {key: u.master for key, u in self._masters().items()}
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mine = self._masters()
+        check_keys(set(state), set(mine))
+        for key, u in mine.items():
+            # in place: the optimizer's segment views alias unit.master (and ZeRO-3 fp32 shard == master)
+            copy_checked(key, u.master, state[key])
+            u.set_shard(u.master)  # the rounded shard; stages 1-2 all-gather the full weights, 3 stay released

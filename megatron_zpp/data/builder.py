@@ -1,0 +1,48 @@
+"""The one entry point of training's data: the train/valid/test datasets of a --data-path
+blend and a --split, built on one rank and loaded by the others (gpt_dataset.py holds
+the dataset, blended.py the blend)."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from .blended import build_split_datasets, parse_data_path
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing ones are 0)."""
+    try:
+        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
+                       num_samples: tuple[int, int, int], cache_path: str | None, is_builder: bool,
+                       barrier: Callable[[], None]):
+    """(train, valid, test) datasets, each None when its split has no documents.
+
+    The builder rank builds (or finds) every cached index, then calls barrier(); the other ranks
+    call barrier() and then load. Every rank calls barrier() exactly once, even on error, so a
+    failure raises on all ranks instead of hanging some.
+    """
+    prefixes, weights = parse_data_path(data_path)
+    cache_dir = cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    fractions = parse_split(split)
+    args = (prefixes, weights, fractions, seq_length, seed, tuple(int(n) for n in num_samples), cache_dir)
+    result, error = None, None
+    if is_builder:
+        try:
+            result = build_split_datasets(*args, build=True)
+        except Exception as e:  # re-raised after the barrier so no rank waits forever
+            error = e
+    barrier()
+    if error is not None:
+        raise error
+    if not is_builder:
+        result = build_split_datasets(*args, build=False)
+    return result

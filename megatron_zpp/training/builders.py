@@ -1,0 +1,62 @@
+"""Build what a run trains: the model chunks of this rank, the data iterators, the
+pipeline link. The data-parallel engine comes from zero.build_engine."""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..config import Config
+from ..data.builder import build_gpt_datasets
+from ..data.loader import BatchIterator
+from ..data.mock import MockGPTDataset
+from ..model import GPT, ParallelContext, init_weights
+from ..pipeline_parallel import StageLink, build_stage_model
+from ..topology import ProcessGroups
+
+
+def training_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
+    p = cfg.parallel
+    return ParallelContext(tp=groups.tp, sequence_parallel=p.sequence_parallel, cp=groups.cp, cp_algo=p.cp_algo,
+                           all_scan_blocks=p.all_scan_blocks)
+
+
+def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:
+    """This rank's model chunks, each initialized from the single-rank weights."""
+    chunks = build_stage_model(cfg, vocab_size, parallel_context(cfg, groups), groups.pp_rank)
+    for chunk in chunks:
+        init_weights(chunk, cfg.train.seed, groups.tp_rank, groups.tp.size)
+    return [chunk.to(device=device, dtype=training_dtype(cfg)) for chunk in chunks]
+
+
+def build_stage_link(cfg: Config, groups: ProcessGroups, device: torch.device) -> StageLink | None:
+    """p2p to the neighbouring pipeline stages (None without PP), for hidden states of
+    [micro batch, sequence per CP (and SP) rank, hidden]."""
+    if groups.pp.size == 1:
+        return None
+    seq = cfg.model.seq_length // groups.cp.size
+    if cfg.parallel.sequence_parallel:
+        seq //= groups.tp.size
+    return StageLink(groups.pp, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size), training_dtype(cfg), device)
+
+
+def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int):
+    """(train iterator resumed at `consumed` samples, a factory of validation iterators or None)."""
+    t = cfg.train
+    eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
+    num_samples = (t.train_iters * t.global_batch_size, eval_rounds * t.global_batch_size,
+                   t.eval_iters * t.global_batch_size)
+    seq = cfg.model.seq_length
+    if cfg.data.mock_data:
+        train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed)
+        valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1)
+    else:
+        train, valid, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed, num_samples,
+                                             cfg.data.data_cache_path, is_builder=groups.rank == 0,
+                                             barrier=lambda: comm.barrier())
+    mbs = t.micro_batch_size
+    valid_it = (lambda: BatchIterator(valid, 0, mbs, groups, device)) if valid is not None and eval_rounds else None
+    return BatchIterator(train, consumed, mbs, groups, device), valid_it

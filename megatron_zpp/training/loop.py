@@ -1,0 +1,126 @@
+"""The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
+cadence, and the SIGTERM stop of --exit-signal-handler."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..checkpoint import save_checkpoint
+from ..logging_utils import MetricsSink, log
+from ..perf import flops_per_token, memory_gib, peak_tflops
+from ..topology import ProcessGroups
+from .builders import training_dtype
+from .run import Run
+from .step import evaluate, train_step
+
+
+class ExitSignal:
+    """--exit-signal-handler: SIGTERM only sets a flag; after each step the ranks agree on it
+    (a 1-element MAX all-reduce over the world), so a signal that reached any rank stops
+    every rank at the same step boundary, after a checkpoint."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device, self.received = enabled, device, False
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def anywhere(self, groups: ProcessGroups) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([float(self.received)], device=self.device)
+        comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+@dataclasses.dataclass
+class Throughput:
+    """What one step's time means: tokens and model FLOPs per step, the peak for MFU."""
+    tokens_per_step: int
+    flops_per_step: float
+    peak: float
+    world: int
+
+    @classmethod
+    def of(cls, run: Run) -> Throughput:
+        cfg = run.cfg
+        tokens = cfg.train.global_batch_size * cfg.model.seq_length
+        flops = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * tokens
+        peak, peak_desc = peak_tflops(run.device, training_dtype(cfg), cfg.log.peak_tflops)
+        log(f"MFU is measured against {peak_desc}: {peak:.3f}; model FLOPs per step {flops / 1e9:.2f} G", run.rank)
+        return cls(tokens, flops, peak, cfg.parallel.world_size)
+
+    def metrics(self, elapsed: float) -> dict:
+        tflops = self.flops_per_step / elapsed / self.world / 1e12
+        return {"tokens_per_sec": self.tokens_per_step / elapsed, "step_time": elapsed, "tflops_per_rank": tflops,
+                "mfu": tflops / self.peak if self.peak else None}
+
+
+def _log_line(run: Run, m: dict) -> None:
+    mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+    val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+    log(f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
+        f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
+        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | mem {m['memory_gib']:.2f} GiB", run.rank)
+
+
+def _timed_step(run: Run, throughput: Throughput) -> dict:
+    start = time.perf_counter()
+    loss, grad_norm, lr = train_step(run)
+    elapsed = time.perf_counter() - start
+    run.iteration += 1
+    run.consumed_samples += run.cfg.train.global_batch_size
+    comm.LEDGER.step()
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
+    return {"iteration": run.iteration, "loss": loss, "grad_norm": grad_norm, "lr": lr, **throughput.metrics(elapsed),
+            "consumed_samples": run.consumed_samples, "memory_gib": memory_gib(run.device)}
+
+
+def _save_due(run: Run) -> bool:
+    t = run.cfg.train
+    return bool(t.save) and (run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0))
+
+
+def train(run: Run) -> list[dict]:
+    """Train to --train-iters (or a SIGTERM); the metrics of every step."""
+    cfg, rank, t = run.cfg, run.rank, run.cfg.train
+    sink = MetricsSink(cfg.log, dataclasses.asdict(cfg), enabled=rank == 0, start_iteration=run.iteration)
+    throughput = Throughput.of(run)
+    history = []
+    comm.LEDGER.reset()
+    stop = ExitSignal(t.exit_signal_handler, run.device)
+    while run.iteration < t.train_iters:
+        metrics = _timed_step(run, throughput)
+        if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
+            metrics["val_loss"] = evaluate(run)
+        history.append(metrics)
+        sink.write(metrics, run.iteration)
+        if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
+            _log_line(run, metrics)
+        saved = save_checkpoint(run, t.save) if _save_due(run) else None
+        if saved:
+            log(f"saved checkpoint {saved}", rank)
+        if stop.anywhere(run.groups):
+            saved = saved or save_checkpoint(run, t.save)
+            log(f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
+                f"--load {t.save}", rank)
+            run.stopped_by_signal = True
+            break
+    stop.close()
+    sink.close()
+    if cfg.log.comm_report:
+        comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, rank)
+        log(f"communication report written to {cfg.log.comm_report}", rank)
+    return history

@@ -1,0 +1,51 @@
+"""One optimizer step and one evaluation, over the micro-batches of the global batch.
+
+A step: forward/backward of every micro-batch (the pipeline schedule), then the engine
+reduces the gradients over data parallel, clips them by the global norm and steps AdamW.
+The loss is reported on every rank: the last pipeline stage holds it."""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..optim import learning_rate
+from ..pipeline_parallel import run_schedule
+
+
+def report_loss(run, losses: list[torch.Tensor]) -> float:
+    """Mean loss over the global batch, known on every rank: broadcast from the last
+    pipeline stage over PP, then averaged over DP x CP."""
+    g = run.groups
+    loss = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1, device=run.device)
+    loss = loss.float()
+    comm.broadcast(loss, g.pp.size - 1, g.pp, "loss_report")
+    comm.all_reduce(loss, g.dp_cp, "loss_report")
+    return loss.item() / g.dp_cp.size
+
+
+def position_offset(run) -> int:
+    """Position of this CP rank's first token in the sequence (its slice is contiguous)."""
+    return run.groups.cp_rank * (run.cfg.model.seq_length // run.groups.cp.size)
+
+
+def train_step(run) -> tuple[float, float, float]:
+    """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
+    run.dp.zero_grad()
+    losses = run_schedule(run.chunks, run.train_data, run.cfg.num_micro_batches, run.link, position_offset(run))
+    lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
+    grad_norm = run.dp.step(lr)
+    return report_loss(run, losses), grad_norm, lr
+
+
+@torch.no_grad()
+def evaluate(run) -> float:
+    for chunk in run.chunks:
+        chunk.eval()
+    data = run.valid_data()
+    losses = []
+    for _ in range(run.cfg.train.eval_iters):
+        losses += run_schedule(run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run),
+                               forward_only=True)
+    for chunk in run.chunks:
+        chunk.train()
+    return report_loss(run, losses)
