@@ -8,6 +8,7 @@ died or hung (past --distributed-timeout-minutes), or whose checkpoint cannot be
 exits non-zero with one line naming the cause; any other exception is a bug and keeps
 its traceback.
 """
+
 import os
 import re
 import sys
@@ -30,11 +31,14 @@ def main(argv=None):
 
     from megatron_zpp import training
     from megatron_zpp.checkpoint import CheckpointError
+
     rank = int(os.environ.get("RANK", 0))
     try:
         run = training.setup(cfg)
         training.train(run)
-        if cfg.train.generate_tokens and not run.stopped_by_signal:  # every rank decodes: TP ranks must take part in each forward
+        if (
+            cfg.train.generate_tokens and not run.stopped_by_signal
+        ):  # every rank decodes: TP ranks must take part in each forward
             prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
             out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)
             log(f"greedy sample: {cfg.train.generate_prompt!r} -> {run.tokenizer.detokenize(out)!r}", run.rank)
@@ -54,14 +58,20 @@ def main(argv=None):
 def distributed_failure(e: RuntimeError, cfg) -> str | None:
     """What a failed collective means for the user, or None when `e` is no such failure."""
     import torch.distributed as dist
+
     text = str(e)
     if not (isinstance(e, dist.DistError) or "gloo" in text):
         return None
     if LOST_PEER.search(text):
         what, why = "lost a peer", "Another rank died or was killed (its log or the launcher's summary says why)"
     elif TIMED_OUT.search(text):
-        what, why = "a collective timed out", (f"Another rank hung or fell more than --distributed-timeout-minutes "
-                                               f"{cfg.parallel.distributed_timeout_minutes} behind")
+        what, why = (
+            "a collective timed out",
+            (
+                f"Another rank hung or fell more than --distributed-timeout-minutes "
+                f"{cfg.parallel.distributed_timeout_minutes} behind"
+            ),
+        )
     elif isinstance(e, dist.DistError):
         what, why = "a collective failed", "The communication backend reported an error"
     else:  # gloo refusing mismatched tensors and the like: a bug, keep the traceback
@@ -74,10 +84,13 @@ def distributed_failure(e: RuntimeError, cfg) -> str | None:
 
 
 def _where(e: BaseException) -> str:
-    """ ' in fn (file:line)' of the innermost frame of ours that called the collective
+    """' in fn (file:line)' of the innermost frame of ours that called the collective
     (every collective goes through comm.py, which says nothing about where)."""
-    ours = [f for f in traceback.extract_tb(e.__traceback__)
-            if "megatron_zpp" in f.filename and os.path.basename(f.filename) != "comm.py"]
+    ours = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if "megatron_zpp" in f.filename and os.path.basename(f.filename) != "comm.py"
+    ]
     if not ours:
         return ""
     f = ours[-1]

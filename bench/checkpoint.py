@@ -29,16 +29,16 @@ Before every load the model weights and AdamW moments are zeroed (untimed), and 
 they are checked against the state that was saved, so a load that restores nothing fails.
 
 The same state for both: each rank's own tensors, exactly the entries our rank file holds:
-"model" (ZeRO: every unit's fp32 master shard; plain DP: the chunk parameters), "optimizer" (the AdamW state_dict) and "rng". DCP gets the live tensors (our
-save clones them first: that copy is ours to pay). Keys are prefixed by the global rank: with
-the default planners DCP treats a plain (non-DTensor) tensor as replicated: every rank plans
-a write of its key and DCP's dedup_save_plans keeps one rank's copy per key (and on load
-every rank reads that copy), so TP shards or ZeRO shards under one name would silently be
-saved as one rank's. Rank-unique keys make each rank write and read its own, as ours does.
-At plain DP the DP replicas hold identical weights and AdamW state; "DCP dedup" keys the
-model and optimizer by (TP, PP) rank instead, so DCP writes each replica once (spread over
-the replicas by its planner) and every replica reads it back: bytes ours writes
-redundantly (the RNG stays per rank).
+"model" (ZeRO: every unit's fp32 master shard; plain DP: the chunk parameters), "optimizer" (the
+AdamW state_dict) and "rng". DCP gets the live tensors (our save clones them first: that copy is
+ours to pay). Keys are prefixed by the global rank: with the default planners DCP treats a plain
+(non-DTensor) tensor as replicated: every rank plans a write of its key and DCP's
+dedup_save_plans keeps one rank's copy per key (and on load every rank reads that copy), so TP
+shards or ZeRO shards under one name would silently be saved as one rank's. Rank-unique keys
+make each rank write and read its own, as ours does. At plain DP the DP replicas hold identical
+weights and AdamW state; "DCP dedup" keys the model and optimizer by (TP, PP) rank instead, so
+DCP writes each replica once (spread over the replicas by its planner) and every replica reads
+it back: bytes ours writes redundantly (the RNG stays per rank).
 
 Disk limit: one more kind in the same rounds (so under the same conditions: the virtual
 disk's write rate drops while it absorbs earlier writes): rank 0 alone writes as many bytes
@@ -54,6 +54,7 @@ GB/s = bytes of the checkpoint directory (every file) / time. 4 ranks time-share
 absolute times are this machine's; the ratios are the figure. The last stdout line is one
 JSON object with everything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,9 +104,12 @@ def wipe(run) -> None:
 def dcp_state(run, dedup: bool) -> dict:
     """The state DCP saves and loads in place; see the module docstring for the keys."""
     from megatron_zpp.checkpoint.rng import get_rng_state
+
     shared, mine = dcp_keys(run, dedup)
-    return {shared: run.dp.state_dict(),
-            mine: {"rng": get_rng_state(), "iteration": run.iteration, "consumed_samples": run.consumed_samples}}
+    return {
+        shared: run.dp.state_dict(),
+        mine: {"rng": get_rng_state(), "iteration": run.iteration, "consumed_samples": run.consumed_samples},
+    }
 
 
 def dcp_keys(run, dedup: bool) -> tuple[str, str]:
@@ -117,6 +121,7 @@ def dcp_keys(run, dedup: bool) -> tuple[str, str]:
 def dcp_apply(run, state: dict, dedup: bool) -> None:
     """After dcp.load: what load_checkpoint does after reading (tensors are already in place)."""
     from megatron_zpp.checkpoint.rng import set_rng_state
+
     shared, mine = dcp_keys(run, dedup)
     run.dp.load_state_dict(state[shared])  # its tensors are in place: ZeRO re-derives its shards, as ours
     set_rng_state(state[mine]["rng"])
@@ -130,11 +135,19 @@ def dcp_apply(run, state: dict, dedup: bool) -> None:
 def phase_timers():
     """Times the parts of our save/load in this process: yields {phase: seconds}, accumulated."""
     from megatron_zpp.checkpoint import files, sharded
+
     acc: dict[str, float] = {}
-    patched = [(sharded, "_rank_state", "clone state"), (files, "save_file", "safetensors save"),
-               (torch, "save", "torch.save"), (os, "fsync", "fsync"), (files, "sha256_of", "sha256"),
-               (files.RankFile, "state", "safetensors load"), (torch, "load", "torch.load"),
-               (sharded, "_restore", "copy into model"), (sharded, "rank_state_for", "reshard")]
+    patched = [
+        (sharded, "_rank_state", "clone state"),
+        (files, "save_file", "safetensors save"),
+        (torch, "save", "torch.save"),
+        (os, "fsync", "fsync"),
+        (files, "sha256_of", "sha256"),
+        (files.RankFile, "state", "safetensors load"),
+        (torch, "load", "torch.load"),
+        (sharded, "_restore", "copy into model"),
+        (sharded, "rank_state_for", "reshard"),
+    ]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 
     stack: list[str] = []  # a phase inside another is recorded as "outer>inner"
@@ -149,6 +162,7 @@ def phase_timers():
             finally:
                 acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
                 stack.pop()
+
         return wrapper
 
     for mod, name, phase in patched:
@@ -208,6 +222,7 @@ def summarize(samples: list[tuple[float, dict]]) -> dict:
 def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | None) -> dict:
     sys.stdout = open(os.devnull, "w")  # setup() logs on rank 0; the parent prints the table
     import torch.distributed.checkpoint as dcp
+
     from megatron_zpp import training
     from megatron_zpp.arguments import parse_args
     from megatron_zpp.checkpoint import load_checkpoint, save_checkpoint
@@ -215,11 +230,33 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     from megatron_zpp.zero import DDPEngine
 
     label, _, extra = LAYOUTS[name]
-    argv = ["--mock-data", "--device", "cpu", "--num-layers", str(a["layers"]), "--hidden-size", str(a["hidden"]),
-            "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]), "--vocab-size", str(a["vocab"]),
-            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
-            "--lr-warmup-iters", "0",
-            "--log-interval", "1000000"] + extra
+    argv = [
+        "--mock-data",
+        "--device",
+        "cpu",
+        "--num-layers",
+        str(a["layers"]),
+        "--hidden-size",
+        str(a["hidden"]),
+        "--num-attention-heads",
+        str(a["heads"]),
+        "--seq-length",
+        str(a["seq"]),
+        "--vocab-size",
+        str(a["vocab"]),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "0",
+        "--log-interval",
+        "1000000",
+    ] + extra
     run = training.setup(validate(parse_args(argv), world))
     training.train_step(run)
     run.iteration, run.consumed_samples = 1, 2
@@ -236,8 +273,10 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
 
     # every kind in turn within a repeat (drift and the page cache's state hit all alike), after one untimed round
     plain_dp = isinstance(run.dp, DDPEngine) and run.groups.topo.sizes["dp"] > 1
-    savers = {"ours": lambda d: save_checkpoint(run, d),
-              "dcp": lambda d: dcp.save(dcp_state(run, False), checkpoint_id=d)}
+    savers = {
+        "ours": lambda d: save_checkpoint(run, d),
+        "dcp": lambda d: dcp.save(dcp_state(run, False), checkpoint_id=d),
+    }
     if plain_dp:
         savers["dcp_dedup"] = lambda d: dcp.save(dcp_state(run, True), checkpoint_id=d)
     # the disk limit is one more kind: rank 0 writes as many bytes as our checkpoint holds (known after round 0)
@@ -272,6 +311,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
             state = dcp_state(run, dedup)
             dcp.load(state, checkpoint_id=d)
             dcp_apply(run, state, dedup)
+
         return load
 
     loaders = {"ours": (last["ours"], lambda: load_checkpoint(run, last["ours"]))}
@@ -289,11 +329,13 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
         samples = {k: [] for k in loaders}
         for i in range(1 + R):
             for kind, (d, fn) in loaders.items():
+
                 def prep(d=d, kind=kind):
                     if kind != "limit":
                         wipe(run)
                     if cache == "cold" and rank == 0:
                         drop_cache(d)
+
                 sample = timed(fn, prep)
                 if i:
                     samples[kind].append(sample)
@@ -335,7 +377,7 @@ def write_fsync(path: str, nbytes: int) -> None:
     try:
         left = nbytes
         while left > 0:
-            left -= os.write(fd, buf[:min(BLOCK, left)])
+            left -= os.write(fd, buf[: min(BLOCK, left)])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -366,8 +408,10 @@ def filesystem_of(path: str) -> str:
 
 def row_fmt(name, ours, peer, limit, peer_limit, nbytes, peer_bytes):
     """ours and the peer: seconds, GB/s; ours/peer; the disk limit for our bytes; each over its own bytes' limit."""
-    return (f"  {name:<34} {ours:>7.3f} {nbytes / ours / 1e9:>5.2f} {peer:>7.3f} {peer_bytes / peer / 1e9:>5.2f} "
-            f"{ours / peer:>8.2f}  {limit:>7.3f} {ours / limit:>8.2f} {peer / peer_limit:>8.2f}")
+    return (
+        f"  {name:<34} {ours:>7.3f} {nbytes / ours / 1e9:>5.2f} {peer:>7.3f} {peer_bytes / peer / 1e9:>5.2f} "
+        f"{ours / peer:>8.2f}  {limit:>7.3f} {ours / limit:>8.2f} {peer / peer_limit:>8.2f}"
+    )
 
 
 def main() -> None:
@@ -375,8 +419,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model, 2 repeats")
     ap.add_argument("--repeats", type=int, help="timed repeats per row (default 5, --quick 2)")
     args = ap.parse_args()
-    a = (dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2) if args.quick else
-         dict(layers=8, hidden=512, heads=8, seq=256, vocab=8192, repeats=5))
+    a = (
+        dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2)
+        if args.quick
+        else dict(layers=8, hidden=512, heads=8, seq=256, vocab=8192, repeats=5)
+    )
     a["repeats"] = args.repeats or a["repeats"]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -384,95 +431,172 @@ def main() -> None:
     os.makedirs(WORK)
     fs = filesystem_of(WORK)
     results = {}
-    for name, (label, world, _) in LAYOUTS.items():
+    for name, (_label, world, _) in LAYOUTS.items():
         src = RESHARD[0] if name == RESHARD[1] else None
         per_rank = run_distributed(bench_layout, world, a, name, src, timeout=900)
         results[name] = per_rank[0]
     limits = {}  # layout -> the disk limit measured in its run, at our checkpoint's bytes
     for name, r in results.items():
-        limits[name] = {"bytes": r["bytes_limit"], "write_fsync_s": r["save_limit"]["s"],
-                        "read_warm_s": r["load_limit_warm"]["s"], "read_cold_s": r["load_limit_cold"]["s"]}
+        limits[name] = {
+            "bytes": r["bytes_limit"],
+            "write_fsync_s": r["save_limit"]["s"],
+            "read_warm_s": r["load_limit_warm"]["s"],
+            "read_cold_s": r["load_limit_cold"]["s"],
+        }
     shutil.rmtree(WORK, ignore_errors=True)
 
     ffn = 64 * ((int(8 * a["hidden"] / 3) + 63) // 64)
-    params = a["layers"] * (4 * a["hidden"] ** 2 + 3 * a["hidden"] * ffn + 2 * a["hidden"]) + \
-        a["vocab"] * a["hidden"] + a["hidden"]
-    print(f"\nGPT fp32 {params / 1e6:.1f}M params ({a['layers']} layers, hidden {a['hidden']}, ffn {ffn}, vocab "
-          f"{a['vocab']}, tied embedding), AdamW state after 1 step; gloo ranks on {os.cpu_count()} CPU cores")
+    params = (
+        a["layers"] * (4 * a["hidden"] ** 2 + 3 * a["hidden"] * ffn + 2 * a["hidden"])
+        + a["vocab"] * a["hidden"]
+        + a["hidden"]
+    )
+    print(
+        f"\nGPT fp32 {params / 1e6:.1f}M params ({a['layers']} layers, hidden {a['hidden']}, ffn {ffn}, vocab "
+        f"{a['vocab']}, tied embedding), AdamW state after 1 step; gloo ranks on {os.cpu_count()} CPU cores"
+    )
     print(f"checkpoints in {WORK}: {fs}" + ("  -- tmpfs: RAM, not a disk!" if "tmpfs" in fs else ""))
-    print(f"median of {a['repeats']} per row; time = barrier .. barrier (slowest rank); GB/s = checkpoint bytes / "
-          f"time; loads: warm = files in the page cache, cold = their pages dropped first")
-    print("limit s = the disk limit for our bytes (saves: one os.write stream + fsync; loads: one sequential read, "
-          "warm or cold); ours/lim and DCP/lim: each time over the limit for its own bytes\n")
-    head = (f"  {'':<34} {'ours s':>7} {'GB/s':>5} {'DCP s':>7} {'GB/s':>5} {'ours/DCP':>8}  {'limit s':>7} "
-            f"{'ours/lim':>8} {'DCP/lim':>8}")
+    print(
+        f"median of {a['repeats']} per row; time = barrier .. barrier (slowest rank); GB/s = checkpoint bytes / "
+        f"time; loads: warm = files in the page cache, cold = their pages dropped first"
+    )
+    print(
+        "limit s = the disk limit for our bytes (saves: one os.write stream + fsync; loads: one sequential read, "
+        "warm or cold); ours/lim and DCP/lim: each time over the limit for its own bytes\n"
+    )
+    head = (
+        f"  {'':<34} {'ours s':>7} {'GB/s':>5} {'DCP s':>7} {'GB/s':>5} {'ours/DCP':>8}  {'limit s':>7} "
+        f"{'ours/lim':>8} {'DCP/lim':>8}"
+    )
     summary = {}
     for name, r in results.items():
         b = {k: r.get(f"bytes_{k}") for k in ("ours", "dcp", "dcp_dedup")}
-        print(f"{r['label']} ({r['world']} ranks): ours {b['ours'] / 1e6:.0f} MB in {r['files_ours']} files, DCP "
-              f"{b['dcp'] / 1e6:.0f} MB in {r['files_dcp']} files"
-              + (f", DCP dedup {b['dcp_dedup'] / 1e6:.0f} MB" if b["dcp_dedup"] else ""))
+        print(
+            f"{r['label']} ({r['world']} ranks): ours {b['ours'] / 1e6:.0f} MB in {r['files_ours']} files, DCP "
+            f"{b['dcp'] / 1e6:.0f} MB in {r['files_dcp']} files"
+            + (f", DCP dedup {b['dcp_dedup'] / 1e6:.0f} MB" if b["dcp_dedup"] else "")
+        )
         print(head)
         lim = limits[name]
 
         def limit_for(nbytes: int) -> dict:
             """The limit's times scaled to nbytes (its throughput held: within 10% from 240 to 720 MB here)."""
             return {k: v * nbytes / lim["bytes"] for k, v in lim.items() if k.endswith("_s")}
+
         rows = {}
         for peer in ("dcp", "dcp_dedup"):
             if f"save_{peer}" not in r:
                 continue
             tag = "" if peer == "dcp" else " [vs DCP dedup]"
             pl = limit_for(b[peer])
-            for op, what, lkey in (("save", "save", "write_fsync_s"), ("load_%s_warm", "load warm", "read_warm_s"),
-                                   ("load_%s_cold", "load cold", "read_cold_s")):
+            for op, what, lkey in (
+                ("save", "save", "write_fsync_s"),
+                ("load_%s_warm", "load warm", "read_warm_s"),
+                ("load_%s_cold", "load cold", "read_cold_s"),
+            ):
                 ko, kp = (op % "ours", op % peer) if "%" in op else (f"{op}_ours", f"{op}_{peer}")
                 o, p = r[ko]["s"], r[kp]["s"]
                 label = what + tag
                 print(row_fmt(label, o, p, lim[lkey], pl[lkey], b["ours"], b[peer]))
-                rows[label] = {"ours_s": o, "peer_s": p, "ratio_ours_over_peer": o / p, "limit_s": lim[lkey],
-                               "ours_over_limit": o / lim[lkey], "peer_over_limit": p / pl[lkey],
-                               "ours_gbps": b["ours"] / o / 1e9, "peer_gbps": b[peer] / p / 1e9}
+                rows[label] = {
+                    "ours_s": o,
+                    "peer_s": p,
+                    "ratio_ours_over_peer": o / p,
+                    "limit_s": lim[lkey],
+                    "ours_over_limit": o / lim[lkey],
+                    "peer_over_limit": p / pl[lkey],
+                    "ours_gbps": b["ours"] / o / 1e9,
+                    "peer_gbps": b[peer] / p / 1e9,
+                }
         if "reshard_from" in r:
             src = results[r["reshard_from"]]
             sl = limit_for(r["bytes_reshard_src"])
             for cache, lkey in (("warm", "read_warm_s"), ("cold", "read_cold_s")):
                 s, same = r[f"load_reshard_{cache}"]["s"], r[f"load_ours_{cache}"]["s"]
-                print(f"  {'reshard load ' + cache:<34} {s:>7.3f} {r['bytes_reshard_src'] / s / 1e9:>5.2f}  "
-                      f"from {src['label']} ({r['bytes_reshard_src'] / 1e6:.0f} MB): {s / same:.2f} x our "
-                      f"same-layout load, {s / sl[lkey]:.1f} x its read limit")
-                rows[f"reshard load {cache}"] = {"ours_s": s, "over_same_layout_load": s / same,
-                                                 "limit_s": sl[lkey], "ours_over_limit": s / sl[lkey],
-                                                 "gbps": r["bytes_reshard_src"] / s / 1e9}
-            print(f"  (resharded: {', '.join(r['resharded'])}; state vs this layout's own after the same step: "
-                  f"max rel diff {r['reshard_max_rel_diff']:.1e})")
-        print("  where the time goes (rank 0, seconds; a>b: b inside a; other: the rest, e.g. barriers, planning "
-              "collectives, meta.json, renames, optimizer/RNG load):")
-        for key in ("save_ours", "load_ours_warm", "load_ours_cold", "load_reshard_warm", "load_reshard_cold",
-                    "save_dcp", "load_dcp_warm", "load_dcp_cold"):
+                print(
+                    f"  {'reshard load ' + cache:<34} {s:>7.3f} {r['bytes_reshard_src'] / s / 1e9:>5.2f}  "
+                    f"from {src['label']} ({r['bytes_reshard_src'] / 1e6:.0f} MB): {s / same:.2f} x our "
+                    f"same-layout load, {s / sl[lkey]:.1f} x its read limit"
+                )
+                rows[f"reshard load {cache}"] = {
+                    "ours_s": s,
+                    "over_same_layout_load": s / same,
+                    "limit_s": sl[lkey],
+                    "ours_over_limit": s / sl[lkey],
+                    "gbps": r["bytes_reshard_src"] / s / 1e9,
+                }
+            print(
+                f"  (resharded: {', '.join(r['resharded'])}; state vs this layout's own after the same step: "
+                f"max rel diff {r['reshard_max_rel_diff']:.1e})"
+            )
+        print(
+            "  where the time goes (rank 0, seconds; a>b: b inside a; other: the rest, e.g. barriers, planning "
+            "collectives, meta.json, renames, optimizer/RNG load):"
+        )
+        for key in (
+            "save_ours",
+            "load_ours_warm",
+            "load_ours_cold",
+            "load_reshard_warm",
+            "load_reshard_cold",
+            "save_dcp",
+            "load_dcp_warm",
+            "load_dcp_cold",
+        ):
             if key in r:
                 ph = r[key]["phases"]
                 other = r[key]["s"] - sum(v for k, v in ph.items() if ">" not in k)
-                print(f"    {key:<18} {r[key]['s']:>6.3f} = " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items())
-                      + f", other {other:.3f}")
-        sha = {k: r[k]["phases"].get("sha256", 0.0) / r[k]["s"]
-               for k in ("save_ours", "load_ours_warm", "load_ours_cold")}
-        print("  sha256 (ours hashes every file once on save, reading it back, and once more on load): "
-              + ", ".join(f"{100 * v:.0f}% of {k.replace('_ours', '')}" for k, v in sha.items()))
+                print(
+                    f"    {key:<18} {r[key]['s']:>6.3f} = "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in ph.items())
+                    + f", other {other:.3f}"
+                )
+        sha = {
+            k: r[k]["phases"].get("sha256", 0.0) / r[k]["s"] for k in ("save_ours", "load_ours_warm", "load_ours_cold")
+        }
+        print(
+            "  sha256 (ours hashes every file once on save, reading it back, and once more on load): "
+            + ", ".join(f"{100 * v:.0f}% of {k.replace('_ours', '')}" for k, v in sha.items())
+        )
         print()
-        summary[name] = {"sha256_share": sha, "label": r["label"], "world": r["world"], "bytes": b, "rows": rows,
-                         "raw": {k: v for k, v in r.items() if k.startswith(("save_", "load_"))},
-                         "reshard": {"from": r.get("reshard_from"), "changes": r.get("resharded"),
-                                     "max_rel_diff": r.get("reshard_max_rel_diff")}}
+        summary[name] = {
+            "sha256_share": sha,
+            "label": r["label"],
+            "world": r["world"],
+            "bytes": b,
+            "rows": rows,
+            "raw": {k: v for k, v in r.items() if k.startswith(("save_", "load_"))},
+            "reshard": {
+                "from": r.get("reshard_from"),
+                "changes": r.get("resharded"),
+                "max_rel_diff": r.get("reshard_max_rel_diff"),
+            },
+        }
     load = round(load_before, 2)
     busy = " -- BUSY: other processes share these cores, figures are distorted" if load > 1.0 else ""
-    print("disk limit (rank 0 alone, os.write 16 MiB + fsync / cold / warm sequential read), GB/s: " + ", ".join(
-        f"{results[k]['label']} run {v['bytes'] / v['write_fsync_s'] / 1e9:.2f} / "
-        f"{v['bytes'] / v['read_cold_s'] / 1e9:.2f} / {v['bytes'] / v['read_warm_s'] / 1e9:.2f}"
-        for k, v in limits.items()))
+    print(
+        "disk limit (rank 0 alone, os.write 16 MiB + fsync / cold / warm sequential read), GB/s: "
+        + ", ".join(
+            f"{results[k]['label']} run {v['bytes'] / v['write_fsync_s'] / 1e9:.2f} / "
+            f"{v['bytes'] / v['read_cold_s'] / 1e9:.2f} / {v['bytes'] / v['read_warm_s'] / 1e9:.2f}"
+            for k, v in limits.items()
+        )
+    )
     print(f"total bench time {time.perf_counter() - t0:.0f} s; 1-min load average at start {load}{busy}")
-    print(json.dumps({"bench": "checkpoint", "config": a, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-                      "filesystem": fs, "load_avg_at_start": load, "layouts": summary, "disk_limit": limits}))
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "config": a,
+                "cpu_cores": os.cpu_count(),
+                "torch": torch.__version__,
+                "filesystem": fs,
+                "load_avg_at_start": load,
+                "layouts": summary,
+                "disk_limit": limits,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ joined by a veth pair whose both ends are shaped with `tc qdisc ... tbf` (root a
 iproute2 needed; without them the benches say so and run on loopback, unshaped). Ranks
 inside one namespace talk over its loopback (unshaped), ranks across over the veth.
 A lock keeps one bench at a time: a second would remove the first one's namespaces."""
+
 from __future__ import annotations
 
 import atexit
@@ -34,8 +35,6 @@ def parse_rate(rate: str) -> float | None:
     if not m:
         raise SystemExit(f"error: --rates {rate!r}: use e.g. 1gbit, 200mbit or unshaped")
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-
-
 
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -73,12 +72,18 @@ class Cluster:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, _raise_exit)
         # a watchdog removes the namespaces (and ends what runs in them) even if we are SIGKILLed
-        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; "
-                  + "; ".join(f"for p in $(ip netns pids {ns} 2>/dev/null); do kill -9 $p; done; "
-                              f"ip netns del {ns} 2>/dev/null" for ns in NAMESPACES))
+        script = f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; " + "; ".join(
+            f"for p in $(ip netns pids {ns} 2>/dev/null); do kill -9 $p; done; ip netns del {ns} 2>/dev/null"
+            for ns in NAMESPACES
+        )
         # it inherits the lock: no new bench can start before it has cleaned up
-        self.watchdog = subprocess.Popen(["bash", "-c", script], start_new_session=True, pass_fds=(self.lock_fd,),
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.watchdog = subprocess.Popen(
+            ["bash", "-c", script],
+            start_new_session=True,
+            pass_fds=(self.lock_fd,),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for ns in NAMESPACES:
             _sh("ip", "netns", "add", ns)
         _sh("ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
@@ -96,14 +101,31 @@ class Cluster:
                 _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
             else:
                 burst = max(64 * 1024, int(bits_per_s / 8 * 0.002))  # 2 ms of traffic, >= 64 KiB
-                _sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(bits_per_s)}bit",
-                    "burst", str(burst), "latency", "50ms")
+                _sh(
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{int(bits_per_s)}bit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                )
 
     def qdisc(self) -> str:
         if not self.netns:
             return "loopback (no shaping)"
-        return "; ".join(_sh("tc", "-n", ns, "qdisc", "show", "dev", dev, check=False).stdout.strip()
-                         for ns, dev in zip(NAMESPACES, VETHS))
+        return "; ".join(
+            _sh("tc", "-n", ns, "qdisc", "show", "dev", dev, check=False).stdout.strip()
+            for ns, dev in zip(NAMESPACES, VETHS)
+        )
 
     def prefix(self, node: int) -> list[str]:
         return ["ip", "netns", "exec", NAMESPACES[node]] if self.netns else []
@@ -120,28 +142,39 @@ class Cluster:
         if not self.netns:
             return {}
         self.shape(bits_per_s)
-        code = ("import socket,sys,time\n"
-                "mode,host=sys.argv[1],sys.argv[2]; N=24<<20\n"
-                "if mode=='srv':\n"
-                " s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); s.bind((host,29571));"
-                " s.listen(1); print('ready',flush=True); c,_=s.accept(); g=0\n"
-                " while g<N:\n  b=c.recv(1<<20)\n  if not b: break\n  g+=len(b)\n"
-                " c.sendall(b'k')\n"
-                "else:\n"
-                " s=socket.create_connection((host,29571)); buf=b'x'*(1<<20); t=time.perf_counter()\n"
-                " for _ in range(N>>20): s.sendall(buf)\n"
-                " s.recv(1); print(N*8/(time.perf_counter()-t))\n")
+        code = (
+            "import socket,sys,time\n"
+            "mode,host=sys.argv[1],sys.argv[2]; N=24<<20\n"
+            "if mode=='srv':\n"
+            " s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); s.bind((host,29571));"
+            " s.listen(1); print('ready',flush=True); c,_=s.accept(); g=0\n"
+            " while g<N:\n  b=c.recv(1<<20)\n  if not b: break\n  g+=len(b)\n"
+            " c.sendall(b'k')\n"
+            "else:\n"
+            " s=socket.create_connection((host,29571)); buf=b'x'*(1<<20); t=time.perf_counter()\n"
+            " for _ in range(N>>20): s.sendall(buf)\n"
+            " s.recv(1); print(N*8/(time.perf_counter()-t))\n"
+        )
         out = {}
         for name, srv_node in (("cross_node", 1), ("intra_node", 0)):
             before = self.tx_bytes(0)
-            srv = subprocess.Popen(self.prefix(srv_node) + [sys.executable, "-c", code, "srv", ADDRS[srv_node]],
-                                   stdout=subprocess.PIPE, text=True)
+            srv = subprocess.Popen(
+                self.prefix(srv_node) + [sys.executable, "-c", code, "srv", ADDRS[srv_node]],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             srv.stdout.readline()
-            cli = subprocess.run(self.prefix(0) + [sys.executable, "-c", code, "cli", ADDRS[srv_node]],
-                                 capture_output=True, text=True, timeout=120)
+            cli = subprocess.run(
+                self.prefix(0) + [sys.executable, "-c", code, "cli", ADDRS[srv_node]],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             srv.wait(timeout=30)
-            out[name] = {"mbit_per_s": round(float(cli.stdout.strip()) / 1e6, 1),
-                         "veth_tx_mb": round((self.tx_bytes(0) - before) / 1e6, 2)}
+            out[name] = {
+                "mbit_per_s": round(float(cli.stdout.strip()) / 1e6, 1),
+                "veth_tx_mb": round((self.tx_bytes(0) - before) / 1e6, 2),
+            }
         return out
 
     def cleanup(self) -> None:
@@ -170,7 +203,10 @@ def take_lock() -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = open(LOCK).read().strip()
-        raise SystemExit(f"error: another emulated-cluster bench (bench/zero.py or bench/cp.py, pid {holder or '?'}) is running; it holds {LOCK}")
+        raise SystemExit(
+            f"error: another emulated-cluster bench (bench/zero.py or bench/cp.py, pid {holder or '?'}) is running; "
+            f"it holds {LOCK}"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
@@ -191,5 +227,3 @@ def _kill(p: subprocess.Popen) -> None:
             except OSError:
                 pass
             p.wait()
-
-

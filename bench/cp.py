@@ -30,6 +30,7 @@ and the ideal suffers the same sharing, so absolute times are this machine's and
 ratios are the figures. Tables: one per setting (times, overheads, All-Scan speedups), then one laid out
 like ZeCO's All-Scan vs all-gather table (rows P). The last stdout line is one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,13 @@ from tests.dist import run_distributed  # noqa: E402
 
 def variants(blocks: int) -> list[tuple[str, str | None, int]]:
     """(name, algorithm or None for the ideal, blocks)."""
-    return [("ideal", None, 1), ("all-scan", "all-scan", 1), (f"all-scan K={blocks}", "all-scan", blocks),
-            ("all-gather", "all-gather", 1), ("ring", "ring", 1)]
+    return [
+        ("ideal", None, 1),
+        ("all-scan", "all-scan", 1),
+        (f"all-scan K={blocks}", "all-scan", blocks),
+        ("all-gather", "all-gather", 1),
+        ("ring", "ring", 1),
+    ]
 
 
 # ---------------------------------------------------------------- one rank
@@ -62,9 +68,10 @@ def variants(blocks: int) -> list[tuple[str, str | None, int]]:
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """Time every variant on this rank; return {"times": {name: [s]}, "ledger": {name: {fwd, bwd}}}."""
     from megatron_zpp import comm
-    from megatron_zpp.ops.gla import chunk_gla_local
     from megatron_zpp.context_parallel import gla_context_parallel
+    from megatron_zpp.ops.gla import chunk_gla_local
     from megatron_zpp.topology import Topology, build_groups
+
     torch.set_num_threads(1)
     cp = build_groups(Topology(world, cp=world, ranks_per_node=cfg["per_node"]), rank).cp
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -117,16 +124,33 @@ def worker_main(out_path: str, cfg_json: str) -> None:
 def launch_shaped(cluster: Cluster, world: int, cfg: dict, work: str, timeout: float) -> list[dict]:
     """P/2 ranks in each namespace of the cluster; returns each rank's `measure` result."""
     out_dir = tempfile.mkdtemp(prefix=f"p{world}_", dir=work)
-    env = {**os.environ, "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(29650 + world), "WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": ADDRS[0],
+        "MASTER_PORT": str(29650 + world),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     procs = []
     for r in range(world):
         node = r // (world // 2)
         log = open(os.path.join(out_dir, f"rank{r}.log"), "w")
-        p = subprocess.Popen(cluster.prefix(node) + [sys.executable, os.path.abspath(__file__), "--worker",
-                                                     os.path.join(out_dir, f"rank{r}.json"), json.dumps(cfg)],
-                             env={**env, "RANK": str(r), "GLOO_SOCKET_IFNAME": VETHS[node]}, stdout=log,
-                             stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        p = subprocess.Popen(
+            cluster.prefix(node)
+            + [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                os.path.join(out_dir, f"rank{r}.json"),
+                json.dumps(cfg),
+            ],
+            env={**env, "RANK": str(r), "GLOO_SOCKET_IFNAME": VETHS[node]},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         log.close()
         procs.append(p)
         cluster.children.append(p)  # cluster.cleanup() ends them whatever happens
@@ -157,35 +181,47 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
     for name in per_rank[0]["times"]:
         samples = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
         led = {d: max(r["ledger"][name][d] for r in per_rank) for d in ("fwd", "bwd")}
-        out[name] = {"ms": 1e3 * statistics.median(samples), "samples_ms": [round(1e3 * s, 2) for s in samples],
-                     "ledger_bytes_max_rank": led, "ledger_states_max_rank": {d: b / state for d, b in led.items()}}
+        out[name] = {
+            "ms": 1e3 * statistics.median(samples),
+            "samples_ms": [round(1e3 * s, 2) for s in samples],
+            "ledger_bytes_max_rank": led,
+            "ledger_states_max_rank": {d: b / state for d, b in led.items()},
+        }
     ideal = out["ideal"]["ms"]
     for v in out.values():
         v["overhead_pct"] = 100 * (v["ms"] / ideal - 1)
         v["comm_ms"] = v["ms"] - ideal
     scan = out[f"all-scan K={cfg['blocks']}"]["ms"]
-    out["speedup"] = {"all-scan K=1 vs all-gather": out["all-gather"]["ms"] / out["all-scan"]["ms"],
-                      f"all-scan K={cfg['blocks']} vs all-gather": out["all-gather"]["ms"] / scan,
-                      "all-scan K=1 vs ring": out["ring"]["ms"] / out["all-scan"]["ms"],
-                      f"all-scan K={cfg['blocks']} vs ring": out["ring"]["ms"] / scan}
+    out["speedup"] = {
+        "all-scan K=1 vs all-gather": out["all-gather"]["ms"] / out["all-scan"]["ms"],
+        f"all-scan K={cfg['blocks']} vs all-gather": out["all-gather"]["ms"] / scan,
+        "all-scan K=1 vs ring": out["ring"]["ms"] / out["all-scan"]["ms"],
+        f"all-scan K={cfg['blocks']} vs ring": out["ring"]["ms"] / scan,
+    }
     return out
 
 
 def print_setting(title: str, res: dict, cfg: dict) -> None:
     kb = f"all-scan K={cfg['blocks']}"
     print(f"\n== {title}: forward+backward ms (median of the slowest rank), overhead vs ideal in % ==")
-    head = (f"{'P':>2} {'ideal':>8} | {'all-scan':>16} | {kb:>16} | {'all-gather':>16} | {'ring':>16} | "
-            f"{'speedup vs all-gather':>21} | {'speedup vs ring':>15}")
+    head = (
+        f"{'P':>2} {'ideal':>8} | {'all-scan':>16} | {kb:>16} | {'all-gather':>16} | {'ring':>16} | "
+        f"{'speedup vs all-gather':>21} | {'speedup vs ring':>15}"
+    )
     print(head)
-    print(f"{'':>2} {'ms':>8} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | "
-          f"{'K=1':>10} {'K=' + str(cfg['blocks']):>10} | {'K=1':>7} {'K=' + str(cfg['blocks']):>7}")
+    print(
+        f"{'':>2} {'ms':>8} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | "
+        f"{'K=1':>10} {'K=' + str(cfg['blocks']):>10} | {'K=1':>7} {'K=' + str(cfg['blocks']):>7}"
+    )
     print("-" * len(head))
     for P, r in res.items():
         cell = lambda n: f"{r[n]['ms']:8.1f} ({r[n]['overhead_pct']:+5.1f})"  # noqa: E731
         s = r["speedup"]
-        print(f"{P:>2} {r['ideal']['ms']:8.1f} | {cell('all-scan'):>16} | {cell(kb):>16} | {cell('all-gather'):>16} | "
-              f"{cell('ring'):>16} | {s['all-scan K=1 vs all-gather']:10.2f} {s[kb + ' vs all-gather']:10.2f} | "
-              f"{s['all-scan K=1 vs ring']:7.2f} {s[kb + ' vs ring']:7.2f}")
+        print(
+            f"{P:>2} {r['ideal']['ms']:8.1f} | {cell('all-scan'):>16} | {cell(kb):>16} | {cell('all-gather'):>16} | "
+            f"{cell('ring'):>16} | {s['all-scan K=1 vs all-gather']:10.2f} {s[kb + ' vs all-gather']:10.2f} | "
+            f"{s['all-scan K=1 vs ring']:7.2f} {s[kb + ' vs ring']:7.2f}"
+        )
 
 
 def zeco_table(results: dict, cfg: dict) -> dict:
@@ -196,26 +232,37 @@ def zeco_table(results: dict, cfg: dict) -> dict:
     table = {}
     for setting, res in results.items():
         print(f"\n   {setting}")
-        head = f"   {'P':>2} {'all-gather ms':>13} {'All-Scan ms':>11} {'ratio':>6} | {'all-gather comm':>15} " \
-               f"{'All-Scan comm':>13} {'ratio':>6}"
+        head = (
+            f"   {'P':>2} {'all-gather ms':>13} {'All-Scan ms':>11} {'ratio':>6} | {'all-gather comm':>15} "
+            f"{'All-Scan comm':>13} {'ratio':>6}"
+        )
         print(head + "\n   " + "-" * (len(head) - 3))
         table[setting] = {}
         for P, r in res.items():
             ag, sc = r["all-gather"], r[kb]
             ratio_comm = ag["comm_ms"] / sc["comm_ms"] if sc["comm_ms"] > 0 and ag["comm_ms"] > 0 else None
-            table[setting][P] = {"all_gather_ms": ag["ms"], "all_scan_ms": sc["ms"], "ratio": ag["ms"] / sc["ms"],
-                                 "all_gather_comm_ms": ag["comm_ms"], "all_scan_comm_ms": sc["comm_ms"],
-                                 "comm_ratio": ratio_comm}
+            table[setting][P] = {
+                "all_gather_ms": ag["ms"],
+                "all_scan_ms": sc["ms"],
+                "ratio": ag["ms"] / sc["ms"],
+                "all_gather_comm_ms": ag["comm_ms"],
+                "all_scan_comm_ms": sc["comm_ms"],
+                "comm_ratio": ratio_comm,
+            }
             rc = f"{ratio_comm:6.2f}" if ratio_comm is not None else f"{'n/a':>6}"
-            print(f"   {P:>2} {ag['ms']:13.1f} {sc['ms']:11.1f} {ag['ms'] / sc['ms']:6.2f} | {ag['comm_ms']:15.1f} "
-                  f"{sc['comm_ms']:13.1f} {rc}")
+            print(
+                f"   {P:>2} {ag['ms']:13.1f} {sc['ms']:11.1f} {ag['ms'] / sc['ms']:6.2f} | {ag['comm_ms']:15.1f} "
+                f"{sc['comm_ms']:13.1f} {rc}"
+            )
     return table
 
 
 def print_ledger(res: dict, cfg: dict) -> None:
     state = cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4
-    print(f"\n== ledger (comm.LEDGER): bytes the busiest rank sends per forward+backward, in states of "
-          f"{state / 2**20:.2f} MiB, forward + backward ==")
+    print(
+        f"\n== ledger (comm.LEDGER): bytes the busiest rank sends per forward+backward, in states of "
+        f"{state / 2**20:.2f} MiB, forward + backward =="
+    )
     print(f"{'':16}" + "".join(f"{'P=' + str(P):>16}" for P in res))
     for name in next(iter(res.values())):
         if name in ("ideal", "speedup"):
@@ -249,8 +296,16 @@ def main() -> int:
     if any(P < 2 or P % 2 for P in ps):
         raise SystemExit("error: --ps: each P must be even and >= 2 (P/2 ranks per emulated node)")
     bits = parse_rate(a.rate)
-    cfg = {"heads": a.heads, "head_k": a.head_k, "head_v": a.head_v, "t_local": a.t_local, "chunk": a.chunk_size,
-           "blocks": a.blocks, "iters": a.iters or (5 if a.quick else 15), "warmup": a.warmup}
+    cfg = {
+        "heads": a.heads,
+        "head_k": a.head_k,
+        "head_v": a.head_v,
+        "t_local": a.t_local,
+        "chunk": a.chunk_size,
+        "blocks": a.blocks,
+        "iters": a.iters or (5 if a.quick else 15),
+        "warmup": a.warmup,
+    }
     t0, load0 = time.time(), os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="zpp_cp_bench_")
     results, skipped, lock_fd = {"loopback": {}}, None, None
@@ -263,8 +318,7 @@ def main() -> int:
             skipped = str(e)
     for P in ps:
         print(f"[cp-bench] loopback P={P}", file=sys.stderr, flush=True)
-        results["loopback"][P] = summarize(run_distributed(measure, P, {**cfg, "per_node": P},
-                                                           timeout=a.timeout), cfg)
+        results["loopback"][P] = summarize(run_distributed(measure, P, {**cfg, "per_node": P}, timeout=a.timeout), cfg)
     if lock_fd is not None:
         cluster = Cluster(True, lock_fd)
         try:
@@ -278,8 +332,9 @@ def main() -> int:
                 try:
                     for P in ps:
                         print(f"[cp-bench] {key} P={P}", file=sys.stderr, flush=True)
-                        results[key][P] = summarize(launch_shaped(cluster, P, {**cfg, "per_node": P // 2}, work,
-                                                                  a.timeout), cfg)
+                        results[key][P] = summarize(
+                            launch_shaped(cluster, P, {**cfg, "per_node": P // 2}, work, a.timeout), cfg
+                        )
                 except RuntimeError as e:  # report the loopback figures anyway
                     print(f"[cp-bench] {e}", file=sys.stderr, flush=True)
                     skipped = f"failed: {str(e).splitlines()[0]}"
@@ -288,16 +343,22 @@ def main() -> int:
             cluster.cleanup()
 
     state = cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4
-    print(f"\nGLA context parallelism: B=1, H={a.heads}, K={a.head_k}, V={a.head_v}, T_local={a.t_local} tokens per "
-          f"rank (sequence = P * {a.t_local}), chunk {a.chunk_size}, fp32, forward+backward (loss = o.sum()); "
-          f"state = {state / 2**20:.2f} MiB")
-    print(f"median of {cfg['iters']} samples after {1 + cfg['warmup']} warmup call(s); sample = slowest rank; "
-          f"P ranks at 1 thread each time-share {os.cpu_count()} cores (the ideal too): the overheads and ratios "
-          f"are the figures")
+    print(
+        f"\nGLA context parallelism: B=1, H={a.heads}, K={a.head_k}, V={a.head_v}, T_local={a.t_local} tokens per "
+        f"rank (sequence = P * {a.t_local}), chunk {a.chunk_size}, fp32, forward+backward (loss = o.sum()); "
+        f"state = {state / 2**20:.2f} MiB"
+    )
+    print(
+        f"median of {cfg['iters']} samples after {1 + cfg['warmup']} warmup call(s); sample = slowest rank; "
+        f"P ranks at 1 thread each time-share {os.cpu_count()} cores (the ideal too): the overheads and ratios "
+        f"are the figures"
+    )
     if load0 > (os.cpu_count() or 1):  # at the start: our own ranks count in the load later
-        print(f"WARNING: machine loaded (1-min load {load0:.1f} on {os.cpu_count()} cores): a rank blocked on a receive "
-              f"waits for a core when it wakes, which inflates every communicating variant (not the ideal) and "
-              f"the spread of the samples; compare the ratios, and rerun on an idle machine for the overheads")
+        print(
+            f"WARNING: machine loaded (1-min load {load0:.1f} on {os.cpu_count()} cores): a rank blocked on a receive "
+            f"waits for a core when it wakes, which inflates every communicating variant (not the ideal) and "
+            f"the spread of the samples; compare the ratios, and rerun on an idle machine for the overheads"
+        )
     if skipped:
         print(f"shaped setting not run: {skipped}")
     else:
@@ -307,11 +368,21 @@ def main() -> int:
     table = zeco_table(results, cfg)
     print_ledger(results["loopback"], cfg)
     print(f"\nelapsed {time.time() - t0:.0f} s; 1-min load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(json.dumps({"bench": "cp", "config": {**cfg, "ps": ps, "rate": a.rate, "state_bytes": state},
-                      "shaped_skipped": skipped, "cpus": os.cpu_count(), "torch_threads_per_rank": 1,
-                      "settings": {s: {str(P): r for P, r in res.items()} for s, res in results.items()},
-                      "zeco_table": {s: {str(P): r for P, r in t.items()} for s, t in table.items()},
-                      "elapsed_s": round(time.time() - t0, 1), "loadavg": [load0, os.getloadavg()[0]]}))
+    print(
+        json.dumps(
+            {
+                "bench": "cp",
+                "config": {**cfg, "ps": ps, "rate": a.rate, "state_bytes": state},
+                "shaped_skipped": skipped,
+                "cpus": os.cpu_count(),
+                "torch_threads_per_rank": 1,
+                "settings": {s: {str(P): r for P, r in res.items()} for s, res in results.items()},
+                "zeco_table": {s: {str(P): r for P, r in t.items()} for s, t in table.items()},
+                "elapsed_s": round(time.time() - t0, 1),
+                "loadavg": [load0, os.getloadavg()[0]],
+            }
+        )
+    )
     return 0
 
 

@@ -27,6 +27,7 @@ model is our softmax GPT (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embedding, fp
 Step time = barrier, step, barrier; median over the timed steps after warmup. A peer that
 fails in this torch version is reported with its exception instead of a time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,28 @@ from tests.dist import run_distributed  # noqa: E402
 def our_config(a: dict, world: int, extra: list[str]):
     from megatron_zpp.arguments import parse_args
     from megatron_zpp.config import validate
-    argv = ["--mock-data", "--num-layers", str(a["layers"]), "--hidden-size", str(a["hidden"]),
-            "--num-attention-heads", str(a["heads"]), "--seq-length", str(a["seq"]), "--vocab-size", str(a["vocab"]),
-            "--micro-batch-size", str(a["mbs"]), "--train-iters", str(a["warmup"] + a["steps"]),
-            "--device", "cpu", "--log-interval", "1000000"] + extra
+
+    argv = [
+        "--mock-data",
+        "--num-layers",
+        str(a["layers"]),
+        "--hidden-size",
+        str(a["hidden"]),
+        "--num-attention-heads",
+        str(a["heads"]),
+        "--seq-length",
+        str(a["seq"]),
+        "--vocab-size",
+        str(a["vocab"]),
+        "--micro-batch-size",
+        str(a["mbs"]),
+        "--train-iters",
+        str(a["warmup"] + a["steps"]),
+        "--device",
+        "cpu",
+        "--log-interval",
+        "1000000",
+    ] + extra
     return validate(parse_args(argv), world)
 
 
@@ -68,6 +87,7 @@ def stage_timers(emulate: float = 0.0, V: int = 1):
     sleeps emulate/V s and its backward 2*emulate/V s: an ideal machine without core contention."""
     from megatron_zpp.pipeline_parallel import schedules
     from megatron_zpp.training import step
+
     acc = [0.0, 0.0]
     fwd, bwd, sched = schedules.Stage.forward, schedules.Stage.backward, step.run_schedule
 
@@ -80,6 +100,7 @@ def stage_timers(emulate: float = 0.0, V: int = 1):
             time.sleep(sleep)
             acc[slot] += time.perf_counter() - t
             return out
+
         return wrapper
 
     schedules.Stage.forward = timed(fwd, 0, emulate / V)
@@ -106,6 +127,7 @@ def timed_steps(step, warmup: int, steps: int) -> list[float]:
 
 def ours_step_time(a: dict, world: int, extra: list[str]) -> float:
     from megatron_zpp import training
+
     run = training.setup(our_config(a, world, extra))
     return statistics.median(timed_steps(lambda: training.train_step(run), a["warmup"], a["steps"]))
 
@@ -113,6 +135,7 @@ def ours_step_time(a: dict, world: int, extra: list[str]) -> float:
 def ours_bubble(a: dict, world: int, m: int, V: int, emulate: float = 0.0) -> list[tuple[float, float]]:
     """(compute, schedule wall) of this rank for each timed step."""
     from megatron_zpp import training
+
     if emulate:  # a tiny model: its real compute is small next to the emulated one
         a = dict(a, hidden=64, heads=4, seq=32, warmup=1, steps=2)
     extra = ["--pipeline-model-parallel-size", str(world), "--global-batch-size", str(m * a["mbs"])]
@@ -197,14 +220,19 @@ def adamw(params):
     kinds = {}
     for p in params:
         kinds.setdefault((p.ndim >= 2, type(p).__name__), []).append(p)
-    return torch.optim.AdamW([{"params": ps, "weight_decay": 0.1 if decay else 0.0} for (decay, _), ps in kinds.items()],
-                             lr=3e-4, betas=(0.9, 0.95), foreach=True)
+    return torch.optim.AdamW(
+        [{"params": ps, "weight_decay": 0.1 if decay else 0.0} for (decay, _), ps in kinds.items()],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        foreach=True,
+    )
 
 
 def clip_and_step(params, opt, group, plain_replicated: bool):
     """Clip by the global grad norm (1.0): sharded grads' squares are summed over the group;
     plain tensors are replicated copies under TP (counted once), disjoint stage params under PP."""
     from torch.distributed.tensor import DTensor
+
     grads = [p.grad for p in params if p.grad is not None]
     shared = [g for g in grads if not isinstance(g, DTensor) and plain_replicated]
     split = [g.to_local() if isinstance(g, DTensor) else g for g in grads if not any(g is s for s in shared)]
@@ -223,11 +251,14 @@ def dtensor_tp_step_time(a: dict, m: int, group) -> float:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
     torch.manual_seed(0)
     mesh = DeviceMesh.from_group(group, "cpu")
     model = PeerPart(a, 0, a["layers"], True, True)
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     for i in range(a["layers"]):
         plan.update({f"h.{i}.attn.{n}": ColwiseParallel() for n in "qkv"})
         plan.update({f"h.{i}.{n}": ColwiseParallel() for n in ("gate", "up")})
@@ -244,11 +275,13 @@ def dtensor_tp_step_time(a: dict, m: int, group) -> float:
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / m
                 loss.backward()
         clip_and_step(params, opt, group, plain_replicated=True)
+
     return statistics.median(timed_steps(step, a["warmup"], a["steps"]))
 
 
 def pipelining_step_time(a: dict, m: int, group) -> float:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
     torch.manual_seed(0)
     rank, half = dist.get_rank(group), a["layers"] // 2
     part = PeerPart(a, 0, half, True, False) if rank == 0 else PeerPart(a, half, a["layers"], False, True)
@@ -266,6 +299,7 @@ def pipelining_step_time(a: dict, m: int, group) -> float:
             schedule.step(target=labels, losses=[])
         dist.all_reduce(tied.grad, group=group)  # tied embedding: both copies take the summed gradient
         clip_and_step(params, opt, group, plain_replicated=False)
+
     return statistics.median(timed_steps(step, a["warmup"], a["steps"]))
 
 
@@ -281,9 +315,10 @@ def attempt(fn, *args):
 
 
 def bubbles(a: dict, world: int) -> dict:
-    return {"bubble": {f"m{m}_V{V}": attempt(ours_bubble, a, world, m, V) for m in a["m"] for V in (1, 2)},
-            "emulated": {f"m{m}_V{V}": attempt(ours_bubble, a, world, m, V, a["emulate"])
-                         for m in a["m"] for V in (1, 2)}}
+    return {
+        "bubble": {f"m{m}_V{V}": attempt(ours_bubble, a, world, m, V) for m in a["m"] for V in (1, 2)},
+        "emulated": {f"m{m}_V{V}": attempt(ours_bubble, a, world, m, V, a["emulate"]) for m in a["m"] for V in (1, 2)},
+    }
 
 
 def ranks(rank: int, world: int, a: dict) -> dict:
@@ -317,8 +352,13 @@ def bubble_rows(per_rank: list[dict], p: int) -> list[dict]:
     rows = []
     for key in per_rank[0]["bubble"]:
         m, V = (int(s[1:]) for s in key.split("_"))
-        row = {"p": p, "m": m, "V": V, "schedule": "1F1B" if V == 1 else f"interleaved V={V}",
-               "theory": (p - 1) / (V * m + p - 1)}
+        row = {
+            "p": p,
+            "m": m,
+            "V": V,
+            "schedule": "1F1B" if V == 1 else f"interleaved V={V}",
+            "theory": (p - 1) / (V * m + p - 1),
+        }
         for kind, name in (("bubble", "measured"), ("emulated", "emulated")):
             got = [r[kind][key] for r in per_rank]
             errors = [g["error"] for g in got if "error" in g]
@@ -356,17 +396,23 @@ def main() -> None:
     tp, pp = pair(two[0]["tp_ours"], two[0]["tp_peer"]), pair(two[0]["pp_ours"], two[0]["pp_peer"])
 
     ffn = 64 * ((int(8 * a["hidden"] / 3) + 63) // 64)
-    print(f"\nGPT fp32: {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, ffn {ffn} (SwiGLU), seq "
-          f"{a['seq']}, vocab {a['vocab']}, micro-batch {a['mbs']}; gloo on {os.cpu_count()} CPU cores, 1 thread/rank; "
-          f"median of {a['steps']} steps after {a['warmup']} warmup\n")
+    print(
+        f"\nGPT fp32: {a['layers']} layers, hidden {a['hidden']}, {a['heads']} heads, ffn {ffn} (SwiGLU), seq "
+        f"{a['seq']}, vocab {a['vocab']}, micro-batch {a['mbs']}; gloo on {os.cpu_count()} CPU cores, 1 thread/rank; "
+        f"median of {a['steps']} steps after {a['warmup']} warmup\n"
+    )
     print("1. Pipeline bubble = 1 - sum(rank compute) / (p * span), span = schedule wall of the slowest rank")
     print("   theory = (p-1)/(V*m+p-1) of the span (1F1B: V=1; = Megatron's (p-1)/(V*m) relative to ideal time)")
-    print(f"   measured: the model above; emulated: a tiny model whose forward/backward per stage also sleep "
-          f"{1e3 * a['emulate']:.0f}/{2e3 * a['emulate']:.0f} ms")
+    print(
+        f"   measured: the model above; emulated: a tiny model whose forward/backward per stage also sleep "
+        f"{1e3 * a['emulate']:.0f}/{2e3 * a['emulate']:.0f} ms"
+    )
     print("   (no core contention: isolates the schedule + p2p from the 2 shared cores)")
-    print(f"   {'p':>2} {'m':>3} {'schedule':<16} {'theory':>6} {'measured':>8} {'/theory':>7} {'span s':>6} "
-          f"{'emulated':>8} {'/theory':>7}  measured per-rank idle")
-    f = lambda r, k: (f"{r[k]:>8.3f} {r[k] / r['theory']:>7.2f}" if k in r else f"{'FAILED':>16}")  # noqa: E731
+    print(
+        f"   {'p':>2} {'m':>3} {'schedule':<16} {'theory':>6} {'measured':>8} {'/theory':>7} {'span s':>6} "
+        f"{'emulated':>8} {'/theory':>7}  measured per-rank idle"
+    )
+    f = lambda r, k: f"{r[k]:>8.3f} {r[k] / r['theory']:>7.2f}" if k in r else f"{'FAILED':>16}"  # noqa: E731
     for r in rows:
         if "error" in r:
             print(f"   {r['p']:>2} FAILED: {r['error']}")
@@ -374,8 +420,10 @@ def main() -> None:
         idle = " ".join(f"{x:.2f}" for x in r.get("measured_per_rank_idle", []))
         note = "  <- 4 ranks time-share 2 cores" if r["p"] > (os.cpu_count() or 2) else ""
         span = f"{r['measured_span_s']:>6.3f}" if "measured_span_s" in r else f"{'':>6}"
-        print(f"   {r['p']:>2} {r['m']:>3} {r['schedule']:<16} {r['theory']:>6.3f} {f(r, 'measured')} {span} "
-              f"{f(r, 'emulated')}  {idle}{note}")
+        print(
+            f"   {r['p']:>2} {r['m']:>3} {r['schedule']:<16} {r['theory']:>6.3f} {f(r, 'measured')} {span} "
+            f"{f(r, 'emulated')}  {idle}{note}"
+        )
         for k in ("measured_error", "emulated_error"):
             if k in r:
                 print(f"      {k}: {r[k]}")
@@ -391,9 +439,21 @@ def main() -> None:
     load = round(load_before, 2)
     busy = " -- BUSY: other processes share these cores, figures are distorted" if load > 1.0 else ""
     print(f"\ntotal bench time {time.perf_counter() - t0:.0f} s; 1-min load average at start {load}{busy}")
-    print(json.dumps({"bench": "parallel", "config": a, "cpu_cores": os.cpu_count(), "torch": torch.__version__,
-                      "load_avg_at_start": load, "bubble_theory": "(p-1)/(V*m+p-1) of the schedule span",
-                      "bubble": rows, "tp2": tp, "pp2": pp}))
+    print(
+        json.dumps(
+            {
+                "bench": "parallel",
+                "config": a,
+                "cpu_cores": os.cpu_count(),
+                "torch": torch.__version__,
+                "load_avg_at_start": load,
+                "bubble_theory": "(p-1)/(V*m+p-1) of the schedule span",
+                "bubble": rows,
+                "tp2": tp,
+                "pp2": pp,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -82,12 +82,29 @@ def ensure_bench_venv() -> None:
         return
     print(f"creating {BENCH_VENV} with megatron-core 0.19.2 (once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
-    site = subprocess.run([BENCH_PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [BENCH_PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with open(os.path.join(site, "_zpp_main_venv.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")  # reuse this venv's torch, numpy, sentencepiece
-    subprocess.run([BENCH_PY, "-m", "pip", "install", "-q", "--ignore-requires-python", "megatron-core==0.19.2",
-                    "triton", "sentencepiece", "numpy"], check=True)
+    subprocess.run(
+        [
+            BENCH_PY,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--ignore-requires-python",
+            "megatron-core==0.19.2",
+            "triton",
+            "sentencepiece",
+            "numpy",
+        ],
+        check=True,
+    )
     subprocess.run(check, check=True)
 
 
@@ -128,8 +145,11 @@ def measure(cmd: list[str]) -> dict:
 
 def prepare_corpus(work: str, repeat: int) -> tuple[str, str]:
     demo = os.path.join(ROOT, "data_cache", "demo")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_demo_corpus.py"), "--output", demo, "--build"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "make_demo_corpus.py"), "--output", demo, "--build"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     corpus = os.path.join(work, "corpus.jsonl")
     with open(os.path.join(demo, "corpus.jsonl"), "rb") as src, open(corpus, "wb") as dst:
         data = src.read()
@@ -151,10 +171,27 @@ def main() -> int:
     load = round(os.getloadavg()[0], 2)  # other jobs on the machine skew the figures: say so
     for w in args.workers:
         res, trials = {}, {"megatron_zpp": [], "megatron_core": []}
-        cmds = {"megatron_zpp": [sys.executable, "-c", OURS, ROOT, corpus, os.path.join(work, f"megatron_zpp_w{w}"),
-                                 model, str(w)],
-                "megatron_core": [BENCH_PY, "-c", MEGATRON, corpus, os.path.join(work, f"megatron_core_w{w}"),
-                                  model, str(w)]}
+        cmds = {
+            "megatron_zpp": [
+                sys.executable,
+                "-c",
+                OURS,
+                ROOT,
+                corpus,
+                os.path.join(work, f"megatron_zpp_w{w}"),
+                model,
+                str(w),
+            ],
+            "megatron_core": [
+                BENCH_PY,
+                "-c",
+                MEGATRON,
+                corpus,
+                os.path.join(work, f"megatron_core_w{w}"),
+                model,
+                str(w),
+            ],
+        }
         for _ in range(args.trials):  # interleaved, so that load from elsewhere hits both sides alike
             for impl, cmd in cmds.items():
                 trials[impl].append(measure(cmd))
@@ -163,29 +200,53 @@ def main() -> int:
             best = min(trials[impl], key=lambda r: r["seconds"])
             idx = prefix + "_text_document.idx"
             tokens = IndexedDataset(prefix + "_text_document").num_tokens
-            res[impl] = dict(impl=impl, workers=w, seconds=round(best["seconds"], 3), tokens=tokens,
-                             tokens_per_s=round(tokens / best["seconds"]),
-                             peak_rss_mb=round(max(t["peak_rss_mb"] for t in trials[impl]), 1), idx=idx)
-        same = all(open(res["megatron_zpp"]["idx"][:-4] + ext, "rb").read() ==
-                   open(res["megatron_core"]["idx"][:-4] + ext, "rb").read() for ext in (".bin", ".idx"))
+            res[impl] = dict(
+                impl=impl,
+                workers=w,
+                seconds=round(best["seconds"], 3),
+                tokens=tokens,
+                tokens_per_s=round(tokens / best["seconds"]),
+                peak_rss_mb=round(max(t["peak_rss_mb"] for t in trials[impl]), 1),
+                idx=idx,
+            )
+        same = all(
+            open(res["megatron_zpp"]["idx"][:-4] + ext, "rb").read()
+            == open(res["megatron_core"]["idx"][:-4] + ext, "rb").read()
+            for ext in (".bin", ".idx")
+        )
         for r in res.values():
             r.pop("idx")
             runs.append(r)
         rows.append((w, res["megatron_zpp"], res["megatron_core"], same))
-    print(f"corpus: {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {rows[0][1]['tokens']:,} tokens, "
-          f"sentencepiece BPE {model}")
-    print(f"{'workers':>7} | {'ours tok/s':>11} {'mcore tok/s':>11} {'ratio':>6} | "
-          f"{'ours MB':>8} {'mcore MB':>8} {'ratio':>6} | identical output")
+    print(
+        f"corpus: {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {rows[0][1]['tokens']:,} tokens, "
+        f"sentencepiece BPE {model}"
+    )
+    print(
+        f"{'workers':>7} | {'ours tok/s':>11} {'mcore tok/s':>11} {'ratio':>6} | "
+        f"{'ours MB':>8} {'mcore MB':>8} {'ratio':>6} | identical output"
+    )
     summary = {}
     for w, ours, peer, same in rows:
         speed, mem = ours["tokens_per_s"] / peer["tokens_per_s"], ours["peak_rss_mb"] / peer["peak_rss_mb"]
         summary[str(w)] = {"tokens_per_s_ratio": round(speed, 3), "peak_rss_ratio": round(mem, 3), "identical": same}
-        print(f"{w:>7} | {ours['tokens_per_s']:>11,} {peer['tokens_per_s']:>11,} {speed:>5.2f}x | "
-              f"{ours['peak_rss_mb']:>8.0f} {peer['peak_rss_mb']:>8.0f} {mem:>5.2f}x | {same}")
+        print(
+            f"{w:>7} | {ours['tokens_per_s']:>11,} {peer['tokens_per_s']:>11,} {speed:>5.2f}x | "
+            f"{ours['peak_rss_mb']:>8.0f} {peer['peak_rss_mb']:>8.0f} {mem:>5.2f}x | {same}"
+        )
     print(f"machine: {os.cpu_count()} CPUs, load average before the runs {load}; best of {args.trials} trials")
-    print(json.dumps({"bench": "preprocess", "corpus_bytes": os.path.getsize(corpus), "cpus": os.cpu_count(),
-                      "load_average_before": load, "runs": runs,
-                      "ours_vs_megatron_core": summary}))
+    print(
+        json.dumps(
+            {
+                "bench": "preprocess",
+                "corpus_bytes": os.path.getsize(corpus),
+                "cpus": os.cpu_count(),
+                "load_average_before": load,
+                "runs": runs,
+                "ours_vs_megatron_core": summary,
+            }
+        )
+    )
     return 0
 
 

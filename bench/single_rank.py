@@ -14,6 +14,7 @@ data-sheet peak, or measured CPU matmul peak). The peer is softmax-only: with
 Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 90 s on an idle machine)
       .venv/bin/python bench/single_rank.py --device cuda --dtype bf16 --micro-batch-size 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,10 +104,19 @@ def to_peer_names(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
         p = f"layers.{i}."
         q, k, v = sd[p + "mixer.qkv.weight"].chunk(3, dim=0)
         gate, up = sd[p + "mlp.fc1.weight"].chunk(2, dim=0)
-        out.update({f"h.{i}.ln_1.weight": sd[p + "norm1.weight"], f"h.{i}.ln_2.weight": sd[p + "norm2.weight"],
-                    f"h.{i}.attn.q.weight": q, f"h.{i}.attn.k.weight": k, f"h.{i}.attn.v.weight": v,
-                    f"h.{i}.attn.o.weight": sd[p + "mixer.proj.weight"], f"h.{i}.mlp.gate.weight": gate,
-                    f"h.{i}.mlp.up.weight": up, f"h.{i}.mlp.down.weight": sd[p + "mlp.fc2.weight"]})
+        out.update(
+            {
+                f"h.{i}.ln_1.weight": sd[p + "norm1.weight"],
+                f"h.{i}.ln_2.weight": sd[p + "norm2.weight"],
+                f"h.{i}.attn.q.weight": q,
+                f"h.{i}.attn.k.weight": k,
+                f"h.{i}.attn.v.weight": v,
+                f"h.{i}.attn.o.weight": sd[p + "mixer.proj.weight"],
+                f"h.{i}.mlp.gate.weight": gate,
+                f"h.{i}.mlp.up.weight": up,
+                f"h.{i}.mlp.down.weight": sd[p + "mlp.fc2.weight"],
+            }
+        )
     return out
 
 
@@ -125,8 +135,13 @@ def check_equal(ours: GPT, peer: PeerGPT, x, y, tol: float) -> dict:
         if not e <= tol * 10:
             raise AssertionError(f"gradient of {name} differs: relative error {e:.2e}")
         worst = max(worst, (name, e), key=lambda t: t[1])
-    return {"loss_ours": lo.item(), "loss_peer": lp.item(), "loss_rel_diff": rel, "worst_grad": worst[0],
-            "worst_grad_rel_diff": worst[1]}
+    return {
+        "loss_ours": lo.item(),
+        "loss_peer": lp.item(),
+        "loss_rel_diff": rel,
+        "worst_grad": worst[0],
+        "worst_grad_rel_diff": worst[1],
+    }
 
 
 def make_step(model, loss_fn, sync):
@@ -141,14 +156,23 @@ def make_step(model, loss_fn, sync):
         opt.zero_grad(set_to_none=True)
         sync()
         return time.perf_counter() - t0
+
     return step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for flag, default in [("--hidden-size", 256), ("--num-layers", 4), ("--num-attention-heads", 8),
-                          ("--seq-length", 256), ("--micro-batch-size", 8), ("--vocab-size", 4096),
-                          ("--steps", 15), ("--warmup", 3), ("--seed", 1234)]:
+    for flag, default in [
+        ("--hidden-size", 256),
+        ("--num-layers", 4),
+        ("--num-attention-heads", 8),
+        ("--seq-length", 256),
+        ("--micro-batch-size", 8),
+        ("--vocab-size", 4096),
+        ("--steps", 15),
+        ("--warmup", 3),
+        ("--seed", 1234),
+    ]:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--max-seconds", type=float, default=50, help="stop the timed loop early past this (>= 3 steps)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -160,15 +184,22 @@ def main() -> None:
     device = torch.device(a.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    cfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                      seq_length=a.seq_length, vocab_size=a.vocab_size, attention_type=a.attention_type)
+    cfg = ModelConfig(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        seq_length=a.seq_length,
+        vocab_size=a.vocab_size,
+        attention_type=a.attention_type,
+    )
     assert cfg.hidden_size % cfg.num_attention_heads == 0 and cfg.head_dim % 2 == 0, "heads must divide hidden, even"
     load0 = os.getloadavg()[0]
 
     ours = GPT(cfg, a.vocab_size).to(device)
     init_weights(ours, a.seed)
-    data = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
-                         generator=torch.Generator().manual_seed(a.seed))
+    data = torch.randint(
+        0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=torch.Generator().manual_seed(a.seed)
+    )
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
     check, peer = {}, None
     if a.attention_type == "softmax":
@@ -205,43 +236,70 @@ def main() -> None:
     res = {}
     for k, ts in times.items():
         med = statistics.median(ts)
-        res[k] = {"step_ms": med * 1e3, "min_step_ms": min(ts) * 1e3, "tokens_per_s": tokens / med,
-                  "tflops": fpt * tokens / med / 1e12, "mfu": fpt * tokens / med / 1e12 / peak if peak else None}
+        res[k] = {
+            "step_ms": med * 1e3,
+            "min_step_ms": min(ts) * 1e3,
+            "tokens_per_s": tokens / med,
+            "tflops": fpt * tokens / med / 1e12,
+            "mfu": fpt * tokens / med / 1e12 / peak if peak else None,
+        }
 
-    print(f"\nsingle-rank GPT: {count_parameters(ours) / 1e6:.2f}M params, hidden {a.hidden_size}, layers "
-          f"{a.num_layers}, heads {a.num_attention_heads}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
-          f"vocab {a.vocab_size}, {a.attention_type}, {a.dtype}, {device}, {torch.get_num_threads()} threads")
+    print(
+        f"\nsingle-rank GPT: {count_parameters(ours) / 1e6:.2f}M params, hidden {a.hidden_size}, layers "
+        f"{a.num_layers}, heads {a.num_attention_heads}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
+        f"vocab {a.vocab_size}, {a.attention_type}, {a.dtype}, {device}, {torch.get_num_threads()} threads"
+    )
     if "loss_ours" in check:
-        print(f"equivalence (fp32): loss ours {check['loss_ours']:.6f} peer {check['loss_peer']:.6f} (rel "
-              f"{check['loss_rel_diff']:.1e}); worst grad {check['worst_grad']} rel {check['worst_grad_rel_diff']:.1e}")
-    print(f"peak: {peak:.3f} TFLOP/s ({peak_desc}); model FLOPs/token {fpt / 1e6:.2f}M (fwd+bwd); "
-          f"median of {len(times['ours'])} alternating steps\n")
+        print(
+            f"equivalence (fp32): loss ours {check['loss_ours']:.6f} peer {check['loss_peer']:.6f} (rel "
+            f"{check['loss_rel_diff']:.1e}); worst grad {check['worst_grad']} rel {check['worst_grad_rel_diff']:.1e}"
+        )
+    print(
+        f"peak: {peak:.3f} TFLOP/s ({peak_desc}); model FLOPs/token {fpt / 1e6:.2f}M (fwd+bwd); "
+        f"median of {len(times['ours'])} alternating steps\n"
+    )
     spread = max(r["step_ms"] / r["min_step_ms"] for r in res.values())
     paired = statistics.median(p / o for o, p in zip(times["ours"], times["peer"])) if peer else None
     if spread > 1.15:  # something else runs on the device (seen on shared CPUs: bursts that slow a step 2-10x)
-        print(f"WARNING: noisy timing (a median step is {spread:.2f}x the fastest; load {load0:.1f} -> {load1:.1f} "
-              f"on {os.cpu_count()} CPUs): trust the fastest steps and the paired speedup {paired or 0:.3f}\n")
+        print(
+            f"WARNING: noisy timing (a median step is {spread:.2f}x the fastest; load {load0:.1f} -> {load1:.1f} "
+            f"on {os.cpu_count()} CPUs): trust the fastest steps and the paired speedup {paired or 0:.3f}\n"
+        )
     print(f"{'':20}" + "".join(f"{c:>12}" for c in res) + ("   speedup (>1: ours faster)" if "peer" in res else ""))
-    for key, label, fmt in [("step_ms", "median step (ms)", "{:12.1f}"), ("min_step_ms", "fastest step (ms)",
-                            "{:12.1f}"), ("tokens_per_s", "tokens/s", "{:12.0f}"),
-                            ("tflops", "model TFLOP/s", "{:12.4f}"), ("mfu", "MFU", "{:12.2%}")]:
+    for key, label, fmt in [
+        ("step_ms", "median step (ms)", "{:12.1f}"),
+        ("min_step_ms", "fastest step (ms)", "{:12.1f}"),
+        ("tokens_per_s", "tokens/s", "{:12.0f}"),
+        ("tflops", "model TFLOP/s", "{:12.4f}"),
+        ("mfu", "MFU", "{:12.2%}"),
+    ]:
         row = "".join(fmt.format(res[c][key]) if res[c][key] is not None else f"{'n/a':>12}" for c in res)
         if "peer" in res and res["peer"][key]:
             r = res["ours"][key] / res["peer"][key]
             row += f"{1 / r if key.endswith('ms') else r:12.3f}"
         print(f"{label:20}{row}")
 
-    out = {"bench": "single_rank", **{f"{k}_{f}" if f != "mfu" else f"mfu_{k}": res.get(k, {}).get(f)
-                                      for f in res["ours"] for k in ("ours", "peer")},
-           "ratio": res["ours"]["tokens_per_s"] / res["peer"]["tokens_per_s"] if "peer" in res else None,
-           "ratio_fastest": res["peer"]["min_step_ms"] / res["ours"]["min_step_ms"] if "peer" in res else None,
-           "ratio_paired": paired,
-           "peak_tflops": peak, "peak_desc": peak_desc, "flops_per_token": fpt, "params": count_parameters(ours),
-           "steps_timed": len(times["ours"]), "loadavg": [load0, load1], "noisy": spread > 1.15,
-           **check,
-           "peer": "nanoGPT-style plain PyTorch (in bench)" if peer else "none (softmax-only peer)",
-           "config": {**vars(a), "ffn_size": cfg.ffn_size, "threads": torch.get_num_threads(),
-                      "torch": torch.__version__}}
+    out = {
+        "bench": "single_rank",
+        **{
+            f"{k}_{f}" if f != "mfu" else f"mfu_{k}": res.get(k, {}).get(f)
+            for f in res["ours"]
+            for k in ("ours", "peer")
+        },
+        "ratio": res["ours"]["tokens_per_s"] / res["peer"]["tokens_per_s"] if "peer" in res else None,
+        "ratio_fastest": res["peer"]["min_step_ms"] / res["ours"]["min_step_ms"] if "peer" in res else None,
+        "ratio_paired": paired,
+        "peak_tflops": peak,
+        "peak_desc": peak_desc,
+        "flops_per_token": fpt,
+        "params": count_parameters(ours),
+        "steps_timed": len(times["ours"]),
+        "loadavg": [load0, load1],
+        "noisy": spread > 1.15,
+        **check,
+        "peer": "nanoGPT-style plain PyTorch (in bench)" if peer else "none (softmax-only peer)",
+        "config": {**vars(a), "ffn_size": cfg.ffn_size, "threads": torch.get_num_threads(), "torch": torch.__version__},
+    }
     print(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}))
 
 

@@ -38,8 +38,8 @@ initialized weights, so every system's first loss is the same number.
 
 Figures per system and rate: step time (median of the timed steps, timed by the probe around
 the whole optimizer step, which ends with the loss all-reduced; for ours the JSON also has
-pretrain_gpt.py's own step_time from --metrics-file), cross-node MB per rank per step from our ledger (--comm-report, link
-inter_node; the papers' model: a flat collective spanning nodes counts whole) and measured
+pretrain_gpt.py's own step_time from --metrics-file), cross-node MB per rank per step from our
+ledger (--comm-report, link inter_node; the papers' model: a flat collective spanning nodes counts whole) and measured
 on the wire (veth tx_bytes of both namespaces over the timed steps / 4 ranks; IP/TCP headers
 included), and the peak RSS per rank over the timed steps (VmHWM reset after warmup; max over
 ranks; includes ~300 MB of libraries; every rank runs with MALLOC_MMAP_THRESHOLD_=1 MiB, else
@@ -49,6 +49,7 @@ time (> 1: faster than the reference). 4 ranks share 2 CPU cores at 1 thread eac
 (OMP_NUM_THREADS=1): absolute times are this machine's; the ratios are the figure. The last
 stdout line is one JSON object with everything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,6 +66,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.cluster import ADDRS, VETHS, Cluster, _kill, parse_rate, take_lock  # noqa: E402
+
 PEERS = os.path.join(ROOT, "bench", "zero_peers")
 DS_VENV = os.path.join(ROOT, ".venv-bench-ds")
 DS_PY = os.path.join(DS_VENV, "bin", "python")
@@ -84,9 +86,18 @@ SYSTEMS = {
     "ours-qwz": ("ours ZeRO-3 + qwZ", "ours", ["--zero-stage", "3", "--zero-quantized-weights"]),
     "ours-hpz": ("ours ZeRO-3 + hpZ", "ours", ["--zero-stage", "3", "--zero-hpz-partition-size", "2"]),
     "ours-qgz": ("ours ZeRO-3 + qgZ", "ours", ["--zero-stage", "3", "--zero-quantized-gradients"]),
-    "ours-zpp": ("ours ZeRO++ (qwZ+hpZ+qgZ)", "ours", ["--zero-stage", "3", "--zero-quantized-weights",
-                                                      "--zero-hpz-partition-size", "2",
-                                                      "--zero-quantized-gradients"]),
+    "ours-zpp": (
+        "ours ZeRO++ (qwZ+hpZ+qgZ)",
+        "ours",
+        [
+            "--zero-stage",
+            "3",
+            "--zero-quantized-weights",
+            "--zero-hpz-partition-size",
+            "2",
+            "--zero-quantized-gradients",
+        ],
+    ),
     "fsdp2": ("FSDP2 fully_shard", "fsdp2", ["--reshard-after-forward", "true"]),
     "fsdp2-hpz": ("FSDP2 reshard_after_forward=2", "fsdp2", ["--reshard-after-forward", "2"]),
     "ds-z3": (f"DeepSpeed {DS_VERSION} ZeRO-3", "ds", ["--hpz", "1"]),
@@ -115,32 +126,44 @@ def ensure_ds_venv() -> str | None:
         if not (os.path.exists(DS_PY) and subprocess.run(check, capture_output=True, env=env).returncode == 0):
             log(f"creating {DS_VENV} with deepspeed=={DS_VERSION} (once; reuses .venv's CPU torch)")
             subprocess.run([sys.executable, "-m", "venv", DS_VENV], check=True, capture_output=True)
-            site = subprocess.run([DS_PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                  capture_output=True, text=True, check=True).stdout.strip()
+            site = subprocess.run(
+                [DS_PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
             with open(os.path.join(site, "_zpp_main_venv.pth"), "w") as f:
                 f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch, numpy, pydantic of .venv
             for args in (["wheel"], ["--no-build-isolation", f"deepspeed=={DS_VERSION}"]):
-                res = subprocess.run([DS_PY, "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
-                                     env=env)
+                res = subprocess.run(
+                    [DS_PY, "-m", "pip", "install", "-q", *args], capture_output=True, text=True, env=env
+                )
                 if res.returncode:
                     return f"pip install {' '.join(args)} failed: {_last_error(res.stdout + res.stderr)}"
             res = subprocess.run(check, capture_output=True, text=True, env=env)
             if res.returncode:
                 return f"import deepspeed failed: {_last_error(res.stderr)}"
         # build DeepSpeed's CPU shm comm op once here, not in 4 ranks at once during a run
-        subprocess.run([DS_PY, "-c", "import deepspeed.comm.torch as t; t.build_shm_op()"], capture_output=True,
-                       env=env, timeout=600)
+        subprocess.run(
+            [DS_PY, "-c", "import deepspeed.comm.torch as t; t.build_shm_op()"],
+            capture_output=True,
+            env=env,
+            timeout=600,
+        )
     except Exception as e:  # noqa: BLE001
         return f"setting up {DS_VENV} failed: {e}"
     return None
 
 
 def _last_error(text: str, exit_codes: list | None = None) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not re.match(r"^\[[WI]\d", ln.strip())
-             and "Warning" not in ln and "return func(" not in ln]
+    lines = [
+        ln.strip()
+        for ln in text.strip().splitlines()
+        if ln.strip() and not re.match(r"^\[[WI]\d", ln.strip()) and "Warning" not in ln and "return func(" not in ln
+    ]
     for ln in reversed(lines):
         if ln.startswith("error:"):
-            return ln[len("error:"):].strip()
+            return ln[len("error:") :].strip()
     for ln in reversed(lines):
         if re.match(r"^[\w.]*(Error|Exception)\b", ln) or "Error:" in ln:
             return ln[:300]
@@ -154,12 +177,38 @@ def _last_error(text: str, exit_codes: list | None = None) -> str:
 
 
 def model_args(a, iters: int) -> list[str]:
-    return ["--mock-data", "--fp32", "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
-            "--num-attention-heads", str(a.num_attention_heads), "--seq-length", str(a.seq_length),
-            "--vocab-size", str(a.vocab_size), "--micro-batch-size", str(a.micro_batch_size),
-            "--global-batch-size", str(a.micro_batch_size * WORLD), "--train-iters", str(iters),
-            "--seed", str(a.seed), "--lr", "3e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.1",
-            "--clip-grad", "1.0", "--ranks-per-node", str(PER_NODE)]
+    return [
+        "--mock-data",
+        "--fp32",
+        "--num-layers",
+        str(a.num_layers),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-attention-heads",
+        str(a.num_attention_heads),
+        "--seq-length",
+        str(a.seq_length),
+        "--vocab-size",
+        str(a.vocab_size),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch-size",
+        str(a.micro_batch_size * WORLD),
+        "--train-iters",
+        str(iters),
+        "--seed",
+        str(a.seed),
+        "--lr",
+        "3e-4",
+        "--lr-warmup-iters",
+        "0",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1.0",
+        "--ranks-per-node",
+        str(PER_NODE),
+    ]
 
 
 def ours_refusal(args: list[str]) -> str | None:
@@ -179,16 +228,28 @@ def ours_refusal(args: list[str]) -> str | None:
     return None
 
 
-def launch(cluster: Cluster, name: str, kind: str, opts: list[str], a, rate_list: list[str], work: str,
-           ds_reason: str | None) -> dict:
+def launch(
+    cluster: Cluster, name: str, kind: str, opts: list[str], a, rate_list: list[str], work: str, ds_reason: str | None
+) -> dict:
     iters = a.warmup + a.steps * len(rate_list)
     margs = model_args(a, iters)
     out_dir = os.path.join(work, name)
     os.makedirs(out_dir)
     if kind == "ours":
-        ours_args = margs + opts + ["--metrics-file", os.path.join(out_dir, "metrics.jsonl"), "--comm-report",
-                                    os.path.join(out_dir, "comm.json"), "--log-interval", "1",
-                                    "--peak-tflops", "1"]  # skip the CPU peak measurement: MFU is not reported
+        ours_args = (
+            margs
+            + opts
+            + [
+                "--metrics-file",
+                os.path.join(out_dir, "metrics.jsonl"),
+                "--comm-report",
+                os.path.join(out_dir, "comm.json"),
+                "--log-interval",
+                "1",
+                "--peak-tflops",
+                "1",
+            ]
+        )  # skip the CPU peak measurement: MFU is not reported
         refused = ours_refusal(ours_args)
         if refused:
             return {"status": "not available", "reason": refused}
@@ -204,9 +265,15 @@ def launch(cluster: Cluster, name: str, kind: str, opts: list[str], a, rate_list
 
     port = 29600 + launch.count
     launch.count += 1
-    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(a.malloc_mmap_threshold)} if a.malloc_mmap_threshold
-                            else {}), "OMP_NUM_THREADS": "1", "ZPP_PROBE_DIR": out_dir, "PYTHONUNBUFFERED": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    env = {
+        **os.environ,
+        **({"MALLOC_MMAP_THRESHOLD_": str(a.malloc_mmap_threshold)} if a.malloc_mmap_threshold else {}),
+        "OMP_NUM_THREADS": "1",
+        "ZPP_PROBE_DIR": out_dir,
+        "PYTHONUNBUFFERED": "1",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONWARNINGS": "ignore::FutureWarning",
+    }
     procs, logs = [], []
     cluster.shape(parse_rate(rate_list[0]))
     open(os.path.join(out_dir, "gate0.open"), "w").close()
@@ -214,17 +281,47 @@ def launch(cluster: Cluster, name: str, kind: str, opts: list[str], a, rate_list
     nodes = range(2) if cluster.netns else range(1)
     for node in nodes:
         if cluster.netns:
-            run_cmd = [py, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(PER_NODE),
-                       "--node-rank", str(node), "--master-addr", ADDRS[0], "--master-port", str(port)]
+            run_cmd = [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                str(PER_NODE),
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                ADDRS[0],
+                "--master-port",
+                str(port),
+            ]
             node_env = {**env, "GLOO_SOCKET_IFNAME": VETHS[node], "ZPP_VETH": VETHS[node], "ZPP_NODE": str(node)}
         else:
-            run_cmd = [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-                       "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            run_cmd = [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(WORLD),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ]
             node_env = env
         logf = open(os.path.join(out_dir, f"node{node}.log"), "w")
         logs.append(logf)
-        p = subprocess.Popen(cluster.prefix(node) + run_cmd + cmd_tail, env=node_env, stdout=logf,
-                             stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        p = subprocess.Popen(
+            cluster.prefix(node) + run_cmd + cmd_tail,
+            env=node_env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         procs.append(p)
         cluster.children.append(p)
 
@@ -265,13 +362,22 @@ def launch(cluster: Cluster, name: str, kind: str, opts: list[str], a, rate_list
             with open(path) as f:
                 ranks[r] = json.load(f)
     if timed_out:
-        return {"status": "failed", "reason": f"timed out after {a.run_timeout:.0f} s (--run-timeout)",
-                "wall_s": wall}
+        return {"status": "failed", "reason": f"timed out after {a.run_timeout:.0f} s (--run-timeout)", "wall_s": wall}
     if any(p.returncode for p in procs) or failed_at is not None or len(ranks) < WORLD:
-        return {"status": "failed", "reason": _last_error(text, [p.returncode for p in procs]), "wall_s": wall,
-                "exit_codes": [p.returncode for p in procs]}
-    return {"status": "ok", "wall_s": wall, "loadavg": [load_start, os.getloadavg()[0]],
-            **collect(kind, out_dir, ranks, rate_list, a)}
+        return {
+            "status": "failed",
+            "reason": _last_error(text, [p.returncode for p in procs]),
+            "wall_s": wall,
+            "exit_codes": [p.returncode for p in procs],
+        }
+    return {
+        "status": "ok",
+        "wall_s": wall,
+        "loadavg": [load_start, os.getloadavg()[0]],
+        **collect(kind, out_dir, ranks, rate_list, a),
+    }
+
+
 launch.count = 0
 
 
@@ -284,12 +390,14 @@ def collect(kind: str, out_dir: str, ranks: dict, rate_list: list[str], a) -> di
     if kind == "ours" and os.path.exists(os.path.join(out_dir, "comm.json")):
         with open(os.path.join(out_dir, "comm.json")) as f:
             rep = json.load(f)
-        ledger = {"inter_node": sum(r["bytes_per_rank_per_step"] for r in rep["records"] if r["link"] == "inter_node"),
-                  "intra_node": sum(r["bytes_per_rank_per_step"] for r in rep["records"] if r["link"] != "inter_node"),
-                  "gloo_inter_node": sum(r["gloo_bytes_per_rank_per_step"] for r in rep["records"]
-                                         if r["link"] == "inter_node")}
-    out = {"rates": {}, "ledger_bytes_per_rank_per_step": ledger,
-           "losses": ranks[0]["losses"]}
+        ledger = {
+            "inter_node": sum(r["bytes_per_rank_per_step"] for r in rep["records"] if r["link"] == "inter_node"),
+            "intra_node": sum(r["bytes_per_rank_per_step"] for r in rep["records"] if r["link"] != "inter_node"),
+            "gloo_inter_node": sum(
+                r["gloo_bytes_per_rank_per_step"] for r in rep["records"] if r["link"] == "inter_node"
+            ),
+        }
+    out = {"rates": {}, "ledger_bytes_per_rank_per_step": ledger, "losses": ranks[0]["losses"]}
     for k, rate in enumerate(rate_list):
         first, last = a.warmup + k * a.steps, a.warmup + (k + 1) * a.steps  # timed steps [first, last)
         times = ranks[0]["step_times"][first:last]  # the probe's, the same for every system
@@ -302,8 +410,11 @@ def collect(kind: str, out_dir: str, ranks: dict, rate_list: list[str], a) -> di
             if r.get("iface") and len(tb) >= last and len(te) >= last and tb[first] is not None:
                 wire += te[last - 1] - tb[first]
                 have_wire = True
-        peaks = [r["peak_rss_by_rate"][k] for r in ranks.values() if r.get("peak_rss_by_rate")
-                 and len(r["peak_rss_by_rate"]) > k and r["peak_rss_by_rate"][k]]
+        peaks = [
+            r["peak_rss_by_rate"][k]
+            for r in ranks.values()
+            if r.get("peak_rss_by_rate") and len(r["peak_rss_by_rate"]) > k and r["peak_rss_by_rate"][k]
+        ]
         out["rates"][rate] = {
             "step_s": statistics.median(times) if times else None,
             "step_times_s": times,
@@ -331,8 +442,10 @@ def print_tables(results: dict, rate_list: list[str], names: list[str], netns: b
         if not netns:
             shaped = "NOT shaped: loopback, no namespaces"
         print(f"\n== {rate} ({shaped}) ==")
-        head = (f"{'system':32} {'step s':>7} {'x-node MB/rank/step':>20} {'peak MB':>8} {'loss@end':>8} | speedup vs "
-                + " ".join(f"{lab:>7}" for _, lab in REFERENCES))
+        head = (
+            f"{'system':32} {'step s':>7} {'x-node MB/rank/step':>20} {'peak MB':>8} {'loss@end':>8} | speedup vs "
+            + " ".join(f"{lab:>7}" for _, lab in REFERENCES)
+        )
         print(head)
         print(f"{'':32} {'':>7} {'ledger':>9} {'wire':>10} {'per rank':>8} {'':>8} |")
         print("-" * len(head))
@@ -354,16 +467,22 @@ def print_tables(results: dict, rate_list: list[str], names: list[str], netns: b
                 cells.append(fmt(row_ratios[ref], "7.2f"))
             ratios[rate][name] = row_ratios
             wire = r["wire_bytes_per_rank_per_step"]
-            print(f"{label:32} {fmt(r['step_s'], '7.2f')} {fmt(led and led['inter_node'] / 1e6, '9.1f', '-'):>9} "
-                  f"{fmt(wire and wire / 1e6, '10.1f'):>10} {fmt(r['peak_rss_mb_max'], '8.0f')} "
-                  f"{fmt(r['loss_last'], '8.4f')} | " + " ".join(cells))
+            print(
+                f"{label:32} {fmt(r['step_s'], '7.2f')} {fmt(led and led['inter_node'] / 1e6, '9.1f', '-'):>9} "
+                f"{fmt(wire and wire / 1e6, '10.1f'):>10} {fmt(r['peak_rss_mb_max'], '8.0f')} "
+                f"{fmt(r['loss_last'], '8.4f')} | " + " ".join(cells)
+            )
     return ratios
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="See the module docstring for details.")
-    ap.add_argument("--rates", nargs="+", default=None,
-                    help="link rates, each 'unshaped' or like 1gbit / 200mbit (default: unshaped 1gbit 200mbit)")
+    ap.add_argument(
+        "--rates",
+        nargs="+",
+        default=None,
+        help="link rates, each 'unshaped' or like 1gbit / 200mbit (default: unshaped 1gbit 200mbit)",
+    )
     ap.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS), help="default: all but ds-hpz-default")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, 3 steps, 1gbit only (< 2 min)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per rate (default 3; --quick 2)")
@@ -375,10 +494,16 @@ def main() -> int:
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--run-timeout", type=float, default=None, help="seconds per system launch (default 600; quick 120)")
-    ap.add_argument("--malloc-mmap-threshold", type=int, default=2 ** 20,
-                    help="MALLOC_MMAP_THRESHOLD_ of every rank, so that glibc returns freed buffers above it at once "
-                         "and peak RSS counts live memory (0: glibc's default, which keeps freed gather buffers)")
+    ap.add_argument(
+        "--run-timeout", type=float, default=None, help="seconds per system launch (default 600; quick 120)"
+    )
+    ap.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=2**20,
+        help="MALLOC_MMAP_THRESHOLD_ of every rank, so that glibc returns freed buffers above it at once "
+        "and peak RSS counts live memory (0: glibc's default, which keeps freed gather buffers)",
+    )
     ap.add_argument("--no-netns", action="store_true", help="run on loopback without namespaces or shaping")
     ap.add_argument("--no-path-check", action="store_true", help="skip the socket check of the two paths")
     ap.add_argument("--work-dir", default=None, help="keep logs, metrics and probes here (default: a temp dir)")
@@ -411,8 +536,14 @@ def main() -> int:
     from megatron_zpp.config import ModelConfig
     from megatron_zpp.data.tokenizer import pad_vocab_size
     from megatron_zpp.model import GPT, count_parameters
-    mcfg = ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                       seq_length=a.seq_length, vocab_size=a.vocab_size)
+
+    mcfg = ModelConfig(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        seq_length=a.seq_length,
+        vocab_size=a.vocab_size,
+    )
     params = count_parameters(GPT(mcfg, pad_vocab_size(a.vocab_size, mcfg.make_vocab_size_divisible_by, 1)))
 
     cluster = Cluster(not a.no_netns, lock_fd)
@@ -429,50 +560,92 @@ def main() -> int:
             log(f"{label}: {a.warmup} warmup + {len(a.rates)} rate(s) x {a.steps} timed steps")
             results[name] = launch(cluster, name, kind, opts, a, a.rates, work, ds_reason)
             res = results[name]
-            log(f"{label}: {res['status']}" + (f" ({res['reason']})" if res.get("reason") else
-                                               f" in {res['wall_s']:.0f} s: " + ", ".join(
-                f"{r} {fmt(v['step_s'], '.2f')} s/step" for r, v in res["rates"].items())))
+            log(
+                f"{label}: {res['status']}"
+                + (
+                    f" ({res['reason']})"
+                    if res.get("reason")
+                    else f" in {res['wall_s']:.0f} s: "
+                    + ", ".join(f"{r} {fmt(v['step_s'], '.2f')} s/step" for r, v in res["rates"].items())
+                )
+            )
         qdisc = cluster.qdisc()
     finally:
         cluster.cleanup()
 
     if cluster.netns:
-        print(f"\nZeRO on an emulated 2-node cluster: {WORLD} ranks = 2 network namespaces x {PER_NODE}, veth + tc "
-              f"tbf between the nodes, loopback inside each")
+        print(
+            f"\nZeRO on an emulated 2-node cluster: {WORLD} ranks = 2 network namespaces x {PER_NODE}, veth + tc "
+            f"tbf between the nodes, loopback inside each"
+        )
     else:
-        print(f"\nZeRO on ONE loopback host ({cluster.reason}): {WORLD} ranks, nothing shaped; ours still lays "
-              f"out {PER_NODE} ranks per node for its ledger")
-    print(f"model: Llama-style GPT {params / 1e6:.2f}M params (hidden {a.hidden_size}, {a.num_layers} layers, "
-          f"{a.num_attention_heads} heads, seq {a.seq_length}, vocab {a.vocab_size}), fp32, micro-batch "
-          f"{a.micro_batch_size} x {WORLD} ranks = global batch {a.micro_batch_size * WORLD}; same weights and tokens "
-          f"for every system")
-    print(f"one launch per system: {a.warmup} warmup step(s), then {a.steps} timed steps (median) per rate; 4 ranks share {os.cpu_count()} CPU cores "
-          f"at 1 thread each (OMP_NUM_THREADS=1): absolute times are this machine's, the ratios are the figure")
-    print("x-node MB/rank/step: ledger = our comm ledger (a collective spanning nodes counts whole), wire = veth "
-          "tx bytes of both nodes / 4 ranks (headers included); peak MB = max over ranks of the peak RSS in the "
-          "timed steps; speedup = reference step time / this step time")
+        print(
+            f"\nZeRO on ONE loopback host ({cluster.reason}): {WORLD} ranks, nothing shaped; ours still lays "
+            f"out {PER_NODE} ranks per node for its ledger"
+        )
+    print(
+        f"model: Llama-style GPT {params / 1e6:.2f}M params (hidden {a.hidden_size}, {a.num_layers} layers, "
+        f"{a.num_attention_heads} heads, seq {a.seq_length}, vocab {a.vocab_size}), fp32, micro-batch "
+        f"{a.micro_batch_size} x {WORLD} ranks = global batch {a.micro_batch_size * WORLD}; same weights and tokens "
+        f"for every system"
+    )
+    print(
+        f"one launch per system: {a.warmup} warmup step(s), then {a.steps} timed steps (median) per rate; "
+        f"4 ranks share {os.cpu_count()} CPU cores "
+        f"at 1 thread each (OMP_NUM_THREADS=1): absolute times are this machine's, the ratios are the figure"
+    )
+    print(
+        "x-node MB/rank/step: ledger = our comm ledger (a collective spanning nodes counts whole), wire = veth "
+        "tx bytes of both nodes / 4 ranks (headers included); peak MB = max over ranks of the peak RSS in the "
+        "timed steps; speedup = reference step time / this step time"
+    )
     if paths:
-        print(f"path check: cross-node {paths['cross_node']['mbit_per_s']:.0f} Mbit/s, intra-node "
-              f"{paths['intra_node']['mbit_per_s']:.0f} Mbit/s with {paths['intra_node']['veth_tx_mb']:.2f} MB on "
-              f"the veth (intra-node traffic stays off the shaped link)")
+        print(
+            f"path check: cross-node {paths['cross_node']['mbit_per_s']:.0f} Mbit/s, intra-node "
+            f"{paths['intra_node']['mbit_per_s']:.0f} Mbit/s with {paths['intra_node']['veth_tx_mb']:.2f} MB on "
+            f"the veth (intra-node traffic stays off the shaped link)"
+        )
     ratios = print_tables(results, a.rates, names, cluster.netns)
     if any(n.startswith("ds-") for n in names):
-        print("\nDeepSpeed ZeRO-3 uses its defaults (stage3_max_live_parameters = stage3_max_reuse_distance = 1e9): "
-              "a model this small stays gathered from forward to backward (no backward all-gather, more memory); "
-              "'regather' sets both to 0, the paper's ZeRO-3 (3M per step), which hpZ needs to act")
-    noisy = [f"{SYSTEMS[n][0]} at {rate} ({min(v['step_times_s']):.2f}..{max(v['step_times_s']):.2f} s)"
-             for n in names if results[n]["status"] == "ok" for rate, v in results[n]["rates"].items()
-             if v["step_times_s"] and max(v["step_times_s"]) > 1.25 * min(v["step_times_s"])]
+        print(
+            "\nDeepSpeed ZeRO-3 uses its defaults (stage3_max_live_parameters = stage3_max_reuse_distance = 1e9): "
+            "a model this small stays gathered from forward to backward (no backward all-gather, more memory); "
+            "'regather' sets both to 0, the paper's ZeRO-3 (3M per step), which hpZ needs to act"
+        )
+    noisy = [
+        f"{SYSTEMS[n][0]} at {rate} ({min(v['step_times_s']):.2f}..{max(v['step_times_s']):.2f} s)"
+        for n in names
+        if results[n]["status"] == "ok"
+        for rate, v in results[n]["rates"].items()
+        if v["step_times_s"] and max(v["step_times_s"]) > 1.25 * min(v["step_times_s"])
+    ]
     if noisy:
-        print(f"\nWARNING: noisy timing (timed steps differ by > 25%; other processes share the {os.cpu_count()} "
-              f"cores?): " + "; ".join(noisy))
+        print(
+            f"\nWARNING: noisy timing (timed steps differ by > 25%; other processes share the {os.cpu_count()} "
+            f"cores?): " + "; ".join(noisy)
+        )
     print(f"\nlogs: {work}; elapsed {time.time() - t0:.0f} s; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(json.dumps({"bench": "zero", "netns": cluster.netns, "no_netns_reason": cluster.reason or None,
-                      "qdisc_last": qdisc if cluster.netns else None, "path_check": paths, "rates": a.rates,
-                      "params": params, "config": {k: v for k, v in vars(a).items() if k != "systems"},
-                      "systems": {n: {"label": SYSTEMS[n][0], **results[n]} for n in names},
-                      "speedup": ratios, "noisy": noisy, "cpus": os.cpu_count(), "torch_threads_per_rank": 1,
-                      "elapsed_s": round(time.time() - t0, 1), "work_dir": work}))
+    print(
+        json.dumps(
+            {
+                "bench": "zero",
+                "netns": cluster.netns,
+                "no_netns_reason": cluster.reason or None,
+                "qdisc_last": qdisc if cluster.netns else None,
+                "path_check": paths,
+                "rates": a.rates,
+                "params": params,
+                "config": {k: v for k, v in vars(a).items() if k != "systems"},
+                "systems": {n: {"label": SYSTEMS[n][0], **results[n]} for n in names},
+                "speedup": ratios,
+                "noisy": noisy,
+                "cpus": os.cpu_count(),
+                "torch_threads_per_rank": 1,
+                "elapsed_s": round(time.time() - t0, 1),
+                "work_dir": work,
+            }
+        )
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ flag cannot drift from the setting it controls. Precedence: defaults < --config 
 command line. YAML keys are flag names with or without dashes (`hidden-size` or
 `hidden_size`), flat or nested under the section names of Config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ def _base_type(tp):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pretrain_gpt.py", description="Pretrain a GPT with TP x PP x CP x ZeRO++ DP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT with TP x PP x CP x ZeRO++ DP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of settings; command-line flags override it")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
@@ -53,17 +56,40 @@ def build_parser() -> argparse.ArgumentParser:
             tp = _base_type(types_of[f.name])
             default = argparse.SUPPRESS  # absent flags do not override YAML
             if tp is bool:
-                group.add_argument(meta["flag"], dest=dest, action=argparse.BooleanOptionalAction,
-                                   default=default, help=meta["help"] + f" (default: {f.default})")
+                group.add_argument(
+                    meta["flag"],
+                    dest=dest,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=meta["help"] + f" (default: {f.default})",
+                )
             elif typing.get_origin(tp) is list or tp is list:
-                group.add_argument(meta["flag"], dest=dest, nargs=meta.get("nargs", "+"), type=meta.get("type", str),
-                                   default=default, help=meta["help"])
+                group.add_argument(
+                    meta["flag"],
+                    dest=dest,
+                    nargs=meta.get("nargs", "+"),
+                    type=meta.get("type", str),
+                    default=default,
+                    help=meta["help"],
+                )
             else:
-                group.add_argument(meta["flag"], dest=dest, type=tp, choices=meta.get("choices"),
-                                   default=default, help=meta["help"] + f" (default: {f.default})")
+                group.add_argument(
+                    meta["flag"],
+                    dest=dest,
+                    type=tp,
+                    choices=meta.get("choices"),
+                    default=default,
+                    help=meta["help"] + f" (default: {f.default})",
+                )
     for flag, (section, name, value) in ALIASES.items():
-        parser.add_argument(flag, dest=f"{section}.{name}", action="store_const", const=value,
-                            default=argparse.SUPPRESS, help=f"alias of {name}={value} (Megatron-LM spelling)")
+        parser.add_argument(
+            flag,
+            dest=f"{section}.{name}",
+            action="store_const",
+            const=value,
+            default=argparse.SUPPRESS,
+            help=f"alias of {name}={value} (Megatron-LM spelling)",
+        )
     return parser
 
 

@@ -13,6 +13,7 @@ B is the size of the full (unsharded) buffer in bytes. A collective's link class
 the slowest link its group spans (see topology.py): the papers count a flat collective
 over several nodes as cross-node traffic, and a hierarchical one hop by hop.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,11 @@ from .topology import Group
 
 # ---------------------------------------------------------------- ledger
 
-BYTE_MODEL = ("bytes each rank sends on a real fabric: ring all-reduce 2(n-1)/n*B, ring all-gather (n-1)/n*B_out, "
-              "ring reduce-scatter (n-1)/n*B_in, pairwise all-to-all (n-1)/n*B, pipelined broadcast (n-1)/n*B, "
-              "p2p B; link = slowest link the group spans")
+BYTE_MODEL = (
+    "bytes each rank sends on a real fabric: ring all-reduce 2(n-1)/n*B, ring all-gather (n-1)/n*B_out, "
+    "ring reduce-scatter (n-1)/n*B_in, pairwise all-to-all (n-1)/n*B, pipelined broadcast (n-1)/n*B, "
+    "p2p B; link = slowest link the group spans"
+)
 
 
 def model_bytes(op: str, n: int, nbytes: int) -> float:
@@ -77,14 +80,24 @@ class CommLedger:
     def total(self, **match) -> float:
         """Sum of `bytes` over records whose fields equal `match` (role, phase, op, link)."""
         keys = ("role", "phase", "op", "link")
-        return sum(r.bytes for k, r in self.records.items()
-                   if all(dict(zip(keys, k))[f] == v for f, v in match.items()))
+        return sum(
+            r.bytes for k, r in self.records.items() if all(dict(zip(keys, k))[f] == v for f, v in match.items())
+        )
 
     def local_rows(self) -> list[dict]:
         steps = max(self.steps, 1)
-        return [{"role": k[0], "phase": k[1], "op": k[2], "link": k[3], "bytes": r.bytes / steps,
-                 "gloo_bytes": r.gloo_bytes / steps, "calls": r.calls / steps}
-                for k, r in sorted(self.records.items())]
+        return [
+            {
+                "role": k[0],
+                "phase": k[1],
+                "op": k[2],
+                "link": k[3],
+                "bytes": r.bytes / steps,
+                "gloo_bytes": r.gloo_bytes / steps,
+                "calls": r.calls / steps,
+            }
+            for k, r in sorted(self.records.items())
+        ]
 
 
 LEDGER = CommLedger()
@@ -100,18 +113,24 @@ def gather_report(world_size: int) -> dict:
     else:
         all_rows = [rows]
     merged: dict[tuple, dict] = {}
-    for rank, rank_rows in enumerate(all_rows):
+    for rank_rows in all_rows:
         for row in rank_rows:
             key = (row["role"], row["phase"], row["op"], row["link"])
-            m = merged.setdefault(key, dict(zip(("role", "phase", "op", "link"), key), bytes_per_rank_per_step=0.0,
-                                            gloo_bytes_per_rank_per_step=0.0, max_rank_bytes_per_step=0.0,
-                                            calls_per_step=0.0))
+            m = merged.setdefault(
+                key,
+                dict(
+                    zip(("role", "phase", "op", "link"), key),
+                    bytes_per_rank_per_step=0.0,
+                    gloo_bytes_per_rank_per_step=0.0,
+                    max_rank_bytes_per_step=0.0,
+                    calls_per_step=0.0,
+                ),
+            )
             m["bytes_per_rank_per_step"] += row["bytes"] / world_size
             m["gloo_bytes_per_rank_per_step"] += row["gloo_bytes"] / world_size
             m["max_rank_bytes_per_step"] = max(m["max_rank_bytes_per_step"], row["bytes"])
             m["calls_per_step"] = max(m["calls_per_step"], row["calls"])
-    return {"world_size": world_size, "steps": LEDGER.steps, "byte_model": BYTE_MODEL,
-            "records": list(merged.values())}
+    return {"world_size": world_size, "steps": LEDGER.steps, "byte_model": BYTE_MODEL, "records": list(merged.values())}
 
 
 def write_report(path: str, world_size: int, rank: int):
@@ -154,8 +173,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
     return dist.all_gather_single(output, input, group=group.handle, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM,
-                   async_op: bool = False):
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.SUM, async_op: bool = False
+):
     """Reduce `input` over the group; group rank i keeps slice i (dim 0) in `output`."""
     if _skip(group):
         output.copy_(input.reshape(output.shape))
@@ -184,6 +204,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op
 @dataclass
 class Send:
     """A point-to-point send to group rank `peer` (`phase` overrides the call's in the ledger)."""
+
     tensor: torch.Tensor
     peer: int
     tag: int = 0
@@ -193,6 +214,7 @@ class Send:
 @dataclass
 class Recv:
     """A point-to-point receive from group rank `peer` into `tensor`."""
+
     tensor: torch.Tensor
     peer: int
     tag: int = 0
@@ -206,8 +228,14 @@ def p2p(ops: list[Send | Recv], group: Group, phase: str) -> list:
     p2p_ops = []
     for op in sorted(ops, key=lambda o: isinstance(o, Send)):
         if isinstance(op, Send):
-            LEDGER.add(group.role, op.phase or phase, "send", group.peer_links[op.peer], 2,
-                       op.tensor.numel() * op.tensor.element_size())
+            LEDGER.add(
+                group.role,
+                op.phase or phase,
+                "send",
+                group.peer_links[op.peer],
+                2,
+                op.tensor.numel() * op.tensor.element_size(),
+            )
         fn = dist.isend if isinstance(op, Send) else dist.irecv
         p2p_ops.append(dist.P2POp(fn, op.tensor, group=group.handle, tag=op.tag, group_peer=op.peer))
     return dist.batch_isend_irecv(p2p_ops)

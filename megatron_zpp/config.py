@@ -7,6 +7,7 @@ that follow from others and checks every section against the world size before a
 process group exists. A leaf module: what depends on the node layout is checked with the
 topology (topology.check_node_layout).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,30 +32,41 @@ class ModelConfig:
     hidden_size: int = opt(128, "--hidden-size", "model width")
     num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads (query heads)")
     num_query_groups: int | None = opt(
-        None, "--num-query-groups", "key/value heads for grouped-query attention (default: = heads)")
+        None, "--num-query-groups", "key/value heads for grouped-query attention (default: = heads)"
+    )
     ffn_hidden_size: int | None = opt(
-        None, "--ffn-hidden-size", "MLP inner width (default 4*hidden for gelu, 8/3*hidden rounded to 64 for swiglu)")
+        None, "--ffn-hidden-size", "MLP inner width (default 4*hidden for gelu, 8/3*hidden rounded to 64 for swiglu)"
+    )
     seq_length: int = opt(256, "--seq-length", "training sequence length in tokens")
     max_position_embeddings: int | None = opt(
-        None, "--max-position-embeddings", "longest position the model supports (default: seq length)")
+        None, "--max-position-embeddings", "longest position the model supports (default: seq length)"
+    )
     vocab_size: int = opt(
-        512, "--vocab-size", "vocabulary size when no tokenizer model gives one (mock data, NullTokenizer)")
+        512, "--vocab-size", "vocabulary size when no tokenizer model gives one (mock data, NullTokenizer)"
+    )
     make_vocab_size_divisible_by: int = opt(
-        128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP")
+        128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP"
+    )
     normalization: str = opt("RMSNorm", "--normalization", "norm layer", choices=["RMSNorm", "LayerNorm"])
     norm_epsilon: float = opt(1e-5, "--norm-epsilon", "epsilon of the norm layers")
     activation: str = opt("swiglu", "--activation", "MLP activation", choices=["swiglu", "gelu"])
     rotary_base: float = opt(10000.0, "--rotary-base", "RoPE base frequency")
     untie_embeddings_and_output_weights: bool = opt(
-        False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights")
+        False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
+    )
     attention_type: str = opt("softmax", "--attention-type", "token mixer of every layer", choices=["softmax", "gla"])
     softmax_attention_every: int = opt(
-        0, "--softmax-attention-every",
-        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none")
+        0,
+        "--softmax-attention-every",
+        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none",
+    )
     gla_chunk_size: int = opt(16, "--gla-chunk-size", "chunk length of the chunked GLA form")
     gla_gate_low_rank: int = opt(
-        0, "--gla-gate-low-rank", "rank of the GLA decay-gate projection x W_down W_up + b (the GLA paper uses 16); "
-        "0 = full rank (one more head-split section of the input projection)")
+        0,
+        "--gla-gate-low-rank",
+        "rank of the GLA decay-gate projection x W_down W_up + b (the GLA paper uses 16); "
+        "0 = full rank (one more head-split section of the input projection)",
+    )
     gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
     hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout after attention and MLP outputs")
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout on softmax attention probabilities")
@@ -89,22 +101,32 @@ class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size", "TP: ranks that split each layer")
     pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size", "PP: pipeline stages")
     num_layers_per_virtual_pipeline_stage: int | None = opt(
-        None, "--num-layers-per-virtual-pipeline-stage", "layers per virtual stage (interleaved 1F1B)")
+        None, "--num-layers-per-virtual-pipeline-stage", "layers per virtual stage (interleaved 1F1B)"
+    )
     decoder_first_pipeline_num_layers: int | None = opt(
-        None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage (default: even split)")
+        None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage (default: even split)"
+    )
     decoder_last_pipeline_num_layers: int | None = opt(
-        None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage (default: even split)")
+        None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage (default: even split)"
+    )
     context_parallel_size: int = opt(1, "--context-parallel-size", "CP: ranks that split each sequence")
     sequence_parallel: bool = opt(False, "--sequence-parallel", "Megatron sequence parallelism in norm/dropout regions")
-    cp_algo: str = opt("all-scan", "--cp-algo", "GLA state passing under CP: ZeCO all-scan, LASP-2 all-gather, "
-                       "LASP-1 ring (softmax layers all-gather K/V)", choices=["all-scan", "all-gather", "ring"])
+    cp_algo: str = opt(
+        "all-scan",
+        "--cp-algo",
+        "GLA state passing under CP: ZeCO all-scan, LASP-2 all-gather, LASP-1 ring (softmax layers all-gather K/V)",
+        choices=["all-scan", "all-gather", "ring"],
+    )
     all_scan_blocks: int = opt(1, "--all-scan-blocks", "All-Scan: pipeline the state in this many blocks along d_k")
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(
-        None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes")
+        None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes"
+    )
     distributed_timeout_minutes: float = opt(
-        10.0, "--distributed-timeout-minutes",
-        "a collective waiting longer than this for another rank fails the run instead of hanging (fractions allowed)")
+        10.0,
+        "--distributed-timeout-minutes",
+        "a collective waiting longer than this for another rank fails the run instead of hanging (fractions allowed)",
+    )
 
     # filled by validate()
     world_size: int = 1
@@ -115,19 +137,30 @@ class ParallelConfig:
 class ZeroConfig:
     zero_stage: int = opt(0, "--zero-stage", "ZeRO stage over the data-parallel group", choices=[0, 1, 2, 3])
     zero_quantized_weights: bool = opt(False, "--zero-quantized-weights", "qwZ: int8 block-quantized weight all-gather")
-    zero_hpz_partition_size: int = opt(1, "--zero-hpz-partition-size", "hpZ: secondary weight shard over K ranks of a node")
-    zero_quantized_gradients: bool = opt(False, "--zero-quantized-gradients", "qgZ: int4 hierarchical all-to-all gradient reduce")
-    zero_hierarchy: list[int] = opt([], "--zero-hierarchy",
-                                    "multi-level ZeRO++: data-parallel ranks per tier, innermost first (e.g. 2 4); "
-                                    "qgZ reduces tier by tier", nargs="+", type=int)
+    zero_hpz_partition_size: int = opt(
+        1, "--zero-hpz-partition-size", "hpZ: secondary weight shard over K ranks of a node"
+    )
+    zero_quantized_gradients: bool = opt(
+        False, "--zero-quantized-gradients", "qgZ: int4 hierarchical all-to-all gradient reduce"
+    )
+    zero_hierarchy: list[int] = opt(
+        [],
+        "--zero-hierarchy",
+        "multi-level ZeRO++: data-parallel ranks per tier, innermost first (e.g. 2 4); qgZ reduces tier by tier",
+        nargs="+",
+        type=int,
+    )
     zero_param_persistence: str = opt(
-        "microbatch", "--zero-param-persistence",
+        "microbatch",
+        "--zero-param-persistence",
         "ZeRO-3: free gathered weights after each micro-batch's forward and backward (least memory; 2 gathers per "
         "micro-batch), or keep them from their first gather until the optimizer step (1 gather per step; with "
         "pipelining and many micro-batches this trades ZeRO-2-like weight memory for far fewer gathers)",
-        choices=["microbatch", "step"])
-    zero_quantization_block_size: int = opt(2048, "--zero-quantization-block-size",
-                                            "elements per quantization block (one fp32 scale each) of qwZ and qgZ")
+        choices=["microbatch", "step"],
+    )
+    zero_quantization_block_size: int = opt(
+        2048, "--zero-quantization-block-size", "elements per quantization block (one fp32 scale each) of qwZ and qgZ"
+    )
 
 
 @dataclass
@@ -136,12 +169,17 @@ class OptimConfig:
     min_lr: float = opt(3e-5, "--min-lr", "learning rate at the end of decay")
     lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup iterations")
     lr_decay_iters: int | None = opt(None, "--lr-decay-iters", "iterations of decay (default: train iters)")
-    lr_decay_style: str = opt("cosine", "--lr-decay-style", "decay after warmup",
-                              choices=["constant", "linear", "cosine", "WSD"])
+    lr_decay_style: str = opt(
+        "cosine", "--lr-decay-style", "decay after warmup", choices=["constant", "linear", "cosine", "WSD"]
+    )
     lr_wsd_decay_iters: int | None = opt(
-        None, "--lr-wsd-decay-iters", "WSD: iterations of the final decay (default: a tenth of the decay iters after warmup)")
-    lr_wsd_decay_style: str = opt("linear", "--lr-wsd-decay-style", "WSD: shape of the final decay",
-                                  choices=["linear", "cosine", "exponential"])
+        None,
+        "--lr-wsd-decay-iters",
+        "WSD: iterations of the final decay (default: a tenth of the decay iters after warmup)",
+    )
+    lr_wsd_decay_style: str = opt(
+        "linear", "--lr-wsd-decay-style", "WSD: shape of the final decay", choices=["linear", "cosine", "exponential"]
+    )
     weight_decay: float = opt(0.1, "--weight-decay", "AdamW weight decay (not applied to norms and biases)")
     adam_beta1: float = opt(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = opt(0.95, "--adam-beta2", "AdamW beta2")
@@ -151,12 +189,17 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    data_path: list[str] = opt([], "--data-path", "dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...",
-                               nargs="+", type=str)
+    data_path: list[str] = opt(
+        [], "--data-path", "dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...", nargs="+", type=str
+    )
     split: str = opt("969,30,1", "--split", "train,valid,test proportions of each dataset")
     mock_data: bool = opt(False, "--mock-data", "synthetic learnable token sequences instead of --data-path")
-    tokenizer_type: str = opt("NullTokenizer", "--tokenizer-type", "tokenizer",
-                              choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    tokenizer_type: str = opt(
+        "NullTokenizer",
+        "--tokenizer-type",
+        "tokenizer",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+    )
     tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
     data_cache_path: str | None = opt(None, "--data-cache-path", "where dataset indices are cached (.npy)")
     reset_attention_mask: bool = opt(False, "--reset-attention-mask", "no attention across document boundaries")
@@ -166,7 +209,8 @@ class DataConfig:
 class TrainConfig:
     micro_batch_size: int = opt(1, "--micro-batch-size", "sequences per micro-batch per data-parallel rank")
     global_batch_size: int | None = opt(
-        None, "--global-batch-size", "sequences per step over all data-parallel ranks (default: micro x DP)")
+        None, "--global-batch-size", "sequences per step over all data-parallel ranks (default: micro x DP)"
+    )
     train_iters: int = opt(100, "--train-iters", "optimizer steps")
     eval_interval: int = opt(0, "--eval-interval", "evaluate every N steps (0 = never)")
     eval_iters: int = opt(2, "--eval-iters", "validation batches per evaluation")
@@ -176,11 +220,18 @@ class TrainConfig:
     save: str | None = opt(None, "--save", "checkpoint directory to write")
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
-    ckpt_step: int | None = opt(None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names")
-    exit_signal_handler: bool = opt(False, "--exit-signal-handler",
-                                    "on SIGTERM (preemption), finish the step, save to --save and exit")
+    ckpt_step: int | None = opt(
+        None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
+    )
+    exit_signal_handler: bool = opt(
+        False, "--exit-signal-handler", "on SIGTERM (preemption), finish the step, save to --save and exit"
+    )
     generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
-    generate_prompt: str = opt("def", "--generate-prompt", "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)")
+    generate_prompt: str = opt(
+        "def",
+        "--generate-prompt",
+        "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)",
+    )
 
 
 @dataclass
@@ -190,10 +241,12 @@ class LogConfig:
     comm_report: str | None = opt(None, "--comm-report", "JSON of communication bytes per group/phase/link")
     tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "write tensorboard scalars here")
     wandb_project: str | None = opt(None, "--wandb-project", "log to Weights & Biases under this project")
-    wandb_mode: str = opt("offline", "--wandb-mode", "W&B mode (offline unless you say so)",
-                          choices=["offline", "online", "disabled"])
+    wandb_mode: str = opt(
+        "offline", "--wandb-mode", "W&B mode (offline unless you say so)", choices=["offline", "online", "disabled"]
+    )
     peak_tflops: float | None = opt(
-        None, "--peak-tflops", "dense peak TFLOP/s per rank for MFU (default: known GPU peak, or measured CPU matmul)")
+        None, "--peak-tflops", "dense peak TFLOP/s per rank for MFU (default: known GPU peak, or measured CPU matmul)"
+    )
 
 
 @dataclass
@@ -219,9 +272,11 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
 NOT_YET = {
-    "reset_attention_mask": (lambda c: c.data.reset_attention_mask,
-                             "--reset-attention-mask (decay and attention reset at document boundaries) is not "
-                             "implemented yet: documents are packed and attend across boundaries"),
+    "reset_attention_mask": (
+        lambda c: c.data.reset_attention_mask,
+        "--reset-attention-mask (decay and attention reset at document boundaries) is not "
+        "implemented yet: documents are packed and attend across boundaries",
+    ),
 }
 
 
@@ -245,8 +300,17 @@ def validate(cfg: Config, world_size: int) -> Config:
     if len(errors) > len(_refused(cfg)):  # the checks below divide by these sizes
         raise ConfigError("\n".join(errors))
     derive(cfg, world_size)
-    for check in (_check_layout, _check_model, _check_pipeline, _check_batch, _check_checkpointing, _check_optim,
-                  _check_data, _check_zero, _check_log):
+    for check in (
+        _check_layout,
+        _check_model,
+        _check_pipeline,
+        _check_batch,
+        _check_checkpointing,
+        _check_optim,
+        _check_data,
+        _check_zero,
+        _check_log,
+    ):
         errors += check(cfg, world_size)
     if errors:
         raise ConfigError("\n".join(errors))
@@ -266,67 +330,115 @@ def derive(cfg: Config, world_size: int) -> None:
 
 
 def _refused(cfg: Config) -> list[str]:
-    return [f"{flag_of(section, name)}: {why}; leave it at its default"
-            for section in SECTIONS for name, (is_set, why) in NOT_YET.items()
-            if hasattr(getattr(cfg, section), name) and is_set(cfg)]
+    return [
+        f"{flag_of(section, name)}: {why}; leave it at its default"
+        for section in SECTIONS
+        for name, (is_set, why) in NOT_YET.items()
+        if hasattr(getattr(cfg, section), name) and is_set(cfg)
+    ]
 
 
 def _check_sizes(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    return [f"{flag} must be >= 1 (got {v})" for flag, v in [
-        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
-        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-        ("--context-parallel-size", p.context_parallel_size), ("--num-layers", m.num_layers),
-        ("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
-        ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
-        ("--train-iters", t.train_iters)] if v < 1]
+    return [
+        f"{flag} must be >= 1 (got {v})"
+        for flag, v in [
+            ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+            ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+            ("--context-parallel-size", p.context_parallel_size),
+            ("--num-layers", m.num_layers),
+            ("--hidden-size", m.hidden_size),
+            ("--num-attention-heads", m.num_attention_heads),
+            ("--seq-length", m.seq_length),
+            ("--micro-batch-size", t.micro_batch_size),
+            ("--train-iters", t.train_iters),
+        ]
+        if v < 1
+    ]
 
 
 def _check_layout(cfg: Config, world_size: int) -> list[str]:
     p = cfg.parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     model_parallel = tp * pp * cp
-    return _failed([
-        (world_size % model_parallel == 0,
-         f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-         f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
-         f"launch a multiple of {model_parallel} ranks or change the parallel sizes"),
-        (p.distributed_timeout_minutes > 0,
-         f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})"),
-        (p.ranks_per_node is None or (p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0),
-         f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}"),
-        (sorted(p.order.split("-")) == sorted(["tp", "cp", "dp", "pp"]),
-         f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp"),
-    ])
+    return _failed(
+        [
+            (
+                world_size % model_parallel == 0,
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+                f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
+                f"launch a multiple of {model_parallel} ranks or change the parallel sizes",
+            ),
+            (
+                p.distributed_timeout_minutes > 0,
+                f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})",
+            ),
+            (
+                p.ranks_per_node is None or (p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0),
+                f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}",
+            ),
+            (
+                sorted(p.order.split("-")) == sorted(["tp", "cp", "dp", "pp"]),
+                f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp",
+            ),
+        ]
+    )
 
 
 def _check_model(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    return _failed([
-        (m.hidden_size % m.num_attention_heads == 0,
-         f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}"),
-        (m.num_attention_heads % m.kv_heads == 0,
-         f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}"),
-        (m.num_attention_heads % tp == 0,
-         f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}"),
-        (m.kv_heads % tp == 0, f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}"),
-        (m.head_dim % 2 == 0, f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE"),
-        (m.ffn_size % tp == 0, f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}"),
-        (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
-        (not (m.softmax_attention_every and m.attention_type == "softmax"),
-         "--softmax-attention-every needs --attention-type gla (the other layers are GLA)"),
-        (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
-        (m.seq_length <= m.max_position_embeddings,
-         f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}"),
-        (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
-        (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0,
-         f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}"),
-        (m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,
-         f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}"),
-        (not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
-         f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}"),
-    ])
+    return _failed(
+        [
+            (
+                m.hidden_size % m.num_attention_heads == 0,
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
+            ),
+            (
+                m.num_attention_heads % m.kv_heads == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}",
+            ),
+            (
+                m.num_attention_heads % tp == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.kv_heads % tp == 0,
+                f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.head_dim % 2 == 0,
+                f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE",
+            ),
+            (
+                m.ffn_size % tp == 0,
+                f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
+            (
+                not (m.softmax_attention_every and m.attention_type == "softmax"),
+                "--softmax-attention-every needs --attention-type gla (the other layers are GLA)",
+            ),
+            (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
+            (
+                m.seq_length <= m.max_position_embeddings,
+                f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}",
+            ),
+            (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
+            (
+                p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0,
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}",
+            ),
+            (
+                m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,
+                f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
+            ),
+            (
+                not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+                f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}",
+            ),
+        ]
+    )
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
@@ -334,98 +446,167 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
     pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if vpp is not None:
-        return _failed([
-            (pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
-            (vpp >= 1 and m.num_layers % (pp * vpp) == 0,
-             f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
-             f"= {pp} x {vpp}"),
-            (first is None and last is None,
-             "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage"),
-        ])
+        return _failed(
+            [
+                (pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+                (
+                    vpp >= 1 and m.num_layers % (pp * vpp) == 0,
+                    f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
+                    f"= {pp} x {vpp}",
+                ),
+                (
+                    first is None and last is None,
+                    "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage",
+                ),
+            ]
+        )
     if first is not None or last is not None:
         fixed = (first or 0) + (last or 0)
         free = pp - (first is not None) - (last is not None)
         rest = m.num_layers - fixed
-        return _failed([
-            (pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"),
-            (rest >= 0 and (rest % free == 0 if free else rest == 0),
-             f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
-             f"the other {free} stages"),
-        ])
-    return _failed([(m.num_layers % pp == 0,
-                     f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-                     f"change one, or set --decoder-first/last-pipeline-num-layers")])
+        return _failed(
+            [
+                (pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"),
+                (
+                    rest >= 0 and (rest % free == 0 if free else rest == 0),
+                    f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
+                    f"the other {free} stages",
+                ),
+            ]
+        )
+    return _failed(
+        [
+            (
+                m.num_layers % pp == 0,
+                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                f"change one, or set --decoder-first/last-pipeline-num-layers",
+            )
+        ]
+    )
 
 
 def _check_batch(cfg: Config, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.train
     dp, pp, cp = p.data_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     per_step = t.micro_batch_size * dp
-    errors = _failed([(t.global_batch_size % per_step == 0,
-                       f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
-                       f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}")])
+    errors = _failed(
+        [
+            (
+                t.global_batch_size % per_step == 0,
+                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+                f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
+            )
+        ]
+    )
     if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
         micro = t.global_batch_size // per_step
-        errors += _failed([(micro % pp == 0,
-                            f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
-                            f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
-                            f"{pp}")])
+        errors += _failed(
+            [
+                (
+                    micro % pp == 0,
+                    f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
+                    f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
+                    f"{pp}",
+                )
+            ]
+        )
     if t.generate_tokens:
-        errors += _failed([(pp == 1 and cp == 1, "--generate-tokens needs --pipeline-model-parallel-size 1 and "
-                            "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)")])
+        errors += _failed(
+            [
+                (
+                    pp == 1 and cp == 1,
+                    "--generate-tokens needs --pipeline-model-parallel-size 1 and "
+                    "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)",
+                )
+            ]
+        )
     return errors
 
 
 def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
     t = cfg.train
-    return _failed([
-        (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
-        (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
-        (t.ckpt_step is None or t.load is not None, "--ckpt-step needs --load DIR (which checkpoints to choose from)"),
-        (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
-    ])
+    return _failed(
+        [
+            (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
+            (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
+            (
+                t.ckpt_step is None or t.load is not None,
+                "--ckpt-step needs --load DIR (which checkpoints to choose from)",
+            ),
+            (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
+        ]
+    )
 
 
 def _check_optim(cfg: Config, world_size: int) -> list[str]:
     o = cfg.optim
-    return _failed([(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
-                    (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")])
+    return _failed(
+        [
+            (0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
+            (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
+        ]
+    )
 
 
 def _check_data(cfg: Config, world_size: int) -> list[str]:
     d = cfg.data
     parts = d.split.replace("/", ",").split(",")
-    return _failed([
-        (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
-        (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
-        (d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,
-         f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model"),
-        (all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
-         f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1"),
-    ])
+    return _failed(
+        [
+            (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
+            (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
+            (
+                d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,
+                f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model",
+            ),
+            (
+                all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
+                f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
+            ),
+        ]
+    )
 
 
 def _check_zero(cfg: Config, world_size: int) -> list[str]:
     z = cfg.zero
     zero_group = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # replicas of each weight
     hpz, tiers = z.zero_hpz_partition_size, z.zero_hierarchy
-    zpp = [f for f, on in [("--zero-param-persistence step", z.zero_param_persistence == "step"),
-                           ("--zero-quantized-weights", z.zero_quantized_weights),
-                           ("--zero-hpz-partition-size", hpz > 1),
-                           ("--zero-quantized-gradients", z.zero_quantized_gradients),
-                           ("--zero-hierarchy", bool(tiers))] if on]
-    return _failed([
-        (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
-        (z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
-         "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)"),
-        *[(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3") for flag in zpp],
-        (hpz <= 1 or zero_group % hpz == 0, f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
-         f"(data parallel x context parallel = {zero_group})"),
-        (not tiers or (all(b % a == 0 for a, b in zip(tiers, tiers[1:])) and all(t >= 1 for t in tiers)
-                       and all(zero_group % t == 0 for t in tiers)),
-         f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
-         f"size {zero_group}"),
-    ])
+    zpp = [
+        f
+        for f, on in [
+            ("--zero-param-persistence step", z.zero_param_persistence == "step"),
+            ("--zero-quantized-weights", z.zero_quantized_weights),
+            ("--zero-hpz-partition-size", hpz > 1),
+            ("--zero-quantized-gradients", z.zero_quantized_gradients),
+            ("--zero-hierarchy", bool(tiers)),
+        ]
+        if on
+    ]
+    return _failed(
+        [
+            (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
+            (
+                z.zero_quantization_block_size >= 2 and z.zero_quantization_block_size % 2 == 0,
+                "--zero-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)",
+            ),
+            *[(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3") for flag in zpp],
+            (
+                hpz <= 1 or zero_group % hpz == 0,
+                f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
+                f"(data parallel x context parallel = {zero_group})",
+            ),
+            (
+                not tiers
+                or (
+                    all(b % a == 0 for a, b in zip(tiers, tiers[1:]))
+                    and all(t >= 1 for t in tiers)
+                    and all(zero_group % t == 0 for t in tiers)
+                ),
+                f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
+                f"size {zero_group}",
+            ),
+        ]
+    )
 
 
 def _check_log(cfg: Config, world_size: int) -> list[str]:

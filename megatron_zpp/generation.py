@@ -6,15 +6,22 @@ context), shared by tools/generate.py (a consolidated single-rank model) and tra
 
 `next_logits(ids)` returns the 1-D logits of the token after `ids`, restricted to the real
 vocabulary (padding rows are never sampled)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 
-def next_token(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None = None) -> int:
+def next_token(
+    logits: torch.Tensor,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None = None,
+) -> int:
     """One token id from 1-D logits."""
     if greedy or temperature <= 0:
         return int(logits.argmax())
@@ -31,9 +38,17 @@ def next_token(logits: torch.Tensor, greedy: bool, temperature: float, top_k: in
 
 
 @torch.no_grad()
-def generate(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: list[int], max_new_tokens: int,
-             greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             eod: int | None = None, seed: int = 0) -> list[int]:
+def generate(
+    next_logits: Callable[[list[int]], torch.Tensor],
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eod: int | None = None,
+    seed: int = 0,
+) -> list[int]:
     """New token ids after `prompt_ids` (stops early at `eod` when given)."""
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
@@ -42,4 +57,4 @@ def generate(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: list[
         ids.append(tok)
         if eod is not None and tok == eod:
             break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]

@@ -1,5 +1,6 @@
 """Where metrics go: the console, a JSONL file, tensorboard and W&B (offline unless the
 user asks otherwise). One rank logs; the others are silent."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,11 @@ class MetricsSink:
             self.jsonl.writelines(kept)
         if log_cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(log_cfg.tensorboard_dir)
         if log_cfg.wandb_project and log_cfg.wandb_mode != "disabled":
             import wandb
+
             self.wandb = wandb.init(project=log_cfg.wandb_project, mode=log_cfg.wandb_mode, config=config_dict)
 
     def write(self, metrics: dict, step: int) -> None:

@@ -5,6 +5,7 @@ FLOPs are model FLOPs (no recomputation), forward + backward = 3 x forward: ever
 weight (output layer included, embedding lookup excluded) costs 2 FLOPs per token
 forward; causal softmax attention 2*T*width per token (QK^T and AV, half of the full
 square); GLA in the chunked form ~2*width*(C + 2*head_dim) per token (C = chunk)."""
+
 from __future__ import annotations
 
 import resource
@@ -58,7 +59,7 @@ def measured_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 10
             a @ b
         if device.type != "cpu":
             torch.get_device_module(device).synchronize(device)
-        best = max(best, 2 * 2 * n ** 3 / (time.perf_counter() - start) / 1e12)
+        best = max(best, 2 * 2 * n**3 / (time.perf_counter() - start) / 1e12)
     return best
 
 

@@ -11,6 +11,7 @@ Link classes name the slowest link a group spans: the innermost physical domain 
 holds all its members ("intra_node" for a node), else "inter_node". Sub-node tiers
 (e.g. GCD pairs on Frontier) add inner domains named "tier0", "tier1", ...
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,9 +24,9 @@ AXES = ("tp", "cp", "dp", "pp")
 
 # Groups spanning several axes, named as Megatron names them.
 COMPOSITE = {
-    "dp_cp": ("dp", "cp"),        # weights replicated over DP and CP reduce their grads here
+    "dp_cp": ("dp", "cp"),  # weights replicated over DP and CP reduce their grads here
     "tp_cp": ("tp", "cp"),
-    "mp": ("tp", "pp"),           # model-parallel: one model replica's shards (per CP rank)
+    "mp": ("tp", "pp"),  # model-parallel: one model replica's shards (per CP rank)
     "tp_pp_cp": ("tp", "cp", "pp"),
 }
 
@@ -33,10 +34,11 @@ COMPOSITE = {
 @dataclass(frozen=True)
 class Group:
     """One process group as a layer sees it."""
-    role: str                     # tp, cp, dp, pp, dp_cp, embedding, dp_intra, ...
-    ranks: tuple[int, ...]        # global ranks, in group-rank order
-    rank: int                     # this process's index in `ranks`
-    link: str                     # slowest link class inside the group
+
+    role: str  # tp, cp, dp, pp, dp_cp, embedding, dp_intra, ...
+    ranks: tuple[int, ...]  # global ranks, in group-rank order
+    rank: int  # this process's index in `ranks`
+    link: str  # slowest link class inside the group
     peer_links: tuple[str, ...] = ()  # link class from this rank to each member (for p2p)
     handle: object = field(default=None, compare=False, repr=False)  # torch ProcessGroup; None if size 1
 
@@ -51,10 +53,23 @@ class Group:
 class Topology:
     """Arithmetic of the grid; no torch.distributed here."""
 
-    def __init__(self, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, order: str = "tp-cp-dp-pp",
-                 ranks_per_node: int | None = None, sub_node_tiers: tuple[int, ...] = ()):
-        for name, v in [("world size", world_size), ("tp", tp), ("cp", cp), ("pp", pp),
-                        ("ranks per node", 1 if ranks_per_node is None else ranks_per_node)] + [("tier", t) for t in sub_node_tiers]:
+    def __init__(
+        self,
+        world_size: int,
+        tp: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        order: str = "tp-cp-dp-pp",
+        ranks_per_node: int | None = None,
+        sub_node_tiers: tuple[int, ...] = (),
+    ):
+        for name, v in [
+            ("world size", world_size),
+            ("tp", tp),
+            ("cp", cp),
+            ("pp", pp),
+            ("ranks per node", 1 if ranks_per_node is None else ranks_per_node),
+        ] + [("tier", t) for t in sub_node_tiers]:
             if v < 1:
                 raise ValueError(f"{name} must be >= 1 (got {v})")
         if world_size % (tp * cp * pp):
@@ -64,8 +79,9 @@ class Topology:
         self.order = tuple(order.split("-"))
         if sorted(self.order) != sorted(AXES):
             raise ValueError(f"order {order!r} must name each of {AXES} once")
-        self.ranks_per_node = ranks_per_node if ranks_per_node is not None else int(
-            os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.ranks_per_node = (
+            ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        )
         if world_size % self.ranks_per_node:
             raise ValueError(f"world size {world_size} is not a multiple of ranks per node {self.ranks_per_node}")
         # physical domains, innermost first: (name, span in consecutive global ranks)
@@ -132,8 +148,10 @@ class Topology:
                 by_node.setdefault(self.node_of(r), []).append(r)
             counts = {len(v) for v in by_node.values()}
             if len(counts) != 1:
-                raise ValueError(f"DP group {dp_group} is spread unevenly over nodes ({by_node}); "
-                                 "hierarchical DP needs the same number of its ranks on every node")
+                raise ValueError(
+                    f"DP group {dp_group} is spread unevenly over nodes ({by_node}); "
+                    "hierarchical DP needs the same number of its ranks on every node"
+                )
             nodes = sorted(by_node)
             intra += [by_node[n] for n in nodes]
             inter += [[by_node[n][i] for n in nodes] for i in range(counts.pop())]
@@ -165,11 +183,16 @@ class Topology:
 
     def zero_ranks_per_node(self) -> int:
         """Members of a ZeRO group (DP x CP) on one node; raises if nodes hold unequal shares."""
-        counts = {sum(1 for r in g if self.node_of(r) == node) for g in self.groups(["dp", "cp"])
-                  for node in {self.node_of(r) for r in g}}
+        counts = {
+            sum(1 for r in g if self.node_of(r) == node)
+            for g in self.groups(["dp", "cp"])
+            for node in {self.node_of(r) for r in g}
+        }
         if len(counts) != 1:
-            raise ValueError("the ZeRO group (DP x CP) is spread unevenly over nodes; hierarchical ZeRO++ needs "
-                             "the same number of its ranks on every node (check --ranks-per-node and the order)")
+            raise ValueError(
+                "the ZeRO group (DP x CP) is spread unevenly over nodes; hierarchical ZeRO++ needs "
+                "the same number of its ranks on every node (check --ranks-per-node and the order)"
+            )
         return counts.pop()
 
     def all_group_kinds(self, dp_tiers: list[int] | None = None, hpz: int = 1) -> dict[str, list[list[int]]]:
@@ -221,8 +244,9 @@ class ProcessGroups:
         return self.pp_rank == self.topo.sizes["pp"] - 1
 
 
-def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, hpz: int = 1,
-                 backend: str | None = None, timeout=None) -> ProcessGroups:
+def build_groups(
+    topo: Topology, rank: int, dp_tiers: list[int] | None = None, hpz: int = 1, backend: str | None = None, timeout=None
+) -> ProcessGroups:
     """Create every process group (collective: all ranks call this identically). `timeout`
     (a timedelta) bounds each collective's wait; None is torch's default (30 min on gloo)."""
     import torch.distributed as dist
@@ -235,8 +259,14 @@ def build_groups(topo: Topology, rank: int, dp_tiers: list[int] | None = None, h
             if len(key) > 1 and key not in created and dist.is_initialized():
                 created[key] = dist.new_group(list(key), backend=backend, timeout=timeout)
             if rank in key:
-                mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key),
-                                   tuple(topo.link_class([rank, r]) for r in key), created.get(key))
+                mine[kind] = Group(
+                    kind,
+                    key,
+                    key.index(rank),
+                    topo.link_class(key),
+                    tuple(topo.link_class([rank, r]) for r in key),
+                    created.get(key),
+                )
     return ProcessGroups(topo, rank, mine)
 
 
@@ -252,8 +282,15 @@ def topology_from_config(cfg: Config, world_size: int | None = None, ranks_per_n
     rpn = ranks_per_node or p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     stride = p.tensor_model_parallel_size if p.order.startswith("tp-") else 1  # global ranks between ZeRO peers
     sub_node = tuple(t * stride for t in cfg.zero.zero_hierarchy if t * stride < rpn and rpn % (t * stride) == 0)
-    return Topology(world, tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                    pp=p.pipeline_model_parallel_size, order=p.order, ranks_per_node=rpn, sub_node_tiers=sub_node)
+    return Topology(
+        world,
+        tp=p.tensor_model_parallel_size,
+        cp=p.context_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        order=p.order,
+        ranks_per_node=rpn,
+        sub_node_tiers=sub_node,
+    )
 
 
 def qgz_tiers(cfg: Config, topo: Topology) -> list[int]:
@@ -283,5 +320,7 @@ def check_node_layout(cfg: Config) -> None:
     if z.zero_hpz_partition_size > 1:
         spans = {topo.link_class(g) for g in topo.dp_tier_groups([z.zero_hpz_partition_size])[0]}
         if "inter_node" in spans:
-            raise ConfigError(f"--zero-hpz-partition-size {z.zero_hpz_partition_size} spans nodes: the ZeRO group "
-                              f"has {per_node} ranks per node; use a size that divides {per_node}")
+            raise ConfigError(
+                f"--zero-hpz-partition-size {z.zero_hpz_partition_size} spans nodes: the ZeRO group "
+                f"has {per_node} ranks per node; use a size that divides {per_node}"
+            )

@@ -1,6 +1,7 @@
 """Make the repository root importable (the package is not installed in the venv).
 
 Spawned ranks (tests/dist.py) inherit this sys.path, so they import the same code."""
+
 import os
 import sys
 

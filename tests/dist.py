@@ -11,6 +11,7 @@ Fault tests: init_group=False leaves creating the process group to fn (e.g. thro
 training.setup, with its --distributed-timeout-minutes); keep_failures=True waits for
 every rank and returns a RankFailure in place of each failed rank's result.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -36,12 +37,19 @@ def free_port() -> int:
 class RankFailure:
     """In place of a failed rank's result (keep_failures=True): its traceback, or how its
     process ended."""
+
     message: str
 
 
 def _worker(rank, world_size, port, env, fn, args, queue, init_group):
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     faulthandler.enable()  # a crash in native code prints its Python stack instead of vanishing
@@ -57,13 +65,22 @@ def _worker(rank, world_size, port, env, fn, args, queue, init_group):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180, env: dict | None = None,
-                    init_group: bool = True, keep_failures: bool = False) -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180,
+    env: dict | None = None,
+    init_group: bool = True,
+    keep_failures: bool = False,
+) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env or {}, fn, args, queue, init_group),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, env or {}, fn, args, queue, init_group), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     finished: dict[int, tuple[bool, object]] = {}  # rank -> (ok, result or failure text)
@@ -84,8 +101,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, env: dict 
                     finished[r] = (False, f"process exited with code {code} without a result (see its stderr above)")
                 if not ended and time.monotonic() > deadline:
                     done = sorted(r for r, (ok, _) in finished.items() if ok)
-                    raise TimeoutError(f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s "
-                                       f"(ranks done: {done})") from None
+                    raise TimeoutError(
+                        f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s (ranks done: {done})"
+                    ) from None
                 continue
             finished.setdefault(rank, (ok, value))  # a failure after the result (the final barrier) is moot
     finally:

@@ -5,6 +5,7 @@ Each multi-rank run records, per operation, this rank's result and a snapshot of
 ledger (reset before the operation); the tests below check both against values computed
 here. Two runs in all (2 and 4 ranks), so the module stays fast.
 """
+
 import json
 import os
 
@@ -14,13 +15,13 @@ import torch
 from megatron_zpp import comm
 from megatron_zpp.comm import CommLedger, model_bytes
 from megatron_zpp.topology import Topology, build_groups
-
 from tests.dist import run_distributed
 
 F32 = 4  # bytes per element
 
 
 # ------------------------------------------------------------------ closed forms, stated
+
 
 def ring_all_reduce(n, B):
     return 2 * (n - 1) / n * B
@@ -31,6 +32,7 @@ def ring_fraction(n, B):  # all-gather (B_out), reduce-scatter (B_in), all-to-al
 
 
 # ------------------------------------------------------------------ in-rank driver
+
 
 def _snap():
     """The ledger as plain data: {(role, phase, op, link): (bytes, gloo_bytes, calls)}."""
@@ -105,9 +107,16 @@ def _comm_2ranks(rank, world_size):
     comm.LEDGER.reset()
     a, b = torch.empty(2), torch.empty(3)
     peer = 1 - g.dp.rank
-    for r in comm.p2p([comm.Send(torch.full((2,), 10.0 + rank), peer, 5, "act"),
-                       comm.Send(torch.full((3,), 20.0 + rank), peer, 6),
-                       comm.Recv(b, peer, 6), comm.Recv(a, peer, 5)], g.dp, "grad"):
+    for r in comm.p2p(
+        [
+            comm.Send(torch.full((2,), 10.0 + rank), peer, 5, "act"),
+            comm.Send(torch.full((3,), 20.0 + rank), peer, 6),
+            comm.Recv(b, peer, 6),
+            comm.Recv(a, peer, 5),
+        ],
+        g.dp,
+        "grad",
+    ):
         r.wait()
     res["tagged"] = (a.tolist(), b.tolist(), _snap())
     return res
@@ -119,8 +128,11 @@ def _comm_4ranks(rank, world_size, report_dir):
     g = build_groups(Topology(world_size, tp=2, ranks_per_node=2), rank)
     # flat DP over all 4 ranks (inter_node), whose p2p peers are on either node
     flat = build_groups(Topology(world_size, ranks_per_node=2), rank)
-    res = {"tp": _exercise(g.tp, rank, "bwd"), "dp": _exercise(g.dp, rank, "bwd"),
-           "world": _exercise(flat.dp, rank, "fwd")}
+    res = {
+        "tp": _exercise(g.tp, rank, "bwd"),
+        "dp": _exercise(g.dp, rank, "bwd"),
+        "world": _exercise(flat.dp, rank, "fwd"),
+    }
     res["groups"] = {"tp": list(g.tp.ranks), "dp": list(g.dp.ranks), "world": list(flat.dp.ranks)}
 
     # a report over two steps: all-reduce 1 KiB over all ranks twice, and a p2p ring twice
@@ -128,8 +140,9 @@ def _comm_4ranks(rank, world_size, report_dir):
     for _ in range(2):
         comm.all_reduce(torch.zeros(256), flat.dp, "grad")
         recv = torch.empty(64)
-        for r in comm.p2p([comm.Send(torch.zeros(64), (rank + 1) % 4), comm.Recv(recv, (rank - 1) % 4)],
-                          flat.dp, "act"):
+        for r in comm.p2p(
+            [comm.Send(torch.zeros(64), (rank + 1) % 4), comm.Recv(recv, (rank - 1) % 4)], flat.dp, "act"
+        ):
             r.wait()
         comm.LEDGER.step()
     res["total_all"] = comm.LEDGER.total()
@@ -156,6 +169,7 @@ def four_ranks(report_dir):
 
 
 # ------------------------------------------------------------------ expected results
+
 
 def expected(op, ranks, me):
     """The result group rank `me` should hold, computed from the inputs in _exercise."""
@@ -233,6 +247,7 @@ def check_run(results, role_key, role, phase, link):
 
 # ------------------------------------------------------------------ 2 ranks
 
+
 def test_two_ranks_groups(two_ranks):
     assert [r["groups"]["dp"] for r in two_ranks] == [[0, 1], [0, 1]]
     assert [r["groups"]["pp"] for r in two_ranks] == [[0], [1]]
@@ -259,8 +274,10 @@ def test_p2p_tags_and_phase_override(two_ranks):
         a, b, ledger = res["tagged"]
         assert a == [10.0 + (1 - rank)] * 2
         assert b == [20.0 + (1 - rank)] * 3
-        assert ledger == {("dp", "act", "send", "intra_node"): (8.0, 8.0, 1),
-                          ("dp", "grad", "send", "intra_node"): (12.0, 12.0, 1)}
+        assert ledger == {
+            ("dp", "act", "send", "intra_node"): (8.0, 8.0, 1),
+            ("dp", "grad", "send", "intra_node"): (12.0, 12.0, 1),
+        }
 
 
 def test_size1_group_copies_and_records_nothing(two_ranks):
@@ -276,6 +293,7 @@ def test_size1_group_copies_and_records_nothing(two_ranks):
 
 
 # ------------------------------------------------------------------ 4 ranks, two emulated nodes
+
 
 def test_four_ranks_groups(four_ranks):
     assert [r["groups"]["tp"] for r in four_ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -322,11 +340,22 @@ def test_gather_report_shape_and_values(four_ranks):
     assert rep["world_size"] == 4 and rep["steps"] == 2
     assert isinstance(rep["byte_model"], str)
     recs = {(r["role"], r["phase"], r["op"], r["link"]): r for r in rep["records"]}
-    assert set(recs) == {("dp", "grad", "all_reduce", "inter_node"), ("dp", "act", "send", "intra_node"),
-                         ("dp", "act", "send", "inter_node")}
+    assert set(recs) == {
+        ("dp", "grad", "all_reduce", "inter_node"),
+        ("dp", "act", "send", "intra_node"),
+        ("dp", "act", "send", "inter_node"),
+    }
     for r in rep["records"]:
-        assert {"role", "phase", "op", "link", "bytes_per_rank_per_step", "gloo_bytes_per_rank_per_step",
-                "max_rank_bytes_per_step", "calls_per_step"} <= set(r)
+        assert {
+            "role",
+            "phase",
+            "op",
+            "link",
+            "bytes_per_rank_per_step",
+            "gloo_bytes_per_rank_per_step",
+            "max_rank_bytes_per_step",
+            "calls_per_step",
+        } <= set(r)
     ar = recs[("dp", "grad", "all_reduce", "inter_node")]
     assert ar["bytes_per_rank_per_step"] == pytest.approx(1536.0)
     assert ar["gloo_bytes_per_rank_per_step"] == pytest.approx(1536.0)
@@ -352,6 +381,7 @@ def test_write_report_on_rank0_only(four_ranks, report_dir):
 
 # ------------------------------------------------------------------ ledger, in process
 
+
 def test_model_bytes_closed_forms():
     assert model_bytes("all_reduce", 4, 1000) == 1500.0
     assert model_bytes("all_reduce", 2, 1000) == 1000.0
@@ -366,10 +396,10 @@ def test_model_bytes_closed_forms():
 
 def test_ledger_add_total_step_reset():
     led = CommLedger()
-    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400)   # 300 B, gloo 600 B
+    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400)  # 300 B, gloo 600 B
     led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400)
-    led.add("tp", "fwd", "all_reduce", "intra_node", 2, 100)       # 100 B
-    led.add("pp", "fwd", "send", "inter_node", 2, 50)              # 50 B
+    led.add("tp", "fwd", "all_reduce", "intra_node", 2, 100)  # 100 B
+    led.add("pp", "fwd", "send", "inter_node", 2, 50)  # 50 B
     assert led.total() == 750.0
     assert led.total(role="dp") == 600.0
     assert led.total(link="inter_node") == 650.0
@@ -396,9 +426,18 @@ def test_gather_report_single_process(tmp_path):
         comm.LEDGER.step()
         rep = comm.gather_report(1)
         assert rep["world_size"] == 1 and rep["steps"] == 1
-        assert rep["records"] == [{"role": "dp", "phase": "grad", "op": "all_reduce", "link": "intra_node",
-                                   "bytes_per_rank_per_step": 64.0, "gloo_bytes_per_rank_per_step": 64.0,
-                                   "max_rank_bytes_per_step": 64.0, "calls_per_step": 1.0}]
+        assert rep["records"] == [
+            {
+                "role": "dp",
+                "phase": "grad",
+                "op": "all_reduce",
+                "link": "intra_node",
+                "bytes_per_rank_per_step": 64.0,
+                "gloo_bytes_per_rank_per_step": 64.0,
+                "max_rank_bytes_per_step": 64.0,
+                "calls_per_step": 1.0,
+            }
+        ]
         path = tmp_path / "r.json"
         comm.write_report(str(path), 1, 0)
         assert json.loads(path.read_text())["records"] == rep["records"]

@@ -1,5 +1,6 @@
 """megatron_zpp/config.py and megatron_zpp/arguments.py: validation errors name the flag
 to change, derived values, Megatron flags, YAML files, and the CLI's error exit."""
+
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ def line_with(lines: list[str], text: str) -> str:
 
 # ------------------------------------------------------------------ valid configs, derived values
 
+
 def test_defaults_with_mock_data_validate():
     cfg = make()
     assert validate(cfg, 1) is cfg
@@ -46,7 +48,7 @@ def test_derived_values_filled():
     cfg = validate(make(train__micro_batch_size=2, model__seq_length=128), 4)
     assert cfg.parallel.world_size == 4
     assert cfg.parallel.data_parallel_size == 4
-    assert cfg.train.global_batch_size == 8          # micro x DP
+    assert cfg.train.global_batch_size == 8  # micro x DP
     assert cfg.model.max_position_embeddings == 128  # = seq length
     assert cfg.num_micro_batches == 1
 
@@ -64,25 +66,48 @@ def test_explicit_global_batch_and_positions_kept():
 ERROR_CASES = [
     (dict(model__hidden_size=128, model__num_attention_heads=3), 1, ["--num-attention-heads", "--hidden-size"]),
     (dict(model__num_attention_heads=4, model__num_query_groups=3), 1, ["--num-query-groups"]),
-    (dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=2), 4,
-     ["--num-attention-heads", "--tensor-model-parallel-size"]),
-    (dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=8, model__num_query_groups=2), 4,
-     ["--num-query-groups", "--tensor-model-parallel-size"]),
+    (
+        dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=2),
+        4,
+        ["--num-attention-heads", "--tensor-model-parallel-size"],
+    ),
+    (
+        dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=8, model__num_query_groups=2),
+        4,
+        ["--num-query-groups", "--tensor-model-parallel-size"],
+    ),
     (dict(parallel__tensor_model_parallel_size=4, model__ffn_hidden_size=130), 4, ["--ffn-hidden-size"]),
-    (dict(parallel__pipeline_model_parallel_size=3, model__num_layers=4), 3,
-     ["--num-layers", "--pipeline-model-parallel-size"]),
-    (dict(parallel__pipeline_model_parallel_size=2, parallel__num_layers_per_virtual_pipeline_stage=3,
-          model__num_layers=4), 2, ["--num-layers", "--num-layers-per-virtual-pipeline-stage"]),
+    (
+        dict(parallel__pipeline_model_parallel_size=3, model__num_layers=4),
+        3,
+        ["--num-layers", "--pipeline-model-parallel-size"],
+    ),
+    (
+        dict(
+            parallel__pipeline_model_parallel_size=2,
+            parallel__num_layers_per_virtual_pipeline_stage=3,
+            model__num_layers=4,
+        ),
+        2,
+        ["--num-layers", "--num-layers-per-virtual-pipeline-stage"],
+    ),
     (dict(train__micro_batch_size=2, train__global_batch_size=6), 4, ["--global-batch-size", "--micro-batch-size"]),
     (dict(parallel__num_layers_per_virtual_pipeline_stage=1), 1, ["--num-layers-per-virtual-pipeline-stage"]),
-    (dict(parallel__pipeline_model_parallel_size=3, parallel__decoder_first_pipeline_num_layers=1,
-          model__num_layers=4), 3, ["--num-layers"]),
-    (dict(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True, model__seq_length=66), 4,
-     ["--sequence-parallel"]),
+    (
+        dict(
+            parallel__pipeline_model_parallel_size=3, parallel__decoder_first_pipeline_num_layers=1, model__num_layers=4
+        ),
+        3,
+        ["--num-layers"],
+    ),
+    (
+        dict(parallel__tensor_model_parallel_size=4, parallel__sequence_parallel=True, model__seq_length=66),
+        4,
+        ["--sequence-parallel"],
+    ),
     (dict(parallel__context_parallel_size=3, model__seq_length=256), 3, ["--seq-length", "--context-parallel-size"]),
     (dict(model__attention_type="gla", model__seq_length=100, model__gla_chunk_size=16), 1, ["--gla-chunk-size"]),
-    (dict(model__seq_length=512, model__max_position_embeddings=256), 1,
-     ["--seq-length", "--max-position-embeddings"]),
+    (dict(model__seq_length=512, model__max_position_embeddings=256), 1, ["--seq-length", "--max-position-embeddings"]),
     (dict(model__softmax_attention_every=2), 1, ["--softmax-attention-every", "--attention-type"]),
     (dict(parallel__order="tp-dp-pp"), 1, ["--parallel-order"]),
     (dict(parallel__order="tp-cp-ep-dp-pp"), 1, ["--parallel-order"]),
@@ -96,8 +121,9 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("settings,world,flags", ERROR_CASES,
-                         ids=[f"{i}:{'+'.join(sorted(c[0]))}" for i, c in enumerate(ERROR_CASES)])
+@pytest.mark.parametrize(
+    "settings,world,flags", ERROR_CASES, ids=[f"{i}:{'+'.join(sorted(c[0]))}" for i, c in enumerate(ERROR_CASES)]
+)
 def test_error_names_flags(settings, world, flags):
     # the layout check itself, not the "not implemented yet" line of the same flag
     lines = [ln for ln in errors_of(make(**settings), world) if "not implemented yet" not in ln]
@@ -105,10 +131,15 @@ def test_error_names_flags(settings, world, flags):
         assert any(flag in ln for ln in lines), (flag, lines)
 
 
-@pytest.mark.parametrize("name,flag", [
-    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"), ("num_attention_heads", "--num-attention-heads"),
-    ("seq_length", "--seq-length"),
-])
+@pytest.mark.parametrize(
+    "name,flag",
+    [
+        ("num_layers", "--num-layers"),
+        ("hidden_size", "--hidden-size"),
+        ("num_attention_heads", "--num-attention-heads"),
+        ("seq_length", "--seq-length"),
+    ],
+)
 def test_non_positive_model_sizes(name, flag):
     lines = errors_of(make(**{f"model__{name}": 0}))
     assert line_with(lines, flag).endswith("must be >= 1 (got 0)")
@@ -126,8 +157,9 @@ def test_world_not_divisible_names_parallel_flags():
     lines = errors_of(make(parallel__tensor_model_parallel_size=2), 3)
     line = line_with(lines, "world size 3")
     assert "not divisible" in line
-    assert any(f in line for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                                   "--context-parallel-size")), line
+    assert any(
+        f in line for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")
+    ), line
 
 
 def test_odd_head_dim_names_flags():
@@ -170,8 +202,13 @@ def test_not_yet_implemented_flags_refused(name):
 
 
 def test_multiple_problems_reported_together():
-    cfg = make(model__num_attention_heads=3, train__global_batch_size=5, parallel__order="tp-dp",
-               data__mock_data=False, optim__min_lr=1.0)
+    cfg = make(
+        model__num_attention_heads=3,
+        train__global_batch_size=5,
+        parallel__order="tp-dp",
+        data__mock_data=False,
+        optim__min_lr=1.0,
+    )
     lines = errors_of(cfg, 2)
     for flag in ("--num-attention-heads", "--global-batch-size", "--parallel-order", "--data-path", "--min-lr"):
         line_with(lines, flag)
@@ -199,15 +236,39 @@ def test_checkpoint_flags_need_their_directory():
 
 # ------------------------------------------------------------------ command line
 
+
 def test_parse_args_empty_is_defaults():
     assert parse_args([]) == Config()
 
 
 def test_parse_args_megatron_flags():
-    cfg = parse_args(["--num-layers", "6", "--hidden-size", "256", "--num-attention-heads", "8",
-                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                      "--micro-batch-size", "4", "--global-batch-size", "64", "--lr", "1e-3",
-                      "--parallel-order", "tp-dp-cp-pp", "--zero-hierarchy", "2", "4", "--normalization", "LayerNorm"])
+    cfg = parse_args(
+        [
+            "--num-layers",
+            "6",
+            "--hidden-size",
+            "256",
+            "--num-attention-heads",
+            "8",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "64",
+            "--lr",
+            "1e-3",
+            "--parallel-order",
+            "tp-dp-cp-pp",
+            "--zero-hierarchy",
+            "2",
+            "4",
+            "--normalization",
+            "LayerNorm",
+        ]
+    )
     assert cfg.model.num_layers == 6 and isinstance(cfg.model.num_layers, int)
     assert cfg.model.hidden_size == 256 and cfg.model.num_attention_heads == 8
     assert cfg.parallel.tensor_model_parallel_size == 2
@@ -238,8 +299,9 @@ def test_data_path_with_weights_is_a_list():
     assert parse_args(["--data-path", "/d/a"]).data.data_path == ["/d/a"]
 
 
-@pytest.mark.parametrize("argv", [["--normalization", "BatchNorm"], ["--num-layers", "six"], ["--no-such-flag"],
-                                  ["--zero-stage", "4"]])
+@pytest.mark.parametrize(
+    "argv", [["--normalization", "BatchNorm"], ["--num-layers", "six"], ["--no-such-flag"], ["--zero-stage", "4"]]
+)
 def test_bad_cli_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
@@ -249,6 +311,7 @@ def test_bad_cli_values_exit_2(argv, capsys):
 
 # ------------------------------------------------------------------ YAML
 
+
 def write(tmp_path, text, name="c.yaml"):
     path = tmp_path / name
     path.write_text(text)
@@ -256,7 +319,9 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_yaml_nested_by_section(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 model:
   num-layers: 6
   hidden_size: 256
@@ -268,7 +333,8 @@ train:
   micro_batch_size: 2
 data:
   data-path: [0.5, /d/a, 0.5, /d/b]
-""")
+""",
+    )
     cfg = parse_args(["--config", path])
     assert cfg.model.num_layers == 6 and cfg.model.hidden_size == 256
     assert cfg.parallel.tensor_model_parallel_size == 2
@@ -288,8 +354,8 @@ def test_yaml_flat_dash_and_underscore_keys(tmp_path):
 def test_cli_overrides_yaml(tmp_path):
     path = write(tmp_path, "model:\n  num_layers: 6\n  hidden_size: 256\n  activation: gelu\ntrain:\n  bf16: true\n")
     cfg = parse_args(["--config", path, "--num-layers", "8", "--no-bf16", "--swiglu"])
-    assert cfg.model.num_layers == 8          # CLI wins
-    assert cfg.model.hidden_size == 256       # YAML kept where the CLI is silent
+    assert cfg.model.num_layers == 8  # CLI wins
+    assert cfg.model.hidden_size == 256  # YAML kept where the CLI is silent
     assert cfg.train.bf16 is False
     assert cfg.model.activation == "swiglu"
     # flag before --config: still overrides
@@ -344,10 +410,17 @@ def test_yaml_choices_checked(tmp_path):
 
 # ------------------------------------------------------------------ the entry point
 
+
 def test_pretrain_gpt_config_error_exits_2_without_traceback():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "pretrain_gpt.py", "--mock-data", "--num-attention-heads", "3"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--mock-data", "--num-attention-heads", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]

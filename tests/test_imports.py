@@ -1,6 +1,7 @@
 """The package's layering, read from the source with `ast`: every import statement counts,
 function-local ones included, and importing a.b.c also runs the package a.b (its
 __init__), so that edge counts too."""
+
 import ast
 import os
 
@@ -26,7 +27,7 @@ def _imported(node: ast.AST, importer: str, is_package: bool) -> list[str]:
         return [a.name for a in node.names]
     if node.level:  # relative: from the importer's package, one level up per extra dot
         base = importer.split(".") if is_package else importer.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module
@@ -59,7 +60,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (found := visit(n)):
                 return found
         path.pop()
@@ -82,12 +83,16 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_reader_sees_local_relative_absolute_and_package_imports():
-    mods = {"p": ("", True), "p.a": ("def f():\n    from .b import g\n", False),
-            "p.b": ("import p.c.d\n", False), "p.c": ("from . import d\n", True),
-            "p.c.d": ("from ..a import f\n", False)}
+    mods = {
+        "p": ("", True),
+        "p.a": ("def f():\n    from .b import g\n", False),
+        "p.b": ("import p.c.d\n", False),
+        "p.c": ("from . import d\n", True),
+        "p.c.d": ("from ..a import f\n", False),
+    }
     graph = import_graph(mods)
-    assert graph["p.a"] == {"p.b"}                  # function-local, relative
-    assert graph["p.b"] == {"p.c", "p.c.d"}         # absolute; the package p.c runs first
+    assert graph["p.a"] == {"p.b"}  # function-local, relative
+    assert graph["p.b"] == {"p.c", "p.c.d"}  # absolute; the package p.c runs first
     assert graph["p.c"] == {"p.c.d"} and graph["p.c.d"] == {"p.a"}
     assert _cycle(graph) == ["p.a", "p.b", "p.c", "p.c.d", "p.a"]
 

@@ -8,6 +8,7 @@ Gradient clipping is active (the clip is below the gradient norm), so the global
 must count every parameter once. The same runs check the ledger: TP, CP, PP and plain-DP
 bytes per step equal their closed forms.
 """
+
 import functools
 
 import numpy as np
@@ -21,12 +22,42 @@ from megatron_zpp.tensor_parallel import unshard
 from tests.dist import run_distributed
 
 STEPS, GBS, MBS, SEQ, HIDDEN = 10, 8, 2, 32, 32
-BASE = ["--mock-data", "--hidden-size", str(HIDDEN), "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", str(SEQ), "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
-        "--gla-chunk-size", "8", "--train-iters", str(STEPS), "--global-batch-size", str(GBS),
-        "--micro-batch-size", str(MBS), "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "0.5", "--seed", "11"]
-KINDS = {"softmax": ["--attention-type", "softmax"], "gla": ["--attention-type", "gla"],
-         "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--gla-gate-low-rank", "4"]}
+BASE = [
+    "--mock-data",
+    "--hidden-size",
+    str(HIDDEN),
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    str(SEQ),
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--gla-chunk-size",
+    "8",
+    "--train-iters",
+    str(STEPS),
+    "--global-batch-size",
+    str(GBS),
+    "--micro-batch-size",
+    str(MBS),
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "11",
+]
+KINDS = {
+    "softmax": ["--attention-type", "softmax"],
+    "gla": ["--attention-type", "gla"],
+    "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--gla-gate-low-rank", "4"],
+}
 LAYOUTS = {  # name: (world size, layers, flags)
     "dp2": (2, 4, []),  # plain data parallelism, 2 micro-batches accumulated per rank
     "tp2": (2, 4, ["--tensor-model-parallel-size", "2"]),
@@ -36,8 +67,19 @@ LAYOUTS = {  # name: (world size, layers, flags)
     "tp2_pp2": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2_pp2_dp2": (8, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "cp2": (2, 4, ["--context-parallel-size", "2"]),
-    "tp2_cp2_sp": (4, 4, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
-                          "--all-scan-blocks", "2"]),
+    "tp2_cp2_sp": (
+        4,
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--context-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--all-scan-blocks",
+            "2",
+        ],
+    ),
     "cp4_allgather": (4, 4, ["--context-parallel-size", "4", "--cp-algo", "all-gather"]),
 }
 
@@ -51,19 +93,25 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
     run = training.setup(cfg)
     losses = [h["loss"] for h in training.train(run)]
     with run.dp.full_parameters():  # ZeRO-3 keeps only shards between uses
-        weights = {name: p.detach().double().numpy().copy() for chunk in run.chunks
-                   for name, p in chunk.named_parameters()}
+        weights = {
+            name: p.detach().double().numpy().copy() for chunk in run.chunks for name, p in chunk.named_parameters()
+        }
     splits = {name: p.tp_split for chunk in run.chunks for name, p in chunk.named_parameters()}
     g = run.groups
-    return {"losses": losses, "weights": weights, "splits": splits, "ledger": comm.LEDGER.local_rows(),
-            "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank}}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "splits": splits,
+        "ledger": comm.LEDGER.local_rows(),
+        "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank},
+    }
 
 
 def _worker(rank, world_size, argvs):
     return [train_and_collect(argv, world_size) for argv in argvs]  # one spawn for all model kinds
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(kind: str, layers: int) -> dict:
     return train_and_collect(argv_for(kind, layers, []), 1)
 
@@ -79,7 +127,7 @@ def full_weights(results: list[dict]) -> dict[str, np.ndarray]:
             pieces.setdefault((name, r["coords"]["pp"]), {})[r["coords"]["tp"]] = w
             splits[name] = r["splits"][name]
     full = {}
-    for (name, stage), by_tp in pieces.items():
+    for (name, _stage), by_tp in pieces.items():
         t = unshard([torch.from_numpy(by_tp[i]) for i in sorted(by_tp)], splits[name]).numpy()
         if name in full:  # the tied embedding on the last stage must equal the first stage's
             assert_close_relative(t, full[name], f"{name} (last-stage copy)", tol=1e-6)
@@ -133,7 +181,8 @@ def check_ledger(kind, layers, flags, world, results):
             if p.sequence_parallel:
                 for phase in ("sp_fwd_allgather", "sp_fwd_reducescatter", "sp_bwd_allgather", "sp_bwd_reducescatter"):
                     assert _bytes(rows, "tp", phase) == pytest.approx(
-                        _sp_expect(phase, first, last, micro, stage_layers, tp, act)), phase
+                        _sp_expect(phase, first, last, micro, stage_layers, tp, act)
+                    ), phase
             else:  # forward: after each row-parallel linear + the embedding; backward: before each column one + output
                 ring = 2 * (tp - 1) / tp * act * micro
                 assert _bytes(rows, "tp", "tp_fwd_allreduce") == pytest.approx((2 * stage_layers + first) * ring)
@@ -141,7 +190,7 @@ def check_ledger(kind, layers, flags, world, results):
         if cp > 1:  # GLA: one fp32 state [micro, heads/TP, d, d] per layer each way (All-Scan), whatever CP is
             m = cfg.model
             gla_layers = sum(m.layer_kind(i) == "gla" for i in range(layers))
-            state = MBS * (m.num_attention_heads // tp) * m.head_dim ** 2 * 4
+            state = MBS * (m.num_attention_heads // tp) * m.head_dim**2 * 4
             fwd, bwd = _bytes(rows, "cp", "cp_allscan_fwd"), _bytes(rows, "cp", "cp_allscan_bwd")
             if p.cp_algo == "all-scan":
                 assert fwd == pytest.approx(micro * gla_layers * state * (c["cp"] != cp - 1))
@@ -152,7 +201,9 @@ def check_ledger(kind, layers, flags, world, results):
             dp, numel = p.data_parallel_size, sum(w.size for w in r["weights"].values())
             assert _bytes(rows, "dp_cp", "grad_allreduce") == pytest.approx(2 * (dp - 1) / dp * 4 * numel)
         if pp > 1:
-            chunks = p.num_layers_per_virtual_pipeline_stage and layers // (pp * p.num_layers_per_virtual_pipeline_stage)
+            chunks = p.num_layers_per_virtual_pipeline_stage and layers // (
+                pp * p.num_layers_per_virtual_pipeline_stage
+            )
             chunks = chunks or 1
             stage_act = act // (tp if p.sequence_parallel else 1)
             sends_fwd = micro * (chunks - (c["pp"] == pp - 1))
@@ -167,6 +218,10 @@ def _sp_expect(phase, first, last, micro, stage_layers, tp, act) -> float:
     (2 per layer, +1 for the embedding on the first stage); the backward mirrors them."""
     gathers = 2 * stage_layers + last
     scatters = 2 * stage_layers + first
-    n = {"sp_fwd_allgather": gathers, "sp_bwd_reducescatter": gathers,
-         "sp_fwd_reducescatter": scatters, "sp_bwd_allgather": scatters}[phase]
+    n = {
+        "sp_fwd_allgather": gathers,
+        "sp_bwd_reducescatter": gathers,
+        "sp_fwd_reducescatter": scatters,
+        "sp_bwd_allgather": scatters,
+    }[phase]
     return micro * n * (tp - 1) / tp * act

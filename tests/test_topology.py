@@ -4,6 +4,7 @@ Expected groups are derived here independently of Topology: a rank's coordinates
 from Megatron's formula (first axis of the order string fastest), e.g. for the default
 order ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
 """
+
 import itertools
 
 import pytest
@@ -11,13 +12,13 @@ import torch
 
 from megatron_zpp import comm
 from megatron_zpp.topology import Group, Topology, build_groups
-
 from tests.dist import run_distributed
 
 AXES = ("tp", "cp", "dp", "pp")
 
 
 # ------------------------------------------------------------------ reference (Megatron)
+
 
 def megatron_rank_default(tp, cp, dp, pp, TP, CP, DP):
     """Megatron's RankGenerator for order tp-cp-dp-pp (ep=1), written out."""
@@ -47,13 +48,18 @@ def expected_groups(sizes, varying, order=("tp", "cp", "dp", "pp")):
     return sorted(sorted(g) for g in groups.values())
 
 
-LAYOUTS = [(world, tp, cp, pp)
-           for world in (1, 2, 4, 8, 12, 16)
-           for tp in (1, 2, 4) for cp in (1, 2) for pp in (1, 2, 4)
-           if world % (tp * cp * pp) == 0]
+LAYOUTS = [
+    (world, tp, cp, pp)
+    for world in (1, 2, 4, 8, 12, 16)
+    for tp in (1, 2, 4)
+    for cp in (1, 2)
+    for pp in (1, 2, 4)
+    if world % (tp * cp * pp) == 0
+]
 
 
 # ------------------------------------------------------------------ Megatron's examples
+
 
 def test_megatron_example_tp2_pp2_world8():
     t = Topology(8, tp=2, pp=2)
@@ -94,14 +100,23 @@ def test_embedding_groups_first_and_last_stage_pp4():
 
 # ------------------------------------------------------------------ many layouts vs the formula
 
+
 @pytest.mark.parametrize("world,tp,cp,pp", LAYOUTS)
 def test_groups_match_megatron_formula(world, tp, cp, pp):
     t = Topology(world, tp=tp, cp=cp, pp=pp)
     sizes = dict(tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp))
     assert t.sizes == sizes
     kinds = t.all_group_kinds()
-    spans = {"tp": {"tp"}, "cp": {"cp"}, "dp": {"dp"}, "pp": {"pp"}, "dp_cp": {"dp", "cp"},
-             "tp_cp": {"tp", "cp"}, "mp": {"tp", "pp"}, "tp_pp_cp": {"tp", "cp", "pp"}}
+    spans = {
+        "tp": {"tp"},
+        "cp": {"cp"},
+        "dp": {"dp"},
+        "pp": {"pp"},
+        "dp_cp": {"dp", "cp"},
+        "tp_cp": {"tp", "cp"},
+        "mp": {"tp", "pp"},
+        "tp_pp_cp": {"tp", "cp", "pp"},
+    }
     for kind, axes in spans.items():
         assert kinds[kind] == expected_groups(sizes, axes), kind
         size = 1
@@ -134,6 +149,7 @@ def test_every_rank_in_exactly_one_group_of_each_kind(world, tp, cp, pp):
 
 
 # ------------------------------------------------------------------ order strings
+
 
 def test_non_default_order_dp_fastest():
     t = Topology(8, tp=2, pp=2, order="dp-tp-cp-pp")
@@ -173,6 +189,7 @@ def test_bad_order_raises(order):
 
 
 # ------------------------------------------------------------------ node layout and links
+
 
 def test_ranks_per_node_emulation():
     t = Topology(8, ranks_per_node=2)
@@ -227,7 +244,7 @@ def test_group_link_classes_via_build_groups_without_processes():
     assert g.is_last_stage and not g.is_first_stage
     assert "dp_intra" in g and "dp_tier0" not in g
     with pytest.raises(AttributeError):
-        g.no_such_group
+        _ = g.no_such_group
 
 
 def test_dp_node_groups_dp8():
@@ -279,8 +296,7 @@ def test_dp_tier_groups_two_tiers_dp8():
 def test_dp_tier_groups_three_nodes():
     t = Topology(12, ranks_per_node=4)
     hops = t.dp_tier_groups([4])
-    assert hops == [[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]],
-                    [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]]
+    assert hops == [[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]]
     assert hops == list(t.dp_node_groups())  # node tiers agree with the node layout
 
 
@@ -298,28 +314,36 @@ def test_dp_tier_groups_bad_sizes_raise(tiers):
         Topology(8).dp_tier_groups(tiers)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Topology(6, tp=4),                                    # world not divisible
-    lambda: Topology(8, tp=2, cp=3),
-    lambda: Topology(8, ranks_per_node=3),                        # nodes not uniform
-    lambda: Topology(8, ranks_per_node=16),
-    lambda: Topology(8, ranks_per_node=4, sub_node_tiers=(3,)),   # tier does not nest
-    lambda: Topology(16, ranks_per_node=8, sub_node_tiers=(4, 2)),
-], ids=["tp4-world6", "tp2cp3-world8", "rpn3", "rpn16", "tier3-in-4", "tiers-4-2"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Topology(6, tp=4),  # world not divisible
+        lambda: Topology(8, tp=2, cp=3),
+        lambda: Topology(8, ranks_per_node=3),  # nodes not uniform
+        lambda: Topology(8, ranks_per_node=16),
+        lambda: Topology(8, ranks_per_node=4, sub_node_tiers=(3,)),  # tier does not nest
+        lambda: Topology(16, ranks_per_node=8, sub_node_tiers=(4, 2)),
+    ],
+    ids=["tp4-world6", "tp2cp3-world8", "rpn3", "rpn16", "tier3-in-4", "tiers-4-2"],
+)
 def test_bad_layouts_raise_value_error(make):
     with pytest.raises(ValueError):
         make()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Topology(8, tp=0),
-    lambda: Topology(8, tp=-1),
-    lambda: Topology(8, pp=-2),
-    lambda: Topology(8, ranks_per_node=0),
-    lambda: Topology(8, ranks_per_node=4, sub_node_tiers=(0,)),
-    lambda: Topology(8).dp_tier_groups([0]),
-    lambda: Topology(8).dp_tier_groups([-2]),
-], ids=["tp0", "tp-1", "pp-2", "rpn0", "tier0size0", "dptier0", "dptier-2"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Topology(8, tp=0),
+        lambda: Topology(8, tp=-1),
+        lambda: Topology(8, pp=-2),
+        lambda: Topology(8, ranks_per_node=0),
+        lambda: Topology(8, ranks_per_node=4, sub_node_tiers=(0,)),
+        lambda: Topology(8).dp_tier_groups([0]),
+        lambda: Topology(8).dp_tier_groups([-2]),
+    ],
+    ids=["tp0", "tp-1", "pp-2", "rpn0", "tier0size0", "dptier0", "dptier-2"],
+)
 def test_non_positive_sizes_raise_value_error(make):
     with pytest.raises(ValueError):
         make()
@@ -327,16 +351,23 @@ def test_non_positive_sizes_raise_value_error(make):
 
 # ------------------------------------------------------------------ build_groups on processes
 
+
 def _build_groups_4ranks(rank, world_size):
     comm.LEDGER.reset()
     import torch.distributed as dist
+
     topo = Topology(world_size, tp=2, ranks_per_node=2)
     g = build_groups(topo, rank)
     out = {}
     for kind in ("tp", "dp", "cp", "pp", "dp_cp", "mp", "embedding"):
         grp = getattr(g, kind)
-        info = {"ranks": list(grp.ranks), "rank": grp.rank, "size": grp.size, "link": grp.link,
-                "has_handle": grp.handle is not None}
+        info = {
+            "ranks": list(grp.ranks),
+            "rank": grp.rank,
+            "size": grp.size,
+            "link": grp.link,
+            "has_handle": grp.handle is not None,
+        }
         if grp.handle is not None:
             info["handle_size"] = dist.get_world_size(grp.handle)
             info["handle_rank"] = dist.get_rank(grp.handle)
@@ -379,7 +410,7 @@ def test_build_groups_membership_on_4_ranks(four_rank_groups):
 
 
 def test_build_groups_handles_match_groups(four_rank_groups):
-    for rank, out in enumerate(four_rank_groups):
+    for out in four_rank_groups:
         for kind in ("tp", "dp", "dp_cp", "mp"):
             info = out[kind]
             assert info["has_handle"], kind

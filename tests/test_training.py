@@ -1,5 +1,6 @@
 """The training loop: bf16, logging outputs, and pretrain_gpt.py end to end under torchrun
 (data-parallel parity with one rank is the "dp2" layout of tests/test_parity.py)."""
+
 import json
 import os
 import subprocess
@@ -13,17 +14,38 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--gla-chunk-size", "8",
-        "--lr", "3e-3", "--lr-warmup-iters", "2", "--seed", "7"]
+TINY = [
+    "--mock-data",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--gla-chunk-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--seed",
+    "7",
+]
 
 
 def run_training(argv: list[str], world_size: int) -> tuple[list[float], list[np.ndarray]]:
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
     history = training.train(run)
-    return [h["loss"] for h in history], [p.detach().double().numpy().copy() for c in run.chunks
-                                          for p in c.parameters()]
+    return [h["loss"] for h in history], [
+        p.detach().double().numpy().copy() for c in run.chunks for p in c.parameters()
+    ]
 
 
 def test_bf16_trains_with_fp32_masters():
@@ -35,9 +57,24 @@ def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
     metrics = tmp_path / "m.jsonl"
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    argv = TINY + ["--train-iters", "5", "--lr-decay-style", "linear", "--min-lr", "1e-4",
-                   "--metrics-file", str(metrics), "--tensorboard-dir", str(tmp_path / "tb"),
-                   "--wandb-project", "zpp-test", "--eval-interval", "5", "--eval-iters", "2"]
+    argv = TINY + [
+        "--train-iters",
+        "5",
+        "--lr-decay-style",
+        "linear",
+        "--min-lr",
+        "1e-4",
+        "--metrics-file",
+        str(metrics),
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+        "--wandb-project",
+        "zpp-test",
+        "--eval-interval",
+        "5",
+        "--eval-iters",
+        "2",
+    ]
     run_training(argv, 1)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))  # offline unless the user says otherwise
     assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
@@ -53,18 +90,44 @@ def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "pretrain_gpt.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "pretrain_gpt.py",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("kind", [["--attention-type", "softmax", "--num-query-groups", "2"],
-                                  ["--attention-type", "gla"],
-                                  ["--attention-type", "gla", "--softmax-attention-every", "2"]])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        ["--attention-type", "softmax", "--num-query-groups", "2"],
+        ["--attention-type", "gla"],
+        ["--attention-type", "gla", "--softmax-attention-every", "2"],
+    ],
+)
 def test_pretrain_gpt_under_torchrun(tmp_path, kind):
     metrics, report = tmp_path / "m.jsonl", tmp_path / "comm.json"
-    out = torchrun(TINY + kind + ["--train-iters", "15", "--global-batch-size", "8", "--log-interval", "5",
-                                  "--metrics-file", str(metrics), "--comm-report", str(report)])
+    out = torchrun(
+        TINY
+        + kind
+        + [
+            "--train-iters",
+            "15",
+            "--global-batch-size",
+            "8",
+            "--log-interval",
+            "5",
+            "--metrics-file",
+            str(metrics),
+            "--comm-report",
+            str(report),
+        ]
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter    15/15" in out.stdout
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
@@ -77,6 +140,7 @@ def test_pretrain_gpt_under_torchrun(tmp_path, kind):
     # ring all-reduce of every fp32 gradient over 2 ranks: 2 (n-1)/n x 4 bytes x parameters
     cfg = validate(parse_args(TINY + kind), 2)
     from megatron_zpp.model import GPT
+
     n_params = sum(p.numel() for p in GPT(cfg.model, 128).parameters())
     assert grads[0]["bytes_per_rank_per_step"] == pytest.approx(2 * 1 / 2 * 4 * n_params)
 

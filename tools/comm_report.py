@@ -4,6 +4,7 @@ op and link class, with totals per link class.
 
     python tools/comm_report.py runs/quickstart/comm.json
 """
+
 import argparse
 import json
 from collections import defaultdict
@@ -26,9 +27,18 @@ def main(argv=None):
     rows = sorted(rep["records"], key=lambda r: (r["link"], r["role"], r["phase"]))
     print(f"world size {rep['world_size']}, {rep['steps']} steps; {rep.get('byte_model', '')}")
     header = ("role", "phase", "op", "link", "bytes/rank/step", "gloo bytes/rank/step", "max rank")
-    table = [header] + [(r["role"], r["phase"], r["op"], r["link"], human(r["bytes_per_rank_per_step"]),
-                         human(r["gloo_bytes_per_rank_per_step"]), human(r.get("max_rank_bytes_per_step", 0)))
-                        for r in rows]
+    table = [header] + [
+        (
+            r["role"],
+            r["phase"],
+            r["op"],
+            r["link"],
+            human(r["bytes_per_rank_per_step"]),
+            human(r["gloo_bytes_per_rank_per_step"]),
+            human(r.get("max_rank_bytes_per_step", 0)),
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
         print("  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))

@@ -15,6 +15,7 @@ RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
 vocabulary are never predicted in training; HF sees them as ordinary tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ def hf_unsupported(cfg) -> list[str]:
     why = []
     kinds = {m.layer_kind(i) for i in range(m.num_layers)}
     if kinds != {"softmax"}:
-        why.append(f"its layers are {'/'.join(sorted(kinds))} (gated linear attention or a hybrid); Llama has only "
-                   f"softmax attention")
+        why.append(
+            f"its layers are {'/'.join(sorted(kinds))} (gated linear attention or a hybrid); Llama has only "
+            f"softmax attention"
+        )
     if m.normalization != "RMSNorm":
         why.append(f"it uses {m.normalization}; Llama uses RMSNorm")
     if m.activation != "swiglu":
@@ -51,15 +54,29 @@ def hf_unsupported(cfg) -> list[str]:
 
 def hf_config(cfg, vocab: int, tokenizer=None) -> dict:
     m = cfg.model
-    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
-           "intermediate_size": m.ffn_size, "num_hidden_layers": m.num_layers,
-           "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.kv_heads,
-           "head_dim": m.head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
-           "rope_theta": m.rotary_base, "vocab_size": vocab,
-           "max_position_embeddings": m.max_position_embeddings or m.seq_length,
-           "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "attention_bias": False,
-           "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": m.init_method_std,
-           "torch_dtype": "float32", "dtype": "float32", "use_cache": True}
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_theta": m.rotary_base,
+        "vocab_size": vocab,
+        "max_position_embeddings": m.max_position_embeddings or m.seq_length,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": m.init_method_std,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "use_cache": True,
+    }
     if tokenizer is not None:
         if getattr(tokenizer, "bos", None) is not None:
             out["bos_token_id"] = tokenizer.bos
@@ -80,12 +97,19 @@ def to_hf_state(state: dict, cfg) -> dict[str, torch.Tensor]:
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = state[src + "mixer.qkv.weight"].split([q_rows, kv_rows, kv_rows], dim=0)
         gate, up = state[src + "mlp.fc1.weight"].split([ffn, ffn], dim=0)
-        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                    dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": state[src + "mixer.proj.weight"],
-                    dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
-                    dst + "mlp.down_proj.weight": state[src + "mlp.fc2.weight"],
-                    dst + "input_layernorm.weight": state[src + "norm1.weight"],
-                    dst + "post_attention_layernorm.weight": state[src + "norm2.weight"]})
+        out.update(
+            {
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[src + "mixer.proj.weight"],
+                dst + "mlp.gate_proj.weight": gate,
+                dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": state[src + "mlp.fc2.weight"],
+                dst + "input_layernorm.weight": state[src + "norm1.weight"],
+                dst + "post_attention_layernorm.weight": state[src + "norm2.weight"],
+            }
+        )
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
@@ -97,27 +121,40 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     for i in range(cfg.model.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        out.update({dst + "mixer.qkv.weight": torch.cat([hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"],
-                                                          hf[attn + "v_proj.weight"]]),
-                    dst + "mixer.proj.weight": hf[attn + "o_proj.weight"],
-                    dst + "mlp.fc1.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
-                    dst + "mlp.fc2.weight": hf[mlp + "down_proj.weight"],
-                    dst + "norm1.weight": hf[src + "input_layernorm.weight"],
-                    dst + "norm2.weight": hf[src + "post_attention_layernorm.weight"]})
+        out.update(
+            {
+                dst + "mixer.qkv.weight": torch.cat(
+                    [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+                ),
+                dst + "mixer.proj.weight": hf[attn + "o_proj.weight"],
+                dst + "mlp.fc1.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
+                dst + "mlp.fc2.weight": hf[mlp + "down_proj.weight"],
+                dst + "norm1.weight": hf[src + "input_layernorm.weight"],
+                dst + "norm2.weight": hf[src + "post_attention_layernorm.weight"],
+            }
+        )
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
 def config_from_hf(hf: dict, hf_dir: str):
     """Our Config of the Llama model a HF config.json describes; refuses what we cannot hold."""
     from megatron_zpp.config import Config
+
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    why = [w for w, bad in [
-        (f"model_type {hf.get('model_type')!r} is not llama", hf.get("model_type") != "llama"),
-        (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
-        ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
-        ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
-        (f"head_dim {hf.get('head_dim')} is not hidden_size / heads", hf.get("head_dim", hidden // heads) != hidden // heads),
-    ] if bad]
+    why = [
+        w
+        for w, bad in [
+            (f"model_type {hf.get('model_type')!r} is not llama", hf.get("model_type") != "llama"),
+            (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
+            ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
+            ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
+            (
+                f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
+                hf.get("head_dim", hidden // heads) != hidden // heads,
+            ),
+        ]
+        if bad
+    ]
     if why:
         raise ConversionError(f"cannot import {hf_dir}: " + "; ".join(why))
     cfg = Config()
@@ -139,7 +176,9 @@ def config_from_hf(hf: dict, hf_dir: str):
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     """(our weights, checkpoint dir) of a HF Llama directory, saved as a weights-only checkpoint."""
     from safetensors.torch import load_file
+
     from megatron_zpp.checkpoint.sharded import save_weights
+
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = config_from_hf(json.load(f), hf_dir)
     index = os.path.join(hf_dir, "model.safetensors.index.json")
@@ -164,10 +203,12 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     if why:
         raise ConversionError("cannot export to HF Llama: " + "; ".join(why) + ". Use --to consolidated instead")
     from safetensors.torch import save_file
+
     tokenizer = None
     tok_model = tokenizer_model or cfg.data.tokenizer_model
     if cfg.data.tokenizer_type == "SentencePieceTokenizer" and tok_model and os.path.isfile(tok_model):
         from megatron_zpp.data.tokenizer import SentencePieceTokenizer
+
         tokenizer = SentencePieceTokenizer(tok_model)
     vocab = state["embedding.weight"].shape[0]
     os.makedirs(output, exist_ok=True)
@@ -182,15 +223,30 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--from", dest="source", default="megatron_zpp", choices=["megatron_zpp", "hf"],
-                    help="what --load is: our sharded checkpoint (default) or a HF Llama directory")
-    ap.add_argument("--load", required=True, help="checkpoint directory (with `latest`), an iter_XXXXXXX dir, or "
-                                                  "a HF directory (--from hf)")
-    ap.add_argument("--to", required=True, choices=["consolidated", "hf", "sharded"],
-                    help="sharded: our checkpoint format (only --from hf)")
+    ap.add_argument(
+        "--from",
+        dest="source",
+        default="megatron_zpp",
+        choices=["megatron_zpp", "hf"],
+        help="what --load is: our sharded checkpoint (default) or a HF Llama directory",
+    )
+    ap.add_argument(
+        "--load",
+        required=True,
+        help="checkpoint directory (with `latest`), an iter_XXXXXXX dir, or a HF directory (--from hf)",
+    )
+    ap.add_argument(
+        "--to",
+        required=True,
+        choices=["consolidated", "hf", "sharded"],
+        help="sharded: our checkpoint format (only --from hf)",
+    )
     ap.add_argument("--output", required=True, help="FILE.pt for consolidated, a directory for hf and sharded")
-    ap.add_argument("--tokenizer-model", default=None,
-                    help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)")
+    ap.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
+    )
     args = ap.parse_args(argv)
     if (args.source == "hf") != (args.to == "sharded"):
         ap.error("--to sharded goes with --from hf (our own checkpoints are sharded already)")

@@ -9,6 +9,7 @@ a single-rank GPT is built from its saved config, and tokens are sampled one at 
 the one the run was trained with. Tokens past the tokenizer's vocabulary (padding) are
 never sampled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,12 @@ def load_model(state: dict, config: dict) -> tuple[GPT, object]:
     return model.eval(), cfg
 
 
-def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, context: int, vocab_size: int,
-             **sampling) -> list[int]:
+def generate(
+    model: GPT, prompt_ids: list[int], max_new_tokens: int, context: int, vocab_size: int, **sampling
+) -> list[int]:
     """New token ids after `prompt_ids` from a single-rank model (sampling: see
     megatron_zpp.generation.generate)."""
+
     def next_logits(ids: list[int]) -> torch.Tensor:
         return model(tokens=torch.tensor([ids[-context:]]))[0, -1, :vocab_size]
 
@@ -61,14 +64,29 @@ def main(argv: list[str] | None = None) -> int:
     state, config = consolidate(args.load)
     model, cfg = load_model(state, config)
     m, d = cfg.model, cfg.data
-    tok = build_tokenizer(args.tokenizer_type or d.tokenizer_type, args.tokenizer_model or d.tokenizer_model,
-                          m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    tok = build_tokenizer(
+        args.tokenizer_type or d.tokenizer_type,
+        args.tokenizer_model or d.tokenizer_model,
+        m.vocab_size,
+        m.make_vocab_size_divisible_by,
+        1,
+    )
     prompt = tok.tokenize(args.prompt) if args.prompt else []
     if not prompt:  # start a new document
         prompt = [tok.bos if tok.bos is not None else tok.eod]
-    new = generate(model, prompt, args.max_new_tokens, m.seq_length, tok.vocab_size, greedy=args.greedy,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eod=tok.eod if args.stop_at_eod else None, seed=args.seed)
+    new = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        m.seq_length,
+        tok.vocab_size,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eod=tok.eod if args.stop_at_eod else None,
+        seed=args.seed,
+    )
     print(args.prompt + (" " if d.tokenizer_type == "NullTokenizer" and args.prompt else "") + tok.detokenize(new))
     return 0
 

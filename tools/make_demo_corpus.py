@@ -20,8 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # test suites, vendored wheels, and codec/help tables (hex and generated text that would dominate a small model)
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled", "encodings",
-             "pydoc_data"}
+SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "_bundled",
+    "encodings",
+    "pydoc_data",
+}
 
 
 def stdlib_modules(root: Path):
@@ -109,14 +118,30 @@ def main(argv=None) -> int:
     else:
         import preprocess_data
 
-        rc = preprocess_data.main(["--input", str(corpus), "--output-prefix", str(prefix), "--json-keys", "text",
-                                   "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(model),
-                                   "--append-eod", "--workers", str(args.workers)])
+        rc = preprocess_data.main(
+            [
+                "--input",
+                str(corpus),
+                "--output-prefix",
+                str(prefix),
+                "--json-keys",
+                "text",
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                str(model),
+                "--append-eod",
+                "--workers",
+                str(args.workers),
+            ]
+        )
         if rc:
             return rc
         print(f"wrote {bin_} and {idx}")
-    print(f"demo data ready: --data-path {prefix}_text_document --tokenizer-type SentencePieceTokenizer "
-          f"--tokenizer-model {model}")
+    print(
+        f"demo data ready: --data-path {prefix}_text_document --tokenizer-type SentencePieceTokenizer "
+        f"--tokenizer-model {model}"
+    )
     return 0
 
 

@@ -63,8 +63,11 @@ def main(argv=None) -> int:
     except IndexedDatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"merged {len(prefixes)} pairs into {args.output_prefix}.bin/.idx: "
-          f"{w.num_sequences:,} documents, {w.num_tokens:,} tokens ({w.dtype.name})", file=sys.stderr)
+    print(
+        f"merged {len(prefixes)} pairs into {args.output_prefix}.bin/.idx: "
+        f"{w.num_sequences:,} documents, {w.num_tokens:,} tokens ({w.dtype.name})",
+        file=sys.stderr,
+    )
     return 0
 
 

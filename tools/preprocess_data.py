@@ -96,12 +96,12 @@ _MISSING = object()
 class Encoded:
     source: str
     num_bytes: int
-    tokens: dict = field(default_factory=dict)   # key -> 1-D token array of all kept documents
+    tokens: dict = field(default_factory=dict)  # key -> 1-D token array of all kept documents
     lengths: dict = field(default_factory=dict)  # key -> int32 array, one length per kept document
-    empty: dict = field(default_factory=dict)    # key -> documents with no tokens (dropped)
+    empty: dict = field(default_factory=dict)  # key -> documents with no tokens (dropped)
     docs: int = 0
     blank: int = 0
-    errors: list = field(default_factory=list)   # (line number, reason)
+    errors: list = field(default_factory=list)  # (line number, reason)
 
 
 _W = {}  # per-process state set by init_worker
@@ -119,7 +119,7 @@ def parse_item(item, keys: list[str]):
         try:
             line = item.decode("utf-8").rstrip("\r\n")  # so JSON errors point at a column of this line
         except UnicodeDecodeError as e:
-            return None, f"invalid UTF-8 at byte {e.start} of the line ({item[e.start:e.start + 4]!r})"
+            return None, f"invalid UTF-8 at byte {e.start} of the line ({item[e.start : e.start + 4]!r})"
         if not line.strip():
             return None, None  # blank line: counted, not an error
         try:
@@ -216,14 +216,24 @@ def run(args) -> int:
     dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     tag = f".tmp{os.getpid()}"
-    writers = {k: IndexedDatasetWriter(output_prefix(args, k) + ".bin" + tag, dtype,
-                                       output_prefix(args, k) + ".lengths" + tag) for k in args.json_keys}
+    writers = {
+        k: IndexedDatasetWriter(output_prefix(args, k) + ".bin" + tag, dtype, output_prefix(args, k) + ".lengths" + tag)
+        for k in args.json_keys
+    }
     total = None if args.hf_dataset else sum(os.path.getsize(p) for p in args.input)
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the worker pool forks after the bar exists
-    bar = tqdm(total=total, unit="B" if total is not None else " docs", unit_scale=True, dynamic_ncols=True,
-               file=sys.stderr, disable=args.quiet, mininterval=0.5, desc="tokenizing")
+    bar = tqdm(
+        total=total,
+        unit="B" if total is not None else " docs",
+        unit_scale=True,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=args.quiet,
+        mininterval=0.5,
+        desc="tokenizing",
+    )
     docs = blank = 0
     empty = dict.fromkeys(args.json_keys, 0)
     bad, t0, last_post = [], time.time(), 0.0
@@ -232,8 +242,10 @@ def run(args) -> int:
         for enc in encoded_stream(args, tok_args, dtype, stop):
             if enc.errors and not args.skip_bad_lines:
                 line, reason = enc.errors[0]
-                raise SystemExit(f"error: {enc.source}:{line}: {reason}\n"
-                                 "  (fix the input, or pass --skip-bad-lines to skip and count such lines)")
+                raise SystemExit(
+                    f"error: {enc.source}:{line}: {reason}\n"
+                    "  (fix the input, or pass --skip-bad-lines to skip and count such lines)"
+                )
             bad += [(enc.source, ln, r) for ln, r in enc.errors]
             docs, blank = docs + enc.docs, blank + enc.blank
             for k, w in writers.items():
@@ -272,8 +284,10 @@ def run(args) -> int:
 def print_summary(args, writers, docs, blank, empty, bad, elapsed):
     ntok = sum(w.num_tokens for w in writers.values())
     dt = max(elapsed, 1e-9)
-    lines = [f"done: {docs:,} documents, {ntok:,} tokens in {elapsed:.1f}s "
-             f"({docs / dt:,.0f} docs/s, {ntok / dt:,.0f} tokens/s, {args.workers} worker(s))"]
+    lines = [
+        f"done: {docs:,} documents, {ntok:,} tokens in {elapsed:.1f}s "
+        f"({docs / dt:,.0f} docs/s, {ntok / dt:,.0f} tokens/s, {args.workers} worker(s))"
+    ]
     for k in args.json_keys:
         if empty[k]:
             lines.append(f"  {empty[k]:,} empty '{k}' documents (no tokens) were dropped, not written")
@@ -284,26 +298,38 @@ def print_summary(args, writers, docs, blank, empty, bad, elapsed):
         lines += [f"    {s}:{ln}: {r}" for s, ln, r in bad[:5]]
     for k, w in writers.items():
         final = output_prefix(args, k)
-        lines.append(f"  wrote {final}.bin ({os.path.getsize(final + '.bin'):,} bytes, {w.dtype.name}) "
-                     f"and {final}.idx ({w.num_sequences:,} documents)")
+        lines.append(
+            f"  wrote {final}.bin ({os.path.getsize(final + '.bin'):,} bytes, {w.dtype.name}) "
+            f"and {final}.idx ({w.num_sequences:,} documents)"
+        )
     print("\n".join(lines), file=sys.stderr)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True,
-                   help="jsonl files (globs allowed), one document per line; with --hf-dataset a saved "
-                        "dataset directory or local data files")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="jsonl files (globs allowed), one document per line; with --hf-dataset a saved "
+        "dataset directory or local data files",
+    )
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output pair each")
-    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    p.add_argument(
+        "--tokenizer-type",
+        default="SentencePieceTokenizer",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+    )
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    p.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip (and count) lines with invalid JSON/UTF-8, a missing key or non-string text")
+    p.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip (and count) lines with invalid JSON/UTF-8, a missing key or non-string text",
+    )
     p.add_argument("--hf-dataset", action="store_true", help="read --input with HF `datasets` (local only)")
     p.add_argument("--hf-split", default="train")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

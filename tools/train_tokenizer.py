@@ -73,39 +73,75 @@ def sentences(texts, max_chars: int = CHUNK_CHARS):
             yield "".join(buf)
 
 
-def train(texts, model_prefix: str, vocab_size: int, model_type: str = "bpe", byte_fallback: bool = True,
-          character_coverage: float = 0.9995, input_sentence_size: int = 2_000_000, num_threads: int | None = None,
-          user_defined_symbols: list[str] | None = None, quiet: bool = True) -> str:
+def train(
+    texts,
+    model_prefix: str,
+    vocab_size: int,
+    model_type: str = "bpe",
+    byte_fallback: bool = True,
+    character_coverage: float = 0.9995,
+    input_sentence_size: int = 2_000_000,
+    num_threads: int | None = None,
+    user_defined_symbols: list[str] | None = None,
+    quiet: bool = True,
+) -> str:
     """Train and write MODEL_PREFIX.model/.vocab; returns the .model path."""
     import sentencepiece as spm
 
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences(texts)), model_prefix=model_prefix, vocab_size=vocab_size,
-        model_type=model_type, byte_fallback=byte_fallback, character_coverage=character_coverage,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        split_digits=True, max_sentence_length=4 * CHUNK_CHARS * 4, input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=True, num_threads=num_threads or os.cpu_count() or 1,
-        user_defined_symbols=user_defined_symbols or [], hard_vocab_limit=False,
-        unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", pad_piece="<pad>", minloglevel=2 if quiet else 0,
-        **SPECIAL_IDS)
+        sentence_iterator=iter(sentences(texts)),
+        model_prefix=model_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=byte_fallback,
+        character_coverage=character_coverage,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        max_sentence_length=4 * CHUNK_CHARS * 4,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        num_threads=num_threads or os.cpu_count() or 1,
+        user_defined_symbols=user_defined_symbols or [],
+        hard_vocab_limit=False,
+        unk_piece="<unk>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        pad_piece="<pad>",
+        minloglevel=2 if quiet else 0,
+        **SPECIAL_IDS,
+    )
     return model_prefix + ".model"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True,
-                   help="jsonl or text files (globs allowed); with --hf-dataset a saved dataset dir or data files")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="jsonl or text files (globs allowed); with --hf-dataset a saved dataset dir or data files",
+    )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields of each json document to train on")
     p.add_argument("--hf-dataset", action="store_true", help="read --input with HF `datasets` (local only)")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
-    p.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false",
-                   help="map unseen characters to <unk> instead of UTF-8 byte pieces")
+    p.add_argument(
+        "--no-byte-fallback",
+        dest="byte_fallback",
+        action="store_false",
+        help="map unseen characters to <unk> instead of UTF-8 byte pieces",
+    )
     p.add_argument("--character-coverage", type=float, default=0.9995)
-    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                   help="train on a random sample of at most this many text chunks (bounds memory)")
+    p.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=2_000_000,
+        help="train on a random sample of at most this many text chunks (bounds memory)",
+    )
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--user-defined-symbols", nargs="*", default=[], help="extra pieces never split")
     p.add_argument("--verbose", action="store_true", help="show sentencepiece's own log")
@@ -113,11 +149,23 @@ def main(argv=None) -> int:
 
     paths = args.input if args.hf_dataset else expand_inputs(args.input)
     t0 = time.time()
-    model = train(iter_texts(paths, args.json_keys, args.hf_dataset), args.model_prefix, args.vocab_size,
-                  args.model_type, args.byte_fallback, args.character_coverage, args.input_sentence_size,
-                  args.num_threads, args.user_defined_symbols, quiet=not args.verbose)
-    print(f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
-          f"in {time.time() - t0:.1f}s", file=sys.stderr)
+    model = train(
+        iter_texts(paths, args.json_keys, args.hf_dataset),
+        args.model_prefix,
+        args.vocab_size,
+        args.model_type,
+        args.byte_fallback,
+        args.character_coverage,
+        args.input_sentence_size,
+        args.num_threads,
+        args.user_defined_symbols,
+        quiet=not args.verbose,
+    )
+    print(
+        f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
+        f"in {time.time() - t0:.1f}s",
+        file=sys.stderr,
+    )
     return 0
 
 

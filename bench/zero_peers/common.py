@@ -18,6 +18,7 @@ loaded with OUR initialized weights (megatron_zpp.model.init_weights of the same
 the token stream of megatron_zpp.data.mock.MockGPTDataset in our sample order, trained with
 AdamW of our hyperparameters (no decay on 1-D weights), our LR schedule and clipping.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -114,13 +115,24 @@ class Probe:
 
     def finish(self, **extra) -> None:
         self._close_rate()
-        res = {"rank": self.rank, "node": self.node, "local_rank": self.local_rank, "iface": self.iface,
-               "warmup": self.warmup, "step_times": self.step_times, "losses": self.losses,
-               "tx_begin": self.tx_begin, "tx_end": self.tx_end,
-               "peak_rss_by_rate": self.peak_rss_by_rate,
-               "rss_start": self.rss_start, "rss_end": _vm("VmRSS"), **extra}
+        res = {
+            "rank": self.rank,
+            "node": self.node,
+            "local_rank": self.local_rank,
+            "iface": self.iface,
+            "warmup": self.warmup,
+            "step_times": self.step_times,
+            "losses": self.losses,
+            "tx_begin": self.tx_begin,
+            "tx_end": self.tx_end,
+            "peak_rss_by_rate": self.peak_rss_by_rate,
+            "rss_start": self.rss_start,
+            "rss_end": _vm("VmRSS"),
+            **extra,
+        }
         try:
             import resource
+
             res["maxrss_lifetime"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         except Exception:  # noqa: BLE001
             pass
@@ -142,29 +154,33 @@ def peer_args(add_own=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--gate-every", type=int, default=0, help="timed steps per link rate (bench/zero.py)")
     if add_own:
         add_own(ap)
-    return ap.parse_args(argv[:split]), argv[split + 1:]
+    return ap.parse_args(argv[:split]), argv[split + 1 :]
 
 
 def parse_model_args(argv: list[str]):
     """Our Config from the same flags pretrain_gpt.py gets (ZeRO flags left out)."""
     from megatron_zpp.arguments import parse_args
     from megatron_zpp.config import validate
+
     return validate(parse_args(argv), int(os.environ.get("WORLD_SIZE", 1)))
 
 
 def build_peer_model(cfg):
     """PeerGPT holding exactly the weights our pretrain_gpt.py starts from."""
     import torch
+    from single_rank import PeerGPT, to_peer_names
+
     from megatron_zpp.data.tokenizer import pad_vocab_size
     from megatron_zpp.model import GPT, init_weights
-    from single_rank import PeerGPT, to_peer_names
 
     m = cfg.model
     vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
-    assert m.attention_type == "softmax" and m.activation == "swiglu" and m.normalization == "RMSNorm", \
+    assert m.attention_type == "softmax" and m.activation == "swiglu" and m.normalization == "RMSNorm", (
         "the peers implement softmax attention + SwiGLU + RMSNorm only"
-    assert not m.untie_embeddings_and_output_weights and m.kv_heads == m.num_attention_heads, \
+    )
+    assert not m.untie_embeddings_and_output_weights and m.kv_heads == m.num_attention_heads, (
         "the peers implement tied embeddings and no GQA only"
+    )
     ours = GPT(m, vocab)
     init_weights(ours, cfg.train.seed)
     peer = PeerGPT(m, vocab)
@@ -179,15 +195,18 @@ class PeerBatches:
 
     def __init__(self, cfg, rank: int, world: int):
         from megatron_zpp.data.mock import MockGPTDataset
+
         t = cfg.train
-        self.data = MockGPTDataset(t.train_iters * t.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size,
-                                   t.seed)
+        self.data = MockGPTDataset(
+            t.train_iters * t.global_batch_size, cfg.model.seq_length, cfg.model.vocab_size, t.seed
+        )
         self.mbs, self.rank, self.world, self.G = t.micro_batch_size, rank, world, t.global_batch_size
         self.num_micro = t.global_batch_size // (t.micro_batch_size * world)
 
     def micro_batch(self, step: int, k: int):
         import numpy as np
         import torch
+
         first = step * self.G + k * self.mbs * self.world + self.rank * self.mbs
         data = torch.from_numpy(np.stack([self.data[i] for i in range(first, first + self.mbs)]))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
@@ -196,8 +215,10 @@ class PeerBatches:
 def adamw_param_groups(model, cfg) -> list[dict]:
     """Our MixedPrecisionAdamW's groups: weight decay on >= 2-D weights only."""
     params = list(model.parameters())  # a tied weight is listed once
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def adamw_kwargs(cfg) -> dict:
@@ -207,4 +228,5 @@ def adamw_kwargs(cfg) -> dict:
 
 def lr_at(cfg, iteration: int) -> float:
     from megatron_zpp.optim.schedules import learning_rate
+
     return learning_rate(cfg.optim, iteration, cfg.train.train_iters)

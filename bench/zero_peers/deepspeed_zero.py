@@ -6,6 +6,7 @@ persistence threshold); only the settings below are ours.
 
     torchrun ... bench/zero_peers/deepspeed_zero.py --warmup 1 --hpz 2 -- <model flags>
 """
+
 from __future__ import annotations
 
 import json
@@ -13,20 +14,29 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeerBatches, Probe, adamw_kwargs, adamw_param_groups, build_peer_model, lr_at, \
-    parse_model_args, peer_args  # noqa: E402
+from common import (
+    PeerBatches,
+    Probe,
+    adamw_kwargs,
+    adamw_param_groups,
+    build_peer_model,
+    lr_at,
+    parse_model_args,  # noqa: E402
+    peer_args,
+)
 
 
 def main() -> None:
     def own(ap):
         ap.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size")
         ap.add_argument("--zero-config", default="{}", help="JSON merged into zero_optimization (experiments)")
+
     a, model_argv = peer_args(own)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+    import deepspeed
     import torch
     import torch.distributed as dist
-    import deepspeed
 
     probe = Probe(a.warmup, a.gate_every)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -44,7 +54,7 @@ def main() -> None:
         "gradient_clipping": cfg.optim.clip_grad,
         "zero_optimization": {"stage": 3, "zero_hpz_partition_size": a.hpz, **json.loads(a.zero_config)},
         "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     opt = torch.optim.AdamW(adamw_param_groups(model, cfg), foreach=True, **adamw_kwargs(cfg))
@@ -66,8 +76,11 @@ def main() -> None:
         dist.all_reduce(mean)
         probe.step_end(mean.item() / world)
         if rank == 0:
-            print(f"deepspeed iter {it + 1} loss {probe.losses[-1]:.4f} grad norm "
-                  f"{engine.get_global_grad_norm()} step {probe.step_times[-1]:.3f}s", flush=True)
+            print(
+                f"deepspeed iter {it + 1} loss {probe.losses[-1]:.4f} grad norm "
+                f"{engine.get_global_grad_norm()} step {probe.step_times[-1]:.3f}s",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
     probe.finish(system="deepspeed", hpz=a.hpz, deepspeed=deepspeed.__version__, torch=torch.__version__)

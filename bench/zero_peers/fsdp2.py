@@ -7,14 +7,23 @@ schedule and global-norm clipping.
 --reshard-after-forward 2 (an int) keeps the parameters sharded over 2 ranks between forward
 and backward, so the backward all-gather stays in the node: FSDP2's analogue of hpZ.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeerBatches, Probe, adamw_kwargs, adamw_param_groups, build_peer_model, lr_at, \
-    parse_model_args, peer_args  # noqa: E402
+from common import (
+    PeerBatches,
+    Probe,
+    adamw_kwargs,
+    adamw_param_groups,
+    build_peer_model,
+    lr_at,
+    parse_model_args,  # noqa: E402
+    peer_args,
+)
 
 
 def main() -> None:
@@ -60,8 +69,11 @@ def main() -> None:
         probe.step_end(mean.item() / world)
         if rank == 0:
             gn = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            print(f"fsdp2 iter {it + 1} loss {probe.losses[-1]:.4f} grad norm {float(gn):.3f} "
-                  f"step {probe.step_times[-1]:.3f}s", flush=True)
+            print(
+                f"fsdp2 iter {it + 1} loss {probe.losses[-1]:.4f} grad norm {float(gn):.3f} "
+                f"step {probe.step_times[-1]:.3f}s",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
     probe.finish(system="fsdp2", reshard_after_forward=raf, torch=torch.__version__)

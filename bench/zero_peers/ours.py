@@ -3,6 +3,7 @@ peak RSS of the timed steps, veth tx bytes at step boundaries; see common.py).
 
     torchrun ... bench/zero_peers/ours.py --warmup 1 -- <pretrain_gpt.py flags>
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ def main() -> None:
     a, pretrain_argv = peer_args()
     probe = Probe(a.warmup, a.gate_every)
     from megatron_zpp import training
+
     if hasattr(training, "train_step"):
         inner = training.train_step
 
@@ -26,8 +28,10 @@ def main() -> None:
             out = inner(run)
             probe.step_end(out[0] if isinstance(out, tuple) else None)
             return out
+
         training.train_step = train_step  # train() looks the name up at every step
     import pretrain_gpt
+
     pretrain_gpt.main(pretrain_argv)
     probe.finish(system="ours")
 

@@ -6,6 +6,7 @@ Every rank file is checked against meta.json's sha256 and read as safetensors (n
 the parameters are reassembled by `reshard.SavedCheckpoint` (the same reader that
 reshards a checkpoint into another layout on load), from the fp32 master weights.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ A rank file stores a nested dict: every tensor under its path in the dict (e.g.
 "/model/unit3.layer2.master", "/optimizer/state/5/exp_avg"), the rest (numbers, strings,
 the dict's shape) as JSON in the header's "megatron_zpp" entry.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -102,10 +103,14 @@ def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] 
     if iteration is not None:
         path, named_by = os.path.join(directory, iter_name(iteration)), f"--ckpt-step {iteration}"
         if not os.path.isdir(path):
-            have = sorted(d for d in os.listdir(directory) if d.startswith("iter_") and not d.endswith(".tmp")) \
-                if os.path.isdir(directory) else []
-            raise CheckpointError(f"{named_by}: {path} does not exist (saved iterations in {directory}: "
-                                  f"{', '.join(have) or 'none'})")
+            have = (
+                sorted(d for d in os.listdir(directory) if d.startswith("iter_") and not d.endswith(".tmp"))
+                if os.path.isdir(directory)
+                else []
+            )
+            raise CheckpointError(
+                f"{named_by}: {path} does not exist (saved iterations in {directory}: {', '.join(have) or 'none'})"
+            )
     elif not os.path.exists(latest):
         return None
     else:
@@ -164,8 +169,7 @@ def open_rank_file(path: str, meta: dict, rank: int, device="cpu") -> RankFile:
     if not os.path.exists(fpath):
         raise CheckpointError(f"checkpoint file {fpath} is missing")
     if sha256_of(fpath) != meta["files"].get(rank_file(rank)):
-        raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match "
-                              f"meta.json")
+        raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match meta.json")
     return RankFile(fpath, device)
 
 

@@ -15,6 +15,7 @@ training places layers on pipeline stages (`build_stage_model`), the ZeRO units 
 the ZeRO engine cuts them (`model_units`, `flat_geometry`) and AdamW numbers its
 parameters by the one rule of `adamw_order`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,29 +35,31 @@ from .files import CheckpointError
 @dataclass(frozen=True)
 class FakeGroup:
     """Stands in for a process group where only .rank and .size are read (construction)."""
+
     rank: int
     size: int
 
 
 @dataclass(frozen=True)
 class Slot:
-    key: str                 # tensor of the rank file's "model" dict (ZeRO: without .master)
-    lo: int                  # its flat span [lo, hi)
+    key: str  # tensor of the rank file's "model" dict (ZeRO: without .master)
+    lo: int  # its flat span [lo, hi)
     hi: int
-    opt: int                 # the optimizer parameter whose AdamW state is the span's (same length)
-    name: str                # the single-rank parameter name
-    tp_split: tuple | None   # how the full parameter is cut over TP (tensor_parallel.layers.shard)
+    opt: int  # the optimizer parameter whose AdamW state is the span's (same length)
+    name: str  # the single-rank parameter name
+    tp_split: tuple | None  # how the full parameter is cut over TP (tensor_parallel.layers.shard)
     tp_rank: int
     tp_size: int
-    full_shape: tuple        # the single-rank parameter's shape
-    shape: tuple             # this TP rank's piece of it
-    start: int               # flat offset of the span in this rank's TP piece
-    master_key: str | None   # plain DP with bf16: the fp32 master's key
+    full_shape: tuple  # the single-rank parameter's shape
+    shape: tuple  # this TP rank's piece of it
+    start: int  # flat offset of the span in this rank's TP piece
+    master_key: str | None  # plain DP with bf16: the fp32 master's key
 
 
 @dataclass
 class RankLayout:
     """Every tensor of one rank's file: shapes of the "model" dict, optimizer state shapes, slots."""
+
     zero: bool
     tensors: dict[str, tuple[tuple, bool]] = field(default_factory=dict)  # key -> (shape, fp32 master?)
     opt_shapes: list[tuple] = field(default_factory=list)
@@ -84,8 +87,9 @@ def topology_of(cfg: Config) -> Topology:
 
 def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list[GPT]:
     """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only)."""
-    ctx = ParallelContext(tp=FakeGroup(tp_rank, cfg.parallel.tensor_model_parallel_size),
-                          sequence_parallel=cfg.parallel.sequence_parallel)
+    ctx = ParallelContext(
+        tp=FakeGroup(tp_rank, cfg.parallel.tensor_model_parallel_size), sequence_parallel=cfg.parallel.sequence_parallel
+    )
     with torch.device("meta"):
         return build_stage_model(cfg, vocab, ctx, pp_rank)
 
@@ -93,8 +97,12 @@ def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list[GP
 def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
     """{single-rank parameter name: full shape} of the model `cfg` describes."""
     tp = cfg.parallel.tensor_model_parallel_size
-    return {n: tuple(full_shape(p, tp)) for stage in range(cfg.parallel.pipeline_model_parallel_size)
-            for chunk in build_chunks(cfg, vocab, 0, stage) for n, p in chunk.named_parameters()}
+    return {
+        n: tuple(full_shape(p, tp))
+        for stage in range(cfg.parallel.pipeline_model_parallel_size)
+        for chunk in build_chunks(cfg, vocab, 0, stage)
+        for n, p in chunk.named_parameters()
+    }
 
 
 def _optimizer_index(ndims: list[int]) -> list[int]:
@@ -105,8 +113,9 @@ def _optimizer_index(ndims: list[int]) -> list[int]:
     return index
 
 
-def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None,
-                chunk_cache: dict | None = None) -> RankLayout:
+def rank_layout(
+    cfg: Config, vocab: int, rank: int, topo: Topology | None = None, chunk_cache: dict | None = None
+) -> RankLayout:
     """The slots of `rank`'s file in a run of `cfg` (padded vocabulary `vocab`). A caller
     describing many ranks of one run passes a `chunk_cache` dict: the meta-device chunks
     depend only on the (TP, PP) coordinates, so DP x CP replicas share them."""
@@ -121,8 +130,19 @@ def rank_layout(cfg: Config, vocab: int, rank: int, topo: Topology | None = None
     out = RankLayout(zero=zero)
 
     def slot(key, lo, hi, name, p, start, master_key=None):
-        return dict(key=key, lo=lo, hi=hi, name=name, tp_split=p.tp_split, tp_rank=c["tp"], tp_size=tp_size,
-                    full_shape=tuple(full_shape(p, tp_size)), shape=tuple(p.shape), start=start, master_key=master_key)
+        return dict(
+            key=key,
+            lo=lo,
+            hi=hi,
+            name=name,
+            tp_split=p.tp_split,
+            tp_rank=c["tp"],
+            tp_size=tp_size,
+            full_shape=tuple(full_shape(p, tp_size)),
+            shape=tuple(p.shape),
+            start=start,
+            master_key=master_key,
+        )
 
     pending, ndims = [], []  # (slot fields, optimizer state shape) in the engine's parameter order
     if not zero:  # PlainDP: every parameter whole, optimizer over chunks' parameters in order

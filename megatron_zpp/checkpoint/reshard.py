@@ -19,13 +19,14 @@ differ from an unchanged run). When a TP change changes the vocabulary padding, 
 rows are cut, or added as copies of the last one (as Megatron's converter does): they are
 never a target, but their logits are in the softmax, so the loss moves slightly.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..tensor_parallel.layers import shard, unshard
-from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 from .files import CheckpointError, RankFile, open_rank_file
+from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 VOCAB_ROWS = ("embedding.weight", "output.weight")  # their dim 0 is the padded vocabulary
@@ -82,9 +83,9 @@ class SavedCheckpoint:
             split = s.tp_split
             src = f.tensor("/model/" + (s.master_key or (s.key + ".master" if self.layouts[rank].zero else s.key)))
             dst = pieces[s.tp_rank]
-            dst["param"][s.start:s.start + s.hi - s.lo] = src.reshape(-1)[s.lo:s.hi]
+            dst["param"][s.start : s.start + s.hi - s.lo] = src.reshape(-1)[s.lo : s.hi]
             for k in fields[1:]:
-                dst[k][s.start:s.start + s.hi - s.lo] = f.tensor(f"/optimizer/state/{s.opt}/{k}").reshape(-1)
+                dst[k][s.start : s.start + s.hi - s.lo] = f.tensor(f"/optimizer/state/{s.opt}/{k}").reshape(-1)
         shape = self.index[name][0][1].shape
         return {k: unshard([pieces[t][k].view(shape) for t in sorted(pieces)], split) for k in fields}
 
@@ -96,7 +97,7 @@ def _fit(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
     if tuple(t.shape) == shape:
         return t
     if shape[0] <= t.shape[0]:
-        return t[:shape[0]]
+        return t[: shape[0]]
     return torch.cat([t, t[-1:].expand(shape[0] - t.shape[0], *shape[1:])])
 
 
@@ -107,8 +108,11 @@ def _vocab_padding_only(name: str, a: tuple, b: tuple) -> bool:
 def model_differences(saved_cfg, cfg) -> str:
     """': a (checkpoint) vs b (this run); ...' over the model settings, or ''."""
     a, b = saved_cfg.model, cfg.model
-    diff = [f"{k} {getattr(a, k)} (checkpoint) vs {getattr(b, k)} (this run)" for k in vars(b)
-            if getattr(a, k, None) != getattr(b, k)]
+    diff = [
+        f"{k} {getattr(a, k)} (checkpoint) vs {getattr(b, k)} (this run)"
+        for k in vars(b)
+        if getattr(a, k, None) != getattr(b, k)
+    ]
     return (": " + "; ".join(diff)) if diff else ""
 
 
@@ -118,23 +122,36 @@ def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     saved_cfg = config_from_dict(meta["config"])
     mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta["padded_vocab_size"])
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
-    shapes = [f"{n} {theirs[n]} (checkpoint) vs {mine[n]} (this run)" for n in sorted(set(mine) & set(theirs))
-              if theirs[n] != mine[n] and not _vocab_padding_only(n, theirs[n], mine[n])]
+    shapes = [
+        f"{n} {theirs[n]} (checkpoint) vs {mine[n]} (this run)"
+        for n in sorted(set(mine) & set(theirs))
+        if theirs[n] != mine[n] and not _vocab_padding_only(n, theirs[n], mine[n])
+    ]
     if missing or extra or shapes:
-        what = ([f"missing in the checkpoint: {missing[:4]}"] if missing else []) + \
-               ([f"not in this model: {extra[:4]}"] if extra else []) + shapes[:4]
-        raise CheckpointError(f"{path} holds another model ({'; '.join(what)})"
-                              f"{model_differences(saved_cfg, cfg)}")
+        what = (
+            ([f"missing in the checkpoint: {missing[:4]}"] if missing else [])
+            + ([f"not in this model: {extra[:4]}"] if extra else [])
+            + shapes[:4]
+        )
+        raise CheckpointError(f"{path} holds another model ({'; '.join(what)}){model_differences(saved_cfg, cfg)}")
 
 
 def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: torch.dtype) -> dict:
     """The "model" and "optimizer" entries `rank` of a run of `cfg` would have saved, built
     from `saved` (any layout). `dtype` is the run's training dtype."""
     lay = rank_layout(cfg, vocab, rank)
-    model = {k: torch.zeros(shape, dtype=torch.float32 if master else dtype) for k, (shape, master) in lay.tensors.items()}
+    model = {
+        k: torch.zeros(shape, dtype=torch.float32 if master else dtype) for k, (shape, master) in lay.tensors.items()
+    }
     moments = saved.step is not None
-    state = {j: {"step": saved.step.clone(), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
-             for j, shape in enumerate(lay.opt_shapes)} if moments else {}
+    state = (
+        {
+            j: {"step": saved.step.clone(), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
+            for j, shape in enumerate(lay.opt_shapes)
+        }
+        if moments
+        else {}
+    )
     by_name: dict[str, list] = {}
     for s in lay.slots:
         by_name.setdefault(s.name, []).append(s)
@@ -142,10 +159,12 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
         full = {k: _fit(name, t, slots[0].full_shape) for k, t in saved.full(name).items()}
         for s in slots:
             n = s.hi - s.lo
-            piece = {k: shard(t, s.tp_split, s.tp_rank, s.tp_size).reshape(-1)[s.start:s.start + n]
-                     for k, t in full.items()}
+            piece = {
+                k: shard(t, s.tp_split, s.tp_rank, s.tp_size).reshape(-1)[s.start : s.start + n]
+                for k, t in full.items()
+            }
             if lay.zero:
-                model[s.key + ".master"][s.lo:s.hi] = piece["param"]
+                model[s.key + ".master"][s.lo : s.hi] = piece["param"]
             else:
                 model[s.key].view(-1).copy_(piece["param"])
                 if s.master_key:

@@ -1,6 +1,7 @@
 """Random-number state of one rank, as tensors, numbers and lists (a checkpoint holds no
 pickled objects): torch CPU and device generators, the tensor-parallel
 dropout stream (tensor_parallel.random._STATE), numpy's and Python's global generators."""
+
 from __future__ import annotations
 
 import random
@@ -22,10 +23,16 @@ def get_rng_state() -> dict:
     st = tp_random._STATE
     np_state = np.random.get_state()
     py_state = random.getstate()
-    out = {"torch_cpu": torch.get_rng_state(),
-           "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                     "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-           "python": {"version": py_state[0], "state": list(py_state[1]), "gauss_next": py_state[2]}}
+    out = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": {"version": py_state[0], "state": list(py_state[1]), "gauss_next": py_state[2]},
+    }
     device = _accelerator()
     if device is not None:
         out["device"] = torch.get_device_module(device).get_rng_state(device)
@@ -39,8 +46,9 @@ def get_rng_state() -> dict:
 def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch_cpu"])
     n = s["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     py = s["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     device = _accelerator()

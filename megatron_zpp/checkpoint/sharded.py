@@ -31,6 +31,7 @@ rename) and hash their own file; rank 0 gathers the digests, writes meta.json, r
 directory to its final name and replaces `latest` atomically. A save interrupted at any
 point leaves the previous `latest` and its directory intact.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,17 @@ import shutil
 import torch
 
 from .. import comm
-from .files import (FORMAT, CheckpointError, fsync_path, fsync_write, iter_name, rank_file, read_meta,
-                    read_rank_file, write_rank_file)
+from .files import (
+    FORMAT,
+    CheckpointError,
+    fsync_path,
+    fsync_write,
+    iter_name,
+    rank_file,
+    read_meta,
+    read_rank_file,
+    write_rank_file,
+)
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state, set_rng_state
 
@@ -49,12 +59,19 @@ from .rng import get_rng_state, set_rng_state
 def layout_of(cfg) -> dict:
     """Everything that decides which tensor lives on which rank with which shape."""
     p, z = cfg.parallel, cfg.zero
-    return {"world_size": p.world_size, "tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-            "cp": p.context_parallel_size, "dp": p.data_parallel_size, "order": p.order,
-            "zero_stage": z.zero_stage, "vpp": p.num_layers_per_virtual_pipeline_stage,
-            "first_stage_layers": p.decoder_first_pipeline_num_layers,
-            "last_stage_layers": p.decoder_last_pipeline_num_layers,
-            "zero_quantization_block_size": z.zero_quantization_block_size if z.zero_stage else None}
+    return {
+        "world_size": p.world_size,
+        "tp": p.tensor_model_parallel_size,
+        "pp": p.pipeline_model_parallel_size,
+        "cp": p.context_parallel_size,
+        "dp": p.data_parallel_size,
+        "order": p.order,
+        "zero_stage": z.zero_stage,
+        "vpp": p.num_layers_per_virtual_pipeline_stage,
+        "first_stage_layers": p.decoder_first_pipeline_num_layers,
+        "last_stage_layers": p.decoder_last_pipeline_num_layers,
+        "zero_quantization_block_size": z.zero_quantization_block_size if z.zero_stage else None,
+    }
 
 
 def layout_changes(meta: dict, cfg) -> list[str]:
@@ -70,9 +87,13 @@ def layout_changes(meta: dict, cfg) -> list[str]:
 def _rank_state(run) -> dict:
     """What this rank saves: a snapshot (the live tensors go on changing)."""
     state = run.dp.state_dict()
-    return {"iteration": run.iteration, "consumed_samples": run.consumed_samples,
-            "model": {k: t.detach().clone() for k, t in state["model"].items()}, "optimizer": state["optimizer"],
-            "rng": get_rng_state()}
+    return {
+        "iteration": run.iteration,
+        "consumed_samples": run.consumed_samples,
+        "model": {k: t.detach().clone() for k, t in state["model"].items()},
+        "optimizer": state["optimizer"],
+        "rng": get_rng_state(),
+    }
 
 
 def _start(directory: str, iteration: int) -> tuple[str, str]:
@@ -86,15 +107,23 @@ def _fresh_dir(tmp: str) -> None:
     os.makedirs(tmp)
 
 
-def _seal(directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int,
-          digests: list[str]) -> None:
+def _seal(
+    directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int, digests: list[str]
+) -> None:
     """Write meta.json (with every rank file's sha256), rename tmp to final, then point
     `latest` at it."""
     files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
-    meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": consumed,
-            "padded_vocab_size": padded_vocab, "world_size": world, "layout": layout_of(cfg),
-            "config": cfg.to_dict(), "files": files}
+    meta = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "consumed_samples": consumed,
+        "padded_vocab_size": padded_vocab,
+        "world_size": world,
+        "layout": layout_of(cfg),
+        "config": cfg.to_dict(),
+        "files": files,
+    }
     fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
     fsync_path(tmp)
     if os.path.exists(final):  # saved this iteration before: replace it
@@ -118,8 +147,16 @@ def save_checkpoint(run, directory: str) -> str:
     mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=run.device).view(1, 32)
     comm.all_gather(digests, mine, world, "checkpoint_digests")
     if run.rank == 0:
-        _seal(directory, final, tmp, run.cfg, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
-              [bytes(d.tolist()).hex() for d in digests.cpu()])
+        _seal(
+            directory,
+            final,
+            tmp,
+            run.cfg,
+            run.iteration,
+            run.consumed_samples,
+            run.tokenizer.padded_vocab_size,
+            [bytes(d.tolist()).hex() for d in digests.cpu()],
+        )
     comm.barrier()
     return final
 
@@ -132,8 +169,17 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
         raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
     final, tmp = _start(directory, 0)
     _fresh_dir(tmp)
-    digest = write_rank_file(tmp, 0, {"iteration": 0, "consumed_samples": 0, "optimizer": {}, "rng": {},
-                                      "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}})
+    digest = write_rank_file(
+        tmp,
+        0,
+        {
+            "iteration": 0,
+            "consumed_samples": 0,
+            "optimizer": {},
+            "rng": {},
+            "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
+        },
+    )
     _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], [digest])
     return final
 
@@ -142,8 +188,9 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
 def _restore(run, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
-        run.dp.load_state_dict({"model": {k: v.to(run.device) for k, v in state["model"].items()},
-                                "optimizer": state.get("optimizer")})
+        run.dp.load_state_dict(
+            {"model": {k: v.to(run.device) for k, v in state["model"].items()}, "optimizer": state.get("optimizer")}
+        )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
 

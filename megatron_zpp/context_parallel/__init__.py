@@ -13,9 +13,8 @@ and S_in(p) is the exclusive scan over ranks of (S_loc, gamma), done by one of
 
 Softmax attention under CP (attention.py) all-gathers K and V.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 from torch import Tensor
 
@@ -31,9 +30,18 @@ __all__ = ["gla_context_parallel", "attention_context_parallel", "ALGOS"]
 ALGOS = ("all-scan", "all-gather", "ring")
 
 
-def gla_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, cp: Group, algo: str = "all-scan",
-                         blocks: int = 1, scale: Optional[float] = None, chunk_size: int = 16,
-                         initial_state: Optional[Tensor] = None) -> Tensor:
+def gla_context_parallel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    cp: Group,
+    algo: str = "all-scan",
+    blocks: int = 1,
+    scale: float | None = None,
+    chunk_size: int = 16,
+    initial_state: Tensor | None = None,
+) -> Tensor:
     """GLA over a sequence split in contiguous slices over the CP group (rank order).
 
     q, k, g: [B, T_local, H, K]; v: [B, T_local, H, V]; T_local a multiple of chunk_size.

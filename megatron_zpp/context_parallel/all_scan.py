@@ -21,9 +21,10 @@ gradient's state term), which autograd carries into the local pass.
 
 `ChainScan` is shared with the LASP-1 ring (ring.py), which differs only in its chain.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -50,8 +51,9 @@ def all_scan_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: st
     edges = [K * i // blocks for i in range(blocks + 1)]
     spans = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
     # Post every receive first, one batch per block (NCCL returns one handle per batch).
-    recvs = [comm.p2p([comm.Recv(x_in[a:b], src, tag + i)], cp, phase) if has_src else []
-             for i, (a, b) in enumerate(spans)]
+    recvs = [
+        comm.p2p([comm.Recv(x_in[a:b], src, tag + i)], cp, phase) if has_src else [] for i, (a, b) in enumerate(spans)
+    ]
     sends = []
     for i, (a, b) in enumerate(spans):
         for work in recvs[i]:

@@ -8,6 +8,7 @@ reduce-scatters dK and dV back to the slices that own them.
 Volume per rank (ring model): forward (P-1)/P of the gathered K|V, backward the same for
 the reduce-scatter of their gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,9 @@ class GatherSequence(torch.autograd.Function):
         return out.movedim(0, ctx.dim), None, None
 
 
-def attention_context_parallel(q: Tensor, k: Tensor, v: Tensor, cp: Group, dropout_p: float = 0.0,
-                               training: bool = False) -> Tensor:
+def attention_context_parallel(
+    q: Tensor, k: Tensor, v: Tensor, cp: Group, dropout_p: float = 0.0, training: bool = False
+) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     q [B, H, T_local, D], k [B, G, T_local, D], v [B, G, T_local, Dv] (SDPA layout; GQA: H a

@@ -13,6 +13,7 @@ Volume per rank (ring all-gather model): forward (P-1) * (state + gamma) bytes, 
 (P-1) states, growing with P, against one state each way for All-Scan. Latency is one
 collective, not a chain.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ dS_in(p) = dS_corr(p) + gamma(p) * dS_out(p) sent to p-1. Rank p blocks until th
 S_in has arrived from p-1, then sends the whole S_out to p+1 and waits for it to leave, so
 the chain's latency is P * tau(state) (no pipelining); each rank still sends one state.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,8 +15,17 @@ import os
 import numpy as np
 import torch
 
-from megatron_zpp.data.gpt_dataset import (INDEX_FORMAT, SPLITS, GPTDataset, cache_paths, load_arrays,
-                                           missing_cache_error, open_indexed, save_arrays, split_ranges)
+from megatron_zpp.data.gpt_dataset import (
+    INDEX_FORMAT,
+    SPLITS,
+    GPTDataset,
+    cache_paths,
+    load_arrays,
+    missing_cache_error,
+    open_indexed,
+    save_arrays,
+    split_ranges,
+)
 
 SURPLUS = 0.005  # Megatron's margin of extra samples built per blended dataset
 
@@ -77,8 +86,14 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.datasets = datasets
         total = sum(weights)
         self.weights = [w / total for w in weights]
-        self.description = {"class": "BlendedDataset", "format": INDEX_FORMAT, "split": split, "size": int(size),
-                            "weights": self.weights, "datasets": [d.description for d in datasets]}
+        self.description = {
+            "class": "BlendedDataset",
+            "format": INDEX_FORMAT,
+            "split": split,
+            "size": int(size),
+            "weights": self.weights,
+            "datasets": [d.description for d in datasets],
+        }
         paths = cache_paths(cache_dir, self.description, f"BlendedDataset-{split}", self.ARRAYS)
         arrays = load_arrays(paths)
         if arrays is None:
@@ -115,7 +130,7 @@ def _split_dataset(prefix: str, split_id: int, fractions, num_samples, seq_lengt
 def split_tokens(prefix: str, split_id: int, fractions) -> int:
     indexed = open_indexed(prefix)
     rng = split_ranges(fractions, len(indexed))[split_id]
-    return 0 if rng is None else int(indexed.sequence_lengths[rng[0]:rng[1]].sum(dtype=np.int64))
+    return 0 if rng is None else int(indexed.sequence_lengths[rng[0] : rng[1]].sum(dtype=np.int64))
 
 
 def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build):
@@ -142,8 +157,9 @@ def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_sam
         total = sum(wi for _, wi in members)
         shares = [wi / total for _, wi in members]
         per = [max(math.ceil(sh * want * (1 + SURPLUS)), math.floor(sh * want) + 2) if want else 0 for sh in shares]
-        datasets = [_split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build)
-                    for (p, _), n in zip(members, per)]
+        datasets = [
+            _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build) for (p, _), n in zip(members, per)
+        ]
         # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
         size = want if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
         out.append(BlendedDataset(datasets, shares, size, SPLITS[s], cache_dir, build))

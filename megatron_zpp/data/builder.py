@@ -1,10 +1,11 @@
 """The one entry point of training's data: the train/valid/test datasets of a --data-path
 blend and a --split, built on one rank and loaded by the others (gpt_dataset.py holds
 the dataset, blended.py the blend)."""
+
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from .blended import build_split_datasets, parse_data_path
 
@@ -21,9 +22,16 @@ def parse_split(split: str) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
-def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
-                       num_samples: tuple[int, int, int], cache_path: str | None, is_builder: bool,
-                       barrier: Callable[[], None]):
+def build_gpt_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_path: str | None,
+    is_builder: bool,
+    barrier: Callable[[], None],
+):
     """(train, valid, test) datasets, each None when its split has no documents.
 
     The builder rank builds (or finds) every cached index, then calls barrier(); the other ranks

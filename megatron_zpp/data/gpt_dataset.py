@@ -58,8 +58,10 @@ def load_arrays(paths: dict) -> dict | None:
 
 def missing_cache_error(paths: dict) -> IndexedDatasetError:
     missing = [p for p in paths.values() if not os.path.isfile(p)]
-    return IndexedDatasetError(f"{missing[0]}: index cache missing on a non-builder rank; the builder rank "
-                               "failed or writes to a different --data-cache-path (it must be shared)")
+    return IndexedDatasetError(
+        f"{missing[0]}: index cache missing on a non-builder rank; the builder rank "
+        "failed or writes to a different --data-cache-path (it must be shared)"
+    )
 
 
 # ---------------------------------------------------------------- index construction
@@ -102,14 +104,30 @@ class GPTDataset(torch.utils.data.Dataset):
 
     ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, split: str, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: str, build: bool):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        documents: np.ndarray,
+        split: str,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str,
+        build: bool,
+    ):
         self.indexed, self.seq_length = indexed, seq_length
         self.description = {
-            "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
-            "index_sequences": len(indexed), "index_tokens": indexed.num_tokens, "split": split,
-            "documents": [int(documents[0]), int(documents[-1]) + 1], "seq_length": seq_length,
-            "seed": seed, "num_samples": int(num_samples)}
+            "class": "GPTDataset",
+            "format": INDEX_FORMAT,
+            "prefix": os.path.abspath(indexed.prefix),
+            "index_sequences": len(indexed),
+            "index_tokens": indexed.num_tokens,
+            "split": split,
+            "documents": [int(documents[0]), int(documents[-1]) + 1],
+            "seq_length": seq_length,
+            "seed": seed,
+            "num_samples": int(num_samples),
+        }
         paths = cache_paths(cache_dir, self.description, f"GPTDataset-{split}", self.ARRAYS)
         arrays = load_arrays(paths)
         if arrays is None:

@@ -21,8 +21,16 @@ import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-               6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
 
@@ -47,7 +55,9 @@ def token_dtype(vocab_size: int) -> type:
 def encode_header(dtype, num_sequences: int, num_documents: int) -> bytes:
     """`num_documents` counts boundaries (documents + 1), as stored."""
     code = CODE_OF_DTYPE[np.dtype(dtype)]
-    return MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", code) + struct.pack("<QQ", num_sequences, num_documents)
+    return (
+        MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", code) + struct.pack("<QQ", num_sequences, num_documents)
+    )
 
 
 class IndexedDataset:
@@ -69,7 +79,9 @@ class IndexedDataset:
         if len(header) < HEADER_BYTES:
             raise IndexedDatasetError(f"{ipath}: truncated header ({idx_bytes} bytes, need {HEADER_BYTES})")
         if header[:9] != MAGIC:
-            raise IndexedDatasetError(f"{ipath}: bad magic {header[:9]!r}, expected {MAGIC!r} (not a Megatron mmap index)")
+            raise IndexedDatasetError(
+                f"{ipath}: bad magic {header[:9]!r}, expected {MAGIC!r} (not a Megatron mmap index)"
+            )
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
             raise IndexedDatasetError(f"{ipath}: unsupported version {version}, expected {VERSION}")
@@ -82,7 +94,8 @@ class IndexedDataset:
         if idx_bytes != want:
             raise IndexedDatasetError(
                 f"{ipath}: {idx_bytes} bytes but header says {n} sequences and {d} document boundaries "
-                f"({want} bytes); the file is truncated or corrupt")
+                f"({want} bytes); the file is truncated or corrupt"
+            )
         if d < 1:
             raise IndexedDatasetError(f"{ipath}: document count is 0 (must hold at least the leading 0)")
         self._idx = np.memmap(ipath, mode="r", dtype=np.uint8)
@@ -94,10 +107,13 @@ class IndexedDataset:
         if end != bin_bytes:
             raise IndexedDatasetError(
                 f"{bpath}: {bin_bytes} bytes but {ipath} says the tokens end at byte {end} "
-                f"({self.dtype.name}); the .bin and .idx do not belong together or one is truncated")
+                f"({self.dtype.name}); the .bin and .idx do not belong together or one is truncated"
+            )
         if self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise IndexedDatasetError(
-                f"{ipath}: document indices must run from 0 to {n}, got {self.document_indices[0]}..{self.document_indices[-1]}")
+                f"{ipath}: document indices must run from 0 to {n}, "
+                f"got {self.document_indices[0]}..{self.document_indices[-1]}"
+            )
         # np.memmap refuses empty files; an empty corpus is still a valid pair.
         self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if bin_bytes else np.zeros(0, np.uint8)
 
@@ -111,7 +127,8 @@ class IndexedDataset:
         if bad.size:
             raise IndexedDatasetError(
                 f"{idx_path(self.prefix)}: pointer of sequence {bad[0]} is {self.sequence_pointers[bad[0]]}, "
-                f"expected {expect[bad[0]]} from the lengths before it")
+                f"expected {expect[bad[0]]} from the lengths before it"
+            )
         if (np.diff(self.document_indices) < 0).any():
             raise IndexedDatasetError(f"{idx_path(self.prefix)}: document indices decrease")
 
@@ -185,7 +202,7 @@ class IndexedDatasetWriter:
             while chunk := f.read(64 << 20):
                 self._bin.write(chunk)
         for s in range(0, len(other), self.BLOCK):
-            self._lengths.write(np.ascontiguousarray(other.sequence_lengths[s:s + self.BLOCK]).tobytes())
+            self._lengths.write(np.ascontiguousarray(other.sequence_lengths[s : s + self.BLOCK]).tobytes())
         self.num_sequences += len(other)
         self.num_tokens += other.num_tokens
 

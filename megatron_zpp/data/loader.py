@@ -8,6 +8,7 @@ which is cheaper than a broadcast), context-parallel rank c keeps the c-th conti
 slice of every sequence, only the first pipeline stage keeps tokens and only the last
 keeps labels.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,9 @@ class MicroBatchSampler:
             start += round_size
 
 
-def make_batch(samples: list[np.ndarray], cp_rank: int, cp_size: int, keep_tokens: bool, keep_labels: bool,
-               device: torch.device) -> dict[str, torch.Tensor | None]:
+def make_batch(
+    samples: list[np.ndarray], cp_rank: int, cp_size: int, keep_tokens: bool, keep_labels: bool, device: torch.device
+) -> dict[str, torch.Tensor | None]:
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1], data[:, 1:]
     T = tokens.shape[1] // cp_size
@@ -48,8 +50,9 @@ class BatchIterator:
 
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, groups, device: torch.device):
         self.dataset, self.groups, self.device = dataset, groups, device
-        self.sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size,
-                                         groups.dp_rank, groups.dp.size)
+        self.sampler = MicroBatchSampler(
+            len(dataset), consumed_samples, micro_batch_size, groups.dp_rank, groups.dp.size
+        )
         self._it = iter(self.sampler)
 
     def __iter__(self):
@@ -59,8 +62,11 @@ class BatchIterator:
         indices = next(self._it)
         g = self.groups
         keep_tokens, keep_labels = g.is_first_stage, g.is_last_stage
-        samples = [self.dataset[i] for i in indices] if (keep_tokens or keep_labels) else [
-            np.zeros(1, dtype=np.int64)] * len(indices)
+        samples = (
+            [self.dataset[i] for i in indices]
+            if (keep_tokens or keep_labels)
+            else [np.zeros(1, dtype=np.int64)] * len(indices)
+        )
         if not (keep_tokens or keep_labels):
             return {"tokens": None, "labels": None, "position_offset": 0}
         return make_batch(samples, g.cp_rank, g.cp.size, keep_tokens, keep_labels, self.device)

@@ -4,6 +4,7 @@ Sample i is a random motif of 4..16 tokens repeated to fill the sequence, drawn 
 generator seeded by (seed, i): identical for every layout and run. Tokens follow a
 Zipf law, so a model first learns their frequencies, then to copy the motif (the
 induction behaviour real text rewards): the loss keeps falling for a long time."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,4 +23,4 @@ class MockGPTDataset(torch.utils.data.Dataset):
         motif = np.minimum(rng.zipf(1.3, size=int(rng.integers(4, 17))) - 1, self.vocab_size - 2)
         reps = (self.seq_length + 1) // len(motif) + 1
         start = int(rng.integers(0, len(motif)))
-        return np.tile(motif, reps + 1)[start:start + self.seq_length + 1].astype(np.int64)
+        return np.tile(motif, reps + 1)[start : start + self.seq_length + 1].astype(np.int64)

@@ -58,7 +58,9 @@ class SentencePieceTokenizer(_Tokenizer):
         elif self.sp.eos_id() >= 0:
             self.eod = self.sp.eos_id()
         else:
-            raise ValueError(f"{model_file}: has neither an eos piece nor <EOD>; retrain it with tools/train_tokenizer.py")
+            raise ValueError(
+                f"{model_file}: has neither an eos piece nor <EOD>; retrain it with tools/train_tokenizer.py"
+            )
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
         self.bos = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
 
@@ -99,8 +101,13 @@ class HuggingFaceTokenizer(_Tokenizer):
         return self.tok.decode([int(i) for i in ids])
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None = None,
-                    make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> _Tokenizer:
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: str | None,
+    vocab_size: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    tp_size: int = 1,
+) -> _Tokenizer:
     """Build the tokenizer named by --tokenizer-type and set its Megatron-padded vocabulary size."""
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -112,7 +119,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size
         cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else HuggingFaceTokenizer
         tok = cls(tokenizer_model)
     else:
-        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; "
-                         "choose NullTokenizer, SentencePieceTokenizer or HuggingFaceTokenizer")
+        raise ValueError(
+            f"unknown --tokenizer-type {tokenizer_type!r}; "
+            "choose NullTokenizer, SentencePieceTokenizer or HuggingFaceTokenizer"
+        )
     tok.padded_vocab_size = pad_vocab_size(tok.vocab_size, make_vocab_size_divisible_by, tp_size)
     return tok

@@ -1,4 +1,5 @@
 """The GPT model (softmax, GLA and hybrid layers) and its layout-independent init."""
+
 from .context import ParallelContext
 from .gpt import GPT, Block
 from .init import count_parameters, init_weights

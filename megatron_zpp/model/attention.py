@@ -1,6 +1,7 @@
 """Causal softmax self-attention with grouped-query heads (GQA) and RoPE, on PyTorch
 SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
 over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,13 @@ class SelfAttention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
         self.dropout = cfg.attention_dropout
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, [cfg.num_attention_heads * d, cfg.kv_heads * d,
-                                                          cfg.kv_heads * d], tp, cfg.init_method_std,
-                                        sequence_parallel)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d],
+            tp,
+            cfg.init_method_std,
+            sequence_parallel,
+        )
         self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -44,6 +49,7 @@ class SelfAttention(nn.Module):
             if self.cp is not None and self.cp.size > 1:  # local queries against the keys of every CP slice
                 o = attention_context_parallel(q, k, v, self.cp, dropout, self.training)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                   enable_gqa=self.kv_heads != self.heads)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.kv_heads != self.heads
+                )
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))

@@ -1,4 +1,5 @@
 """The one object through which the model knows how it is split over ranks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ class ParallelContext:
     norm/dropout regions sharded on the sequence over TP; cp: the context-parallel group
     (each rank holds a contiguous slice of every sequence) with the GLA state-passing
     algorithm and its All-Scan block count. The default is a single rank."""
+
     tp: Group | None = None
     sequence_parallel: bool = False
     cp: Group | None = None

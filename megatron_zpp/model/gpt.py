@@ -9,6 +9,7 @@ algorithm: each CP rank holds a contiguous slice of the sequence, at `position_o
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
 owns (`pre_process`: embedding, `post_process`: output).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, ctx: ParallelContext = ParallelContext(),
-                 layer_ids=None, pre_process: bool = True, post_process: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        ctx: ParallelContext = ParallelContext(),
+        layer_ids=None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
@@ -66,14 +74,22 @@ class GPT(nn.Module):
             if not self.tied:
                 self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, ctx.tp, std, sp)
 
-    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, position_offset: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        position_offset: int = 0,
+    ) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden [B, T', H] (later stages; T' = T/TP under
         sequence parallelism). Returns per-token losses [B, T] when labels are given,
         logits (vocab-sharded over TP) on the last stage otherwise, else hidden states."""
         x = self.embedding(tokens) if self.pre_process else hidden
-        seq_len = tokens.shape[1] if tokens is not None else x.shape[1] * (
-            self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        seq_len = (
+            tokens.shape[1]
+            if tokens is not None
+            else x.shape[1] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+        )
         positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
         rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
 

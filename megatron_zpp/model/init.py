@@ -4,6 +4,7 @@ Every parameter is drawn from its own generator, seeded by (seed, parameter name
 its full single-rank shape, and then cut to this rank's TP shard. Names carry global
 layer indices, so any TP/PP layout starts from exactly the single-rank weights, and a
 tied embedding copy on the last pipeline stage equals the first stage's."""
+
 from __future__ import annotations
 
 import zlib

@@ -9,6 +9,7 @@ the input projection) or, as in the GLA paper, from a low-rank one x W_down W_up
 (rank 16 there). Output: per-head RMSNorm, times a SiLU output gate, then the output
 projection. Every projection is split by heads over TP; W_down is replicated, and its
 gradient, computed from this rank's heads only, is a partial sum over TP."""
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,11 @@ class GatedLinearAttention(nn.Module):
         self.proj_in = ColumnParallelLinear(cfg.hidden_size, sections, ctx.tp, std, ctx.sequence_parallel)
         if self.low_rank:
             local = self.heads * self.head_dim
-            self.gate_down = mark(nn.Parameter(torch.empty(self.low_rank, cfg.hidden_size)), ("normal", std),
-                                  tp_partial_grad=ctx.tp_size > 1)
+            self.gate_down = mark(
+                nn.Parameter(torch.empty(self.low_rank, cfg.hidden_size)),
+                ("normal", std),
+                tp_partial_grad=ctx.tp_size > 1,
+            )
             self.gate_up = mark(nn.Parameter(torch.empty(local, self.low_rank)), ("normal", std), (0, (width,)))
             self.gate_bias = mark(nn.Parameter(torch.empty(local)), ("zeros",), (0, (width,)))
         self.head_norm = mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), ("ones",), (0, (width,)))
@@ -48,8 +52,9 @@ class GatedLinearAttention(nn.Module):
         h = self.proj_in(x, input_in_tp_region=True)
         B, T, _ = h.shape
         parts = h.chunk(4 if self.low_rank else 5, dim=-1)
-        gate_logits = parts[4] if not self.low_rank else \
-            F.linear(F.linear(x, self.gate_down), self.gate_up, self.gate_bias)  # no comm: see the docstring
+        gate_logits = (
+            parts[4] if not self.low_rank else F.linear(F.linear(x, self.gate_down), self.gate_up, self.gate_bias)
+        )  # no comm: see the docstring
         q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in (*parts[:4], gate_logits))
         g = F.logsigmoid(_at_least_fp32(g)) / self.normalizer
         o = _at_least_fp32(self._mix(q, k, v, g))
@@ -60,7 +65,9 @@ class GatedLinearAttention(nn.Module):
     def _mix(self, q, k, v, g) -> torch.Tensor:
         ctx, T = self.ctx, q.shape[1]
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
-            return gla_context_parallel(q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=self.chunk_size)
+            return gla_context_parallel(
+                q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=self.chunk_size
+            )
         pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
         if pad:
             q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))

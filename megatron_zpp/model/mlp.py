@@ -1,4 +1,5 @@
 """Feed-forward block: SwiGLU (default) or GeLU, column- then row-parallel."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         ffn = cfg.ffn_size
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp,
-                                        cfg.init_method_std, ctx.sequence_parallel)
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp, cfg.init_method_std, ctx.sequence_parallel
+        )
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

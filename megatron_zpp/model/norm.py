@@ -1,6 +1,7 @@
 """RMSNorm and LayerNorm. Their weights are replicated over TP; under sequence
 parallelism each rank sees a different part of the sequence, so the weight grads are
 partial sums per TP rank (`tp_partial_grad`: the optimizer's finalize sums them)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Rotary position embedding (RoPE), rotating pairs (x[i], x[i + d/2]) as GPT-NeoX and
 Llama do. Positions are absolute, so a context-parallel rank passes its slice's offset."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Pure-PyTorch operators."""
+
 from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction, recurrent_gla
 
 __all__ = ["recurrent_gla", "chunk_gla", "chunk_gla_local", "gla_state_correction"]

@@ -1,5 +1,6 @@
 """Norm dispatch: apex's fused CUDA norms when importable and the tensor is on a GPU,
 else the PyTorch reference (computed in fp32). `backend()` says which path runs."""
+
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 try:  # optional GPU dependency (present in NGC images)
     from apex.normalization.fused_layer_norm import fused_layer_norm_affine, fused_rms_norm_affine
+
     HAVE_APEX = True
 except Exception:  # noqa: BLE001  (ImportError, or apex built without its CUDA extension)
     HAVE_APEX = False

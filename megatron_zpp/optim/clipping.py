@@ -4,6 +4,7 @@ A parameter replicated over TP (norm weights) has the same gradient on every TP 
 only TP rank 0 counts it. A tied embedding held by the first and the last pipeline stage
 is counted on the first stage only. The squared sums are then added over the model-
 parallel group (TP x PP), and over DP when gradients are sharded (ZeRO-2/3)."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,9 @@ def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None
             g.mul_(scale)
 
 
-def clip_by_global_norm(counted: list[torch.Tensor], grads: list[torch.Tensor], groups_to_sum,
-                        max_norm: float) -> float:
+def clip_by_global_norm(
+    counted: list[torch.Tensor], grads: list[torch.Tensor], groups_to_sum, max_norm: float
+) -> float:
     """Global norm of the `counted` gradients (each parameter once, summed over
     `groups_to_sum`), then clip all of `grads` by it. Returns the norm before clipping."""
     norm = global_grad_norm(counted, groups_to_sum)

@@ -9,6 +9,7 @@ finalize_model_grads), written once for every engine:
 
 Both are linear, so they commute with the data-parallel sum: the plain engine runs them
 before its all-reduce, the ZeRO engine on its reduced shards."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ from .. import comm
 from ..topology import ProcessGroups
 
 
-def finalize_model_grads(tp_partial: list[torch.Tensor], tied_embedding: list[torch.Tensor],
-                         groups: ProcessGroups) -> None:
+def finalize_model_grads(
+    tp_partial: list[torch.Tensor], tied_embedding: list[torch.Tensor], groups: ProcessGroups
+) -> None:
     """tp_partial: gradients (or their shards) to sum over TP; tied_embedding: the tied
     embedding's gradient (or shard) on an end stage, [] elsewhere."""
     if tp_partial and groups.tp.size > 1:  # one all-reduce for all of them
@@ -26,7 +28,7 @@ def finalize_model_grads(tp_partial: list[torch.Tensor], tied_embedding: list[to
         comm.all_reduce(flat, groups.tp, "sp_norm_grad_allreduce")
         offset = 0
         for g in tp_partial:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     if "embedding" in groups and groups.embedding.size > 1:  # middle stages hold no embedding
         for g in tied_embedding:

@@ -7,6 +7,7 @@ a checkpoint's optimizer state is indexed (checkpoint/layout.py reads it from he
 For an fp32 model the master weights are the parameters themselves. For bf16 the
 optimizer keeps an fp32 copy of each parameter, steps it with the fp32 main gradient,
 and writes the result back rounded to bf16 (Megatron's mixed-precision optimizer)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,10 +24,11 @@ def build_adamw(params: list[torch.Tensor], ndims: list[int], cfg: OptimConfig) 
     """AdamW over fp32 `params` whose model parameters have `ndims` dimensions."""
     order = adamw_order(ndims)
     decayed = sum(1 for n in ndims if n >= 2)
-    groups = [{"params": [params[i] for i in order[:decayed]], "weight_decay": cfg.weight_decay},
-              {"params": [params[i] for i in order[decayed:]], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             foreach=True)
+    groups = [
+        {"params": [params[i] for i in order[:decayed]], "weight_decay": cfg.weight_decay},
+        {"params": [params[i] for i in order[decayed:]], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -37,8 +39,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 class MixedPrecisionAdamW:
     def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig):
         self.params = [p for p in params if p.requires_grad]
-        self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
-                        for p in self.params]
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
+        ]
         self.opt = build_adamw(self.masters, [p.ndim for p in self.params], cfg)
 
     @torch.no_grad()

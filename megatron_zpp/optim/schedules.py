@@ -3,6 +3,7 @@ takes lr * (i + 1) / warmup), then decay to --min-lr, reached at iteration
 --lr-decay-iters (counted from 0, warmup included, as Megatron counts it; default the
 train iters): constant, linear, cosine, or WSD: stay at --lr, then decay over the last
 --lr-wsd-decay-iters before it (default a tenth of the iterations after the warmup)."""
+
 from __future__ import annotations
 
 import math

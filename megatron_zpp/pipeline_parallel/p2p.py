@@ -6,6 +6,7 @@ cycle. Peers are group-relative on the ring of the PP group (the last stage send
 first under interleaving). Activations and gradients travel with different tags, and in
 the same order on every rank, so a pair of stages that exchanges both (PP = 2) cannot
 mix them up, on gloo (tags) or NCCL (order)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,13 @@ class StageLink:
         self.pp, self.shape, self.dtype, self.device = pp, shape, dtype, device
         self.next, self.prev = (pp.rank + 1) % pp.size, (pp.rank - 1) % pp.size
 
-    def exchange(self, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                 recv_prev: bool = False, recv_next: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def exchange(
+        self,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Send an activation forward / a gradient backward, and receive an activation
         from the previous stage / a gradient from the next one. Returns (activation, grad)."""
         ops, got_act, got_grad = [], None, None

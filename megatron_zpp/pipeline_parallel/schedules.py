@@ -12,6 +12,7 @@ so the accumulated gradient is that of the mean over the rank's share of the glo
 batch. The schedules return the per-micro-batch losses on the last stage (empty
 elsewhere); the caller broadcasts what it reports.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,12 @@ class Stage:
         model = self.chunks[chunk_id]
         batch = next(self.batches) if (model.pre_process or model.post_process) else {}
         with torch.set_grad_enabled(not self.forward_only):
-            out = model(tokens=batch.get("tokens"), labels=batch.get("labels"), hidden=hidden,
-                        position_offset=self.position_offset)
+            out = model(
+                tokens=batch.get("tokens"),
+                labels=batch.get("labels"),
+                hidden=hidden,
+                position_offset=self.position_offset,
+            )
         if not model.post_process:
             return out
         loss = out.mean()
@@ -173,8 +178,14 @@ def forward_backward_interleaved(stage: Stage, link: StageLink) -> list[torch.Te
     return stage.losses
 
 
-def run_schedule(chunks: list, batches, num_micro_batches: int, link: StageLink | None, position_offset: int = 0,
-                 forward_only: bool = False) -> list[torch.Tensor]:
+def run_schedule(
+    chunks: list,
+    batches,
+    num_micro_batches: int,
+    link: StageLink | None,
+    position_offset: int = 0,
+    forward_only: bool = False,
+) -> list[torch.Tensor]:
     stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only)
     if link is None or link.pp.size == 1:
         return forward_backward_no_pipelining(stage)

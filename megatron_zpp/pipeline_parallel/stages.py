@@ -7,6 +7,7 @@ of equal size and stage p holds chunks p, p + PP, p + 2 PP, ... (Megatron's inte
 
 `build_stage_model` builds a stage's chunks from a config: training and the checkpoint
 layout (which rebuilds any rank's chunks on the meta device) both place layers here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,7 @@ from ..config import Config, ParallelConfig
 from ..model import GPT, ParallelContext
 
 
-def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None, last: int | None = None
-                 ) -> list[int]:
+def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None, last: int | None = None) -> list[int]:
     if pp == 1:
         return list(range(num_layers))
     sizes = [None] * pp
@@ -40,16 +40,18 @@ def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None,
 def virtual_stage_layers(num_layers: int, pp: int, layers_per_chunk: int, stage: int) -> list[list[int]]:
     """Layers of each of this stage's virtual chunks, in chunk order."""
     chunks = num_layers // (pp * layers_per_chunk)
-    return [list(range((v * pp + stage) * layers_per_chunk, (v * pp + stage + 1) * layers_per_chunk))
-            for v in range(chunks)]
+    return [
+        list(range((v * pp + stage) * layers_per_chunk, (v * pp + stage + 1) * layers_per_chunk)) for v in range(chunks)
+    ]
 
 
 @dataclass(frozen=True)
 class ChunkPlacement:
     """One model chunk of a pipeline stage: its layers and the ends it owns."""
+
     layer_ids: list[int]
-    pre_process: bool    # the embedding: first chunk of the first stage
-    post_process: bool   # final norm, output layer and loss: last chunk of the last stage
+    pre_process: bool  # the embedding: first chunk of the first stage
+    post_process: bool  # final norm, output layer and loss: last chunk of the last stage
 
 
 def stage_chunks(cfg: ParallelConfig, num_layers: int, pp_rank: int) -> list[ChunkPlacement]:
@@ -58,15 +60,22 @@ def stage_chunks(cfg: ParallelConfig, num_layers: int, pp_rank: int) -> list[Chu
     if cfg.num_layers_per_virtual_pipeline_stage:
         layer_sets = virtual_stage_layers(num_layers, pp, cfg.num_layers_per_virtual_pipeline_stage, pp_rank)
     else:
-        layer_sets = [stage_layers(num_layers, pp, pp_rank, cfg.decoder_first_pipeline_num_layers,
-                                   cfg.decoder_last_pipeline_num_layers)]
+        layer_sets = [
+            stage_layers(
+                num_layers, pp, pp_rank, cfg.decoder_first_pipeline_num_layers, cfg.decoder_last_pipeline_num_layers
+            )
+        ]
     last = len(layer_sets) - 1
-    return [ChunkPlacement(layers, pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == last)
-            for v, layers in enumerate(layer_sets)]
+    return [
+        ChunkPlacement(layers, pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == last)
+        for v, layers in enumerate(layer_sets)
+    ]
 
 
 def build_stage_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_rank: int) -> list[GPT]:
     """This stage's model chunks, uninitialized, on the current default device (the
     meta device gives shapes and names only)."""
-    return [GPT(cfg.model, vocab_size, ctx, c.layer_ids, c.pre_process, c.post_process)
-            for c in stage_chunks(cfg.parallel, cfg.model.num_layers, pp_rank)]
+    return [
+        GPT(cfg.model, vocab_size, ctx, c.layer_ids, c.pre_process, c.post_process)
+        for c in stage_chunks(cfg.parallel, cfg.model.num_layers, pp_rank)
+    ]

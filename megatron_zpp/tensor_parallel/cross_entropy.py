@@ -4,6 +4,7 @@ Each TP rank holds logits for its slice of the vocabulary. Three small all-reduc
 (max, the target logit, the sum of exponentials) give the exact loss; the backward is
 local: softmax - onehot on this rank's slice.
 """
+
 from __future__ import annotations
 
 import torch

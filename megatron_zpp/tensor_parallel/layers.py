@@ -7,6 +7,7 @@ the TP ranks. `init.py` uses this to build every shard from the full weight of t
 seed (so any layout starts from the single-rank model), and checkpoints use it to
 reassemble full weights. With a TP group of size 1 the layers are plain linears.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ def _size(group: Group | None) -> int:
     return 1 if group is None else group.size
 
 
-def mark(param: nn.Parameter, init: tuple, tp_split: tuple | None = None, tp_partial_grad: bool = False
-         ) -> nn.Parameter:
+def mark(
+    param: nn.Parameter, init: tuple, tp_split: tuple | None = None, tp_partial_grad: bool = False
+) -> nn.Parameter:
     """Attach the init rule ('normal', std) | ('ones',) | ('zeros',), the TP split, and
     whether the gradient of this replicated parameter is a partial sum per TP rank (the
     optimizer's finalize then sums it over TP)."""
@@ -59,16 +61,24 @@ class ColumnParallelLinear(nn.Module):
     each rank holds its share of every section. With sequence parallelism the input
     arrives sharded along the sequence and is all-gathered here."""
 
-    def __init__(self, in_features: int, out_features: int | list[int], tp: Group | None, init_std: float,
-                 sequence_parallel: bool = False, gather_output: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        tp: Group | None,
+        init_std: float,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+    ):
         super().__init__()
         sections = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
         n = _size(tp)
         if any(s % n for s in sections):
             raise ValueError(f"output sections {sections} not divisible by TP size {n}")
         self.tp, self.sequence_parallel, self.gather_output = tp, sequence_parallel, gather_output
-        self.weight = mark(nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std),
-                           (0, tuple(sections)))
+        self.weight = mark(
+            nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std), (0, tuple(sections))
+        )
 
     def forward(self, x: torch.Tensor, input_in_tp_region: bool = False) -> torch.Tensor:
         """input_in_tp_region: x already went through enter_tp_region (a layer that feeds
@@ -93,15 +103,17 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns: partial sums are all-reduced (or
     reduce-scattered along the sequence with sequence parallelism)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Group | None, init_std: float,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, tp: Group | None, init_std: float, sequence_parallel: bool = False
+    ):
         super().__init__()
         n = _size(tp)
         if in_features % n:
             raise ValueError(f"input size {in_features} not divisible by TP size {n}")
         self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.weight = mark(nn.Parameter(torch.empty(out_features, in_features // n)), ("normal", init_std),
-                           (1, (in_features,)))
+        self.weight = mark(
+            nn.Parameter(torch.empty(out_features, in_features // n)), ("normal", init_std), (1, (in_features,))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -112,8 +124,9 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split over TP ranks; each rank looks up the ids it
     owns and the partial results are summed (reduce-scattered with sequence parallel)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: Group | None, init_std: float,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: Group | None, init_std: float, sequence_parallel: bool = False
+    ):
         super().__init__()
         n = _size(tp)
         if vocab_size % n:
@@ -121,8 +134,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.per_rank = vocab_size // n
         self.start = (tp.rank if tp else 0) * self.per_rank
-        self.weight = mark(nn.Parameter(torch.empty(self.per_rank, hidden_size)), ("normal", init_std),
-                           (0, (vocab_size,)))
+        self.weight = mark(
+            nn.Parameter(torch.empty(self.per_rank, hidden_size)), ("normal", init_std), (0, (vocab_size,))
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if _size(self.tp) == 1:

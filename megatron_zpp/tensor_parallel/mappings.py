@@ -5,6 +5,7 @@ identity), scatter and gather along the last dim, and Megatron's sequence-parall
 along the sequence dim (all-gather / reduce-scatter). All go through comm.py, so the
 ledger sees them with their phase.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ drop the same elements on every TP rank: they use the default generator, seeded 
 on all TP ranks. Activations split over TP (attention heads, sequence-parallel shards)
 must drop independent elements: they run inside `model_parallel_rng()`, a generator
 seeded differently per TP rank."""
+
 from __future__ import annotations
 
 import contextlib

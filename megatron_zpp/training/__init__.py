@@ -1,9 +1,10 @@
 """Set up a run and train it.
 
-    run = setup(cfg)     # run.py: groups, model, engine, checkpoint, data
-    train(run)           # loop.py: steps (step.py), eval, logging, checkpoint cadence
-    shutdown()           # distributed.py
+run = setup(cfg)     # run.py: groups, model, engine, checkpoint, data
+train(run)           # loop.py: steps (step.py), eval, logging, checkpoint cadence
+shutdown()           # distributed.py
 """
+
 from .distributed import init_distributed, shutdown
 from .generation import greedy_generate
 from .loop import train

@@ -1,5 +1,6 @@
 """Build what a run trains: the model chunks of this rank, the data iterators, the
 pipeline link. The data-parallel engine comes from zero.build_engine."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,13 @@ def training_dtype(cfg: Config) -> torch.dtype:
 
 def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
     p = cfg.parallel
-    return ParallelContext(tp=groups.tp, sequence_parallel=p.sequence_parallel, cp=groups.cp, cp_algo=p.cp_algo,
-                           all_scan_blocks=p.all_scan_blocks)
+    return ParallelContext(
+        tp=groups.tp,
+        sequence_parallel=p.sequence_parallel,
+        cp=groups.cp,
+        cp_algo=p.cp_algo,
+        all_scan_blocks=p.all_scan_blocks,
+    )
 
 
 def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:
@@ -47,16 +53,26 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
     """(train iterator resumed at `consumed` samples, a factory of validation iterators or None)."""
     t = cfg.train
     eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
-    num_samples = (t.train_iters * t.global_batch_size, eval_rounds * t.global_batch_size,
-                   t.eval_iters * t.global_batch_size)
+    num_samples = (
+        t.train_iters * t.global_batch_size,
+        eval_rounds * t.global_batch_size,
+        t.eval_iters * t.global_batch_size,
+    )
     seq = cfg.model.seq_length
     if cfg.data.mock_data:
         train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed)
         valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1)
     else:
-        train, valid, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed, num_samples,
-                                             cfg.data.data_cache_path, is_builder=groups.rank == 0,
-                                             barrier=lambda: comm.barrier())
+        train, valid, _ = build_gpt_datasets(
+            cfg.data.data_path,
+            cfg.data.split,
+            seq,
+            t.seed,
+            num_samples,
+            cfg.data.data_cache_path,
+            is_builder=groups.rank == 0,
+            barrier=lambda: comm.barrier(),
+        )
     mbs = t.micro_batch_size
     valid_it = (lambda: BatchIterator(valid, 0, mbs, groups, device)) if valid is not None and eval_rounds else None
     return BatchIterator(train, consumed, mbs, groups, device), valid_it

@@ -1,4 +1,5 @@
 """Start and end the distributed job: the process group on the run's device, every group."""
+
 from __future__ import annotations
 
 import datetime

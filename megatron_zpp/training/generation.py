@@ -1,4 +1,5 @@
 """Greedy decoding with the model of a run (after training, --generate-tokens)."""
+
 from __future__ import annotations
 
 import torch

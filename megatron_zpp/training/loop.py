@@ -1,5 +1,6 @@
 """The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
 cadence, and the SIGTERM stop of --exit-signal-handler."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,6 +48,7 @@ class ExitSignal:
 @dataclasses.dataclass
 class Throughput:
     """What one step's time means: tokens and model FLOPs per step, the peak for MFU."""
+
     tokens_per_step: int
     flops_per_step: float
     peak: float
@@ -63,16 +65,23 @@ class Throughput:
 
     def metrics(self, elapsed: float) -> dict:
         tflops = self.flops_per_step / elapsed / self.world / 1e12
-        return {"tokens_per_sec": self.tokens_per_step / elapsed, "step_time": elapsed, "tflops_per_rank": tflops,
-                "mfu": tflops / self.peak if self.peak else None}
+        return {
+            "tokens_per_sec": self.tokens_per_step / elapsed,
+            "step_time": elapsed,
+            "tflops_per_rank": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+        }
 
 
 def _log_line(run: Run, m: dict) -> None:
     mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
     val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
-    log(f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
+    log(
+        f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
         f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
-        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | mem {m['memory_gib']:.2f} GiB", run.rank)
+        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | mem {m['memory_gib']:.2f} GiB",
+        run.rank,
+    )
 
 
 def _timed_step(run: Run, throughput: Throughput) -> dict:
@@ -84,13 +93,22 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
     comm.LEDGER.step()
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
-    return {"iteration": run.iteration, "loss": loss, "grad_norm": grad_norm, "lr": lr, **throughput.metrics(elapsed),
-            "consumed_samples": run.consumed_samples, "memory_gib": memory_gib(run.device)}
+    return {
+        "iteration": run.iteration,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        **throughput.metrics(elapsed),
+        "consumed_samples": run.consumed_samples,
+        "memory_gib": memory_gib(run.device),
+    }
 
 
 def _save_due(run: Run) -> bool:
     t = run.cfg.train
-    return bool(t.save) and (run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0))
+    return bool(t.save) and (
+        run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0)
+    )
 
 
 def train(run: Run) -> list[dict]:
@@ -114,8 +132,11 @@ def train(run: Run) -> list[dict]:
             log(f"saved checkpoint {saved}", rank)
         if stop.anywhere(run.groups):
             saved = saved or save_checkpoint(run, t.save)
-            log(f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
-                f"--load {t.save}", rank)
+            log(
+                f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
+                f"--load {t.save}",
+                rank,
+            )
             run.stopped_by_signal = True
             break
     stop.close()

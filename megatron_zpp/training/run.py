@@ -5,6 +5,7 @@
 
 With --load, setup restores the checkpoint (model, optimizer, RNG, iteration, data
 position) before the data iterator is built, so the data continues where it stopped."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,9 +35,9 @@ class Run:
     device: torch.device
     rank: int
     tokenizer: object
-    chunks: list[GPT]            # this pipeline stage's model chunks (one, or V virtual stages)
-    link: StageLink | None       # p2p to the neighbouring stages (None without PP)
-    dp: DataParallelEngine       # gradient reduction, clipping, the optimizer step, their state
+    chunks: list[GPT]  # this pipeline stage's model chunks (one, or V virtual stages)
+    link: StageLink | None  # p2p to the neighbouring stages (None without PP)
+    dp: DataParallelEngine  # gradient reduction, clipping, the optimizer step, their state
     train_data: BatchIterator
     valid_data: object
     iteration: int = 0
@@ -48,17 +49,36 @@ class Run:
 def setup(cfg: Config) -> Run:
     groups, device = init_distributed(cfg)
     d = cfg.data
-    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size,
-                                cfg.model.make_vocab_size_divisible_by, groups.tp.size)
+    tokenizer = build_tokenizer(
+        d.tokenizer_type,
+        d.tokenizer_model,
+        cfg.model.vocab_size,
+        cfg.model.make_vocab_size_divisible_by,
+        groups.tp.size,
+    )
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
     n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)  # before ZeRO-3 shards them
-    run = Run(cfg, groups, device, groups.rank, tokenizer, chunks, build_stage_link(cfg, groups, device),
-              build_engine(cfg, chunks, groups), None, None)
+    run = Run(
+        cfg,
+        groups,
+        device,
+        groups.rank,
+        tokenizer,
+        chunks,
+        build_stage_link(cfg, groups, device),
+        build_engine(cfg, chunks, groups),
+        None,
+        None,
+    )
     if cfg.train.load:  # model, optimizer, RNG, position
         restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
-        log(f"loaded {restored}" if restored else
-            f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch", run.rank)
+        log(
+            f"loaded {restored}"
+            if restored
+            else f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch",
+            run.rank,
+        )
     run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
     _log_setup(run, n_params)
     return run
@@ -67,15 +87,24 @@ def setup(cfg: Config) -> Run:
 def _log_setup(run: Run, n_params: int) -> None:
     cfg, groups, rank = run.cfg, run.groups, run.rank
     p = cfg.parallel
-    log(f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
+    log(
+        f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
         f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size} (order {p.order}, "
-        f"{groups.topo.num_nodes} node(s) of {groups.topo.ranks_per_node} ranks), device {run.device}", rank)
+        f"{groups.topo.num_nodes} node(s) of {groups.topo.ranks_per_node} ranks), device {run.device}",
+        rank,
+    )
     kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
-    log(f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
+    log(
+        f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
-        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}", rank)
+        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}",
+        rank,
+    )
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
-    log(f"kernels: {norm_backend(run.device)}; attention: torch SDPA; GLA: torch chunked reference; "
-        f"transformer-engine: {te}", rank)
+    log(
+        f"kernels: {norm_backend(run.device)}; attention: torch SDPA; GLA: torch chunked reference; "
+        f"transformer-engine: {te}",
+        rank,
+    )
     log(run.dp.describe(), rank)

@@ -3,6 +3,7 @@
 A step: forward/backward of every micro-batch (the pipeline schedule), then the engine
 reduces the gradients over data parallel, clips them by the global norm and steps AdamW.
 The loss is reported on every rank: the last pipeline stage holds it."""
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,9 @@ def evaluate(run) -> float:
     data = run.valid_data()
     losses = []
     for _ in range(run.cfg.train.eval_iters):
-        losses += run_schedule(run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run),
-                               forward_only=True)
+        losses += run_schedule(
+            run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run), forward_only=True
+        )
     for chunk in run.chunks:
         chunk.train()
     return report_loss(run, losses)

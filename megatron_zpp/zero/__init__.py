@@ -1,6 +1,7 @@
 """Data parallelism: plain (stage 0) and ZeRO-1/2/3 with ZeRO++ (qwZ, hpZ, qgZ) and
 multi-level hierarchical partitioning, over the DP x CP group of the topology. Both
 engines implement `DataParallelEngine` (engine.py); `build_engine` picks one."""
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@ optimizer state; full fp32 gradients are all-reduced over DP x CP before the ste
 
 State dict ("model"): {"chunk{c}.{param name}": weight} and, for bf16, {"master.{i}":
 fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,10 @@ class DDPEngine(DataParallelEngine):
         self.clip = optim_cfg.clip_grad
 
     def describe(self) -> str:
-        return (f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({self.groups.dp_cp.size} ranks, "
-                f"{self.groups.dp_cp.link})")
+        return (
+            f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({self.groups.dp_cp.size} ranks, "
+            f"{self.groups.dp_cp.link})"
+        )
 
     def zero_grad(self) -> None:
         self.grads.zero()

@@ -14,13 +14,13 @@ ModelWrapper / OptimizersContainer own theirs:
 `build_engine` picks plain data parallelism (ZeRO stage 0, ddp_engine.py) or ZeRO-1/2/3
 with ZeRO++ (zero_engine.py) from the config.
 """
+
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
 
 import torch
-
 
 
 class DataParallelEngine(ABC):
@@ -31,8 +31,7 @@ class DataParallelEngine(ABC):
         """One log line: the engine, its group and what it costs."""
 
     @abstractmethod
-    def zero_grad(self) -> None:
-        ...
+    def zero_grad(self) -> None: ...
 
     @abstractmethod
     def step(self, lr: float) -> float:
@@ -77,12 +76,15 @@ class DataParallelEngine(ABC):
 def copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src (converted to dst's dtype and device), refusing another shape."""
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch for {name}: checkpoint has {tuple(src.shape)}, the model has "
-                         f"{tuple(dst.shape)}")
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint has {tuple(src.shape)}, the model has {tuple(dst.shape)}"
+        )
     dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
 def check_keys(got: set, want: set) -> None:
     if got != want:
-        raise ValueError(f"checkpoint tensors do not match the model: missing {sorted(want - got)[:5]}, "
-                         f"unexpected {sorted(got - want)[:5]}")
+        raise ValueError(
+            f"checkpoint tensors do not match the model: missing {sorted(want - got)[:5]}, "
+            f"unexpected {sorted(got - want)[:5]}"
+        )

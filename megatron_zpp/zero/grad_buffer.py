@@ -5,6 +5,7 @@ Each parameter's `.main_grad` is a view of the buffer; a post-accumulate hook ad
 fresh `.grad` into it and frees `.grad`, so bf16 models accumulate micro-batches in
 fp32 (Megatron's main_grad). Parameters are laid out in reverse order, the order in
 which backward produces their gradients."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ class GradBuffer:
         self.bucket_numel = max(bucket_bytes // 4, 1)
         offset = 0
         for p in reversed(self.params):
-            p.main_grad = self.data[offset:offset + p.numel()].view(p.shape)
+            p.main_grad = self.data[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
             p.register_post_accumulate_grad_hook(self._accumulate)
 
@@ -38,8 +39,10 @@ class GradBuffer:
         """Average gradients over `group` (DP, or DP x CP when weights are replicated over CP)."""
         if group.size == 1:
             return
-        handles = [comm.all_reduce(bucket, group, "grad_allreduce", async_op=True)
-                   for bucket in self.data.split(self.bucket_numel)]
+        handles = [
+            comm.all_reduce(bucket, group, "grad_allreduce", async_op=True)
+            for bucket in self.data.split(self.bucket_numel)
+        ]
         for h in handles:
             h.wait()
         self.data.div_(group.size)

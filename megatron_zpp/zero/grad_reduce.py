@@ -20,6 +20,7 @@ sizes (odd node counts included).
 The result is the SUM over all DP ranks, not the mean: the caller divides by the DP
 size exactly once (DeepSpeed's qgZ shipped results scaled by D by dividing per hop).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,9 @@ def padded_numel(n: int, dp: int, block: int) -> int:
     return -(-n // unit) * unit
 
 
-def _exchange(send: torch.Tensor, group: Group, phase: str, bits: int | None, block: int,
-              wire_dtype: torch.dtype) -> torch.Tensor:
+def _exchange(
+    send: torch.Tensor, group: Group, phase: str, bits: int | None, block: int, wire_dtype: torch.dtype
+) -> torch.Tensor:
     """All-to-all of send [r, ...] over `group` (slice j -> member j); returns the received
     [r, ...] (slice j from member j) in fp32. Quantized: data and scales as two all-to-alls."""
     if group.size == 1:
@@ -54,15 +56,18 @@ def _exchange(send: torch.Tensor, group: Group, phase: str, bits: int | None, bl
     # block-wise over the flattened buffer: each slice is a whole number of blocks
     q, scales = quantize(send.reshape(-1), block)
     q_out, s_out = torch.empty_like(q), torch.empty_like(scales)
-    handles = [comm.all_to_all(q_out, q, group, phase, async_op=True),
-               comm.all_to_all(s_out, scales, group, phase, async_op=True)]
+    handles = [
+        comm.all_to_all(q_out, q, group, phase, async_op=True),
+        comm.all_to_all(s_out, scales, group, phase, async_op=True),
+    ]
     for h in handles:
         h.wait()
     return dequantize(q_out, s_out, block, torch.float32).view(send.shape)
 
 
-def hierarchical_reduce_scatter(flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None,
-                                block: int) -> torch.Tensor:
+def hierarchical_reduce_scatter(
+    flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int
+) -> torch.Tensor:
     """Reduce-scatter `flat` over the DP ranks spanned by `hops`, hop by hop.
 
     flat: [N] full local gradient (any float dtype), N a multiple of dp*block where
@@ -80,13 +85,15 @@ def hierarchical_reduce_scatter(flat: torch.Tensor, hops: list[Group], phase: st
     radices = [g.size for g in hops]
     dp = math.prod(radices)
     if flat.dim() != 1 or flat.numel() % (dp * block):
-        raise ValueError(f"flat gradient of shape {tuple(flat.shape)} must be 1-D with numel a multiple of "
-                         f"dp*block = {dp}*{block}; pad it to padded_numel({flat.numel()}, {dp}, {block}) = "
-                         f"{padded_numel(flat.numel(), dp, block)} elements")
+        raise ValueError(
+            f"flat gradient of shape {tuple(flat.shape)} must be 1-D with numel a multiple of "
+            f"dp*block = {dp}*{block}; pad it to padded_numel({flat.numel()}, {dp}, {block}) = "
+            f"{padded_numel(flat.numel(), dp, block)} elements"
+        )
     chunk = flat.numel() // dp
-    cur = flat.view(*reversed(radices), chunk)          # [r_k, ..., r_1, r_0, C]
+    cur = flat.view(*reversed(radices), chunk)  # [r_k, ..., r_1, r_0, C]
     for group in hops:
-        send = cur.movedim(-2, 0).contiguous()           # [r_i, r_k, ..., r_{i+1}, C]
+        send = cur.movedim(-2, 0).contiguous()  # [r_i, r_k, ..., r_{i+1}, C]
         recv = _exchange(send, group, phase, bits, block, flat.dtype)
-        cur = recv.sum(dim=0)                            # fp32: [r_k, ..., r_{i+1}, C]
+        cur = recv.sum(dim=0)  # fp32: [r_k, ..., r_{i+1}, C]
     return cur.reshape(chunk).to(flat.dtype)

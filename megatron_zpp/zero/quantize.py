@@ -13,6 +13,7 @@ element 2i in the low nibble and element 2i+1 in the high nibble.
 
 Everything is pure torch and allocates on the input's device (CPU or GPU).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def _blocks(x: torch.Tensor, block: int, even: bool = False) -> torch.Tensor:
     if block < 1 or (even and block % 2):
         raise ValueError(f"block must be a positive{' even' if even else ''} integer, got {block}")
     if x.numel() % block:
-        raise ValueError(f"numel {x.numel()} is not a multiple of block {block}; "
-                         f"pad to {-(-x.numel() // block) * block}")
+        raise ValueError(
+            f"numel {x.numel()} is not a multiple of block {block}; pad to {-(-x.numel() // block) * block}"
+        )
     return x.reshape(-1, block).float()
 
 
@@ -54,8 +56,9 @@ def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return q.to(torch.int8).reshape(-1), scales
 
 
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8(
+    q: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """q int8 [n], scales fp32 [n/block] -> values [n] in `dtype` (computed in fp32)."""
     _check_scales(q.numel(), scales, block)
     return (q.reshape(-1, block).float() * scales.float()[:, None]).reshape(-1).to(dtype)
@@ -64,12 +67,13 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int,
 def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n] (n % block == 0, block even) -> (packed uint8 [n/2], scales fp32 [n/block])."""
     q, scales = _quantize(x, block, INT4_LEVELS, even=True)
-    nib = (q + 8).to(torch.uint8).reshape(-1, 2)          # 1..15, pairs (low, high)
+    nib = (q + 8).to(torch.uint8).reshape(-1, 2)  # 1..15, pairs (low, high)
     return nib[:, 0] | (nib[:, 1] << 4), scales
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, block: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """packed uint8 [n/2], scales fp32 [n/block] -> values [n] in `dtype` (computed in fp32)."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed int4 data must be uint8, got {packed.dtype}")

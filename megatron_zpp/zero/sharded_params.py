@@ -17,6 +17,7 @@ the same storage, so they are valid again once it is refilled).
   never older than the weights that forward used, and it is written before the unit's
   backward (which is the only reader) can start.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,16 @@ def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
 
 
 class FlatUnit:
-    def __init__(self, name: str, params: list[torch.nn.Parameter], group: Group, stage: int, pad_block: int,
-                 hpz: Group | None = None, qwz_block: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        params: list[torch.nn.Parameter],
+        group: Group,
+        stage: int,
+        pad_block: int,
+        hpz: Group | None = None,
+        qwz_block: int | None = None,
+    ):
         self.name, self.params, self.group, self.stage = name, params, group, stage
         self.hpz, self.qwz_block = hpz, qwz_block
         p0 = params[0]
@@ -77,17 +86,17 @@ class FlatUnit:
 
         self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p, off, n in zip(params, self.offsets, self.numels):
-            self.full[off:off + n].copy_(p.detach().reshape(-1))
-        self._views = [self.full[off:off + n].view(p.shape) for p, off, n in zip(params, self.offsets, self.numels)]
+            self.full[off : off + n].copy_(p.detach().reshape(-1))
+        self._views = [self.full[off : off + n].view(p.shape) for p, off, n in zip(params, self.offsets, self.numels)]
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self._attach()
-        self.shard = self.full[self.lo:self.hi].clone()  # training-dtype copy of my slice (what I send)
+        self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
         self.gathered = True
         self._gather: PendingGather | None = None
         self._gather_backward = False
         if hpz is not None:
             self.secondary_numel = self.padded // hpz.size
-            self.secondary = self.full[hpz.rank * self.secondary_numel:(hpz.rank + 1) * self.secondary_numel].clone()
+            self.secondary = self.full[hpz.rank * self.secondary_numel : (hpz.rank + 1) * self.secondary_numel].clone()
         if stage == 3:
             self.release()
 
@@ -112,7 +121,7 @@ class FlatUnit:
         self._gather.wait()
         if self.hpz is not None and not self._gather_backward:  # refresh the secondary from this forward's weights
             s = self.secondary_numel
-            self.secondary.copy_(self.full[self.hpz.rank * s:(self.hpz.rank + 1) * s])
+            self.secondary.copy_(self.full[self.hpz.rank * s : (self.hpz.rank + 1) * s])
         self._gather, self.gathered = None, True
         self._attach()
 

@@ -17,6 +17,7 @@ State dict ("model"): {"unit{u}.{unit name}.master": fp32 master shard}. The tra
 dtype shard is its rounding, and ZeRO-3's full weights and hpZ's secondary shards are
 rebuilt by the next gather, so none of them is saved.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -35,6 +36,7 @@ from .sharded_params import FlatUnit, model_units
 @dataclass
 class PendingReduce:
     """A unit's reduce-scatter in flight: `out` is added to its gradient shard when done."""
+
     unit: FlatUnit
     out: torch.Tensor
     work: object
@@ -84,19 +86,24 @@ class ZeroEngine(DataParallelEngine):
         self.optimizer = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
 
     def describe(self) -> str:
-        mib = 2 ** -20
+        mib = 2**-20
         numel = sum(u.numel for u in self.units)
         padded = sum(u.padded for u in self.units)
         size = self.units[0].full.element_size() if self.units else 4
-        parts = [f"ZeRO-{self.stage}{' (weights kept gathered until the step)' if self.per_step else ''} over DP x CP ({self.group.size} ranks, {self.group.link}): {len(self.units)} "
-                 f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
-                 f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"]
+        parts = [
+            f"ZeRO-{self.stage}{' (weights kept gathered until the step)' if self.per_step else ''} over DP x CP "
+            f"({self.group.size} ranks, {self.group.link}): {len(self.units)} "
+            f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
+            f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"
+        ]
         u0 = self.units[0] if self.units else None
         if u0 is not None and u0.qwz_block:
             parts.append(f"qwZ int8 weight gathers, blocks of {u0.qwz_block}")
         if u0 is not None and u0.hpz is not None:
             extra = sum(u.secondary_numel for u in self.units) * size * mib
-            parts.append(f"hpZ secondary shard over {u0.hpz.size} ranks ({u0.hpz.link}): {extra:.2f} MiB extra per rank")
+            parts.append(
+                f"hpZ secondary shard over {u0.hpz.size} ranks ({u0.hpz.link}): {extra:.2f} MiB extra per rank"
+            )
         if self.qgz_hops is not None:
             hops = ", ".join(f"{h.size} ranks {h.link}" for h in self.qgz_hops)
             parts.append(f"qgZ int4 hierarchical gradient all-to-all, blocks of {self.block}, hops: {hops}")
@@ -127,8 +134,11 @@ class ZeroEngine(DataParallelEngine):
                 units[-1].start_gather(backward=True)
 
         # the chunk's inputs (token ids) need no grad; the pre-hook only needs the output grads
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                                "respect to module outputs since no inputs require gradients")
+        warnings.filterwarnings(
+            "ignore",
+            message="Full backward hook is firing when gradients are computed with "
+            "respect to module outputs since no inputs require gradients",
+        )
         chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
         chunk.register_full_backward_pre_hook(chunk_backward)
         for i, (unit, block) in enumerate(blocks):
@@ -145,6 +155,7 @@ class ZeroEngine(DataParallelEngine):
             unit.gather()
             if nxt is not None:  # prefetch: the next block's gather runs while this one computes
                 nxt.start_gather(backward=False)
+
         return hook
 
     @staticmethod
@@ -153,6 +164,7 @@ class ZeroEngine(DataParallelEngine):
             unit.gather(backward=True)
             if prev is not None:
                 prev.start_gather(backward=True)
+
         return hook
 
     # ---- gradients -----------------------------------------------------------------------
@@ -164,12 +176,13 @@ class ZeroEngine(DataParallelEngine):
             off, n = unit.offsets[i], unit.numels[i]
             if unit.flat_grad is None:
                 unit.flat_grad = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
-            unit.flat_grad[off:off + n].add_(p.grad.reshape(-1))
+            unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
             if self.stage >= 2:
                 unit.ready += 1
                 if unit.ready == len(unit.params):
                     self._reduce(unit)
+
         return hook
 
     def _reduce(self, unit: FlatUnit) -> None:
@@ -209,8 +222,9 @@ class ZeroEngine(DataParallelEngine):
             if self.stage >= 2 and unit.ready:
                 self._reduce(unit)
         self._drain()
-        partial = [u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments()
-                   if getattr(p, "tp_partial_grad", False)]
+        partial = [
+            u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments() if getattr(p, "tp_partial_grad", False)
+        ]
         finalize_model_grads(partial, [u.grad_shard for u in self.units if u.tied], self.groups)
         for unit in self.units:
             unit.grad_shard.div_(self.group.size)
@@ -218,8 +232,12 @@ class ZeroEngine(DataParallelEngine):
     def step(self, lr: float) -> float:
         self._finish_grads()
         g = self.groups
-        counted = [u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments()
-                   if counted_once(p, g.tp_rank, g.is_first_stage)]
+        counted = [
+            u.grad_shard[a:b]
+            for u in self.units
+            for p, a, b, _ in u.segments()
+            if counted_once(p, g.tp_rank, g.is_first_stage)
+        ]
         norm = clip_by_global_norm(counted, [u.grad_shard for u in self.units], [self.group, g.mp], self.clip)
         set_lr(self.optimizer, lr)
         for unit, a, b, view in self.opt_segments:

@@ -1,11 +1,12 @@
 """Consolidation, HF export and generation from sharded checkpoints.
 
 A tiny softmax GPT trains for a few steps on 2 gloo ranks (TP2; ZeRO-3 over DP2 with an
-untied output layer; PP2 with the tied embedding on both stages) and saves; consolidating that checkpoint must give the weights of a
-single-rank run trained identically (parity holds: 1e-5 relative per tensor). The
+untied output layer; PP2 with the tied embedding on both stages) and saves; consolidating that
+checkpoint must give the weights of a single-rank run trained identically (parity holds: 1e-5 relative per tensor). The
 consolidated file, greedy generation and the HF Llama export (logits against
 transformers' LlamaForCausalLM, when transformers is installed) are checked on them.
 """
+
 import importlib.util
 import os
 
@@ -19,13 +20,44 @@ from megatron_zpp.config import Config, validate
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--num-layers", "2",
-        "--train-iters", "3", "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "3e-3",
-        "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--seed", "5", "--peak-tflops", "1"]
-LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
-           "zero3_untied": ["--zero-stage", "3", "--untie-embeddings-and-output-weights"],
-           "pp2": ["--pipeline-model-parallel-size", "2"]}
+BASE = [
+    "--mock-data",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--num-layers",
+    "2",
+    "--train-iters",
+    "3",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "5",
+    "--peak-tflops",
+    "1",
+]
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "zero3_untied": ["--zero-stage", "3", "--untie-embeddings-and-output-weights"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+}
 UNTIE = {"tp2": [], "zero3_untied": ["--untie-embeddings-and-output-weights"], "pp2": []}
 
 
@@ -116,6 +148,7 @@ def test_generate_matches_our_forward(trained):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hf_export_matches_logits(trained, layout, tmp_path):
     import transformers  # a test dependency (the dev extra)
+
     ckpt, _ = trained[layout]
     hf_dir = str(tmp_path / "hf")
     assert _tool("convert_checkpoint").main(["--load", ckpt, "--to", "hf", "--output", hf_dir]) == 0
@@ -157,17 +190,27 @@ def test_hf_import_round_trip(trained, layout, tmp_path):
 
 def test_hf_import_refuses_what_we_cannot_hold(tmp_path):
     conv = _tool("convert_checkpoint")
-    hf = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
-          "intermediate_size": 64, "vocab_size": 128, "rope_scaling": {"rope_type": "llama3"}, "mlp_bias": True}
+    hf = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "rope_scaling": {"rope_type": "llama3"},
+        "mlp_bias": True,
+    }
     with pytest.raises(conv.ConversionError, match="rope_scaling; it has attention or MLP biases"):
         conv.config_from_hf(hf, str(tmp_path))
 
 
 def test_hf_export_refuses_what_llama_cannot_hold(tmp_path):
     conv = _tool("convert_checkpoint")
-    for setting, message in [({"attention_type": "gla", "softmax_attention_every": 2}, "gated linear attention"),
-                             ({"normalization": "LayerNorm"}, "LayerNorm; Llama uses RMSNorm"),
-                             ({"activation": "gelu"}, "gelu; Llama uses SwiGLU")]:
+    for setting, message in [
+        ({"attention_type": "gla", "softmax_attention_every": 2}, "gated linear attention"),
+        ({"normalization": "LayerNorm"}, "LayerNorm; Llama uses RMSNorm"),
+        ({"activation": "gelu"}, "gelu; Llama uses SwiGLU"),
+    ]:
         cfg = Config()
         for k, v in setting.items():
             setattr(cfg.model, k, v)

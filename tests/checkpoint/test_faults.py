@@ -14,6 +14,7 @@ resuming from what it left gives what an uninterrupted run gives.
 * hung peer: a rank that stays alive but stops taking part makes the other fail after
   --distributed-timeout-minutes (gloo's own message quotes the wait) with a line saying so.
 """
+
 import contextlib
 import io
 import json
@@ -29,18 +30,54 @@ import torch
 
 import pretrain_gpt
 from megatron_zpp import training
-from megatron_zpp.training import loop
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import files, sharded
 from megatron_zpp.config import validate
+from megatron_zpp.training import loop
 from tests.dist import RankFailure, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--mock-data", "--device", "cpu", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--num-query-groups", "2", "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
-        "--num-layers", "2", "--attention-type", "gla", "--softmax-attention-every", "2", "--gla-chunk-size", "8",
-        "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "3e-3", "--lr-warmup-iters", "2",
-        "--clip-grad", "0.5", "--seed", "11", "--peak-tflops", "1", "--distributed-timeout-minutes", "1"]
+TINY = [
+    "--mock-data",
+    "--device",
+    "cpu",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--num-layers",
+    "2",
+    "--attention-type",
+    "gla",
+    "--softmax-attention-every",
+    "2",
+    "--gla-chunk-size",
+    "8",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "11",
+    "--peak-tflops",
+    "1",
+    "--distributed-timeout-minutes",
+    "1",
+]
 NO_HANG_S = 60 + 60  # the collective timeout above, plus a margin for a loaded machine
 
 
@@ -54,8 +91,18 @@ class Launch:
     def __init__(self, directory, name: str, args: list[str]):
         self.log = directory / f"{name}.log"
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "pretrain_gpt.py", *args, "--metrics-file", str(directory / f"{name}.jsonl")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "pretrain_gpt.py",
+            *args,
+            "--metrics-file",
+            str(directory / f"{name}.jsonl"),
+        ]
         # to a file: a pipe nobody reads while the test polls could fill and block the run
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -221,14 +268,24 @@ def _resume_and_plain(rank, world_size, argv, ckpt):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
     ckpt = str(tmp_path / "ckpt")
     argv = TINY + ["--train-iters", str(SAVE_ITERS)]
-    survivor, dead = run_distributed(_die_in_second_save, 2, argv + ["--save", ckpt, "--save-interval", "2"],
-                                     init_group=False, keep_failures=True, timeout=NO_HANG_S)
+    survivor, dead = run_distributed(
+        _die_in_second_save,
+        2,
+        argv + ["--save", ckpt, "--save-interval", "2"],
+        init_group=False,
+        keep_failures=True,
+        timeout=NO_HANG_S,
+    )
     assert isinstance(dead, RankFailure) and "exited with code -9" in dead.message
     assert isinstance(survivor, RankFailure) and "SystemExit: 1" in survivor.message  # pretrain_gpt's exit
     err = capfd.readouterr().err
     # gloo says "Connection closed by peer" or "Read error [...]: Connection reset by peer"
-    assert re.search(r"^error: rank 0: lost a peer in save_checkpoint \(.*\): .*Connection (closed|reset) by peer.*"
-                     rf"resume from the last checkpoint with --load {re.escape(ckpt)}$", err, re.M), err[-3000:]
+    assert re.search(
+        r"^error: rank 0: lost a peer in save_checkpoint \(.*\): .*Connection (closed|reset) by peer.*"
+        rf"resume from the last checkpoint with --load {re.escape(ckpt)}$",
+        err,
+        re.M,
+    ), err[-3000:]
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000002"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
     partial = os.path.join(ckpt, "iter_0000004.tmp", files.rank_file(1))
@@ -260,8 +317,7 @@ def test_sigterm_saves_at_the_step_boundary_and_stops(tmp_path):
     step, with a checkpoint of it; resuming gives the uninterrupted run's losses bitwise."""
     ckpt = str(tmp_path / "ckpt")
     argv = TINY + ["--train-iters", str(SAVE_ITERS)]
-    out = run_distributed(_sigterm_at_step_3, 2, argv + ["--save", ckpt, "--exit-signal-handler"],
-                          timeout=NO_HANG_S)
+    out = run_distributed(_sigterm_at_step_3, 2, argv + ["--save", ckpt, "--exit-signal-handler"], timeout=NO_HANG_S)
     assert out == [(3, True), (3, True)]
     assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000003"
     for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
@@ -287,11 +343,16 @@ def _hang_one_rank(rank, world_size, argv, flag):
 
 def test_hung_peer_times_out(tmp_path, capfd):
     argv = TINY + ["--train-iters", "4", "--distributed-timeout-minutes", "0.1"]
-    survivor, _ = run_distributed(_hang_one_rank, 2, argv, str(tmp_path / "gave_up"), init_group=False,
-                                  keep_failures=True, timeout=NO_HANG_S)
+    survivor, _ = run_distributed(
+        _hang_one_rank, 2, argv, str(tmp_path / "gave_up"), init_group=False, keep_failures=True, timeout=NO_HANG_S
+    )
     assert isinstance(survivor, RankFailure) and "SystemExit: 1" in survivor.message
     err = capfd.readouterr().err
     # 0.1 minutes = 6000 ms: gloo's own count, in the step's first collective (the gradient all-reduce
     # of the data-parallel group): the flag reaches the groups build_groups makes, not only the default one
-    assert re.search(r"^error: rank 0: a collective timed out in .*: Timed out waiting 6000ms .*"
-                     r"--distributed-timeout-minutes 0.1 behind; rerun it \(no --save", err, re.M), err[-3000:]
+    assert re.search(
+        r"^error: rank 0: a collective timed out in .*: Timed out waiting 6000ms .*"
+        r"--distributed-timeout-minutes 0.1 behind; rerun it \(no --save",
+        err,
+        re.M,
+    ), err[-3000:]

@@ -11,6 +11,7 @@ Targets: TP1 x PP4 x DP2 (ZeRO-3), DP4 (plain DP), CP2 x DP2 (ZeRO-1); and the o
 direction, plain TP2 x DP2 -> ZeRO-2 over DP4 with a change of the vocabulary padding,
 whose weights must arrive bitwise.
 """
+
 import os
 
 import pytest
@@ -24,11 +25,47 @@ from megatron_zpp.config import validate
 from tests.dist import run_distributed
 
 N = 2
-BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--num-layers", "4",
-        "--attention-type", "gla", "--softmax-attention-every", "2", "--gla-chunk-size", "8",
-        "--train-iters", str(2 * N), "--global-batch-size", "8", "--micro-batch-size", "1", "--lr", "3e-3",
-        "--lr-warmup-iters", "1", "--clip-grad", "0.5", "--seed", "7", "--peak-tflops", "1", "--device", "cpu"]
+BASE = [
+    "--mock-data",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--num-layers",
+    "4",
+    "--attention-type",
+    "gla",
+    "--softmax-attention-every",
+    "2",
+    "--gla-chunk-size",
+    "8",
+    "--train-iters",
+    str(2 * N),
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "7",
+    "--peak-tflops",
+    "1",
+    "--device",
+    "cpu",
+]
 SOURCE = (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"])
 TARGETS = {
     "tp1_pp4_dp2_zero3": (8, ["--pipeline-model-parallel-size", "4", "--zero-stage", "3"]),
@@ -98,15 +135,17 @@ def test_plain_tp_to_zero2_with_vocab_padding_change(tmp_path):
     before, after = consolidate(src)[0], consolidate(dst)[0]
     assert before["embedding.weight"].shape[0] == 288 and after["embedding.weight"].shape[0] == 240
     for name, w in before.items():
-        torch.testing.assert_close(after[name], w[:240] if name == "embedding.weight" else w, rtol=0, atol=0,
-                                   msg=name)
+        torch.testing.assert_close(after[name], w[:240] if name == "embedding.weight" else w, rtol=0, atol=0, msg=name)
 
 
 def test_other_model_is_refused_with_its_differences(source, tmp_path):
     ckpt = source[0]
     argv = BASE + ["--load", ckpt, "--num-layers", "2"]
-    with pytest.raises(CheckpointError, match=r"holds another model \(not in this model: \['layers\.2\..*"
-                                              r"num_layers 4 \(checkpoint\) vs 2 \(this run\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds another model \(not in this model: \['layers\.2\..*"
+        r"num_layers 4 \(checkpoint\) vs 2 \(this run\)",
+    ):
         training.setup(validate(parse_args(argv), 1))
 
 
@@ -115,9 +154,21 @@ def test_bf16_masters_into_interleaved_pipeline(tmp_path):
     master weights (not their bf16 roundings) arrive bitwise."""
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     run_distributed(_train, 2, BASE + ["--bf16", "--zero-stage", "1", "--save", src, "--train-iters", str(N)])
-    changes = run_distributed(_load_and_save, 2, BASE + ["--bf16", "--pipeline-model-parallel-size", "2",
-                                                         "--num-layers-per-virtual-pipeline-stage", "1",
-                                                         "--load", src], dst)[0]
+    changes = run_distributed(
+        _load_and_save,
+        2,
+        BASE
+        + [
+            "--bf16",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--load",
+            src,
+        ],
+        dst,
+    )[0]
     assert "vpp None -> 1" in changes
     before, after = consolidate(src)[0], consolidate(dst)[0]
     assert any(not torch.equal(w, w.bfloat16().float()) for w in before.values())  # masters are not bf16 values

@@ -6,6 +6,7 @@ saves every N steps must give the same per-step losses as one that never saves; 
 new process loading the step-N checkpoint and running N more steps must give bitwise the
 same losses for steps N+1..2N and bitwise the same final weights.
 """
+
 import json
 import os
 
@@ -20,16 +21,66 @@ from megatron_zpp.config import validate
 from tests.dist import run_distributed
 
 N = 3
-BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--num-layers", "2",
-        "--attention-type", "gla", "--softmax-attention-every", "2", "--gla-chunk-size", "8",
-        "--train-iters", str(2 * N), "--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "3e-3",
-        "--lr-warmup-iters", "2", "--clip-grad", "0.5", "--seed", "11", "--peak-tflops", "1"]
-LAYOUTS = {"dp2": (2, []), "zero3": (2, ["--zero-stage", "3"]), "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-           # ZeRO++ on 2 emulated nodes of 2 ranks: qwZ, hpZ secondary shards, qgZ
-           "zeropp": (4, ["--zero-stage", "3", "--ranks-per-node", "2", "--zero-quantized-weights",
-                          "--zero-hpz-partition-size", "2", "--zero-quantized-gradients",
-                          "--zero-quantization-block-size", "64"])}
+BASE = [
+    "--mock-data",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--num-layers",
+    "2",
+    "--attention-type",
+    "gla",
+    "--softmax-attention-every",
+    "2",
+    "--gla-chunk-size",
+    "8",
+    "--train-iters",
+    str(2 * N),
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "11",
+    "--peak-tflops",
+    "1",
+]
+LAYOUTS = {
+    "dp2": (2, []),
+    "zero3": (2, ["--zero-stage", "3"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # ZeRO++ on 2 emulated nodes of 2 ranks: qwZ, hpZ secondary shards, qgZ
+    "zeropp": (
+        4,
+        [
+            "--zero-stage",
+            "3",
+            "--ranks-per-node",
+            "2",
+            "--zero-quantized-weights",
+            "--zero-hpz-partition-size",
+            "2",
+            "--zero-quantized-gradients",
+            "--zero-quantization-block-size",
+            "64",
+        ],
+    ),
+}
 
 
 def run_once(argv: list[str], world_size: int) -> dict:
@@ -38,8 +89,11 @@ def run_once(argv: list[str], world_size: int) -> dict:
     with run.dp.full_parameters():
         # numpy, not tensors: a tensor sent back through the spawn queue dies with its process; a copy,
         # not a numpy view (a view pins the storage that ZeRO-3 frees when full_parameters ends)
-        weights = {f"{c}.{n}": p.detach().clone().numpy() for c, chunk in enumerate(run.chunks)
-                   for n, p in chunk.named_parameters()}
+        weights = {
+            f"{c}.{n}": p.detach().clone().numpy()
+            for c, chunk in enumerate(run.chunks)
+            for n, p in chunk.named_parameters()
+        }
     return {"losses": losses, "weights": weights, "iteration": run.iteration, "consumed": run.consumed_samples}
 
 
@@ -93,6 +147,7 @@ def _setup(argv, world=1):
 
 def test_corrupted_shard_names_the_file(saved, tmp_path):
     import shutil
+
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     shard = os.path.join(ckpt, "iter_0000006", files.rank_file(0))
@@ -104,6 +159,7 @@ def test_corrupted_shard_names_the_file(saved, tmp_path):
 
 def test_interrupted_save_keeps_previous(saved, tmp_path):
     import shutil
+
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     point_latest_at(ckpt, N)
@@ -123,14 +179,20 @@ def test_interrupted_save_keeps_previous(saved, tmp_path):
 
 def test_other_model_shape_says_what_differs(saved, tmp_path):
     import shutil
+
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     meta_path = os.path.join(ckpt, "iter_0000006", "meta.json")
-    with pytest.raises(CheckpointError, match=r"holds another model \(embedding\.weight \(128, 32\) \(checkpoint\) "
-                                              r"vs \(128, 64\) \(this run\).*: hidden_size 32 \(checkpoint\) vs "
-                                              r"64 \(this run\)"):
-        _setup([a if a != "32" or i != BASE.index("--hidden-size") + 1 else "64" for i, a in enumerate(BASE)]
-               + ["--load", ckpt])
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds another model \(embedding\.weight \(128, 32\) \(checkpoint\) "
+        r"vs \(128, 64\) \(this run\).*: hidden_size 32 \(checkpoint\) vs "
+        r"64 \(this run\)",
+    ):
+        _setup(
+            [a if a != "32" or i != BASE.index("--hidden-size") + 1 else "64" for i, a in enumerate(BASE)]
+            + ["--load", ckpt]
+        )
     assert json.load(open(meta_path))["layout"]["tp"] == 1
 
 
@@ -141,6 +203,7 @@ def test_missing_checkpoint_starts_from_scratch(tmp_path):
 
 def test_rank_file_is_safetensors_with_nothing_pickled(saved):
     from safetensors import safe_open
+
     path = os.path.join(saved, "iter_0000006", files.rank_file(0))
     with open(path, "rb") as f:
         assert b"pickle" not in f.read(1 << 16) and not path.endswith(".pt")
@@ -156,8 +219,11 @@ def test_rank_file_is_safetensors_with_nothing_pickled(saved):
 def test_ckpt_step_loads_that_iteration(saved):
     run = _setup(BASE + ["--load", saved, "--ckpt-step", str(N)])
     assert run.iteration == N and run.consumed_samples == 4 * N
-    with pytest.raises(CheckpointError, match=r"--ckpt-step 5: .*iter_0000005 does not exist \(saved iterations in "
-                                              r".*: iter_0000003, iter_0000006\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"--ckpt-step 5: .*iter_0000005 does not exist \(saved iterations in "
+        r".*: iter_0000003, iter_0000006\)",
+    ):
         _setup(BASE + ["--load", saved, "--ckpt-step", "5"])
 
 

@@ -1,5 +1,6 @@
 """Causal softmax attention under context parallelism (all-gather of K and V) against the
 slice of full causal SDPA, outputs and gradients, with and without GQA."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,17 @@ def _attention_worker(rank, world):
         torch.manual_seed(0)  # same full tensors on every rank
         q, do = torch.randn(B, heads, T, D, dtype=torch.float64), torch.randn(B, heads, T, D, dtype=torch.float64)
         k, v = torch.randn(B, groups, T, D, dtype=torch.float64), torch.randn(B, groups, T, D, dtype=torch.float64)
-        ref = _grads(lambda q_, k_, v_: F.scaled_dot_product_attention(
-            q_, k_, v_, is_causal=True, enable_gqa=heads != groups), q, k, v, do)
+        ref = _grads(
+            lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=heads != groups),
+            q,
+            k,
+            v,
+            do,
+        )
         comm.LEDGER.reset()
-        got = _grads(lambda q_, k_, v_: attention_context_parallel(q_, k_, v_, cp),
-                     *(x[:, :, sl] for x in (q, k, v, do)))
+        got = _grads(
+            lambda q_, k_, v_: attention_context_parallel(q_, k_, v_, cp), *(x[:, :, sl] for x in (q, k, v, do))
+        )
         for name, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(a, b[:, :, sl], rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
         kv_bytes = 2 * B * groups * T * D * 8  # gathered K|V, fp64

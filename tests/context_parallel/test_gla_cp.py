@@ -2,21 +2,26 @@
 single-process chunk_gla over the whole sequence, and the bytes each algorithm sends.
 
 One spawn per CP size runs every check (spawns are the slow part)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_zpp import comm
-from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.context_parallel import gla_context_parallel
+from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
 
 B, T_LOCAL, H, K, V, CHUNK = 2, 16, 2, 8, 4, 8
 ALGOS = [("all-scan", 1), ("all-scan", 2), ("all-gather", 1), ("ring", 1)]
 # (dtype, strongest log decay per token or None for mild gates, relative tolerance)
-CASES = [(torch.float64, None, 1e-10), (torch.float64, -50.0, 1e-10),
-         (torch.float32, None, 1e-5), (torch.float32, -50.0, 1e-5)]
+CASES = [
+    (torch.float64, None, 1e-10),
+    (torch.float64, -50.0, 1e-10),
+    (torch.float32, None, 1e-5),
+    (torch.float32, -50.0, 1e-5),
+]
 
 
 def make_inputs(T, dtype, g_min, seed=0):
@@ -58,19 +63,22 @@ def _gla_worker(rank, world):
         for with_h0 in (False, True):
             q, k, v, g, h0, do = make_inputs(world * T_LOCAL, dtype, g_min)
             h0 = h0 if with_h0 else None
-            ref = outputs_and_grads(lambda *a: chunk_gla(*a[:4], initial_state=a[4], chunk_size=CHUNK)[0],
-                                    q, k, v, g, h0, do)
+            ref = outputs_and_grads(
+                lambda *a: chunk_gla(*a[:4], initial_state=a[4], chunk_size=CHUNK)[0], q, k, v, g, h0, do
+            )
             ref = [ref[0][:, sl]] + [x[:, sl] for x in ref[1:5]] + ref[5:]
             if with_h0 and rank > 0:
                 ref = ref[:5]  # only rank 0 reads (and differentiates) the initial state
             local = [x[:, sl] for x in (q, k, v, g)]
             for algo, blocks in ALGOS:
                 fn = lambda q_, k_, v_, g_, h_: gla_context_parallel(  # noqa: E731
-                    q_, k_, v_, g_, cp, algo=algo, blocks=blocks, chunk_size=CHUNK, initial_state=h_)
+                    q_, k_, v_, g_, cp, algo=algo, blocks=blocks, chunk_size=CHUNK, initial_state=h_
+                )
                 got = outputs_and_grads(fn, *local, h0 if rank == 0 else None, do[:, sl])
                 assert len(got) == len(ref)
-                assert_rel_close(got, ref, tol, f"CP{world} rank {rank} {algo}/{blocks} {dtype} "
-                                               f"g_min={g_min} h0={with_h0}")
+                assert_rel_close(
+                    got, ref, tol, f"CP{world} rank {rank} {algo}/{blocks} {dtype} g_min={g_min} h0={with_h0}"
+                )
 
     # Ledger: bytes each rank sends per layer call (fp32 state and gates).
     state, gamma = B * H * K * V * 4, B * H * K * 4

@@ -55,8 +55,8 @@ def test_each_token_once_per_epoch_with_one_token_overlap(tmp_path, num_samples)
     everything = np.sort(np.concatenate([indexed[i] for i in range(len(indexed))]))
     per_epoch = len(everything)
     for e in range(len(inputs) // per_epoch):
-        np.testing.assert_array_equal(np.sort(inputs[e * per_epoch:(e + 1) * per_epoch]), everything)
-    tail = inputs[(len(inputs) // per_epoch) * per_epoch:]
+        np.testing.assert_array_equal(np.sort(inputs[e * per_epoch : (e + 1) * per_epoch]), everything)
+    tail = inputs[(len(inputs) // per_epoch) * per_epoch :]
     assert len(np.unique(tail)) == len(tail)  # the partial last epoch repeats nothing either
     epochs = len(train.document_index) // len(indexed)
     assert 1 <= epochs * per_epoch - len(inputs) <= SEQ  # only the tail short of a full sample is dropped
@@ -69,7 +69,7 @@ def test_documents_reshuffled_each_epoch_and_deterministic(tmp_path):
     c = build([prefix], (300, 0, 0), tmp_path, cache="c3", seed=2)[0]
     n = len(IndexedDataset(prefix))
     doc = np.asarray(a.document_index)
-    assert not np.array_equal(doc[:n], doc[n:2 * n]) and sorted(doc[n:2 * n]) == list(range(n))
+    assert not np.array_equal(doc[:n], doc[n : 2 * n]) and sorted(doc[n : 2 * n]) == list(range(n))
     for name in ("document_index", "sample_index", "shuffle_index"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert not np.array_equal(a.shuffle_index, c.shuffle_index)

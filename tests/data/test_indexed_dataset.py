@@ -7,15 +7,28 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_zpp.data.indexed_dataset import (DTYPE_CODES, IndexedDataset, IndexedDatasetError,
-                                               IndexedDatasetWriter, token_dtype)
+from megatron_zpp.data.indexed_dataset import (
+    DTYPE_CODES,
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    token_dtype,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import merge_datasets  # noqa: E402
 
 # --- reference implementation, straight from Megatron's documented layout -------------------
-SPEC_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5,
-              np.float64: 6, np.float32: 7, np.uint16: 8}
+SPEC_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 
 
 def ref_write(prefix, docs, dtype):
@@ -53,7 +66,7 @@ def ref_read(prefix):
     doc_idx = struct.unpack_from(f"<{d}q", raw, 34 + 12 * n)
     data = np.fromfile(prefix + ".bin", dtype=dtype)
     itemsize = np.dtype(dtype).itemsize
-    seqs = [data[p // itemsize: p // itemsize + n_] for p, n_ in zip(pointers, lengths)]
+    seqs = [data[p // itemsize : p // itemsize + n_] for p, n_ in zip(pointers, lengths)]
     return dtype, seqs, list(doc_idx)
 
 
@@ -97,7 +110,7 @@ def test_batch_writes_match_single_writes_across_blocks(tmp_path, monkeypatch):
     docs = random_docs(rng, np.uint16, n=50)
     w = IndexedDatasetWriter(str(tmp_path / "a.bin"), np.uint16)
     for k in range(0, 50, 9):
-        part = docs[k:k + 9]
+        part = docs[k : k + 9]
         w.add_batch(np.concatenate(part), np.array([len(d) for d in part]))
     w.finalize(str(tmp_path / "a.idx"))
     ref_write(str(tmp_path / "r"), docs, np.uint16)
@@ -121,10 +134,18 @@ def corrupt(path, offset, data):
         f.write(data)
 
 
-@pytest.mark.parametrize("fault, needle", [
-    ("magic", "bad magic"), ("version", "unsupported version 2"), ("dtype", "unknown dtype code 9"),
-    ("truncated_idx", "truncated or corrupt"), ("short_bin", "do not belong together"),
-    ("missing_bin", "missing"), ("tiny_idx", "truncated header")])
+@pytest.mark.parametrize(
+    "fault, needle",
+    [
+        ("magic", "bad magic"),
+        ("version", "unsupported version 2"),
+        ("dtype", "unknown dtype code 9"),
+        ("truncated_idx", "truncated or corrupt"),
+        ("short_bin", "do not belong together"),
+        ("missing_bin", "missing"),
+        ("tiny_idx", "truncated header"),
+    ],
+)
 def test_reader_names_file_and_fault(tmp_path, fault, needle):
     prefix = str(tmp_path / "d")
     ref_write(prefix, [[1, 2, 3], [4, 5]], np.uint16)

@@ -1,5 +1,6 @@
 """The rank-aware loader: Megatron's sample order, resume at a consumed-samples count,
 and what each rank of the grid receives."""
+
 import itertools
 from types import SimpleNamespace
 
@@ -24,8 +25,15 @@ def test_resume_at_consumed_samples_gives_the_same_next_batches():
 
 
 def groups(tp_rank=0, cp_rank=0, cp=1, dp_rank=0, dp=1, first=True, last=True):
-    return SimpleNamespace(tp_rank=tp_rank, cp_rank=cp_rank, cp=SimpleNamespace(size=cp), dp_rank=dp_rank,
-                           dp=SimpleNamespace(size=dp), is_first_stage=first, is_last_stage=last)
+    return SimpleNamespace(
+        tp_rank=tp_rank,
+        cp_rank=cp_rank,
+        cp=SimpleNamespace(size=cp),
+        dp_rank=dp_rank,
+        dp=SimpleNamespace(size=dp),
+        is_first_stage=first,
+        is_last_stage=last,
+    )
 
 
 def test_context_parallel_ranks_get_contiguous_slices_in_rank_order():

@@ -21,8 +21,9 @@ import make_demo_corpus  # noqa: E402
 import preprocess_data  # noqa: E402
 import train_tokenizer  # noqa: E402
 
-DOCS = [{"text": f"Document {i}: " + "words and more words, " * (i % 7) + "end.\n", "title": f"T{i}"}
-        for i in range(300)]
+DOCS = [
+    {"text": f"Document {i}: " + "words and more words, " * (i % 7) + "end.\n", "title": f"T{i}"} for i in range(300)
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,21 @@ def write_jsonl(path, docs, raw_lines=()):
 
 
 def run_pre(inp, prefix, model, *extra):
-    return preprocess_data.main(["--input", inp, "--output-prefix", prefix, "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod", "--quiet",
-                                 *extra])
+    return preprocess_data.main(
+        [
+            "--input",
+            inp,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--append-eod",
+            "--quiet",
+            *extra,
+        ]
+    )
 
 
 def outputs(d):
@@ -55,8 +68,7 @@ def outputs(d):
 def test_output_is_byte_identical_to_reference(tmp_path, sp_model, workers, capsys):
     docs = DOCS + [{"text": "", "title": "empty text"}]
     inp = write_jsonl(tmp_path / "c.jsonl", docs, raw_lines=[b"", b"   "])
-    assert run_pre(inp, str(tmp_path / "out"), sp_model, "--json-keys", "text", "title",
-                   "--workers", str(workers)) == 0
+    assert run_pre(inp, str(tmp_path / "out"), sp_model, "--json-keys", "text", "title", "--workers", str(workers)) == 0
     sp = spm.SentencePieceProcessor(model_file=sp_model)
     for key in ("text", "title"):
         want = [sp.encode(d[key]) + [sp.eos_id()] for d in docs if d[key]]
@@ -66,9 +78,11 @@ def test_output_is_byte_identical_to_reference(tmp_path, sp_model, workers, caps
             assert got == open(tmp_path / f"ref_{key}{ext}", "rb").read(), (key, ext)
     err = capsys.readouterr().err
     assert "1 empty 'text' documents" in err and "2 blank lines" in err and "301 documents" in err
-    assert outputs(tmp_path) == sorted(f"{a}_{k}{e}" for a, k in (("out", "text_document"), ("out", "title_document"),
-                                                                   ("ref", "text"), ("ref", "title"))
-                                       for e in (".bin", ".idx"))
+    assert outputs(tmp_path) == sorted(
+        f"{a}_{k}{e}"
+        for a, k in (("out", "text_document"), ("out", "title_document"), ("ref", "text"), ("ref", "title"))
+        for e in (".bin", ".idx")
+    )
 
 
 BAD = [
@@ -93,16 +107,33 @@ def test_bad_input_stops_with_file_line_and_reason(tmp_path, sp_model, line, rea
 
 def test_bad_input_with_workers_and_cli_exit_code(tmp_path, sp_model):
     inp = write_jsonl(tmp_path / "c.jsonl", DOCS * 10, raw_lines=[b"{oops"])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", inp,
-                        "--output-prefix", str(tmp_path / "out"), "--tokenizer-model", sp_model, "--workers", "2",
-                        "--quiet"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer-model",
+            sp_model,
+            "--workers",
+            "2",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     assert f"error: {inp}:3001: invalid JSON" in r.stderr
     assert outputs(tmp_path) == []
 
 
 def test_skip_bad_lines_counts_and_reports(tmp_path, sp_model, capsys):
-    inp = write_jsonl(tmp_path / "c.jsonl", DOCS[:5], raw_lines=[line for line, _ in BAD] + [json.dumps(DOCS[5]).encode()])
+    inp = write_jsonl(
+        tmp_path / "c.jsonl", DOCS[:5], raw_lines=[line for line, _ in BAD] + [json.dumps(DOCS[5]).encode()]
+    )
     assert run_pre(inp, str(tmp_path / "out"), sp_model, "--skip-bad-lines") == 0
     err = capsys.readouterr().err
     assert f"{len(BAD)} bad lines skipped" in err and f"{inp}:6: invalid JSON" in err
@@ -116,8 +147,21 @@ def test_interrupted_run_leaves_no_valid_pair(tmp_path, sig):
     with open(inp, "wb") as f:
         f.write(line * 60000)
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(inp), "--output-prefix",
-           str(out), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--workers", "2", "--quiet"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "tools", "preprocess_data.py"),
+        "--input",
+        str(inp),
+        "--output-prefix",
+        str(out),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "1000",
+        "--workers",
+        "2",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     deadline = time.time() + 30
     while time.time() < deadline:  # wait until tokens are being written
@@ -145,8 +189,10 @@ def test_hf_dataset_sources_match_jsonl(tmp_path, sp_model):
     assert run_pre(inp, str(tmp_path / "c"), sp_model, "--hf-dataset") == 0  # local data files
     for p in ("b", "c"):
         for ext in (".bin", ".idx"):
-            assert open(tmp_path / f"a_text_document{ext}", "rb").read() == \
-                open(tmp_path / f"{p}_text_document{ext}", "rb").read()
+            assert (
+                open(tmp_path / f"a_text_document{ext}", "rb").read()
+                == open(tmp_path / f"{p}_text_document{ext}", "rb").read()
+            )
 
 
 def test_demo_corpus_builds_and_is_idempotent(tmp_path, capsys):
@@ -188,9 +234,18 @@ def test_memory_does_not_grow_with_corpus_size(tmp_path):
         with open(inp, "wb") as f:
             for _ in range(n // 1000):
                 f.write(b'{"text": "1 2 3 4 5 6 7 8"}\n' * 1000)
-        cmd = [os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", str(inp),
-               "--output-prefix", str(tmp_path / f"o{n}"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-               "--quiet"]
+        cmd = [
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(tmp_path / f"o{n}"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+            "--quiet",
+        ]
         peaks.append(peak_rss_kb(cmd))
         assert len(IndexedDataset(str(tmp_path / f"o{n}_text_document"))) == n
     assert peaks[1] - peaks[0] < 4 * 1024, peaks  # Megatron-style lists of sizes+pointers would add ~15 MB

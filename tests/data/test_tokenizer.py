@@ -12,8 +12,10 @@ from megatron_zpp.data.tokenizer import build_tokenizer, pad_vocab_size
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import train_tokenizer  # noqa: E402
 
-TEXT = ('def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n'
-        "The quick brown fox jumps over the lazy dog. Übergrößenträger café naïve 東京 🙂\n")
+TEXT = (
+    'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n'
+    "The quick brown fox jumps over the lazy dog. Übergrößenträger café naïve 東京 🙂\n"
+)
 
 
 def corpus(tmp_path, n=60):
@@ -27,8 +29,20 @@ def corpus(tmp_path, n=60):
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_train_tokenizer_cli_and_sentencepiece_tokenizer(tmp_path, model_type):
     prefix = str(tmp_path / "tok")
-    rc = train_tokenizer.main(["--input", str(corpus(tmp_path)), "--json-keys", "text", "--model-prefix", prefix,
-                               "--vocab-size", "500", "--model-type", model_type])
+    rc = train_tokenizer.main(
+        [
+            "--input",
+            str(corpus(tmp_path)),
+            "--json-keys",
+            "text",
+            "--model-prefix",
+            prefix,
+            "--vocab-size",
+            "500",
+            "--model-type",
+            model_type,
+        ]
+    )
     assert rc == 0 and os.path.isfile(prefix + ".model") and os.path.isfile(prefix + ".vocab")
     tok = build_tokenizer("SentencePieceTokenizer", prefix + ".model", None, 128, 2)
     assert tok.eod == 2 and tok.bos == 1 and tok.pad == 3
@@ -44,14 +58,27 @@ def test_train_tokenizer_cli_and_sentencepiece_tokenizer(tmp_path, model_type):
 def test_train_from_plain_text_and_hf_dataset(tmp_path):
     txt = tmp_path / "c.txt"
     txt.write_text(TEXT * 50)
-    assert train_tokenizer.main(["--input", str(txt), "--model-prefix", str(tmp_path / "t1"),
-                                 "--vocab-size", "400"]) == 0
+    assert (
+        train_tokenizer.main(["--input", str(txt), "--model-prefix", str(tmp_path / "t1"), "--vocab-size", "400"]) == 0
+    )
     import datasets
 
     ds = datasets.Dataset.from_dict({"text": [TEXT * (1 + i % 3) for i in range(40)]})
     ds.save_to_disk(str(tmp_path / "hf"))
-    assert train_tokenizer.main(["--input", str(tmp_path / "hf"), "--hf-dataset", "--model-prefix",
-                                 str(tmp_path / "t2"), "--vocab-size", "400"]) == 0
+    assert (
+        train_tokenizer.main(
+            [
+                "--input",
+                str(tmp_path / "hf"),
+                "--hf-dataset",
+                "--model-prefix",
+                str(tmp_path / "t2"),
+                "--vocab-size",
+                "400",
+            ]
+        )
+        == 0
+    )
     tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "t2.model"), None, 1, 1)
     assert tok.detokenize(tok.tokenize(TEXT)) == TEXT
 

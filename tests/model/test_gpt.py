@@ -1,4 +1,5 @@
 """Model shapes, causality, GQA, hybrid layouts, init, and learning on one process."""
+
 import pytest
 import torch
 
@@ -55,8 +56,7 @@ def test_layer_kinds_of_hybrid():
     assert [cfg.layer_kind(i) for i in range(6)] == ["gla", "gla", "softmax"] * 2
     model = build(cfg)
     mixers = [type(b.mixer).__name__ for b in model.layers.values()]
-    assert mixers == ["GatedLinearAttention"] * 2 + ["SelfAttention"] + ["GatedLinearAttention"] * 2 + [
-        "SelfAttention"]
+    assert mixers == ["GatedLinearAttention"] * 2 + ["SelfAttention"] + ["GatedLinearAttention"] * 2 + ["SelfAttention"]
 
 
 def test_gqa_matches_mha_with_repeated_kv_heads():
@@ -121,7 +121,7 @@ def test_loss_goes_down(kind):
     model = build(cfg, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     motif = torch.randint(0, VOCAB, (4, 8))
-    data = motif.repeat(1, 5)[:, :cfg.seq_length + 1]
+    data = motif.repeat(1, 5)[:, : cfg.seq_length + 1]
     losses = []
     for _ in range(30):
         loss = model(tokens=data[:, :-1], labels=data[:, 1:]).mean()

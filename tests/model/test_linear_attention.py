@@ -1,5 +1,6 @@
 """The GLA layer against a token-by-token reference, with the full-rank and the GLA
 paper's low-rank decay gate (fp64, one rank)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ def token_loop_gla(layer: GatedLinearAttention, x: torch.Tensor, low_rank: int) 
     outs = []
     for t in range(T):
         S = g[:, t].exp()[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * D ** -0.5)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * D**-0.5)
     o = torch.stack(outs, dim=1)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.head_norm.view(H, D)
     return (o.reshape(B, T, H * D) * F.silu(gate)) @ layer.proj_out.weight.T
@@ -52,9 +53,9 @@ def test_low_rank_gate_parameters():
     cfg = ModelConfig(hidden_size=32, num_attention_heads=2, gla_gate_low_rank=4)
     tp = type("FakeTP", (), {"rank": 0, "size": 2})()
     layer = GatedLinearAttention(cfg, ParallelContext(tp=tp), out_std=0.02)
-    assert layer.proj_in.weight.shape == (4 * 32 // 2, 32)        # q, k, v, output gate; no decay-gate section
+    assert layer.proj_in.weight.shape == (4 * 32 // 2, 32)  # q, k, v, output gate; no decay-gate section
     assert layer.gate_down.shape == (4, 32) and layer.gate_down.tp_split is None
-    assert layer.gate_down.tp_partial_grad                        # each TP rank backpropagates its heads only
+    assert layer.gate_down.tp_partial_grad  # each TP rank backpropagates its heads only
     assert layer.gate_up.shape == (16, 4) and layer.gate_up.tp_split == (0, (32,))
     full = GatedLinearAttention(ModelConfig(hidden_size=32, num_attention_heads=2), ParallelContext(), 0.02)
     assert full.proj_in.weight.shape == (5 * 32, 32) and not hasattr(full, "gate_down")

@@ -1,14 +1,13 @@
 """Tests for the pure-PyTorch GLA operators (megatron_zpp.ops.gla)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.ops.gla import (chunk_gla, chunk_gla_local, gla_state_correction,
-                                  recurrent_gla)
+from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction, recurrent_gla
 
 
-def make_inputs(B=2, T=32, H=2, K=8, V=6, dtype=torch.float64, g_min=None, seed=0,
-                with_state=True):
+def make_inputs(B=2, T=32, H=2, K=8, V=6, dtype=torch.float64, g_min=None, seed=0, with_state=True):
     """Random q, k, v, g (g <= 0) and initial state; g_min forces decays down to g_min."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -94,8 +93,7 @@ def test_gradcheck_tiny():
 @pytest.mark.parametrize("chunk_size", [4, 16])
 def test_local_plus_correction(chunk_size):
     q, k, v, g, h0 = make_inputs(T=32, g_min=-5.0)
-    o_ref, ht_ref = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True,
-                              chunk_size=chunk_size)
+    o_ref, ht_ref = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
     o_loc, s_loc, log_gamma = chunk_gla_local(q, k, v, g, chunk_size=chunk_size)
     assert s_loc.shape == h0.shape and log_gamma.shape == h0.shape[:3]
     o = o_loc + gla_state_correction(q, g, h0)
@@ -126,8 +124,7 @@ def test_sequence_split_chains_states(P):
     # Same via chunk_gla with initial_state per slice.
     state, outs = h0, []
     for sl in torch.arange(64).chunk(P):
-        o, state = chunk_gla(*(x[:, sl] for x in (q, k, v, g)), initial_state=state,
-                             output_final_state=True)
+        o, state = chunk_gla(*(x[:, sl] for x in (q, k, v, g)), initial_state=state, output_final_state=True)
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, dim=1), o_ref, rtol=1e-10, atol=1e-10)
 
@@ -163,10 +160,10 @@ def test_defaults_and_errors():
 
 def test_matches_fla_naive_reference():
     from fla.ops.gla import naive  # a dev dependency; imported here: it takes seconds (triton)
+
     q, k, v, g, h0 = make_inputs(T=32)
     o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     # fla's naive reference uses the same [B, T, H, K] layout in recent versions.
-    o_ref, ht_ref = naive.naive_recurrent_gla(q, k, v, g, initial_state=h0,
-                                              output_final_state=True)
+    o_ref, ht_ref = naive.naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref.to(o.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ht, ht_ref.to(ht.dtype), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
 """Global gradient norm: each parameter counted once over TP/PP, fp64 sums, clipping."""
+
 import math
 from types import SimpleNamespace
 
@@ -35,8 +36,12 @@ def test_pipeline_duplicate_is_counted_on_the_first_stage_only():
 
 def test_global_grad_norm_matches_fp64_over_mixed_dtypes_and_shapes():
     g = torch.Generator().manual_seed(0)
-    grads = [torch.randn(7, generator=g), torch.randn(3, 5, generator=g).bfloat16(),
-             torch.randn(11, generator=g).bfloat16() * 1e3, torch.randn(4, 6, generator=g) * 1e-3]
+    grads = [
+        torch.randn(7, generator=g),
+        torch.randn(3, 5, generator=g).bfloat16(),
+        torch.randn(11, generator=g).bfloat16() * 1e3,
+        torch.randn(4, 6, generator=g) * 1e-3,
+    ]
     assert math.isclose(global_grad_norm(grads, []), fp64_norm(grads), rel_tol=1e-12)
 
 
@@ -70,10 +75,11 @@ def test_clip_by_global_norm_measures_counted_grads_and_clips_all():
     assert torch.equal(counted, torch.tensor([6.0 * scale, 8.0 * scale], dtype=torch.float64))
     assert torch.equal(duplicate, torch.tensor([scale, -scale], dtype=torch.float64))
 
+
 # -- 2 ranks emulating TP = 2 ----------------------------------------------------------
 
 FULL_SPLIT = torch.arange(12, dtype=torch.float32).reshape(4, 3) - 5.0  # cut over TP along dim 0
-REPLICATED = torch.tensor([0.5, -2.0, 7.0])                             # a norm weight: same on both
+REPLICATED = torch.tensor([0.5, -2.0, 7.0])  # a norm weight: same on both
 
 
 def _tp2_norm(rank, world_size):

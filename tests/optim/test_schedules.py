@@ -3,6 +3,7 @@
 lr = 1 and min_lr = 0.1 keep the expected values readable: a cosine or linear midpoint
 is (lr + min_lr) / 2 = 0.55. lr_decay_iters counts from iteration 0 (warmup included),
 as Megatron's --lr-decay-iters does: decay runs from iteration `warmup` to `decay_iters`."""
+
 import math
 
 import pytest
@@ -16,8 +17,9 @@ COS_3QUARTER = MIN + (LR - MIN) * 0.5 * (1 + math.cos(3 * math.pi / 4))
 
 
 def cfg(style, warmup=0, decay_iters=None, **kw):
-    return OptimConfig(lr=LR, min_lr=MIN, lr_warmup_iters=warmup, lr_decay_iters=decay_iters,
-                       lr_decay_style=style, **kw)
+    return OptimConfig(
+        lr=LR, min_lr=MIN, lr_warmup_iters=warmup, lr_decay_iters=decay_iters, lr_decay_style=style, **kw
+    )
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD"])
@@ -33,10 +35,18 @@ def test_constant_stays_at_lr_after_warmup_and_past_the_end():
 
 
 # warmup 10, decay to min_lr by iteration 110: progress = (i - 10) / 100
-LINEAR = [(10, 1.0), (11, 1.0 - 0.9 / 100), (35, 0.775), (60, 0.55), (85, 0.325), (109, MIN + 0.9 / 100),
-          (110, MIN), (111, MIN), (1000, MIN)]
-COSINE = [(10, 1.0), (35, COS_QUARTER), (60, (LR + MIN) / 2), (85, COS_3QUARTER), (110, MIN), (111, MIN),
-          (1000, MIN)]
+LINEAR = [
+    (10, 1.0),
+    (11, 1.0 - 0.9 / 100),
+    (35, 0.775),
+    (60, 0.55),
+    (85, 0.325),
+    (109, MIN + 0.9 / 100),
+    (110, MIN),
+    (111, MIN),
+    (1000, MIN),
+]
+COSINE = [(10, 1.0), (35, COS_QUARTER), (60, (LR + MIN) / 2), (85, COS_3QUARTER), (110, MIN), (111, MIN), (1000, MIN)]
 
 
 @pytest.mark.parametrize("iteration,expected", LINEAR)

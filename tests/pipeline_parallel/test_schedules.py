@@ -1,6 +1,7 @@
 """Order of micro-batches in the 1F1B and interleaved 1F1B schedules, on a fake stage
 and a fake link (no processes): each rank's schedule is checked on its own against
 Megatron's rules, written out here."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -156,8 +157,9 @@ def test_1f1b_warmup_alternation_and_live_activations(pp, rank, m):
     check_every_received_tensor_is_used(stage, link, pp, rank, 1)
 
 
-@pytest.mark.parametrize("pp,rank,V,m", [(2, 0, 1, 3), (2, 1, 1, 3), (4, 2, 1, 4), (2, 0, 2, 4), (4, 3, 2, 8),
-                                         (4, 1, 2, 4)])
+@pytest.mark.parametrize(
+    "pp,rank,V,m", [(2, 0, 1, 3), (2, 1, 1, 3), (4, 2, 1, 4), (2, 0, 2, 4), (4, 3, 2, 8), (4, 1, 2, 4)]
+)
 def test_forward_only_runs_only_forwards_in_order(pp, rank, V, m):
     stage, link = run(pp, rank, V, m, forward_only=True)
     assert all(e[0] == "F" for e in stage.events)

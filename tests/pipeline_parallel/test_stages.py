@@ -1,4 +1,5 @@
 """Layer placement over pipeline stages and virtual stages."""
+
 import pytest
 
 from megatron_zpp.pipeline_parallel import stage_layers, virtual_stage_layers

@@ -1,10 +1,16 @@
 """TP layers, the vocab-parallel loss and dropout RNG streams on 2 gloo ranks, against
 their single-rank equivalents."""
+
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          shard, vocab_parallel_cross_entropy)
+from megatron_zpp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard,
+    vocab_parallel_cross_entropy,
+)
 from megatron_zpp.tensor_parallel.random import ShardedDropout, seed_parallel_rng
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
@@ -44,8 +50,10 @@ def _layers_worker(rank, world):
     torch.testing.assert_close(xg.grad, torch.ones(2, 8, 24, dtype=torch.float64) @ w1, rtol=1e-12, atol=1e-12)
 
     # sequence parallel: input and output sharded along the sequence (dim 1)
-    col_sp, row_sp = (ColumnParallelLinear(16, 24, tp, 0.02, sequence_parallel=True).double(),
-                      RowParallelLinear(24, 16, tp, 0.02, sequence_parallel=True).double())
+    col_sp, row_sp = (
+        ColumnParallelLinear(16, 24, tp, 0.02, sequence_parallel=True).double(),
+        RowParallelLinear(24, 16, tp, 0.02, sequence_parallel=True).double(),
+    )
     with torch.no_grad():
         col_sp.weight.copy_(col.weight)
         row_sp.weight.copy_(row.weight)

@@ -13,6 +13,7 @@ folded into it (a dequantized value never exceeds its block's absmax), so that h
 quantization error, summed over all partial sums that meet at the end, is at most
 sum_s a_s / (2L). Hence |out - exact| <= n_hops * sum_s a_s / (2L), plus fp32 slack.
 """
+
 import math
 
 import pytest
@@ -21,10 +22,9 @@ import torch
 from megatron_zpp import comm
 from megatron_zpp.topology import Group, Topology, build_groups
 from megatron_zpp.zero.grad_reduce import hierarchical_reduce_scatter, padded_numel
-
 from tests.dist import run_distributed
 
-BLOCK, CHUNK = 32, 128      # C = 4 blocks per chunk
+BLOCK, CHUNK = 32, 128  # C = 4 blocks per chunk
 
 LAYOUTS = {  # name: (world, Topology kwargs, dp_tiers, link per hop, ranks per node D)
     "2x2": (4, dict(ranks_per_node=2), [2], ["intra_node", "inter_node"], 2),
@@ -36,7 +36,7 @@ LAYOUTS = {  # name: (world, Topology kwargs, dp_tiers, link per hop, ranks per 
 def grad(rank, world, kind, dtype=torch.float32):
     g = torch.Generator().manual_seed(1000 * world + 10 * rank + ord(kind[0]))
     n = world * CHUNK
-    if kind == "int":                       # integer-valued: every partial sum is exact
+    if kind == "int":  # integer-valued: every partial sum is exact
         return torch.randint(-8, 9, (n,), generator=g).to(dtype)
     # gaussian with block scales spanning 4 decades, different per rank
     scale = torch.logspace(-2, 2, n // BLOCK)[torch.randperm(n // BLOCK, generator=g)]
@@ -50,8 +50,13 @@ def _snap():
 def _run(rank, world, topo_kwargs, dp_tiers):
     g = build_groups(Topology(world, **topo_kwargs), rank, dp_tiers=dp_tiers)
     hops = [getattr(g, f"dp_tier{i}") for i in range(len(dp_tiers) + 1)]
-    res = {"digits": [h.rank for h in hops], "sizes": [h.size for h in hops], "dp_rank": g.dp_rank,
-           "links": [h.link for h in hops], "roles": [h.role for h in hops]}
+    res = {
+        "digits": [h.rank for h in hops],
+        "sizes": [h.size for h in hops],
+        "dp_rank": g.dp_rank,
+        "links": [h.link for h in hops],
+        "roles": [h.role for h in hops],
+    }
     x = grad(rank, world, "int")
     ref = torch.empty(CHUNK)
     comm.reduce_scatter(ref, x, g.dp, "grad")
@@ -64,8 +69,7 @@ def _run(rank, world, topo_kwargs, dp_tiers):
     res["randn_4"] = (hierarchical_reduce_scatter(x, hops, "grad", 4, BLOCK), _snap())
     res["randn_8"] = hierarchical_reduce_scatter(x, hops, "grad", 8, BLOCK)
     res["bf16_4"] = hierarchical_reduce_scatter(grad(rank, world, "randn", torch.bfloat16), hops, "grad", 4, BLOCK)
-    res["bf16_none"] = hierarchical_reduce_scatter(grad(rank, world, "int", torch.bfloat16), hops, "grad", None,
-                                                   BLOCK)
+    res["bf16_none"] = hierarchical_reduce_scatter(grad(rank, world, "int", torch.bfloat16), hops, "grad", None, BLOCK)
     return res
 
 
@@ -125,9 +129,9 @@ def test_quantized_within_bound(layout, bits, levels, rel):
     # relative error of the whole result: one int4 step on gaussian blocks of 32 (absmax ~2.5
     # sigma) has rms ~ 2.5/(7*sqrt(12)) ~ 0.1 sigma; compounded over 2-3 hops this stays < 0.2
     assert torch.cat(errs).norm() / ref.norm() < rel
-    if bits == 4:   # bf16 gradients: the same bound, plus the bf16 rounding of the output
+    if bits == 4:  # bf16 gradients: the same bound, plus the bf16 rounding of the output
         ref16 = exact(world, "randn", torch.bfloat16)
-        lim16 = qgz_bound(world, n_hops, levels, torch.bfloat16) * (1 + 1e-5) + ref16.abs() * 2.0 ** -8 + 1e-6
+        lim16 = qgz_bound(world, n_hops, levels, torch.bfloat16) * (1 + 1e-5) + ref16.abs() * 2.0**-8 + 1e-6
         for rank, res in enumerate(results):
             assert res["bf16_4"].dtype == torch.bfloat16
             assert ((res["bf16_4"].double() - ref16[rank]).abs() <= lim16[rank]).all()

@@ -8,6 +8,7 @@
 * the ledger's cross-node bytes per step: 3 gathers/reductions of the model for ZeRO-3,
   about a quarter or less with ZeRO++ (formulas below, padding included exactly).
 """
+
 import numpy as np
 import pytest
 
@@ -17,13 +18,44 @@ from megatron_zpp.zero import ZeroEngine
 from tests.dist import run_distributed
 from tests.test_parity import assert_close_relative, full_weights, train_and_collect
 
-BASE = ["--mock-data", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--seq-length", "32", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--gla-chunk-size", "8",
-        "--num-layers", "4", "--attention-type", "gla", "--softmax-attention-every", "2", "--global-batch-size", "8",
-        "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "0.5", "--seed", "5", "--ranks-per-node", "2",
-        "--zero-quantization-block-size", "64"]
-ZPP = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2",
-       "--zero-quantized-gradients"]
+BASE = [
+    "--mock-data",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--vocab-size",
+    "128",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--gla-chunk-size",
+    "8",
+    "--num-layers",
+    "4",
+    "--attention-type",
+    "gla",
+    "--softmax-attention-every",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--clip-grad",
+    "0.5",
+    "--seed",
+    "5",
+    "--ranks-per-node",
+    "2",
+    "--zero-quantization-block-size",
+    "64",
+]
+ZPP = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2", "--zero-quantized-gradients"]
 
 
 def _worker(rank, world_size, argvs):
@@ -32,13 +64,24 @@ def _worker(rank, world_size, argvs):
 
 def test_zero_stages_and_hpz_equal_plain_data_parallel():
     steps = ["--train-iters", "10"]
-    variants = {"plain": [], "zero1": ["--zero-stage", "1"], "zero2": ["--zero-stage", "2"],
-                "zero3": ["--zero-stage", "3"], "zero3_hpz": ["--zero-stage", "3", "--zero-hpz-partition-size", "2"],
-                "zero3_tp2_sp": ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                "zero3_pp2": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
-                "zero3_cp2": ["--zero-stage", "3", "--context-parallel-size", "2"],
-                "zero3_pp2_per_step": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2",
-                                       "--zero-param-persistence", "step"]}
+    variants = {
+        "plain": [],
+        "zero1": ["--zero-stage", "1"],
+        "zero2": ["--zero-stage", "2"],
+        "zero3": ["--zero-stage", "3"],
+        "zero3_hpz": ["--zero-stage", "3", "--zero-hpz-partition-size", "2"],
+        "zero3_tp2_sp": ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        "zero3_pp2": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
+        "zero3_cp2": ["--zero-stage", "3", "--context-parallel-size", "2"],
+        "zero3_pp2_per_step": [
+            "--zero-stage",
+            "3",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--zero-param-persistence",
+            "step",
+        ],
+    }
     per_rank = run_distributed(_worker, 4, [BASE + steps + v for v in variants.values()], timeout=600)
     results = {name: [r[i] for r in per_rank] for i, name in enumerate(variants)}
     ref_losses, ref_weights = results["plain"][0]["losses"], full_weights(results["plain"])
@@ -70,6 +113,7 @@ def test_zeropp_trains_within_tolerance_and_cuts_cross_node_bytes():
 
 def _ledger_worker(rank, world_size, argvs):
     from megatron_zpp import training
+
     out = []
     for argv in argvs:
         cfg = validate(parse_args(argv), world_size)
@@ -77,6 +121,7 @@ def _ledger_worker(rank, world_size, argvs):
         training.train(run)
         units = [(u.name, u.padded) for u in run.dp.units] if isinstance(run.dp, ZeroEngine) else []
         from megatron_zpp import comm
+
         out.append({"rows": comm.LEDGER.local_rows(), "units": units})
     return out
 
@@ -95,8 +140,9 @@ def test_cross_node_bytes_match_the_formulas(dtype):
     paper's 4x (0.75M vs 3M, fp16) counts qgZ's M/4 per node where this ledger counts per
     rank (M/(4D))."""
     flags = (["--bf16"] if dtype == "bf16" else []) + ["--train-iters", "2"]
-    per_rank = run_distributed(_ledger_worker, 4, [BASE + flags + ["--zero-stage", "3"], BASE + flags + ZPP],
-                               timeout=300)
+    per_rank = run_distributed(
+        _ledger_worker, 4, [BASE + flags + ["--zero-stage", "3"], BASE + flags + ZPP], timeout=300
+    )
     size = 2 if dtype == "bf16" else 4
     block, n, nodes, D = 64, 4, 2, 2
     micro = 2  # global batch 8 = 2 micro-batches x 4 ranks: the weights and gradients move once per micro-batch
@@ -135,13 +181,16 @@ def test_zeropp_with_tensor_parallel_three_nodes_and_tiers():
     assert dev.max() < 0.02
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--zero-quantized-gradients"], "add --zero-stage 3"),
-    (["--zero-stage", "2", "--zero-hpz-partition-size", "2"], "add --zero-stage 3"),
-    (["--zero-stage", "3", "--zero-hpz-partition-size", "3"], "must divide the ZeRO group size"),
-    (["--zero-stage", "3", "--zero-hpz-partition-size", "4"], "spans nodes"),
-    (["--zero-stage", "3", "--zero-hierarchy", "3"], "--zero-hierarchy 3"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--zero-quantized-gradients"], "add --zero-stage 3"),
+        (["--zero-stage", "2", "--zero-hpz-partition-size", "2"], "add --zero-stage 3"),
+        (["--zero-stage", "3", "--zero-hpz-partition-size", "3"], "must divide the ZeRO group size"),
+        (["--zero-stage", "3", "--zero-hpz-partition-size", "4"], "spans nodes"),
+        (["--zero-stage", "3", "--zero-hierarchy", "3"], "--zero-hierarchy 3"),
+    ],
+)
 def test_bad_zero_settings_are_clear_errors(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(BASE + flags, 4)
