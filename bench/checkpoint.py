@@ -230,33 +230,12 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     from megatron_zpp.zero import DDPEngine
 
     label, _, extra = LAYOUTS[name]
-    argv = [
-        "--mock-data",
-        "--device",
-        "cpu",
-        "--num-layers",
-        str(a["layers"]),
-        "--hidden-size",
-        str(a["hidden"]),
-        "--num-attention-heads",
-        str(a["heads"]),
-        "--seq-length",
-        str(a["seq"]),
-        "--vocab-size",
-        str(a["vocab"]),
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "2",
-        "--train-iters",
-        "10",
-        "--lr",
-        "1e-3",
-        "--lr-warmup-iters",
-        "0",
-        "--log-interval",
-        "1000000",
-    ] + extra
+    argv = (
+        f"--mock-data --device cpu --num-layers {a['layers']} --hidden-size {a['hidden']} "
+        f"--num-attention-heads {a['heads']} --seq-length {a['seq']} --vocab-size {a['vocab']} "
+        f"--micro-batch-size 1 --global-batch-size 2 --train-iters 10 --lr 1e-3 --lr-warmup-iters "
+        f"0 --log-interval 1000000"
+    ).split() + extra
     run = training.setup(validate(parse_args(argv), world))
     training.train_step(run)
     run.iteration, run.consumed_samples = 1, 2

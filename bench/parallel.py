@@ -56,27 +56,11 @@ def our_config(a: dict, world: int, extra: list[str]):
     from megatron_zpp.arguments import parse_args
     from megatron_zpp.config import validate
 
-    argv = [
-        "--mock-data",
-        "--num-layers",
-        str(a["layers"]),
-        "--hidden-size",
-        str(a["hidden"]),
-        "--num-attention-heads",
-        str(a["heads"]),
-        "--seq-length",
-        str(a["seq"]),
-        "--vocab-size",
-        str(a["vocab"]),
-        "--micro-batch-size",
-        str(a["mbs"]),
-        "--train-iters",
-        str(a["warmup"] + a["steps"]),
-        "--device",
-        "cpu",
-        "--log-interval",
-        "1000000",
-    ] + extra
+    argv = (
+        f"--mock-data --num-layers {a['layers']} --hidden-size {a['hidden']} --num-attention-heads "
+        f"{a['heads']} --seq-length {a['seq']} --vocab-size {a['vocab']} --micro-batch-size "
+        f"{a['mbs']} --train-iters {a['warmup'] + a['steps']} --device cpu --log-interval 1000000"
+    ).split() + extra
     return validate(parse_args(argv), world)
 
 

@@ -89,14 +89,7 @@ SYSTEMS = {
     "ours-zpp": (
         "ours ZeRO++ (qwZ+hpZ+qgZ)",
         "ours",
-        [
-            "--zero-stage",
-            "3",
-            "--zero-quantized-weights",
-            "--zero-hpz-partition-size",
-            "2",
-            "--zero-quantized-gradients",
-        ],
+        ("--zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 2 --zero-quantized-gradients").split(),
     ),
     "fsdp2": ("FSDP2 fully_shard", "fsdp2", ["--reshard-after-forward", "true"]),
     "fsdp2-hpz": ("FSDP2 reshard_after_forward=2", "fsdp2", ["--reshard-after-forward", "2"]),
@@ -177,38 +170,13 @@ def _last_error(text: str, exit_codes: list | None = None) -> str:
 
 
 def model_args(a, iters: int) -> list[str]:
-    return [
-        "--mock-data",
-        "--fp32",
-        "--num-layers",
-        str(a.num_layers),
-        "--hidden-size",
-        str(a.hidden_size),
-        "--num-attention-heads",
-        str(a.num_attention_heads),
-        "--seq-length",
-        str(a.seq_length),
-        "--vocab-size",
-        str(a.vocab_size),
-        "--micro-batch-size",
-        str(a.micro_batch_size),
-        "--global-batch-size",
-        str(a.micro_batch_size * WORLD),
-        "--train-iters",
-        str(iters),
-        "--seed",
-        str(a.seed),
-        "--lr",
-        "3e-4",
-        "--lr-warmup-iters",
-        "0",
-        "--weight-decay",
-        "0.1",
-        "--clip-grad",
-        "1.0",
-        "--ranks-per-node",
-        str(PER_NODE),
-    ]
+    return (
+        f"--mock-data --fp32 --num-layers {a.num_layers} --hidden-size {a.hidden_size} "
+        f"--num-attention-heads {a.num_attention_heads} --seq-length {a.seq_length} --vocab-size "
+        f"{a.vocab_size} --micro-batch-size {a.micro_batch_size} --global-batch-size "
+        f"{a.micro_batch_size * WORLD} --train-iters {iters} --seed {a.seed} --lr 3e-4 "
+        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --ranks-per-node {PER_NODE}"
+    ).split()
 
 
 def ours_refusal(args: list[str]) -> str | None:

@@ -243,31 +243,11 @@ def test_parse_args_empty_is_defaults():
 
 def test_parse_args_megatron_flags():
     cfg = parse_args(
-        [
-            "--num-layers",
-            "6",
-            "--hidden-size",
-            "256",
-            "--num-attention-heads",
-            "8",
-            "--tensor-model-parallel-size",
-            "2",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--micro-batch-size",
-            "4",
-            "--global-batch-size",
-            "64",
-            "--lr",
-            "1e-3",
-            "--parallel-order",
-            "tp-dp-cp-pp",
-            "--zero-hierarchy",
-            "2",
-            "4",
-            "--normalization",
-            "LayerNorm",
-        ]
+        (
+            "--num-layers 6 --hidden-size 256 --num-attention-heads 8 --tensor-model-parallel-size 2 "
+            "--pipeline-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 64 --lr 1e-3 "
+            "--parallel-order tp-dp-cp-pp --zero-hierarchy 2 4 --normalization LayerNorm"
+        ).split()
     )
     assert cfg.model.num_layers == 6 and isinstance(cfg.model.num_layers, int)
     assert cfg.model.hidden_size == 256 and cfg.model.num_attention_heads == 8

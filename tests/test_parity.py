@@ -22,37 +22,12 @@ from megatron_zpp.tensor_parallel import unshard
 from tests.dist import run_distributed
 
 STEPS, GBS, MBS, SEQ, HIDDEN = 10, 8, 2, 32, 32
-BASE = [
-    "--mock-data",
-    "--hidden-size",
-    str(HIDDEN),
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    str(SEQ),
-    "--vocab-size",
-    "128",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--gla-chunk-size",
-    "8",
-    "--train-iters",
-    str(STEPS),
-    "--global-batch-size",
-    str(GBS),
-    "--micro-batch-size",
-    str(MBS),
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--clip-grad",
-    "0.5",
-    "--seed",
-    "11",
-]
+BASE = (
+    f"--mock-data --hidden-size {HIDDEN} --num-attention-heads 4 --num-query-groups 2 "
+    f"--seq-length {SEQ} --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 "
+    f"--train-iters {STEPS} --global-batch-size {GBS} --micro-batch-size {MBS} --lr 3e-3 "
+    f"--lr-warmup-iters 2 --clip-grad 0.5 --seed 11"
+).split()
 KINDS = {
     "softmax": ["--attention-type", "softmax"],
     "gla": ["--attention-type", "gla"],
@@ -70,15 +45,7 @@ LAYOUTS = {  # name: (world size, layers, flags)
     "tp2_cp2_sp": (
         4,
         4,
-        [
-            "--tensor-model-parallel-size",
-            "2",
-            "--context-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--all-scan-blocks",
-            "2",
-        ],
+        ("--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --all-scan-blocks 2").split(),
     ),
     "cp4_allgather": (4, 4, ["--context-parallel-size", "4", "--cp-algo", "all-gather"]),
 }

@@ -14,29 +14,11 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "--mock-data",
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "128",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--gla-chunk-size",
-    "8",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--seed",
-    "7",
-]
+TINY = (
+    "--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --lr 3e-3 "
+    "--lr-warmup-iters 2 --seed 7"
+).split()
 
 
 def run_training(argv: list[str], world_size: int) -> tuple[list[float], list[np.ndarray]]:
@@ -115,18 +97,9 @@ def test_pretrain_gpt_under_torchrun(tmp_path, kind):
     out = torchrun(
         TINY
         + kind
-        + [
-            "--train-iters",
-            "15",
-            "--global-batch-size",
-            "8",
-            "--log-interval",
-            "5",
-            "--metrics-file",
-            str(metrics),
-            "--comm-report",
-            str(report),
-        ]
+        + (
+            f"--train-iters 15 --global-batch-size 8 --log-interval 5 --metrics-file {metrics} --comm-report {report}"
+        ).split()
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter    15/15" in out.stdout

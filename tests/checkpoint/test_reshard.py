@@ -25,47 +25,13 @@ from megatron_zpp.config import validate
 from tests.dist import run_distributed
 
 N = 2
-BASE = [
-    "--mock-data",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "128",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--num-layers",
-    "4",
-    "--attention-type",
-    "gla",
-    "--softmax-attention-every",
-    "2",
-    "--gla-chunk-size",
-    "8",
-    "--train-iters",
-    str(2 * N),
-    "--global-batch-size",
-    "8",
-    "--micro-batch-size",
-    "1",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--clip-grad",
-    "0.5",
-    "--seed",
-    "7",
-    "--peak-tflops",
-    "1",
-    "--device",
-    "cpu",
-]
+BASE = (
+    f"--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
+    f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 4 --attention-type "
+    f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
+    f"--global-batch-size 8 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 "
+    f"--seed 7 --peak-tflops 1 --device cpu"
+).split()
 SOURCE = (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"])
 TARGETS = {
     "tp1_pp4_dp2_zero3": (8, ["--pipeline-model-parallel-size", "4", "--zero-stage", "3"]),

@@ -21,45 +21,13 @@ from megatron_zpp.config import validate
 from tests.dist import run_distributed
 
 N = 3
-BASE = [
-    "--mock-data",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "128",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--num-layers",
-    "2",
-    "--attention-type",
-    "gla",
-    "--softmax-attention-every",
-    "2",
-    "--gla-chunk-size",
-    "8",
-    "--train-iters",
-    str(2 * N),
-    "--global-batch-size",
-    "4",
-    "--micro-batch-size",
-    "1",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--clip-grad",
-    "0.5",
-    "--seed",
-    "11",
-    "--peak-tflops",
-    "1",
-]
+BASE = (
+    f"--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
+    f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --attention-type "
+    f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
+    f"--global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 2 --clip-grad 0.5 "
+    f"--seed 11 --peak-tflops 1"
+).split()
 LAYOUTS = {
     "dp2": (2, []),
     "zero3": (2, ["--zero-stage", "3"]),
@@ -67,18 +35,10 @@ LAYOUTS = {
     # ZeRO++ on 2 emulated nodes of 2 ranks: qwZ, hpZ secondary shards, qgZ
     "zeropp": (
         4,
-        [
-            "--zero-stage",
-            "3",
-            "--ranks-per-node",
-            "2",
-            "--zero-quantized-weights",
-            "--zero-hpz-partition-size",
-            "2",
-            "--zero-quantized-gradients",
-            "--zero-quantization-block-size",
-            "64",
-        ],
+        (
+            "--zero-stage 3 --ranks-per-node 2 --zero-quantized-weights --zero-hpz-partition-size 2 "
+            "--zero-quantized-gradients --zero-quantization-block-size 64"
+        ).split(),
     ),
 }
 

@@ -18,43 +18,13 @@ from megatron_zpp.zero import ZeroEngine
 from tests.dist import run_distributed
 from tests.test_parity import assert_close_relative, full_weights, train_and_collect
 
-BASE = [
-    "--mock-data",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--num-query-groups",
-    "2",
-    "--seq-length",
-    "32",
-    "--vocab-size",
-    "128",
-    "--make-vocab-size-divisible-by",
-    "32",
-    "--gla-chunk-size",
-    "8",
-    "--num-layers",
-    "4",
-    "--attention-type",
-    "gla",
-    "--softmax-attention-every",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "3e-3",
-    "--lr-warmup-iters",
-    "2",
-    "--clip-grad",
-    "0.5",
-    "--seed",
-    "5",
-    "--ranks-per-node",
-    "2",
-    "--zero-quantization-block-size",
-    "64",
-]
+BASE = (
+    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
+    "32 --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 4 "
+    "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --lr 3e-3 "
+    "--lr-warmup-iters 2 --clip-grad 0.5 --seed 5 --ranks-per-node 2 "
+    "--zero-quantization-block-size 64"
+).split()
 ZPP = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2", "--zero-quantized-gradients"]
 
 
@@ -73,14 +43,7 @@ def test_zero_stages_and_hpz_equal_plain_data_parallel():
         "zero3_tp2_sp": ["--zero-stage", "3", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "zero3_pp2": ["--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
         "zero3_cp2": ["--zero-stage", "3", "--context-parallel-size", "2"],
-        "zero3_pp2_per_step": [
-            "--zero-stage",
-            "3",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--zero-param-persistence",
-            "step",
-        ],
+        "zero3_pp2_per_step": "--zero-stage 3 --pipeline-model-parallel-size 2 --zero-param-persistence step".split(),
     }
     per_rank = run_distributed(_worker, 4, [BASE + steps + v for v in variants.values()], timeout=600)
     results = {name: [r[i] for r in per_rank] for i, name in enumerate(variants)}
