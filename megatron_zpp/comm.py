@@ -6,8 +6,10 @@ class), twice:
 * ``bytes``: what the algorithm sends on a real fabric (NCCL) under a stated model:
   ring all-reduce 2(n-1)/n·B, ring all-gather (n-1)·shard, ring reduce-scatter
   (n-1)/n·B, pairwise all-to-all (n-1)/n·B, pipelined broadcast (n-1)/n·B, p2p B.
-* ``gloo_bytes``: what gloo moved for it here (gloo's reduce-scatter runs as an
-  all-reduce; the rest match the model).
+* ``gloo_bytes``: what gloo moved for it here. gloo's own reduce-scatter runs as an
+  all-reduce (twice the bytes), so a SUM reduce-scatter on gloo is done here as an
+  all-to-all and a local sum, which moves what a ring reduce-scatter moves: the two
+  columns then agree for every op (a MAX/MIN reduce-scatter keeps gloo's all-reduce).
 
 B is the size of the full (unsharded) buffer in bytes. A collective's link class is
 the slowest link its group spans (see topology.py): the papers count a flat collective
@@ -49,9 +51,6 @@ def model_bytes(op: str, n: int, nbytes: int) -> float:
     }[op] * nbytes
 
 
-GLOO_EMULATED = {"reduce_scatter": "all_reduce"}  # gloo runs these as another collective
-
-
 @dataclass
 class Record:
     bytes: float = 0.0
@@ -64,10 +63,11 @@ class CommLedger:
         self.records: dict[tuple[str, str, str, str], Record] = defaultdict(Record)
         self.steps = 0
 
-    def add(self, role: str, phase: str, op: str, link: str, n: int, nbytes: int):
+    def add(self, role: str, phase: str, op: str, link: str, n: int, nbytes: int, gloo_op: str | None = None):
+        """gloo_op: the collective gloo runs for `op` here, when it is another one."""
         rec = self.records[(role, phase, op, link)]
         rec.bytes += model_bytes(op, n, nbytes)
-        rec.gloo_bytes += model_bytes(GLOO_EMULATED.get(op, op), n, nbytes)
+        rec.gloo_bytes += model_bytes(gloo_op or op, n, nbytes)
         rec.calls += 1
 
     def step(self):
@@ -153,6 +153,27 @@ class _Done:
         return True
 
 
+class _Then:
+    """Handle of a call that finishes locally once its wire transfer is done."""
+
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
+
+    def wait(self):
+        self.work.wait()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def _on_gloo(group: Group) -> bool:
+    return dist.get_backend(group.handle) == "gloo"
+
+
 def _skip(group: Group | None) -> bool:
     return group is None or group.size == 1
 
@@ -180,8 +201,30 @@ def reduce_scatter(
     if _skip(group):
         output.copy_(input.reshape(output.shape))
         return _Done() if async_op else None
-    LEDGER.add(group.role, phase, "reduce_scatter", group.link, group.size, input.numel() * input.element_size())
-    return dist.reduce_scatter_single(output, input, op=op, group=group.handle, async_op=async_op)
+    nbytes = input.numel() * input.element_size()
+    if op != dist.ReduceOp.SUM or not _on_gloo(group):
+        LEDGER.add(
+            group.role,
+            phase,
+            "reduce_scatter",
+            group.link,
+            group.size,
+            nbytes,
+            gloo_op="all_reduce" if op != dist.ReduceOp.SUM else None,
+        )
+        return dist.reduce_scatter_single(output, input, op=op, group=group.handle, async_op=async_op)
+    LEDGER.add(group.role, phase, "reduce_scatter", group.link, group.size, nbytes)
+    received = torch.empty_like(input)  # slice j: rank j's copy of my slice
+
+    def reduce():  # in fp32 for low-precision inputs, rounded once
+        out = received.view(group.size, *output.shape).sum(0, dtype=torch.promote_types(input.dtype, torch.float32))
+        output.copy_(out)
+
+    work = _Then(dist.all_to_all_single(received, input.contiguous(), group=group.handle, async_op=True), reduce)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, async_op: bool = False):

@@ -293,16 +293,25 @@ def topology_from_config(cfg: Config, world_size: int | None = None, ranks_per_n
     )
 
 
-def qgz_tiers(cfg: Config, topo: Topology) -> list[int]:
-    """ZeRO-group ranks per tier for the qgZ hops: --zero-hierarchy, else one node."""
-    return list(cfg.zero.zero_hierarchy) or [topo.zero_ranks_per_node()]
+def zero_reduce_tiers(cfg: Config, topo: Topology) -> list[int]:
+    """ZeRO-group ranks per tier of the hierarchical gradient reduce, innermost first:
+    --zero-hierarchy with the node boundary added (a hop must not mix links), else one
+    node. Raises ValueError when the tiers do not nest with the node boundary."""
+    group, per_node = topo.sizes["dp"] * topo.sizes["cp"], topo.zero_ranks_per_node()
+    tiers = sorted({t for t in cfg.zero.zero_hierarchy if t < group} | ({per_node} if per_node < group else set()))
+    if any(b % a for a, b in zip(tiers, tiers[1:])):
+        raise ValueError(
+            f"--zero-hierarchy {' '.join(map(str, cfg.zero.zero_hierarchy))} does not nest with the node boundary "
+            f"({per_node} ZeRO-group ranks per node): each tier must divide the next, and a node is one of them"
+        )
+    return tiers or [per_node]
 
 
 def build_groups_from_config(cfg: Config, rank: int, timeout=None) -> ProcessGroups:
     """Every process group a run of `cfg` needs (collective: all ranks call it alike)."""
     z = cfg.zero
     topo = topology_from_config(cfg)
-    tiers = qgz_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
+    tiers = zero_reduce_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
     return build_groups(topo, rank, dp_tiers=tiers, hpz=z.zero_hpz_partition_size, timeout=timeout)
 
 
@@ -315,6 +324,7 @@ def check_node_layout(cfg: Config) -> None:
     try:
         topo = topology_from_config(cfg)
         per_node = topo.zero_ranks_per_node()
+        zero_reduce_tiers(cfg, topo)
     except ValueError as e:
         raise ConfigError(f"ZeRO++ layout: {e}") from None
     if z.zero_hpz_partition_size > 1:

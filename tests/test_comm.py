@@ -207,8 +207,8 @@ def expected_ledger(op, role, phase, link, ranks, me, peer_link=None):
         return {(role, phase, "all_gather", link): (ring_fraction(n, B_out), ring_fraction(n, B_out), 1)}
     if op == "reduce_scatter":
         B_in = 2 * n * F32
-        # gloo runs reduce-scatter as an all-reduce of the whole input
-        return {(role, phase, "reduce_scatter", link): (ring_fraction(n, B_in), ring_all_reduce(n, B_in), 1)}
+        # on gloo: an all-to-all and a local sum, the bytes of a ring reduce-scatter (not gloo's all-reduce)
+        return {(role, phase, "reduce_scatter", link): (ring_fraction(n, B_in), ring_fraction(n, B_in), 1)}
     if op == "all_to_all":
         B = 2 * n * F32
         return {(role, phase, "all_to_all", link): (ring_fraction(n, B), ring_fraction(n, B), 1)}
@@ -259,11 +259,11 @@ def test_two_ranks_results_and_ledger(two_ranks):
 
 def test_two_ranks_concrete_bytes(two_ranks):
     # the closed forms at n=2, with numbers: all-reduce of 24 B sends 24 B; all-gather of
-    # 48 B out sends 24 B; reduce-scatter of 16 B in sends 8 B (gloo: 16 B); p2p 28 B
+    # 48 B out sends 24 B; reduce-scatter of 16 B in sends 8 B (gloo too: all-to-all + sum); p2p 28 B
     dp = two_ranks[0]["dp"]
     assert dp["all_reduce"][1] == {("dp", "fwd", "all_reduce", "intra_node"): (24.0, 24.0, 1)}
     assert dp["all_gather"][1] == {("dp", "fwd", "all_gather", "intra_node"): (24.0, 24.0, 1)}
-    assert dp["reduce_scatter"][1] == {("dp", "fwd", "reduce_scatter", "intra_node"): (8.0, 16.0, 1)}
+    assert dp["reduce_scatter"][1] == {("dp", "fwd", "reduce_scatter", "intra_node"): (8.0, 8.0, 1)}
     assert dp["all_to_all"][1] == {("dp", "fwd", "all_to_all", "intra_node"): (8.0, 8.0, 1)}
     assert dp["broadcast"][1] == {("dp", "fwd", "broadcast", "intra_node"): (10.0, 10.0, 1)}
     assert dp["p2p"][1] == {("dp", "fwd", "send", "intra_node"): (28.0, 28.0, 1)}
@@ -317,10 +317,10 @@ def test_four_ranks_world_group(four_ranks):
     # ring 0->1->2->3->0 over two nodes of 2: 0->1 and 2->3 stay on the node, 1->2 and 3->0 cross
     links = [next(iter(r["world"]["p2p"][1]))[3] for r in four_ranks]
     assert links == ["intra_node", "inter_node", "intra_node", "inter_node"]
-    # n=4: all-reduce of 24 B sends 2*3/4*24 = 36 B; reduce-scatter of 32 B in: 24 B, gloo 48 B
+    # n=4: all-reduce of 24 B sends 2*3/4*24 = 36 B; reduce-scatter of 32 B in: 24 B
     r0 = four_ranks[0]["world"]
     assert r0["all_reduce"][1][("dp", "fwd", "all_reduce", "inter_node")] == (36.0, 36.0, 1)
-    assert r0["reduce_scatter"][1][("dp", "fwd", "reduce_scatter", "inter_node")] == (24.0, 48.0, 1)
+    assert r0["reduce_scatter"][1][("dp", "fwd", "reduce_scatter", "inter_node")] == (24.0, 24.0, 1)
     assert r0["all_gather"][1][("dp", "fwd", "all_gather", "inter_node")] == (72.0, 72.0, 1)
 
 
@@ -396,8 +396,8 @@ def test_model_bytes_closed_forms():
 
 def test_ledger_add_total_step_reset():
     led = CommLedger()
-    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400)  # 300 B, gloo 600 B
-    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400)
+    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400, gloo_op="all_reduce")  # 300 B, gloo 600 B
+    led.add("dp", "bwd", "reduce_scatter", "inter_node", 4, 400, gloo_op="all_reduce")
     led.add("tp", "fwd", "all_reduce", "intra_node", 2, 100)  # 100 B
     led.add("pp", "fwd", "send", "inter_node", 2, 50)  # 50 B
     assert led.total() == 750.0

@@ -28,7 +28,7 @@ from ..model.init import full_shape
 from ..optim import adamw_order
 from ..pipeline_parallel import build_stage_model
 from ..topology import Topology, topology_from_config
-from ..zero.sharded_params import flat_geometry, model_units, shard_segments
+from ..zero.sharded_params import flat_geometry, model_units, pad_block, shard_segments
 from .files import CheckpointError
 
 
@@ -156,7 +156,7 @@ def rank_layout(
             ndims.append(p.ndim)
     else:  # ZeroDP: units of each chunk, sharded over the DP x CP group
         members = next(g for g in topo.groups(["dp", "cp"]) if rank in g)
-        size, grank, block = len(members), members.index(rank), cfg.zero.zero_quantization_block_size
+        size, grank, block = len(members), members.index(rank), pad_block(cfg.zero)
         u = 0
         for chunk in chunks:
             names = {id(p): n for n, p in chunk.named_parameters()}

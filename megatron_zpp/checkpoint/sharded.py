@@ -41,6 +41,7 @@ import shutil
 import torch
 
 from .. import comm
+from ..zero.sharded_params import pad_block
 from .files import (
     FORMAT,
     CheckpointError,
@@ -70,7 +71,8 @@ def layout_of(cfg) -> dict:
         "vpp": p.num_layers_per_virtual_pipeline_stage,
         "first_stage_layers": p.decoder_first_pipeline_num_layers,
         "last_stage_layers": p.decoder_last_pipeline_num_layers,
-        "zero_quantization_block_size": z.zero_quantization_block_size if z.zero_stage else None,
+        # the block ZeRO's flat buffers are padded to (lcm of the qwZ and qgZ blocks; the key predates qgZ's own)
+        "zero_quantization_block_size": pad_block(z) if z.zero_stage else None,
     }
 
 

@@ -24,6 +24,7 @@ from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
 from ..zero import DataParallelEngine, build_engine
+from ..zero.quantize import quantizer_backend
 from .builders import build_data, build_model, build_stage_link
 from .distributed import init_distributed
 
@@ -104,7 +105,7 @@ def _log_setup(run: Run, n_params: int) -> None:
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
     log(
         f"kernels: {norm_backend(run.device)}; attention: torch SDPA; GLA: torch chunked reference; "
-        f"transformer-engine: {te}",
+        f"ZeRO++ quantizers: {quantizer_backend()}; transformer-engine: {te}",
         rank,
     )
     log(run.dp.describe(), rank)

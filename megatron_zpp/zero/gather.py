@@ -4,10 +4,11 @@
     ...                       # compute while the gather is on the wire
     pending.wait()            # `full` now holds every rank's shard (group-rank order)
 
-qwZ sends int8 data plus one fp32 scale per block (two all-gathers under one phase), so
-the ledger sees s + 4 s / block bytes per shard of s elements instead of s x element size.
-Every rank decodes every shard, its own included, so all ranks hold bit-identical weights.
-A group of size 1 moves nothing, so nothing is quantized: the shard is copied exactly.
+qwZ sends one wire buffer per rank (quantize.quantize_wire: int8 data and one fp32 scale
+per block in the same bytes), so one all-gather moves s + 4 s / block bytes per shard of s
+elements instead of s x element size. Every rank decodes every shard, its own included,
+straight into `output`, so all ranks hold bit-identical weights. A group of size 1 moves
+nothing, so nothing is quantized: the shard is copied exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from .. import comm
 from ..topology import Group
-from .quantize import dequantize_int8, quantize_int8
+from .quantize import dequantize_wire, quantize_wire
+
+QWZ_BITS = 8
 
 
 @dataclass
@@ -28,12 +31,14 @@ class PendingGather:
 
     works: list
     finish: Callable[[], None] | None = None  # qwZ: decode into the output
+    sending: torch.Tensor | None = None  # qwZ: the wire buffer on the wire, kept alive until wait()
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
         if self.finish is not None:
             self.finish()
+        self.sending = None
 
 
 def all_gather_weights(
@@ -48,11 +53,12 @@ def all_gather_weights(
         )
     if qwz_block is None or group.size == 1:
         return PendingGather([comm.all_gather(output, shard, group, phase, async_op=True)])
-    q, scales = quantize_int8(shard, qwz_block)
-    q_all = q.new_empty(group.size * q.numel())
-    s_all = scales.new_empty(group.size * scales.numel())
-    works = [
-        comm.all_gather(q_all, q, group, phase, async_op=True),
-        comm.all_gather(s_all, scales, group, phase, async_op=True),
-    ]
-    return PendingGather(works, lambda: output.copy_(dequantize_int8(q_all, s_all, qwz_block, output.dtype)))
+    s = shard.numel()
+    wire = quantize_wire(shard.reshape(1, s), qwz_block, QWZ_BITS)
+    gathered = wire.new_empty(group.size, wire.shape[1])  # row j: group rank j's wire
+    work = comm.all_gather(gathered.view(-1), wire.view(-1), group, phase, async_op=True)
+
+    def decode() -> None:
+        dequantize_wire(gathered, s, qwz_block, QWZ_BITS, out=output.view(group.size, s))
+
+    return PendingGather([work], decode, sending=wire)

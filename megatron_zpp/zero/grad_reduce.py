@@ -1,12 +1,15 @@
-"""qgZ: gradient reduce-scatter as a hierarchy of all-to-alls, optionally quantized.
+"""Gradient reduce-scatters that run while the backward goes on: flat, or qgZ's hierarchy
+of all-to-alls, optionally quantized.
 
 A flat reduce-scatter over DP ranks spread on several nodes sends most of its bytes
 across nodes. ZeRO++'s qgZ instead reduces hop by hop, innermost (fastest link) first:
 each hop is one all-to-all inside a small group followed by a local sum, so the data a
 rank sends shrinks by the hop's group size before it reaches the slower link. With
-`bits` set, each hop quantizes what it sends once (int4 or int8, block-wise), so a
-k-level hierarchy quantizes exactly k times whatever the world size, and every sum runs
-in fp32 on dequantized values.
+`bits` set, each hop quantizes what it sends once (int4 or int8, block-wise; data and
+scales in one buffer, zero/quantize.py's wire format), so a k-level hierarchy quantizes
+exactly k times whatever the world size, and every sum runs in fp32 on dequantized
+values. Without `bits` the hierarchy moves fp32 and equals a flat reduce-scatter to
+round-off (--zero-hierarchy without --zero-quantized-gradients).
 
 Slice order: rank p of the DP group owns chunk p of the result (as in reduce-scatter).
 Write p in mixed radix over the hop sizes r_0, r_1, ...: p = d0 + r0*d1 + r0*r1*d2 + ...
@@ -16,6 +19,13 @@ send buffer holds exactly the chunks whose digit i is j and goes to hop member j
 two levels (D ranks per node) this is the ZeRO++ paper's reordering "slice p goes to
 position (p % D) * nodes + p // D", generalised to any number of tiers and any hop
 sizes (odd node counts included).
+
+Overlap: a reduction is an object in flight. `advance()` finishes its current hop (waits
+for its all-to-all, dequantizes and sums) and starts the next; the engine advances every
+pending reduction by one hop each time a later unit's gradients are ready, so each hop's
+transfer overlaps a unit's backward; `result()` runs the rest. Collectives on one group
+must start in the same order on every rank, so hops start only at these program points,
+never on a timing-dependent condition such as "the transfer happens to be done".
 
 The result is the SUM over all DP ranks, not the mean: the caller divides by the DP
 size exactly once (DeepSpeed's qgZ shipped results scaled by D by dividing per hop).
@@ -29,9 +39,7 @@ import torch
 
 from .. import comm
 from ..topology import Group
-from .quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-
-_CODECS = {4: (quantize_int4, dequantize_int4), 8: (quantize_int8, dequantize_int8)}
+from .quantize import dequantize_sum_wire, quantize_wire
 
 
 def padded_numel(n: int, dp: int, block: int) -> int:
@@ -40,60 +48,99 @@ def padded_numel(n: int, dp: int, block: int) -> int:
     return -(-n // unit) * unit
 
 
-def _exchange(
-    send: torch.Tensor, group: Group, phase: str, bits: int | None, block: int, wire_dtype: torch.dtype
-) -> torch.Tensor:
-    """All-to-all of send [r, ...] over `group` (slice j -> member j); returns the received
-    [r, ...] (slice j from member j) in fp32. Quantized: data and scales as two all-to-alls."""
-    if group.size == 1:
-        return send.float()  # nothing moves, so nothing is quantized
-    if bits is None:
-        data = send.to(wire_dtype).contiguous()
-        out = torch.empty_like(data)
-        comm.all_to_all(out, data, group, phase)
-        return out.float()
-    quantize, dequantize = _CODECS[bits]
-    # block-wise over the flattened buffer: each slice is a whole number of blocks
-    q, scales = quantize(send.reshape(-1), block)
-    q_out, s_out = torch.empty_like(q), torch.empty_like(scales)
-    handles = [
-        comm.all_to_all(q_out, q, group, phase, async_op=True),
-        comm.all_to_all(s_out, scales, group, phase, async_op=True),
-    ]
-    for h in handles:
-        h.wait()
-    return dequantize(q_out, s_out, block, torch.float32).view(send.shape)
+class ReduceScatter:
+    """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight."""
+
+    def __init__(self, flat: torch.Tensor, group: Group, phase: str):
+        self.out = torch.empty(flat.numel() // group.size, dtype=torch.float32, device=flat.device)
+        self.source = flat.float()  # kept alive until the wire is done with it
+        self.work = comm.reduce_scatter(self.out, self.source, group, phase, async_op=True)
+
+    def advance(self) -> None:
+        """One collective: nothing to advance."""
+
+    def result(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
 
 
-def hierarchical_reduce_scatter(
-    flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int
-) -> torch.Tensor:
-    """Reduce-scatter `flat` over the DP ranks spanned by `hops`, hop by hop.
+class HierarchicalReduceScatter:
+    """Reduce-scatter `flat` over the DP ranks spanned by `hops`, hop by hop, in flight.
 
     flat: [N] full local gradient (any float dtype), N a multiple of dp*block where
         dp = prod(h.size for h in hops) (use padded_numel).
     hops: this rank's group per hop, innermost first (e.g. [intra-node, inter-node]);
         group-rank index in hops[i] = DP digit d_i (see the module docstring), as
         Topology.dp_tier_groups builds them.
-    bits: None (send flat.dtype as is), 8 or 4 (quantize once per hop).
-    Returns [N/dp] in flat.dtype: chunk p (p = this rank's DP index) of the SUM over
-    all DP ranks (not divided by dp). With bits=None this equals a flat reduce-scatter
-    (exactly on integer-valued inputs, to round-off otherwise).
+    bits: None (send flat.dtype as is), 8 or 4 (quantize once per hop; `stochastic`
+        rounding for unbiased int4 sums).
+    result(): [N/dp] fp32, chunk p (p = this rank's DP index) of the SUM over all DP ranks.
     """
-    if bits not in (None, 4, 8):
-        raise ValueError(f"bits must be None, 4 or 8, got {bits}")
-    radices = [g.size for g in hops]
-    dp = math.prod(radices)
-    if flat.dim() != 1 or flat.numel() % (dp * block):
-        raise ValueError(
-            f"flat gradient of shape {tuple(flat.shape)} must be 1-D with numel a multiple of "
-            f"dp*block = {dp}*{block}; pad it to padded_numel({flat.numel()}, {dp}, {block}) = "
-            f"{padded_numel(flat.numel(), dp, block)} elements"
-        )
-    chunk = flat.numel() // dp
-    cur = flat.view(*reversed(radices), chunk)  # [r_k, ..., r_1, r_0, C]
-    for group in hops:
-        send = cur.movedim(-2, 0).contiguous()  # [r_i, r_k, ..., r_{i+1}, C]
-        recv = _exchange(send, group, phase, bits, block, flat.dtype)
-        cur = recv.sum(dim=0)  # fp32: [r_k, ..., r_{i+1}, C]
-    return cur.reshape(chunk).to(flat.dtype)
+
+    def __init__(
+        self, flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int, stochastic: bool = False
+    ):
+        if bits not in (None, 4, 8):
+            raise ValueError(f"bits must be None, 4 or 8, got {bits}")
+        radices = [g.size for g in hops]
+        dp = math.prod(radices)
+        if flat.dim() != 1 or flat.numel() % (dp * block):
+            raise ValueError(
+                f"flat gradient of shape {tuple(flat.shape)} must be 1-D with numel a multiple of "
+                f"dp*block = {dp}*{block}; pad it to padded_numel({flat.numel()}, {dp}, {block}) = "
+                f"{padded_numel(flat.numel(), dp, block)} elements"
+            )
+        self.hops, self.phase, self.bits, self.block, self.stochastic = hops, phase, bits, block, stochastic
+        self.chunk = flat.numel() // dp
+        self.cur = flat.view(*reversed(radices), self.chunk)  # [r_k, ..., r_1, r_0, C]
+        self.hop, self.work = 0, None
+        self._start_hop()
+
+    @property
+    def done(self) -> bool:
+        return self.hop == len(self.hops)
+
+    def _start_hop(self) -> None:
+        group = self.hops[self.hop]
+        send = self.cur.movedim(-2, 0).contiguous()  # [r_i, r_k, ..., r_{i+1}, C]
+        self.rest = send.shape[1:]
+        if group.size == 1:  # nothing moves, so nothing is quantized
+            self.recv, self.work = send, None
+            return
+        if self.bits is None:
+            self.recv = torch.empty_like(send)
+            self.send = send
+        else:
+            self.send = quantize_wire(send.view(group.size, -1), self.block, self.bits, stochastic=self.stochastic)
+            self.recv = torch.empty_like(self.send)
+        self.work = comm.all_to_all(self.recv, self.send, group, self.phase, async_op=True)
+
+    def _finish_hop(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        r, m = self.recv.shape[0], math.prod(self.rest)
+        if self.bits is None or self.work is None:
+            summed = self.recv.view(r, m).sum(0, dtype=torch.float32)
+        else:
+            summed = dequantize_sum_wire(self.recv, m, self.block, self.bits, torch.empty(m, device=self.recv.device))
+        self.cur, self.send, self.recv = summed.view(self.rest), None, None  # fp32: [r_k, ..., r_{i+1}, C]
+        self.hop += 1
+        if not self.done:
+            self._start_hop()
+
+    def advance(self) -> None:
+        if not self.done:
+            self._finish_hop()
+
+    def result(self) -> torch.Tensor:
+        while not self.done:
+            self._finish_hop()
+        return self.cur.reshape(self.chunk)
+
+
+def hierarchical_reduce_scatter(
+    flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int
+) -> torch.Tensor:
+    """HierarchicalReduceScatter run to the end; the result in flat.dtype (with bits=None
+    it equals a flat reduce-scatter: exactly on integer-valued inputs, to round-off else)."""
+    return HierarchicalReduceScatter(flat, hops, phase, bits, block).result().to(flat.dtype)

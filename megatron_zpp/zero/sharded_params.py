@@ -11,11 +11,12 @@ unit's forward and re-gathered before its backward (saved activations keep point
 the same storage, so they are valid again once it is refilled).
 
 * qwZ: the forward gather sends int8 blocks with one fp32 scale each.
-* hpZ: the forward gather also leaves each rank a secondary shard, its slice of the full
-  weights within its hpZ group (inside one node); the backward gather reads only those,
-  so it never leaves the node. The secondary is rebuilt by every forward gather, so it is
-  never older than the weights that forward used, and it is written before the unit's
-  backward (which is the only reader) can start.
+* hpZ: the first forward gather after a step (or a load) also leaves each rank a secondary
+  shard, its slice of the full weights within its hpZ group (inside one node); every later
+  gather until the next step (the backward's, and with gradient accumulation the next
+  micro-batches' forward) reads only those, so it never leaves the node. The weights
+  change only at the step, so the secondary is never older than what the forward used,
+  and it is written before any of its readers can start.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def flat_geometry(numels: list[int], group_size: int, pad_block: int) -> tuple[l
         offsets.append(offsets[-1] + n)
     padded = math.ceil(offsets[-1] / (group_size * pad_block)) * group_size * pad_block
     return offsets, padded, padded // group_size
+
+
+def pad_block(zero_cfg) -> int:
+    """What a unit's flat buffer is padded to per rank: whole qwZ and qgZ blocks."""
+    return math.lcm(zero_cfg.zero_quantization_block_size, zero_cfg.zero_gradient_quantization_block_size)
 
 
 def shard_segments(offsets: list[int], lo: int, hi: int):
@@ -93,10 +99,10 @@ class FlatUnit:
         self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
         self.gathered = True
         self._gather: PendingGather | None = None
-        self._gather_backward = False
         if hpz is not None:
             self.secondary_numel = self.padded // hpz.size
             self.secondary = self.full[hpz.rank * self.secondary_numel : (hpz.rank + 1) * self.secondary_numel].clone()
+        self.secondary_current = False  # holds the weights of this step's first forward gather
         if stage == 3:
             self.release()
 
@@ -107,11 +113,12 @@ class FlatUnit:
             return
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
-        if backward and self.hpz is not None:  # hpZ: inside the node, from the secondary shards
+        # hpZ: the backward, and every forward after the step's first (the weights change only
+        # at the step), gather inside the node from the secondary shards
+        if self.hpz is not None and (backward or self.secondary_current):
             self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase)
         else:
             self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block)
-        self._gather_backward = backward
 
     def wait_gather(self) -> None:
         if self.gathered:
@@ -119,9 +126,10 @@ class FlatUnit:
         if self._gather is None:
             raise RuntimeError(f"ZeRO unit {self.name}: waited for a gather that was never started")
         self._gather.wait()
-        if self.hpz is not None and not self._gather_backward:  # refresh the secondary from this forward's weights
+        if self.hpz is not None and not self.secondary_current:  # the step's first forward: keep its weights
             s = self.secondary_numel
             self.secondary.copy_(self.full[self.hpz.rank * s : (self.hpz.rank + 1) * s])
+            self.secondary_current = True
         self._gather, self.gathered = None, True
         self._attach()
 
@@ -130,12 +138,20 @@ class FlatUnit:
         self.wait_gather()
 
     def release(self) -> None:
-        """Free the full weights (stage 3); the shard stays."""
+        """Free the full weights (stage 3); the shard stays. A prefetch in flight is
+        finished first (its buffer is the storage being freed) and dropped."""
+        self._drop_gather()
         if self.stage == 3 and self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
             for p in self.params:  # reading a released weight gives an empty tensor, not freed memory
                 p.data = self._empty
+
+    def _drop_gather(self) -> None:
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
+            self.gathered = True  # the buffer is full (of now unwanted weights): release frees it
 
     def _attach(self) -> None:
         for p, view in zip(self.params, self._views):
@@ -143,7 +159,11 @@ class FlatUnit:
 
     # ---- after the optimizer step ------------------------------------------------------
     def set_shard(self, new_shard: torch.Tensor) -> None:
-        """Take the updated shard; stages 1-2 gather the full weights again at once."""
+        """Take the updated shard; stages 1-2 gather the full weights again at once. A
+        gather in flight (a prefetch of the old weights) is dropped; the hpZ secondary is
+        stale until the next forward gather refreshes it."""
+        self._drop_gather()
+        self.secondary_current = False
         self.shard.copy_(new_shard)
         if self.stage < 3:
             comm.all_gather(self.full, self.shard, self.group, "zero_param_allgather")

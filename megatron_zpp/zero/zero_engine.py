@@ -25,48 +25,54 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
 from ..optim import build_adamw, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
-from .grad_reduce import hierarchical_reduce_scatter
-from .sharded_params import FlatUnit, model_units
+from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
+from .sharded_params import FlatUnit, model_units, pad_block
+
+
+def _gather(units: list[FlatUnit], backward: bool = False) -> None:
+    for u in units:
+        u.start_gather(backward)
+    for u in units:
+        u.wait_gather()
 
 
 @dataclass
 class PendingReduce:
-    """A unit's reduce-scatter in flight: `out` is added to its gradient shard when done."""
+    """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard."""
 
     unit: FlatUnit
-    out: torch.Tensor
-    work: object
-    source: torch.Tensor  # the full gradient, kept alive until the wire is done with it
+    reduction: ReduceScatter | HierarchicalReduceScatter
 
 
 class ZeroEngine(DataParallelEngine):
+    MAX_IN_FLIGHT = 2  # gradient reductions overlapping the backward (each holds one unit's full fp32 gradient)
+
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg):
         self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         self.clip = optim_cfg.clip_grad
-        self.qgz_hops = groups.dp_tier_hops() if zero_cfg.zero_quantized_gradients else None
-        self.block = block = zero_cfg.zero_quantization_block_size
+        hierarchical = zero_cfg.zero_quantized_gradients or bool(zero_cfg.zero_hierarchy)
+        self.reduce_hops = groups.dp_tier_hops() if hierarchical else None
+        self.grad_bits = 4 if zero_cfg.zero_quantized_gradients else None
+        self.grad_block = zero_cfg.zero_gradient_quantization_block_size
+        self.stochastic = zero_cfg.zero_gradient_stochastic_rounding
         hpz = groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
-        qwz = block if zero_cfg.zero_quantized_weights else None
+        self.qwz_block = qwz = zero_cfg.zero_quantization_block_size if zero_cfg.zero_quantized_weights else None
         self.units: list[FlatUnit] = []
-        self.roots, self.blocks = [], []  # per chunk: units used by the chunk's own code / by blocks
         for chunk in chunks:
-            roots, blocks = [], []
+            units = {}
             for name, params, module in model_units(chunk):
-                unit = FlatUnit(name, params, self.group, self.stage, block, hpz=hpz, qwz_block=qwz)
+                unit = FlatUnit(name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz)
                 unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
+                unit.module = module
+                units[name] = unit
                 self.units.append(unit)
-                (blocks if module is not None else roots).append((unit, module))
-            self.roots.append([u for u, _ in roots])
-            self.blocks.append(blocks)
-            if self.stage == 3:
-                self._install_gather_hooks(chunk, self.roots[-1], blocks)
-
+            if self.stage >= 2:
+                self._install_hooks(chunk, units)
         for unit in self.units:  # fp32 master shard, fp32 gradient shard
             unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
             unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
@@ -104,9 +110,12 @@ class ZeroEngine(DataParallelEngine):
             parts.append(
                 f"hpZ secondary shard over {u0.hpz.size} ranks ({u0.hpz.link}): {extra:.2f} MiB extra per rank"
             )
-        if self.qgz_hops is not None:
-            hops = ", ".join(f"{h.size} ranks {h.link}" for h in self.qgz_hops)
-            parts.append(f"qgZ int4 hierarchical gradient all-to-all, blocks of {self.block}, hops: {hops}")
+        if self.reduce_hops is not None:
+            hops = ", ".join(f"{h.size} ranks {h.link}" for h in self.reduce_hops)
+            sr = " stochastic" if self.stochastic else ""
+            what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else "fp32"
+            parts.append(f"hierarchical gradient all-to-all ({what}), hops: {hops}")
+        parts.append(f"gradients accumulated and reduced in fp32, up to {self.MAX_IN_FLIGHT} reductions in flight")
         return "; ".join(parts)
 
     def gather_parameters(self) -> None:
@@ -117,21 +126,30 @@ class ZeroEngine(DataParallelEngine):
         for unit in self.units:
             unit.release()
 
-    # ---- stage 3: gather before use, free after ----------------------------------------
-    def _install_gather_hooks(self, chunk, roots: list[FlatUnit], blocks: list[tuple[FlatUnit, torch.nn.Module]]):
-        units = [u for u, _ in blocks]
-
-        def chunk_forward(module, args, kwargs):
-            for u in roots:
-                u.gather()
-            if units:
-                units[0].start_gather(backward=False)
+    # ---- hooks: stage 3 gathers before use and frees after; stages 2-3 count gradients ----
+    def _install_hooks(self, chunk, units: dict[str, FlatUnit]) -> None:
+        """Forward order: the embedding lookup (first stage), the blocks, then the end units
+        (final norm and output layer: the head, and a tied embedding on the last stage).
+        Each item prefetches the next. Blocks free their weights after their forward and
+        gather them again for their backward; the end units keep theirs through the
+        backward, which starts right after them; the lookup keeps its weights until its
+        gradient is reduced (its backward reads none, but PyTorch accumulates a parameter's
+        gradient only while the parameter has its shape), as FSDP keeps its root's. Both are
+        gathered again at the chunk's backward if the backward of another micro-batch (1F1B)
+        freed them in between."""
+        blocks = [u for u in units.values() if u.module is not None]
+        start = [units["embedding"]] if chunk.pre_process else []
+        end = [units[n] for n in ("head", "embedding") if n in units and chunk.post_process]
+        order = start + blocks + [end]  # the end units are gathered together
+        mine = list(units.values())
 
         def chunk_backward(module, grad_output):
-            for u in roots:
-                u.gather(backward=True)
-            if units:
-                units[-1].start_gather(backward=True)
+            for u in mine:  # a new micro-batch's gradients: count them afresh
+                u.ready = 0
+            if self.stage == 3:  # under 1F1B another micro-batch's backward may have freed them
+                _gather(start + [u for u in end if u not in start], backward=True)
+                if blocks:
+                    blocks[-1].start_gather(backward=True)
 
         # the chunk's inputs (token ids) need no grad; the pre-hook only needs the output grads
         warnings.filterwarnings(
@@ -139,24 +157,30 @@ class ZeroEngine(DataParallelEngine):
             message="Full backward hook is firing when gradients are computed with "
             "respect to module outputs since no inputs require gradients",
         )
-        chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
         chunk.register_full_backward_pre_hook(chunk_backward)
-        for i, (unit, block) in enumerate(blocks):
-            nxt = units[i + 1] if i + 1 < len(units) else None
-            prev = units[i - 1] if i > 0 else None
-            block.register_forward_pre_hook(self._before_forward(unit, nxt))
+        if self.stage < 3:
+            return
+        chunk.register_forward_pre_hook(lambda m, a, kw: self._gather_and_prefetch(start, order), with_kwargs=True)
+        if end:
+            chunk.final_norm.register_forward_pre_hook(lambda m, a: _gather(end))
+        for i, unit in enumerate(blocks):
+            unit.module.register_forward_pre_hook(
+                lambda m, a, unit=unit: self._gather_and_prefetch([unit], order, after=unit)
+            )
             if not self.per_step:
-                block.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
-            block.register_full_backward_pre_hook(self._before_backward(unit, prev))
+                unit.module.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
+            prev = blocks[i - 1] if i > 0 else None
+            unit.module.register_full_backward_pre_hook(self._before_backward(unit, prev))
 
     @staticmethod
-    def _before_forward(unit: FlatUnit, nxt: FlatUnit | None):
-        def hook(module, args):
-            unit.gather()
-            if nxt is not None:  # prefetch: the next block's gather runs while this one computes
-                nxt.start_gather(backward=False)
-
-        return hook
+    def _gather_and_prefetch(now: list[FlatUnit], order: list, after: FlatUnit | None = None) -> None:
+        """Gather `now`; start the gather of what comes after it in `order` (the first item
+        when `after` is None), which then runs while `now` computes."""
+        _gather(now)
+        i = order.index(after) + 1 if after is not None else len(now)
+        if i < len(order):
+            for u in order[i] if isinstance(order[i], list) else [order[i]]:
+                u.start_gather(backward=False)
 
     @staticmethod
     def _before_backward(unit: FlatUnit, prev: FlatUnit | None):
@@ -174,8 +198,8 @@ class ZeroEngine(DataParallelEngine):
         def hook(p):
             i = index[id(p)]
             off, n = unit.offsets[i], unit.numels[i]
-            if unit.flat_grad is None:
-                unit.flat_grad = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+            if unit.flat_grad is None:  # fp32 whatever the parameter dtype: micro-batches sum without rounding
+                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
             unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
             if self.stage >= 2:
@@ -186,23 +210,27 @@ class ZeroEngine(DataParallelEngine):
         return hook
 
     def _reduce(self, unit: FlatUnit) -> None:
-        """Reduce-scatter one unit's gradients into its fp32 shard (summed, not averaged)."""
+        """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
+        and advance the reductions already in flight."""
         flat, unit.flat_grad, unit.ready = unit.flat_grad, (None if self.stage >= 2 else unit.flat_grad), 0
-        if self.qgz_hops is not None:
-            unit.grad_shard.add_(hierarchical_reduce_scatter(flat, self.qgz_hops, "qgz_grad", bits=4, block=self.block))
+        if self.reduce_hops is not None:
+            phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
+            reduction = HierarchicalReduceScatter(
+                flat, self.reduce_hops, phase, self.grad_bits, self.grad_block, self.stochastic
+            )
         else:
-            out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            work = comm.reduce_scatter(out, flat, self.group, "zero_grad_reducescatter", async_op=True)
-            self._pending.append(PendingReduce(unit, out, work, flat))
-            while len(self._pending) > 2:  # overlap with the backward, but hold at most two full gradients
-                self._finish_oldest()
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter")
+        for pending in self._pending:  # one hop further: each hop's transfer overlapped a unit's backward
+            pending.reduction.advance()
+        self._pending.append(PendingReduce(unit, reduction))
+        while len(self._pending) > self.MAX_IN_FLIGHT:  # hold at most this many full gradients
+            self._finish_oldest()
         if not self.per_step:
             unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
     def _finish_oldest(self) -> None:
         done = self._pending.pop(0)
-        done.work.wait()
-        done.unit.grad_shard.add_(done.out)
+        done.unit.grad_shard.add_(done.reduction.result())
 
     def _drain(self) -> None:
         while self._pending:

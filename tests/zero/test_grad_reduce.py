@@ -21,7 +21,7 @@ import torch
 
 from megatron_zpp import comm
 from megatron_zpp.topology import Group, Topology, build_groups
-from megatron_zpp.zero.grad_reduce import hierarchical_reduce_scatter, padded_numel
+from megatron_zpp.zero.grad_reduce import HierarchicalReduceScatter, hierarchical_reduce_scatter, padded_numel
 from tests.dist import run_distributed
 
 BLOCK, CHUNK = 32, 128  # C = 4 blocks per chunk
@@ -70,6 +70,12 @@ def _run(rank, world, topo_kwargs, dp_tiers):
     res["randn_8"] = hierarchical_reduce_scatter(x, hops, "grad", 8, BLOCK)
     res["bf16_4"] = hierarchical_reduce_scatter(grad(rank, world, "randn", torch.bfloat16), hops, "grad", 4, BLOCK)
     res["bf16_none"] = hierarchical_reduce_scatter(grad(rank, world, "int", torch.bfloat16), hops, "grad", None, BLOCK)
+    # two in flight at once, advanced hop by hop in the same order on every rank, as the engine does
+    a = HierarchicalReduceScatter(grad(rank, world, "randn"), hops, "grad", 4, BLOCK)
+    a.advance()
+    b = HierarchicalReduceScatter(grad(rank, world, "int"), hops, "grad", None, BLOCK)
+    a.advance(), b.advance()
+    res["in_flight"] = (b.result(), a.result())
     return res
 
 
@@ -139,7 +145,7 @@ def test_quantized_within_bound(layout, bits, levels, rel):
 
 def test_ledger_per_hop(layout):
     """Each hop sends a buffer of N / (product of the earlier hop sizes) elements, pairwise
-    all-to-all: (n-1)/n of it, as int4 (0.5 B/elem) + fp32 scales (4 B/block), two calls."""
+    all-to-all: (n-1)/n of it, as int4 (0.5 B/elem) + fp32 scales (4 B/block) in one buffer."""
     name, results = layout
     world, _, tiers, links, D = LAYOUTS[name]
     N = world * CHUNK
@@ -149,7 +155,7 @@ def test_ledger_per_hop(layout):
         want4, want_none = {}, {}
         for i, (n, link) in enumerate(zip(res["sizes"], links)):
             key = (f"dp_tier{i}", "grad", "all_to_all", link)
-            want4[key] = ((n - 1) / n * (numel * 0.5 + 4 * numel / BLOCK), 2)
+            want4[key] = ((n - 1) / n * (numel * 0.5 + 4 * numel / BLOCK), 1)
             want_none[key] = ((n - 1) / n * numel * 4, 1)
             numel //= n
         for got, want in ((ledger4, want4), (ledger_none, want_none)):
@@ -160,6 +166,13 @@ def test_ledger_per_hop(layout):
         nodes = world // D
         cross = sum(b for k, (b, _) in ledger4.items() if k[3] == "inter_node")
         assert cross == pytest.approx((nodes - 1) / nodes * (N / D * 0.5 + 4 * N / D / BLOCK))
+
+
+def test_reductions_in_flight_equal_the_sync_ones(layout):
+    _, results = layout
+    for res in results:
+        unquantized, quantized = res["in_flight"]
+        assert torch.equal(unquantized, res["int_none"][0]) and torch.equal(quantized, res["randn_4"][0])
 
 
 def test_padding_error_names_padded_numel():
