@@ -4,6 +4,12 @@ client optimizer), LR schedule and gradient clipping. Runs in .venv-bench-ds/ (D
 a bench-only dependency). DeepSpeed's own ZeRO-3 defaults are kept (buckets, prefetch,
 persistence threshold); only the settings below are ours.
 
+With --bf16 among the model flags: DeepSpeed's `bf16: {enabled: true}` and nothing else, as
+its users run it: bf16 weights, gathers and compute, fp32 master partitions in the optimizer,
+and (its defaults: communication_data_type and grad_accum_dtype follow the model dtype)
+gradients reduce-scattered and accumulated in bf16, half the bytes of ours and FSDP2's fp32
+reduction.
+
     torchrun ... bench/zero_peers/deepspeed_zero.py --warmup 1 --hpz 2 -- <model flags>
 """
 
@@ -20,6 +26,7 @@ from common import (
     adamw_kwargs,
     adamw_param_groups,
     build_peer_model,
+    install_gloo_collectives,
     lr_at,
     parse_model_args,  # noqa: E402
     peer_args,
@@ -38,6 +45,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    # before init_distributed, which binds torch.distributed.reduce_scatter_tensor (common.py)
+    install_gloo_collectives()
     probe = Probe(a.warmup, a.gate_every)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="gloo")
@@ -52,6 +61,7 @@ def main() -> None:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": num_micro,
         "gradient_clipping": cfg.optim.clip_grad,
+        "bf16": {"enabled": cfg.train.bf16},
         "zero_optimization": {"stage": 3, "zero_hpz_partition_size": a.hpz, **json.loads(a.zero_config)},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -83,7 +93,15 @@ def main() -> None:
             )
     dist.barrier()
     dist.destroy_process_group()
-    probe.finish(system="deepspeed", hpz=a.hpz, deepspeed=deepspeed.__version__, torch=torch.__version__)
+    probe.finish(
+        system="deepspeed",
+        hpz=a.hpz,
+        dtype="bf16" if cfg.train.bf16 else "fp32",
+        communication_data_type=str(engine.communication_data_type),
+        grad_accum_dtype=str(engine.get_data_types()[1]),
+        deepspeed=deepspeed.__version__,
+        torch=torch.__version__,
+    )
 
 
 if __name__ == "__main__":

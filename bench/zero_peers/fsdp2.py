@@ -6,6 +6,12 @@ schedule and global-norm clipping.
 
 --reshard-after-forward 2 (an int) keeps the parameters sharded over 2 ranks between forward
 and backward, so the backward all-gather stays in the node: FSDP2's analogue of hpZ.
+
+With --bf16 among the model flags: MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32), FSDP2's best setting for bf16 training and the one closest to ours:
+fp32 sharded parameters (the masters AdamW steps), bf16 all-gathers and compute, gradients
+reduce-scattered and kept in fp32. The fp32 parameters start as our bf16 weights (the fp32
+init rounded to bf16, as ours rounds it), so every system's masters start equal.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from common import (
     adamw_kwargs,
     adamw_param_groups,
     build_peer_model,
+    install_gloo_collectives,
     lr_at,
     parse_model_args,  # noqa: E402
     peer_args,
@@ -34,8 +41,9 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    install_gloo_collectives()  # its reduce_scatter_single: the real-fabric volume on gloo (common.py)
     probe = Probe(a.warmup, a.gate_every)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
@@ -43,10 +51,16 @@ def main() -> None:
     cfg = parse_model_args(model_argv)
     torch.manual_seed(cfg.train.seed)
     model, _ = build_peer_model(cfg)
-    mesh = init_device_mesh("cpu", (world,))
+    model = model.float()  # bf16: our rounded weights, now the fp32 masters FSDP2 shards
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_kw = {
+        "mesh": init_device_mesh("cpu", (world,)),
+        "reshard_after_forward": raf,
+        "mp_policy": bf16 if cfg.train.bf16 else MixedPrecisionPolicy(),  # the default: no casts
+    }
     for block in model.h:
-        fully_shard(block, mesh=mesh, reshard_after_forward=raf)
-    fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+        fully_shard(block, **shard_kw)
+    fully_shard(model, **shard_kw)
     opt = torch.optim.AdamW(adamw_param_groups(model, cfg), foreach=True, **adamw_kwargs(cfg))
     batches = PeerBatches(cfg, rank, world)
     clip = cfg.optim.clip_grad
@@ -76,7 +90,9 @@ def main() -> None:
             )
     dist.barrier()
     dist.destroy_process_group()
-    probe.finish(system="fsdp2", reshard_after_forward=raf, torch=torch.__version__)
+    probe.finish(
+        system="fsdp2", reshard_after_forward=raf, dtype="bf16" if cfg.train.bf16 else "fp32", torch=torch.__version__
+    )
 
 
 if __name__ == "__main__":
