@@ -117,7 +117,12 @@ class ParallelConfig:
         "GLA state passing under CP: ZeCO all-scan, LASP-2 all-gather, LASP-1 ring (softmax layers all-gather K/V)",
         choices=["all-scan", "all-gather", "ring"],
     )
-    all_scan_blocks: int = opt(1, "--all-scan-blocks", "All-Scan: pipeline the state in this many blocks along d_k")
+    all_scan_blocks: int = opt(
+        0,
+        "--all-scan-blocks",
+        "All-Scan: pipeline the state in this many blocks along d_k; 0 = chosen from the state size and the CP "
+        "group's link (context_parallel.auto_blocks: 1 at CP 2, about sqrt((CP-2) x transfer time / latency))",
+    )
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(
         None, "--ranks-per-node", "ranks per node (default: LOCAL_WORLD_SIZE); smaller values emulate several nodes"
@@ -438,8 +443,8 @@ def _check_model(cfg: Config, world_size: int) -> list[str]:
             ),
             (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
             (
-                p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0,
-                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim}",
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
             ),
             (
                 m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,

@@ -13,19 +13,29 @@ from torch import Tensor
 
 from .. import comm
 from ..topology import Group
-from .all_scan import ChainScan
 
 
-def ring_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: str) -> Tensor:
+def ring_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: str, head: Tensor | None = None) -> Tensor:
     src, dst = cp.rank - step, cp.rank + step
     x_in = torch.zeros(local.shape, dtype=local.dtype, device=local.device)
     if 0 <= src < cp.size:
         comm.recv(x_in, src, cp).wait()
+    elif head is not None:
+        x_in.copy_(head)
     if 0 <= dst < cp.size:
         comm.send((local + gamma[..., None] * x_in).contiguous(), dst, cp, phase).wait()
     return x_in
 
 
-def ring_scan(S_loc: Tensor, log_gamma: Tensor, cp: Group) -> Tensor:
-    """State entering this rank's slice by the LASP-1 ring. S_loc [B,H,K,V], log_gamma [B,H,K]."""
-    return ChainScan.apply(S_loc, log_gamma, cp, ring_chain, "ring")
+class RingScan:
+    name = "ring"
+
+    def __init__(self, cp: Group):
+        self.cp = cp
+
+    def forward(self, S_loc: Tensor, log_gamma: Tensor, head: Tensor | None) -> Tensor:
+        self.gamma = log_gamma.exp()
+        return ring_chain(S_loc, self.gamma, self.cp, +1, "cp_ring_fwd", head)
+
+    def backward(self, dS_corr: Tensor) -> Tensor:
+        return ring_chain(dS_corr, self.gamma, self.cp, -1, "cp_ring_bwd")

@@ -18,7 +18,7 @@ class ParallelContext:
     sequence_parallel: bool = False
     cp: Group | None = None
     cp_algo: str = "all-scan"
-    all_scan_blocks: int = 1
+    all_scan_blocks: int = 0  # 0: chosen from the state size and the link
 
     @property
     def tp_size(self) -> int:

@@ -1,0 +1,147 @@
+"""Gated linear attention under context parallelism, with the state scan overlapped.
+
+A slice's output is its local pass from a zero state plus the correction of the state
+entering it (ZeCO):
+
+    o = o_loc + scale * (q * exp(B_t)) @ S_in(p),    B_t = sum of g from the slice start to t
+
+Forward: the local states come first (chunk_gla_fwd_states: the cheap state pass), the scan
+of S_loc over the ranks starts at once in a background thread, and the intra-chunk output
+(the expensive part, which needs no incoming state) is computed while the state travels;
+then the correction is added, in fp32, and the sum rounded once. Backward: the gradient
+reaching S_in is known from dO alone, so the reverse scan starts first, in the background,
+while the local gradients are computed; the state's share (the gradient arriving from the
+next rank, through S_loc and the slice's total decay) is added when it arrives
+(chunk_gla_bwd is linear in its two cotangents).
+
+The thread only issues this CP group's point-to-point calls or its all-gather, which the
+main thread does not touch meanwhile; torch kernels and gloo waits release the GIL, so the
+two run at once on CPU. On GPU both use the current stream (correct; overlapping them there
+needs a side stream, not done yet).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+from ..ops.gla import chunk_gla, chunk_gla_bwd, chunk_gla_fwd_output, chunk_gla_fwd_states
+from ..topology import Group
+from .all_scan import AllScan, auto_blocks
+from .lasp2 import GatherScan
+from .ring import RingScan
+
+ALGOS = ("all-scan", "all-gather", "ring")
+
+
+class _Background:
+    """Run fn(*args) in a thread; result() joins it and re-raises what it raised."""
+
+    def __init__(self, fn, *args):
+        self.out, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self.out = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            self.error = e
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.out
+
+
+def _decayed_queries(q: Tensor, g: Tensor, dt: torch.dtype) -> Tensor:
+    """q * exp(B_t), B_t = sum_{s<=t} g_s from the slice's first token (<= 0: no overflow)."""
+    return q.to(dt) * g.to(dt).cumsum(dim=1).exp()
+
+
+class ContextParallelGLA(torch.autograd.Function):
+    """apply(q, k, v, g, head, scan, scale, chunk_size) -> o [B,T,H,V] in v's dtype.
+
+    head: the state entering rank 0's slice (None elsewhere, or for zeros); scan: an
+    AllScan / GatherScan / RingScan over the CP group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, head, scan, scale, chunk_size):
+        states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
+        dt = S_loc.dtype
+        log_gamma = g.to(dt).sum(dim=1)  # [B,H,K]: the slice's total decay
+        pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
+        o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
+        S_in = pending.result()
+        o = o + torch.einsum("bthk,bhkv->bthv", _decayed_queries(q, g, dt), S_in) * scale
+        ctx.save_for_backward(q, k, v, g, S_in, log_gamma)
+        ctx.scan, ctx.scale, ctx.chunk_size = scan, scale, chunk_size
+        ctx.head_dtype = None if head is None else head.dtype
+        return o.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, S_in, log_gamma = ctx.saved_tensors
+        dt, scale, C = S_in.dtype, ctx.scale, ctx.chunk_size
+        q_dec, do_t = _decayed_queries(q, g, dt), do.to(dt)
+        dS_corr = torch.einsum("bthk,bthv->bhkv", q_dec, do_t) * scale  # gradient reaching S_in
+        pending = _Background(ctx.scan.backward, dS_corr)
+        states, _ = chunk_gla_fwd_states(k, v, g, None, C)
+        dq, dk, dv, dg, _ = chunk_gla_bwd(q, k, v, g, None, do, None, scale, C, states)  # the local part
+        dq_corr = torch.einsum("bthv,bhkv->bthk", do_t, S_in) * scale * g.to(dt).cumsum(dim=1).exp()
+        dq = dq + dq_corr
+        # the correction's gate term: sum_{u>=t} q_u * dq_corr_u (no cancelling k term: one reverse cumsum)
+        dg = dg + (q.to(dt) * dq_corr).flip(1).cumsum(1).flip(1)
+        dS_out = pending.result()  # gradient of what this rank passed on (zeros on the last rank)
+        _, dk_s, dv_s, dg_s, _ = chunk_gla_bwd(q, k, v, g, None, None, dS_out, scale, C, states)
+        gamma = log_gamma.exp()
+        d_log_gamma = (dS_out * S_in).sum(-1) * gamma  # S_out = S_loc + gamma * S_in
+        dg = dg + dg_s + d_log_gamma[:, None]
+        d_head = None if ctx.head_dtype is None else (dS_corr + gamma[..., None] * dS_out).to(ctx.head_dtype)
+        dk, dv = (dk + dk_s).to(k.dtype), (dv + dv_s).to(v.dtype)
+        return dq.to(q.dtype), dk, dv, dg.to(g.dtype), d_head, None, None, None
+
+
+def make_scan(algo: str, cp: Group, blocks: int, state_bytes: int, device: torch.device, k_dim: int):
+    """The state scan of `algo`; all-scan with blocks 0 picks its block count (auto_blocks)."""
+    if algo == "all-scan":
+        return AllScan(cp, blocks or auto_blocks(state_bytes, cp, device, k_dim))
+    if algo == "all-gather":
+        return GatherScan(cp)
+    if algo == "ring":
+        return RingScan(cp)
+    raise ValueError(f"unknown CP algorithm {algo!r}; choose one of {ALGOS}")
+
+
+def gla_context_parallel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    cp: Group | None,
+    algo: str = "all-scan",
+    blocks: int = 0,
+    scale: float | None = None,
+    chunk_size: int = 16,
+    initial_state: Tensor | None = None,
+) -> Tensor:
+    """GLA over a sequence split in contiguous slices over the CP group (rank order).
+
+    q, k, g: [B, T_local, H, K]; v: [B, T_local, H, V]; T_local a multiple of chunk_size.
+    Returns o [B, T_local, H, V] (v's dtype): this rank's slice of chunk_gla over the whole
+    sequence. `initial_state` [B,H,K,V] is the state entering rank 0's slice; only rank 0
+    reads it (and only there does it get a gradient). `blocks` is used by all-scan only (0:
+    auto_blocks). Gradients of q, k, v, g (and initial_state) are exact.
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"unknown CP algorithm {algo!r}; choose one of {ALGOS}")
+    if cp is None or cp.size == 1:
+        return chunk_gla(q, k, v, g, scale, initial_state, chunk_size=chunk_size)[0]
+    B, _, H, K = q.shape
+    state_bytes = B * H * K * v.shape[-1] * 4
+    scan = make_scan(algo, cp, blocks, state_bytes, q.device, K)
+    head = initial_state if cp.rank == 0 else None
+    return ContextParallelGLA.apply(q, k, v, g, head, scan, K**-0.5 if scale is None else scale, chunk_size)

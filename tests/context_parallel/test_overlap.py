@@ -1,0 +1,77 @@
+"""The CP GLA Function runs the state scan while the local work runs (forward and
+backward), shown without timing: a stand-in scan that cannot finish until the local pass
+has started would deadlock a sequential implementation; and the All-Scan block rule."""
+
+import threading
+
+import pytest
+import torch
+
+from megatron_zpp.context_parallel import auto_blocks, gla
+from megatron_zpp.ops import gla as gla_ops
+from megatron_zpp.topology import Group
+
+WAIT_S = 20  # only reached when the two are not concurrent
+
+
+class BlockedScan:
+    """Returns a zero state, but only once the local pass has signalled that it runs."""
+
+    def __init__(self):
+        self.local_started = threading.Event()
+
+    def forward(self, S_loc, log_gamma, head):
+        assert self.local_started.wait(WAIT_S), "the forward scan waited for the local pass: no overlap"
+        return torch.zeros_like(S_loc)
+
+    def backward(self, dS_corr):
+        assert self.local_started.wait(WAIT_S), "the backward scan waited for the local gradients: no overlap"
+        return torch.zeros_like(dS_corr)
+
+
+def test_scan_runs_during_the_local_work(monkeypatch):
+    scan = BlockedScan()
+    output, bwd = gla_ops.chunk_gla_fwd_output, gla_ops.chunk_gla_bwd
+
+    def output_then_signal(*args):
+        scan.local_started.set()
+        return output(*args)
+
+    def bwd_then_signal(*args):
+        scan.local_started.set()
+        return bwd(*args)
+
+    monkeypatch.setattr(gla, "chunk_gla_fwd_output", output_then_signal)
+    monkeypatch.setattr(gla, "chunk_gla_bwd", bwd_then_signal)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(1, 16, 2, 8, generator=gen, dtype=torch.float64)).requires_grad_()
+    o = gla.ContextParallelGLA.apply(q, k, v, g, None, scan, 8**-0.5, 8)
+    scan.local_started.clear()
+    o.sum().backward()
+    # a zero incoming state and no gradient from the next rank: the single-slice result
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+    o_ref = gla_ops.chunk_gla(*ref, chunk_size=8)[0]
+    o_ref.sum().backward()
+    torch.testing.assert_close(o, o_ref)
+    for got, want in zip((q, k, v, g), ref):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def _group(size: int, link: str) -> Group:
+    return Group("cp", tuple(range(size)), 0, link)
+
+
+@pytest.mark.parametrize(
+    "size, link, state_bytes, want",
+    [
+        (2, "intra_node", 2**20, 1),  # two ranks: no pipeline to fill
+        # K* = sqrt((P-2) s / alpha) with s = bytes / bandwidth (LINK_MODEL, CPU): largest divisor of 64 <= K*
+        (4, "intra_node", 2**20, 4),  # s = 5.2e-4 s, alpha 5e-5 s: K* = 4.6
+        (4, "inter_node", 2**20, 8),  # s = 8.4e-3 s, alpha 1e-4 s: K* = 13.0
+        (8, "inter_node", 2**20, 16),  # K* = 22.4
+        (8, "intra_node", 512, 1),  # a tiny state: latency dominates
+    ],
+)
+def test_auto_blocks_rule(size, link, state_bytes, want):
+    assert auto_blocks(state_bytes, _group(size, link), torch.device("cpu"), 64) == want
