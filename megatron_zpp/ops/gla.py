@@ -4,18 +4,49 @@ Recurrence, per batch b and head h (state S is K x V, kept in fp32):
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t        o_t = scale * q_t S_t
 
-with g_t <= 0 the per-key log decay. Shapes throughout: q, k, g: [B, T, H, K];
-v: [B, T, H, V]; states: [B, H, K, V]; outputs o: [B, T, H, V] in v's dtype.
-Work is done in fp32 (fp64 when any input is fp64).
+with g_t <= 0 the per-key log decay (-inf allowed: a hard reset). Shapes throughout:
+q, k, g: [B, T, H, K]; v: [B, T, H, V]; states: [B, H, K, V]; outputs o: [B, T, H, V] in
+v's dtype. Work is done in fp32 (fp64 when any input is fp64; bf16 is computed in fp32).
 
-Numerics: only non-positive log decays are ever exponentiated. Inside a chunk
-the pairwise factor exp(b_i - b_j) (j <= i) is masked to -inf above the
-diagonal *before* exp, so masked entries are exactly 0 with 0 gradient; across
-chunks q is scaled by exp(b_i) and k by exp(b_last - b_j), both <= 1.
+Chunked form (chunk of C tokens, N = T / C chunks). Building blocks, pure tensor code with
+no autograd inside, so that other code (the context-parallel All-Scan) can interleave them
+with its communication:
 
-`chunk_gla_local` and `gla_state_correction` split a slice's output into the
-part from a zero state and the part from an incoming state, which is what the
-sequence-parallel All-Scan needs (ZeCO):
+    chunk_gla_fwd_states   the state entering each chunk, and the final state (a scan over N)
+    chunk_gla_fwd_output   o from intra-chunk scores plus the entering states
+    chunk_gla_bwd          all gradients; recomputes the states unless given
+
+`ChunkGLAFunction` chains them and saves only q, k, v, g (and the initial state); `chunk_gla`
+and `chunk_gla_local` call it. Only the K x V recurrences over chunks are sequential loops;
+all intra-chunk work is batched over chunks, so time is linear in N.
+
+Numerics: decays are never differences of long cumulative sums. Inside a chunk, in sub-blocks
+of ~sqrt(C) tokens, the pairwise decay exp(sum_{j<s<=i} g_s) of two tokens of one sub-block is
+a segment sum accumulated over its own tokens (Mamba-2's segsum, one diagonal i - j at a time,
+so the pairs j > i are never formed); pairs in different sub-blocks factor through exclusive
+suffix sums in j's sub-block, the sums of the sub-blocks in between and prefix sums in i's.
+q's inter-chunk factor is a prefix sum from the chunk start, k's factor into the chunk's end
+state an exclusive suffix sum (shifted, not total minus prefix). Only sums of g <= 0 are
+exponentiated and nothing multiplies an infinity, so -inf gates (exp = 0) give finite outputs
+and gradients; the gradient of g is exactly 0 there.
+
+Gradient of g: with b_t the cumulative log decay, dL/db_t = q_t*dq_t - k_t*dk_t (full dq, dk)
+and dg_t = sum_{u>=t} dL/db_u. It is applied chunk-locally, never as one long cumsum of
+cancelling terms: for t in chunk n, dg_t = (reverse cumsum within chunk n of q*dq - k*dk)_t
++ sum_V S_end(n) * dS_end(n), dS_end(n) being the gradient reaching the state leaving chunk n
+from later chunks (and d_final_state). `_decay_grad` evaluates an exact rearrangement of it
+that also drops the cancellation between the boundary term and k*dk of the inter-chunk part.
+
+The backward is linear in the output and final-state cotangents:
+
+    chunk_gla_bwd(..., do, dS) == chunk_gla_bwd(..., do, None) + chunk_gla_bwd(..., None, dS)
+
+and the dS-only call does no intra-chunk work (the All-Scan computes the do part while the
+state gradient travels, then adds the dS part).
+
+`chunk_gla_local` and `gla_state_correction` split a slice's output into the part from a
+zero state and the part from an incoming state, which is what the sequence-parallel
+All-Scan needs (ZeCO):
 
     chunk_gla(q, k, v, g, h0) == o_local + gla_state_correction(q, g, h0)
     final_state               == S_local + exp(log_gamma)[..., None] * h0
@@ -23,10 +54,23 @@ sequence-parallel All-Scan needs (ZeCO):
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-__all__ = ["recurrent_gla", "chunk_gla", "chunk_gla_local", "gla_state_correction"]
+__all__ = [
+    "recurrent_gla",
+    "chunk_gla",
+    "chunk_gla_local",
+    "gla_state_correction",
+    "chunk_gla_fwd_states",
+    "chunk_gla_fwd_output",
+    "chunk_gla_bwd",
+    "ChunkGLAFunction",
+    "GLAStateCorrectionFunction",
+]
 
 
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -46,6 +90,11 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None)
     B, _, H, K = q.shape
     if h0 is not None and tuple(h0.shape) != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V]; got {tuple(h0.shape)}")
+
+
+def _check_chunk_size(T: int, chunk_size: int) -> None:
+    if chunk_size <= 0 or T % chunk_size != 0:
+        raise ValueError(f"sequence length T={T} must be a multiple of chunk_size={chunk_size}")
 
 
 def recurrent_gla(
@@ -74,82 +123,440 @@ def recurrent_gla(
     return o.to(v_dtype), (S if output_final_state else None)
 
 
+# ----------------------------------------------------------------------------------------
+# Layout and segment sums
+
+
+def _to_chunks(x: Tensor, chunk_size: int, dt: torch.dtype) -> Tensor:
+    """[B, T, H, D] -> [B, H, N, C, D] in dt, contiguous: one matmul-friendly block per chunk."""
+    B, T, H, D = x.shape
+    return x.to(dt).reshape(B, T // chunk_size, chunk_size, H, D).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _from_chunks(x: Tensor) -> Tensor:
+    """[B, H, N, C, D] -> [B, T, H, D]."""
+    B, H, N, C, D = x.shape
+    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, D)
+
+
+def _suffix_sum_exclusive(x: Tensor, dim: int) -> Tensor:
+    """out_j = sum_{s > j} x_s along dim: a reverse cumsum shifted by one (not total - prefix)."""
+    n = x.shape[dim]
+    out = torch.zeros_like(x)
+    out.narrow(dim, 0, n - 1).copy_(x.flip(dim).cumsum(dim).narrow(dim, 0, n - 1).flip(dim))
+    return out
+
+
+def _prefix_sum_exclusive(x: Tensor, dim: int) -> Tensor:
+    """out_j = sum_{s < j} x_s along dim: a cumsum shifted by one."""
+    n = x.shape[dim]
+    out = torch.zeros_like(x)
+    out.narrow(dim, 1, n - 1).copy_(x.cumsum(dim).narrow(dim, 0, n - 1))
+    return out
+
+
 def _sub_block(C: int) -> int:
-    """Sub-block size ~sqrt(C): the pairwise-decay tensors are C*c*K and C*(C/c)*K, not C*C*K."""
+    """Sub-block size ~sqrt(C): decay tensors are C*(c-1)/2*K (pairs in a sub-block) and C*(C/c)*K, not C*C*K."""
     return next((c for c in (4, 8, 16) if c * c >= C and C % c == 0), C)
 
 
-def _intra_chunk_scores(q: Tensor, k: Tensor, b: Tensor, c: int) -> Tensor:
-    """A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) for j <= i, else 0. q, k, b: [..., C, K].
+class _IntraDecay(NamedTuple):
+    """Decay factors of chunks split in M sub-blocks of c tokens; every exponent is <= 0.
 
-    Split the chunk into sub-blocks of c tokens. Within a diagonal sub-block the decay is
-    taken pairwise; b_i - b_j > 0 above the diagonal (may overflow), so mask to -inf
-    *before* exp (exact 0, zero gradient). For sub-block J before token i, factor through
-    r = last token of J: exp(b_i - b_r) * exp(b_r - b_j), both exponents <= 0.
+    For i in sub-block I, j in sub-block J < I the decay exp(sum_{j<s<=i} g_s) factors as
+    k_out[J, j] * between[I, J] * q_in[I, i]; for J == I and i - j = d >= 1 it is near[d-1][I, i-d].
     """
-    C = q.shape[-2]
-    M = C // c
-    neg_inf = float("-inf")
-    qs, ks, bs = (x.unflatten(-2, (M, c)) for x in (q, k, b))  # [..., M, c, K]
-    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)[:, :, None]
-    decay = (bs[..., :, None, :] - bs[..., None, :, :]).masked_fill(upper, neg_inf).exp()
-    A_diag = ((qs[..., :, None, :] * decay) * ks[..., None, :, :]).sum(-1)  # [..., M, c, c]
+
+    near: list[Tensor]  # d = 1..c-1: [..., M, c-d, K] exp(sum_{i-d<s<=i} g_s) for i = d..c-1 of each sub-block
+    q_in: Tensor  # [..., M, c, K] exp(sum from the sub-block's start to i, inclusive)
+    k_out: Tensor  # [..., M, c, K] exp(sum from after j to the sub-block's end)
+    between: Tensor  # [..., M(I), M(J), K] exp(sum over the sub-blocks strictly between J and I); 0 for J >= I
+
+
+def _near_decays(gs: Tensor) -> list[Tensor]:
+    """gs [..., c, K] -> for d = 1..c-1, exp(sum_{i-d<s<=i} g_s) for i = d..c-1: [..., c-d, K].
+
+    Each segment sum is accumulated token by token over its own segment (no difference of two
+    sums), and only the c(c-1)/2 pairs below the diagonal are ever formed or exponentiated.
+    """
+    c = gs.shape[-2]
+    decays, seg = [], None
+    for d in range(1, c):
+        seg = gs[..., d:, :] if seg is None else seg[..., 1:, :] + gs[..., 1 : c - d + 1, :]
+        decays.append(seg.exp())
+    return decays
+
+
+def _between_decays(block_sums: Tensor) -> Tensor:
+    """Sub-block totals [..., M, K] -> [..., M(I), M(J), K]: exp(sum_{J<L<I} block_sums_L); 0 for J >= I."""
+    M = block_sums.shape[-2]
+    out = block_sums.new_zeros(*block_sums.shape[:-1], M, block_sums.shape[-1])
+    out.diagonal(-1, dim1=-3, dim2=-2).fill_(1.0)  # adjacent sub-blocks: nothing between
+    for d, decay in enumerate(_near_decays(block_sums[..., :-1, :]), 2):  # J = I - d
+        out.diagonal(-d, dim1=-3, dim2=-2).copy_(decay.movedim(-2, -1))
+    return out
+
+
+def _intra_decay(g: Tensor) -> _IntraDecay:
+    """g: [..., C, K] chunked log decays -> the factors of `_IntraDecay`."""
+    C = g.shape[-2]
+    c = _sub_block(C)
+    gs = g.unflatten(-2, (C // c, c))  # [..., M, c, K]
+    return _IntraDecay(
+        near=_near_decays(gs),
+        q_in=gs.cumsum(-2).exp(),
+        k_out=_suffix_sum_exclusive(gs, -2).exp(),
+        between=_between_decays(gs.sum(-2)),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Intra-chunk scores and their adjoint
+
+
+def _keys_between(k: Tensor, dec: _IntraDecay) -> Tensor | None:
+    """[..., M(I), C(J, j), K]: k_j decayed to the start of sub-block I (0 unless J < I); None if M == 1.
+
+    Row block I of the scores is then one matmul: (q * q_in)[I] @ keys_between[I]^T.
+    """
+    M, c = dec.q_in.shape[-3:-1]
     if M == 1:
-        return A_diag.squeeze(-3)
-    b_ref = bs[..., -1, :]  # [..., M, K]
-    k_ref = ks * (b_ref[..., None, :] - bs).exp()  # [..., M, c, K]
-    blk = torch.arange(C, device=q.device) // c
-    not_after = (blk[None, :] <= torch.arange(M, device=q.device)[:, None])[:, :, None]
-    e = (b[..., None, :, :] - b_ref[..., :, None, :]).masked_fill(not_after, neg_inf)
-    A_off = (q[..., None, :, :] * e.exp()) @ k_ref.transpose(-1, -2)  # [..., M(J), C, c]
-    A = A_off.movedim(-3, -2).flatten(-2)  # [..., C, C]
-    eye = torch.eye(M, dtype=q.dtype, device=q.device)  # place diagonal blocks
-    return A + torch.einsum("...Iij,IJ->...IiJj", A_diag, eye).reshape(A.shape)
+        return None
+    k_dec = k.unflatten(-2, (M, c)) * dec.k_out
+    return (dec.between[..., :, :, None, :] * k_dec[..., None, :, :, :]).flatten(-3, -2)
 
 
-def _chunk_forward(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, initial_state: Tensor | None, chunk_size: int
+def _queries_between(q: Tensor, dec: _IntraDecay) -> Tensor:
+    """[..., M(J), C(I, i), K]: q_i with the decay from the end of sub-block J (0 unless I > J)."""
+    M, c = dec.q_in.shape[-3:-1]
+    q_dec = q.unflatten(-2, (M, c)) * dec.q_in
+    between_t = dec.between.transpose(-3, -2).contiguous()  # else the product inherits its strides and flatten copies
+    return (between_t[..., :, :, None, :] * q_dec[..., None, :, :, :]).flatten(-3, -2)
+
+
+def _diag_blocks(x: Tensor, M: int) -> Tensor:
+    """View of the M diagonal c x c blocks of x [..., C, C] as [..., c, c, M]."""
+    return x.unflatten(-1, (M, -1)).unflatten(-3, (M, -1)).diagonal(dim1=-4, dim2=-2)
+
+
+def _intra_scores(q: Tensor, k: Tensor, dec: _IntraDecay, keys_between: Tensor | None) -> Tensor:
+    """A_ij = sum_k q_ik k_jk exp(sum_{j<s<=i} g_sk) for j <= i, else 0. q, k: [..., C, K] -> [..., C, C]."""
+    M, c = dec.q_in.shape[-3:-1]
+    qs, ks = q.unflatten(-2, (M, c)), k.unflatten(-2, (M, c))
+    if keys_between is None:
+        a = q.new_zeros(*q.shape[:-1], c)
+    else:
+        a = ((qs * dec.q_in) @ keys_between.transpose(-1, -2)).flatten(-3, -2)  # [..., C, C]
+    a_same = _diag_blocks(a, M).movedim(-1, -3)  # [..., M, c, c] view
+    a_same.diagonal(dim1=-2, dim2=-1).copy_((qs * ks).sum(-1))
+    for d, decay in enumerate(dec.near, 1):  # pairs (i, i - d) of one sub-block
+        a_same.diagonal(-d, dim1=-2, dim2=-1).copy_((qs[..., d:, :] * decay * ks[..., :-d, :]).sum(-1))
+    return a
+
+
+def _intra_score_grads(
+    q: Tensor, k: Tensor, dA: Tensor, dec: _IntraDecay, keys_between: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Chunked GLA in the compute dtype. Returns (o [B,T,H,V] compute dtype, S_T)."""
+    """Gradients of q and k through A = _intra_scores(q, k) given dA [..., C, C], except the same-token
+    pairs (dA's diagonal is ignored: the caller adds dA_ii k_i and dA_ii q_i). Returns [..., C, K] each.
+
+    dA need not be masked: only pairs j < i are read.
+    """
+    M, c = dec.q_in.shape[-3:-1]
+    qs, ks = q.unflatten(-2, (M, c)), k.unflatten(-2, (M, c))
+    if keys_between is not None:  # pairs in earlier sub-blocks
+        dq = dec.q_in * (dA.unflatten(-2, (M, c)) @ keys_between)
+        dk = dec.k_out * (dA.transpose(-1, -2).unflatten(-2, (M, c)) @ _queries_between(q, dec))
+    else:
+        dq, dk = torch.zeros_like(qs), torch.zeros_like(ks)
+    dA_same = _diag_blocks(dA, M).movedim(-1, -3)  # [..., M, c, c] view
+    for d, decay in enumerate(dec.near, 1):  # pairs (i, i - d) of one sub-block
+        w = dA_same.diagonal(-d, dim1=-2, dim2=-1)[..., None] * decay  # [..., M, c-d, K]
+        dq[..., d:, :].addcmul_(w, ks[..., :-d, :])
+        dk[..., :-d, :].addcmul_(w, qs[..., d:, :])
+    return dq.flatten(-3, -2), dk.flatten(-3, -2)
+
+
+# ----------------------------------------------------------------------------------------
+# Scans over chunks (the only sequential loops)
+
+
+def _scan_chunks(
+    log_decay: Tensor, inputs: Tensor | None, start: Tensor | None, reverse: bool
+) -> tuple[Tensor, Tensor]:
+    """carry <- exp(log_decay[n]) * carry + inputs[n] over n = 0..N-1 (N-1..0 when reverse).
+
+    log_decay: [B, H, N, K]; inputs: [B, H, N, K, V] or None (zero); start: [B, H, K, V] or None
+    (zero). Returns (carries [B, H, N, K, V]: the carry before step n, the carry after the last step).
+    """
+    B, H, N, K = log_decay.shape
+    V = (inputs if inputs is not None else start).shape[-1]
+    carries = log_decay.new_empty(B, H, N, K, V)
+    if N == 0:
+        return carries, start if start is not None else log_decay.new_zeros(B, H, K, V)
+    views = carries.unbind(2)
+    decays = log_decay.exp()[..., None].unbind(2)
+    steps = inputs.unbind(2) if inputs is not None else None
+
+    def step(n: int, out: Tensor | None) -> Tensor:
+        if steps is None:
+            return torch.mul(decays[n], views[n], out=out)
+        return torch.addcmul(steps[n], decays[n], views[n], out=out)
+
+    order = range(N - 1, -1, -1) if reverse else range(N)
+    if start is not None:
+        views[order[0]].copy_(start)
+    else:
+        views[order[0]].zero_()
+    for n, after in zip(order, order[1:]):  # written in place: one small op per chunk
+        step(n, views[after])
+    return carries, step(order[-1], None)
+
+
+class _ChunkDecay(NamedTuple):
+    """Chunk-level decays of chunked g [B, H, N, C, K]."""
+
+    q_in: Tensor  # [B, H, N, C, K] exp(sum from the chunk start to t, inclusive): q's factor onto S_in
+    k_out: Tensor  # [B, H, N, C, K] exp(sum from after t to the chunk end): k's factor into S_end
+    log_total: Tensor  # [B, H, N, K] the chunk's total log decay
+
+
+def _chunk_decay(g: Tensor) -> _ChunkDecay:
+    prefix = g.cumsum(-2)
+    return _ChunkDecay(prefix.exp(), _suffix_sum_exclusive(g, -2).exp(), prefix[..., -1, :])
+
+
+# ----------------------------------------------------------------------------------------
+# The chunked computation, on [B, H, N, C, D] blocks in the compute dtype
+
+
+def _fwd_states(k: Tensor, v: Tensor, decay: _ChunkDecay, start: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(states_in [B, H, N, K, V], final state [B, H, K, V])."""
+    updates = (k * decay.k_out).transpose(-1, -2) @ v  # each chunk's end state from a zero state
+    return _scan_chunks(decay.log_total, updates, start, reverse=False)
+
+
+def _fwd_output(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, decay: _ChunkDecay, states_in: Tensor, scale: float
+) -> Tensor:
+    """o [B, H, N, C, V] = scale * (intra-chunk scores @ v + (q * q_in) @ states_in)."""
+    intra = _intra_decay(g)
+    o = _intra_scores(q, k, intra, _keys_between(k, intra)) @ v
+    o += (q * decay.q_in) @ states_in
+    return o.mul_(scale)
+
+
+def _bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    decay: _ChunkDecay,
+    states_in: Tensor,
+    do: Tensor | None,
+    d_final_state: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg) in blocks and d_initial_state [B, H, K, V]; do / d_final_state None are zero."""
+    B, H, N, C, K = q.shape
+    # d_ends[n]: the gradient reaching the state leaving chunk n from later chunks and d_final_state.
+    from_outputs = (q * decay.q_in).transpose(-1, -2) @ (do * scale) if do is not None else None
+    start = d_final_state
+    if from_outputs is None and start is None:
+        start = q.new_zeros(B, H, K, v.shape[-1])
+    d_ends, d_initial_state = _scan_chunks(decay.log_total, from_outputs, start, reverse=True)
+
+    dk_inter = (v @ d_ends.transpose(-1, -2)) * decay.k_out
+    dv = (k * decay.k_out) @ d_ends
+    if do is None:  # state gradient only: no intra-chunk work
+        dq, dk, d_log_decay = torch.zeros_like(q), dk_inter, None
+    else:
+        dq, dk, dv_intra, d_log_decay = _output_grads(q, k, v, g, do, decay, states_in, scale)
+        dk, dv = dk + dk_inter, dv + dv_intra
+    dg = _decay_grad(d_log_decay, k * dk_inter, states_in, d_ends, decay.log_total, g)
+    return dq, dk, dv, dg, d_initial_state
+
+
+def _output_grads(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, do: Tensor, decay: _ChunkDecay, states_in: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients through o (intra-chunk scores and entering states), in blocks.
+
+    Returns (dq, dk_intra, dv_intra, d_log_decay) with d_log_decay = q*dq - k*dk_intra less the
+    same-token pair: that pair (j = i, decay 1) adds dA_ii q_i k_i to both q*dq and k*dk, which
+    cancel exactly in dg; leaving it out avoids their round-off (dominant at strong decays).
+    """
+    intra = _intra_decay(g)
+    keys_between = _keys_between(k, intra)
+    do = do * scale
+    dA = do @ v.transpose(-1, -2)
+    dA_same = dA.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+    dq, dk = _intra_score_grads(q, k, dA, intra, keys_between)
+    dq += (do @ states_in.transpose(-1, -2)) * decay.q_in
+    d_log_decay = q * dq - k * dk
+    dq, dk = dq.addcmul_(dA_same, k), dk.addcmul_(dA_same, q)
+    dv = _intra_scores(q, k, intra, keys_between).transpose(-1, -2) @ do
+    return dq, dk, dv, d_log_decay
+
+
+def _decay_grad(
+    d_log_decay: Tensor | None, k_dk_inter: Tensor, states_in: Tensor, d_ends: Tensor, log_total: Tensor, g: Tensor
+) -> Tensor:
+    """dg from dL/db_u = q_u*dq_u - k_u*dk_u, kept inside each chunk. Blocks [B, H, N, C, K] in and out.
+
+    For t in chunk n, dg_t = sum_{u>=t in n} dL/db_u + sum_V S_end(n) * d_ends(n). Writing
+    S_end(n) = gamma_n S_in(n) + sum_j (k_j exp(suffix_j))^T v_j, that boundary term is
+    gamma_n sum_V S_in(n) * d_ends(n) + sum_j k_j * dk_inter_j, whose terms for j >= t cancel
+    the -k_j * dk_inter_j of the sum over u >= t exactly. So
+        dg_t = revcumsum_t(q*dq - k*dk_intra) + sum_{j<t} k_j*dk_inter_j + gamma_n sum_V S_in * d_ends,
+    which drops a cancellation of size |S_end| |d_ends| (large with a final-state gradient).
+    d_log_decay: q*dq - k*dk_intra (None: zero); k_dk_inter: k*dk_inter; states_in, d_ends:
+    [B, H, N, K, V]; log_total: [B, H, N, K].
+    """
+    entering = log_total.exp() * torch.einsum("bhnkv,bhnkv->bhnk", states_in, d_ends)
+    dg = _prefix_sum_exclusive(k_dk_inter, -2).add_(entering[..., None, :])
+    if d_log_decay is not None:
+        dg += d_log_decay.flip(-2).cumsum(-2).flip(-2)
+    # dL/dg_t = exp(g_t) * <S_{t-1}, dS_t> is 0 to working precision once exp(g_t) is below the
+    # smallest normal number (exactly 0 at a -inf gate); the sums above would leave round-off there.
+    return dg.masked_fill_(g < math.log(torch.finfo(g.dtype).tiny), 0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Building blocks (pure tensor code, no autograd inside)
+
+
+def chunk_gla_fwd_states(
+    k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """States entering each chunk and the final state.
+
+    k, g: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] or None (zeros).
+    Returns (states_in [B, H, N, K, V], final_state [B, H, K, V]), fp32 (fp64 for fp64 inputs).
+    """
+    _check_shapes(k, k, v, g, initial_state)
+    _check_chunk_size(k.shape[1], chunk_size)
+    dt = _compute_dtype(k, v, g, initial_state)
+    k, v, g = (_to_chunks(x, chunk_size, dt) for x in (k, v, g))
+    start = initial_state.to(dt) if initial_state is not None else None
+    return _fwd_states(k, v, _chunk_decay(g), start)
+
+
+def chunk_gla_fwd_output(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, states_in: Tensor, scale: float | None, chunk_size: int
+) -> Tensor:
+    """o = scale * (intra-chunk scores @ v + (q * exp(prefix)) @ states_in), all chunks at once.
+
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; states_in: [B, H, N, K, V] (from chunk_gla_fwd_states).
+    Returns o [B, T, H, V] in fp32 (fp64 for fp64 inputs). scale None means K**-0.5.
+    """
+    _check_shapes(q, k, v, g, None)
+    _check_chunk_size(q.shape[1], chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dt = _compute_dtype(q, k, v, g, states_in)
+    q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+    return _from_chunks(_fwd_output(q, k, v, g, _chunk_decay(g), states_in.to(dt), scale))
+
+
+def chunk_gla_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    do: Tensor | None,
+    d_final_state: Tensor | None,
+    scale: float | None,
+    chunk_size: int,
+    states_in: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of (o, final_state) = GLA(q, k, v, g, initial_state) given do and d_final_state.
+
+    q, k, g: [B, T, H, K]; v, do: [B, T, H, V]; initial_state, d_final_state: [B, H, K, V];
+    states_in: [B, H, N, K, V]. do / d_final_state None mean zero, initial_state None means
+    zeros, states_in None is recomputed. Returns (dq [B,T,H,K], dk [B,T,H,K], dv [B,T,H,V],
+    dg [B,T,H,K], d_initial_state [B,H,K,V]) in fp32 (fp64 for fp64 inputs).
+
+    Linear in (do, d_final_state): bwd(do, dS) == bwd(do, None) + bwd(None, dS). With do None
+    there is no intra-chunk work: only the reverse state scan and per-chunk matmuls.
+    """
     _check_shapes(q, k, v, g, initial_state)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = chunk_size
-    if C <= 0 or T % C != 0:
-        raise ValueError(f"sequence length T={T} must be a multiple of chunk_size={C}")
-    N = T // C
-    scale = K**-0.5 if scale is None else scale
+    _check_chunk_size(q.shape[1], chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     dt = _compute_dtype(q, k, v, g, initial_state)
+    q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+    decay = _chunk_decay(g)
+    if states_in is None:
+        states_in = _fwd_states(k, v, decay, initial_state.to(dt) if initial_state is not None else None)[0]
+    do = _to_chunks(do, chunk_size, dt) if do is not None else None
+    d_final_state = d_final_state.to(dt) if d_final_state is not None else None
+    dq, dk, dv, dg, dh0 = _bwd(q, k, v, g, decay, states_in.to(dt), do, d_final_state, scale)
+    return _from_chunks(dq), _from_chunks(dk), _from_chunks(dv), _from_chunks(dg), dh0
 
-    # [B, T, H, D] -> [B, H, N, C, D]: one matmul-friendly block per chunk.
-    def blocks(x: Tensor) -> Tensor:
-        return x.to(dt).reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
-    q, k, v, g = blocks(q), blocks(k), blocks(v), blocks(g)
-    b = g.cumsum(dim=3)  # log decay from chunk start, inclusive; <= 0
-    b_last = b[..., -1:, :]  # [B, H, N, 1, K] total decay of each chunk
+# ----------------------------------------------------------------------------------------
+# Autograd Functions and the public API
 
-    # Intra-chunk (causal, decayed q.k scores), all chunks at once; no state involved.
-    A = _intra_chunk_scores(q, k, b, _sub_block(C))  # [B, H, N, C, C]
-    o = (A @ v) * scale
 
-    # Per-chunk state contributions (from zero state) and chunk decays, all chunks at once.
-    k_dec = k * (b_last - b).exp()  # exponent <= 0
-    U = k_dec.transpose(-1, -2) @ v  # [B, H, N, K, V]
-    gamma = b_last.squeeze(-2).exp()[..., None]  # [B, H, N, K, 1]
+class ChunkGLAFunction(torch.autograd.Function):
+    """(o [B,T,H,V] in v's dtype, final_state [B,H,K,V] fp32) = chunked GLA with its own backward.
 
-    # Short sequential scan over chunks: state entering each chunk.
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    states = []
-    for n in range(N):
-        states.append(S)
-        S = gamma[:, :, n] * S + U[:, :, n]
-    S_in = torch.stack(states, dim=2)  # [B, H, N, K, V]
+    Saves only q, k, v, g and initial_state; the backward recomputes the entering states.
+    apply(q, k, v, g, initial_state or None, scale or None (K**-0.5), chunk_size).
+    """
 
-    # Inter-chunk: contribution of the incoming state, batched over chunks.
-    o = o + ((q * b.exp()) @ S_in) * scale
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, T, H, V)
-    return o, S
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, chunk_size):
+        _check_shapes(q, k, v, g, initial_state)
+        _check_chunk_size(q.shape[1], chunk_size)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dt = _compute_dtype(q, k, v, g, initial_state)
+        qc, kc, vc, gc = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+        decay = _chunk_decay(gc)
+        start = initial_state.to(dt) if initial_state is not None else None
+        states_in, final_state = _fwd_states(kc, vc, decay, start)
+        o = _fwd_output(qc, kc, vc, gc, decay, states_in, scale)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
+        return _from_chunks(o).to(v.dtype), final_state
+
+    @staticmethod
+    def backward(ctx, do, d_final_state):
+        q, k, v, g, initial_state = ctx.saved_tensors
+        if do is None and d_final_state is None:
+            return (None,) * 7
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, initial_state, do, d_final_state, ctx.scale, ctx.chunk_size)
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0, None, None
+
+
+class GLAStateCorrectionFunction(torch.autograd.Function):
+    """scale * (q * exp(B_t)) @ state_in with B_t = sum_{s<=t} g_s; saves only q, g and state_in.
+
+    apply(q [B,T,H,K], g [B,T,H,K], state_in [B,H,K,V], scale) -> [B,T,H,V] in q's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, g, state_in, scale):
+        dt = _compute_dtype(q, g, state_in)
+        q_dec = q.to(dt) * g.to(dt).cumsum(dim=1).exp()
+        ctx.save_for_backward(q, g, state_in)
+        ctx.scale = scale
+        return (torch.einsum("bthk,bhkv->bthv", q_dec, state_in.to(dt)) * scale).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, g, state_in = ctx.saved_tensors
+        dt = _compute_dtype(q, g, state_in)
+        decay = g.to(dt).cumsum(dim=1).exp()
+        q_dt, do = q.to(dt), do.to(dt) * ctx.scale
+        d_state = torch.einsum("bthk,bthv->bhkv", q_dt * decay, do)
+        dq = torch.einsum("bthv,bhkv->bthk", do, state_in.to(dt)) * decay
+        # dg_t = sum_{u>=t} q_u * dq_u over the slice: with no k*dk term there is no pair of large
+        # terms that cancel, so one reverse cumsum is accurate here (it is what autograd computed).
+        dg = (q_dt * dq).flip(1).cumsum(1).flip(1)
+        return dq.to(q.dtype), dg.to(g.dtype), d_state.to(state_in.dtype), None
 
 
 def chunk_gla(
@@ -166,8 +573,8 @@ def chunk_gla(
 
     Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] fp32/fp64 or None).
     """
-    o, S = _chunk_forward(q, k, v, g, scale, initial_state, chunk_size)
-    return o.to(v.dtype), (S if output_final_state else None)
+    o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, chunk_size)
+    return o, (final_state if output_final_state else None)
 
 
 def chunk_gla_local(
@@ -178,9 +585,9 @@ def chunk_gla_local(
     Returns (o_local [B,T,H,V] in v's dtype, S_local [B,H,K,V] fp32, log_gamma [B,H,K] fp32),
     log_gamma being the slice's total log decay sum_t g_t (fp64 kept when inputs are fp64).
     """
-    o, S = _chunk_forward(q, k, v, g, scale, None, chunk_size)
+    o, S = chunk_gla(q, k, v, g, scale, None, True, chunk_size)
     log_gamma = g.to(_compute_dtype(q, k, v, g)).sum(dim=1)
-    return o.to(v.dtype), S, log_gamma
+    return o, S, log_gamma
 
 
 def gla_state_correction(q: Tensor, g: Tensor, state_in: Tensor, scale: float | None = None) -> Tensor:
@@ -189,8 +596,5 @@ def gla_state_correction(q: Tensor, g: Tensor, state_in: Tensor, scale: float | 
     q, g: [B, T, H, K]; state_in: [B, H, K, V]. B_t = sum_{s<=t} g_s from the slice's first
     token (<= 0, so exp never overflows). Returns [B, T, H, V] in q's dtype.
     """
-    K = q.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    dt = _compute_dtype(q, g, state_in)
-    qd = q.to(dt) * g.to(dt).cumsum(dim=1).exp()
-    return (torch.einsum("bthk,bhkv->bthv", qd, state_in.to(dt)) * scale).to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return GLAStateCorrectionFunction.apply(q, g, state_in, scale)

@@ -1,10 +1,21 @@
 """Tests for the pure-PyTorch GLA operators (megatron_zpp.ops.gla)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction, recurrent_gla
+from megatron_zpp.ops.gla import (
+    ChunkGLAFunction,
+    chunk_gla,
+    chunk_gla_bwd,
+    chunk_gla_fwd_output,
+    chunk_gla_fwd_states,
+    chunk_gla_local,
+    gla_state_correction,
+    recurrent_gla,
+)
 
 
 def make_inputs(B=2, T=32, H=2, K=8, V=6, dtype=torch.float64, g_min=None, seed=0, with_state=True):
@@ -158,12 +169,144 @@ def test_defaults_and_errors():
         chunk_gla(q, k, v, g, initial_state=torch.zeros(2, 2, 8, 5))
 
 
+# ----------------------------------------------------------------------------------------
+# ChunkGLAFunction in fp32 against an fp64 token loop, across gate regimes
+
+OUTPUT_NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "d_initial_state")
+
+
+def gate_case(kind, B=1, T=192, H=2, K=8, V=8, dtype=torch.float32, seed=0):
+    """q, k, v, g, h0 with gates: mild (GLA's logsigmoid / 16), strong (uniform in [-50, 0]),
+    mixed (each entry -1000 or -1e-4) or reset (mild with 5% of entries -inf). Leaves of `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, h0 = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, H, K, V)
+    g = {
+        "mild": lambda: F.logsigmoid(r(B, T, H, K)) / 16,
+        "strong": lambda: -50.0 * u(B, T, H, K),
+        "mixed": lambda: torch.where(u(B, T, H, K) < 0.5, -1000.0, -1e-4),
+        "reset": lambda: (F.logsigmoid(r(B, T, H, K)) / 16).masked_fill(u(B, T, H, K) < 0.05, float("-inf")),
+    }[kind]()
+    h0_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return *(x.to(dtype).requires_grad_() for x in (q, k, v, g)), h0.to(h0_dtype).requires_grad_()
+
+
+def flat(result):
+    o, ht, grads = result
+    return [o, ht, *grads]
+
+
+def rel_err(got, ref):
+    """Norm-wise relative error ||got - ref|| / ||ref||, in fp64."""
+    ref = ref.double()
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@functools.cache
+def fp64_reference(kind):
+    """Token loop in fp64 (autograd) on the fp32 inputs of gate_case(kind), upcast."""
+    inp = [x.detach().double().requires_grad_() for x in gate_case(kind)]
+    return [t.detach() for t in flat(run_with_grads(recurrent_gla, *inp))]
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16, 64])
+@pytest.mark.parametrize("kind", ["mild", "strong", "mixed", "reset"])
+def test_function_fp32_matches_fp64_token_loop(kind, chunk_size):
+    # T = 192: not a power of two, a multiple of every chunk size; the loss reads o and the final state.
+    got = flat(run_with_grads(chunk_gla, *gate_case(kind), chunk_size=chunk_size))
+    for name, a, b in zip(OUTPUT_NAMES, got, fp64_reference(kind)):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def test_hard_reset_gate_has_zero_gradient():
+    # dL/dg_t = exp(g_t) <S_{t-1}, dS_t> is exactly 0 at g_t = -inf; so is the reference's.
+    q, k, v, g, h0 = gate_case("reset")
+    dg = run_with_grads(chunk_gla, q, k, v, g, h0, chunk_size=16)[2][3]
+    reset = torch.isneginf(g.detach())
+    assert reset.any() and (dg[reset] == 0).all()
+    assert (fp64_reference("reset")[5][reset] == 0).all()
+
+
+def test_function_saves_only_its_inputs():
+    # Activation memory: q, k, v, g and the initial state, nothing per chunk (states are recomputed).
+    q, k, v, g, h0 = gate_case("mild", T=64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        o, ht = ChunkGLAFunction.apply(q, k, v, g, h0, 0.5, 16)
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(x.numel() * 4 for x in (q, k, v, g, h0))
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        gla_state_correction(q, g, h0)
+    assert sum(t.numel() * t.element_size() for t in saved) == sum(x.numel() * 4 for x in (q, g, h0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_bwd_is_linear_in_the_cotangents(dtype):
+    q, k, v, g, h0 = (x.detach() for x in gate_case("strong", T=96, dtype=dtype))
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(dtype)
+    dS = torch.randn(h0.shape, generator=gen, dtype=torch.float64).to(h0.dtype)
+    states_in, final_state = chunk_gla_fwd_states(k, v, g, h0, 16)
+    both = chunk_gla_bwd(q, k, v, g, h0, do, dS, None, 16)
+    local = chunk_gla_bwd(q, k, v, g, h0, do, None, None, 16, states_in=states_in)
+    state_only = chunk_gla_bwd(q, k, v, g, h0, None, dS, None, 16, states_in=states_in)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for name, a, b, c in zip(("dq", "dk", "dv", "dg", "dh0"), both, local, state_only):
+        assert rel_err(b + c, a) <= tol, (name, rel_err(b + c, a))
+    assert (state_only[0] == 0).all()  # dq: o does not depend on d_final_state
+    # The building blocks compose to the Function's forward.
+    o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    assert rel_err(chunk_gla_fwd_output(q, k, v, g, states_in, None, 16), o) <= tol
+    assert rel_err(final_state, ht) == 0
+
+
+def test_bf16_inputs_grads_close_to_fp64():
+    # bf16 in, fp32 inside: o and gradients come back in bf16, within bf16 rounding of the fp64 recurrence.
+    inp = gate_case("mild", T=64, dtype=torch.bfloat16)
+    got = flat(run_with_grads(chunk_gla, *inp, chunk_size=16))
+    ref = flat(run_with_grads(recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
+    dtypes = [torch.bfloat16, torch.float32, *(x.dtype for x in inp)]
+    for name, a, b, dt in zip(OUTPUT_NAMES, got, ref, dtypes):
+        assert a.dtype == dt, name
+        assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+
+
+def test_gradcheck_state_correction_and_local():
+    q, k, v, g, h0 = make_inputs(B=1, T=8, H=1, K=3, V=2, g_min=-3.0)
+    assert torch.autograd.gradcheck(lambda q, g, h0: gla_state_correction(q, g, h0, 0.7), (q, g, h0))
+    assert torch.autograd.gradcheck(lambda q, k, v, g: chunk_gla_local(q, k, v, g, chunk_size=4), (q, k, v, g))
+
+
+@pytest.mark.parametrize("kind", ["strong", "reset"])
+def test_local_plus_correction_fp32(kind):
+    # The All-Scan decomposition in fp32 with strong decays or hard resets, against the fp64 token loop.
+    def decomposed(q, k, v, g, initial_state, output_final_state, chunk_size):
+        o_loc, s_loc, log_gamma = chunk_gla_local(q, k, v, g, chunk_size=chunk_size)
+        o = o_loc + gla_state_correction(q, g, initial_state)
+        return o, s_loc + log_gamma.exp()[..., None] * initial_state
+
+    inp = gate_case(kind, T=64)
+    got = flat(run_with_grads(decomposed, *inp, chunk_size=16))
+    ref = flat(run_with_grads(recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
+    for name, a, b in zip(OUTPUT_NAMES, got, ref):
+        assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
 def test_matches_fla_naive_reference():
-    from fla.ops.gla import naive  # a dev dependency; imported here: it takes seconds (triton)
+    from fla.ops.gla.naive import naive_recurrent_gla  # a dev dependency; imported here: it takes seconds (triton)
 
     q, k, v, g, h0 = make_inputs(T=32)
     o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     # fla's naive reference uses the same [B, T, H, K] layout in recent versions.
-    o_ref, ht_ref = naive.naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref.to(o.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ht, ht_ref.to(ht.dtype), rtol=1e-5, atol=1e-5)
+    # Forward and every gradient in fp32 against fla's token loop (fp32 too), mild and strong gates.
+    for kind in ("mild", "strong"):
+        inp = gate_case(kind, T=64, dtype=torch.float32)
+        got = run_with_grads(chunk_gla, *inp, chunk_size=16)
+        ref = run_with_grads(naive_recurrent_gla, *inp)
+        for name, a, b in zip(OUTPUT_NAMES, flat(got), flat(ref)):
+            assert rel_err(a, b) <= 1e-5, (kind, name, rel_err(a, b))
