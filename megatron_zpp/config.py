@@ -234,6 +234,13 @@ class TrainConfig:
     seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
     bf16: bool = opt(False, "--bf16", "bf16 compute with fp32 master weights")
     device: str = opt("auto", "--device", "cpu, cuda, or auto (cuda when available)")
+    kernels: str = opt(
+        "auto",
+        "--kernels",
+        "op implementations: triton (our Triton kernels; on CPU only under TRITON_INTERPRET=1), torch (the "
+        "PyTorch references), auto (Triton on CUDA when importable, else torch)",
+        choices=["auto", "triton", "torch"],
+    )
     save: str | None = opt(None, "--save", "checkpoint directory to write")
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")

@@ -111,3 +111,13 @@ def test_model_and_ops_know_nothing_above_them():
     for start in [m for m in graph if m.startswith(("megatron_zpp.model", "megatron_zpp.ops"))]:
         bad = sorted(m for m in _reachable(graph, start) if m.startswith(above))
         assert not bad, f"{start} imports (directly or through others) {bad}"
+
+
+def test_kernels_are_reached_only_through_the_ops_dispatch():
+    graph = import_graph()
+    for module, imports in graph.items():
+        kernel_imports = {m for m in imports if m.startswith("megatron_zpp.kernels")}
+        if module.startswith("megatron_zpp.kernels"):
+            assert not {m for m in imports if not m.startswith("megatron_zpp.kernels")}, f"{module}: {imports}"
+        elif kernel_imports:
+            assert module.startswith("megatron_zpp.ops"), f"{module} imports {sorted(kernel_imports)}"

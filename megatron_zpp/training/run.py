@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint import load_checkpoint
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.loader import BatchIterator
 from ..data.tokenizer import build_tokenizer
 from ..logging_utils import log
 from ..model import GPT, count_parameters
+from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
@@ -49,6 +50,10 @@ class Run:
 
 def setup(cfg: Config) -> Run:
     groups, device = init_distributed(cfg)
+    try:
+        set_kernels(cfg.train.kernels, device)
+    except KernelUnavailable as e:
+        raise ConfigError(str(e)) from None
     d = cfg.data
     tokenizer = build_tokenizer(
         d.tokenizer_type,
@@ -103,9 +108,10 @@ def _log_setup(run: Run, n_params: int) -> None:
         rank,
     )
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
+    log(describe(run.device), rank)
     log(
-        f"kernels: {norm_backend(run.device)}; attention: torch SDPA; GLA: torch chunked reference; "
-        f"ZeRO++ quantizers: {quantizer_backend()}; transformer-engine: {te}",
+        f"other ops: {norm_backend(run.device)}; attention: torch SDPA; ZeRO++ quantizers: {quantizer_backend()}; "
+        f"transformer-engine: {te}",
         rank,
     )
     log(run.dp.describe(), rank)

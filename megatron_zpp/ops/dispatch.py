@@ -1,0 +1,96 @@
+"""Which implementation an op runs: one of our Triton kernels (megatron_zpp/kernels/) or its PyTorch
+reference (megatron_zpp/ops/). One process-wide mode, set once at start-up from --kernels:
+
+    torch    always the reference
+    triton   always the kernel; refused at start-up when Triton cannot run here (not importable, or a
+             CPU device without TRITON_INTERPRET=1, the interpreter the CPU tests use)
+    auto     the kernel on a CUDA device when Triton is importable, else the reference
+
+An op asks `use_triton(op, tensor)`; an op whose kernel does not apply to a call (a dtype or shape it
+does not take) falls back to its reference for that call and says why through `register(op, ...)`.
+`describe(device)` is the one start-up log line naming the path of every registered op.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+MODES = ("auto", "triton", "torch")
+_mode = "auto"
+_ops: dict[str, str] = {}  # op name -> what its kernel covers (shown in the log line)
+
+
+class KernelUnavailable(RuntimeError):
+    """--kernels triton where Triton cannot run; the message is one line for the user."""
+
+
+@functools.cache
+def triton_importable() -> str | None:
+    """None when `import triton` works, else the reason."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (a broken install: say so, fall back)
+        return f"import triton failed: {e}"
+    return None
+
+
+def interpreter() -> bool:
+    """True when Triton kernels run in its CPU interpreter (set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def why_not_triton(device: torch.device) -> str | None:
+    """None when Triton kernels can run on `device`, else the reason."""
+    missing = triton_importable()
+    if missing:
+        return missing
+    if device.type == "cuda" or interpreter():
+        return None
+    return f"device {device.type} (Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
+
+
+def set_kernels(mode: str, device: torch.device) -> None:
+    """Set the process-wide mode; --kernels triton where Triton cannot run is refused here."""
+    global _mode
+    if mode not in MODES:
+        raise KernelUnavailable(f"--kernels {mode}: expected one of {', '.join(MODES)}")
+    reason = why_not_triton(device)
+    if mode == "triton" and reason:
+        raise KernelUnavailable(f"--kernels triton: {reason}")
+    _mode = mode
+
+
+def kernels_mode() -> str:
+    return _mode
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on tensor `x` runs its Triton kernel under the current mode."""
+    if _mode == "torch":
+        return False
+    if _mode == "triton":
+        return why_not_triton(x.device) is None
+    return x.device.type == "cuda" and triton_importable() is None
+
+
+def register(op: str, covers: str) -> None:
+    """Declare an op with a Triton kernel; `covers` says what it takes (e.g. "fp32/bf16, any width")."""
+    _ops[op] = covers
+
+
+def describe(device: torch.device) -> str:
+    """One line: the mode and, per registered op, which path runs on `device`."""
+    reason = why_not_triton(device)
+    on = _mode == "triton" or (_mode == "auto" and device.type == "cuda" and reason is None)
+    where = "Triton interpreter" if on and device.type != "cuda" else "Triton"
+    if not on:
+        reason = "--kernels torch" if _mode == "torch" else reason or "auto takes Triton on CUDA only"
+    path = f"{where} kernels" if on else f"torch references ({reason})"
+    ops = ", ".join(f"{op} [{covers}]" for op, covers in sorted(_ops.items())) or "none registered"
+    return f"kernels (--kernels {_mode}): {path} for {ops}"
