@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import queue as queue_lib
 import socket
 import time
@@ -56,8 +57,9 @@ def _worker(rank, world_size, port, env, fn, args, queue, init_group):
     try:
         if init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensors into the message; the queue's own pickler would pass them as
+        # shared-memory handles that the parent can no longer open once this process has exited.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -105,7 +107,8 @@ def run_distributed(
                         f"{world_size}-rank run of {fn.__name__} did not finish in {timeout} s (ranks done: {done})"
                     ) from None
                 continue
-            finished.setdefault(rank, (ok, value))  # a failure after the result (the final barrier) is moot
+            # a failure after the result (the final barrier) is moot
+            finished.setdefault(rank, (ok, pickle.loads(value) if ok else value))
     finally:
         for p in procs:
             p.join(timeout=5 if not failed() else 0.5)
