@@ -4,6 +4,7 @@ their single-rank equivalents."""
 import torch
 import torch.nn.functional as F
 
+from megatron_zpp.ops import dispatch
 from megatron_zpp.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -77,6 +78,19 @@ def _layers_worker(rank, world):
     (loss * torch.arange(16.0, dtype=torch.float64).view(2, 8)).sum().backward()
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-6)  # computed in fp32
     torch.testing.assert_close(lp.grad, lr.grad.chunk(tp.size, dim=-1)[tp.rank], rtol=1e-5, atol=1e-6)
+    # the same through the Triton kernels (interpreter): fp32 logits, labels at both edges of both slices
+    edge_labels = labels.clone().view(-1)
+    edge_labels[:4] = torch.tensor([0, 15, 16, 31])
+    lr.grad = None
+    ref_loss = F.cross_entropy(lr.view(-1, 32), edge_labels, reduction="none").view(2, 8)
+    (ref_loss * torch.arange(16.0, dtype=torch.float64).view(2, 8)).sum().backward()
+    dispatch.set_kernels("triton", torch.device("cpu"))
+    lk = logits.float().chunk(tp.size, dim=-1)[tp.rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(lk, edge_labels.view(2, 8), tp)
+    (loss * torch.arange(16.0).view(2, 8)).sum().backward()
+    dispatch.set_kernels("auto", torch.device("cpu"))
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lk.grad.double(), lr.grad.chunk(tp.size, dim=-1)[tp.rank], rtol=1e-5, atol=1e-6)
 
     # dropout streams: replicated activations share masks over TP, sharded ones do not
     seed_parallel_rng(5, tp.rank, 0, 0, torch.device("cpu"))
