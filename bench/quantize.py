@@ -37,7 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.zero.quantize import (  # noqa: E402
+from megatron_zpp.ops.quantize import (  # noqa: E402
     dequantize_sum_wire,
     dequantize_wire,
     quantize_wire,

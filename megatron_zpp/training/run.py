@@ -21,11 +21,11 @@ from ..logging_utils import log
 from ..model import GPT, count_parameters
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
+from ..ops.quantize import quantizer_backend
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
 from ..zero import DataParallelEngine, build_engine
-from ..zero.quantize import quantizer_backend
 from .builders import build_data, build_model, build_stage_link
 from .distributed import init_distributed
 

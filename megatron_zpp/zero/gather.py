@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm
+from ..ops.quantize import dequantize_wire, quantize_wire
 from ..topology import Group
-from .quantize import dequantize_wire, quantize_wire
 
 QWZ_BITS = 8
 

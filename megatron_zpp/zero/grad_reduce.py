@@ -6,7 +6,7 @@ across nodes. ZeRO++'s qgZ instead reduces hop by hop, innermost (fastest link) 
 each hop is one all-to-all inside a small group followed by a local sum, so the data a
 rank sends shrinks by the hop's group size before it reaches the slower link. With
 `bits` set, each hop quantizes what it sends once (int4 or int8, block-wise; data and
-scales in one buffer, zero/quantize.py's wire format), so a k-level hierarchy quantizes
+scales in one buffer, ops/quantize.py's wire format), so a k-level hierarchy quantizes
 exactly k times whatever the world size, and every sum runs in fp32 on dequantized
 values. Without `bits` the hierarchy moves fp32 and equals a flat reduce-scatter to
 round-off (--zero-hierarchy without --zero-quantized-gradients).
@@ -38,8 +38,8 @@ import math
 import torch
 
 from .. import comm
+from ..ops.quantize import dequantize_sum_wire, quantize_wire
 from ..topology import Group
-from .quantize import dequantize_sum_wire, quantize_wire
 
 
 def padded_numel(n: int, dp: int, block: int) -> int:

@@ -1,4 +1,4 @@
-"""megatron_zpp/zero/quantize.py: block-wise int8/int4 error bounds in one process, the one-buffer
+"""megatron_zpp/ops/quantize.py: block-wise int8/int4 error bounds in one process, the one-buffer
 wire format (against a numpy decoder of its layout written here), the reduce of wire rows against
 an fp64 sum, stochastic rounding's bias, and qwZ's quantized all-gather on 4 gloo ranks against a
 plain all-gather.
@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from megatron_zpp import comm
-from megatron_zpp.topology import Topology, build_groups
-from megatron_zpp.zero.gather import all_gather_weights
-from megatron_zpp.zero.quantize import (
+from megatron_zpp.ops.quantize import (
     dequantize_int4,
     dequantize_int8,
     dequantize_sum_wire,
@@ -25,6 +23,8 @@ from megatron_zpp.zero.quantize import (
     quantize_wire,
     wire_bytes,
 )
+from megatron_zpp.topology import Topology, build_groups
+from megatron_zpp.zero.gather import all_gather_weights
 from tests.dist import run_distributed
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # pure torch: same code on GPU
