@@ -60,6 +60,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import dispatch
+
 __all__ = [
     "recurrent_gla",
     "chunk_gla",
@@ -95,6 +97,25 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None)
 def _check_chunk_size(T: int, chunk_size: int) -> None:
     if chunk_size <= 0 or T % chunk_size != 0:
         raise ValueError(f"sequence length T={T} must be a multiple of chunk_size={chunk_size}")
+
+
+dispatch.register("gla", "chunk fwd/bwd, fp32/bf16, chunk 16-128 (power of 2), K and V <= 256")
+
+
+def _use_kernel(chunk_size: int, v: Tensor, qk: Tensor, *others: Tensor | None) -> bool:
+    """Whether the Triton chunk kernels (megatron_zpp/kernels/gla.py) take this call; else the reference."""
+    if not dispatch.use_triton(v):
+        return False
+    tensors = [t for t in (v, qk, *others) if t is not None]
+    C, T, K, V = chunk_size, qk.shape[1], qk.shape[-1], v.shape[-1]
+    return (
+        all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+        and 16 <= C <= 128
+        and C & (C - 1) == 0
+        and T > 0
+        and K <= 256
+        and V <= 256
+    )
 
 
 def recurrent_gla(
@@ -436,6 +457,10 @@ def chunk_gla_fwd_states(
     """
     _check_shapes(k, k, v, g, initial_state)
     _check_chunk_size(k.shape[1], chunk_size)
+    if _use_kernel(chunk_size, v, k, g, initial_state):
+        from ..kernels import gla as gla_kernels
+
+        return gla_kernels.fwd_states(k, v, g, initial_state, chunk_size)
     dt = _compute_dtype(k, v, g, initial_state)
     k, v, g = (_to_chunks(x, chunk_size, dt) for x in (k, v, g))
     start = initial_state.to(dt) if initial_state is not None else None
@@ -453,6 +478,10 @@ def chunk_gla_fwd_output(
     _check_shapes(q, k, v, g, None)
     _check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _use_kernel(chunk_size, v, q, k, g, states_in):
+        from ..kernels import gla as gla_kernels
+
+        return gla_kernels.fwd_output(q, k, v, g, states_in, scale, chunk_size)
     dt = _compute_dtype(q, k, v, g, states_in)
     q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
     return _from_chunks(_fwd_output(q, k, v, g, _chunk_decay(g), states_in.to(dt), scale))
@@ -483,6 +512,10 @@ def chunk_gla_bwd(
     _check_shapes(q, k, v, g, initial_state)
     _check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _use_kernel(chunk_size, v, q, k, g, initial_state, do, d_final_state, states_in):
+        from ..kernels import gla as gla_kernels
+
+        return gla_kernels.bwd(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in)
     dt = _compute_dtype(q, k, v, g, initial_state)
     q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
     decay = _chunk_decay(g)
@@ -510,15 +543,18 @@ class ChunkGLAFunction(torch.autograd.Function):
         _check_shapes(q, k, v, g, initial_state)
         _check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
+        if _use_kernel(chunk_size, v, q, k, g, initial_state):  # the building blocks run the kernels
+            states_in, final_state = chunk_gla_fwd_states(k, v, g, initial_state, chunk_size)
+            return chunk_gla_fwd_output(q, k, v, g, states_in, scale, chunk_size).to(v.dtype), final_state
         dt = _compute_dtype(q, k, v, g, initial_state)
         qc, kc, vc, gc = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
         decay = _chunk_decay(gc)
         start = initial_state.to(dt) if initial_state is not None else None
         states_in, final_state = _fwd_states(kc, vc, decay, start)
         o = _fwd_output(qc, kc, vc, gc, decay, states_in, scale)
-        ctx.save_for_backward(q, k, v, g, initial_state)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
         return _from_chunks(o).to(v.dtype), final_state
 
     @staticmethod
