@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..context_parallel import attention_context_parallel
+from ..ops import rope as rope_ops
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
-from .rope import apply_rope
 
 
 class SelfAttention(nn.Module):
@@ -39,10 +39,9 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
         d = self.head_dim
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = apply_rope(q.view(B, T, self.heads, d), *rope)
-        k = apply_rope(k.view(B, T, self.kv_heads, d), *rope)
-        v = v.view(B, T, self.kv_heads, d)
+        qk_width = (self.heads + self.kv_heads) * d  # q then k heads: one slice, rotated in place by the kernel
+        q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
+        v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
         dropout = self.dropout if self.training else 0.0
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..ops import swiglu as swiglu_ops
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .context import ParallelContext
 
@@ -24,8 +25,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu_ops.swiglu(h)  # h is [gate | up] per rank: silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)
