@@ -4,7 +4,7 @@ of different head counts (GQA) rotated in place in the QKV projection's buffer; 
 Block with --kernels triton (norm, RoPE, SwiGLU kernels) against --kernels torch.
 
 Tolerances, as max|ours - fp64| / max|fp64|: fp32 1e-5 (the fp32 tables carry about 1e-6: measured
-about 1e-6); bf16 1e-2 (one rounding of each output: measured about 4e-3). Block: 1e-5 in fp32."""
+about 1e-6); bf16 1e-2 (one rounding of each output: measured up to 5e-3). Block: 1e-5 in fp32."""
 
 import pytest
 import torch
