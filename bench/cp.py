@@ -1,34 +1,56 @@
-"""Context parallelism for gated linear attention: ZeCO's All-Scan vs all-gather vs ring vs no communication.
+"""Context parallelism for gated linear attention: ZeCO's All-Scan vs LASP-2 all-gather vs LASP-1 ring vs ideal.
 
-    .venv/bin/python bench/cp.py --quick            (P = 2, 4 on loopback, few iterations, < 60 s)
-    sudo .venv/bin/python bench/cp.py               (P = 2, 4, 8 on loopback and on the shaped link, < 10 min)
-    .venv/bin/python bench/cp.py --no-netns --ps 2 4 8 --heads 8 --head-k 128 --head-v 256 --t-local 128
+    .venv/bin/python bench/cp.py --quick        (smoke test: P = 2, 4 on loopback, T_local 1024, 2 iterations, < 2 min)
+    sudo .venv/bin/python bench/cp.py           (P = 2, 4, 8 on loopback and on the shaped link, ~20 min on 2 cores)
+    .venv/bin/python bench/cp.py --no-netns --ps 2 4 --blocks 8 --iters 4
 
-What is timed: the GLA operator alone (megatron_zpp.context_parallel.gla_context_parallel), forward +
-backward with autograd (loss = o.sum()), on each rank's contiguous slice of the sequence: B = 1, H heads,
-key/value head dims K, V, T_local tokens per rank (weak scaling as in the ZeCO paper: the sequence is
-P * T_local), fp32, chunk size --chunk-size. A state is B*H*K*V*4 bytes (default 8*128*256*4 = 1 MiB).
-Variants, every one on the same tensors:
-  ideal        chunk_gla_local on the local slice from a zero state: no communication (the lower bound)
-  all-scan     ZeCO All-Scan, blocks = 1 (one state per rank each way, a chain over the ranks)
-  all-scan K   All-Scan pipelined over K blocks of the state (--blocks, default 4): ZeCO's algorithm
-  all-gather   LASP-2: every rank all-gathers every state ((P-1) states per rank each way)
-  ring         LASP-1: serial ring of whole states
-One time sample = a barrier, then forward + backward on every rank; the sample is the slowest rank's
-time; the figure is the median over --iters samples after --warmup (variants interleaved per iteration,
-so a load change hits all alike). Overhead = time / ideal - 1. The ledger (megatron_zpp.comm.LEDGER)
-gives the bytes each rank sends per forward + backward (ring model for the all-gather; busiest rank),
-also in units of one state: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
+Shape: B = 1, H = 8 heads, key/value head dims K = 128, V = 256, T_local = 2048 tokens per rank in chunks
+of 64 (32 chunks per rank), fp32; weak scaling as in the ZeCO paper (the sequence is P * T_local). A state
+is B*H*K*V*4 = 1 MiB. 2048 x 64 is the smallest point of the long-sequence regime (>= 2048 tokens and >= 16
+chunks per rank, where the local work can hide the scan): one rank's forward+backward is ~1 s on one core,
+and the CP operator's ~1.8 s, so at P = 8 (4 ranks per core) a call is ~7 s and the default run (6 rows x 7
+calls x P = 2, 4, 8, two settings) ~20 min; T_local 4096 would double it.
+
+Rows, every one on the same tensors (each rank its own slice, the same seed in every row):
+  ideal          chunk_gla_local on the slice from a zero state: the local pass only, no communication
+  no-comm op     the CP operator (context_parallel.gla.ContextParallelGLA) on a scan that sends nothing and
+                 returns zero states: its own arithmetic (the local pass in two parts, the state correction
+                 and its gradients, the background thread) without communication; not an algorithm
+  all-scan K=1   ZeCO All-Scan in one block: the state chain without pipelining
+  all-scan auto  All-Scan with blocks=0, i.e. K = context_parallel.auto_blocks (printed per P and link):
+                 what the model runs; the targets are judged on this row
+  all-scan K=n   All-Scan in --blocks n blocks (only when --blocks is given)
+  all-gather     LASP-2: every rank all-gathers every state ((P-1) states per rank each way)
+  ring           LASP-1: serial ring of whole states
+What is measured, on every rank, all rows interleaved in every iteration (a load change hits all alike):
+  e2e         the operator: dist.barrier(), then gla_context_parallel forward + backward (loss o.sum(),
+              autograd; the scan runs in its background thread under the local work), wall time
+  comm-only   the scan alone: the same scan object the operator builds (context_parallel.gla.make_scan:
+              AllScan(cp, K), GatherScan, RingScan) on random states of the operator's sizes (S_loc and
+              dS_corr [B,H,K,V] fp32, log gamma [B,H,K]): dist.barrier(), scan.forward, dist.barrier(),
+              scan.backward, each timed; --comm-reps repetitions per iteration. It includes the scan's own
+              arithmetic (the chain's adds, LASP-2's local scan over ranks) and no GLA compute.
+Statistics: an e2e sample is the slowest rank's time in one iteration; a comm-only sample is the slowest
+rank's forward plus the slowest rank's backward of one repetition; figures are medians over --iters
+iterations after the ledger call (the first, untimed call of every row) and --warmup. overhead = e2e / ideal
+- 1 (medians): the target's figure, which holds the operator's own arithmetic (the no-comm op row's overhead)
+and the communication left exposed. exposed = median over iterations of (row - no-comm op) in the same
+iteration, with its interquartile range (the noise): the communication and waiting the overlap did not hide.
+The overlap shows where exposed is below comm-only by more than that noise; where comm-only is inside the
+noise it cannot show. The ledger (megatron_zpp.comm.LEDGER) gives the bytes the busiest rank
+sends per forward + backward, in states: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
 Settings: "loopback": tests/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
-2-node cluster of bench/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at --rate on both
-veth ends), P/2 ranks per namespace, launched here with MASTER_ADDR = node 0's veth address and
-GLOO_SOCKET_IFNAME = the namespace's veth; only the hop between rank P/2-1 and P/2 crosses the shaped
-link (the all-gather ring crosses it twice). Needs root and iproute2, else it is skipped with the reason.
-All P ranks run at 1 thread each on this machine's cores (2 here): at P = 8 four ranks time-share a core,
-and the ideal suffers the same sharing, so absolute times are this machine's and the overhead % and the
-ratios are the figures. Tables: one per setting (times, overheads, All-Scan speedups), then one laid out
-like ZeCO's All-Scan vs all-gather table (rows P). The last stdout line is one JSON object.
+2-node cluster of bench/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
+--rate on both veth ends), P/2 ranks per namespace, MASTER_ADDR = node 0's veth address, GLOO_SOCKET_IFNAME
+= the namespace's veth; only the hop between ranks P/2-1 and P/2 crosses the shaped link (the all-gather
+ring crosses it twice). Needs root and iproute2, else it is skipped with the reason. Every rank runs at 1
+thread: at P = 2 on 2 cores one rank per core (the honest figure); at P = 4, 8 ranks share cores (rows
+labelled "shared cores"), the ideal too, so absolute times are this machine's and the ratios the figures.
+Targets (printed with whether met; nothing is tuned to them): All-Scan (auto) overhead over the ideal <= 5%
+at P = 2 and 4, loopback and shaped; All-Scan faster than the all-gather at every P > 2 (judged on e2e and,
+separately, on comm-only). Then a table laid out like ZeCO's All-Scan vs all-gather table (rows P). The
+last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -50,61 +72,111 @@ import torch.distributed as dist  # noqa: E402
 from bench.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
+AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
+NO_COMM = "none"
+OVERHEAD_TARGET_PCT, OVERHEAD_TARGET_PS = 5.0, (2, 4)
 
-def variants(blocks: int) -> list[tuple[str, str | None, int]]:
-    """(name, algorithm or None for the ideal, blocks)."""
-    return [
-        ("ideal", None, 1),
-        ("all-scan", "all-scan", 1),
-        (f"all-scan K={blocks}", "all-scan", blocks),
-        ("all-gather", "all-gather", 1),
-        ("ring", "ring", 1),
-    ]
+
+def variants(blocks: int | None) -> list[tuple[str, str | None, int]]:
+    """(row name, algorithm (None: the ideal, NO_COMM: the operator on a silent scan), all-scan blocks; 0 = auto)."""
+    rows = [("ideal", None, 0), ("no-comm op", NO_COMM, 0), ("all-scan K=1", "all-scan", 1), (AUTO, "all-scan", 0)]
+    if blocks:
+        rows.append((f"all-scan K={blocks}", "all-scan", blocks))
+    return rows + [("all-gather", "all-gather", 0), ("ring", "ring", 0)]
+
+
+def state_bytes(cfg: dict) -> int:
+    return cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4  # B = 1, fp32: what gla_context_parallel computes
 
 
 # ---------------------------------------------------------------- one rank
 
 
-def measure(rank: int, world: int, cfg: dict) -> dict:
-    """Time every variant on this rank; return {"times": {name: [s]}, "ledger": {name: {fwd, bwd}}}."""
-    from megatron_zpp import comm
+def make_inputs(cfg: dict, rank: int) -> dict:
+    """This rank's slice (q, k, v, g as leaves) and states of the scan's sizes for comm-only."""
+    gen = torch.Generator().manual_seed(1234 + rank)
+    T, H, K, V = cfg["t_local"], cfg["heads"], cfg["head_k"], cfg["head_v"]
+    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # log decay <= 0
+    S, dS = (torch.randn(1, H, K, V, generator=gen) for _ in range(2))
+    return {"leaves": [x.requires_grad_() for x in (q, k, v, g)], "S": S, "log_gamma": g.detach().sum(1), "dS": dS}
+
+
+class SilentScan:
+    """Sends nothing, returns zero states: run through the operator, it leaves the operator's own arithmetic
+    (the local pass split in two, the state correction and its gradients, the thread), so that the
+    communication a real scan leaves exposed is measured against it rather than against the ideal."""
+
+    def forward(self, S_loc, log_gamma, head):
+        return torch.zeros_like(S_loc)
+
+    def backward(self, dS_corr):
+        return torch.zeros_like(dS_corr)
+
+
+def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int) -> None:
     from megatron_zpp.context_parallel import gla_context_parallel
+    from megatron_zpp.context_parallel.gla import ContextParallelGLA
     from megatron_zpp.ops.gla import chunk_gla_local
+
+    for t in x["leaves"]:
+        t.grad = None
+    if algo is None:
+        o = chunk_gla_local(*x["leaves"], chunk_size=chunk)[0]
+    elif algo == NO_COMM:
+        o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), x["leaves"][0].shape[-1] ** -0.5, chunk)
+    else:
+        o = gla_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
+    o.sum().backward()
+
+
+def timed(fn) -> float:
+    """Seconds of fn() on this rank after a barrier (every rank starts together)."""
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def ledger_bytes(fn) -> dict:
+    """Bytes this rank sends in fn(), forward and backward phases apart."""
+    from megatron_zpp import comm
+
+    comm.LEDGER.reset()
+    fn()
+    rows = comm.LEDGER.local_rows()
+    return {d: sum(r["bytes"] for r in rows if r["phase"].endswith("_" + d)) for d in ("fwd", "bwd")}
+
+
+def measure(rank: int, world: int, cfg: dict) -> dict:
+    """Every row's e2e times, comm-only (forward, backward) times and ledger bytes on this rank."""
+    from megatron_zpp.context_parallel import auto_blocks
+    from megatron_zpp.context_parallel.gla import make_scan
     from megatron_zpp.topology import Topology, build_groups
 
     torch.set_num_threads(1)
     cp = build_groups(Topology(world, cp=world, ranks_per_node=cfg["per_node"]), rank).cp
-    gen = torch.Generator().manual_seed(1234 + rank)
-    B, T, H, K, V = 1, cfg["t_local"], cfg["heads"], cfg["head_k"], cfg["head_v"]
-    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=gen)) / 16  # log decay <= 0
-    leaves = [x.requires_grad_() for x in (q, k, v, g)]
-
-    def step(algo, blocks):
-        for x in leaves:
-            x.grad = None
-        if algo is None:
-            o = chunk_gla_local(q, k, v, g, chunk_size=cfg["chunk"])[0]
-        else:
-            o = gla_context_parallel(q, k, v, g, cp, algo, blocks, chunk_size=cfg["chunk"])
-        o.sum().backward()
-
-    ledger = {}
-    for name, algo, blocks in variants(cfg["blocks"]):  # one call each for the ledger (also a warmup)
-        comm.LEDGER.reset()
-        step(algo, blocks)
-        rows = comm.LEDGER.local_rows()
-        ledger[name] = {d: sum(r["bytes"] for r in rows if r["phase"].endswith("_" + d)) for d in ("fwd", "bwd")}
-    times = {name: [] for name, _, _ in variants(cfg["blocks"])}
+    x, rows, cpu = make_inputs(cfg, rank), variants(cfg["blocks"]), torch.device("cpu")
+    op = {name: (lambda a=algo, b=blocks: run_operator(x, cp, a, b, cfg["chunk"])) for name, algo, blocks in rows}
+    # the operator's own factory, so comm-only times the very objects (and K) the operator runs
+    scans = {
+        n: make_scan(a, cp, b, state_bytes(cfg), cpu, cfg["head_k"]) for n, a, b in rows if a not in (None, NO_COMM)
+    }
+    ledger = {name: ledger_bytes(fn) for name, fn in op.items()}  # one call each: also the first warmup
+    times, comm = {name: [] for name in op}, {name: [] for name in scans}
     for it in range(cfg["warmup"] + cfg["iters"]):
-        for name, algo, blocks in variants(cfg["blocks"]):
-            dist.barrier()
-            t = time.perf_counter()
-            step(algo, blocks)
-            if it >= cfg["warmup"]:
-                times[name].append(time.perf_counter() - t)
-    return {"times": times, "ledger": ledger}
+        keep = it >= cfg["warmup"]
+        for name, fn in op.items():
+            t = timed(fn)
+            times[name] += [t] if keep else []
+        for _ in range(cfg["comm_reps"]):
+            for name, scan in scans.items():
+                f = timed(lambda s=scan: s.forward(x["S"], x["log_gamma"], None))
+                b = timed(lambda s=scan: s.backward(x["dS"]))
+                comm[name] += [(f, b)] if keep else []
+    k_auto = auto_blocks(state_bytes(cfg), cp, cpu, cfg["head_k"])
+    return {"times": times, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
 
 
 def worker_main(out_path: str, cfg_json: str) -> None:
@@ -124,27 +196,15 @@ def worker_main(out_path: str, cfg_json: str) -> None:
 def launch_shaped(cluster: Cluster, world: int, cfg: dict, work: str, timeout: float) -> list[dict]:
     """P/2 ranks in each namespace of the cluster; returns each rank's `measure` result."""
     out_dir = tempfile.mkdtemp(prefix=f"p{world}_", dir=work)
-    env = {
-        **os.environ,
-        "MASTER_ADDR": ADDRS[0],
-        "MASTER_PORT": str(29650 + world),
-        "WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = {**os.environ, "MASTER_ADDR": ADDRS[0], "MASTER_PORT": str(29650 + world), "WORLD_SIZE": str(world)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = []
     for r in range(world):
         node = r // (world // 2)
         log = open(os.path.join(out_dir, f"rank{r}.log"), "w")
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", os.path.join(out_dir, f"rank{r}.json")]
         p = subprocess.Popen(
-            cluster.prefix(node)
-            + [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--worker",
-                os.path.join(out_dir, f"rank{r}.json"),
-                json.dumps(cfg),
-            ],
+            cluster.prefix(node) + argv + [json.dumps(cfg)],
             env={**env, "RANK": str(r), "GLOO_SOCKET_IFNAME": VETHS[node]},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -154,11 +214,7 @@ def launch_shaped(cluster: Cluster, world: int, cfg: dict, work: str, timeout: f
         log.close()
         procs.append(p)
         cluster.children.append(p)  # cluster.cleanup() ends them whatever happens
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in procs):
-            break
-        time.sleep(0.2)
+    wait_all(procs, timeout)
     failed = [r for r, p in enumerate(procs) if p.poll() != 0]
     for p in procs:
         if p.poll() is None:
@@ -171,218 +227,314 @@ def launch_shaped(cluster: Cluster, world: int, cfg: dict, work: str, timeout: f
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
 
 
+def wait_all(procs: list, timeout: float) -> None:
+    """Until all have ended, one has failed (the others would hang on it), or the deadline."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            return
+        time.sleep(0.2)
+
+
 # ---------------------------------------------------------------- report
 
 
+def iqr(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q3 - q1
+
+
+def slowest(per_rank: list[dict], name: str) -> list[float]:
+    """Per iteration, the slowest rank's e2e time (s)."""
+    return [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
+
+
+def slowest_comm(per_rank: list[dict], name: str) -> tuple[list[float], list[float]]:
+    """Per repetition, the slowest rank's forward and backward scan times (s)."""
+    reps = list(zip(*(r["comm"][name] for r in per_rank)))
+    return [max(f for f, _ in rep) for rep in reps], [max(b for _, b in rep) for rep in reps]
+
+
 def summarize(per_rank: list[dict], cfg: dict) -> dict:
-    """Median over iterations of the slowest rank's time; overheads; All-Scan speedups; ledger."""
-    state = cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4
-    out = {}
+    """Medians of the slowest rank, overheads, exposed time, comm-only time, ledger; per row."""
+    ideal, silent = slowest(per_rank, "ideal"), slowest(per_rank, "no-comm op")
+    rows = {}
     for name in per_rank[0]["times"]:
-        samples = [max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
+        e2e = slowest(per_rank, name)
         led = {d: max(r["ledger"][name][d] for r in per_rank) for d in ("fwd", "bwd")}
-        out[name] = {
-            "ms": 1e3 * statistics.median(samples),
-            "samples_ms": [round(1e3 * s, 2) for s in samples],
-            "ledger_bytes_max_rank": led,
-            "ledger_states_max_rank": {d: b / state for d, b in led.items()},
+        row = {
+            "e2e_ms": 1e3 * statistics.median(e2e),
+            "samples_ms": [round(1e3 * s, 1) for s in e2e],
+            "overhead_pct": 100 * (statistics.median(e2e) / statistics.median(ideal) - 1),
+            "ledger_states_max_rank": {d: b / state_bytes(cfg) for d, b in led.items()},
         }
-    ideal = out["ideal"]["ms"]
-    for v in out.values():
-        v["overhead_pct"] = 100 * (v["ms"] / ideal - 1)
-        v["comm_ms"] = v["ms"] - ideal
-    scan = out[f"all-scan K={cfg['blocks']}"]["ms"]
-    out["speedup"] = {
-        "all-scan K=1 vs all-gather": out["all-gather"]["ms"] / out["all-scan"]["ms"],
-        f"all-scan K={cfg['blocks']} vs all-gather": out["all-gather"]["ms"] / scan,
-        "all-scan K=1 vs ring": out["ring"]["ms"] / out["all-scan"]["ms"],
-        f"all-scan K={cfg['blocks']} vs ring": out["ring"]["ms"] / scan,
+        if name in per_rank[0]["comm"]:  # a real scan: what it left exposed, and its own time
+            exposed = [a - b for a, b in zip(e2e, silent)]
+            row.update(exposed_ms=1e3 * statistics.median(exposed), exposed_iqr_ms=1e3 * iqr(exposed))
+            f, b = slowest_comm(per_rank, name)
+            fb = [x + y for x, y in zip(f, b)]
+            row.update(comm_ms=1e3 * statistics.median(fb), comm_iqr_ms=1e3 * iqr(fb))
+            row.update(comm_fwd_ms=1e3 * statistics.median(f), comm_bwd_ms=1e3 * statistics.median(b))
+        rows[name] = row
+    sc, ag = slowest(per_rank, AUTO), slowest(per_rank, "all-gather")
+    vs = {
+        "e2e_ratio": rows["all-gather"]["e2e_ms"] / rows[AUTO]["e2e_ms"],
+        "e2e_wins": sum(a < b for a, b in zip(sc, ag)),
+        "iterations": len(sc),
+        "comm_ratio": rows["all-gather"]["comm_ms"] / rows[AUTO]["comm_ms"],
     }
-    return out
+    return {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
 
 
-def print_setting(title: str, res: dict, cfg: dict) -> None:
-    kb = f"all-scan K={cfg['blocks']}"
-    print(f"\n== {title}: forward+backward ms (median of the slowest rank), overhead vs ideal in % ==")
+def cores_label(P: int) -> str:
+    ncpu = os.cpu_count() or 1
+    return "1 core per rank" if P <= ncpu else f"shared cores ({P / ncpu:g} ranks/core)"
+
+
+def row_k(name: str, r: dict) -> str:
+    if name == AUTO:
+        return str(r["k_auto"])
+    return name.split("K=")[1] if "K=" in name else "-"
+
+
+def print_setting(title: str, res: dict) -> None:
+    print(f"\n== {title}: GLA operator forward+backward under CP; ms = median of the slowest rank ==")
     head = (
-        f"{'P':>2} {'ideal':>8} | {'all-scan':>16} | {kb:>16} | {'all-gather':>16} | {'ring':>16} | "
-        f"{'speedup vs all-gather':>21} | {'speedup vs ring':>15}"
+        f"{'P':>2} {'cores':<28} {'row':<14} {'K':>3} {'e2e ms':>9} {'ovh %':>6} {'exposed ms (IQR)':>18} "
+        f"{'comm-only ms = fwd + bwd (IQR)':>32} {'sent (states)':>14}"
     )
-    print(head)
-    print(
-        f"{'':>2} {'ms':>8} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | {'ms (ovh %)':>16} | "
-        f"{'K=1':>10} {'K=' + str(cfg['blocks']):>10} | {'K=1':>7} {'K=' + str(cfg['blocks']):>7}"
-    )
-    print("-" * len(head))
+    print(head + "\n" + "-" * len(head))
     for P, r in res.items():
-        cell = lambda n: f"{r[n]['ms']:8.1f} ({r[n]['overhead_pct']:+5.1f})"  # noqa: E731
-        s = r["speedup"]
+        for i, (name, v) in enumerate(r["rows"].items()):
+            lead = f"{P:>2} {cores_label(P):<28}" if i == 0 else f"{'':>2} {'':<28}"
+            if "comm_ms" not in v:  # the ideal and the no-comm operator
+                ovh = f"{v['overhead_pct']:+6.1f}" if name != "ideal" else f"{'-':>6}"
+                print(f"{lead} {name:<14} {'-':>3} {v['e2e_ms']:9.1f} {ovh} {'-':>18} {'-':>32} {'-':>14}")
+                continue
+            exp = f"{v['exposed_ms']:7.1f} ({v['exposed_iqr_ms']:5.1f})"
+            com = f"{v['comm_ms']:6.1f} = {v['comm_fwd_ms']:5.1f} + {v['comm_bwd_ms']:5.1f} ({v['comm_iqr_ms']:4.1f})"
+            st = v["ledger_states_max_rank"]
+            print(
+                f"{lead} {name:<14} {row_k(name, r):>3} {v['e2e_ms']:9.1f} {v['overhead_pct']:+6.1f} {exp:>18} "
+                f"{com:>32} {st['fwd']:6.2f}+{st['bwd']:<6.2f}"
+            )
+        vs = r["auto_vs_all_gather"]
         print(
-            f"{P:>2} {r['ideal']['ms']:8.1f} | {cell('all-scan'):>16} | {cell(kb):>16} | {cell('all-gather'):>16} | "
-            f"{cell('ring'):>16} | {s['all-scan K=1 vs all-gather']:10.2f} {s[kb + ' vs all-gather']:10.2f} | "
-            f"{s['all-scan K=1 vs ring']:7.2f} {s[kb + ' vs ring']:7.2f}"
+            f"{'':>31} all-scan auto vs all-gather: e2e x{vs['e2e_ratio']:.3f} (faster in {vs['e2e_wins']}/"
+            f"{vs['iterations']} iterations), comm-only x{vs['comm_ratio']:.2f}"
         )
 
 
-def zeco_table(results: dict, cfg: dict) -> dict:
-    """Rows P; All-Scan (pipelined, K blocks) vs all-gather: layer time and communication time (over ideal)."""
-    kb = f"all-scan K={cfg['blocks']}"
-    print(f"\n== like ZeCO's table: All-Scan ({kb}) vs all-gather (LASP-2), GLA layer forward+backward ==")
-    print("   time = layer ms; comm = layer ms - ideal ms (the communication and waiting the scan adds)")
+def zeco_table(results: dict) -> dict:
+    """Rows P; All-Scan (auto K) vs all-gather: operator time and the scan's own time."""
+    print("\n== like ZeCO's table: All-Scan (auto K) vs all-gather (LASP-2), GLA operator forward+backward ==")
+    print("   e2e = operator ms; comm = the scan alone (comm-only ms, no GLA compute); ratio = all-gather / All-Scan")
     table = {}
     for setting, res in results.items():
         print(f"\n   {setting}")
         head = (
-            f"   {'P':>2} {'all-gather ms':>13} {'All-Scan ms':>11} {'ratio':>6} | {'all-gather comm':>15} "
+            f"   {'P':>2} {'K':>3} {'all-gather e2e':>14} {'All-Scan e2e':>12} {'ratio':>6} | {'all-gather comm':>15} "
             f"{'All-Scan comm':>13} {'ratio':>6}"
         )
         print(head + "\n   " + "-" * (len(head) - 3))
         table[setting] = {}
         for P, r in res.items():
-            ag, sc = r["all-gather"], r[kb]
-            ratio_comm = ag["comm_ms"] / sc["comm_ms"] if sc["comm_ms"] > 0 and ag["comm_ms"] > 0 else None
+            ag, sc = r["rows"]["all-gather"], r["rows"][AUTO]
+            e2e_ratio, comm_ratio = ag["e2e_ms"] / sc["e2e_ms"], ag["comm_ms"] / sc["comm_ms"]
             table[setting][P] = {
-                "all_gather_ms": ag["ms"],
-                "all_scan_ms": sc["ms"],
-                "ratio": ag["ms"] / sc["ms"],
+                "k": r["k_auto"],
+                "all_gather_e2e_ms": ag["e2e_ms"],
+                "all_scan_e2e_ms": sc["e2e_ms"],
+                "e2e_ratio": e2e_ratio,
                 "all_gather_comm_ms": ag["comm_ms"],
                 "all_scan_comm_ms": sc["comm_ms"],
-                "comm_ratio": ratio_comm,
+                "comm_ratio": comm_ratio,
             }
-            rc = f"{ratio_comm:6.2f}" if ratio_comm is not None else f"{'n/a':>6}"
             print(
-                f"   {P:>2} {ag['ms']:13.1f} {sc['ms']:11.1f} {ag['ms'] / sc['ms']:6.2f} | {ag['comm_ms']:15.1f} "
-                f"{sc['comm_ms']:13.1f} {rc}"
+                f"   {P:>2} {r['k_auto']:>3} {ag['e2e_ms']:14.1f} {sc['e2e_ms']:12.1f} {e2e_ratio:6.3f} | "
+                f"{ag['comm_ms']:15.2f} {sc['comm_ms']:13.2f} {comm_ratio:6.2f}"
             )
     return table
 
 
+def check_targets(results: dict) -> list[dict]:
+    """Each target with its measured value and whether met."""
+    out = []
+
+    def add(what, value, met):
+        out.append({"target": what, "value": value, "met": bool(met)})
+
+    for setting, res in results.items():
+        for P, r in res.items():
+            sc, ag = r["rows"][AUTO], r["rows"]["all-gather"]
+            where = f"{setting} P={P} ({cores_label(P)}), K={r['k_auto']}"
+            if P in OVERHEAD_TARGET_PS:
+                ovh, own = sc["overhead_pct"], r["rows"]["no-comm op"]["overhead_pct"]
+                value = f"{ovh:+.1f}% (no-comm op {own:+.1f}%, exposed {sc['exposed_ms']:.1f} ms)"
+                add(f"{where}: All-Scan overhead over ideal <= {OVERHEAD_TARGET_PCT:g}%", value, ovh <= 5)
+            if P > 2:
+                e2e, comm = ag["e2e_ms"] / sc["e2e_ms"], ag["comm_ms"] / sc["comm_ms"]
+                add(f"{where}: All-Scan faster than all-gather, e2e", f"all-gather/All-Scan {e2e:.3f}", e2e > 1)
+                add(f"{where}: All-Scan faster than all-gather, comm-only", f"all-gather/All-Scan {comm:.2f}", comm > 1)
+    return out
+
+
+def print_targets(targets: list[dict], quick: bool) -> None:
+    met = sum(t["met"] for t in targets)
+    note = " [--quick: a smoke test at T_local below the targets' regime]" if quick else ""
+    print(f"\n== targets: {met}/{len(targets)} met{note} ==")
+    for t in targets:
+        print(f"   {'MET ' if t['met'] else 'MISS'}  {t['target']}: {t['value']}")
+
+
 def print_ledger(res: dict, cfg: dict) -> None:
-    state = cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4
     print(
-        f"\n== ledger (comm.LEDGER): bytes the busiest rank sends per forward+backward, in states of "
-        f"{state / 2**20:.2f} MiB, forward + backward =="
+        f"\n== ledger (comm.LEDGER): states ({state_bytes(cfg) / 2**20:.2f} MiB) the busiest rank sends per "
+        f"forward + backward, loopback =="
     )
     print(f"{'':16}" + "".join(f"{'P=' + str(P):>16}" for P in res))
-    for name in next(iter(res.values())):
-        if name in ("ideal", "speedup"):
-            continue
-        cells = [res[P][name]["ledger_states_max_rank"] for P in res]
-        print(f"{name:16}" + "".join(f"{c['fwd']:7.2f} +{c['bwd']:6.2f}" for c in cells))
+    for name in next(iter(res.values()))["rows"]:
+        if name != "ideal":
+            cells = [res[P]["rows"][name]["ledger_states_max_rank"] for P in res]
+            print(f"{name:16}" + "".join(f"{c['fwd']:7.2f} +{c['bwd']:6.2f}" for c in cells))
     print("   (all-gather forward also carries the P-1 gammas: (P-1) * (1 + 1/V) states)")
 
 
-def main() -> int:
+# ---------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="See the module docstring.")
-    ap.add_argument("--quick", action="store_true", help="P = 2, 4 on loopback, few iterations (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: P = 2, 4 on loopback, T_local 1024, 2 iters")
     ap.add_argument("--ps", type=int, nargs="+", default=None, help="CP sizes (even; default 2 4 8, quick 2 4)")
     ap.add_argument("--rate", default="1gbit", help="shaped link rate, e.g. 1gbit or 200mbit (default 1gbit)")
     ap.add_argument("--no-netns", action="store_true", help="loopback only: no namespaces, no shaping")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-k", type=int, default=128)
     ap.add_argument("--head-v", type=int, default=256)
-    ap.add_argument("--t-local", type=int, default=128, help="tokens per rank (weak scaling)")
-    ap.add_argument("--chunk-size", type=int, default=32)
-    ap.add_argument("--blocks", type=int, default=4, help="All-Scan pipeline blocks of the second all-scan column")
-    ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 15, quick 5)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations after the ledger call")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per launch")
+    ap.add_argument(
+        "--t-local", type=int, default=None, help="tokens per rank (weak scaling; default 2048, quick 1024)"
+    )
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=None, help="add an all-scan row with this many blocks")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 6, quick 2)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed iterations after the ledger call (itself one)")
+    ap.add_argument("--comm-reps", type=int, default=5, help="comm-only repetitions per iteration")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     ap.add_argument("--worker", nargs=2, metavar=("OUT", "CFG"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def make_cfg(a: argparse.Namespace) -> dict:
+    cfg = {
+        "heads": a.heads,
+        "head_k": a.head_k,
+        "head_v": a.head_v,
+        "t_local": a.t_local or (1024 if a.quick else 2048),
+        "chunk": a.chunk_size,
+        "blocks": a.blocks,
+        "iters": a.iters or (2 if a.quick else 6),
+        "warmup": a.warmup,
+        "comm_reps": a.comm_reps,
+    }
+    if cfg["t_local"] % cfg["chunk"]:
+        raise SystemExit(f"error: --t-local {cfg['t_local']} is not a multiple of --chunk-size {cfg['chunk']}")
+    return cfg
+
+
+def run_loopback(ps: list[int], cfg: dict, timeout: float) -> dict:
+    res = {}
+    for P in ps:
+        print(f"[cp-bench] loopback P={P}", file=sys.stderr, flush=True)
+        res[P] = summarize(run_distributed(measure, P, {**cfg, "per_node": P}, timeout=timeout), cfg)
+    return res
+
+
+def run_shaped(results: dict, ps: list[int], cfg: dict, a: argparse.Namespace, lock_fd: int) -> tuple[str, str]:
+    """Adds results['shaped <rate>']; returns (reason it was not run or '', the qdisc)."""
+    cluster, work = Cluster(True, lock_fd), tempfile.mkdtemp(prefix="zpp_cp_bench_")
+    try:
+        if not cluster.netns:
+            return cluster.reason, ""
+        cluster.shape(parse_rate(a.rate))
+        key, qdisc = f"shaped {a.rate}", cluster.qdisc()
+        results[key] = {}
+        try:
+            for P in ps:
+                print(f"[cp-bench] {key} P={P}", file=sys.stderr, flush=True)
+                per_rank = launch_shaped(cluster, P, {**cfg, "per_node": P // 2}, work, a.timeout)
+                results[key][P] = summarize(per_rank, cfg)
+        except RuntimeError as e:  # report the loopback figures anyway
+            print(f"[cp-bench] {e}", file=sys.stderr, flush=True)
+            results.pop(key)
+            return f"failed: {str(e).splitlines()[0]}", qdisc
+        return "", qdisc
+    finally:
+        cluster.cleanup()
+
+
+def print_header(a: argparse.Namespace, cfg: dict, skipped: str, qdisc: str, load0: float) -> None:
+    T, C, ncpu = cfg["t_local"], cfg["chunk"], os.cpu_count()
+    print(
+        f"\nGLA context parallelism: B=1, H={a.heads}, K={a.head_k}, V={a.head_v}, T_local={T} tokens per rank "
+        f"({T // C} chunks of {C}; sequence = P * {T}), fp32, forward+backward (loss = o.sum()); state = "
+        f"{state_bytes(cfg) / 2**20:.2f} MiB"
+    )
+    print(
+        f"e2e: median of {cfg['iters']} iterations after {1 + cfg['warmup']} warmup call(s); comm-only: median of "
+        f"{cfg['iters'] * cfg['comm_reps']} repetitions; sample = slowest rank; 1 thread per rank on {ncpu} cores"
+    )
+    if load0 > (ncpu or 1) / 2:  # at the start: our own ranks count in the load later
+        print(
+            f"WARNING: machine busy (1-min load {load0:.1f} on {ncpu} cores): a rank woken from a receive waits "
+            f"for a core, which inflates every communicating row (not the ideal) and the spread of the samples"
+        )
+    print(f"shaped setting not run: {skipped}" if skipped else f"shaped: 2 namespaces x P/2 ranks, tc tbf ({qdisc})")
+
+
+def main() -> int:
+    a = parse_args()
     if a.worker:
         worker_main(*a.worker)
         return 0
     ps = a.ps or ([2, 4] if a.quick else [2, 4, 8])
     if any(P < 2 or P % 2 for P in ps):
         raise SystemExit("error: --ps: each P must be even and >= 2 (P/2 ranks per emulated node)")
-    bits = parse_rate(a.rate)
-    cfg = {
-        "heads": a.heads,
-        "head_k": a.head_k,
-        "head_v": a.head_v,
-        "t_local": a.t_local,
-        "chunk": a.chunk_size,
-        "blocks": a.blocks,
-        "iters": a.iters or (5 if a.quick else 15),
-        "warmup": a.warmup,
-    }
-    t0, load0 = time.time(), os.getloadavg()[0]
-    work = tempfile.mkdtemp(prefix="zpp_cp_bench_")
-    results, skipped, lock_fd = {"loopback": {}}, None, None
-    if a.quick or a.no_netns:
-        skipped = "--quick" if a.quick else "--no-netns"
-    else:  # bench/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
+    parse_rate(a.rate)  # a bad rate fails before the loopback runs, not after
+    cfg, t0, load0 = make_cfg(a), time.time(), os.getloadavg()[0]
+    skipped, qdisc, lock_fd = "--quick" if a.quick else "--no-netns" if a.no_netns else "", "", None
+    if not skipped:  # bench/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
         try:
             lock_fd = take_lock()
         except SystemExit as e:
             skipped = str(e)
-    for P in ps:
-        print(f"[cp-bench] loopback P={P}", file=sys.stderr, flush=True)
-        results["loopback"][P] = summarize(run_distributed(measure, P, {**cfg, "per_node": P}, timeout=a.timeout), cfg)
+    results = {"loopback": run_loopback(ps, cfg, a.timeout)}
     if lock_fd is not None:
-        cluster = Cluster(True, lock_fd)
-        try:
-            if not cluster.netns:
-                skipped = cluster.reason
-            else:
-                cluster.shape(bits)
-                key = f"shaped {a.rate}"
-                results[key] = {}
-                qdisc = cluster.qdisc()
-                try:
-                    for P in ps:
-                        print(f"[cp-bench] {key} P={P}", file=sys.stderr, flush=True)
-                        results[key][P] = summarize(
-                            launch_shaped(cluster, P, {**cfg, "per_node": P // 2}, work, a.timeout), cfg
-                        )
-                except RuntimeError as e:  # report the loopback figures anyway
-                    print(f"[cp-bench] {e}", file=sys.stderr, flush=True)
-                    skipped = f"failed: {str(e).splitlines()[0]}"
-                    results.pop(key)
-        finally:
-            cluster.cleanup()
-
-    state = cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4
-    print(
-        f"\nGLA context parallelism: B=1, H={a.heads}, K={a.head_k}, V={a.head_v}, T_local={a.t_local} tokens per "
-        f"rank (sequence = P * {a.t_local}), chunk {a.chunk_size}, fp32, forward+backward (loss = o.sum()); "
-        f"state = {state / 2**20:.2f} MiB"
-    )
-    print(
-        f"median of {cfg['iters']} samples after {1 + cfg['warmup']} warmup call(s); sample = slowest rank; "
-        f"P ranks at 1 thread each time-share {os.cpu_count()} cores (the ideal too): the overheads and ratios "
-        f"are the figures"
-    )
-    if load0 > (os.cpu_count() or 1):  # at the start: our own ranks count in the load later
-        print(
-            f"WARNING: machine loaded (1-min load {load0:.1f} on {os.cpu_count()} cores): a rank blocked on a receive "
-            f"waits for a core when it wakes, which inflates every communicating variant (not the ideal) and "
-            f"the spread of the samples; compare the ratios, and rerun on an idle machine for the overheads"
-        )
-    if skipped:
-        print(f"shaped setting not run: {skipped}")
-    else:
-        print(f"shaped: 2 namespaces x P/2 ranks, tc tbf {a.rate} on the veth ({qdisc})")
+        skipped, qdisc = run_shaped(results, ps, cfg, a, lock_fd)
+    print_header(a, cfg, skipped, qdisc, load0)
     for setting, res in results.items():
-        print_setting(setting, res, cfg)
-    table = zeco_table(results, cfg)
+        print_setting(setting, res)
+    table = zeco_table(results)
     print_ledger(results["loopback"], cfg)
+    targets = check_targets(results)
+    print_targets(targets, a.quick)
     print(f"\nelapsed {time.time() - t0:.0f} s; 1-min load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(
-        json.dumps(
-            {
-                "bench": "cp",
-                "config": {**cfg, "ps": ps, "rate": a.rate, "state_bytes": state},
-                "shaped_skipped": skipped,
-                "cpus": os.cpu_count(),
-                "torch_threads_per_rank": 1,
-                "settings": {s: {str(P): r for P, r in res.items()} for s, res in results.items()},
-                "zeco_table": {s: {str(P): r for P, r in t.items()} for s, t in table.items()},
-                "elapsed_s": round(time.time() - t0, 1),
-                "loadavg": [load0, os.getloadavg()[0]],
-            }
-        )
-    )
+    summary = {
+        "bench": "cp",
+        "config": {**cfg, "ps": ps, "rate": a.rate, "state_bytes": state_bytes(cfg), "quick": a.quick},
+        "shaped_skipped": skipped or None,
+        "cpus": os.cpu_count(),
+        "torch_threads_per_rank": 1,
+        "settings": {s: {str(P): r for P, r in res.items()} for s, res in results.items()},
+        "zeco_table": {s: {str(P): r for P, r in t.items()} for s, t in table.items()},
+        "targets": targets,
+        "targets_met": all(t["met"] for t in targets),
+        "elapsed_s": round(time.time() - t0, 1),
+        "loadavg": [load0, os.getloadavg()[0]],
+    }
+    print(json.dumps(summary))
     return 0
 
 
