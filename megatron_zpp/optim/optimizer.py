@@ -6,7 +6,13 @@ a checkpoint's optimizer state is indexed (checkpoint/layout.py reads it from he
 
 For an fp32 model the master weights are the parameters themselves. For bf16 the
 optimizer keeps an fp32 copy of each parameter, steps it with the fp32 main gradient,
-and writes the result back rounded to bf16 (Megatron's mixed-precision optimizer)."""
+and writes the result back rounded to bf16 (Megatron's mixed-precision optimizer).
+
+Which AdamW steps them (`new_adamw`, named in the start-up log): apex's FusedAdam when apex
+is importable and the masters are on CUDA, else torch's fused AdamW (one kernel over all
+tensors; CPU and CUDA, floating dtypes), else its foreach path. The choice depends only on
+the masters' device and dtype, so a resumed run makes the same one; every path keeps
+torch's state dict format (per-parameter step, exp_avg, exp_avg_sq)."""
 
 from __future__ import annotations
 
@@ -14,21 +20,81 @@ import torch
 
 from ..config import OptimConfig
 
+try:  # optional GPU dependency (present in NGC images)
+    from apex.optimizers import FusedAdam as _ApexFusedAdam
+
+    HAVE_APEX = True
+except Exception:  # noqa: BLE001  (ImportError, or apex built without its CUDA extension)
+    HAVE_APEX = False
+
+TORCH_FUSED_DEVICES = ("cpu", "cuda")  # torch's fused AdamW kernels, among the devices we run on
+
 
 def adamw_order(ndims: list[int]) -> list[int]:
     """Indices of the parameters (by their ndim) in AdamW's numbering: decayed ones first."""
     return [i for i, n in enumerate(ndims) if n >= 2] + [i for i, n in enumerate(ndims) if n < 2]
 
 
-def build_adamw(params: list[torch.Tensor], ndims: list[int], cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over fp32 `params` whose model parameters have `ndims` dimensions."""
+def adamw_kind(params: list[torch.Tensor], allow_apex: bool = True) -> str:
+    """The fastest AdamW that takes `params`: "apex", "fused" or "foreach" (the same on every call)."""
+    if allow_apex and HAVE_APEX and params and all(p.is_cuda and p.dtype == torch.float32 for p in params):
+        return "apex"
+    if all(p.device.type in TORCH_FUSED_DEVICES and torch.is_floating_point(p) for p in params):
+        return "fused"
+    return "foreach"
+
+
+ADAMW_NAMES = {"apex": "apex FusedAdam", "fused": "torch fused AdamW", "foreach": "torch foreach AdamW"}
+
+
+def new_adamw(groups: list[dict], kind: str | None = None, **hyper) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW over param `groups` (the `kind` of `adamw_kind` unless given) and its name for the log."""
+    params = [p for g in groups for p in g["params"]]
+    kind = kind or adamw_kind(params)
+    if kind == "apex":
+        opt = apex_adamw_class(_ApexFusedAdam)(groups, adam_w_mode=True, **hyper)
+    else:
+        opt = torch.optim.AdamW(groups, **hyper, **({"fused": True} if kind == "fused" else {"foreach": True}))
+    return opt, ADAMW_NAMES[kind]
+
+
+def build_adamw(
+    params: list[torch.Tensor], ndims: list[int], cfg: OptimConfig, kind: str | None = None
+) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW over fp32 `params` whose model parameters have `ndims` dimensions, and its name."""
     order = adamw_order(ndims)
     decayed = sum(1 for n in ndims if n >= 2)
     groups = [
         {"params": [params[i] for i in order[:decayed]], "weight_decay": cfg.weight_decay},
         {"params": [params[i] for i in order[decayed:]], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=True)
+    return new_adamw(groups, kind, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+
+
+def apex_adamw_class(fused_adam: type) -> type:
+    """apex's FusedAdam keeping torch's state dict format: apex counts steps per group
+    (group["step"]), torch per parameter (state[i]["step"], what checkpoints store)."""
+
+    class ApexAdamW(fused_adam):
+        def state_dict(self) -> dict:
+            sd = super().state_dict()
+            state = dict(sd["state"])  # its per-parameter dicts are the live ones: copy, never edit
+            for group in sd["param_groups"]:
+                step = group.pop("step", 0)
+                for i in group["params"]:
+                    if i in state:
+                        state[i] = {**state[i], "step": torch.tensor(float(step))}
+            return {"state": state, "param_groups": sd["param_groups"]}
+
+        def load_state_dict(self, sd: dict) -> None:
+            state = {i: {k: v for k, v in s.items() if k != "step"} for i, s in sd["state"].items()}
+            groups = []
+            for group in sd["param_groups"]:
+                steps = [sd["state"][i]["step"] for i in group["params"] if "step" in sd["state"].get(i, {})]
+                groups.append({**group, **({"step": int(steps[0])} if steps else {})})
+            super().load_state_dict({"state": state, "param_groups": groups})
+
+    return ApexAdamW
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -42,7 +108,7 @@ class MixedPrecisionAdamW:
         self.masters = [
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
-        self.opt = build_adamw(self.masters, [p.ndim for p in self.params], cfg)
+        self.opt, self.name = build_adamw(self.masters, [p.ndim for p in self.params], cfg)
 
     @torch.no_grad()
     def step(self, lr: float) -> None:

@@ -114,4 +114,4 @@ def _log_setup(run: Run, n_params: int) -> None:
         f"transformer-engine: {te}",
         rank,
     )
-    log(run.dp.describe(), rank)
+    log(f"{run.dp.describe()}; optimizer: {run.dp.optimizer_name}", rank)

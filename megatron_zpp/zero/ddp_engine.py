@@ -20,6 +20,7 @@ class DDPEngine(DataParallelEngine):
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.grads = GradBuffer(self.params)
         self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
+        self.optimizer_name = self.optimizer.name
         self.clip = optim_cfg.clip_grad
 
     def describe(self) -> str:

@@ -25,6 +25,7 @@ import torch
 
 class DataParallelEngine(ABC):
     optimizer: torch.optim.Optimizer  # or anything with state_dict / load_state_dict
+    optimizer_name: str = "AdamW"  # which AdamW steps the masters (optim.new_adamw), for the log
 
     @abstractmethod
     def describe(self) -> str:

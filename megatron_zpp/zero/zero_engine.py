@@ -89,7 +89,7 @@ class ZeroEngine(DataParallelEngine):
             for p, a, b, _ in unit.segments():
                 self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
                 ndims.append(unit.ndims[id(p)])
-        self.optimizer = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
+        self.optimizer, self.optimizer_name = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
 
     def describe(self) -> str:
         mib = 2**-20
