@@ -30,21 +30,33 @@ Speed: eager torch, chunk by chunk (512K elements on CPU, 2 MiB of fp32) so that
 the first read of a chunk its few in-place passes run in cache, and no whole-buffer fp32
 temporary exists; dequantize writes straight into `out`, the reduce of wire rows adds each
 row into `out`. The chunk scratch is kept per thread on CPU (a fresh one per call would
-page-fault every call). `quantizer_backend()` names the path for the start-up log.
-Everything is pure torch and runs on the input's device (on GPU in 16M-element chunks).
+page-fault every call). Everything is pure torch and runs on the input's device (on GPU in
+16M-element chunks).
+
+Kernels: under --kernels (ops/dispatch.py) the wire functions run megatron_zpp/kernels/quantize.py
+instead, with the same bytes out (round to nearest and stochastic: the kernel computes the same hash);
+a float side in fp32/bf16/fp16 (else the reference). quantize_wire then reads a strided [r, G, C]
+source in place (qgZ's slice reorder), and dequantize_sum_quantize_wire (qgZ's middle hop) sums and
+requantizes in one pass. The separate data/scales API (quantize_int8, ...) is reference only.
+`quantizer_backend(device)` names the path for the start-up log.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 
 import torch
 
+from . import dispatch
+
 INT8_LEVELS = 127
 INT4_LEVELS = 7
 LEVELS = {8: INT8_LEVELS, 4: INT4_LEVELS}
 SCALE_BYTES = 4  # one fp32 per block
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton kernels' float side
+dispatch.register("quantize", "int8/int4 wire, fp32/bf16/fp16; qgZ reorder and middle hop fused")
 
 # elements per eager chunk: on CPU its fp32 scratch stays in cache (512K measured best on a Zen 3 core,
 # bench/quantize.py); elsewhere it only bounds the temporaries
@@ -293,11 +305,13 @@ def quantize_wire(
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [r, m] (any float dtype) -> uint8 [r, wire_bytes(m, block, bits)]: row j quantized on its own,
-    its scales then its data (module docstring). `out` (uint8 [r, W]) is filled instead of allocating."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_wire takes a 2-D [r, m] tensor, got shape {tuple(x.shape)}")
-    r, m = x.shape
+    """x [r, m] or [r, *rest] (any float dtype, any strides; rest read row-major as m = prod(rest)) ->
+    uint8 [r, wire_bytes(m, block, bits)]: row j quantized on its own, its scales then its data (module
+    docstring). A strided x (qgZ's reordered slices) is read in place by the kernel when its last dim is
+    unit-stride and a multiple of block, else copied. `out` (uint8 [r, W]) is filled instead of allocating."""
+    if x.dim() < 2:
+        raise ValueError(f"quantize_wire takes a 2-D [r, m] (or [r, *rest]) tensor, got shape {tuple(x.shape)}")
+    r, m = x.shape[0], math.prod(x.shape[1:])
     nb = _check_geometry(m, block, bits)
     if out is None:
         out = torch.empty(r, wire_bytes(m, block, bits), dtype=torch.uint8, device=x.device)
@@ -305,6 +319,13 @@ def quantize_wire(
     if r * nb == 0:
         return out
     seed = _draw_seed(generator) if stochastic else None
+    if _kernel_applies(x):
+        layout = _groups_layout(x, block)
+        if layout is None:  # no [G, C] view with unit stride in C: one copy, then the kernel
+            x = x.reshape(r, m).contiguous()
+            layout = (m, 0, m)
+        _kernels().quantize(x, x.stride(0), layout[1], layout[2], r, m, out, block, bits, seed)
+        return out
     absmax = _eager_quantize(x.reshape(r, nb, block), data, bits, seed)
     scale_bytes.copy_(_scales_from_absmax(absmax, LEVELS[bits]).view(torch.uint8))  # bytes: any alignment
     return out
@@ -317,7 +338,11 @@ def dequantize_wire(buf: torch.Tensor, m: int, block: int, bits: int, out: torch
     r, nb = buf.shape[0], m // block
     if out.shape != (r, m) or not out.is_floating_point():
         raise ValueError(f"out must be a float [{r}, {m}] tensor, got {out.dtype} {tuple(out.shape)}")
-    if r * nb:
+    if r * nb == 0:
+        return out
+    if _kernel_applies(out) and out.stride(1) == 1:
+        _kernels().dequantize(buf, out, m, block, bits)
+    else:
         _eager_dequantize(data, _read_scales(scale_bytes), bits, out.view(r, nb, block))
     return out
 
@@ -330,9 +355,76 @@ def dequantize_sum_wire(
     scale_bytes, data = _split_wire(buf, m, block, bits)
     if out.shape != (m,) or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 [{m}], got {out.dtype} {tuple(out.shape)}")
-    if m:
+    if not m:
+        return out
+    if _kernel_applies(out) and out.is_contiguous() and (buf.shape[0] or accumulate):
+        _kernels().dequantize_sum(buf, out, m, block, bits, accumulate)
+    else:
         _eager_dequantize_sum(data, _read_scales(scale_bytes), bits, out.view(m // block, block), accumulate)
     return out
+
+
+def dequantize_sum_quantize_wire(
+    buf: torch.Tensor,
+    m: int,
+    block: int,
+    bits: int,
+    rows: int,
+    chunk: int,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """qgZ's middle hop: uint8 [r, W(m)] -> uint8 [rows, W(m / rows)]. The fp32 sum of the r rows (as
+    dequantize_sum_wire), viewed [m / (rows * chunk), rows, chunk], has its slice [:, j, :] quantized
+    into row j (as quantize_wire, same seed draw): the next hop's reorder. chunk a multiple of block.
+    The kernel does it in one pass, no fp32 sum in memory; the reference materializes the sum."""
+    if rows < 1 or chunk < 1 or chunk % block or m % (rows * chunk):
+        raise ValueError(f"{m} elements do not split into [G, rows={rows}, chunk={chunk}] with chunk % {block} == 0")
+    _split_wire(buf, m, block, bits)
+    m_out = m // rows
+    if out is None:
+        out = torch.empty(rows, wire_bytes(m_out, block, bits), dtype=torch.uint8, device=buf.device)
+    _split_wire(out, m_out, block, bits)
+    if not m or not buf.shape[0] or not _kernel_applies(buf, torch.float32):
+        summed = dequantize_sum_wire(buf, m, block, bits, torch.empty(m, dtype=torch.float32, device=buf.device))
+        return quantize_wire(summed.view(-1, rows, chunk).movedim(1, 0), block, bits, stochastic, generator, out)
+    seed = _draw_seed(generator) if stochastic else None
+    _kernels().dequantize_sum_quantize(buf, out, m, rows, chunk, block, bits, seed)
+    return out
+
+
+# ---------------------------------------------------------------- kernel dispatch
+
+
+def _kernel_applies(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """The Triton kernels run on `t` (the float tensor read or written) under --kernels."""
+    return dispatch.use_triton(t) and (dtype or t.dtype) in KERNEL_DTYPES
+
+
+def _groups_layout(x: torch.Tensor, block: int) -> tuple[int, int, int] | None:
+    """x [r, *rest] -> (m, group stride, chunk) when each row reads as [G, chunk] with strides
+    (group stride, 1) and chunk % block == 0 (e.g. qgZ's movedim view), else None."""
+    dims = [(n, s) for n, s in zip(x.shape[1:], x.stride()[1:]) if n != 1]
+    merged: list[list[int]] = []  # [size, stride], innermost last
+    for n, s in dims:
+        if merged and merged[-1][1] == s * n:
+            merged[-1] = [merged[-1][0] * n, s]
+        else:
+            merged.append([n, s])
+    m = math.prod(x.shape[1:])
+    if not merged:
+        return m, 0, m
+    if merged[-1][1] != 1 or len(merged) > 2 or merged[-1][0] % block:
+        return None
+    group_stride = merged[0][1] if len(merged) == 2 else 0
+    return m, group_stride, merged[-1][0]
+
+
+def _kernels():
+    from ..kernels import quantize  # lazily: triton is needed only once a kernel runs
+
+    return quantize
 
 
 # ---------------------------------------------------------------- public API: separate data and scales
@@ -401,8 +493,11 @@ def dequantize_int4(
 # ---------------------------------------------------------------- the path that runs
 
 
-def quantizer_backend() -> str:
-    """Which quantizer path runs (for the start-up log)."""
+def quantizer_backend(device: torch.device | None = None) -> str:
+    """Which quantizer path runs on `device` (default: CUDA when present, else CPU) for the start-up log."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dispatch.use_triton(torch.empty(0, device=device)):
+        return "Triton wire kernels (quantize, dequantize, dequantize+sum, qgZ middle hop fused)"
     return f"eager torch, {_CHUNK['cpu'] >> 10}K-element chunks on CPU (no compiled kernels)"
 
 

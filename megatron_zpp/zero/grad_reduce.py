@@ -38,7 +38,7 @@ import math
 import torch
 
 from .. import comm
-from ..ops.quantize import dequantize_sum_wire, quantize_wire
+from ..ops.quantize import dequantize_sum_quantize_wire, dequantize_sum_wire, quantize_wire
 from ..topology import Group
 
 
@@ -102,23 +102,34 @@ class HierarchicalReduceScatter:
 
     def _start_hop(self) -> None:
         group = self.hops[self.hop]
-        send = self.cur.movedim(-2, 0).contiguous()  # [r_i, r_k, ..., r_{i+1}, C]
+        send = self.cur.movedim(-2, 0)  # [r_i, r_k, ..., r_{i+1}, C], a strided view
         self.rest = send.shape[1:]
         if group.size == 1:  # nothing moves, so nothing is quantized
-            self.recv, self.work = send, None
+            self.recv, self.work = send.contiguous(), None
             return
         if self.bits is None:
-            self.recv = torch.empty_like(send)
-            self.send = send
-        else:
-            self.send = quantize_wire(send.view(group.size, -1), self.block, self.bits, stochastic=self.stochastic)
-            self.recv = torch.empty_like(self.send)
+            self.send = send.contiguous()
+        else:  # the quantizer reads the reordered slices in place
+            self.send = quantize_wire(send, self.block, self.bits, stochastic=self.stochastic)
+        self._send_wire(group)
+
+    def _send_wire(self, group: Group) -> None:
+        self.recv = torch.empty_like(self.send)
         self.work = comm.all_to_all(self.recv, self.send, group, self.phase, async_op=True)
 
     def _finish_hop(self) -> None:
         if self.work is not None:
             self.work.wait()
         r, m = self.recv.shape[0], math.prod(self.rest)
+        nxt = self.hops[self.hop + 1] if self.hop + 1 < len(self.hops) else None
+        if self.bits is not None and self.work is not None and nxt is not None and nxt.size > 1:
+            # a middle hop: the sum is requantized straight into the next hop's reordered wire
+            self.send = dequantize_sum_quantize_wire(
+                self.recv, m, self.block, self.bits, nxt.size, self.chunk, stochastic=self.stochastic
+            )
+            self.rest, self.hop = (*self.rest[:-2], self.chunk), self.hop + 1
+            self._send_wire(nxt)
+            return
         if self.bits is None or self.work is None:
             summed = self.recv.view(r, m).sum(0, dtype=torch.float32)
         else:
