@@ -8,10 +8,19 @@ on the same batch in fp32 (1e-4 relative): identical config and init. Both are t
 --dtype (the whole model, as pretrain_gpt.py does with --bf16) and timed on forward + backward
 + torch.optim.AdamW(foreach) step, alternating ours/peer after warmup; the median step counts.
 TFLOP/s use megatron_zpp.perf.flops_per_token for both; MFU is against perf.peak_tflops (GPU
-data-sheet peak, or measured CPU matmul peak). The peer is softmax-only: with
---attention-type gla only our model is timed. The last stdout line is one JSON object.
+data-sheet peak, or measured CPU matmul peak). The peer is softmax-only without GQA: with
+--attention-type gla or --num-query-groups it is not timed.
 
-Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 90 s on an idle machine)
+`compiled` is our model with --torch-compile (training/builders.compile_blocks: each block's
+forward through torch.compile, inductor), checked against eager first (fp32, 1e-4 relative); that
+first call compiles, and its time is reported apart as the cold compile. The three systems
+alternate step by step after warmup; the ratios are of medians, of the fastest steps, and the
+median of the paired per-round ratios. The last stdout line is one JSON object.
+
+Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 3 min on an idle machine with compile)
+      .venv/bin/python bench/single_rank.py --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 \
+          --seq-length 128 --micro-batch-size 4 --attention-type gla --softmax-attention-every 2
+                                                         (the quickstart model, examples/configs/tiny_cpu.yaml)
       .venv/bin/python bench/single_rank.py --device cuda --dtype bf16 --micro-batch-size 16
 """
 
@@ -33,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.config import ModelConfig  # noqa: E402
 from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
 from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
+from megatron_zpp.training.builders import compile_blocks  # noqa: E402
 
 
 class PeerAttention(nn.Module):
@@ -144,6 +154,24 @@ def check_equal(ours: GPT, peer: PeerGPT, x, y, tol: float) -> dict:
     }
 
 
+def check_compiled(ours: GPT, compiled: GPT, x, y, tol: float) -> dict:
+    """The compiled model against eager on one batch (fp32); the first call compiles: its time is returned."""
+    lo = ours(x, y).mean()
+    lo.backward()
+    t0 = time.perf_counter()
+    lc = compiled(x, y).mean()
+    lc.backward()
+    compile_s = time.perf_counter() - t0
+    rel = abs(lo.item() - lc.item()) / abs(lo.item())
+    worst = max(
+        ((pc.grad - po.grad).norm() / po.grad.norm().clamp_min(1e-30)).item()
+        for po, pc in zip(ours.parameters(), compiled.parameters())
+    )
+    if not (rel <= tol and worst <= tol * 10):
+        raise AssertionError(f"compiled differs from eager: loss rel {rel:.2e}, worst grad rel {worst:.2e}")
+    return {"compile_s": compile_s, "compiled_loss_rel_diff": rel, "compiled_worst_grad_rel_diff": worst}
+
+
 def make_step(model, loss_fn, sync):
     model.zero_grad(set_to_none=True)  # drop the equivalence check's gradients
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
@@ -172,8 +200,12 @@ def main() -> None:
         ("--steps", 15),
         ("--warmup", 3),
         ("--seed", 1234),
+        ("--softmax-attention-every", 0),
+        ("--gla-chunk-size", 16),
     ]:
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--num-query-groups", type=int, default=None, help="GQA kv heads (default: = heads; no peer)")
+    ap.add_argument("--no-compile", action="store_true", help="time eager and the peer only")
     ap.add_argument("--max-seconds", type=float, default=50, help="stop the timed loop early past this (>= 3 steps)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--attention-type", choices=["softmax", "gla"], default="softmax")
@@ -191,6 +223,9 @@ def main() -> None:
         seq_length=a.seq_length,
         vocab_size=a.vocab_size,
         attention_type=a.attention_type,
+        softmax_attention_every=a.softmax_attention_every,
+        num_query_groups=a.num_query_groups,
+        gla_chunk_size=a.gla_chunk_size,
     )
     assert cfg.hidden_size % cfg.num_attention_heads == 0 and cfg.head_dim % 2 == 0, "heads must divide hidden, even"
     load0 = os.getloadavg()[0]
@@ -201,16 +236,24 @@ def main() -> None:
         0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=torch.Generator().manual_seed(a.seed)
     )
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
-    check, peer = {}, None
-    if a.attention_type == "softmax":
+    check, peer, compiled = {}, None, None
+    if not a.no_compile:
+        compiled = GPT(cfg, a.vocab_size).to(device)
+        init_weights(compiled, a.seed)
+        compile_blocks([compiled], cfg.seq_length)
+        check.update(check_compiled(ours, compiled, x, y, tol=1e-4))
+        ours.zero_grad(set_to_none=True)
+    if a.attention_type == "softmax" and cfg.kv_heads == cfg.num_attention_heads:
         peer = PeerGPT(cfg, a.vocab_size)
         peer.load_state_dict(to_peer_names(ours.state_dict(), cfg.num_layers), strict=False)  # lm_head tied to wte
         peer.to(device)
-        check = check_equal(ours, peer, x, y, tol=1e-4)  # fp32: same config, same init
+        check.update(check_equal(ours, peer, x, y, tol=1e-4))  # fp32: same config, same init
         peer.to(dtype)
     else:
-        print("note: the peer is softmax-only; with --attention-type gla only our model is timed")
+        print("note: the peer is softmax-only without GQA: it is not timed here")
     ours.to(dtype)
+    if compiled is not None:
+        compiled.to(dtype)
     if peer is not None and dtype != torch.float32:  # informative only: the two differ in where they round
         with torch.no_grad():
             lo, lp = ours(x, y).mean().item(), peer(x, y).item()
@@ -218,13 +261,17 @@ def main() -> None:
 
     peak, peak_desc = peak_tflops(device, dtype, None)
     steps = {"ours": make_step(ours, lambda: ours(x, y).mean(), sync)}
+    if compiled is not None:
+        steps["compiled"] = make_step(compiled, lambda: compiled(x, y).mean(), sync)
     if peer is not None:
         steps["peer"] = make_step(peer, lambda: peer(x, y), sync)
     times: dict[str, list[float]] = {k: [] for k in steps}
+    first: dict[str, float] = {}  # each system's first warmup step (compiled: + any recompile for --dtype)
     start = time.perf_counter()
-    for i in range(a.warmup + a.steps):  # alternate ours, peer, ours, peer, ...
+    for i in range(a.warmup + a.steps):  # alternate ours, compiled, peer, ours, ...
         for k, step in steps.items():
             t = step()
+            first.setdefault(k, t)
             if i >= a.warmup:
                 times[k].append(t)
         if a.warmup + 2 <= i < a.warmup + a.steps - 1 and time.perf_counter() - start > a.max_seconds:
@@ -258,14 +305,31 @@ def main() -> None:
         f"peak: {peak:.3f} TFLOP/s ({peak_desc}); model FLOPs/token {fpt / 1e6:.2f}M (fwd+bwd); "
         f"median of {len(times['ours'])} alternating steps\n"
     )
+    if "compile_s" in check:
+        print(
+            f"compiled vs eager (fp32): loss rel {check['compiled_loss_rel_diff']:.1e}, worst grad rel "
+            f"{check['compiled_worst_grad_rel_diff']:.1e}; cold compile (first compiled fwd+bwd, fp32) "
+            f"{check['compile_s']:.1f} s, not in the timed steps; first warmup step: "
+            + ", ".join(f"{k} {t:.2f} s" for k, t in first.items())
+            + "\n"
+        )
     spread = max(r["step_ms"] / r["min_step_ms"] for r in res.values())
-    paired = statistics.median(p / o for o, p in zip(times["ours"], times["peer"])) if peer else None
+    speedups = {
+        f"{fast}_vs_{slow}": {
+            "median": res[slow]["step_ms"] / res[fast]["step_ms"],
+            "fastest": res[slow]["min_step_ms"] / res[fast]["min_step_ms"],
+            "paired": statistics.median(s / f for f, s in zip(times[fast], times[slow])),  # same round
+        }
+        for fast, slow in [("compiled", "ours"), ("ours", "peer"), ("compiled", "peer")]
+        if fast in res and slow in res
+    }
+    paired = speedups.get("ours_vs_peer", {}).get("paired")
     if spread > 1.15:  # something else runs on the device (seen on shared CPUs: bursts that slow a step 2-10x)
         print(
             f"WARNING: noisy timing (a median step is {spread:.2f}x the fastest; load {load0:.1f} -> {load1:.1f} "
-            f"on {os.cpu_count()} CPUs): trust the fastest steps and the paired speedup {paired or 0:.3f}\n"
+            f"on {os.cpu_count()} CPUs): trust the fastest steps and the paired speedups\n"
         )
-    print(f"{'':20}" + "".join(f"{c:>12}" for c in res) + ("   speedup (>1: ours faster)" if "peer" in res else ""))
+    print(f"{'':20}" + "".join(f"{c:>12}" for c in res))
     for key, label, fmt in [
         ("step_ms", "median step (ms)", "{:12.1f}"),
         ("min_step_ms", "fastest step (ms)", "{:12.1f}"),
@@ -274,21 +338,26 @@ def main() -> None:
         ("mfu", "MFU", "{:12.2%}"),
     ]:
         row = "".join(fmt.format(res[c][key]) if res[c][key] is not None else f"{'n/a':>12}" for c in res)
-        if "peer" in res and res["peer"][key]:
-            r = res["ours"][key] / res["peer"][key]
-            row += f"{1 / r if key.endswith('ms') else r:12.3f}"
         print(f"{label:20}{row}")
+    if speedups:
+        print(f"\n{'speedup (>1: first faster)':28}{'median':>10}{'fastest':>10}{'paired':>10}")
+        for name, r in speedups.items():
+            target = "   target >= 1.3 (issue #13, CPU)" if name == "compiled_vs_eager" and device.type == "cpu" else ""
+            label = name.replace("ours", "eager").replace("_vs_", " vs ")
+            print(f"{label:28}{r['median']:10.3f}{r['fastest']:10.3f}{r['paired']:10.3f}{target}")
 
     out = {
         "bench": "single_rank",
         **{
             f"{k}_{f}" if f != "mfu" else f"mfu_{k}": res.get(k, {}).get(f)
             for f in res["ours"]
-            for k in ("ours", "peer")
+            for k in ("ours", "compiled", "peer")
         },
         "ratio": res["ours"]["tokens_per_s"] / res["peer"]["tokens_per_s"] if "peer" in res else None,
         "ratio_fastest": res["peer"]["min_step_ms"] / res["ours"]["min_step_ms"] if "peer" in res else None,
         "ratio_paired": paired,
+        "speedups": speedups,
+        "first_step_s": first,
         "peak_tflops": peak,
         "peak_desc": peak_desc,
         "flops_per_token": fpt,

@@ -241,6 +241,7 @@ class TrainConfig:
         "PyTorch references), auto (Triton on CUDA when importable, else torch)",
         choices=["auto", "triton", "torch"],
     )
+    torch_compile: bool = opt(False, "--torch-compile", "compile each transformer block with torch.compile (inductor)")
     save: str | None = opt(None, "--save", "checkpoint directory to write")
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
@@ -330,6 +331,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         _check_pipeline,
         _check_batch,
         _check_checkpointing,
+        _check_compile,
         _check_optim,
         _check_data,
         _check_zero,
@@ -545,6 +547,30 @@ def _check_batch(cfg: Config, world_size: int) -> list[str]:
             ]
         )
     return errors
+
+
+def _check_compile(cfg: Config, world_size: int) -> list[str]:
+    """--torch-compile: what has been verified to compose with it (the block's collectives and the
+    per-TP-rank dropout stream run inside the compiled code under TP/CP, and are not verified there)."""
+    if not cfg.train.torch_compile:
+        return []
+    p, m = cfg.parallel, cfg.model
+    why = "collectives inside the compiled blocks are not verified (the byte ledger could miss them)"
+    return _failed(
+        [
+            (p.tensor_model_parallel_size == 1, f"--torch-compile needs --tensor-model-parallel-size 1: {why}"),
+            (p.context_parallel_size == 1, f"--torch-compile needs --context-parallel-size 1: {why}"),
+            (
+                m.attention_dropout == 0,
+                "--torch-compile needs --attention-dropout 0 (its per-TP-rank RNG stream is not verified under "
+                "torch.compile); --hidden-dropout is fine",
+            ),
+            (
+                cfg.train.kernels != "triton",
+                "--torch-compile compiles the PyTorch references: use --kernels torch or auto with it, not triton",
+            ),
+        ]
+    )
 
 
 def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:

@@ -312,26 +312,18 @@ def _scan_chunks(
     """
     B, H, N, K = log_decay.shape
     V = (inputs if inputs is not None else start).shape[-1]
-    carries = log_decay.new_empty(B, H, N, K, V)
+    carry = start if start is not None else log_decay.new_zeros(B, H, K, V)
     if N == 0:
-        return carries, start if start is not None else log_decay.new_zeros(B, H, K, V)
-    views = carries.unbind(2)
+        return log_decay.new_empty(B, H, N, K, V), carry
     decays = log_decay.exp()[..., None].unbind(2)
     steps = inputs.unbind(2) if inputs is not None else None
-
-    def step(n: int, out: Tensor | None) -> Tensor:
-        if steps is None:
-            return torch.mul(decays[n], views[n], out=out)
-        return torch.addcmul(steps[n], decays[n], views[n], out=out)
-
-    order = range(N - 1, -1, -1) if reverse else range(N)
-    if start is not None:
-        views[order[0]].copy_(start)
-    else:
-        views[order[0]].zero_()
-    for n, after in zip(order, order[1:]):  # written in place: one small op per chunk
-        step(n, views[after])
-    return carries, step(order[-1], None)
+    carries: list[Tensor] = [carry] * N
+    # one small op per chunk, stacked once at the end: no out= into strided views, which
+    # torch.compile cannot trace (--torch-compile compiles the whole block with this scan in it)
+    for n in range(N - 1, -1, -1) if reverse else range(N):
+        carries[n] = carry
+        carry = decays[n] * carry if steps is None else torch.addcmul(steps[n], decays[n], carry)
+    return torch.stack(carries, 2), carry
 
 
 class _ChunkDecay(NamedTuple):
