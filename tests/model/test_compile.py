@@ -5,7 +5,8 @@
   expected); parameter names and state_dict keys are unchanged (no `_orig_mod.` prefix); the
   steps after the first compile nothing new (no recompiles); another length runs eager;
 * ZeRO-3, whose hooks gather a block's weights before its forward and free them after, trains
-  to the losses and weights of eager plain data parallelism (1 rank, 3 steps, 1e-5);
+  to the losses and weights of eager plain data parallelism (1 rank, 3 steps, 1e-5), compiling
+  one graph per block kind, not one per step;
 * what is not verified with it is refused with a clear message.
 """
 
@@ -74,10 +75,10 @@ def test_compiled_blocks_equal_eager():
 
 
 def test_zero3_with_compiled_blocks_equals_eager_plain():
-    steps = ["--train-iters", "3"]
-    ref = train_and_collect(TINY + HYBRID + steps, 1)
+    steps = ["--train-iters", "3"]  # 2 softmax blocks: the hooks do not depend on the mixer; GLA compiles slowly
+    ref = train_and_collect(TINY + steps, 1)
     before = counters["stats"]["unique_graphs"]
-    got = train_and_collect(TINY + HYBRID + steps + ["--zero-stage", "3", "--torch-compile"], 1)
+    got = train_and_collect(TINY + steps + ["--zero-stage", "3", "--torch-compile"], 1)
     # at most one graph per block (the blocks may reuse the first test's): none per step
     assert counters["stats"]["unique_graphs"] - before <= 2
     assert list(got["weights"]) == list(ref["weights"])
