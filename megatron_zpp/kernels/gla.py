@@ -332,6 +332,7 @@ def _dqkg_kernel(
     dk_inter *= tl.exp(_exclusive_suffix(g_ptr + kg_base, rows, rk, mk, C, H * K))
     k_dk = kk * dk_inter
     # dg_t = sum_{j<t} k_j dk_inter_j + gamma sum_V S_in d_ends + revcumsum_t(q dq - k dk_intra), chunk-local
+    # (the reference's rearrangement); the exclusive prefix is cumsum - own term: finite terms, round-off only.
     dg = tl.cumsum(k_dk, axis=0) - k_dk + (tl.exp(tl.sum(gg, axis=0)) * entering)[None, :]
     out = rows[:, None] * (H * K) + rk[None, :]
     if HAS_DO:

@@ -86,6 +86,7 @@ def building_blocks(q, k, v, g, h0, do, dS, C):
     [
         ("mild", 16, dict(B=2, T=48, K=12, V=20), torch.float32),  # odd K and V, 3 chunks of one sub-block
         ("strong", 32, dict(T=64, K=20, V=24), torch.float32),  # 2 sub-blocks per chunk
+        ("mild", 64, dict(T=128, K=16, V=16), torch.float32),  # 4 sub-blocks: decays across the ones between
         ("reset", 32, dict(T=64, K=16, V=16), torch.float32),
         ("reset", 16, dict(T=32, K=20, V=16), torch.bfloat16),  # bf16 in, both paths compute in fp32
     ],
