@@ -104,7 +104,8 @@ def _log_setup(run: Run, n_params: int) -> None:
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
-        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}",
+        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}"
+        f"{', blocks compiled (--torch-compile, inductor)' if cfg.train.torch_compile else ''}",
         rank,
     )
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
