@@ -15,7 +15,9 @@ data-sheet peak, or measured CPU matmul peak). The peer is softmax-only without 
 forward through torch.compile, inductor), checked against eager first (fp32, 1e-4 relative); that
 first call compiles, and its time is reported apart as the cold compile. The three systems
 alternate step by step after warmup; the ratios are of medians, of the fastest steps, and the
-median of the paired per-round ratios. The last stdout line is one JSON object.
+median of the paired per-round ratios. `kernels` (--kernels-compare, where Triton runs natively:
+a GPU) is our model on the Triton kernels (ops/dispatch.py mode triton) while `ours` then runs the
+torch references, checked equal first (fp32, 1e-4). The last stdout line is one JSON object.
 
 Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 3 min on an idle machine with compile)
       .venv/bin/python bench/single_rank.py --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 \
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.config import ModelConfig  # noqa: E402
 from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
+from megatron_zpp.ops import dispatch  # noqa: E402
 from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
 from megatron_zpp.training.builders import compile_blocks  # noqa: E402
 
@@ -172,6 +175,33 @@ def check_compiled(ours: GPT, compiled: GPT, x, y, tol: float) -> dict:
     return {"compile_s": compile_s, "compiled_loss_rel_diff": rel, "compiled_worst_grad_rel_diff": worst}
 
 
+def with_kernels(mode: str, device: torch.device, fn):
+    def run(*args):
+        dispatch.set_kernels(mode, device)
+        return fn(*args)
+
+    return run
+
+
+def check_kernels(ours, fused, x, y, device, tol: float) -> dict:
+    """fp32: our model on the Triton kernels against the torch references, loss and gradients."""
+    dispatch.set_kernels("torch", device)
+    ours(x, y).mean().backward()
+    dispatch.set_kernels("triton", device)
+    loss_k, loss_t = fused(x, y).mean(), ours(x, y).mean().detach()
+    loss_k.backward()
+    rel = abs(loss_k.item() - loss_t.item()) / abs(loss_t.item())
+    worst = max(
+        ((pk.grad - po.grad).norm() / po.grad.norm().clamp_min(1e-30)).item()
+        for po, pk in zip(ours.parameters(), fused.parameters())
+    )
+    ours.zero_grad(set_to_none=True)
+    fused.zero_grad(set_to_none=True)
+    if not (rel <= tol and worst <= tol * 10):
+        raise AssertionError(f"Triton kernels differ from the references: loss rel {rel:.2e}, grad rel {worst:.2e}")
+    return {"kernels_loss_rel_diff": rel, "kernels_worst_grad_rel_diff": worst}
+
+
 def make_step(model, loss_fn, sync):
     model.zero_grad(set_to_none=True)  # drop the equivalence check's gradients
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
@@ -206,6 +236,11 @@ def main() -> None:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--num-query-groups", type=int, default=None, help="GQA kv heads (default: = heads; no peer)")
     ap.add_argument("--no-compile", action="store_true", help="time eager and the peer only")
+    ap.add_argument(
+        "--kernels-compare",
+        action="store_true",
+        help="also time our model on the Triton kernels ('kernels'); 'ours' then runs the torch references",
+    )
     ap.add_argument("--max-seconds", type=float, default=50, help="stop the timed loop early past this (>= 3 steps)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--attention-type", choices=["softmax", "gla"], default="softmax")
@@ -236,7 +271,13 @@ def main() -> None:
         0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1), generator=torch.Generator().manual_seed(a.seed)
     )
     x, y = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
-    check, peer, compiled = {}, None, None
+    check, peer, compiled, fused = {}, None, None, None
+    if a.kernels_compare:
+        if dispatch.why_not_triton(device):
+            raise SystemExit(f"--kernels-compare: {dispatch.why_not_triton(device)}")
+        fused = GPT(cfg, a.vocab_size).to(device)
+        init_weights(fused, a.seed)
+        check.update(check_kernels(ours, fused, x, y, device, tol=1e-4))
     if not a.no_compile:
         compiled = GPT(cfg, a.vocab_size).to(device)
         init_weights(compiled, a.seed)
@@ -252,8 +293,9 @@ def main() -> None:
     else:
         print("note: the peer is softmax-only without GQA: it is not timed here")
     ours.to(dtype)
-    if compiled is not None:
-        compiled.to(dtype)
+    for model in (compiled, fused):
+        if model is not None:
+            model.to(dtype)
     if peer is not None and dtype != torch.float32:  # informative only: the two differ in where they round
         with torch.no_grad():
             lo, lp = ours(x, y).mean().item(), peer(x, y).item()
@@ -261,6 +303,9 @@ def main() -> None:
 
     peak, peak_desc = peak_tflops(device, dtype, None)
     steps = {"ours": make_step(ours, lambda: ours(x, y).mean(), sync)}
+    if fused is not None:  # the dispatch mode is read at call time: each system sets its own
+        steps["ours"] = with_kernels("torch", device, steps["ours"])
+        steps["kernels"] = with_kernels("triton", device, make_step(fused, lambda: fused(x, y).mean(), sync))
     if compiled is not None:
         steps["compiled"] = make_step(compiled, lambda: compiled(x, y).mean(), sync)
     if peer is not None:
@@ -296,6 +341,7 @@ def main() -> None:
         f"{a.num_layers}, heads {a.num_attention_heads}, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
         f"vocab {a.vocab_size}, {a.attention_type}, {a.dtype}, {device}, {torch.get_num_threads()} threads"
     )
+    print(dispatch.describe(device) + (" ('kernels' row: Triton; 'ours': torch)" if fused is not None else ""))
     if "loss_ours" in check:
         print(
             f"equivalence (fp32): loss ours {check['loss_ours']:.6f} peer {check['loss_peer']:.6f} (rel "
@@ -320,7 +366,7 @@ def main() -> None:
             "fastest": res[slow]["min_step_ms"] / res[fast]["min_step_ms"],
             "paired": statistics.median(s / f for f, s in zip(times[fast], times[slow])),  # same round
         }
-        for fast, slow in [("compiled", "ours"), ("ours", "peer"), ("compiled", "peer")]
+        for fast, slow in [("compiled", "ours"), ("kernels", "ours"), ("ours", "peer"), ("compiled", "peer")]
         if fast in res and slow in res
     }
     paired = speedups.get("ours_vs_peer", {}).get("paired")
