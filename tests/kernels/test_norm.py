@@ -15,13 +15,6 @@ EPS = 1e-5
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(autouse=True)
-def triton_kernels():
-    dispatch.set_kernels("triton", torch.device("cpu"))
-    yield
-    dispatch.set_kernels("auto", torch.device("cpu"))
-
-
 def rms_norm_fp64(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 

@@ -20,13 +20,6 @@ BASE = 10000.0
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(autouse=True)
-def triton_kernels():
-    dispatch.set_kernels("triton", torch.device("cpu"))
-    yield
-    dispatch.set_kernels("auto", torch.device("cpu"))
-
-
 def rotate_fp64(x, positions, sign=1.0):
     """x [B, T, H, D] in fp64: pairs (x[i], x[i + D/2]) rotated by sign * position * BASE^(-2i/D)."""
     d = x.shape[-1]

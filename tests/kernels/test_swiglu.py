@@ -13,13 +13,6 @@ from megatron_zpp.ops import swiglu as swiglu_ops
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(autouse=True)
-def triton_kernels():
-    dispatch.set_kernels("triton", torch.device("cpu"))
-    yield
-    dispatch.set_kernels("auto", torch.device("cpu"))
-
-
 def swiglu_fp64(h):
     f = h.shape[-1] // 2
     gate, up = h[..., :f], h[..., f:]
