@@ -27,7 +27,16 @@ import threading
 import torch
 from torch import Tensor
 
-from ..ops.gla import chunk_gla, chunk_gla_bwd, chunk_gla_fwd_output, chunk_gla_fwd_states
+from ..ops.gla import (
+    ChunkGLABackward,
+    chunk_gla,
+    chunk_gla_bwd,
+    chunk_gla_fwd_inter,
+    chunk_gla_fwd_output,
+    chunk_gla_fwd_states,
+    chunk_gla_states_from,
+    chunk_gla_uses_kernels,
+)
 from ..topology import Group
 from .all_scan import AllScan, auto_blocks
 from .lasp2 import GatherScan
@@ -70,13 +79,22 @@ class ContextParallelGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, head, scan, scale, chunk_size):
+        # The staged split (the local pass's own work, the scan between its stages) is reference code;
+        # where the Triton kernels run, the kernel-backed local pass plus a correction is kept instead.
+        ctx.staged = not chunk_gla_uses_kernels(q, k, v, g, chunk_size)
         states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
         dt = S_loc.dtype
         log_gamma = g.to(dt).sum(dim=1)  # [B,H,K]: the slice's total decay
         pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
-        o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
-        S_in = pending.result()
-        o = o + torch.einsum("bthk,bhkv->bthv", _decayed_queries(q, g, dt), S_in) * scale
+        if ctx.staged:  # intra-chunk output now; the entering states' share once S_in is known
+            o = chunk_gla_fwd_output(q, k, v, g, None, scale, chunk_size)
+            S_in = pending.result()
+            states = chunk_gla_states_from(g, states, S_in, chunk_size)
+            o = chunk_gla_fwd_inter(o, q, g, states, scale, chunk_size)
+        else:
+            o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
+            S_in = pending.result()
+            o = o + torch.einsum("bthk,bhkv->bthv", _decayed_queries(q, g, dt), S_in) * scale
         ctx.save_for_backward(q, k, v, g, S_in, log_gamma)
         ctx.scan, ctx.scale, ctx.chunk_size = scan, scale, chunk_size
         ctx.head_dtype = None if head is None else head.dtype
@@ -85,24 +103,44 @@ class ContextParallelGLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, S_in, log_gamma = ctx.saved_tensors
-        dt, scale, C = S_in.dtype, ctx.scale, ctx.chunk_size
-        q_dec, do_t = _decayed_queries(q, g, dt), do.to(dt)
-        dS_corr = torch.einsum("bthk,bthv->bhkv", q_dec, do_t) * scale  # gradient reaching S_in
-        pending = _Background(ctx.scan.backward, dS_corr)
-        states, _ = chunk_gla_fwd_states(k, v, g, None, C)
-        dq, dk, dv, dg, _ = chunk_gla_bwd(q, k, v, g, None, do, None, scale, C, states)  # the local part
-        dq_corr = torch.einsum("bthv,bhkv->bthk", do_t, S_in) * scale * g.to(dt).cumsum(dim=1).exp()
-        dq = dq + dq_corr
-        # the correction's gate term: sum_{u>=t} q_u * dq_corr_u (no cancelling k term: one reverse cumsum)
-        dg = dg + (q.to(dt) * dq_corr).flip(1).cumsum(1).flip(1)
-        dS_out = pending.result()  # gradient of what this rank passed on (zeros on the last rank)
-        _, dk_s, dv_s, dg_s, _ = chunk_gla_bwd(q, k, v, g, None, None, dS_out, scale, C, states)
-        gamma = log_gamma.exp()
-        d_log_gamma = (dS_out * S_in).sum(-1) * gamma  # S_out = S_loc + gamma * S_in
-        dg = dg + dg_s + d_log_gamma[:, None]
-        d_head = None if ctx.head_dtype is None else (dS_corr + gamma[..., None] * dS_out).to(ctx.head_dtype)
-        dk, dv = (dk + dk_s).to(k.dtype), (dv + dv_s).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, dg.to(g.dtype), d_head, None, None, None
+        if ctx.staged:
+            dq, dk, dv, dg, d_head = _staged_backward(ctx, q, k, v, g, S_in, do)
+        else:
+            dq, dk, dv, dg, d_head = _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do)
+        d_head = None if ctx.head_dtype is None else d_head.to(ctx.head_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), d_head, None, None, None
+
+
+def _staged_backward(ctx, q, k, v, g, S_in, do):
+    """chunk_gla_bwd with initial state S_in and final-state gradient dS_out, whose reverse scan over
+    the ranks runs between its stages: the gradient reaching S_in first, then the output gradients."""
+    C = ctx.chunk_size
+    states = chunk_gla_states_from(g, chunk_gla_fwd_states(k, v, g, None, C)[0], S_in, C)
+    stages = ChunkGLABackward(q, k, v, g, states, do, ctx.scale, C)
+    pending = _Background(ctx.scan.backward, stages.d_initial)
+    stages.output_grads()  # while the state gradient travels
+    return stages.finish(pending.result())  # dS_out: zeros on the last rank
+
+
+def _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do):
+    """The kernels' decomposition: the local backward plus the correction's, then the dS_out-only backward."""
+    dt, scale, C = S_in.dtype, ctx.scale, ctx.chunk_size
+    q_dec, do_t = _decayed_queries(q, g, dt), do.to(dt)
+    dS_corr = torch.einsum("bthk,bthv->bhkv", q_dec, do_t) * scale  # gradient reaching S_in
+    pending = _Background(ctx.scan.backward, dS_corr)
+    states, _ = chunk_gla_fwd_states(k, v, g, None, C)
+    dq, dk, dv, dg, _ = chunk_gla_bwd(q, k, v, g, None, do, None, scale, C, states)  # the local part
+    dq_corr = torch.einsum("bthv,bhkv->bthk", do_t, S_in) * scale * g.to(dt).cumsum(dim=1).exp()
+    dq = dq + dq_corr
+    # the correction's gate term: sum_{u>=t} q_u * dq_corr_u (no cancelling k term: one reverse cumsum)
+    dg = dg + (q.to(dt) * dq_corr).flip(1).cumsum(1).flip(1)
+    dS_out = pending.result()  # gradient of what this rank passed on (zeros on the last rank)
+    _, dk_s, dv_s, dg_s, _ = chunk_gla_bwd(q, k, v, g, None, None, dS_out, scale, C, states)
+    gamma = log_gamma.exp()
+    d_log_gamma = (dS_out * S_in).sum(-1) * gamma  # S_out = S_loc + gamma * S_in
+    dg = dg + dg_s + d_log_gamma[:, None]
+    d_head = dS_corr + gamma[..., None] * dS_out
+    return dq, dk + dk_s, dv + dv_s, dg, d_head
 
 
 def make_scan(algo: str, cp: Group, blocks: int, state_bytes: int, device: torch.device, k_dim: int):

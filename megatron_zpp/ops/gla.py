@@ -13,8 +13,12 @@ no autograd inside, so that other code (the context-parallel All-Scan) can inter
 with its communication:
 
     chunk_gla_fwd_states   the state entering each chunk, and the final state (a scan over N)
-    chunk_gla_fwd_output   o from intra-chunk scores plus the entering states
+    chunk_gla_fwd_output   o from intra-chunk scores plus the entering states (None: intra only)
+    chunk_gla_fwd_inter    adds the entering states' share to an intra-only o
+    chunk_gla_states_from  entering states from an initial state, given those from a zero state
     chunk_gla_bwd          all gradients; recomputes the states unless given
+    ChunkGLABackward       the reference backward in three stages (do's state gradient, the output
+                           gradients, then the final-state gradient's share); chunk_gla_bwd chains them
 
 `ChunkGLAFunction` chains them and saves only q, k, v, g (and the initial state); `chunk_gla`
 and `chunk_gla_local` call it. Only the K x V recurrences over chunks are sequential loops;
@@ -70,6 +74,10 @@ __all__ = [
     "chunk_gla_fwd_states",
     "chunk_gla_fwd_output",
     "chunk_gla_bwd",
+    "chunk_gla_fwd_inter",
+    "chunk_gla_states_from",
+    "chunk_gla_uses_kernels",
+    "ChunkGLABackward",
     "ChunkGLAFunction",
     "GLAStateCorrectionFunction",
 ]
@@ -349,14 +357,33 @@ def _fwd_states(k: Tensor, v: Tensor, decay: _ChunkDecay, start: Tensor | None) 
     return _scan_chunks(decay.log_total, updates, start, reverse=False)
 
 
+def _fwd_intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float) -> Tensor:
+    """o [B, H, N, C, V] = scale * intra-chunk scores @ v: the output from zero entering states."""
+    intra = _intra_decay(g)
+    return (_intra_scores(q, k, intra, _keys_between(k, intra)) @ v).mul_(scale)
+
+
+def _fwd_inter(o: Tensor, q: Tensor, q_in: Tensor, states_in: Tensor, scale: float) -> Tensor:
+    """o += scale * (q * q_in) @ states_in, in place: the entering states' share of the output."""
+    return o.add_((q * q_in) @ states_in, alpha=scale)
+
+
 def _fwd_output(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, decay: _ChunkDecay, states_in: Tensor, scale: float
 ) -> Tensor:
     """o [B, H, N, C, V] = scale * (intra-chunk scores @ v + (q * q_in) @ states_in)."""
     intra = _intra_decay(g)
     o = _intra_scores(q, k, intra, _keys_between(k, intra)) @ v
-    o += (q * decay.q_in) @ states_in
+    o += (q * decay.q_in) @ states_in  # scaled once, after the sum
     return o.mul_(scale)
+
+
+def _decayed_over_chunks(log_total: Tensor, state: Tensor, before: bool) -> Tensor:
+    """[B, H, N, K, V]: exp(sum of log_total over the chunks before n (after n if not before)) * state."""
+    if log_total.shape[2] == 0:
+        return log_total.new_empty(*log_total.shape, state.shape[-1])
+    sums = _prefix_sum_exclusive(log_total, 2) if before else _suffix_sum_exclusive(log_total, 2)
+    return sums.exp()[..., None] * state[:, :, None]
 
 
 def _bwd(
@@ -370,24 +397,13 @@ def _bwd(
     d_final_state: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg) in blocks and d_initial_state [B, H, K, V]; do / d_final_state None are zero."""
-    B, H, N, C, K = q.shape
-    # d_ends[n]: the gradient reaching the state leaving chunk n from later chunks and d_final_state.
-    from_outputs = (q * decay.q_in).transpose(-1, -2) @ (do * scale) if do is not None else None
-    start = d_final_state
-    if from_outputs is None and start is None:
-        start = q.new_zeros(B, H, K, v.shape[-1])
-    d_ends, d_initial_state = _scan_chunks(decay.log_total, from_outputs, start, reverse=True)
+    """(dq, dk, dv, dg) in blocks and d_initial_state [B, H, K, V]; do / d_final_state None are zero.
 
-    dk_inter = (v @ d_ends.transpose(-1, -2)) * decay.k_out
-    dv = (k * decay.k_out) @ d_ends
-    if do is None:  # state gradient only: no intra-chunk work
-        dq, dk, d_log_decay = torch.zeros_like(q), dk_inter, None
-    else:
-        dq, dk, dv_intra, d_log_decay = _output_grads(q, k, v, g, do, decay, states_in, scale)
-        dk, dv = dk + dk_inter, dv + dv_intra
-    dg = _decay_grad(d_log_decay, k * dk_inter, states_in, d_ends, decay.log_total, g)
-    return dq, dk, dv, dg, d_initial_state
+    The three stages of `ChunkGLABackward` in a row (the All-Scan runs its scan between them).
+    """
+    stages = ChunkGLABackward.from_blocks(q, k, v, g, decay, states_in, do, scale)
+    stages.output_grads()
+    return stages.finish_blocks(d_final_state)
 
 
 def _output_grads(
@@ -439,6 +455,76 @@ def _decay_grad(
 # Building blocks (pure tensor code, no autograd inside)
 
 
+class ChunkGLABackward:
+    """The reference backward in three stages, so that the state gradients can travel between them.
+
+    A (constructor): the do part of the reverse chunk scan; `d_initial` is the gradient reaching
+    the initial state from do alone. B `output_grads()`: the gradients through o, the bulk of
+    the work (needs no state gradient). C `finish(d_final_state)`: adds the final-state
+    gradient (decayed to every chunk end) and returns (dq, dk, dv, dg [B,T,H,*], d_initial_state).
+    Public inputs are [B, T, H, D] with states_in [B, H, N, K, V] the states entering each chunk
+    (from the true initial state); do None means zero. Pure tensor code, fp32 (fp64 for fp64).
+    """
+
+    def __init__(self, q, k, v, g, states_in: Tensor, do: Tensor | None, scale: float | None, chunk_size: int):
+        _check_shapes(q, k, v, g, None)
+        _check_chunk_size(q.shape[1], chunk_size)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dt = _compute_dtype(q, k, v, g, states_in)
+        q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+        do = _to_chunks(do, chunk_size, dt) if do is not None else None
+        self._stage_a(q, k, v, g, _chunk_decay(g), states_in.to(dt), do, scale)
+
+    @classmethod
+    def from_blocks(cls, q, k, v, g, decay: _ChunkDecay, states_in, do, scale: float) -> ChunkGLABackward:
+        """The same on [B, H, N, C, D] blocks in the compute dtype (what chunk_gla_bwd holds)."""
+        self = cls.__new__(cls)
+        self._stage_a(q, k, v, g, decay, states_in, do, scale)
+        return self
+
+    def _stage_a(self, q, k, v, g, decay, states_in, do, scale) -> None:
+        self.q, self.k, self.v, self.g, self.decay, self.states_in = q, k, v, g, decay, states_in
+        self.do, self.scale, self._grads = do, scale, None
+        B, H, N, _, K = q.shape
+        if do is None:
+            self.d_ends_do, self.d_initial = None, q.new_zeros(B, H, K, v.shape[-1])
+        else:  # d_ends_do[n]: the gradient reaching the state leaving chunk n from the outputs of later chunks
+            from_outputs = (q * decay.q_in).transpose(-1, -2) @ (do * scale)
+            self.d_ends_do, self.d_initial = _scan_chunks(decay.log_total, from_outputs, None, reverse=True)
+
+    def output_grads(self) -> None:
+        """Stage B: (dq, dk_intra, dv_intra, d_log_decay) through o; nothing when do is None."""
+        if self.do is not None and self._grads is None:
+            self._grads = _output_grads(self.q, self.k, self.v, self.g, self.do, self.decay, self.states_in, self.scale)
+
+    def finish_blocks(self, d_final_state: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Stage C on blocks: (dq, dk, dv, dg) [B, H, N, C, *] and d_initial_state [B, H, K, V]."""
+        self.output_grads()
+        q, k, v, decay = self.q, self.k, self.v, self.decay
+        d_ends, d_initial = self.d_ends_do, self.d_initial
+        if d_final_state is not None:
+            d_final_state = d_final_state.to(q.dtype)
+            reach = _decayed_over_chunks(decay.log_total, d_final_state, before=False)
+            d_ends = reach if d_ends is None else d_ends + reach
+            d_initial = d_initial + decay.log_total.sum(2).exp()[..., None] * d_final_state
+        if d_ends is None:
+            d_ends = self.states_in.new_zeros(self.states_in.shape)
+        dk_inter = (v @ d_ends.transpose(-1, -2)) * decay.k_out
+        dv = (k * decay.k_out) @ d_ends
+        if self._grads is None:  # state gradient only: no intra-chunk work
+            dq, dk, d_log_decay = torch.zeros_like(q), dk_inter, None
+        else:
+            dq, dk_intra, dv_intra, d_log_decay = self._grads
+            dk, dv = dk_intra + dk_inter, dv + dv_intra
+        dg = _decay_grad(d_log_decay, k * dk_inter, self.states_in, d_ends, decay.log_total, self.g)
+        return dq, dk, dv, dg, d_initial
+
+    def finish(self, d_final_state: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Stage C: (dq, dk, dv, dg [B, T, H, *], d_initial_state [B, H, K, V]); d_final_state None is zero."""
+        dq, dk, dv, dg, dh0 = self.finish_blocks(d_final_state)
+        return _from_chunks(dq), _from_chunks(dk), _from_chunks(dv), _from_chunks(dg), dh0
+
+
 def chunk_gla_fwd_states(
     k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
@@ -460,12 +546,13 @@ def chunk_gla_fwd_states(
 
 
 def chunk_gla_fwd_output(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, states_in: Tensor, scale: float | None, chunk_size: int
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, states_in: Tensor | None, scale: float | None, chunk_size: int
 ) -> Tensor:
     """o = scale * (intra-chunk scores @ v + (q * exp(prefix)) @ states_in), all chunks at once.
 
-    q, k, g: [B, T, H, K]; v: [B, T, H, V]; states_in: [B, H, N, K, V] (from chunk_gla_fwd_states).
-    Returns o [B, T, H, V] in fp32 (fp64 for fp64 inputs). scale None means K**-0.5.
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; states_in: [B, H, N, K, V] (from chunk_gla_fwd_states),
+    or None for the intra-chunk part only (zero entering states; add the rest with
+    chunk_gla_fwd_inter). Returns o [B, T, H, V] in fp32 (fp64 for fp64 inputs). scale None means K**-0.5.
     """
     _check_shapes(q, k, v, g, None)
     _check_chunk_size(q.shape[1], chunk_size)
@@ -473,10 +560,49 @@ def chunk_gla_fwd_output(
     if _use_kernel(chunk_size, v, q, k, g, states_in):
         from ..kernels import gla as gla_kernels
 
+        if states_in is None:  # the kernel always reads entering states
+            B, T, H, K = q.shape
+            states_in = q.new_zeros(B, H, T // chunk_size, K, v.shape[-1], dtype=torch.float32)
         return gla_kernels.fwd_output(q, k, v, g, states_in, scale, chunk_size)
     dt = _compute_dtype(q, k, v, g, states_in)
     q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+    if states_in is None:
+        return _from_chunks(_fwd_intra(q, k, v, g, scale))
     return _from_chunks(_fwd_output(q, k, v, g, _chunk_decay(g), states_in.to(dt), scale))
+
+
+def chunk_gla_fwd_inter(
+    o: Tensor, q: Tensor, g: Tensor, states_in: Tensor, scale: float | None, chunk_size: int
+) -> Tensor:
+    """o + scale * (q * exp(prefix)) @ states_in: the entering states' share, added to the intra-chunk o.
+
+    o: [B, T, H, V] from chunk_gla_fwd_output(..., states_in=None); q, g: [B, T, H, K];
+    states_in: [B, H, N, K, V]. Returns [B, T, H, V] in o's compute dtype (reference code only).
+    """
+    _check_chunk_size(q.shape[1], chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dt = _compute_dtype(o, q, g, states_in)
+    qc, gc = (_to_chunks(x, chunk_size, dt) for x in (q, g))
+    q_in = gc.cumsum(-2).exp()
+    return _from_chunks(_fwd_inter(_to_chunks(o, chunk_size, dt), qc, q_in, states_in.to(dt), scale))
+
+
+def chunk_gla_states_from(g: Tensor, states: Tensor, state: Tensor, chunk_size: int) -> Tensor:
+    """Entering states from a given initial state, out of those from a zero state (elementwise, no scan).
+
+    states[n] + exp(sum of g over the chunks before n) * state. g: [B, T, H, K]; states:
+    [B, H, N, K, V] (chunk_gla_fwd_states with no initial state); state: [B, H, K, V].
+    """
+    _check_chunk_size(g.shape[1], chunk_size)
+    B, T, H, K = g.shape
+    dt = _compute_dtype(g, states, state)
+    log_total = g.to(dt).reshape(B, T // chunk_size, chunk_size, H, K).sum(2).transpose(1, 2)  # [B, H, N, K]
+    return states.to(dt) + _decayed_over_chunks(log_total, state.to(dt), before=True)
+
+
+def chunk_gla_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk_size: int) -> bool:
+    """Whether chunk_gla_fwd_states / _fwd_output / _bwd run the Triton kernels for these inputs."""
+    return _use_kernel(chunk_size, v, q, k, g)
 
 
 def chunk_gla_bwd(

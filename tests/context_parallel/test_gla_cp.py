@@ -113,3 +113,49 @@ def test_single_rank_and_bad_algo():
     torch.testing.assert_close(o, chunk_gla(q, k, v, g, initial_state=h0, chunk_size=CHUNK)[0])
     with pytest.raises(ValueError, match="unknown CP algorithm"):
         gla_context_parallel(q, k, v, g, None, algo="zigzag")
+
+
+class FixedScan:
+    """One rank's view of the scan: S_in and dS_out given; records the state gradient it was sent."""
+
+    def __init__(self, S_in, dS_out):
+        self.S_in, self.dS_out, self.sent = S_in, dS_out, None
+
+    def forward(self, S_loc, log_gamma, head):
+        return self.S_in.to(S_loc.dtype)
+
+    def backward(self, dS_corr):
+        self.sent = dS_corr
+        return self.dS_out.to(dS_corr.dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("gates", ["mild", "strong", "reset"])
+def test_operator_is_chunk_gla_from_the_scanned_state(dtype, gates, tol):
+    # The operator with S_in arriving and dS_out coming back equals the fp64 token loop started from
+    # S_in whose loss also reads the final state; the scan is sent the gradient of S_in from o alone.
+    # Slice T = 24, chunk 8, odd K = 5, V = 3; max-abs error relative to the reference's max.
+    from megatron_zpp.context_parallel.gla import ContextParallelGLA
+    from megatron_zpp.ops.gla import recurrent_gla
+
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, do = r(2, 24, 2, 5), r(2, 24, 2, 5), r(2, 24, 2, 3), r(2, 24, 2, 3)
+    S_in, dS_out = r(2, 2, 5, 3), r(2, 2, 5, 3)
+    g = {"mild": F.logsigmoid(r(2, 24, 2, 5)) / 16, "strong": -50.0 * torch.rand(2, 24, 2, 5, generator=gen)}.get(
+        gates, (F.logsigmoid(r(2, 24, 2, 5)) / 16).masked_fill(torch.rand(2, 24, 2, 5, generator=gen) < 0.1, -torch.inf)
+    )
+    q, k, v, g, do = (x.to(dtype) for x in (q, k, v, g, do))
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, S_in)]
+    o_ref, ht = recurrent_gla(*leaves[:4], 0.4, leaves[4], True)
+    ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht * dS_out).sum(), leaves)
+    sent_ref = torch.autograd.grad((recurrent_gla(*leaves[:4], 0.4, leaves[4])[0] * do.double()).sum(), leaves[4])
+
+    scan = FixedScan(S_in, dS_out)
+    got_leaves = [x.clone().requires_grad_() for x in (q, k, v, g)] + [S_in.to(dtype).requires_grad_()]
+    o = ContextParallelGLA.apply(*got_leaves, scan, 0.4, 8)
+    grads = torch.autograd.grad((o * do).sum(), got_leaves)
+    assert_rel_close([o.detach(), *grads], [o_ref.detach(), *ref], tol, f"{dtype} {gates}")
+    assert_rel_close([scan.sent], sent_ref, tol, "state gradient sent")
+    if gates == "reset":
+        assert (grads[3][torch.isneginf(g)] == 0).all()

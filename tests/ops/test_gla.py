@@ -7,12 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp.ops.gla import (
+    ChunkGLABackward,
     ChunkGLAFunction,
     chunk_gla,
     chunk_gla_bwd,
+    chunk_gla_fwd_inter,
     chunk_gla_fwd_output,
     chunk_gla_fwd_states,
     chunk_gla_local,
+    chunk_gla_states_from,
     gla_state_correction,
     recurrent_gla,
 )
@@ -310,3 +313,43 @@ def test_matches_fla_naive_reference():
         ref = run_with_grads(naive_recurrent_gla, *inp)
         for name, a, b in zip(OUTPUT_NAMES, flat(got), flat(ref)):
             assert rel_err(a, b) <= 1e-5, (kind, name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("kind", ["mild", "strong", "reset"])
+def test_staged_blocks_chain_to_the_token_loop(kind, dtype, tol):
+    # The All-Scan's order: states from a zero state, the intra-chunk output, the initial state's share
+    # added afterwards; backward stage A (d_initial), B (output grads), C (with d_final_state).
+    # T = 40, chunk 8: odd K, V; against chunk_gla_bwd and the fp64 token loop (norm-wise relative error).
+    C, scale = 8, 0.3
+    q, k, v, g, h0 = (x.detach() for x in gate_case(kind, B=2, T=40, H=2, K=5, V=7, dtype=dtype, seed=4))
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(dtype)
+    dS = torch.randn(h0.shape, generator=gen, dtype=torch.float64).to(h0.dtype)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    o_ref, ht_ref = recurrent_gla(*leaves[:4], scale, leaves[4], True)
+    ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dS.double()).sum(), leaves)
+    ref_do = torch.autograd.grad((recurrent_gla(*leaves[:4], scale, leaves[4])[0] * do.double()).sum(), leaves[4])
+
+    states_zero, _ = chunk_gla_fwd_states(k, v, g, None, C)
+    states = chunk_gla_states_from(g, states_zero, h0, C)
+    assert rel_err(states, chunk_gla_fwd_states(k, v, g, h0, C)[0]) <= tol
+    o = chunk_gla_fwd_inter(chunk_gla_fwd_output(q, k, v, g, None, scale, C), q, g, states, scale, C)
+    assert rel_err(o, o_ref) <= tol
+    assert rel_err(o, chunk_gla_fwd_output(q, k, v, g, states, scale, C)) <= tol
+
+    stages = ChunkGLABackward(q, k, v, g, states, do, scale, C)
+    assert rel_err(stages.d_initial, ref_do[0]) <= tol  # the gradient reaching h0 from do alone
+    stages.output_grads()
+    got = stages.finish(dS)
+    fused = chunk_gla_bwd(q, k, v, g, h0, do, dS, scale, C)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dg", "dh0"), got, ref, fused):
+        assert a.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), name
+        assert torch.isfinite(a).all() and rel_err(a, b) <= tol, (name, rel_err(a, b))
+        assert rel_err(a, c) <= tol, (name, rel_err(a, c))
+    if kind == "reset":
+        assert (got[3][torch.isneginf(g)] == 0).all()
+    # No output cotangent: only the final state's share (dq = 0), as chunk_gla_bwd(do=None).
+    state_only = ChunkGLABackward(q, k, v, g, states, None, scale, C).finish(dS)
+    for a, b in zip(state_only, chunk_gla_bwd(q, k, v, g, h0, None, dS, scale, C)):
+        assert rel_err(a, b) <= tol if b.norm() > 0 else (a == 0).all()
