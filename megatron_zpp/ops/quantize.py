@@ -261,7 +261,7 @@ def _eager_quantize(x: torch.Tensor, data: torch.Tensor, bits: int, seed: int | 
 def _dequantize_chunk(data: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor, s: _Scratch):
     """One chunk: data [k, c, B] and fp32 scales [k, c] -> fp32 `out` [k, c, block] = q * scale."""
     q = data if bits == 8 else _unpack_int4(data, s)
-    out.copy_(q).mul_(scales[..., None])
+    torch.mul(q, scales[..., None], out=out)  # int8 -> fp32 inside the multiply: one pass, not two
 
 
 def _eager_dequantize(data: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
