@@ -11,7 +11,7 @@ TFLOP/s use megatron_zpp.perf.flops_per_token for both; MFU is against perf.peak
 data-sheet peak, or measured CPU matmul peak). The peer is softmax-only without GQA: with
 --attention-type gla or --num-query-groups it is not timed.
 
-`compiled` is our model with --torch-compile (training/builders.compile_blocks: each block's
+`compiled` is our model with --torch-compile (training/builders.compile_model: each block's
 forward through torch.compile, inductor), checked against eager first (fp32, 1e-4 relative); that
 first call compiles, and its time is reported apart as the cold compile. The three systems
 alternate step by step after warmup; the ratios are of medians, of the fastest steps, and the
@@ -45,7 +45,7 @@ from megatron_zpp.config import ModelConfig  # noqa: E402
 from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
 from megatron_zpp.ops import dispatch  # noqa: E402
 from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
-from megatron_zpp.training.builders import compile_blocks  # noqa: E402
+from megatron_zpp.training.builders import compile_model  # noqa: E402
 
 
 class PeerAttention(nn.Module):
@@ -281,7 +281,7 @@ def main() -> None:
     if not a.no_compile:
         compiled = GPT(cfg, a.vocab_size).to(device)
         init_weights(compiled, a.seed)
-        compile_blocks([compiled], cfg.seq_length)
+        compile_model([compiled], cfg.seq_length)
         check.update(check_compiled(ours, compiled, x, y, tol=1e-4))
         ours.zero_grad(set_to_none=True)
     if a.attention_type == "softmax" and cfg.kv_heads == cfg.num_attention_heads:

@@ -97,10 +97,14 @@ class GPT(nn.Module):
             x = block(x, rope)
         if not self.post_process:
             return x
+        return self.head(x, labels)
 
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm -> output layer -> per-token losses (logits, vocab-sharded over TP, without labels)."""
         x = self.final_norm(x)
         weight = self.embedding.weight if self.tied else self.output.weight
         logits = column_parallel_linear(x, weight, self.ctx.tp, self.ctx.sequence_parallel)
-        if labels is None:
-            return logits
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp)

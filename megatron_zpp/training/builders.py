@@ -37,18 +37,20 @@ def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: tor
         init_weights(chunk, cfg.train.seed, groups.tp_rank, groups.tp.size)
     chunks = [chunk.to(device=device, dtype=training_dtype(cfg)) for chunk in chunks]
     if cfg.train.torch_compile:
-        compile_blocks(chunks, cfg.model.seq_length)
+        compile_model(chunks, cfg.model.seq_length)
     return chunks
 
 
-def compile_blocks(chunks: list[GPT], seq_length: int) -> None:
-    """--torch-compile: each block's forward goes through torch.compile (inductor), in place.
+def compile_model(chunks: list[GPT], seq_length: int) -> None:
+    """--torch-compile: each block's forward and the last stage's cross-entropy (its passes over
+    the logits, forward and backward) go through torch.compile (inductor), in place.
 
-    The forward, not the module (nn.Module.compile would trace the module's hooks too): the hooks
+    The forwards, not the modules (nn.Module.compile would trace the module's hooks too): the hooks
     stay eager around the compiled code, so ZeRO-3 gathers a block's weights before it and frees
     them after exactly as without compile, and parameter names and state_dict keys are unchanged.
     Only the training length is compiled; other lengths (generation's growing prompt) run eager
     rather than recompiling for each."""
+
     for chunk in chunks:
         for block in chunk.layers.values():
             eager, compiled = block.forward, torch.compile(block.forward)
@@ -57,6 +59,8 @@ def compile_blocks(chunks: list[GPT], seq_length: int) -> None:
                 return (compiled if x.shape[1] == seq_length else eager)(x, rope)
 
             block.forward = forward
+        if chunk.post_process:  # no parameters inside, so no hooks: always compiled
+            chunk.loss = torch.compile(chunk.loss)
 
 
 def build_stage_link(cfg: Config, groups: ProcessGroups, device: torch.device) -> StageLink | None:

@@ -1,4 +1,4 @@
-"""--torch-compile (training/builders.compile_blocks): each block's forward compiled by inductor.
+"""--torch-compile (training/builders.compile_model): each block's forward and the cross-entropy compiled by inductor.
 
 * a hybrid model (layer 0 GLA with its own autograd Function, layer 1 softmax) gives the losses
   and gradients of eager over 3 steps within 1e-5 relative (inductor reorders fp32 sums: ~1e-6
@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, ModelConfig, validate
 from megatron_zpp.model import GPT, init_weights
-from megatron_zpp.training.builders import compile_blocks
+from megatron_zpp.training.builders import compile_model
 from tests.test_parity import assert_close_relative, train_and_collect
 from tests.test_training import TINY
 
@@ -42,7 +42,7 @@ def test_compiled_blocks_equal_eager():
     eager, compiled = GPT(cfg, 128), GPT(cfg, 128)
     init_weights(eager, 7)
     init_weights(compiled, 7)
-    compile_blocks([compiled], cfg.seq_length)
+    compile_model([compiled], cfg.seq_length)
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
 
