@@ -241,7 +241,9 @@ class TrainConfig:
         "PyTorch references), auto (Triton on CUDA when importable, else torch)",
         choices=["auto", "triton", "torch"],
     )
-    torch_compile: bool = opt(False, "--torch-compile", "compile each transformer block with torch.compile (inductor)")
+    torch_compile: bool = opt(
+        False, "--torch-compile", "compile each transformer block and the cross-entropy with torch.compile (inductor)"
+    )
     save: str | None = opt(None, "--save", "checkpoint directory to write")
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
