@@ -29,12 +29,11 @@ from torch import Tensor
 
 from ..ops.gla import (
     ChunkGLABackward,
+    ChunkGLAForward,
     chunk_gla,
     chunk_gla_bwd,
-    chunk_gla_fwd_inter,
     chunk_gla_fwd_output,
     chunk_gla_fwd_states,
-    chunk_gla_states_from,
     chunk_gla_uses_kernels,
 )
 from ..topology import Group
@@ -82,15 +81,18 @@ class ContextParallelGLA(torch.autograd.Function):
         # The staged split (the local pass's own work, the scan between its stages) is reference code;
         # where the Triton kernels run, the kernel-backed local pass plus a correction is kept instead.
         ctx.staged = not chunk_gla_uses_kernels(q, k, v, g, chunk_size)
-        states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
+        if ctx.staged:  # the local states first; the intra-chunk output while S_in travels; then its share
+            stages = ChunkGLAForward(q, k, v, g, scale, chunk_size)
+            S_loc = stages.final_state
+        else:
+            states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
         dt = S_loc.dtype
         log_gamma = g.to(dt).sum(dim=1)  # [B,H,K]: the slice's total decay
         pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
-        if ctx.staged:  # intra-chunk output now; the entering states' share once S_in is known
-            o = chunk_gla_fwd_output(q, k, v, g, None, scale, chunk_size)
+        if ctx.staged:
+            stages.intra()
             S_in = pending.result()
-            states = chunk_gla_states_from(g, states, S_in, chunk_size)
-            o = chunk_gla_fwd_inter(o, q, g, states, scale, chunk_size)
+            o = stages.finish(S_in)[0]
         else:
             o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
             S_in = pending.result()
@@ -114,9 +116,7 @@ class ContextParallelGLA(torch.autograd.Function):
 def _staged_backward(ctx, q, k, v, g, S_in, do):
     """chunk_gla_bwd with initial state S_in and final-state gradient dS_out, whose reverse scan over
     the ranks runs between its stages: the gradient reaching S_in first, then the output gradients."""
-    C = ctx.chunk_size
-    states = chunk_gla_states_from(g, chunk_gla_fwd_states(k, v, g, None, C)[0], S_in, C)
-    stages = ChunkGLABackward(q, k, v, g, states, do, ctx.scale, C)
+    stages = ChunkGLABackward(q, k, v, g, None, do, ctx.scale, ctx.chunk_size, initial_state=S_in)
     pending = _Background(ctx.scan.backward, stages.d_initial)
     stages.output_grads()  # while the state gradient travels
     return stages.finish(pending.result())  # dS_out: zeros on the last rank

@@ -14,8 +14,8 @@ with its communication:
 
     chunk_gla_fwd_states   the state entering each chunk, and the final state (a scan over N)
     chunk_gla_fwd_output   o from intra-chunk scores plus the entering states (None: intra only)
-    chunk_gla_fwd_inter    adds the entering states' share to an intra-only o
-    chunk_gla_states_from  entering states from an initial state, given those from a zero state
+    ChunkGLAForward        the reference forward in three stages (the local states from a zero
+                           state, the intra-chunk output, then the initial state's share)
     chunk_gla_bwd          all gradients; recomputes the states unless given
     ChunkGLABackward       the reference backward in three stages (do's state gradient, the output
                            gradients, then the final-state gradient's share); chunk_gla_bwd chains them
@@ -74,8 +74,7 @@ __all__ = [
     "chunk_gla_fwd_states",
     "chunk_gla_fwd_output",
     "chunk_gla_bwd",
-    "chunk_gla_fwd_inter",
-    "chunk_gla_states_from",
+    "ChunkGLAForward",
     "chunk_gla_uses_kernels",
     "ChunkGLABackward",
     "ChunkGLAFunction",
@@ -455,6 +454,42 @@ def _decay_grad(
 # Building blocks (pure tensor code, no autograd inside)
 
 
+class ChunkGLAForward:
+    """The reference forward in stages, so that the state entering the sequence can travel between them.
+
+    A (constructor): the chunks, their decays and the local pass's states from a zero state;
+    `final_state` is the state leaving the last chunk from a zero initial state. B `intra()`: the
+    intra-chunk output, the bulk of the work (needs no entering state). C `finish(initial_state)`:
+    folds the initial state into the entering states (in place, elementwise) and adds their share
+    of the output; returns (o [B, T, H, V], states_in [B, H, N, K, V]). Public inputs are
+    [B, T, H, D]; fp32 (fp64 for fp64). Each input is laid out in chunks and each decay computed
+    once, where calling the building blocks one by one would redo them.
+    """
+
+    def __init__(self, q, k, v, g, scale: float | None, chunk_size: int):
+        _check_shapes(q, k, v, g, None)
+        _check_chunk_size(q.shape[1], chunk_size)
+        self.scale = q.shape[-1] ** -0.5 if scale is None else scale
+        dt = _compute_dtype(q, k, v, g)
+        self.q, self.k, self.v, self.g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+        self.decay = _chunk_decay(self.g)
+        self.states, self.final_state = _fwd_states(self.k, self.v, self.decay, None)
+        self.o = None
+
+    def intra(self) -> None:
+        """Stage B: the output from zero entering states."""
+        if self.o is None:
+            self.o = _fwd_intra(self.q, self.k, self.v, self.g, self.scale)
+
+    def finish(self, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Stage C: (o [B, T, H, V], states_in [B, H, N, K, V]) from `initial_state` [B, H, K, V] (None: zeros)."""
+        self.intra()
+        if initial_state is not None:  # states[n] += exp(sum of the chunk decays before n) * S_0, no temporary
+            before = _prefix_sum_exclusive(self.decay.log_total, 2).exp_()[..., None]
+            self.states.addcmul_(before, initial_state.to(self.states.dtype)[:, :, None])
+        return _from_chunks(_fwd_inter(self.o, self.q, self.decay.q_in, self.states, self.scale)), self.states
+
+
 class ChunkGLABackward:
     """The reference backward in three stages, so that the state gradients can travel between them.
 
@@ -463,17 +498,32 @@ class ChunkGLABackward:
     the work (needs no state gradient). C `finish(d_final_state)`: adds the final-state
     gradient (decayed to every chunk end) and returns (dq, dk, dv, dg [B,T,H,*], d_initial_state).
     Public inputs are [B, T, H, D] with states_in [B, H, N, K, V] the states entering each chunk
-    (from the true initial state); do None means zero. Pure tensor code, fp32 (fp64 for fp64).
+    (from the true initial state), or None to recompute them from `initial_state` (None: zeros);
+    do None means zero. Pure tensor code, fp32 (fp64 for fp64).
     """
 
-    def __init__(self, q, k, v, g, states_in: Tensor, do: Tensor | None, scale: float | None, chunk_size: int):
-        _check_shapes(q, k, v, g, None)
+    def __init__(
+        self,
+        q,
+        k,
+        v,
+        g,
+        states_in: Tensor | None,
+        do: Tensor | None,
+        scale: float | None,
+        chunk_size: int,
+        initial_state: Tensor | None = None,
+    ):
+        _check_shapes(q, k, v, g, initial_state)
         _check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         dt = _compute_dtype(q, k, v, g, states_in)
         q, k, v, g = (_to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
         do = _to_chunks(do, chunk_size, dt) if do is not None else None
-        self._stage_a(q, k, v, g, _chunk_decay(g), states_in.to(dt), do, scale)
+        decay = _chunk_decay(g)
+        if states_in is None:  # recomputed on these blocks, the initial state folded into the scan
+            states_in = _fwd_states(k, v, decay, None if initial_state is None else initial_state.to(dt))[0]
+        self._stage_a(q, k, v, g, decay, states_in.to(dt), do, scale)
 
     @classmethod
     def from_blocks(cls, q, k, v, g, decay: _ChunkDecay, states_in, do, scale: float) -> ChunkGLABackward:
@@ -504,8 +554,11 @@ class ChunkGLABackward:
         d_ends, d_initial = self.d_ends_do, self.d_initial
         if d_final_state is not None:
             d_final_state = d_final_state.to(q.dtype)
-            reach = _decayed_over_chunks(decay.log_total, d_final_state, before=False)
-            d_ends = reach if d_ends is None else d_ends + reach
+            if d_ends is None:
+                d_ends = _decayed_over_chunks(decay.log_total, d_final_state, before=False)
+            else:  # d_ends[n] += exp(sum of the chunk decays after n) * dS_final, in place (stage A's own tensor)
+                after = _suffix_sum_exclusive(decay.log_total, 2).exp_()[..., None]
+                d_ends.addcmul_(after, d_final_state[:, :, None])
             d_initial = d_initial + decay.log_total.sum(2).exp()[..., None] * d_final_state
         if d_ends is None:
             d_ends = self.states_in.new_zeros(self.states_in.shape)
@@ -551,8 +604,8 @@ def chunk_gla_fwd_output(
     """o = scale * (intra-chunk scores @ v + (q * exp(prefix)) @ states_in), all chunks at once.
 
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; states_in: [B, H, N, K, V] (from chunk_gla_fwd_states),
-    or None for the intra-chunk part only (zero entering states; add the rest with
-    chunk_gla_fwd_inter). Returns o [B, T, H, V] in fp32 (fp64 for fp64 inputs). scale None means K**-0.5.
+    or None for the intra-chunk part only (zero entering states). Returns o [B, T, H, V] in fp32
+    (fp64 for fp64 inputs). scale None means K**-0.5.
     """
     _check_shapes(q, k, v, g, None)
     _check_chunk_size(q.shape[1], chunk_size)
@@ -569,35 +622,6 @@ def chunk_gla_fwd_output(
     if states_in is None:
         return _from_chunks(_fwd_intra(q, k, v, g, scale))
     return _from_chunks(_fwd_output(q, k, v, g, _chunk_decay(g), states_in.to(dt), scale))
-
-
-def chunk_gla_fwd_inter(
-    o: Tensor, q: Tensor, g: Tensor, states_in: Tensor, scale: float | None, chunk_size: int
-) -> Tensor:
-    """o + scale * (q * exp(prefix)) @ states_in: the entering states' share, added to the intra-chunk o.
-
-    o: [B, T, H, V] from chunk_gla_fwd_output(..., states_in=None); q, g: [B, T, H, K];
-    states_in: [B, H, N, K, V]. Returns [B, T, H, V] in o's compute dtype (reference code only).
-    """
-    _check_chunk_size(q.shape[1], chunk_size)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    dt = _compute_dtype(o, q, g, states_in)
-    qc, gc = (_to_chunks(x, chunk_size, dt) for x in (q, g))
-    q_in = gc.cumsum(-2).exp()
-    return _from_chunks(_fwd_inter(_to_chunks(o, chunk_size, dt), qc, q_in, states_in.to(dt), scale))
-
-
-def chunk_gla_states_from(g: Tensor, states: Tensor, state: Tensor, chunk_size: int) -> Tensor:
-    """Entering states from a given initial state, out of those from a zero state (elementwise, no scan).
-
-    states[n] + exp(sum of g over the chunks before n) * state. g: [B, T, H, K]; states:
-    [B, H, N, K, V] (chunk_gla_fwd_states with no initial state); state: [B, H, K, V].
-    """
-    _check_chunk_size(g.shape[1], chunk_size)
-    B, T, H, K = g.shape
-    dt = _compute_dtype(g, states, state)
-    log_total = g.to(dt).reshape(B, T // chunk_size, chunk_size, H, K).sum(2).transpose(1, 2)  # [B, H, N, K]
-    return states.to(dt) + _decayed_over_chunks(log_total, state.to(dt), before=True)
 
 
 def chunk_gla_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk_size: int) -> bool:

@@ -31,18 +31,18 @@ class BlockedScan:
 
 def test_scan_runs_during_the_local_work(monkeypatch):
     scan = BlockedScan()
-    output = gla_ops.chunk_gla_fwd_output
 
-    def output_then_signal(*args):
-        scan.local_started.set()
-        return output(*args)
+    class SignallingForward(gla_ops.ChunkGLAForward):
+        def intra(self):  # the intra-chunk output (the bulk of the forward)
+            scan.local_started.set()
+            return super().intra()
 
     class SignallingBackward(gla_ops.ChunkGLABackward):
         def output_grads(self):  # the local gradients (the bulk of the backward)
             scan.local_started.set()
             return super().output_grads()
 
-    monkeypatch.setattr(gla, "chunk_gla_fwd_output", output_then_signal)
+    monkeypatch.setattr(gla, "ChunkGLAForward", SignallingForward)
     monkeypatch.setattr(gla, "ChunkGLABackward", SignallingBackward)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 16, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -8,14 +8,13 @@ import torch.nn.functional as F
 
 from megatron_zpp.ops.gla import (
     ChunkGLABackward,
+    ChunkGLAForward,
     ChunkGLAFunction,
     chunk_gla,
     chunk_gla_bwd,
-    chunk_gla_fwd_inter,
     chunk_gla_fwd_output,
     chunk_gla_fwd_states,
     chunk_gla_local,
-    chunk_gla_states_from,
     gla_state_correction,
     recurrent_gla,
 )
@@ -331,12 +330,17 @@ def test_staged_blocks_chain_to_the_token_loop(kind, dtype, tol):
     ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dS.double()).sum(), leaves)
     ref_do = torch.autograd.grad((recurrent_gla(*leaves[:4], scale, leaves[4])[0] * do.double()).sum(), leaves[4])
 
-    states_zero, _ = chunk_gla_fwd_states(k, v, g, None, C)
-    states = chunk_gla_states_from(g, states_zero, h0, C)
+    fwd = ChunkGLAForward(q, k, v, g, scale, C)
+    assert rel_err(fwd.final_state, chunk_gla_fwd_states(k, v, g, None, C)[1]) <= tol  # what the scan sends
+    fwd.intra()
+    o, states = fwd.finish(h0)
     assert rel_err(states, chunk_gla_fwd_states(k, v, g, h0, C)[0]) <= tol
-    o = chunk_gla_fwd_inter(chunk_gla_fwd_output(q, k, v, g, None, scale, C), q, g, states, scale, C)
     assert rel_err(o, o_ref) <= tol
     assert rel_err(o, chunk_gla_fwd_output(q, k, v, g, states, scale, C)) <= tol
+    assert (
+        rel_err(ChunkGLAForward(q, k, v, g, scale, C).finish(None)[0], chunk_gla(q, k, v, g, scale, chunk_size=C)[0])
+        <= tol
+    )
 
     stages = ChunkGLABackward(q, k, v, g, states, do, scale, C)
     assert rel_err(stages.d_initial, ref_do[0]) <= tol  # the gradient reaching h0 from do alone
