@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/wheels
-PEERS=(fla-core==0.6.0 liger-kernel==0.8.5)
+PEERS=(fla-core==0.6.0 einops==0.8.2 liger-kernel==0.8.5)  # einops: fla's one dependency beyond torch/triton
 
 if [[ ${1:-} == --fetch-wheels ]]; then
     mkdir -p "$WHEELS"
