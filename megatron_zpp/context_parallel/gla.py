@@ -27,6 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
+from .. import recompute
 from ..ops.gla import (
     ChunkGLABackward,
     chunk_gla,
@@ -43,6 +44,16 @@ from .lasp2 import GatherScan
 from .ring import RingScan
 
 ALGOS = ("all-scan", "all-gather", "ring")
+
+
+class _Known:
+    """A result already at hand, read like a _Background's."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class _Background:
@@ -85,15 +96,20 @@ class ContextParallelGLA(torch.autograd.Function):
         states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
         dt = S_loc.dtype
         log_gamma = g.to(dt).sum(dim=1)  # [B,H,K]: the slice's total decay
-        pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
+        # an activation-recompute rerun reuses the state its first run received: no second scan
+        kept = recompute.recall()
+        if kept is not None:
+            pending = _Known(kept)
+        else:
+            pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
         if ctx.staged:  # intra-chunk output now; the entering states' share once S_in is known
             o = chunk_gla_fwd_output(q, k, v, g, None, scale, chunk_size)
-            S_in = pending.result()
+            S_in = recompute.remember(pending.result())
             states = chunk_gla_states_from(g, states, S_in, chunk_size)
             o = chunk_gla_fwd_inter(o, q, g, states, scale, chunk_size)
         else:
             o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
-            S_in = pending.result()
+            S_in = recompute.remember(pending.result())
             o = o + torch.einsum("bthk,bhkv->bthv", _decayed_queries(q, g, dt), S_in) * scale
         ctx.save_for_backward(q, k, v, g, S_in, log_gamma)
         ctx.scan, ctx.scale, ctx.chunk_size = scan, scale, chunk_size
