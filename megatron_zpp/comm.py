@@ -18,6 +18,7 @@ over several nodes as cross-node traffic, and a hierarchical one hop by hop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -62,10 +63,11 @@ class CommLedger:
     def __init__(self):
         self.records: dict[tuple[str, str, str, str], Record] = defaultdict(Record)
         self.steps = 0
+        self.phase_suffix = ""  # ":recompute" while an activation-recompute rerun communicates
 
     def add(self, role: str, phase: str, op: str, link: str, n: int, nbytes: int, gloo_op: str | None = None):
         """gloo_op: the collective gloo runs for `op` here, when it is another one."""
-        rec = self.records[(role, phase, op, link)]
+        rec = self.records[(role, phase + self.phase_suffix, op, link)]
         rec.bytes += model_bytes(op, n, nbytes)
         rec.gloo_bytes += model_bytes(gloo_op or op, n, nbytes)
         rec.calls += 1
@@ -101,6 +103,17 @@ class CommLedger:
 
 
 LEDGER = CommLedger()
+
+
+@contextlib.contextmanager
+def recompute_phase(on: bool = True):
+    """Record the calls of the body under phase + ":recompute" (recompute.py: a region's rerun)."""
+    before = LEDGER.phase_suffix
+    LEDGER.phase_suffix = ":recompute" if on else before
+    try:
+        yield
+    finally:
+        LEDGER.phase_suffix = before
 
 
 def gather_report(world_size: int) -> dict:

@@ -71,6 +71,28 @@ class ModelConfig:
     hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout after attention and MLP outputs")
     attention_dropout: float = opt(0.0, "--attention-dropout", "dropout on softmax attention probabilities")
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
+    recompute_granularity: str | None = opt(
+        None,
+        "--recompute-granularity",
+        "activation recompute: full = whole transformer layers (with --recompute-method and "
+        "--recompute-num-layers); selective = the core of each token mixer (softmax attention's scores, softmax and "
+        "weighted sum; GLA's gates, chunked operator, head norm and output gate)",
+        choices=["full", "selective"],
+    )
+    recompute_method: str | None = opt(
+        None,
+        "--recompute-method",
+        "with --recompute-granularity full: uniform = every group of --recompute-num-layers consecutive layers of a "
+        "(virtual) pipeline stage is recomputed as one unit; block = the first --recompute-num-layers layers of each "
+        "(virtual) pipeline stage are recomputed, the rest are not",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int | None = opt(
+        None,
+        "--recompute-num-layers",
+        "with --recompute-granularity full: layers per recomputed unit (uniform) or recomputed layers per (virtual) "
+        "pipeline stage (block)",
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -331,6 +353,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         _check_layout,
         _check_model,
         _check_pipeline,
+        _check_recompute,
         _check_batch,
         _check_checkpointing,
         _check_compile,
@@ -509,6 +532,51 @@ def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
                 f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                 f"change one, or set --decoder-first/last-pipeline-num-layers",
             )
+        ]
+    )
+
+
+def chunk_layer_counts(cfg: Config) -> list[int]:
+    """Layers of each pipeline stage, or of each virtual stage with interleaving (stages.py's split)."""
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    if vpp:
+        return [vpp] * (m.num_layers // vpp)
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    free = pp - (first is not None) - (last is not None)
+    rest = (m.num_layers - (first or 0) - (last or 0)) // max(free, 1)
+    sizes = [rest] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return sizes
+
+
+def _check_recompute(cfg: Config, world_size: int) -> list[str]:
+    m = cfg.model
+    gran, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    if gran != "full":
+        return _failed(
+            [
+                (method is None, "--recompute-method needs --recompute-granularity full"),
+                (n is None, "--recompute-num-layers needs --recompute-granularity full"),
+            ]
+        )
+    if method is None or n is None:
+        return [
+            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+            "(or use --recompute-granularity selective)"
+        ]
+    most = max(chunk_layer_counts(cfg), default=m.num_layers)
+    return _failed(
+        [
+            (n >= 1, f"--recompute-num-layers must be >= 1 (got {n})"),
+            (
+                method != "block" or n <= most,
+                f"--recompute-num-layers {n} exceeds the {most} layers of a (virtual) pipeline stage: with "
+                f"--recompute-method block use at most {most}",
+            ),
         ]
     )
 

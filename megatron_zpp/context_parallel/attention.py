@@ -11,11 +11,14 @@ the reduce-scatter of their gradients.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import comm
+from ..recompute import checkpoint
 from ..topology import Group
 
 
@@ -39,12 +42,14 @@ class GatherSequence(torch.autograd.Function):
 
 
 def attention_context_parallel(
-    q: Tensor, k: Tensor, v: Tensor, cp: Group, dropout_p: float = 0.0, training: bool = False
+    q: Tensor, k: Tensor, v: Tensor, cp: Group, dropout_p: float = 0.0, training: bool = False, recompute: bool = False
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     q [B, H, T_local, D], k [B, G, T_local, D], v [B, G, T_local, Dv] (SDPA layout; GQA: H a
     multiple of G). Returns [B, H, T_local, Dv], equal to the slice of full causal attention.
+    recompute: the attention after the K/V gather is recomputed in the backward (selective
+    activation recompute; the gather is not repeated).
     """
     dropout = dropout_p if training else 0.0
     gqa = q.shape[1] != k.shape[1]
@@ -57,4 +62,5 @@ def attention_context_parallel(
     k_all, v_all = kv[:, :, :end, :Dk], kv[:, :, :end, Dk:]
     q_pos = cp.rank * T + torch.arange(T, device=q.device)
     mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # True = attend
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    attend = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    return checkpoint(attend, q, k_all, v_all) if recompute else attend(q, k_all, v_all)

@@ -27,6 +27,7 @@ import threading
 import torch
 from torch import Tensor
 
+from .. import recompute
 from ..ops.gla import (
     ChunkGLABackward,
     ChunkGLAForward,
@@ -42,6 +43,16 @@ from .lasp2 import GatherScan
 from .ring import RingScan
 
 ALGOS = ("all-scan", "all-gather", "ring")
+
+
+class _Known:
+    """A result already at hand, read like a _Background's."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class _Background:
@@ -88,14 +99,19 @@ class ContextParallelGLA(torch.autograd.Function):
             states, S_loc = chunk_gla_fwd_states(k, v, g, None, chunk_size)
         dt = S_loc.dtype
         log_gamma = g.to(dt).sum(dim=1)  # [B,H,K]: the slice's total decay
-        pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
+        # an activation-recompute rerun reuses the state its first run received: no second scan
+        kept = recompute.recall()
+        if kept is not None:
+            pending = _Known(kept)
+        else:
+            pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
         if ctx.staged:
             stages.intra()
-            S_in = pending.result()
+            S_in = recompute.remember(pending.result())
             o = stages.finish(S_in)[0]
         else:
             o = chunk_gla_fwd_output(q, k, v, g, states, scale, chunk_size)  # while the state travels
-            S_in = pending.result()
+            S_in = recompute.remember(pending.result())
             o = o + torch.einsum("bthk,bhkv->bthv", _decayed_queries(q, g, dt), S_in) * scale
         ctx.save_for_backward(q, k, v, g, S_in, log_gamma)
         ctx.scan, ctx.scale, ctx.chunk_size = scan, scale, chunk_size

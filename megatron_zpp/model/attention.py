@@ -5,11 +5,13 @@ over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv hea
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import recompute
 from ..config import ModelConfig
 from ..context_parallel import attention_context_parallel
 from ..ops import rope as rope_ops
@@ -26,6 +28,7 @@ class SelfAttention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
         self.dropout = cfg.attention_dropout
+        self.selective = cfg.recompute_granularity == "selective"  # the core attention is recomputed in backward
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d],
@@ -42,13 +45,16 @@ class SelfAttention(nn.Module):
         qk_width = (self.heads + self.kv_heads) * d  # q then k heads: one slice, rotated in place by the kernel
         q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
         v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
-        dropout = self.dropout if self.training else 0.0
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        o = self._core_attention(q, k, v)
+        return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))
+
+    def _core_attention(self, q, k, v):
+        dropout = self.dropout if self.training else 0.0
         with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too
             if self.cp is not None and self.cp.size > 1:  # local queries against the keys of every CP slice
-                o = attention_context_parallel(q, k, v, self.cp, dropout, self.training)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=self.kv_heads != self.heads
-                )
-        return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))
+                return attention_context_parallel(q, k, v, self.cp, dropout, self.training, self.selective)
+            gqa = self.kv_heads != self.heads
+            sdpa = F.scaled_dot_product_attention
+            attend = functools.partial(sdpa, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+            return recompute.checkpoint(attend, q, k, v) if self.selective else attend(q, k, v)

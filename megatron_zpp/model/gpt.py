@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 
+from .. import recompute
 from ..config import ModelConfig
 from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear
@@ -69,6 +70,7 @@ class GPT(nn.Module):
             self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, ctx.tp, std, sp)
             self.embedding.weight.pipeline_duplicate = not pre_process  # the first stage's copy is the one counted
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, ctx) for i in layer_ids})
+        self.block_groups = recompute.layer_groups(cfg, len(self.layers))  # --recompute-granularity full
         if post_process:
             self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
             if not self.tied:
@@ -93,8 +95,9 @@ class GPT(nn.Module):
         positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
         rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
 
-        for block in self.layers.values():
-            x = block(x, rope)
+        blocks = list(self.layers.values())
+        for start, stop, again in self.block_groups:  # a recomputed group keeps only its input for the backward
+            x = recompute.run_blocks(blocks[start:stop], x, rope, recompute=again)
         if not self.post_process:
             return x
         return self.head(x, labels)

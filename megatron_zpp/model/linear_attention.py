@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import recompute
 from ..config import ModelConfig
 from ..context_parallel import gla_context_parallel
 from ..ops.gla import chunk_gla
@@ -31,6 +32,7 @@ class GatedLinearAttention(nn.Module):
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         self.chunk_size, self.normalizer, self.eps = cfg.gla_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
         self.low_rank = cfg.gla_gate_low_rank
+        self.selective = cfg.recompute_granularity == "selective"
         width, std = cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
         # q | k | v | output gate (| decay gate when full rank), each split by heads over TP
         sections = [width] * (4 if self.low_rank else 5)
@@ -50,6 +52,12 @@ class GatedLinearAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # no positional encoding: decay orders tokens
         x = enter_tp_region(x, self.ctx.tp, self.ctx.sequence_parallel)  # once for every projection
         h = self.proj_in(x, input_in_tp_region=True)
+        # selective recompute: everything between the two projections runs again in the backward
+        o = recompute.checkpoint(self._core, x, h) if self.selective else self._core(x, h)
+        return self.proj_out(o)
+
+    def _core(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Gates, the chunked operator, head norm and output gate: [B, T, width/TP] before proj_out."""
         B, T, _ = h.shape
         parts = h.chunk(4 if self.low_rank else 5, dim=-1)
         gate_logits = (
@@ -60,7 +68,7 @@ class GatedLinearAttention(nn.Module):
         o = _at_least_fp32(self._mix(q, k, v, g))
         o = F.rms_norm(o, (self.head_dim,), eps=self.eps) * self.head_norm.to(o.dtype).view(self.heads, -1)
         o = o.to(x.dtype) * F.silu(gate)
-        return self.proj_out(o.reshape(B, T, -1))
+        return o.reshape(B, T, -1)
 
     def _mix(self, q, k, v, g) -> torch.Tensor:
         ctx, T = self.ctx, q.shape[1]

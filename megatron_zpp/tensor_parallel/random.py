@@ -49,6 +49,16 @@ def model_parallel_rng():
             _STATE["cpu"], _STATE["dev"] = torch.get_rng_state(), _device_state(device)
 
 
+def tracker_state() -> dict:
+    """A copy of the per-TP-rank stream's state (activation recompute replays from it)."""
+    return dict(_STATE)
+
+
+def set_tracker_state(state: dict) -> None:
+    _STATE.clear()
+    _STATE.update(state)
+
+
 class ShardedDropout(torch.nn.Dropout):
     """Dropout on activations that differ across TP ranks (e.g. sequence-parallel shards)."""
 

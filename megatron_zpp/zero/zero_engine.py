@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..optim import build_adamw, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
+from ..recompute import recomputing
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
@@ -164,11 +165,9 @@ class ZeroEngine(DataParallelEngine):
         if end:
             chunk.final_norm.register_forward_pre_hook(lambda m, a: _gather(end))
         for i, unit in enumerate(blocks):
-            unit.module.register_forward_pre_hook(
-                lambda m, a, unit=unit: self._gather_and_prefetch([unit], order, after=unit)
-            )
+            unit.module.register_forward_pre_hook(self._before_forward(unit, order))
             if not self.per_step:
-                unit.module.register_forward_hook(lambda m, a, o, unit=unit: unit.release())
+                unit.module.register_forward_hook(self._after_forward(unit))
             prev = blocks[i - 1] if i > 0 else None
             unit.module.register_full_backward_pre_hook(self._before_backward(unit, prev))
 
@@ -181,6 +180,27 @@ class ZeroEngine(DataParallelEngine):
         if i < len(order):
             for u in order[i] if isinstance(order[i], list) else [order[i]]:
                 u.start_gather(backward=False)
+
+    @classmethod
+    def _before_forward(cls, unit: FlatUnit, order: list):
+        """Gather the block and prefetch the next; in an activation-recompute rerun (inside the
+        backward of its group, before the block's own backward) gather it for that backward."""
+
+        def hook(module, args):
+            if recomputing():
+                unit.gather(backward=True)
+            else:
+                cls._gather_and_prefetch([unit], order, after=unit)
+
+        return hook
+
+    @staticmethod
+    def _after_forward(unit: FlatUnit):
+        def hook(module, args, output):
+            if not recomputing():  # a rerun runs inside the backward, which still needs the weights
+                unit.release()
+
+        return hook
 
     @staticmethod
     def _before_backward(unit: FlatUnit, prev: FlatUnit | None):
