@@ -241,7 +241,21 @@ class DataConfig:
     )
     tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
     data_cache_path: str | None = opt(None, "--data-cache-path", "where dataset indices are cached (.npy)")
-    reset_attention_mask: bool = opt(False, "--reset-attention-mask", "no attention across document boundaries")
+    reset_position_ids: bool = opt(
+        False, "--reset-position-ids", "packed documents: positions restart at 0 after each EOD token"
+    )
+    reset_attention_mask: bool = opt(
+        False,
+        "--reset-attention-mask",
+        "packed documents: a token sees only its own document (ended by its EOD token): softmax attention "
+        "masks other documents, GLA resets its state at each document start",
+    )
+    eod_mask_loss: bool = opt(False, "--eod-mask-loss", "no loss on the predictions made from EOD input tokens")
+
+    @property
+    def packed_documents(self) -> bool:
+        """Whether the model needs the document structure of each sample."""
+        return self.reset_position_ids or self.reset_attention_mask
 
 
 @dataclass
@@ -320,13 +334,7 @@ SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
-NOT_YET = {
-    "reset_attention_mask": (
-        lambda c: c.data.reset_attention_mask,
-        "--reset-attention-mask (decay and attention reset at document boundaries) is not "
-        "implemented yet: documents are packed and attend across boundaries",
-    ),
-}
+NOT_YET: dict = {}
 
 
 def flag_of(section: str, name: str) -> str:
@@ -638,6 +646,11 @@ def _check_compile(cfg: Config, world_size: int) -> list[str]:
             (
                 cfg.train.kernels != "triton",
                 "--torch-compile compiles the PyTorch references: use --kernels torch or auto with it, not triton",
+            ),
+            (
+                not cfg.data.packed_documents,
+                "--torch-compile is not verified with packed documents (--reset-position-ids, "
+                "--reset-attention-mask): drop one or the other",
             ),
         ]
     )

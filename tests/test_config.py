@@ -182,9 +182,7 @@ def test_data_source_both_or_neither(with_data_path):
     assert "--mock-data" in line
 
 
-NOT_YET_CASES = {  # the flags still refused; a case leaves when its feature lands
-    "reset_attention_mask": (dict(data__reset_attention_mask=True), 1, "--reset-attention-mask"),
-}
+NOT_YET_CASES: dict = {}  # the flags still refused (none now); a case leaves when its feature lands
 
 
 def test_not_yet_cases_cover_every_refused_flag():
@@ -192,10 +190,16 @@ def test_not_yet_cases_cover_every_refused_flag():
     assert set(NOT_YET) <= set(NOT_YET_CASES)
 
 
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_not_yet_implemented_flags_refused(name):
-    settings, world, flag = NOT_YET_CASES[name]
-    lines = errors_of(make(**settings), world)
+@pytest.fixture
+def refused_feature(monkeypatch):
+    """A stand-in entry of NOT_YET (the mechanism is kept for features whose flags land before them)."""
+    monkeypatch.setitem(NOT_YET, "eod_mask_loss", (lambda c: c.data.eod_mask_loss, "is not implemented yet: why"))
+    return dict(data__eod_mask_loss=True), "--eod-mask-loss"
+
+
+def test_not_yet_implemented_flags_refused(refused_feature):
+    settings, flag = refused_feature
+    lines = errors_of(make(**settings), 1)
     line = line_with(lines, "not implemented yet")
     assert line.startswith(flag + ":"), line
     assert len([ln for ln in lines if "not implemented yet" in ln]) == 1
@@ -215,10 +219,11 @@ def test_multiple_problems_reported_together():
     assert len(lines) >= 5
 
 
-def test_not_yet_flag_does_not_hide_other_problems():
+def test_not_yet_flag_does_not_hide_other_problems(refused_feature):
     # a refused feature and a bad head count: both must be reported in one go
-    lines = errors_of(make(model__num_attention_heads=3, data__reset_attention_mask=True), 1)
-    line_with(lines, "--reset-attention-mask")
+    settings, flag = refused_feature
+    lines = errors_of(make(model__num_attention_heads=3, **settings), 1)
+    line_with(lines, flag)
     line_with(lines, "--num-attention-heads")
 
 

@@ -1,5 +1,6 @@
 """Rotary position embedding on [B, T, H, D] heads, the half-rotation convention (pairs x[i], x[i + D/2],
-GPT-NeoX / Llama), with cos/sin tables [T, D] (positions, CP offsets included, are in the tables).
+GPT-NeoX / Llama), with cos/sin tables [T, D] (positions, CP offsets included, are in the tables), or
+[B, T, D] when every sample has its own positions (packed documents).
 
 One program per (token, block of heads): it loads the token's cos/sin row once and rotates its heads
 in fp32. The output may alias the input (in place: the forward rotates q and k where they lie). The
@@ -29,6 +30,7 @@ def _rope_kernel(
     out_stride_b,
     out_stride_t,
     out_stride_h,
+    table_stride_b,
     table_stride_t,
     TRANSPOSE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -41,7 +43,7 @@ def _rope_kernel(
     col_mask = cols < half
     mask = (heads[:, None] < H) & col_mask[None, :]
 
-    table = t * table_stride_t + cols
+    table = b * table_stride_b + t * table_stride_t + cols
     cos1 = tl.load(cos_ptr + table, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     cos2 = tl.load(cos_ptr + table + half, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + table, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -63,7 +65,7 @@ def _rope_kernel(
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, transpose: bool = False):
     """Rotate x [B, T, H, D] (stride 1 in D) into out (same shape; may be x itself) with cos/sin [T, D]
-    (stride 1 in D, same strides). transpose: apply the transposed rotation (the backward)."""
+    or [B, T, D] (stride 1 in D, same strides). transpose: apply the transposed rotation (the backward)."""
     B, T, H, D = x.shape
     half = D // 2
     block_half = triton.next_power_of_2(half)
@@ -72,7 +74,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     if B * T and H:
         _rope_kernel[grid](
             x, out, cos, sin, T, H, half,
-            x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), cos.stride(0),
+            x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            cos.stride(0) if cos.dim() == 3 else 0, cos.stride(-2),
             TRANSPOSE=transpose, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
         )  # fmt: skip
     return out

@@ -1,6 +1,12 @@
 """Causal softmax self-attention with grouped-query heads (GQA) and RoPE, on PyTorch
 SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
-over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads."""
+over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads.
+
+Packed documents (--reset-attention-mask): a boolean block-diagonal causal mask [B, 1, T, T]
+built from the document ids (the math path on CPU). On GPU, SDPA with a mask runs the
+memory-efficient kernel, not flash; the flash path would be per-document varlen attention
+(flash_attn_varlen_func with cu_seqlens from the document starts, no [T, T] mask at all), or
+FlexAttention's document mask, which skip the masked blocks: not built here."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..ops import rope as rope_ops
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
+from .documents import Documents
 
 
 class SelfAttention(nn.Module):
@@ -38,7 +45,9 @@ class SelfAttention(nn.Module):
         )
         self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
         d = self.head_dim
@@ -46,14 +55,16 @@ class SelfAttention(nn.Module):
         q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
         v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        o = self._core_attention(q, k, v)
+        o = self._core_attention(q, k, v, documents)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))
 
-    def _core_attention(self, q, k, v):
+    def _core_attention(self, q, k, v, documents: Documents | None):
         dropout = self.dropout if self.training else 0.0
+        doc_ids = documents.doc_ids if documents is not None else None  # None: attend across documents
         with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too
-            if self.cp is not None and self.cp.size > 1:  # local queries against the keys of every CP slice
-                return attention_context_parallel(q, k, v, self.cp, dropout, self.training, self.selective)
+            if (self.cp is not None and self.cp.size > 1) or doc_ids is not None:
+                # local queries against the keys of every CP slice, masked to their documents
+                return attention_context_parallel(q, k, v, self.cp, dropout, self.training, doc_ids, self.selective)
             gqa = self.kv_heads != self.heads
             sdpa = F.scaled_dot_product_attention
             attend = functools.partial(sdpa, is_causal=True, dropout_p=dropout, enable_gqa=gqa)

@@ -7,7 +7,8 @@ attention (config.layer_kind). Parallelism enters only through the layers and on
 ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
 algorithm: each CP rank holds a contiguous slice of the sequence, at `position_offset`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
-owns (`pre_process`: embedding, `post_process`: output).
+owns (`pre_process`: embedding, `post_process`: output). Packed documents (model/documents.py)
+come as one `documents` object: positions for RoPE, document ids for the mixers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linea
 from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
 from .context import ParallelContext
+from .documents import Documents
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
 from .norm import build_norm
@@ -43,8 +45,8 @@ class Block(nn.Module):
         # sequence-parallel activations differ per TP rank: their dropout masks must too
         self.dropout = (ShardedDropout if sp else nn.Dropout)(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.dropout(self.mixer(self.norm1(x), rope))
+    def forward(self, x: torch.Tensor, rope, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.mixer(self.norm1(x), rope, documents))
         x = x + self.dropout(self.mlp(self.norm2(x)))
         return x
 
@@ -82,6 +84,7 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         position_offset: int = 0,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden [B, T', H] (later stages; T' = T/TP under
         sequence parallelism). Returns per-token losses [B, T] when labels are given,
@@ -92,12 +95,15 @@ class GPT(nn.Module):
             if tokens is not None
             else x.shape[1] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
         )
-        positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
+        if documents is not None and documents.positions is not None:
+            positions = documents.positions  # [B, T]: restarting at each document
+        else:
+            positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
         rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
 
         blocks = list(self.layers.values())
         for start, stop, again in self.block_groups:  # a recomputed group keeps only its input for the backward
-            x = recompute.run_blocks(blocks[start:stop], x, rope, recompute=again)
+            x = recompute.run_blocks(blocks[start:stop], x, rope, documents, recompute=again)
         if not self.post_process:
             return x
         return self.head(x, labels)

@@ -8,7 +8,12 @@ come from a full-rank projection (--gla-gate-low-rank 0: a fifth head-split sect
 the input projection) or, as in the GLA paper, from a low-rank one x W_down W_up + b
 (rank 16 there). Output: per-head RMSNorm, times a SiLU output gate, then the output
 projection. Every projection is split by heads over TP; W_down is replicated, and its
-gradient, computed from this rank's heads only, is a partial sum over TP."""
+gradient, computed from this rank's heads only, is a partial sum over TP.
+
+Packed documents (--reset-attention-mask): the log decay of each document's first token is
+-inf, so exp(g) = 0 erases all earlier state there; the chunked form, the kernels and the CP
+state scan (whose slice decay gamma is then 0) keep this exact and finite, and the gate's
+gradient at those tokens is 0."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from ..ops.gla import chunk_gla
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from ..tensor_parallel.layers import mark
 from .context import ParallelContext
+from .documents import Documents
 
 
 class GatedLinearAttention(nn.Module):
@@ -49,14 +55,15 @@ class GatedLinearAttention(nn.Module):
         self.head_norm = mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), ("ones",), (0, (width,)))
         self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:  # no positional encoding: decay orders tokens
+    def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
+        # no positional encoding: the decay orders tokens
         x = enter_tp_region(x, self.ctx.tp, self.ctx.sequence_parallel)  # once for every projection
         h = self.proj_in(x, input_in_tp_region=True)
         # selective recompute: everything between the two projections runs again in the backward
-        o = recompute.checkpoint(self._core, x, h) if self.selective else self._core(x, h)
+        o = recompute.checkpoint(self._core, x, h, documents) if self.selective else self._core(x, h, documents)
         return self.proj_out(o)
 
-    def _core(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _core(self, x: torch.Tensor, h: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """Gates, the chunked operator, head norm and output gate: [B, T, width/TP] before proj_out."""
         B, T, _ = h.shape
         parts = h.chunk(4 if self.low_rank else 5, dim=-1)
@@ -65,6 +72,8 @@ class GatedLinearAttention(nn.Module):
         )  # no comm: see the docstring
         q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in (*parts[:4], gate_logits))
         g = F.logsigmoid(_at_least_fp32(g)) / self.normalizer
+        if documents is not None and documents.separate:  # a hard reset at each document start
+            g = g.masked_fill(documents.starts(T)[:, :, None, None], float("-inf"))
         o = _at_least_fp32(self._mix(q, k, v, g))
         o = F.rms_norm(o, (self.head_dim,), eps=self.eps) * self.head_norm.to(o.dtype).view(self.heads, -1)
         o = o.to(x.dtype) * F.silu(gate)

@@ -1,6 +1,6 @@
 """Rotary position embedding (RoPE), rotating pairs (x[i], x[i + D/2]) as GPT-NeoX and Llama do, with
 cos/sin tables [T, D] from model/rope.py (positions are absolute: a context-parallel rank's tables
-start at its slice's offset).
+start at its slice's offset), or [B, T, D] when each sample has its own positions (--reset-position-ids).
 
 `rope_reference` is the PyTorch math. `apply_rope` (out of place) and `apply_rope_qk` (the query and
 key heads of the fused QKV projection, rotated in place) run the Triton kernel (kernels/rope.py)
@@ -18,10 +18,10 @@ dispatch.register("rope", "fp32/bf16/fp16 q and k heads, in place, any even head
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [T, D]."""
+    """x: [B, T, H, D]; cos/sin: [T, D] or [B, T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # broadcast over heads
     return x * cos + rotated * sin
 
 
@@ -32,7 +32,8 @@ def _kernel_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bo
         and x.dim() == 4
         and x.shape[-1] % 2 == 0
         and x.stride(-1) == 1
-        and cos.shape == sin.shape == (x.shape[1], x.shape[3])
+        and cos.shape == sin.shape
+        and cos.shape in ((x.shape[1], x.shape[3]), (x.shape[0], x.shape[1], x.shape[3]))
     )
 
 

@@ -10,7 +10,13 @@
 A micro-batch's loss is the mean over its tokens divided by the number of micro-batches,
 so the accumulated gradient is that of the mean over the rank's share of the global
 batch. The schedules return the per-micro-batch losses on the last stage (empty
-elsewhere); the caller broadcasts what it reports.
+elsewhere); the caller broadcasts what it reports. With --eod-mask-loss a micro-batch's loss
+is its masked mean instead (the batch's loss_mask and loss_tokens, data/loader.py).
+
+Every chunk of a stage receives its micro-batch's batch: the first stage's embedding reads
+the tokens, the last the labels, and every layer the packed documents (positions, document
+ids), which each stage builds from the tokens it reads itself (data/loader.py), so nothing
+but hidden states travels between stages.
 """
 
 from __future__ import annotations
@@ -27,20 +33,38 @@ class Stage:
         self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
         self.position_offset, self.forward_only = position_offset, forward_only
         self.losses: list[torch.Tensor] = []
+        self.runs = [0] * len(chunks)  # micro-batches each chunk has run
+        self.fetched: dict[int, list] = {}  # micro-batch -> [its batch, chunks yet to run it]
+        self.next_micro_batch = 0
+
+    def batch_for(self, chunk_id: int) -> dict:
+        """The batch of the next micro-batch of chunk `chunk_id`: each chunk runs micro-batches in order,
+        so chunk c's j-th forward is micro-batch j; it is read once and kept until every chunk ran it."""
+        j = self.runs[chunk_id]
+        self.runs[chunk_id] += 1
+        while self.next_micro_batch <= j:
+            self.fetched[self.next_micro_batch] = [next(self.batches), len(self.chunks)]
+            self.next_micro_batch += 1
+        entry = self.fetched[j]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.fetched[j]
+        return entry[0]
 
     def forward(self, chunk_id: int, hidden: torch.Tensor | None) -> torch.Tensor:
         model = self.chunks[chunk_id]
-        batch = next(self.batches) if (model.pre_process or model.post_process) else {}
+        batch = self.batch_for(chunk_id)
         with torch.set_grad_enabled(not self.forward_only):
             out = model(
                 tokens=batch.get("tokens"),
                 labels=batch.get("labels"),
                 hidden=hidden,
                 position_offset=self.position_offset,
+                documents=batch.get("documents"),
             )
         if not model.post_process:
             return out
-        loss = out.mean()
+        loss = out.mean() if batch.get("loss_mask") is None else (out * batch["loss_mask"]).sum() / batch["loss_tokens"]
         self.losses.append(loss.detach())
         return loss / self.m
 

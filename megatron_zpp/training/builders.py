@@ -8,7 +8,7 @@ import torch
 from .. import comm
 from ..config import Config
 from ..data.builder import build_gpt_datasets
-from ..data.loader import BatchIterator
+from ..data.loader import BatchIterator, Packing
 from ..data.mock import MockGPTDataset
 from ..model import GPT, ParallelContext, init_weights
 from ..pipeline_parallel import StageLink, build_stage_model
@@ -55,8 +55,8 @@ def compile_model(chunks: list[GPT], seq_length: int) -> None:
         for block in chunk.layers.values():
             eager, compiled = block.forward, torch.compile(block.forward)
 
-            def forward(x: torch.Tensor, rope, eager=eager, compiled=compiled) -> torch.Tensor:
-                return (compiled if x.shape[1] == seq_length else eager)(x, rope)
+            def forward(x: torch.Tensor, rope, documents=None, eager=eager, compiled=compiled) -> torch.Tensor:
+                return (compiled if x.shape[1] == seq_length else eager)(x, rope, documents)
 
             block.forward = forward
         if chunk.post_process:  # no parameters inside, so no hooks: always compiled
@@ -83,10 +83,14 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
         eval_rounds * t.global_batch_size,
         t.eval_iters * t.global_batch_size,
     )
-    seq = cfg.model.seq_length
+    seq, d = cfg.model.seq_length, cfg.data
+    packing = None
+    if d.packed_documents or d.eod_mask_loss:
+        packing = Packing(tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
     if cfg.data.mock_data:
-        train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed)
-        valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1)
+        eod = packing.eod if packing is not None else None  # mock samples pack EOD-ended documents then
+        train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed, eod)
+        valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1, eod)
     else:
         train, valid, _ = build_gpt_datasets(
             cfg.data.data_path,
@@ -99,5 +103,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
             barrier=lambda: comm.barrier(),
         )
     mbs = t.micro_batch_size
-    valid_it = (lambda: BatchIterator(valid, 0, mbs, groups, device)) if valid is not None and eval_rounds else None
-    return BatchIterator(train, consumed, mbs, groups, device), valid_it
+    valid_it = (
+        (lambda: BatchIterator(valid, 0, mbs, groups, device, packing)) if valid is not None and eval_rounds else None
+    )
+    return BatchIterator(train, consumed, mbs, groups, device, packing), valid_it
