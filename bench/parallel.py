@@ -26,6 +26,14 @@ model is our softmax GPT (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embedding, fp
    by the global grad norm and steps AdamW.
 Step time = barrier, step, barrier; median over the timed steps after warmup. A peer that
 fails in this torch version is reported with its exception instead of a time.
+4. Plain DP with and without --overlap-grad-reduce on the emulated 2-node cluster of
+   bench/cluster.py (root: 2 network namespaces x 2 ranks, the cross-node veth shaped with
+   tc tbf; without root the ranks run on loopback, unshaped, and the table says so), through
+   bench/zero.py's launcher and probe (pretrain_gpt.py unchanged, step time around each
+   train_step): DP 4, one micro-batch per rank, fp32, --ddp-bucket-size elements per bucket,
+   both variants in every round (order alternating), --dp-overlap-rates in one launch each.
+
+    sudo .venv/bin/python bench/parallel.py --only-dp-overlap     (section 4 alone, ~10 min)
 """
 
 from __future__ import annotations
@@ -320,6 +328,114 @@ def ranks(rank: int, world: int, a: dict) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ 4. plain DP, overlap on/off, 2 emulated nodes
+
+DP_OVERLAP = {  # bench/zero.py system name -> (label, kind, our flags); bucket size appended at run time
+    "ours-dp-sync": ("plain DP --no-overlap-grad-reduce", "ours", ["--zero-stage", "0", "--no-overlap-grad-reduce"]),
+    "ours-dp-overlap": ("plain DP --overlap-grad-reduce", "ours", ["--zero-stage", "0", "--overlap-grad-reduce"]),
+}
+
+
+def dp_overlap(args) -> dict:
+    """Both variants over every rate, --dp-overlap-repeats rounds: {rate: row}, and the setup."""
+    import tempfile
+
+    from bench import zero as zb
+    from bench.cluster import Cluster, parse_rate, take_lock
+
+    a = argparse.Namespace(
+        rates=args.dp_overlap_rates,
+        steps=args.dp_overlap_steps,
+        warmup=2,
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        seq_length=256,
+        vocab_size=512,
+        micro_batch_size=1,
+        seed=1234,
+        malloc_mmap_threshold=2**20,
+        gloo_native_reduce_scatter=False,
+    )
+    for name, (label, kind, flags) in DP_OVERLAP.items():
+        extra = ["--ddp-bucket-size", str(args.ddp_bucket_size)] if name == "ours-dp-overlap" else []
+        zb.SYSTEMS[name] = (label, kind, flags + extra)
+    lock = take_lock()
+    cluster = Cluster(True, lock)
+    work = tempfile.mkdtemp(prefix="zpp_dp_overlap_")
+    runs, paths, qdisc, load0 = {n: [] for n in DP_OVERLAP}, {}, None, os.getloadavg()[0]
+    try:
+        if cluster.netns:
+            paths = cluster.check_paths(parse_rate(a.rates[0]) or 1e9)
+        for rep in range(args.dp_overlap_repeats):
+            for name in zb.round_order(list(DP_OVERLAP), rep):
+                out = os.path.join(work, f"r{rep}", name)
+                runs[name].append(zb.launch(cluster, name, a, "fp32", out, None, timeout=900))
+                print(f"[dp-overlap] round {rep + 1} {name}: {runs[name][-1]['status']}", file=sys.stderr)
+        qdisc = cluster.qdisc()
+    finally:
+        cluster.cleanup()
+    results = {n: zb.combine(rs, a.rates) for n, rs in runs.items()}
+    rows = {}
+    for rate in a.rates:
+        row = {}
+        for name, res in results.items():
+            if res["status"] != "ok":
+                row[name] = {"error": res.get("reason")}
+                continue
+            r, led = res["rates"][rate], res["ledger"] or {}
+            row[name] = {
+                "step_s": r["step_s"],
+                "spread": r["spread"],
+                "loss_last": r["loss_last"],
+                "ledger_cross_node_mb_per_rank": (led.get("inter_node_per_rank") or 0) / 1e6,
+                "wire_cross_node_mb_per_node": (r["wire_bytes_per_node"] or 0) / 1e6,
+            }
+        sync, over = (row.get(n, {}).get("step_s") for n in DP_OVERLAP)
+        row["speedup"] = sync / over if sync and over else None
+        rows[rate] = row
+    return {
+        "rows": rows,
+        "netns": cluster.netns,
+        "why_not_shaped": cluster.reason or None,
+        "path_check": paths,
+        "qdisc_last": qdisc,
+        "model": {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")},
+        "ddp_bucket_size": args.ddp_bucket_size,
+        "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "work_dir": work,
+    }
+
+
+def print_dp_overlap(d: dict) -> None:
+    m = d["model"]
+    where = (
+        "emulated 2 nodes x 2 ranks (tc tbf on the cross-node veth)"
+        if d["netns"]
+        else (f"ONE loopback host, NOT shaped ({d['why_not_shaped']})")
+    )
+    print(
+        f"\n4. Plain DP 4 over {where}: GPT fp32 {m['num_layers']} layers, hidden {m['hidden_size']}, seq "
+        f"{m['seq_length']}, 1 micro-batch per rank; --ddp-bucket-size {d['ddp_bucket_size']}; load average "
+        f"{d['load_avg'][0]} -> {d['load_avg'][1]}"
+    )
+    if d["path_check"]:
+        print(f"   path check: {d['path_check']}")
+    print(
+        f"   {'rate':<9} {'sync s':>7} {'overlap s':>9} {'sync/overlap':>12} {'x-node MB/rank':>14}"
+        f" {'loss rel diff':>13}"
+    )
+    for rate, row in d["rows"].items():
+        sync, over = row["ours-dp-sync"], row["ours-dp-overlap"]
+        if "error" in sync or "error" in over:
+            print(f"   {rate:<9} FAILED: {sync.get('error') or over.get('error')}")
+            continue
+        print(
+            f"   {rate:<9} {sync['step_s']:>7.3f} {over['step_s']:>9.3f} {row['speedup']:>12.2f} "
+            f"{over['ledger_cross_node_mb_per_rank']:>14.1f} {abs(over['loss_last'] / sync['loss_last'] - 1):>13.1e}"
+        )
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -364,7 +480,18 @@ def pair(ours: dict, peer: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small model, few steps")
+    ap.add_argument("--only-dp-overlap", action="store_true", help="run section 4 alone (plain DP overlap on/off)")
+    ap.add_argument("--no-dp-overlap", action="store_true", help="skip section 4")
+    ap.add_argument("--dp-overlap-rates", nargs="+", default=["unshaped", "1gbit", "200mbit"])
+    ap.add_argument("--dp-overlap-steps", type=int, default=5, help="timed steps per rate (section 4)")
+    ap.add_argument("--dp-overlap-repeats", type=int, default=2, help="rounds of both variants (section 4)")
+    ap.add_argument("--ddp-bucket-size", type=int, default=1_000_000, help="section 4's buckets (elements)")
     args = ap.parse_args()
+    if args.only_dp_overlap:
+        d = dp_overlap(args)
+        print_dp_overlap(d)
+        print(json.dumps({"bench": "parallel", "dp_overlap": d}))
+        return
     if args.quick:
         a = dict(layers=8, hidden=128, heads=4, seq=64, vocab=512, mbs=1, warmup=1, steps=2, m=[4], emulate=0.01)
     else:
@@ -378,6 +505,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         rows.append({"p": 4, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     tp, pp = pair(two[0]["tp_ours"], two[0]["tp_peer"]), pair(two[0]["pp_ours"], two[0]["pp_peer"])
+    overlap = None if args.no_dp_overlap else dp_overlap(args)
 
     ffn = 64 * ((int(8 * a["hidden"] / 3) + 63) // 64)
     print(
@@ -420,6 +548,8 @@ def main() -> None:
         for side in ("ours", "peer"):
             if f"{side}_error" in r:
                 print(f"      {side} FAILED: {r[f'{side}_error']}")
+    if overlap is not None:
+        print_dp_overlap(overlap)
     load = round(load_before, 2)
     busy = " -- BUSY: other processes share these cores, figures are distorted" if load > 1.0 else ""
     print(f"\ntotal bench time {time.perf_counter() - t0:.0f} s; 1-min load average at start {load}{busy}")
@@ -435,6 +565,7 @@ def main() -> None:
                 "bubble": rows,
                 "tp2": tp,
                 "pp2": pp,
+                "dp_overlap": overlap,
             }
         )
     )

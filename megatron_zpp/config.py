@@ -200,6 +200,25 @@ class ZeroConfig:
         "--zero-gradient-stochastic-rounding",
         "qgZ: round the int4 gradients stochastically (unbiased; draws from the CPU generator, which checkpoints save)",
     )
+    overlap_grad_reduce: bool = opt(
+        True,
+        "--overlap-grad-reduce",
+        "reduce the gradients in buckets as the backward of the step's last micro-batch produces them, overlapping "
+        "the backward (plain DP: all-reduce of --ddp-bucket-size buckets; ZeRO-1: reduce-scatter per unit; ZeRO-2/3 "
+        "always reduce during the backward); --no-overlap-grad-reduce reduces everything after the backward",
+    )
+    ddp_bucket_size: int | None = opt(
+        None,
+        "--ddp-bucket-size",
+        "plain DP with --overlap-grad-reduce: gradient elements per all-reduce bucket (default, as Megatron: "
+        "max(40M, 1M x DP x CP)); without overlap the gradients go in one bucket",
+    )
+    overlap_param_gather: bool = opt(
+        False,
+        "--overlap-param-gather",
+        "ZeRO-1/2: start the all-gather of the updated weights at the end of the step and wait for each unit's "
+        "weights just before its first forward of the next step (ZeRO-3 always gathers unit by unit, prefetching)",
+    )
 
 
 @dataclass
@@ -718,6 +737,25 @@ def _check_zero(cfg: Config, world_size: int) -> list[str]:
     ]
     return _failed(
         [
+            (
+                z.ddp_bucket_size is None or z.ddp_bucket_size >= 1,
+                f"--ddp-bucket-size must be >= 1 gradient elements (got {z.ddp_bucket_size})",
+            ),
+            (
+                z.ddp_bucket_size is None or z.zero_stage == 0,
+                "--ddp-bucket-size applies to plain data parallelism (--zero-stage 0); ZeRO reduces one unit "
+                "(a transformer block, the embedding, the head) at a time: leave it unset",
+            ),
+            (
+                z.overlap_grad_reduce or z.zero_stage < 2,
+                "--no-overlap-grad-reduce: ZeRO-2/3 reduce each unit's gradients during the backward (that is what "
+                "keeps them sharded); use --zero-stage 0 or 1 to reduce after the backward",
+            ),
+            (
+                not z.overlap_param_gather or z.zero_stage in (1, 2),
+                "--overlap-param-gather applies to ZeRO-1/2 (the all-gather of the updated weights after the step); "
+                "ZeRO-3 gathers unit by unit with prefetch already, plain DP gathers nothing: drop it",
+            ),
             (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
             (
                 z.zero_gradient_quantization_block_size >= 2 and z.zero_gradient_quantization_block_size % 2 == 0,

@@ -7,8 +7,9 @@ finalize_model_grads), written once for every engine:
 2. a tied embedding lives on the first and the last pipeline stage: sum its two
    gradients over the embedding group so both copies take the same step.
 
-Both are linear, so they commute with the data-parallel sum: the plain engine runs them
-before its all-reduce, the ZeRO engine on its reduced shards."""
+Both are linear, so they commute with the data-parallel sum: every engine runs them after
+its data-parallel reduction (which may overlap the backward), the plain engine on the
+averaged full gradients, the ZeRO engine on its reduced shards."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@
 * interleaved 1F1B: each stage holds V chunks (virtual stages) and the same alternation
   runs over V x M virtual micro-batches, cutting the bubble by V (Megatron's schedule).
 
+Before each backward the schedule tells the caller's `on_backward(chunk, last)` whether
+it is that chunk's last micro-batch of the step (its gradients are then final as they are
+produced: the data-parallel engine may reduce them during that backward).
+
 A micro-batch's loss is the mean over its tokens divided by the number of micro-batches,
 so the accumulated gradient is that of the mean over the rank's share of the global
 batch. The schedules return the per-micro-batch losses on the last stage (empty
@@ -21,6 +25,8 @@ but hidden states travels between stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .p2p import StageLink
@@ -29,13 +35,22 @@ from .p2p import StageLink
 class Stage:
     """This rank's model chunks and how to run one micro-batch through a chunk."""
 
-    def __init__(self, chunks: list, batches, num_micro_batches: int, position_offset: int, forward_only: bool):
+    def __init__(
+        self,
+        chunks: list,
+        batches,
+        num_micro_batches: int,
+        position_offset: int,
+        forward_only: bool,
+        on_backward: Callable[[int, bool], None] | None = None,
+    ):
         self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
         self.position_offset, self.forward_only = position_offset, forward_only
         self.losses: list[torch.Tensor] = []
         self.runs = [0] * len(chunks)  # micro-batches each chunk has run
         self.fetched: dict[int, list] = {}  # micro-batch -> [its batch, chunks yet to run it]
         self.next_micro_batch = 0
+        self.on_backward, self.backwards = on_backward, [0] * len(chunks)
 
     def batch_for(self, chunk_id: int) -> dict:
         """The batch of the next micro-batch of chunk `chunk_id`: each chunk runs micro-batches in order,
@@ -50,6 +65,12 @@ class Stage:
         if not entry[1]:
             del self.fetched[j]
         return entry[0]
+
+    def announce_backward(self, chunk_id: int) -> None:
+        """Before a backward of chunk `chunk_id`: tell on_backward whether it is the chunk's last."""
+        self.backwards[chunk_id] += 1
+        if self.on_backward is not None:
+            self.on_backward(chunk_id, self.backwards[chunk_id] == self.m)
 
     def forward(self, chunk_id: int, hidden: torch.Tensor | None) -> torch.Tensor:
         model = self.chunks[chunk_id]
@@ -78,6 +99,7 @@ def forward_backward_no_pipelining(stage: Stage) -> list[torch.Tensor]:
     for _ in range(stage.m):
         out = stage.forward(0, None)
         if not stage.forward_only:
+            stage.announce_backward(0)
             stage.backward(None, out, None)
     return stage.losses
 
@@ -109,11 +131,13 @@ def forward_backward_1f1b(stage: Stage, link: StageLink) -> list[torch.Tensor]:
         _, dy = link.exchange(send_next=None if last else y, recv_next=not last)
         inputs.append(x)
         outputs.append(y)
+        stage.announce_backward(0)
         dx = stage.backward(inputs.pop(0), outputs.pop(0), dy)
         x, _ = link.exchange(send_prev=dx, recv_prev=not first and i < steady - 1)
 
     for _ in range(warmup):
         _, dy = link.exchange(recv_next=not last)
+        stage.announce_backward(0)
         dx = stage.backward(inputs.pop(0), outputs.pop(0), dy)
         link.exchange(send_prev=dx)
     return stage.losses
@@ -145,6 +169,7 @@ def forward_backward_interleaved(stage: Stage, link: StageLink) -> list[torch.Te
         c = chunk_of(k, False)
         if last and c == V - 1 and not out_grads[c]:
             out_grads[c].append(None)
+        stage.announce_backward(c)
         dx = stage.backward(inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0))
         return None if (first and c == 0) else dx
 
@@ -209,8 +234,9 @@ def run_schedule(
     link: StageLink | None,
     position_offset: int = 0,
     forward_only: bool = False,
+    on_backward: Callable[[int, bool], None] | None = None,
 ) -> list[torch.Tensor]:
-    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only)
+    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only, on_backward)
     if link is None or link.pp.size == 1:
         return forward_backward_no_pipelining(stage)
     if len(chunks) == 1:

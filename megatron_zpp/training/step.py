@@ -32,7 +32,14 @@ def position_offset(run) -> int:
 def train_step(run) -> tuple[float, float, float]:
     """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
     run.dp.zero_grad()
-    losses = run_schedule(run.chunks, run.train_data, run.cfg.num_micro_batches, run.link, position_offset(run))
+    losses = run_schedule(
+        run.chunks,
+        run.train_data,
+        run.cfg.num_micro_batches,
+        run.link,
+        position_offset(run),
+        on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
+    )
     lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
     grad_norm = run.dp.step(lr)
     return report_loss(run, losses), grad_norm, lr

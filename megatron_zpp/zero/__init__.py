@@ -17,5 +17,5 @@ __all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "build_engine"]
 
 def build_engine(cfg: Config, chunks: list[torch.nn.Module], groups: ProcessGroups) -> DataParallelEngine:
     if cfg.zero.zero_stage == 0:
-        return DDPEngine(chunks, groups, cfg.optim)
+        return DDPEngine(chunks, groups, cfg.optim, cfg.zero)
     return ZeroEngine(chunks, groups, cfg.optim, cfg.zero)

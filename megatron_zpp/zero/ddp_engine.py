@@ -1,5 +1,10 @@
 """Plain data parallelism (ZeRO stage 0): every rank holds the whole model chunk and its
-optimizer state; full fp32 gradients are all-reduced over DP x CP before the step.
+optimizer state; full fp32 gradients are all-reduced over DP x CP in buckets, during the
+backward of the step's last micro-batch with --overlap-grad-reduce (grad_buffer.py).
+
+The finalize syncs (optim/finalize.py: TP-partial norm gradients, the tied embedding)
+run after the data-parallel mean, on either path, so overlap on and off compute the
+same sums in the same order.
 
 State dict ("model"): {"chunk{c}.{param name}": weight} and, for bf16, {"master.{i}":
 fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
@@ -14,29 +19,45 @@ from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_buffer import GradBuffer
 
 
+def default_bucket_numel(group_size: int) -> int:
+    """Megatron's default bucket: max(40M, 1M x DP) elements (larger groups need larger
+    buckets to stay bandwidth-bound)."""
+    return max(40_000_000, 1_000_000 * group_size)
+
+
 class DDPEngine(DataParallelEngine):
-    def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroups, optim_cfg):
+    def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroups, optim_cfg, zero_cfg):
         self.chunks, self.groups = chunks, groups
-        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-        self.grads = GradBuffer(self.params)
+        chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        self.params = [p for ps in chunk_params for p in ps]
+        self.overlap = zero_cfg.overlap_grad_reduce and groups.dp_cp.size > 1
+        bucket = (zero_cfg.ddp_bucket_size or default_bucket_numel(groups.dp_cp.size)) if self.overlap else None
+        self.grads = GradBuffer(chunk_params, groups.dp_cp, bucket)
         self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
         self.optimizer_name = self.optimizer.name
         self.clip = optim_cfg.clip_grad
 
     def describe(self) -> str:
-        return (
-            f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({self.groups.dp_cp.size} ranks, "
-            f"{self.groups.dp_cp.link})"
+        g = self.groups.dp_cp
+        how = (
+            f"{len(self.grads.buckets)} buckets started during the last micro-batch's backward (--overlap-grad-reduce)"
+            if self.overlap
+            else f"{len(self.grads.buckets)} bucket(s) after the backward"
         )
+        return f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({g.size} ranks, {g.link}): {how}"
 
     def zero_grad(self) -> None:
         self.grads.zero()
 
+    def set_last_micro_batch(self, chunk: int, last: bool) -> None:
+        if self.overlap:
+            self.grads.set_last_micro_batch(chunk, last)
+
     def step(self, lr: float) -> float:
         g = self.groups
+        self.grads.finish()
         tied = [c.embedding.weight.main_grad for c in self.chunks if hasattr(c, "embedding") and c.tied]
         finalize_model_grads([p.main_grad for p in self.params if getattr(p, "tp_partial_grad", False)], tied, g)
-        self.grads.all_reduce_mean(g.dp_cp)
         counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
         norm = clip_by_global_norm(counted, [p.main_grad for p in self.params], [g.mp], self.clip)
         self.optimizer.step(lr)

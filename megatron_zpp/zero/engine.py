@@ -5,6 +5,7 @@ syncs), the fp32 master weights and AdamW, and the state dict of both, as torcht
 ModelWrapper / OptimizersContainer own theirs:
 
     engine.zero_grad();  <forward/backward>;  norm = engine.step(lr)
+    (the schedule calls engine.set_last_micro_batch(chunk, last) before each backward)
     state = engine.state_dict()          # {"model": {key: tensor}, "optimizer": AdamW state}
     engine.load_state_dict(state)        # "optimizer" may be absent/empty (weights only) or
                                          # lack "param_groups" (resharded: this run's are kept)
@@ -33,6 +34,12 @@ class DataParallelEngine(ABC):
 
     @abstractmethod
     def zero_grad(self) -> None: ...
+
+    def set_last_micro_batch(self, chunk: int, last: bool) -> None:
+        """Called by the schedule before each backward of model chunk `chunk`: whether it is
+        the chunk's last micro-batch of the step. Its gradients are then final as the backward
+        produces them, so an engine may start reducing them (--overlap-grad-reduce); without
+        this call everything is reduced in `step`."""
 
     @abstractmethod
     def step(self, lr: float) -> float:

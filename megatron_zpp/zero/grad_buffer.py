@@ -1,12 +1,27 @@
 """Plain data parallelism (ZeRO stage 0): gradients accumulate in one flat fp32 buffer
-and are averaged over the data-parallel group in buckets.
+and are summed over the data-parallel group in buckets, during the backward when they
+overlap it (--overlap-grad-reduce), else after it.
 
 Each parameter's `.main_grad` is a view of the buffer; a post-accumulate hook adds the
 fresh `.grad` into it and frees `.grad`, so bf16 models accumulate micro-batches in
-fp32 (Megatron's main_grad). Parameters are laid out in reverse order, the order in
-which backward produces their gradients."""
+fp32 (Megatron's main_grad). Chunks and their parameters are laid out in reverse order,
+the order in which backward produces their gradients, and cut into buckets of about
+`bucket_numel` elements at parameter boundaries (a bucket never spans two model chunks:
+under the interleaved schedule each chunk's last backward ends at another time).
+
+Overlap: with gradient accumulation only the step's last micro-batch may reduce, so the
+schedule says before each backward of a chunk whether it is that chunk's last
+(`set_last_micro_batch`). During that backward each hook counts its bucket down; a
+bucket whose every gradient is in starts its async all-reduce. Buckets start in layout
+order only (a complete bucket waits for the ones before it): collectives on one group
+must start in the same order on every rank, and layout order is the same everywhere.
+`finish()` starts what has not started (everything, without overlap or without the
+schedule's signal) and waits for all. Buckets are not padded: the bytes are exactly a
+ring all-reduce of the gradients, 2(n-1)/n x 4 x numel per step."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,35 +29,100 @@ from .. import comm
 from ..topology import Group
 
 
-class GradBuffer:
-    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20):
-        self.params = [p for p in params if p.requires_grad]
-        device = self.params[0].device
-        total = sum(p.numel() for p in self.params)
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
-        self.bucket_numel = max(bucket_bytes // 4, 1)
-        offset = 0
-        for p in reversed(self.params):
-            p.main_grad = self.data[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            p.register_post_accumulate_grad_hook(self._accumulate)
+@dataclass
+class Bucket:
+    data: torch.Tensor  # a view of the flat buffer
+    chunk: int
+    size: int  # parameters in it
+    missing: int = 0  # gradients of the last micro-batch still to come
+    work: object = None  # the all-reduce in flight, once started
 
-    @staticmethod
-    def _accumulate(p: torch.nn.Parameter) -> None:
+
+def bucket_bounds(numels: list[int], bucket_numel: int | None) -> list[tuple[int, int]]:
+    """(first, end) parameter indices of each bucket: a bucket closes at the first
+    parameter boundary at or past `bucket_numel` elements (None: one bucket)."""
+    bounds, start, size = [], 0, 0
+    for i, n in enumerate(numels):
+        size += n
+        if bucket_numel is not None and size >= bucket_numel:
+            bounds.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(numels):
+        bounds.append((start, len(numels)))
+    return bounds
+
+
+class GradBuffer:
+    def __init__(self, chunk_params: list[list[torch.nn.Parameter]], group: Group, bucket_numel: int | None):
+        """chunk_params: each model chunk's parameters (requires_grad) in model order;
+        bucket_numel: elements per bucket (None: one bucket per chunk)."""
+        self.group = group
+        order = [(c, p) for c in reversed(range(len(chunk_params))) for p in reversed(chunk_params[c])]
+        self.params = [p for _, p in order]
+        device = self.params[0].device
+        self.data = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        offset = 0
+        for c in reversed(range(len(chunk_params))):
+            params = list(reversed(chunk_params[c]))
+            for first, end in bucket_bounds([p.numel() for p in params], bucket_numel):
+                n = sum(p.numel() for p in params[first:end])
+                bucket = Bucket(self.data[offset : offset + n], c, end - first, missing=end - first)
+                for p in params[first:end]:
+                    p.main_grad = self.data[offset : offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                    self._bucket_of[id(p)] = bucket
+                    p.register_post_accumulate_grad_hook(self._accumulate)
+                self.buckets.append(bucket)
+        self.last = [False] * len(chunk_params)
+        self.started_in_backward = 0  # buckets whose all-reduce the backward started (this step)
+        self._next = 0  # the next bucket to start, in layout order
+
+    def set_last_micro_batch(self, chunk: int, last: bool) -> None:
+        self.last[chunk] = last
+
+    def _accumulate(self, p: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of[id(p)]
+        if bucket.work is not None:  # the wire reads the bucket: adding to it now would corrupt the sum
+            raise RuntimeError(
+                "a gradient arrived after its bucket's all-reduce started: a backward ran after the one the "
+                "schedule announced as the chunk's last micro-batch (set_last_micro_batch)"
+            )
         p.main_grad.add_(p.grad)
         p.grad = None
+        if self.last[bucket.chunk]:
+            bucket.missing -= 1
+            if bucket.missing == 0:
+                self._start_ready()
+
+    def _start_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].missing == 0:
+            self._start(self.buckets[self._next])
+            self.started_in_backward += 1
+
+    def _start(self, bucket: Bucket) -> None:
+        bucket.work = comm.all_reduce(bucket.data, self.group, "grad_allreduce", async_op=True)
+        self._next += 1
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.missing, bucket.work = bucket.size, None
+        self.last = [False] * len(self.last)
+        self._next = 0
 
     def zero(self) -> None:
         self.data.zero_()
+        self._reset()
+        self.started_in_backward = 0
 
-    def all_reduce_mean(self, group: Group) -> None:
-        """Average gradients over `group` (DP, or DP x CP when weights are replicated over CP)."""
-        if group.size == 1:
-            return
-        handles = [
-            comm.all_reduce(bucket, group, "grad_allreduce", async_op=True)
-            for bucket in self.data.split(self.bucket_numel)
-        ]
-        for h in handles:
-            h.wait()
-        self.data.div_(group.size)
+    def finish(self) -> None:
+        """Sum the gradients over the group (start the buckets not yet started, in order,
+        and wait for all), then divide by the group size: the mean over DP (x CP)."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        for bucket in self.buckets:
+            bucket.work.wait()
+        self._reset()
+        if self.group.size > 1:
+            self.data.div_(self.group.size)

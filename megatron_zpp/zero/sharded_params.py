@@ -25,7 +25,6 @@ import math
 
 import torch
 
-from .. import comm
 from ..topology import Group
 from .gather import PendingGather, all_gather_weights
 
@@ -158,15 +157,19 @@ class FlatUnit:
             p.data = view
 
     # ---- after the optimizer step ------------------------------------------------------
-    def set_shard(self, new_shard: torch.Tensor) -> None:
-        """Take the updated shard; stages 1-2 gather the full weights again at once. A
-        gather in flight (a prefetch of the old weights) is dropped; the hpZ secondary is
-        stale until the next forward gather refreshes it."""
+    def set_shard(self, new_shard: torch.Tensor, wait: bool = True) -> None:
+        """Take the updated shard; stages 1-2 gather the full weights again (at once, or
+        with wait=False left in flight: wait_gather, gather or release ends it before
+        the weights are read). A gather in flight (a prefetch of the old weights) is
+        dropped; the hpZ secondary is stale until the next forward gather refreshes it."""
         self._drop_gather()
         self.secondary_current = False
         self.shard.copy_(new_shard)
         if self.stage < 3:
-            comm.all_gather(self.full, self.shard, self.group, "zero_param_allgather")
+            self._gather = all_gather_weights(self.full, self.shard, self.group, "zero_param_allgather")
+            self.gathered = False
+            if wait:
+                self.wait_gather()
         else:
             self.release()
 

@@ -1,8 +1,11 @@
 """ZeRO-1/2/3 with ZeRO++ over the ZeRO group (DP x CP: the ranks that replicate weights):
 
 * stage 1: full fp32 gradients accumulate over the micro-batches and are
-  reduce-scattered once per step; each rank updates its shard of the fp32 master
-  weights and optimizer state, then the weights are all-gathered;
+  reduce-scattered once per step, unit by unit during the backward of the step's last
+  micro-batch with --overlap-grad-reduce (the schedule says which is last), else after
+  it; each rank updates its shard of the fp32 master weights and optimizer state, then
+  the weights are all-gathered (with --overlap-param-gather, stages 1-2: started at the
+  end of the step and waited for unit by unit just before the unit's next forward);
 * stage 2: each unit's gradients are reduce-scattered as soon as its backward is done
   (overlapping the rest of the backward) and accumulate in an fp32 shard;
 * stage 3: as stage 2, and the weights themselves live as shards, gathered unit by unit
@@ -55,6 +58,10 @@ class ZeroEngine(DataParallelEngine):
         self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
+        self.overlap_grads = self.stage == 1 and zero_cfg.overlap_grad_reduce  # stages 2-3 always overlap
+        self.overlap_gather = zero_cfg.overlap_param_gather and self.stage < 3
+        self.last = [False] * len(chunks)  # stage 1: is this the chunk's last micro-batch of the step
+        self.reduced_in_backward = 0  # units whose reduction the backward started (this step)
         self.clip = optim_cfg.clip_grad
         hierarchical = zero_cfg.zero_quantized_gradients or bool(zero_cfg.zero_hierarchy)
         self.reduce_hops = groups.dp_tier_hops() if hierarchical else None
@@ -64,20 +71,22 @@ class ZeroEngine(DataParallelEngine):
         hpz = groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
         self.qwz_block = qwz = zero_cfg.zero_quantization_block_size if zero_cfg.zero_quantized_weights else None
         self.units: list[FlatUnit] = []
-        for chunk in chunks:
+        for c, chunk in enumerate(chunks):
             units = {}
             for name, params, module in model_units(chunk):
                 unit = FlatUnit(name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz)
                 unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
-                unit.module = module
+                unit.module, unit.chunk = module, c
                 units[name] = unit
                 self.units.append(unit)
             if self.stage >= 2:
                 self._install_hooks(chunk, units)
+            if self.overlap_gather:
+                self._install_gather_waits(chunk, units)
         for unit in self.units:  # fp32 master shard, fp32 gradient shard
             unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
             unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
-            unit.flat_grad, unit.ready = None, 0
+            unit.flat_grad, unit.ready, unit.reduced = None, 0, False
             if self.stage == 1:
                 unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
             for p in unit.params:
@@ -116,7 +125,12 @@ class ZeroEngine(DataParallelEngine):
             sr = " stochastic" if self.stochastic else ""
             what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else "fp32"
             parts.append(f"hierarchical gradient all-to-all ({what}), hops: {hops}")
-        parts.append(f"gradients accumulated and reduced in fp32, up to {self.MAX_IN_FLIGHT} reductions in flight")
+        when = "during the backward" if self.stage >= 2 or self.overlap_grads else "after the backward"
+        parts.append(
+            f"gradients accumulated and reduced in fp32 {when}, up to {self.MAX_IN_FLIGHT} reductions in flight"
+        )
+        if self.overlap_gather:
+            parts.append("updated weights all-gathered during the next step's forward (--overlap-param-gather)")
         return "; ".join(parts)
 
     def gather_parameters(self) -> None:
@@ -172,6 +186,26 @@ class ZeroEngine(DataParallelEngine):
             unit.module.register_full_backward_pre_hook(self._before_backward(unit, prev))
 
     @staticmethod
+    def _install_gather_waits(chunk, units: dict[str, FlatUnit]) -> None:
+        """--overlap-param-gather (stages 1-2): the step leaves each unit's all-gather in
+        flight; a unit's weights are waited for just before their first reader: the chunk's
+        forward (the embedding lookup), each block's forward, the final norm (the head, and a
+        tied embedding used as the output layer)."""
+        start = [units["embedding"]] if "embedding" in units and chunk.pre_process else []
+        end = [units[n] for n in ("head", "embedding") if n in units and n not in [u.name for u in start]]
+
+        def wait(now: list[FlatUnit]) -> None:
+            for u in now:
+                u.wait_gather()
+
+        chunk.register_forward_pre_hook(lambda m, a, kw: wait(start), with_kwargs=True)
+        for unit in units.values():
+            if unit.module is not None:
+                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: unit.wait_gather())
+        if end:
+            chunk.final_norm.register_forward_pre_hook(lambda m, a: wait(end))
+
+    @staticmethod
     def _gather_and_prefetch(now: list[FlatUnit], order: list, after: FlatUnit | None = None) -> None:
         """Gather `now`; start the gather of what comes after it in `order` (the first item
         when `after` is None), which then runs while `now` computes."""
@@ -220,12 +254,18 @@ class ZeroEngine(DataParallelEngine):
             off, n = unit.offsets[i], unit.numels[i]
             if unit.flat_grad is None:  # fp32 whatever the parameter dtype: micro-batches sum without rounding
                 unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+            if self.stage == 1 and unit.reduced:  # the wire reads flat_grad: adding to it would corrupt the sum
+                raise RuntimeError(
+                    f"ZeRO-1 unit {unit.name}: a gradient arrived after its reduction started: a backward ran "
+                    "after the one the schedule announced as the last micro-batch (set_last_micro_batch)"
+                )
             unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
-            if self.stage >= 2:
+            if self.stage >= 2 or self.last[unit.chunk]:
                 unit.ready += 1
                 if unit.ready == len(unit.params):
                     self._reduce(unit)
+                    self.reduced_in_backward += 1
 
         return hook
 
@@ -233,6 +273,7 @@ class ZeroEngine(DataParallelEngine):
         """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
         and advance the reductions already in flight."""
         flat, unit.flat_grad, unit.ready = unit.flat_grad, (None if self.stage >= 2 else unit.flat_grad), 0
+        unit.reduced = self.stage == 1  # stage 1 reduces once per step
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
@@ -261,15 +302,26 @@ class ZeroEngine(DataParallelEngine):
             unit.grad_shard.zero_()
             if self.stage == 1:
                 unit.flat_grad.zero_()
+                unit.ready, unit.reduced = 0, False
+        self.last = [False] * len(self.last)
+        self.reduced_in_backward = 0
+
+    def set_last_micro_batch(self, chunk: int, last: bool) -> None:
+        if self.overlap_grads:
+            self.last[chunk] = last
 
     def _finish_grads(self) -> None:
         if self.stage == 1:
-            for unit in self.units:
-                self._reduce(unit)
+            for unit in self.units:  # all of them without overlap; else those the backward did not finish
+                if not unit.reduced:
+                    self._reduce(unit)
         for unit in self.units:  # a unit whose backward did not touch every parameter
             if self.stage >= 2 and unit.ready:
                 self._reduce(unit)
         self._drain()
+        self.last = [False] * len(self.last)
+        for unit in self.units:
+            unit.ready, unit.reduced = 0, False
         partial = [
             u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments() if getattr(p, "tp_partial_grad", False)
         ]
@@ -293,8 +345,8 @@ class ZeroEngine(DataParallelEngine):
         self.optimizer.step()
         for *_, view in self.opt_segments:
             view.grad = None
-        for unit in self.units:
-            unit.set_shard(unit.master)
+        for unit in self.units:  # --overlap-param-gather: the next forward waits for each unit's gather
+            unit.set_shard(unit.master, wait=not self.overlap_gather)
         return norm
 
     # ---- state -------------------------------------------------------------------------

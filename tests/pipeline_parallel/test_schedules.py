@@ -1,13 +1,14 @@
 """Order of micro-batches in the 1F1B and interleaved 1F1B schedules, on a fake stage
 and a fake link (no processes): each rank's schedule is checked on its own against
-Megatron's rules, written out here."""
+Megatron's rules, written out here, and so is the last-micro-batch announcement before
+each backward (which lets the data-parallel engine overlap its gradient reduction)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_zpp.pipeline_parallel.schedules import forward_backward_1f1b, forward_backward_interleaved
+from megatron_zpp.pipeline_parallel.schedules import Stage, forward_backward_1f1b, forward_backward_interleaved
 
 
 class FakeLink:
@@ -31,6 +32,10 @@ class FakeStage:
     def __init__(self, num_chunks, m, forward_only=False):
         self.chunks, self.m, self.forward_only, self.losses = [None] * num_chunks, m, forward_only, []
         self.events, self.hiddens, self.out_grads, self.pairing_ok = [], [], [], True
+        self.backwards, self.announced = [0] * num_chunks, []  # (chunk, last micro-batch?) before each backward
+        self.on_backward = lambda c, last: self.announced.append((c, last))
+
+    announce_backward = Stage.announce_backward  # the real counting, reported to on_backward
 
     def forward(self, chunk_id, hidden):
         i = sum(1 for e in self.events if e[:2] == ("F", chunk_id))
@@ -99,6 +104,8 @@ def check_each_once_backward_after_forward(stage, V, m):
     for c in range(V):  # activations of a chunk are freed first in, first out
         assert [i for cc, i in backwards(stage) if cc == c] == [i for cc, i in forwards(stage) if cc == c]
     assert stage.pairing_ok
+    # before each backward the engine hears its chunk and whether it is the chunk's last micro-batch
+    assert stage.announced == [(c, i == m - 1) for c, i in backwards(stage)]
 
 
 def check_every_received_tensor_is_used(stage, link, pp, rank, V):
