@@ -2,12 +2,13 @@
 
 The reference is the same run without recompute. fp32 with hidden and attention dropout on:
 every mode must give bitwise the same losses and gradients (single rank) or losses and
-weights after 3 AdamW steps (TP2+SP, PP2 interleaved, CP2 All-Scan, ZeRO-3 with hpZ; a
-hybrid GLA/softmax model), since the rerun repeats the same arithmetic on the same inputs
-with the same random numbers. The ledger: the All-Scan state is not sent again (its bytes are
-unchanged and no ":recompute" row appears), the repeated sequence-parallel collectives are
-exactly one forward's worth per recomputed layer, and ZeRO-3 gathers no extra byte (the rerun
-runs after the block's backward gather, or takes its place).
+weights after 3 AdamW steps (TP2+SP, PP2 interleaved and 1F1B, CP2 All-Scan, ZeRO-3 with
+hpZ; a hybrid GLA/softmax model, all in one spawn of 2 ranks), since the rerun repeats the
+same arithmetic on the same inputs with the same random numbers. The ledger: the All-Scan
+state is not sent again (its bytes are unchanged and no ":recompute" row appears), the
+repeated sequence-parallel collectives are exactly one forward's worth per recomputed layer,
+and ZeRO-3 gathers no extra byte (the rerun runs after the block's backward gather, or takes
+its place).
 """
 
 import numpy as np
@@ -26,6 +27,7 @@ FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "unifor
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+HYBRID_CFG = dict(attention_type="gla", softmax_attention_every=2)  # layers G S G S
 
 
 # ---- single rank: gradients, the RNG streams -----------------------------------------
@@ -39,10 +41,9 @@ def _single_rank(**recompute_cfg):
         num_query_groups=2,
         seq_length=32,
         gla_chunk_size=8,
-        attention_type="gla",
-        softmax_attention_every=2,
         hidden_dropout=0.1,
         attention_dropout=0.1,
+        **HYBRID_CFG,
         **recompute_cfg,
     )
     model = GPT(cfg, 96)
@@ -66,7 +67,16 @@ MODES = {
 }
 
 
-def test_single_rank_modes_are_bitwise_no_recompute_with_dropout(monkeypatch):
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is as fast, and does not stall on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_single_rank_modes_are_bitwise_no_recompute_with_dropout(monkeypatch, one_thread):
     ref_losses, ref_grads = _single_rank()
     for name, mode in MODES.items():
         losses, grads = _single_rank(**mode)
@@ -95,8 +105,9 @@ def test_saved_activations_shrink():
     """What the forward keeps for the backward (saved tensors, by storage): full < selective < none."""
 
     def saved_bytes(**mode):
-        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, gla_chunk_size=8)
-        cfg = ModelConfig(**{**vars(cfg), "attention_type": "gla", "softmax_attention_every": 2, **mode})
+        cfg = ModelConfig(
+            num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, gla_chunk_size=8, **HYBRID_CFG, **mode
+        )
         model = GPT(cfg, 96)
         init_weights(model, 0)
         storages = {}
@@ -129,7 +140,7 @@ def test_meaningless_combinations_are_refused(flags, error):
         validate(parse_args(BASE + KINDS["gla"] + ["--num-layers", "4"] + flags), 2)
 
 
-# ---- two ranks: TP2+SP, PP2 interleaved, CP2 All-Scan, ZeRO-3 + hpZ --------------------
+# ---- two ranks: TP2+SP, PP2 interleaved and 1F1B, CP2 All-Scan, ZeRO-3 + hpZ -----------
 
 HYBRID = KINDS["hybrid"] + DROPOUT + ["--train-iters", "3"]
 LAYOUTS = {  # name: (layers, layout flags, the recompute modes run besides none)
@@ -139,6 +150,7 @@ LAYOUTS = {  # name: (layers, layout flags, the recompute modes run besides none
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
         [FULL_BLOCK + ["1"], SELECTIVE],
     ),
+    "pp2_1f1b": (4, ["--pipeline-model-parallel-size", "2"], [FULL_UNIFORM + ["2"]]),
     "cp2": (4, ["--context-parallel-size", "2"], [FULL_UNIFORM + ["2"], SELECTIVE]),
     "zero3_hpz": (
         4,
