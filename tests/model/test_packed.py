@@ -11,6 +11,7 @@ which compute in fp32 (ops/norm.py): their gradients sum fp32 terms over tokens 
 otherwise, so 1e-6.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gla import chunk_gla, chunk_gla_uses_kernels, recurrent_gla
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
+from tests.test_parity import argv_for, assert_close_relative, full_weights, train_and_collect
 
 VOCAB, EOD, T = 96, 95, 32
 LENGTHS = ([5, 11, 8, 8], [1, 20, 11])  # per sample; each document ends with EOD (the last one is cut)
@@ -149,11 +151,16 @@ def test_gla_hard_resets_are_finite_and_exact(kernels):
 def _cp_worker(rank, world):
     tokens, labels = packed_batch()
     w = weights_of(tokens.shape)
-    cases = [(4, "all-scan"), (4, "all-gather"), (2, "all-scan")]
+    cases = {  # (CP size, GLA state scan): softmax layers all-gather K and V whatever the scan
+        "softmax": [(4, "all-scan"), (2, "all-scan")],
+        "gla": [(4, "all-scan"), (4, "all-gather"), (2, "all-scan")],
+        "hybrid": [(4, "all-gather"), (2, "all-scan")],
+    }
+    groups = {size: build_groups(Topology(world, cp=size), rank).cp for size in (4, 2)}
     for kind in KINDS:
         ref = separate(model_of(kind), tokens, labels, w)
-        for cp_size, algo in cases:
-            cp = build_groups(Topology(world, cp=cp_size), rank).cp
+        for cp_size, algo in cases[kind]:
+            cp = groups[cp_size]
             n = T // cp_size
             sl = slice(cp.rank * n, (cp.rank + 1) * n)
             model = model_of(kind, ParallelContext(cp=cp, cp_algo=algo))
@@ -164,7 +171,7 @@ def _cp_worker(rank, world):
             assert_same((losses, grads), (ref[0][:, sl], ref[1]), f"{kind} CP{cp_size} {algo} rank {rank}")
     # the GLA operator on the Triton kernels (interpreted, fp32) under CP2 with -inf gates, against
     # the fp64 token loop over the whole sequence
-    cp = build_groups(Topology(world, cp=2), rank).cp
+    cp = groups[2]
     leaves, do, starts = gla_inputs()
     sl = slice(cp.rank * T // 2, (cp.rank + 1) * T // 2)
     ref_leaves = [x.double().requires_grad_() for x in leaves]
@@ -187,3 +194,26 @@ def _cp_worker(rank, world):
 def test_packed_documents_under_context_parallel():
     # CP4 (all-scan, all-gather) and CP2 (all-scan; and the GLA operator on the Triton kernels, fp32, 1e-5) in one spawn
     assert all(run_distributed(_cp_worker, 4, timeout=300))
+
+
+PACKED_FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--train-iters", "2"]
+PP2_VPP_CP2 = (
+    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --context-parallel-size 2".split()
+)
+
+
+def _train_worker(rank, world, argv):
+    return train_and_collect(argv, world)
+
+
+def test_training_with_packed_documents_pp2_interleaved_cp2_matches_single_rank():
+    # hybrid, 4 layers: each rank's second chunk is a middle one (neither embedding nor loss) and still
+    # needs the documents; mock data packs EOD-ended documents; 2 steps, losses and weights within 1e-5
+    argv = argv_for("hybrid", 4, PACKED_FLAGS)
+    ref = train_and_collect(argv, 1)
+    results = run_distributed(_train_worker, 4, argv + PP2_VPP_CP2, timeout=600)
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=str(r["coords"]))
+    got = full_weights(results)
+    for name, w in ref["weights"].items():
+        assert_close_relative(got[name], w, name)
