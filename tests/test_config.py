@@ -411,3 +411,10 @@ def test_pretrain_gpt_config_error_exits_2_without_traceback():
     err_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert any("--num-attention-heads" in ln for ln in err_lines), proc.stderr
     assert "Traceback" not in proc.stdout
+
+
+def test_packed_document_flags_are_accepted_with_megatrons_names():
+    cfg = validate(parse_args("--mock-data --reset-position-ids --reset-attention-mask --eod-mask-loss".split()), 1)
+    d = cfg.data
+    assert d.reset_position_ids and d.reset_attention_mask and d.eod_mask_loss and d.packed_documents
+    assert not validate(parse_args(["--mock-data", "--eod-mask-loss"]), 1).data.packed_documents

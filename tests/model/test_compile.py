@@ -95,6 +95,8 @@ def test_zero3_with_compiled_blocks_equals_eager_plain():
         (["--context-parallel-size", "2"], 2, "--context-parallel-size 1"),
         (["--attention-dropout", "0.1"], 1, "--attention-dropout 0"),
         (["--kernels", "triton"], 1, "not triton"),
+        (["--reset-attention-mask"], 1, "packed documents"),
+        (["--reset-position-ids"], 1, "packed documents"),
     ],
 )
 def test_what_is_not_verified_is_refused(extra, world, says):

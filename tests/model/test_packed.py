@@ -1,7 +1,9 @@
 """Packed documents (--reset-attention-mask --reset-position-ids): a packed batch equals its
 documents run separately, per-token losses and every parameter's gradient, for softmax, GLA
-and hybrid models, on one rank and over CP 2 and 4 (one spawn of 4 ranks); and the GLA
-operator with -inf gates at the document starts stays finite with the Triton kernels too.
+and hybrid models, on one rank and over CP 2 and 4 (one spawn of 4 ranks); the GLA operator
+with -inf gates at the document starts stays finite and exact, the Triton kernels too, alone
+and under CP; and training with the three flags under PP2 interleaved x CP2 and TP2 x CP2 + SP
+reproduces the single-rank run.
 
 Samples of T = 32 tokens, GLA chunks of 8: documents start inside chunks, on chunk and CP
 slice boundaries, last a single token, or span three CP4 slices (the state then crosses a
@@ -11,6 +13,7 @@ which compute in fp32 (ops/norm.py): their gradients sum fp32 terms over tokens 
 otherwise, so 1e-6.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +26,7 @@ from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gla import chunk_gla, chunk_gla_uses_kernels, recurrent_gla
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
+from tests.test_parity import argv_for, assert_close_relative, full_weights, train_and_collect
 
 VOCAB, EOD, T = 96, 95, 32
 LENGTHS = ([5, 11, 8, 8], [1, 20, 11])  # per sample; each document ends with EOD (the last one is cut)
@@ -149,11 +153,16 @@ def test_gla_hard_resets_are_finite_and_exact(kernels):
 def _cp_worker(rank, world):
     tokens, labels = packed_batch()
     w = weights_of(tokens.shape)
-    cases = [(4, "all-scan"), (4, "all-gather"), (2, "all-scan")]
+    cases = {  # (CP size, GLA state scan): softmax layers all-gather K and V whatever the scan
+        "softmax": [(4, "all-scan"), (2, "all-scan")],
+        "gla": [(4, "all-scan"), (4, "all-gather"), (2, "all-scan")],
+        "hybrid": [(4, "all-gather"), (2, "all-scan")],
+    }
+    groups = {size: build_groups(Topology(world, cp=size), rank).cp for size in (4, 2)}
     for kind in KINDS:
         ref = separate(model_of(kind), tokens, labels, w)
-        for cp_size, algo in cases:
-            cp = build_groups(Topology(world, cp=cp_size), rank).cp
+        for cp_size, algo in cases[kind]:
+            cp = groups[cp_size]
             n = T // cp_size
             sl = slice(cp.rank * n, (cp.rank + 1) * n)
             model = model_of(kind, ParallelContext(cp=cp, cp_algo=algo))
@@ -162,28 +171,58 @@ def _cp_worker(rank, world):
             for g in grads.values():  # each rank holds its slice's share of the weights' gradient
                 comm.all_reduce(g, cp, "test")
             assert_same((losses, grads), (ref[0][:, sl], ref[1]), f"{kind} CP{cp_size} {algo} rank {rank}")
-    # the GLA operator on the Triton kernels (interpreted, fp32) under CP2 with -inf gates, against
-    # the fp64 token loop over the whole sequence
-    cp = build_groups(Topology(world, cp=2), rank).cp
+    # the GLA operator under CP2 with -inf gates, on the reference (staged) path and on the Triton kernels
+    # (interpreted; the corrected local pass), fp32, against the fp64 token loop over the whole sequence
+    cp = groups[2]
     leaves, do, starts = gla_inputs()
     sl = slice(cp.rank * T // 2, (cp.rank + 1) * T // 2)
     ref_leaves = [x.double().requires_grad_() for x in leaves]
     ref_o = recurrent_gla(*ref_leaves)[0]
     ref = [ref_o] + list(torch.autograd.grad((ref_o * do.double()).sum(), ref_leaves))
-    local = [x[:, sl].clone().requires_grad_() for x in leaves]
-    dispatch.set_kernels("triton", torch.device("cpu"))
-    try:
-        assert chunk_gla_uses_kernels(*local, 16)
-        o = gla_context_parallel(*local, cp, chunk_size=16)
-        got = [o] + list(torch.autograd.grad((o * do[:, sl]).sum(), local))
-    finally:
-        dispatch.set_kernels("auto", torch.device("cpu"))
-    assert all(torch.isfinite(x).all() for x in got) and (got[4][starts[:, sl]] == 0).all()
-    for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], got, ref):
-        assert rel(a.double(), b[:, sl]) <= 1e-5, f"kernels CP2 rank {rank} {name}: {rel(a.double(), b[:, sl]):.1e}"
+    for kernels in ("torch", "triton"):
+        local = [x[:, sl].clone().requires_grad_() for x in leaves]
+        dispatch.set_kernels(kernels, torch.device("cpu"))
+        try:
+            assert chunk_gla_uses_kernels(*local, 16) == (kernels == "triton")
+            o = gla_context_parallel(*local, cp, chunk_size=16)
+            got = [o] + list(torch.autograd.grad((o * do[:, sl]).sum(), local))
+        finally:
+            dispatch.set_kernels("auto", torch.device("cpu"))
+        assert all(torch.isfinite(x).all() for x in got) and (got[4][starts[:, sl]] == 0).all(), kernels
+        for name, a, b in zip(["o", "dq", "dk", "dv", "dg"], got, ref):
+            err = rel(a.double(), b[:, sl])
+            assert err <= 1e-5, f"{kernels} CP2 rank {rank} {name}: {err:.1e}"
     return True
 
 
 def test_packed_documents_under_context_parallel():
-    # CP4 (all-scan, all-gather) and CP2 (all-scan; and the GLA operator on the Triton kernels, fp32, 1e-5) in one spawn
+    # CP4 (all-scan, all-gather) and CP2 (all-scan; and the GLA operator with and without the Triton
+    # kernels, fp32, 1e-5) in one spawn
     assert all(run_distributed(_cp_worker, 4, timeout=300))
+
+
+PACKED_FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--train-iters", "2"]
+PP2_VPP_CP2 = (
+    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --context-parallel-size 2".split()
+)
+TP2_CP2_SP = "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel".split()
+
+
+def _train_worker(rank, world, argvs):
+    return [train_and_collect(argv, world) for argv in argvs]
+
+
+def test_training_with_packed_documents_matches_single_rank():
+    # hybrid, 4 layers, mock data packing EOD-ended documents, 2 steps: losses and weights within 1e-5 for
+    # PP2 interleaved x CP2 (each rank's second chunk is a middle one, neither embedding nor loss, and
+    # still needs the documents) and TP2 x CP2 with sequence parallelism (sequence-sharded activations)
+    argv = argv_for("hybrid", 4, PACKED_FLAGS)
+    ref = train_and_collect(argv, 1)
+    per_rank = run_distributed(_train_worker, 4, [argv + PP2_VPP_CP2, argv + TP2_CP2_SP], timeout=600)
+    for k, layout in enumerate(("pp2 interleaved x cp2", "tp2 x cp2 + sp")):
+        results = [r[k] for r in per_rank]
+        for r in results:
+            np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{layout} {r['coords']}")
+        got = full_weights(results)
+        for name, w in ref["weights"].items():
+            assert_close_relative(got[name], w, f"{layout} {name}")
