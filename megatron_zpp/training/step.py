@@ -1,7 +1,8 @@
 """One optimizer step and one evaluation, over the micro-batches of the global batch.
 
-A step: forward/backward of every micro-batch (the pipeline schedule), then the engine
-reduces the gradients over data parallel, clips them by the global norm and steps AdamW.
+A step: forward/backward of every micro-batch (the pipeline schedule, which tells the
+engine which backward is each chunk's last, so that it can reduce during it), then the
+engine reduces the gradients over data parallel, clips them by the global norm and steps AdamW.
 The loss is reported on every rank: the last pipeline stage holds it."""
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def train_step(run) -> tuple[float, float, float]:
         position_offset(run),
         on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
     )
+    # the loss is reduced before the step: a collective after it would queue behind the weight
+    # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
+    loss = report_loss(run, losses)
     lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
     grad_norm = run.dp.step(lr)
-    return report_loss(run, losses), grad_norm, lr
+    return loss, grad_norm, lr
 
 
 @torch.no_grad()

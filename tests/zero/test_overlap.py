@@ -15,11 +15,13 @@ single-rank run):
   (earlier micro-batches reduce nothing) of exactly 2(n-1)/n x 4 x numel bytes;
 * ZeRO-1 with --overlap-grad-reduce (units reduce-scattered in the last backward) and
   ZeRO-1/2 with --overlap-param-gather: equal to the non-overlapped runs bitwise (the
-  same sums, started earlier), with the next step's gathers left in flight by the step.
+  same sums, started earlier), with the next step's gathers left in flight by the step and
+  ended by the forward pre-hooks of one more forward.
 """
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_zpp import comm, training
 from megatron_zpp.arguments import parse_args, parse_config
@@ -59,6 +61,10 @@ def _train(argv: list[str], world_size: int) -> dict:
     else:
         out["reduced_in_backward"], out["units"] = dp.reduced_in_backward, len(dp.units)
         out["gathers_in_flight"] = sum(u._gather is not None for u in dp.units)  # left by the last step
+        tokens = torch.zeros(1, 32, dtype=torch.long)
+        with torch.no_grad():  # one forward: its pre-hooks must end every unit's gather before reading it
+            run.chunks[0](tokens=tokens, labels=tokens, hidden=None, position_offset=0)
+        out["gathers_after_forward"] = sum(u._gather is not None or not u.gathered for u in dp.units)
     with dp.full_parameters():
         out["weights"] = {n: p.detach().double().numpy().copy() for c in run.chunks for n, p in c.named_parameters()}
     out["numel"] = sum(w.size for w in out["weights"].values())
@@ -117,6 +123,7 @@ def test_overlap_on_equals_off():
                 assert on["reduced_in_backward"] == on["units"] and off["reduced_in_backward"] == 0
             else:
                 assert on["gathers_in_flight"] == on["units"] and off["gathers_in_flight"] == 0
+                assert on["gathers_after_forward"] == 0, name  # the forward waited for each unit
 
 
 def _bytes(rows) -> dict:
