@@ -75,7 +75,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
     t = cfg.train
     eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
     num_samples = (
-        t.train_iters * t.global_batch_size,
+        max(t.samples_after(t.train_iters), t.train_samples or 0),  # a ramp-up's batches, then full ones
         eval_rounds * t.global_batch_size,
         t.eval_iters * t.global_batch_size,
     )
@@ -94,6 +94,8 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
             is_builder=groups.rank == 0,
             barrier=lambda: comm.barrier(),
         )
-    mbs = t.micro_batch_size
-    valid_it = (lambda: BatchIterator(valid, 0, mbs, groups, device)) if valid is not None and eval_rounds else None
-    return BatchIterator(train, consumed, mbs, groups, device), valid_it
+    mbs, workers = t.micro_batch_size, cfg.data.num_workers
+    valid_it = (
+        (lambda: BatchIterator(valid, 0, mbs, groups, device, workers)) if valid is not None and eval_rounds else None
+    )
+    return BatchIterator(train, consumed, mbs, groups, device, workers), valid_it

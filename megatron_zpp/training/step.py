@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..optim import learning_rate
+from ..optim import step_learning_rate
 from ..pipeline_parallel import run_schedule
 
 
@@ -30,10 +30,12 @@ def position_offset(run) -> int:
 
 
 def train_step(run) -> tuple[float, float, float]:
-    """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
+    """One optimizer step over the global batch due after `run.consumed_samples` (it grows
+    during a ramp-up). Returns (mean loss over the global batch, grad norm, lr)."""
     run.dp.zero_grad()
-    losses = run_schedule(run.chunks, run.train_data, run.cfg.num_micro_batches, run.link, position_offset(run))
-    lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
+    micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
+    losses = run_schedule(run.chunks, run.train_data, micro_batches, run.link, position_offset(run))
+    lr = step_learning_rate(run.cfg, run.iteration, run.consumed_samples)
     grad_norm = run.dp.step(lr)
     return report_loss(run, losses), grad_norm, lr
 
@@ -48,6 +50,7 @@ def evaluate(run) -> float:
         losses += run_schedule(
             run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run), forward_only=True
         )
+    data.close()  # its loader threads
     for chunk in run.chunks:
         chunk.train()
     return report_loss(run, losses)
