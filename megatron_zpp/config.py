@@ -226,7 +226,18 @@ class OptimConfig:
     lr: float = opt(3e-4, "--lr", "peak learning rate")
     min_lr: float = opt(3e-5, "--min-lr", "learning rate at the end of decay")
     lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup iterations")
+    lr_warmup_samples: int = opt(
+        0, "--lr-warmup-samples", "linear warmup over this many samples (sample-based training: --train-samples)"
+    )
+    lr_warmup_fraction: float | None = opt(
+        None,
+        "--lr-warmup-fraction",
+        "warmup over this fraction of the decay iterations or samples (instead of --lr-warmup-iters/-samples)",
+    )
     lr_decay_iters: int | None = opt(None, "--lr-decay-iters", "iterations of decay (default: train iters)")
+    lr_decay_samples: int | None = opt(
+        None, "--lr-decay-samples", "samples of decay, with --train-samples (default: train samples)"
+    )
     lr_decay_style: str = opt(
         "cosine", "--lr-decay-style", "decay after warmup", choices=["constant", "linear", "cosine", "WSD"]
     )
@@ -234,6 +245,11 @@ class OptimConfig:
         None,
         "--lr-wsd-decay-iters",
         "WSD: iterations of the final decay (default: a tenth of the decay iters after warmup)",
+    )
+    lr_wsd_decay_samples: int | None = opt(
+        None,
+        "--lr-wsd-decay-samples",
+        "WSD with --train-samples: samples of the final decay (default: a tenth of the decay samples after warmup)",
     )
     lr_wsd_decay_style: str = opt(
         "linear", "--lr-wsd-decay-style", "WSD: shape of the final decay", choices=["linear", "cosine", "exponential"]
@@ -276,6 +292,13 @@ class DataConfig:
         """Whether the model needs the document structure of each sample."""
         return self.reset_position_ids or self.reset_attention_mask
 
+    num_workers: int = opt(
+        2,
+        "--num-workers",
+        "background threads that build micro-batches ahead of the step (pinned on CUDA); 0 = in the step's thread; "
+        "any value gives the same batches",
+    )
+
 
 @dataclass
 class TrainConfig:
@@ -283,7 +306,20 @@ class TrainConfig:
     global_batch_size: int | None = opt(
         None, "--global-batch-size", "sequences per step over all data-parallel ranks (default: micro x DP)"
     )
-    train_iters: int = opt(100, "--train-iters", "optimizer steps")
+    rampup_batch_size: list[int] = opt(
+        [],
+        "--rampup-batch-size",
+        "START INCR SAMPLES: the global batch starts at START and grows by INCR in equal steps over the first "
+        "SAMPLES samples up to --global-batch-size (needs --train-samples; START and INCR multiples of micro x DP)",
+        nargs=3,
+        type=int,
+    )
+    train_iters: int | None = opt(None, "--train-iters", "optimizer steps (default 100, or from --train-samples)")
+    train_samples: int | None = opt(
+        None,
+        "--train-samples",
+        "train on this many samples instead of --train-iters (the LR schedule then counts samples)",
+    )
     eval_interval: int = opt(0, "--eval-interval", "evaluate every N steps (0 = never)")
     eval_iters: int = opt(2, "--eval-iters", "validation batches per evaluation")
     seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
@@ -314,6 +350,41 @@ class TrainConfig:
         "--generate-prompt",
         "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)",
     )
+
+    # filled by validate(): --train-iters came from --train-samples
+    train_iters_from_samples: bool = False
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after `consumed_samples` samples.
+
+        Megatron's ramp-up (RampupBatchsizeNumMicroBatchesCalculator): (GBS - START) / INCR
+        increments spread evenly over SAMPLES samples; past SAMPLES, --global-batch-size."""
+        if not self.rampup_batch_size:
+            return self.global_batch_size
+        start, incr, samples = self.rampup_batch_size
+        increments = (self.global_batch_size - start) // incr
+        if consumed_samples > samples or increments <= 0:  # the second: refused by the checks
+            return self.global_batch_size
+        return start + int(consumed_samples / (samples / increments)) * incr
+
+    def iterations_for_samples(self) -> int:
+        """Steps that --train-samples make (Megatron's update_train_iters): the ramp-up steps
+        that start within SAMPLES (and the train samples), then whole constant batches."""
+        if not self.rampup_batch_size:
+            return self.train_samples // self.global_batch_size
+        iterations = consumed = 0
+        while consumed <= self.rampup_batch_size[2] and consumed <= self.train_samples:
+            consumed += self.global_batch_at(consumed)
+            iterations += 1
+        return iterations + max(self.train_samples - consumed, 0) // self.global_batch_size
+
+    def samples_after(self, iterations: int) -> int:
+        """Samples consumed by the first `iterations` steps."""
+        consumed = done = 0
+        while done < iterations and self.global_batch_at(consumed) != self.global_batch_size:
+            consumed += self.global_batch_at(consumed)
+            done += 1
+        return consumed + (iterations - done) * self.global_batch_size
 
 
 @dataclass
@@ -346,7 +417,13 @@ class Config:
 
     @property
     def num_micro_batches(self) -> int:
+        """Micro-batches of a full global batch (after any ramp-up; evaluation always uses it)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+
+    def micro_batches_at(self, consumed_samples: int) -> int:
+        """Micro-batches per DP rank of the step that starts after `consumed_samples` samples."""
+        per_round = self.train.micro_batch_size * self.parallel.data_parallel_size
+        return self.train.global_batch_at(consumed_samples) // per_round
 
 
 SECTIONS = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
@@ -405,6 +482,9 @@ def derive(cfg: Config, world_size: int) -> None:
         m.max_position_embeddings = m.seq_length
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
+    if t.train_iters is None:  # Megatron: from --train-samples, else our default
+        t.train_iters_from_samples = t.train_samples is not None
+        t.train_iters = t.iterations_for_samples() if t.train_samples is not None else 100
 
 
 def _refused(cfg: Config) -> list[str]:
@@ -418,6 +498,8 @@ def _refused(cfg: Config) -> list[str]:
 
 def _check_sizes(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    given = [("--train-iters", t.train_iters), ("--train-samples", t.train_samples)]
+    given += [("--global-batch-size", t.global_batch_size)]
     return [
         f"{flag} must be >= 1 (got {v})"
         for flag, v in [
@@ -429,10 +511,22 @@ def _check_sizes(cfg: Config) -> list[str]:
             ("--num-attention-heads", m.num_attention_heads),
             ("--seq-length", m.seq_length),
             ("--micro-batch-size", t.micro_batch_size),
-            ("--train-iters", t.train_iters),
+            *[(flag, v) for flag, v in given if v is not None],
+            *[(f"--rampup-batch-size {what}", v) for what, v in zip(("START", "INCR", "SAMPLES"), t.rampup_batch_size)],
         ]
         if v < 1
-    ]
+    ] + _failed(
+        [
+            (
+                len(t.rampup_batch_size) in (0, 3),
+                "--rampup-batch-size takes three numbers: START INCR SAMPLES",
+            ),
+            (
+                t.train_samples is None or t.train_iters is None or t.train_iters_from_samples,
+                "give either --train-iters or --train-samples, not both",
+            ),
+        ]
+    )
 
 
 def _check_layout(cfg: Config, world_size: int) -> list[str]:
@@ -620,17 +714,19 @@ def _check_batch(cfg: Config, world_size: int) -> list[str]:
                 f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
             )
         ]
-    )
+    ) + _check_rampup(t, per_step)
+    if t.train_iters_from_samples and t.train_iters < 1:
+        errors.append(f"--train-samples {t.train_samples} is less than one step (--global-batch-size)")
     if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
-        micro = t.global_batch_size // per_step
+        sizes = sorted({t.global_batch_size, *t.rampup_batch_size[:2]})  # START, INCR: all ramp sizes follow
         errors += _failed(
             [
                 (
-                    micro % pp == 0,
-                    f"the interleaved schedule needs the number of micro-batches per step ({micro} = "
-                    f"global batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
-                    f"{pp}",
+                    (size // per_step) % pp == 0,
+                    f"the interleaved schedule needs the number of micro-batches per step ({size // per_step} = "
+                    f"batch {size} / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size {pp}",
                 )
+                for size in sizes
             ]
         )
     if t.generate_tokens:
@@ -644,6 +740,30 @@ def _check_batch(cfg: Config, world_size: int) -> list[str]:
             ]
         )
     return errors
+
+
+def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:
+    """--rampup-batch-size START INCR SAMPLES: every batch of the ramp is START + k INCR, so
+    START and INCR multiples of micro x DP keep each one whole micro-batches (Megatron checks
+    each batch as it comes; these two checks say it at start-up)."""
+    if not t.rampup_batch_size:
+        return []
+    start, incr, _ = t.rampup_batch_size
+    flag = "--rampup-batch-size"
+    return _failed(
+        [
+            (t.train_samples is not None, f"{flag} needs --train-samples (sample-based training, as in Megatron)"),
+            (
+                start % per_step == 0 and incr % per_step == 0,
+                f"{flag}: START {start} and INCR {incr} must be multiples of --micro-batch-size x DP = {per_step}",
+            ),
+            (
+                start < t.global_batch_size and (t.global_batch_size - start) % incr == 0,
+                f"{flag}: START {start} must be below --global-batch-size {t.global_batch_size} and reach it in "
+                f"steps of INCR {incr}",
+            ),
+        ]
+    )
 
 
 def _check_compile(cfg: Config, world_size: int) -> list[str]:
@@ -696,8 +816,34 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
         [
             (0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
             (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
+            (o.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0"),
+            (
+                o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction <= 1,
+                f"--lr-warmup-fraction {o.lr_warmup_fraction} must be between 0 and 1",
+            ),
+            (
+                o.lr_warmup_fraction is None or not (o.lr_warmup_iters or o.lr_warmup_samples),
+                "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
+            ),
         ]
-    )
+    ) + _check_schedule_units(cfg)
+
+
+def _check_schedule_units(cfg: Config) -> list[str]:
+    """Megatron's rule: with --train-samples the LR schedule is given in samples, with
+    --train-iters in iterations; a setting in the other unit is refused, not ignored."""
+    o = cfg.optim
+    if cfg.train.train_samples is not None:
+        wrong = [("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-decay-iters", o.lr_decay_iters)]
+        wrong += [("--lr-wsd-decay-iters", o.lr_wsd_decay_iters)]
+        return [
+            f"{f} is for --train-iters: with --train-samples use {f.replace('iters', 'samples')}" for f, v in wrong if v
+        ]
+    wrong = [("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples)]
+    wrong += [("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)]
+    return [
+        f"{f} needs --train-samples (with --train-iters use {f.replace('samples', 'iters')})" for f, v in wrong if v
+    ]
 
 
 def _check_data(cfg: Config, world_size: int) -> list[str]:
@@ -706,6 +852,7 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
     return _failed(
         [
             (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
+            (d.num_workers >= 0, f"--num-workers must be >= 0 (got {d.num_workers})"),
             (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
             (
                 d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,

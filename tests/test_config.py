@@ -53,6 +53,15 @@ def test_derived_values_filled():
     assert cfg.num_micro_batches == 1
 
 
+def test_train_samples_and_rampup_derive_the_iterations_and_validate_twice():
+    argv = "--mock-data --micro-batch-size 2 --global-batch-size 16 --train-samples 120 --rampup-batch-size 4 4 48"
+    cfg = validate(parse_args(argv.split()), 2)
+    assert cfg.train.rampup_batch_size == [4, 4, 48] and cfg.train.train_iters == 12  # tests/optim: 8 + 4
+    assert [cfg.micro_batches_at(c) for c in (0, 16, 32, 49)] == [1, 2, 3, 4]  # batch / (micro 2 x DP 2)
+    assert validate(cfg, 2).train.train_iters == 12  # a validated config stays valid
+    assert validate(make(), 1).train.train_iters == 100  # the default without --train-samples
+
+
 def test_explicit_global_batch_and_positions_kept():
     cfg = validate(make(train__micro_batch_size=2, train__global_batch_size=24, model__max_position_embeddings=1024), 3)
     assert cfg.parallel.data_parallel_size == 3
@@ -113,6 +122,26 @@ ERROR_CASES = [
     (dict(parallel__order="tp-cp-ep-dp-pp"), 1, ["--parallel-order"]),
     (dict(optim__min_lr=1.0, optim__lr=0.1), 1, ["--min-lr", "--lr"]),
     (dict(optim__lr_warmup_iters=-1), 1, ["--lr-warmup-iters"]),
+    # sample-based training and the ramp-up (Megatron's rules)
+    (dict(train__train_iters=10, train__train_samples=100), 1, ["--train-iters or --train-samples"]),
+    (dict(train__rampup_batch_size=[2, 2, 8], train__global_batch_size=8), 1, ["--train-samples"]),
+    (dict(train__rampup_batch_size=[2, 2], train__train_samples=99), 1, ["three numbers"]),
+    (
+        dict(train__rampup_batch_size=[3, 2, 8], train__global_batch_size=8, train__train_samples=99),
+        2,
+        ["START 3 and INCR 2 must be multiples of --micro-batch-size x DP = 2"],
+    ),
+    (
+        dict(train__rampup_batch_size=[2, 4, 8], train__global_batch_size=8, train__train_samples=99),
+        1,
+        ["reach it in steps of INCR 4"],
+    ),
+    (dict(train__train_samples=99, optim__lr_warmup_iters=5), 1, ["--lr-warmup-iters", "--lr-warmup-samples"]),
+    (dict(train__train_samples=99, optim__lr_decay_iters=5), 1, ["--lr-decay-iters", "--lr-decay-samples"]),
+    (dict(optim__lr_decay_samples=500), 1, ["--lr-decay-samples needs --train-samples"]),
+    (dict(optim__lr_warmup_fraction=0.1, optim__lr_warmup_iters=5), 1, ["--lr-warmup-fraction"]),
+    (dict(optim__lr_warmup_fraction=1.5), 1, ["--lr-warmup-fraction 1.5"]),
+    (dict(train__train_samples=3, train__global_batch_size=4), 1, ["less than one step"]),
     (dict(data__tokenizer_type="SentencePieceTokenizer"), 1, ["--tokenizer-model"]),
     (dict(data__split="90,a,1"), 1, ["--split"]),
     (dict(data__split="1,1,1,1"), 1, ["--split"]),

@@ -62,12 +62,31 @@ def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
     assert runs and any(f.suffix == ".wandb" for f in runs[0].iterdir())
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
-    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_rank", "mfu", "memory_gib"):
+    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_rank", "mfu", "memory_gib", "data_wait_time"):
         assert isinstance(rows[0][key], float), key
+    assert [r["global_batch_size"] for r in rows] == [1] * 5  # micro x DP by default
     assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[1]["lr"] == pytest.approx(3e-3)
     assert rows[-1]["lr"] == pytest.approx(3e-3 - (3e-3 - 1e-4) * 2 / 3)
     assert "val_loss" in rows[-1]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_rampup_resumes_mid_ramp_as_the_uninterrupted_run(tmp_path):
+    # 20 samples, batch 2 ramping to 4 over 8 samples: steps start at 0 2 4 6 | 8 12 16 (tests/optim for the rule)
+    base = TINY[:-4] + ["--seed", "7", "--lr-warmup-samples", "4", "--lr-decay-style", "cosine"]
+    argv = base + "--train-samples 20 --rampup-batch-size 2 2 8 --global-batch-size 4".split()
+    ckpt = str(tmp_path / "ckpt")
+
+    def history(extra):
+        return training.train(training.setup(validate(parse_args(argv + extra), 1)))
+
+    whole = history(["--save", ckpt, "--save-interval", "3"])
+    resumed = history(["--load", ckpt, "--ckpt-step", "3"])  # 6 samples consumed, 2 more at batch 2, then 4
+    assert [h["global_batch_size"] for h in whole] == [2, 2, 2, 2, 4, 4, 4]
+    assert [h["consumed_samples"] for h in whole] == [2, 4, 6, 8, 12, 16, 20]
+    keys = ("iteration", "global_batch_size", "consumed_samples", "loss", "grad_norm", "lr")
+    assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in whole[3:]]  # bitwise
+    assert whole[0]["lr"] == pytest.approx(3e-3 * 2 / 4) and whole[1]["lr"] == pytest.approx(3e-3)
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -97,6 +116,7 @@ def test_pretrain_gpt_under_torchrun(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter    15/15" in out.stdout
+    assert "| global batch 8 |" in out.stdout and "| data wait " in out.stdout
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 15 and np.mean(losses[-3:]) < np.mean(losses[:3])
 

@@ -226,4 +226,8 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         how = "same layout"
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
-    return f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed; {how}; {what}"
+    batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
+    return (
+        f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed (next global batch {batch}); "
+        f"{how}; {what}"
+    )

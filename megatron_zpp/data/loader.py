@@ -2,22 +2,41 @@
 
 Sample order is Megatron's: a global batch of G sequences is consumed in rounds of
 micro_batch x DP; in each round data-parallel rank d takes the d-th micro-batch. The
-position is one number, `consumed_samples`, so a resumed run continues exactly. Within
-a model replica: TP ranks read the same samples (each from the memory-mapped files,
-which is cheaper than a broadcast), context-parallel rank c keeps the c-th contiguous
-slice of every sequence, only the first pipeline stage keeps tokens and only the last
-keeps labels. With packed documents (`Packing`: --reset-position-ids, --reset-attention-mask,
---eod-mask-loss) every stage reads its samples, since every layer needs the documents, and
-each rank builds them from the whole sequence on its device (data/documents.py).
+position is one number, `consumed_samples`, so a resumed run continues exactly; a
+batch-size ramp-up only changes how many rounds a step takes. Within a model replica:
+TP and CP ranks each read the same whole samples themselves (from the memory-mapped
+files, page-cache reads of a few KB per sample: cheaper than a broadcast, which would put
+a collective on the step's critical path; a whole sample also keeps the document
+boundaries before a CP slice in sight), context-parallel rank c keeps the c-th
+contiguous slice of every sequence, only the first pipeline stage keeps tokens and only
+the last keeps labels; middle stages read nothing, except with packed documents
+(`Packing`: --reset-position-ids, --reset-attention-mask, --eod-mask-loss), where every
+stage reads its samples, since every layer needs the documents, built from the whole
+sequence (data/documents.py).
+
+Loading runs off the critical path (--num-workers N, Megatron's flag): N background
+threads build the micro-batches ahead (2 each in flight at most, as DataLoader's
+prefetch_factor), pinned in host memory when the device is CUDA, and the step copies
+them with non_blocking. Threads rather than DataLoader worker processes: micro-batch j
+is a pure function of j (the sampler is arithmetic, the datasets read-only), workers take
+the j in turn and the step receives them in order, so any N gives bitwise the batches of
+N = 0 (in the step's own thread); threads need no picklable dataset (np.memmap) and no
+child processes (which daemonic test ranks may not have), and the reads and numpy
+collation release the GIL for most of their time. The time a step waits for its next
+micro-batch is counted (`wait_seconds`) and logged.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..model.documents import Documents
 from .documents import build_documents, eod_loss_mask
 
 
@@ -89,8 +108,88 @@ def packed_fields(tokens: torch.Tensor, packing: Packing, offset: int, length: i
     return out
 
 
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Builds `build(job)` for each job of `jobs` on `workers` threads, at most `depth` per
+    worker ahead of the consumer, and yields the results in the jobs' order."""
+
+    def __init__(self, jobs: Iterator, build: Callable, workers: int, depth: int = 2):
+        self._jobs, self._build = jobs, build
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._slots = threading.Semaphore(workers * depth)
+        self._results: dict[int, object] = {}
+        self._taken = self._next = 0
+        self._closed = self._done = False
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            self._slots.acquire()
+            if self._closed:
+                return
+            with self._lock:  # number and draw the job together: job j is always the j-th
+                j, job = self._taken, next(self._jobs, _END)
+                self._taken += 1
+            try:
+                result = _END if job is _END else self._build(job)
+            except BaseException as e:  # handed to the consumer, raised there
+                result = _Failed(e)
+            with self._ready:
+                self._results[j] = result
+                self._ready.notify_all()
+            if job is _END:
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        with self._ready:
+            while self._next not in self._results:
+                self._ready.wait()
+            result = self._results.pop(self._next)
+        self._next += 1
+        self._slots.release()
+        if result is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(result, _Failed):
+            raise result.error
+        return result
+
+    def close(self) -> None:
+        """Stop the threads (each finishes the job it holds)."""
+        self._closed = True
+        for _ in self._threads:
+            self._slots.release()
+
+
+def _pinned(batch: dict) -> dict:
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _to_device(value, device: torch.device):
+    """A batch field on the step's device: tensors (non_blocking from pinned memory) and Documents."""
+    if isinstance(value, torch.Tensor | Documents):
+        return value.to(device, non_blocking=True)
+    return value
+
+
 class BatchIterator:
-    """Yields this rank's micro-batches forever (until the dataset runs out)."""
+    """Yields this rank's micro-batches forever (until the dataset runs out), built by
+    `num_workers` background threads (0: in the caller's thread)."""
 
     def __init__(
         self,
@@ -100,21 +199,59 @@ class BatchIterator:
         groups,
         device: torch.device,
         packing: Packing | None = None,
+        num_workers: int = 0,
     ):
         self.dataset, self.groups, self.device, self.packing = dataset, groups, device, packing
-        self.sampler = MicroBatchSampler(
-            len(dataset), consumed_samples, micro_batch_size, groups.dp_rank, groups.dp.size
-        )
-        self._it = iter(self.sampler)
+        self.consumed, self.mbs, self.num_workers = consumed_samples, micro_batch_size, num_workers
+        self.delivered = 0  # micro-batches handed out: the position a restarted prefetch resumes at
+        self.wait_seconds = 0.0  # time next() blocked: loading (workers 0) or waiting for the workers
+        self._source: Iterator | None = None
+        self._pin = device.type == "cuda"  # pinned host memory only where a device copy follows
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict:
-        indices = next(self._it)
+    def _start(self) -> Iterator:
         g = self.groups
-        keep_tokens, keep_labels = g.is_first_stage, g.is_last_stage
-        if not (keep_tokens or keep_labels or (self.packing is not None and self.packing.every_stage)):
+        consumed = self.consumed + self.delivered * self.mbs * g.dp.size
+        jobs = iter(MicroBatchSampler(len(self.dataset), consumed, self.mbs, g.dp_rank, g.dp.size))
+        if not self.num_workers:
+            return map(self._load, jobs)
+        return Prefetcher(jobs, self._load, self.num_workers)
+
+    def _load(self, indices: list[int]) -> dict:
+        """One micro-batch on the host (a pure function of its indices)."""
+        g = self.groups
+        batch = make_batch(
+            [self.dataset[i] for i in indices],
+            g.cp_rank,
+            g.cp.size,
+            g.is_first_stage,
+            g.is_last_stage,
+            torch.device("cpu"),
+            self.packing,
+        )
+        return _pinned(batch) if self._pin else batch
+
+    def __next__(self) -> dict:
+        g = self.groups
+        every_stage = self.packing is not None and self.packing.every_stage
+        if not (g.is_first_stage or g.is_last_stage or every_stage):  # reads nothing, ends where the data does
+            if self.consumed + (self.delivered + 1) * self.mbs * g.dp.size > len(self.dataset):
+                raise StopIteration
+            self.delivered += 1
             return {"tokens": None, "labels": None, "position_offset": 0}
-        samples = [self.dataset[i] for i in indices]
-        return make_batch(samples, g.cp_rank, g.cp.size, keep_tokens, keep_labels, self.device, self.packing)
+        start = time.perf_counter()
+        if self._source is None:
+            self._source = self._start()
+        batch = next(self._source)
+        batch = {k: _to_device(v, self.device) for k, v in batch.items()}
+        self.delivered += 1
+        self.wait_seconds += time.perf_counter() - start
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers; a later next() restarts them at the same position."""
+        if isinstance(self._source, Prefetcher):
+            self._source.close()
+        self._source = None

@@ -26,6 +26,11 @@ class Documents:
     doc_ids: torch.Tensor | None = None
     offset: int = 0
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> Documents:
+        """The same documents with their tensors on `device`."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Documents(move(self.positions), move(self.doc_ids), self.offset)
+
     @property
     def separate(self) -> bool:
         """Whether tokens see only their own document (--reset-attention-mask)."""

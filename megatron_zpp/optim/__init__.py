@@ -4,10 +4,12 @@ engine, and AdamW on fp32 masters."""
 from .clipping import clip_, clip_by_global_norm, counted_once, global_grad_norm
 from .finalize import finalize_model_grads
 from .optimizer import MixedPrecisionAdamW, adamw_order, build_adamw, set_lr
-from .schedules import learning_rate
+from .schedules import learning_rate, learning_rate_at_samples, step_learning_rate
 
 __all__ = [
     "learning_rate",
+    "learning_rate_at_samples",
+    "step_learning_rate",
     "global_grad_norm",
     "clip_",
     "clip_by_global_norm",

@@ -79,7 +79,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
     t = cfg.train
     eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
     num_samples = (
-        t.train_iters * t.global_batch_size,
+        max(t.samples_after(t.train_iters), t.train_samples or 0),  # a ramp-up's batches, then full ones
         eval_rounds * t.global_batch_size,
         t.eval_iters * t.global_batch_size,
     )
@@ -102,8 +102,10 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
             is_builder=groups.rank == 0,
             barrier=lambda: comm.barrier(),
         )
-    mbs = t.micro_batch_size
-    valid_it = (
-        (lambda: BatchIterator(valid, 0, mbs, groups, device, packing)) if valid is not None and eval_rounds else None
-    )
-    return BatchIterator(train, consumed, mbs, groups, device, packing), valid_it
+    mbs, workers = t.micro_batch_size, cfg.data.num_workers
+
+    def batches(dataset, consumed):
+        return BatchIterator(dataset, consumed, mbs, groups, device, packing, num_workers=workers)
+
+    valid_it = (lambda: batches(valid, 0)) if valid is not None and eval_rounds else None
+    return batches(train, consumed), valid_it

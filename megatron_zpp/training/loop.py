@@ -47,49 +47,55 @@ class ExitSignal:
 
 @dataclasses.dataclass
 class Throughput:
-    """What one step's time means: tokens and model FLOPs per step, the peak for MFU."""
+    """What one step's time means: tokens and model FLOPs per sample, the peak for MFU."""
 
-    tokens_per_step: int
-    flops_per_step: float
+    seq_length: int
+    flops_per_sample: float
     peak: float
     world: int
 
     @classmethod
     def of(cls, run: Run) -> Throughput:
         cfg = run.cfg
-        tokens = cfg.train.global_batch_size * cfg.model.seq_length
-        flops = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * tokens
+        per_sample = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * cfg.model.seq_length
         peak, peak_desc = peak_tflops(run.device, training_dtype(cfg), cfg.log.peak_tflops)
+        flops = per_sample * cfg.train.global_batch_size
         log(f"MFU is measured against {peak_desc}: {peak:.3f}; model FLOPs per step {flops / 1e9:.2f} G", run.rank)
-        return cls(tokens, flops, peak, cfg.parallel.world_size)
+        return cls(cfg.model.seq_length, per_sample, peak, cfg.parallel.world_size)
 
-    def metrics(self, elapsed: float) -> dict:
-        tflops = self.flops_per_step / elapsed / self.world / 1e12
+    def metrics(self, elapsed: float, batch: int) -> dict:
+        """Rates of a step of `batch` samples (the global batch, which a ramp-up grows)."""
+        tflops = self.flops_per_sample * batch / elapsed / self.world / 1e12
         return {
-            "tokens_per_sec": self.tokens_per_step / elapsed,
+            "tokens_per_sec": self.seq_length * batch / elapsed,
             "step_time": elapsed,
             "tflops_per_rank": tflops,
             "mfu": tflops / self.peak if self.peak else None,
         }
 
 
-def _log_line(run: Run, m: dict) -> None:
+def _log_line(run: Run, m: dict, data_wait: float) -> None:
+    """The console line of the last step; `data_wait`: seconds the steps since the last line waited for data."""
     mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
     val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
     log(
         f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
-        f"grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
-        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | mem {m['memory_gib']:.2f} GiB",
+        f"global batch {m['global_batch_size']} | grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
+        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | data wait {1e3 * data_wait:.1f} ms | "
+        f"mem {m['memory_gib']:.2f} GiB",
         run.rank,
     )
 
 
 def _timed_step(run: Run, throughput: Throughput) -> dict:
+    batch = run.cfg.train.global_batch_at(run.consumed_samples)  # what train_step takes
+    waited = run.train_data.wait_seconds
     start = time.perf_counter()
     loss, grad_norm, lr = train_step(run)
     elapsed = time.perf_counter() - start
+    waited = run.train_data.wait_seconds - waited
     run.iteration += 1
-    run.consumed_samples += run.cfg.train.global_batch_size
+    run.consumed_samples += batch
     comm.LEDGER.step()
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
@@ -98,7 +104,9 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": lr,
-        **throughput.metrics(elapsed),
+        **throughput.metrics(elapsed, batch),
+        "global_batch_size": batch,
+        "data_wait_time": waited,  # seconds this step blocked on its micro-batches
         "consumed_samples": run.consumed_samples,
         "memory_gib": memory_gib(run.device),
     }
@@ -119,14 +127,17 @@ def train(run: Run) -> list[dict]:
     history = []
     comm.LEDGER.reset()
     stop = ExitSignal(t.exit_signal_handler, run.device)
+    data_wait = 0.0  # since the last log line
     while run.iteration < t.train_iters:
         metrics = _timed_step(run, throughput)
+        data_wait += metrics["data_wait_time"]
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
             metrics["val_loss"] = evaluate(run)
         history.append(metrics)
         sink.write(metrics, run.iteration)
         if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
-            _log_line(run, metrics)
+            _log_line(run, metrics, data_wait)
+            data_wait = 0.0
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             log(f"saved checkpoint {saved}", rank)
@@ -141,6 +152,7 @@ def train(run: Run) -> list[dict]:
             break
     stop.close()
     sink.close()
+    run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
     if cfg.log.comm_report:
         comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, rank)
         log(f"communication report written to {cfg.log.comm_report}", rank)

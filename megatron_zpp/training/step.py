@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..optim import learning_rate
+from ..optim import step_learning_rate
 from ..pipeline_parallel import run_schedule
 
 
@@ -31,12 +31,14 @@ def position_offset(run) -> int:
 
 
 def train_step(run) -> tuple[float, float, float]:
-    """One optimizer step. Returns (mean loss over the global batch, grad norm, lr)."""
+    """One optimizer step over the global batch due after `run.consumed_samples` (it grows
+    during a ramp-up). Returns (mean loss over the global batch, grad norm, lr)."""
     run.dp.zero_grad()
+    micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     losses = run_schedule(
         run.chunks,
         run.train_data,
-        run.cfg.num_micro_batches,
+        micro_batches,
         run.link,
         position_offset(run),
         on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
@@ -44,7 +46,7 @@ def train_step(run) -> tuple[float, float, float]:
     # the loss is reduced before the step: a collective after it would queue behind the weight
     # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
     loss = report_loss(run, losses)
-    lr = learning_rate(run.cfg.optim, run.iteration, run.cfg.train.train_iters)
+    lr = step_learning_rate(run.cfg, run.iteration, run.consumed_samples)
     grad_norm = run.dp.step(lr)
     return loss, grad_norm, lr
 
@@ -59,6 +61,7 @@ def evaluate(run) -> float:
         losses += run_schedule(
             run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run), forward_only=True
         )
+    data.close()  # its loader threads
     for chunk in run.chunks:
         chunk.train()
     return report_loss(run, losses)

@@ -62,3 +62,46 @@ def test_mock_data_is_deterministic_and_learnable():
     a, b = MockGPTDataset(4, 64, 50, seed=1), MockGPTDataset(4, 64, 50, seed=1)
     assert all(np.array_equal(a[i], b[i]) for i in range(4))
     assert len(a[0]) == 65 and a[0].max() < 50
+
+
+def batches(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys()
+        and all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k] for k in x)
+        for x, y in zip(a, b)
+    )
+
+
+def test_background_workers_give_bitwise_the_batches_of_the_main_thread_and_resume():
+    # DP rank 1 of 2, CP rank 1 of 2: 12 micro-batches of 2 from 50 samples (the last round is incomplete)
+    data, cpu, g = MockGPTDataset(50, 32, 100, seed=5), torch.device("cpu"), groups(cp_rank=1, cp=2, dp_rank=1, dp=2)
+    inline = list(BatchIterator(data, 0, 2, g, cpu, num_workers=0))
+    assert len(inline) == 12
+    for workers in (1, 3):
+        assert same(list(BatchIterator(data, 0, 2, g, cpu, num_workers=workers)), inline), workers
+    # resume at 16 consumed samples (4 rounds of 2 x 2), and stop/restart the threads mid-way
+    it = BatchIterator(data, 16, 2, g, cpu, num_workers=2)
+    first = batches(it, 3)
+    it.close()
+    assert same(first + list(it), inline[4:])
+    assert it.wait_seconds > 0
+
+
+def test_worker_errors_reach_the_step():
+    class Broken(MockGPTDataset):
+        def __getitem__(self, i):
+            if i == 6:
+                raise IndexError("sample 6 is unreadable")
+            return super().__getitem__(i)
+
+    it = BatchIterator(Broken(16, 32, 100, seed=1), 0, 2, groups(), torch.device("cpu"), num_workers=2)
+    assert len(batches(it, 3)) == 3
+    try:
+        next(it)
+        raise AssertionError("the error was lost")
+    except IndexError as e:
+        assert "sample 6" in str(e)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatron_zpp.config import OptimConfig
-from megatron_zpp.optim import learning_rate
+from megatron_zpp.config import OptimConfig, TrainConfig
+from megatron_zpp.optim import learning_rate, learning_rate_at_samples
 
 LR, MIN = 1.0, 0.1
 COS_QUARTER = MIN + (LR - MIN) * 0.5 * (1 + math.cos(math.pi / 4))  # cosine at 1/4 of its decay
@@ -116,3 +116,72 @@ def test_wsd_default_window_is_a_tenth_of_decay_iters(style, half):
     assert learning_rate(c, 91, 100) < LR
     assert learning_rate(c, 95, 100) == pytest.approx(half)
     assert learning_rate(c, 100, 100) == pytest.approx(MIN)
+
+
+# ---- sample-based schedules and the batch-size ramp-up (--train-samples) -----------------
+
+
+@pytest.mark.parametrize(
+    "style,kw",
+    [
+        ("linear", {}),
+        ("cosine", {}),
+        ("constant", {}),
+        ("WSD", {"lr_wsd_decay_style": "cosine"}),
+        ("cosine", {"fraction": 0.1}),
+    ],
+)
+def test_sample_schedule_at_a_constant_batch_equals_the_iteration_schedule(style, kw):
+    # G samples per step: warmup 10 x G, decay 110 x G samples give the rate of warmup 10, decay 110 iterations
+    G, fraction = 6, kw.pop("fraction", None)
+    warmup = 0 if fraction else 10
+    by_iter = cfg(style, warmup=warmup, decay_iters=110, lr_warmup_fraction=fraction, lr_wsd_decay_iters=20, **kw)
+    by_samples = OptimConfig(
+        lr=LR,
+        min_lr=MIN,
+        lr_decay_style=style,
+        lr_warmup_samples=warmup * G,
+        lr_decay_samples=110 * G,
+        lr_wsd_decay_samples=20 * G,
+        lr_warmup_fraction=fraction,
+        **kw,
+    )
+    for i in range(0, 130, 3):
+        assert learning_rate_at_samples(by_samples, i * G, G, 200 * G) == pytest.approx(
+            learning_rate(by_iter, i, 200)
+        ), i
+
+
+def test_warmup_fraction_is_a_fraction_of_the_decay_span():
+    # Megatron: warmup = fraction x decay iters (here 0.25 x 40 = 10 iterations; train iters 40 by default)
+    c = cfg("linear", lr_warmup_fraction=0.25)
+    assert [learning_rate(c, i, 40) for i in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert learning_rate(c, 25, 40) == pytest.approx(LR - (LR - MIN) * 15 / 30)
+
+
+def ramp(start=4, incr=4, samples=48, gbs=16, train_samples=120):
+    return TrainConfig(global_batch_size=gbs, rampup_batch_size=[start, incr, samples], train_samples=train_samples)
+
+
+def test_rampup_grows_the_batch_in_equal_sample_increments():
+    # (16 - 4) / 4 = 3 increments over 48 samples: one every 16 samples, full batch past 48
+    t, consumed, batches = ramp(), 0, []
+    for _ in range(10):
+        batches.append(t.global_batch_at(consumed))
+        consumed += batches[-1]
+    assert batches == [4, 4, 4, 4, 8, 8, 12, 12, 16, 16]  # starts at 0 4 8 12 | 16 24 | 32 44 | 56 72
+    # Megatron's update_train_iters: steps starting at <= 48 samples (8 of them, 56 samples), then (120-56)//16
+    assert t.iterations_for_samples() == 8 + 4
+    assert t.samples_after(12) == 120 and t.samples_after(3) == 12
+    assert TrainConfig(global_batch_size=16, train_samples=120).iterations_for_samples() == 7
+
+
+def test_sample_warmup_follows_the_samples_a_ramp_up_really_consumed():
+    o = OptimConfig(lr=LR, min_lr=MIN, lr_decay_style="linear", lr_warmup_samples=24, lr_decay_samples=124)
+    t, consumed, rates = ramp(), 0, []
+    for _ in range(7):
+        batch = t.global_batch_at(consumed)
+        rates.append(learning_rate_at_samples(o, consumed, batch, 120))
+        consumed += batch
+    # steps end at 4, 8, 12, 16, 24 samples (warmup: lr x end / 24), then decay from sample 24 over 100
+    assert rates == pytest.approx([4 / 24, 8 / 24, 12 / 24, 16 / 24, 1.0, 1.0, LR - (LR - MIN) * 8 / 100])
