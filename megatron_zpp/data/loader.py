@@ -6,9 +6,9 @@ position is one number, `consumed_samples`, so a resumed run continues exactly. 
 a model replica: TP ranks read the same samples (each from the memory-mapped files,
 which is cheaper than a broadcast), context-parallel rank c keeps the c-th contiguous
 slice of every sequence, only the first pipeline stage keeps tokens and only the last
-keeps labels. With packed documents (`Packing`: --reset-position-ids, --reset-attention-mask,
---eod-mask-loss) every stage reads its samples, since every layer needs the documents, and
-each rank builds them from the whole sequence on its device (data/documents.py).
+keeps labels. With packed documents (`Packing`: --reset-position-ids, --reset-attention-mask)
+every stage reads its samples, since every layer needs the documents; each rank builds them,
+and the --eod-mask-loss mask, from the whole sequence on its device (data/documents.py).
 """
 
 from __future__ import annotations
