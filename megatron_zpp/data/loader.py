@@ -10,9 +10,9 @@ a collective on the step's critical path; a whole sample also keeps the document
 boundaries before a CP slice in sight), context-parallel rank c keeps the c-th
 contiguous slice of every sequence, only the first pipeline stage keeps tokens and only
 the last keeps labels; middle stages read nothing, except with packed documents
-(`Packing`: --reset-position-ids, --reset-attention-mask, --eod-mask-loss), where every
-stage reads its samples, since every layer needs the documents, built from the whole
-sequence (data/documents.py).
+(`Packing`: --reset-position-ids, --reset-attention-mask), where every stage reads its
+samples, since every layer needs the documents; they, and the --eod-mask-loss mask, are built
+from the whole sequence (data/documents.py).
 
 Loading runs off the critical path (--num-workers N, Megatron's flag): N background
 threads build the micro-batches ahead (2 each in flight at most, as DataLoader's
