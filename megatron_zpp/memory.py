@@ -246,20 +246,30 @@ def head_backward_transient(x: Dims) -> int:
     return x.e * rows * x.vocab + (1 if x.e == 4 else 2) * 4 * chunk_rows * x.vocab
 
 
-def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int = 0) -> tuple[int, int]:
-    """(bytes one micro-batch keeps in a model chunk, extra bytes while its largest recomputed group
-    reruns in the backward). A recomputed group keeps only its input [b, s_norm, h] (e)."""
+def layer_backward_transient(x: Dims) -> int:
+    """A block's backward holds the gradient flowing down the residual [b, s, h] and, in the MLP's
+    backward, fc2's input gradient with the two SwiGLU factor gradients while only fc2's input has
+    been freed: 2f more than the layer keeps (e bytes)."""
+    return x.e * x.b * x.s * (2 * x.ffn + x.h)
+
+
+def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int = 0) -> tuple[int, int, int]:
+    """(bytes one micro-batch keeps in a model chunk, the largest recomputed group's activations,
+    how far above the kept bytes the micro-batch's backward rises while a group reruns: the
+    groups before it still keep theirs, the ones after it are freed). A recomputed group keeps
+    only its input [b, s_norm, h] (e)."""
     selective = cfg.model.recompute_granularity == "selective"
     per_layer = [layer_bytes(cfg, x, i, selective, cp_rank) for i in layer_ids]
-    kept, rerun = 0, 0
+    kept, largest, peaks = 0, 0, []
     for start, stop, again in recompute.layer_groups(cfg.model, len(layer_ids)):
         group = sum(per_layer[start:stop])
         if again:
+            peaks.append(kept + group)  # the groups before it, as kept, and this one rerun
             kept += x.e * x.b * x.s_norm * x.h
-            rerun = max(rerun, group)
+            largest = max(largest, group)
         else:
             kept += group
-    return kept, rerun
+    return kept, largest, max([p - kept for p in peaks] + [0])
 
 
 # ---------------------------------------------------------------- parameters, gradients, optimizer
@@ -369,22 +379,24 @@ def estimate_rank(cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_
             in_flight[(k % (pp * V)) // pp] += 1
     rank.in_flight = max(in_flight)
     rows = x.b * x.s_norm
-    acts = sum(n * k for n, (k, _) in zip(in_flight, kept))
+    acts = sum(n * k for n, (k, _, _) in zip(in_flight, kept))
     pipe = 0
     for c, n in zip(placements, in_flight):  # the schedule keeps each chunk's received input and sent output
         pipe += n * x.e * rows * x.h * ((not c.pre_process and x.e != 4) + (not c.post_process))
     inputs = sum(in_flight) * x.b * x.s * 16  # token ids and labels (int64) of each micro-batch in flight
     terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs
-    rerun = max(r for _, r in kept)
-    post = any(c.post_process for c in placements)
-    head = head_saved(x) if post else 0
-    terms["logits + cross-entropy (saved)"] = head
-    head_bwd = head_backward_transient(x) if post else 0
+    post = [n for c, n in zip(placements, in_flight) if c.post_process]  # micro-batches past the output layer
+    head = head_saved(x) * post[0] if post else 0
+    terms[f"logits + cross-entropy (saved, {post[0] if post else 0} micro-batch(es))"] = head
+    head_bwd = head_backward_transient(x) if post else 0  # one micro-batch's backward at a time
     transient["cross-entropy backward"] = head_bwd
-    transient["recomputed group rerun"] = rerun
-    static = sum(v for k, v in terms.items())
+    transient["recomputed group rerun"] = max(r for _, r, _ in kept)
+    transient["layer backward"] = layer_backward_transient(x)
+    static = sum(terms.values())
     start_of_backward = static + head_bwd
-    during_backward = static - head + max(rerun, transient.get("unit gradients in flight (fp32)", 0))
+    # later in the backward: one micro-batch's head is gone, a group may rerun, ZeRO-2/3 gradients are in flight
+    during_backward = static - (head_saved(x) if post else 0) + max(d for _, _, d in kept)
+    during_backward += transient["layer backward"] + transient.get("unit gradients in flight (fp32)", 0)
     rank.peak = max(start_of_backward, during_backward) + transient.get("qgZ wire buffers", 0)
     rank.transient = transient
     return rank
