@@ -34,6 +34,7 @@ from . import recompute
 from .config import Config
 from .data.tokenizer import pad_vocab_size
 from .model import ParallelContext
+from .ops.gla import _sub_block
 from .pipeline_parallel.stages import build_stage_model, stage_chunks
 from .topology import Group
 from .zero.sharded_params import flat_geometry, model_units, pad_block
@@ -120,6 +121,7 @@ class Dims:
     low_rank: int
     dropout: bool
     masked: bool  # softmax attention with a mask (packed documents or CP): the keys it sees
+    chunk: int  # GLA chunk size
 
     @property
     def width(self) -> int:
@@ -145,6 +147,7 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         low_rank=m.gla_gate_low_rank,
         dropout=m.hidden_dropout > 0,
         masked=cp > 1 or cfg.data.reset_attention_mask,
+        chunk=m.gla_chunk_size,
     )
 
 
@@ -246,30 +249,59 @@ def head_backward_transient(x: Dims) -> int:
     return x.e * rows * x.vocab + (1 if x.e == 4 else 2) * 4 * chunk_rows * x.vocab
 
 
-def layer_backward_transient(x: Dims) -> int:
-    """A block's backward holds the gradient flowing down the residual [b, s, h] and, in the MLP's
-    backward, fc2's input gradient with the two SwiGLU factor gradients while only fc2's input has
-    been freed: 2f more than the layer keeps (e bytes)."""
+def mlp_backward_transient(x: Dims) -> int:
+    """In a block's MLP backward: the gradient flowing down the residual [b, s, h] and fc2's input
+    gradient with the two SwiGLU factor gradients while only fc2's input has been freed: 2f more
+    than the layer keeps (e bytes)."""
     return x.e * x.b * x.s * (2 * x.ffn + x.h)
+
+
+def gla_backward_live(x: Dims) -> int:
+    """What a GLA block holds while ChunkGLAFunction's backward runs (its MLP, norm2 and the core's
+    tensors after the operator are freed by then): norm1, proj_in's input and output, the gate's
+    fp32 copy, logsigmoid's buffer and g, the residual's gradient (e), and the operator's fp32
+    working set at its peak (ops/gla.py, while _intra_score_grads forms dk), in units of one
+    [b, s, w] fp32 tensor: q, k, v, g, do and the scaled do as [B, H, N, C, D] blocks (6), the chunk
+    decays q_in, k_out (2), the sub-block decays (c - 1)/2 + 2 (c = _sub_block(C), M = C / c sub-blocks
+    per chunk), keys_between and queries_between (M each), dA (C / d), dq, the decayed q and the
+    product forming dk (3), the entering states and their gradient (2 d / C)."""
+    bs, w, C = x.b * x.s, x.width, x.chunk
+    c = _sub_block(C)
+    kept = norm_saved(x) + x.e * bs * (2 * x.h + (4 if x.low_rank else 5) * w + x.low_rank)
+    kept += bs * ((4 * w if (x.low_rank or x.e != 4) else 0) + 8 * w)
+    units = 6 + 2 + (c - 1) / 2 + 2 + 2 * (C // c) + C / x.d + 3 + 2 * x.d / C
+    return kept + int(4 * bs * w * units)
 
 
 def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int = 0) -> tuple[int, int, int]:
     """(bytes one micro-batch keeps in a model chunk, the largest recomputed group's activations,
-    how far above the kept bytes the micro-batch's backward rises while a group reruns: the
-    groups before it still keep theirs, the ones after it are freed). A recomputed group keeps
-    only its input [b, s_norm, h] (e)."""
+    how far above the kept bytes the micro-batch's backward rises). The backward visits the layers
+    in reverse: at layer L the groups before L's group keep what they keep, the layers of L's group
+    before L hold their activations (recomputed, or kept), the later ones are freed, and L itself
+    peaks in its MLP's backward or (GLA) its operator's. A recomputed group keeps only its input
+    [b, s_norm, h] (e)."""
     selective = cfg.model.recompute_granularity == "selective"
+    full = [layer_bytes(cfg, x, i, False, cp_rank) for i in layer_ids]  # what a rerun rebuilds
     per_layer = [layer_bytes(cfg, x, i, selective, cp_rank) for i in layer_ids]
-    kept, largest, peaks = 0, 0, []
+    kept, largest, live = 0, 0, [0]
     for start, stop, again in recompute.layer_groups(cfg.model, len(layer_ids)):
+        acts = full if again else per_layer
+        held = kept
+        for j in range(start, stop):
+            peak = acts[j] + mlp_backward_transient(x)
+            if cfg.model.layer_kind(layer_ids[j]) == "gla" and not (selective and not again):
+                peak = max(peak, gla_backward_live(x))
+            elif cfg.model.layer_kind(layer_ids[j]) == "gla":  # selective: the core reruns in the backward
+                peak = max(peak, gla_backward_live(x) + (per_layer[j] - gla_layer(x, True)))
+            live.append(held + peak)
+            held += acts[j]
         group = sum(per_layer[start:stop])
         if again:
-            peaks.append(kept + group)  # the groups before it, as kept, and this one rerun
             kept += x.e * x.b * x.s_norm * x.h
-            largest = max(largest, group)
+            largest = max(largest, sum(full[start:stop]))
         else:
             kept += group
-    return kept, largest, max([p - kept for p in peaks] + [0])
+    return kept, largest, max(live) - kept
 
 
 # ---------------------------------------------------------------- parameters, gradients, optimizer
@@ -306,8 +338,10 @@ class Rank:
     in_flight: int = 1
 
 
-def static_terms(cfg: Config, chunks) -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
-    """(persistent bytes by term, notes, transient bytes by term) of the engine's buffers."""
+def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
+    """(persistent bytes by term, notes, transient bytes by term) of the engine's buffers. On gloo
+    (`backend`), comm.reduce_scatter runs as an all-to-all into a full-size receive buffer, one per
+    ZeRO reduction in flight; NCCL reduce-scatters in place."""
     z, p = cfg.zero, cfg.parallel
     e = 2 if cfg.train.bf16 else 4
     group = p.data_parallel_size * p.context_parallel_size  # the ZeRO group: DP x CP
@@ -337,6 +371,8 @@ def static_terms(cfg: Config, chunks) -> tuple[dict[str, int], dict[str, str], d
     biggest = sorted(padded, reverse=True)
     if stage >= 2:
         transient["unit gradients in flight (fp32)"] = 4 * sum(biggest[:ZERO_GRADS_IN_FLIGHT])
+    if backend == "gloo" and group > 1 and not (z.zero_quantized_gradients or z.zero_hierarchy):
+        transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: ZERO_GRADS_IN_FLIGHT - 1])
     if stage == 3:
         ends = [pad for (name, _), pad in zip(units, padded) if name in ("embedding", "head")]
         blocks = sorted(
@@ -354,14 +390,16 @@ def static_terms(cfg: Config, chunks) -> tuple[dict[str, int], dict[str, str], d
     return terms, notes, transient
 
 
-def estimate_rank(cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_rank: int | None = None) -> Rank:
+def estimate_rank(
+    cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_rank: int | None = None, backend: str = "nccl"
+) -> Rank:
     p = cfg.parallel
     pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
     cp_rank = cp - 1 if cp_rank is None else cp_rank  # the last CP slice sees every key
     x = dims(cfg, micro_batch)
     chunks = stage_model(cfg, pp_rank)
     placements = stage_chunks(p, cfg.model.num_layers, pp_rank)
-    terms, notes, transient = static_terms(cfg, chunks)
+    terms, notes, transient = static_terms(cfg, chunks, backend)
     rank = Rank(pp_rank, terms, notes)
 
     kept = [chunk_activations(cfg, x, c.layer_ids, cp_rank) for c in placements]
@@ -391,12 +429,13 @@ def estimate_rank(cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_
     head_bwd = head_backward_transient(x) if post else 0  # one micro-batch's backward at a time
     transient["cross-entropy backward"] = head_bwd
     transient["recomputed group rerun"] = max(r for _, r, _ in kept)
-    transient["layer backward"] = layer_backward_transient(x)
+    transient["layer backward"] = mlp_backward_transient(x)
     static = sum(terms.values())
     start_of_backward = static + head_bwd
     # later in the backward: one micro-batch's head is gone, a group may rerun, ZeRO-2/3 gradients are in flight
     during_backward = static - (head_saved(x) if post else 0) + max(d for _, _, d in kept)
-    during_backward += transient["layer backward"] + transient.get("unit gradients in flight (fp32)", 0)
+    during_backward += transient.get("unit gradients in flight (fp32)", 0)
+    during_backward += transient.get("gloo reduce-scatter receive buffers", 0)
     rank.peak = max(start_of_backward, during_backward) + transient.get("qgZ wire buffers", 0)
     rank.transient = transient
     return rank
