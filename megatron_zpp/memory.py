@@ -10,14 +10,19 @@ for its backward (see `softmax_layer` and `gla_layer`), and checked against meas
 
 The peak is the larger of two moments of the backward of the step's last micro-batch in
 flight: its start (every micro-batch in flight keeps its activations; the output layer's
-cross-entropy backward holds the logits, their gradient and an fp32 row chunk) and, with full
-recompute, the rerun of a recomputed group (the group's activations exist again while the
-head's are gone).
+cross-entropy backward holds the logits, their gradient and an fp32 row chunk) and the
+backward of each layer after that (the groups before it keep what they keep, a recomputed
+group's earlier layers are rebuilt, the layer itself peaks in its MLP's backward or in the GLA
+operator's; ZeRO-2/3 unit gradients in flight add). `backend="gloo"` adds what our gloo
+reduce-scatter allocates (a full receive buffer per reduction in flight), for the CPU validation.
 
 Not modelled (GPU): the CUDA context (~0.5-1 GiB), NCCL's communicator buffers, the caching
 allocator's fragmentation and reserved-but-unused blocks (often 5-20% above the live bytes
 counted here), cuBLAS/flash workspaces, and attention dropout (SDPA's math path then keeps the
 [b, heads, s, s] probabilities). The figures are live tensor bytes, what `LiveBytes` measures.
+Activations are the PyTorch reference ops' (ops/*.py without kernels); the Triton kernels and
+apex norms on GPU keep less (a norm its input and row statistics, SwiGLU its input, RoPE rotates
+in place, the GLA kernels their own working set), so there the estimate is an upper bound.
 """
 
 from __future__ import annotations
