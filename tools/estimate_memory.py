@@ -69,7 +69,7 @@ def report(cfg, gpu_gb: float | None) -> str:
     if len(ranks) > 1:
         lines.append("per stage peak: " + ", ".join(f"{r.stage}: {r.peak / memory.GiB:.3f} GiB" for r in ranks))
     lines.append(
-        "activations per micro-batch and layer (this stage's first layer of each kind, GiB): "
+        "activations per micro-batch and layer, by kind and recompute mode (GiB): "
         + "; ".join(f"{k}: {v / memory.GiB:.4f}" for k, v in memory.layer_table(cfg).items())
     )
     if gpu_gb is not None:
