@@ -1,0 +1,466 @@
+"""Memory estimator: the bytes one rank holds at its peak, from a validated config.
+
+Parameters are counted exactly: each pipeline stage's model chunks are built on the meta
+device (with stand-in groups of the right sizes) and, for ZeRO, cut into the engine's units
+with its padding (zero/sharded_params.py). Every other term is a closed form in the micro
+batch b, the sequence s, the hidden size h, heads, kv heads, head dim d, the FFN size f, the
+vocabulary V and the training dtype's bytes e, derived from what each op of OUR model saves
+for its backward (see `softmax_layer` and `gla_layer`), and checked against measured peaks
+(bench/memory.py, tests/test_memory.py; `LiveBytes` measures on CPU).
+
+The peak is the larger of two moments of the backward of the step's last micro-batch in
+flight: its start (every micro-batch in flight keeps its activations; the output layer's
+cross-entropy backward holds the logits, their gradient and an fp32 row chunk) and the
+backward of each layer after that (the groups before it keep what they keep, a recomputed
+group's earlier layers are rebuilt, the layer itself peaks in its MLP's backward or in the GLA
+operator's; ZeRO-2/3 unit gradients in flight add). `backend="gloo"` adds what our gloo
+reduce-scatter allocates (a full receive buffer per reduction in flight), for the CPU validation.
+
+Not modelled (GPU): the CUDA context (~0.5-1 GiB), NCCL's communicator buffers, the caching
+allocator's fragmentation and reserved-but-unused blocks (often 5-20% above the live bytes
+counted here), cuBLAS/flash workspaces, and attention dropout (SDPA's math path then keeps the
+[b, heads, s, s] probabilities). The figures are live tensor bytes, what `LiveBytes` measures.
+Activations are the PyTorch reference ops' (ops/*.py without kernels); the Triton kernels and
+apex norms on GPU keep less (a norm its input and row statistics, SwiGLU its input, RoPE rotates
+in place, the GLA kernels their own working set), so there the estimate is an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import recompute
+from .config import Config
+from .data.tokenizer import pad_vocab_size
+from .model import ParallelContext
+from .ops.gla import _sub_block
+from .pipeline_parallel.stages import build_stage_model, stage_chunks
+from .topology import Group
+from .zero.sharded_params import flat_geometry, model_units, pad_block
+
+GiB = 2**30
+CE_CHUNK_ELEMENTS = 1 << 22  # ops/cross_entropy.py: fp32 values per row chunk
+ZERO_GRADS_IN_FLIGHT = 3  # zero_engine.py: MAX_IN_FLIGHT (2) pending reductions + the unit accumulating
+
+
+# ---------------------------------------------------------------- measuring (CPU)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live tensor storage bytes while active, and their peak: every op's output storages,
+    each counted once until PyTorch frees it (a finalizer on the storage's Python object,
+    which PyTorch keeps unique per storage). Storage resizes (ZeRO-3 frees and refills its
+    full weights that way) are followed. Enter it before building the model so parameters,
+    optimizer states and buffers count too; `reset_peak()` starts a new peak window."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _track(self, st) -> None:
+        key, n = id(st), st.nbytes()
+        old = self.sizes.get(key)
+        if old is None:
+            weakref.finalize(st, self._free, key)
+            old = 0
+        self.sizes[key] = n
+        self.live += n - old
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        mode, resize = self, torch.UntypedStorage.resize_
+        self._resize = resize
+
+        def tracked_resize(st, n):  # storage.resize_ bypasses the dispatcher
+            out = resize(st, n)
+            if id(st) in mode.sizes:
+                mode._track(st)
+            return out
+
+        torch.UntypedStorage.resize_ = tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes of one micro-batch: s is this CP rank's slice, s_norm the rows of the
+    norm/dropout regions (s / TP under sequence parallelism); heads, kv, width, ffn, vocab per TP rank."""
+
+    b: int
+    s: int
+    s_norm: int
+    h: int
+    heads: int
+    kv: int
+    d: int
+    ffn: int
+    vocab: int
+    e: int  # bytes of the training dtype
+    low_rank: int
+    dropout: bool
+    masked: bool  # softmax attention with a mask (packed documents or CP): the keys it sees
+    chunk: int  # GLA chunk size
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.d
+
+
+def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    s = m.seq_length // cp
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return Dims(
+        b=micro_batch or cfg.train.micro_batch_size,
+        s=s,
+        s_norm=s // tp if p.sequence_parallel else s,
+        h=m.hidden_size,
+        heads=m.num_attention_heads // tp,
+        kv=m.kv_heads // tp,
+        d=m.head_dim,
+        ffn=m.ffn_size // tp,
+        vocab=vocab // tp,
+        e=2 if cfg.train.bf16 else 4,
+        low_rank=m.gla_gate_low_rank,
+        dropout=m.hidden_dropout > 0,
+        masked=cp > 1 or cfg.data.reset_attention_mask,
+        chunk=m.gla_chunk_size,
+    )
+
+
+# ---------------------------------------------------------------- activations (closed forms)
+
+
+def norm_saved(x: Dims) -> int:
+    """ops/norm.py reference: F.rms_norm on x.float() keeps x in fp32 (x itself for fp32: the
+    block's input or mid residual, counted here), x * rstd in fp32 and rstd [rows]; the
+    output's e-byte copy is what the next linear keeps (counted there, gathered under SP)."""
+    rows = x.b * x.s_norm
+    return rows * (8 * x.h + 4)
+
+
+def mlp_saved(x: Dims, swiglu: bool = True) -> int:
+    """fc1 keeps its input [b, s, h]; SwiGLU keeps [gate | up] (2f) and silu(gate) (f); fc2 keeps
+    its input (f). GeLU: fc1's output and fc2's input."""
+    bs = x.b * x.s
+    return x.e * bs * (x.h + (4 * x.ffn if swiglu else 2 * x.ffn))
+
+
+def softmax_core_saved(x: Dims) -> int:
+    """SDPA (flash on CPU): output [b, heads, s, d] and logsumexp (fp32) [b, heads, s]."""
+    return x.b * x.s * x.heads * (x.e * x.d + 4)
+
+
+def softmax_layer(x: Dims, selective: bool) -> int:
+    """One softmax block: norm1, qkv's input (h) and output (heads + 2 kv heads: SDPA keeps v as a
+    view of it), the rotated q and k (new tensors), the core, proj's input (the re-laid-out
+    output), norm2, the MLP, hidden dropout masks. Selective recompute drops the core."""
+    bs = x.b * x.s
+    qkv = x.e * bs * (x.h + (x.heads + 2 * x.kv) * x.d + (x.heads + x.kv) * x.d + x.heads * x.d)
+    core = 0 if selective else softmax_core_saved(x)
+    return 2 * norm_saved(x) + qkv + core + mlp_saved(x) + dropout_saved(x)
+
+
+def gla_layer(x: Dims, selective: bool) -> int:
+    """One GLA block: norm1, proj_in's input (h) and output (5 sections, 4 with a low-rank gate),
+    proj_out's input (e), then the core (selective recompute keeps none of it: its inputs are
+    proj_in's): the low-rank gate's down-projection output (r), logsigmoid's fp32 input (a copy
+    for bf16 or a low-rank gate) and its fp32 buffer, the fp32 log decay g (ChunkGLAFunction keeps
+    q, k, v: views of proj_in's output, and g), the operator's output in fp32, rms_norm's fp32
+    x * rstd and rstd, the output gate's two factors (e); norm2, the MLP, hidden dropout masks."""
+    bs, w = x.b * x.s, x.width
+    proj = x.e * bs * (x.h + (4 if x.low_rank else 5) * w + w)
+    core = 0
+    if not selective:
+        gate_copy = 4 * w if (x.low_rank or x.e != 4) else 0
+        core = bs * (x.e * x.low_rank + gate_copy + 16 * w + 4 * x.heads + 2 * x.e * w)
+    return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
+
+
+def dropout_saved(x: Dims) -> int:
+    return 2 * x.b * x.s_norm * x.h if x.dropout else 0  # two bool masks per block
+
+
+def cp_kv_saved(x: Dims, cp_rank: int) -> int:
+    """Softmax under CP, on top of softmax_layer: SDPA keeps the gathered K|V up to this rank's slice
+    end [b, kv, (r+1) s, 2d] and the bool mask [s, (r+1) s], not the qkv output nor the rotated k."""
+    keys = (cp_rank + 1) * x.s
+    return x.e * x.b * x.kv * keys * 2 * x.d + x.s * keys - x.e * x.b * x.s * (x.heads + 3 * x.kv) * x.d
+
+
+def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
+    if cfg.model.layer_kind(layer) == "softmax":
+        out = softmax_layer(x, selective)
+        if cfg.parallel.context_parallel_size > 1:
+            out += cp_kv_saved(x, cp_rank)
+        return out
+    return gla_layer(x, selective)
+
+
+def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
+    """Bytes one micro-batch keeps per layer, by kind and recompute mode (full: the group's input,
+    shared by the layers of a uniform group)."""
+    x = dims(cfg, micro_batch)
+    kinds = {cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)}
+    out = {}
+    for kind in sorted(kinds):
+        layer = softmax_layer if kind == "softmax" else gla_layer
+        out[f"{kind} none"] = layer(x, False)
+        out[f"{kind} selective"] = layer(x, True)
+    out["full (per recomputed group)"] = x.e * x.b * x.s_norm * x.h
+    return out
+
+
+def head_saved(x: Dims) -> int:
+    """Final norm, the output layer's input (e, gathered under SP), the logits [b, s, V/TP] (e) that
+    the cross-entropy keeps, its fp32 log-sum-exp, int64 local labels and the ignore mask."""
+    rows = x.b * x.s
+    return norm_saved(x) + x.e * rows * x.h + x.e * rows * x.vocab + rows * (4 + 8 + 1)
+
+
+def head_backward_transient(x: Dims) -> int:
+    """The cross-entropy backward: the logits' gradient (e) and one fp32 row chunk (two for bf16:
+    the upcast and exp(x - lse))."""
+    rows = x.b * x.s
+    chunk_rows = min(rows, max(1, CE_CHUNK_ELEMENTS // max(1, x.vocab)))
+    return x.e * rows * x.vocab + (1 if x.e == 4 else 2) * 4 * chunk_rows * x.vocab
+
+
+def mlp_backward_transient(x: Dims) -> int:
+    """In a block's MLP backward: the gradient flowing down the residual [b, s, h] and fc2's input
+    gradient with the two SwiGLU factor gradients while only fc2's input has been freed: 2f more
+    than the layer keeps (e bytes)."""
+    return x.e * x.b * x.s * (2 * x.ffn + x.h)
+
+
+def gla_backward_live(x: Dims) -> int:
+    """What a GLA block holds while ChunkGLAFunction's backward runs (its MLP, norm2 and the core's
+    tensors after the operator are freed by then): norm1, proj_in's input and output, the gate's
+    fp32 copy, logsigmoid's buffer and g, the residual's gradient (e), and the operator's fp32
+    working set at its peak (ops/gla.py, while _intra_score_grads forms dk), in units of one
+    [b, s, w] fp32 tensor: q, k, v, g, do and the scaled do as [B, H, N, C, D] blocks (6), the chunk
+    decays q_in, k_out (2), the sub-block decays (c - 1)/2 + 2 (c = _sub_block(C), M = C / c sub-blocks
+    per chunk), keys_between and queries_between (M each), dA (C / d), dq, the decayed q and the
+    product forming dk (3), the entering states and their gradient (2 d / C)."""
+    bs, w, C = x.b * x.s, x.width, x.chunk
+    c = _sub_block(C)
+    kept = norm_saved(x) + x.e * bs * (2 * x.h + (4 if x.low_rank else 5) * w + x.low_rank)
+    kept += bs * ((4 * w if (x.low_rank or x.e != 4) else 0) + 8 * w)
+    units = 6 + 2 + (c - 1) / 2 + 2 + 2 * (C // c) + C / x.d + 3 + 2 * x.d / C
+    return kept + int(4 * bs * w * units)
+
+
+def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int = 0) -> tuple[int, int, int]:
+    """(bytes one micro-batch keeps in a model chunk, the largest recomputed group's activations,
+    how far above the kept bytes the micro-batch's backward rises). The backward visits the layers
+    in reverse: at layer L the groups before L's group keep what they keep, the layers of L's group
+    before L hold their activations (recomputed, or kept), the later ones are freed, and L itself
+    peaks in its MLP's backward or (GLA) its operator's. A recomputed group keeps only its input
+    [b, s_norm, h] (e)."""
+    selective = cfg.model.recompute_granularity == "selective"
+    full = [layer_bytes(cfg, x, i, False, cp_rank) for i in layer_ids]  # what a rerun rebuilds
+    per_layer = [layer_bytes(cfg, x, i, selective, cp_rank) for i in layer_ids]
+    kept, largest, live = 0, 0, [0]
+    for start, stop, again in recompute.layer_groups(cfg.model, len(layer_ids)):
+        acts = full if again else per_layer
+        held = kept
+        for j in range(start, stop):
+            peak = acts[j] + mlp_backward_transient(x)
+            if cfg.model.layer_kind(layer_ids[j]) == "gla" and not (selective and not again):
+                peak = max(peak, gla_backward_live(x))
+            elif cfg.model.layer_kind(layer_ids[j]) == "gla":  # selective: the core reruns in the backward
+                peak = max(peak, gla_backward_live(x) + (per_layer[j] - gla_layer(x, True)))
+            live.append(held + peak)
+            held += acts[j]
+        group = sum(per_layer[start:stop])
+        if again:
+            kept += x.e * x.b * x.s_norm * x.h
+            largest = max(largest, sum(full[start:stop]))
+        else:
+            kept += group
+    return kept, largest, max(live) - kept
+
+
+# ---------------------------------------------------------------- parameters, gradients, optimizer
+
+
+def _stand_in(role: str, size: int) -> Group | None:
+    return Group(role, tuple(range(size)), 0, "intra_node") if size > 1 else None
+
+
+def stage_model(cfg: Config, pp_rank: int):
+    """This stage's chunks on the meta device (exact parameter shapes, no memory)."""
+    p = cfg.parallel
+    vocab = pad_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tensor_model_parallel_size)
+    ctx = ParallelContext(
+        tp=_stand_in("tp", p.tensor_model_parallel_size),
+        sequence_parallel=p.sequence_parallel,
+        cp=_stand_in("cp", p.context_parallel_size),
+        cp_algo=p.cp_algo,
+        all_scan_blocks=p.all_scan_blocks or 1,
+    )
+    with torch.device("meta"):
+        return build_stage_model(cfg, vocab, ctx, pp_rank)
+
+
+@dataclass
+class Rank:
+    """One rank's estimate (bytes), term by term, and its peak."""
+
+    stage: int
+    terms: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    transient: dict[str, int] = field(default_factory=dict)
+    peak: int = 0
+    in_flight: int = 1
+
+
+def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
+    """(persistent bytes by term, notes, transient bytes by term) of the engine's buffers. On gloo
+    (`backend`), comm.reduce_scatter runs as an all-to-all into a full-size receive buffer, one per
+    ZeRO reduction in flight; NCCL reduce-scatters in place."""
+    z, p = cfg.zero, cfg.parallel
+    e = 2 if cfg.train.bf16 else 4
+    group = p.data_parallel_size * p.context_parallel_size  # the ZeRO group: DP x CP
+    terms, notes, transient = {}, {}, {}
+    if z.zero_stage == 0:
+        n = sum(q.numel() for c in chunks for q in c.parameters())
+        terms["parameters"] = e * n
+        terms["fp32 master copy"] = 4 * n if e != 4 else 0
+        terms["gradients (fp32 main_grad buffer)"] = 4 * n
+        terms["AdamW exp_avg + exp_avg_sq (fp32)"] = 8 * n
+        notes["parameters"] = f"{n:,} elements, replicated"
+        return terms, notes, transient
+    units = [(name, [q.numel() for q in params]) for c in chunks for name, params, _ in model_units(c)]
+    geo = [flat_geometry(numels, group, pad_block(z)) for _, numels in units]
+    padded = [g[1] for g in geo]
+    shard = [g[2] for g in geo]
+    full, sh = sum(padded), sum(shard)
+    stage = z.zero_stage
+    terms["parameters"] = e * (full if stage < 3 else 0) + e * sh  # full weights (stages 1-2) + the e-byte shard
+    terms["fp32 master copy"] = 0 if (e == 4 and stage == 3) else 4 * sh
+    terms["gradients"] = 4 * sh + (4 * full if stage == 1 else 0)
+    terms["AdamW exp_avg + exp_avg_sq (fp32)"] = 8 * sh
+    notes["parameters"] = f"{full:,} padded elements in {len(units)} units, shard {sh:,} per rank of {group}"
+    notes["gradients"] = "fp32 shard" + (" + fp32 full buffer (stage 1)" if stage == 1 else "")
+    if stage == 3 and z.zero_hpz_partition_size > 1:
+        terms["hpZ secondary shard"] = e * full // z.zero_hpz_partition_size
+    biggest = sorted(padded, reverse=True)
+    if stage >= 2:
+        transient["unit gradients in flight (fp32)"] = 4 * sum(biggest[:ZERO_GRADS_IN_FLIGHT])
+    if backend == "gloo" and group > 1 and not (z.zero_quantized_gradients or z.zero_hierarchy):
+        transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: ZERO_GRADS_IN_FLIGHT - 1])
+    if stage == 3:
+        ends = [pad for (name, _), pad in zip(units, padded) if name in ("embedding", "head")]
+        blocks = sorted(
+            (pad for (name, _), pad in zip(units, padded) if name not in ("embedding", "head")), reverse=True
+        )
+        gathered = sum(ends) + sum(blocks[:2])  # end units held through the micro-batch; a block + its prefetch
+        terms["ZeRO-3 gathered units"] = e * gathered
+        notes["ZeRO-3 gathered units"] = "embedding/head kept through the micro-batch, one block + one prefetched"
+        if z.zero_quantized_weights:
+            block = z.zero_quantization_block_size
+            terms["qwZ wire buffers"] = sum(math.ceil(n * (1 + 4 / block) * (1 + 1 / group)) for n in blocks[:2])
+        if z.zero_quantized_gradients:
+            block = z.zero_gradient_quantization_block_size
+            transient["qgZ wire buffers"] = sum(math.ceil(2 * n * (0.5 + 4 / block)) for n in biggest[:2])
+    return terms, notes, transient
+
+
+def estimate_rank(
+    cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_rank: int | None = None, backend: str = "nccl"
+) -> Rank:
+    p = cfg.parallel
+    pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
+    cp_rank = cp - 1 if cp_rank is None else cp_rank  # the last CP slice sees every key
+    x = dims(cfg, micro_batch)
+    chunks = stage_model(cfg, pp_rank)
+    placements = stage_chunks(p, cfg.model.num_layers, pp_rank)
+    terms, notes, transient = static_terms(cfg, chunks, backend)
+    rank = Rank(pp_rank, terms, notes)
+
+    kept = [chunk_activations(cfg, x, c.layer_ids, cp_rank) for c in placements]
+    m, V = cfg.num_micro_batches, len(placements)
+    if pp == 1:
+        in_flight = [1]
+    elif V == 1:
+        in_flight = [min(pp - pp_rank, m)]  # 1F1B: warm-up forwards + the one in steady state
+    else:  # interleaved: Megatron's warm-up count, in chunk-micro-batches, spread over the chunks in order
+        total = m * V
+        warm = total if m == pp else min((pp - pp_rank - 1) * 2 + (V - 1) * pp, total) + 1
+        warm = min(warm, total)
+        in_flight = [0] * V
+        for k in range(warm):
+            in_flight[(k % (pp * V)) // pp] += 1
+    rank.in_flight = max(in_flight)
+    rows = x.b * x.s_norm
+    acts = sum(n * k for n, (k, _, _) in zip(in_flight, kept))
+    pipe = 0
+    for c, n in zip(placements, in_flight):  # the schedule keeps each chunk's received input and sent output
+        pipe += n * x.e * rows * x.h * ((not c.pre_process and x.e != 4) + (not c.post_process))
+    inputs = sum(in_flight) * x.b * x.s * 16  # token ids and labels (int64) of each micro-batch in flight
+    terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs
+    post = [n for c, n in zip(placements, in_flight) if c.post_process]  # micro-batches past the output layer
+    head = head_saved(x) * post[0] if post else 0
+    terms[f"logits + cross-entropy (saved, {post[0] if post else 0} micro-batch(es))"] = head
+    head_bwd = head_backward_transient(x) if post else 0  # one micro-batch's backward at a time
+    transient["cross-entropy backward"] = head_bwd
+    transient["recomputed group rerun"] = max(r for _, r, _ in kept)
+    transient["layer backward"] = mlp_backward_transient(x)
+    static = sum(terms.values())
+    start_of_backward = static + head_bwd
+    # later in the backward: one micro-batch's head is gone, a group may rerun, ZeRO-2/3 gradients are in flight
+    during_backward = static - (head_saved(x) if post else 0) + max(d for _, _, d in kept)
+    during_backward += transient.get("unit gradients in flight (fp32)", 0)
+    during_backward += transient.get("gloo reduce-scatter receive buffers", 0)
+    rank.peak = max(start_of_backward, during_backward) + transient.get("qgZ wire buffers", 0)
+    rank.transient = transient
+    return rank
+
+
+def estimate(cfg: Config, micro_batch: int | None = None) -> list[Rank]:
+    """Every pipeline stage's estimate (the worst CP slice); the worst is max(peak)."""
+    return [estimate_rank(cfg, r, micro_batch) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
+def largest_micro_batch(cfg: Config, budget_bytes: float, limit: int = 4096) -> int:
+    """The largest micro-batch whose worst stage fits `budget_bytes` (0: none fits)."""
+    best, b = 0, 1
+    while b <= limit and max(r.peak for r in estimate(cfg, b)) <= budget_bytes:
+        best, b = b, b * 2
+    lo, hi = best, min(b, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if max(r.peak for r in estimate(cfg, mid)) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,99 @@
+"""Estimate the memory of one rank before launching: the same flags as pretrain_gpt.py, plus
+
+    --world-size N        ranks of the launch (default: $WORLD_SIZE or 1)
+    --gpu-memory-gb G     device memory per GPU in GiB: also print the largest --micro-batch-size that fits
+
+    python tools/estimate_memory.py --world-size 8 --gpu-memory-gb 80 --mock-data --num-layers 24 \\
+        --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 \\
+        --global-batch-size 256 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --bf16
+
+Prints, for the worst pipeline stage (named), the bytes of each term (megatron_zpp/memory.py
+says how each is counted), the peak, and the other stages' peaks. Nothing is allocated: the
+model is built on the meta device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_zpp import memory  # noqa: E402
+from megatron_zpp.arguments import parse_args  # noqa: E402
+from megatron_zpp.config import ConfigError, validate  # noqa: E402
+
+ASSUMPTIONS = (
+    "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "
+    "the CUDA context (~0.5-1 GiB), NCCL communicator buffers, cuBLAS/flash workspaces, and the caching "
+    "allocator's fragmentation and reserved-but-unused blocks (commonly 5-20% above the live bytes); attention "
+    "dropout (SDPA's math path would keep [b, heads, s, s]). Activations are those of the PyTorch reference ops "
+    "(--kernels torch, and auto on CPU): with the Triton kernels or apex on GPU the norms, SwiGLU, RoPE and the GLA "
+    "operator keep less (e.g. a norm keeps its input and row statistics, not fp32 copies), so the estimate is an "
+    "upper bound there. The fit below keeps 10% of the device free for what is not modelled."
+)
+
+
+def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    ap.add_argument("--gpu-memory-gb", type=float, default=None)
+    return ap.parse_known_args(argv)
+
+
+def fmt(n: int) -> str:
+    return f"{n:>16,d}  {n / memory.GiB:>9.3f}"
+
+
+def report(cfg, gpu_gb: float | None) -> str:
+    ranks = memory.estimate(cfg)
+    worst = max(ranks, key=lambda r: r.peak)
+    p = cfg.parallel
+    lines = [
+        f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
+        f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size}, ZeRO-{cfg.zero.zero_stage}, "
+        f"micro-batch {cfg.train.micro_batch_size}, {cfg.num_micro_batches} micro-batches per step, "
+        f"recompute {cfg.model.recompute_granularity or 'none'}"
+        + (f" ({cfg.model.recompute_method}, {cfg.model.recompute_num_layers})" if cfg.model.recompute_method else ""),
+        f"worst pipeline stage: {worst.stage} of {len(ranks)}",
+        f"{'term':<52} {'bytes':>16}  {'GiB':>9}",
+    ]
+    for name, n in worst.terms.items():
+        note = worst.notes.get(name, "")
+        lines.append(f"{name:<52} {fmt(n)}" + (f"   {note}" if note else ""))
+    for name, n in worst.transient.items():
+        if n:
+            lines.append(f"{'(transient) ' + name:<52} {fmt(n)}")
+    lines.append(f"{'peak':<52} {fmt(worst.peak)}")
+    if len(ranks) > 1:
+        lines.append("per stage peak: " + ", ".join(f"{r.stage}: {r.peak / memory.GiB:.3f} GiB" for r in ranks))
+    lines.append(
+        "activations per micro-batch and layer, by kind and recompute mode (GiB): "
+        + "; ".join(f"{k}: {v / memory.GiB:.4f}" for k, v in memory.layer_table(cfg).items())
+    )
+    if gpu_gb is not None:
+        budget = 0.9 * gpu_gb * memory.GiB
+        best = memory.largest_micro_batch(cfg, budget)
+        lines.append(
+            f"largest --micro-batch-size that fits {gpu_gb:g} GiB (90% of it): {best}"
+            if best
+            else f"no micro-batch fits {gpu_gb:g} GiB (90% of it): shard more (ZeRO, TP, PP) or recompute"
+        )
+    lines.append(ASSUMPTIONS)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ours, rest = tool_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = validate(parse_args(rest), ours.world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report(cfg, ours.gpu_memory_gb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
