@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     type=meta.get("type", str),
                     default=default,
                     help=meta["help"],
+                    metavar=meta.get("metavar"),
                 )
             else:
                 group.add_argument(

@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 
 
 def opt(default, flag: str, help: str, **kw):
-    """A config field with its CLI flag. kw: choices, nargs, type (element type for lists)."""
+    """A config field with its CLI flag. kw: choices, nargs, type (element type for lists), metavar."""
     meta = {"flag": flag, "help": help, **kw}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -309,10 +309,11 @@ class TrainConfig:
     rampup_batch_size: list[int] = opt(
         [],
         "--rampup-batch-size",
-        "START INCR SAMPLES: the global batch starts at START and grows by INCR in equal steps over the first "
+        "the global batch starts at START and grows by INCR in equal steps over the first "
         "SAMPLES samples up to --global-batch-size (needs --train-samples; START and INCR multiples of micro x DP)",
         nargs=3,
         type=int,
+        metavar=("START", "INCR", "SAMPLES"),
     )
     train_iters: int | None = opt(None, "--train-iters", "optimizer steps (default 100, or from --train-samples)")
     train_samples: int | None = opt(

@@ -205,8 +205,10 @@ class BatchIterator:
         self.consumed, self.mbs, self.num_workers = consumed_samples, micro_batch_size, num_workers
         self.delivered = 0  # micro-batches handed out: the position a restarted prefetch resumes at
         self.wait_seconds = 0.0  # time next() blocked: loading (workers 0) or waiting for the workers
-        self._source: Iterator | None = None
         self._pin = device.type == "cuda"  # pinned host memory only where a device copy follows
+        reads = groups.is_first_stage or groups.is_last_stage
+        # the workers start now, so the first batches are ready while the rest of the run is set up
+        self._source: Iterator | None = self._start() if num_workers and reads else None
 
     def __iter__(self):
         return self
