@@ -6,7 +6,8 @@ Same seed, same data, fp32: the per-step losses for 6 steps and the final weight
 low-rank decay gate, whose replicated down-projection gets partial gradients under TP).
 Gradient clipping is active (the clip is below the gradient norm), so the global norm
 must count every parameter once. The same runs check the ledger: TP, CP, PP and plain-DP
-bytes per step equal their closed forms.
+bytes per step equal their closed forms. Four layouts also run with activation recompute (full
+uniform, full block or selective), which must change nothing: each has a sibling layout without it.
 """
 
 import functools
@@ -36,18 +37,56 @@ KINDS = {
 LAYOUTS = {  # name: (world size, layers, flags)
     "dp2": (2, 4, []),  # plain data parallelism, 2 micro-batches accumulated per rank
     "tp2": (2, 4, ["--tensor-model-parallel-size", "2"]),
-    "tp2_sp": (2, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2_sp_recompute": (
+        2,
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
     "pp2": (2, 4, ["--pipeline-model-parallel-size", "2"]),
-    "pp4_interleaved": (4, 8, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "pp4_interleaved_recompute": (
+        4,
+        8,
+        "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 --recompute-granularity full "
+        "--recompute-method block --recompute-num-layers 1".split(),
+    ),
     "tp2_pp2": (4, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    "tp2_pp2_dp2": (8, 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "tp2_pp2_dp2_recompute": (
+        8,
+        4,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --recompute-granularity selective".split(),
+    ),
     "cp2": (2, 4, ["--context-parallel-size", "2"]),
     "tp2_cp2_sp": (
         4,
         4,
         ("--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel --all-scan-blocks 2").split(),
     ),
-    "cp4_allgather": (4, 4, ["--context-parallel-size", "4", "--cp-algo", "all-gather"]),
+    "cp4_allgather_recompute": (
+        4,
+        4,
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-algo",
+            "all-gather",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
 }
 
 
