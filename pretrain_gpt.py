@@ -18,7 +18,10 @@ from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
 from megatron_zpp.logging_utils import fail, log
 
-# what gloo says when the other end of a collective is gone (NCCL raises DistBackendError)
+# what gloo says when the other end of a collective is gone (NCCL raises DistBackendError); a
+# collective queued behind an async one that timed out (an overlapped gradient bucket) finds
+# its pair closed: "Application timeout caused pair closure", with no "gloo" in the text
+FROM_GLOO = re.compile(r"gloo|pair closure", re.IGNORECASE)
 LOST_PEER = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
 TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
@@ -60,7 +63,7 @@ def distributed_failure(e: RuntimeError, cfg) -> str | None:
     import torch.distributed as dist
 
     text = str(e)
-    if not (isinstance(e, dist.DistError) or "gloo" in text):
+    if not (isinstance(e, dist.DistError) or FROM_GLOO.search(text)):
         return None
     if LOST_PEER.search(text):
         what, why = "lost a peer", "Another rank died or was killed (its log or the launcher's summary says why)"
