@@ -20,8 +20,8 @@ import torch
 
 from megatron_zpp import memory, training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import validate
 from megatron_zpp.training.step import train_step
+from megatron_zpp.validation import validate
 
 SEQ, HIDDEN, MBS = 128, 64, 4
 BASE = (

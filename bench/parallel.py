@@ -62,7 +62,7 @@ from tests.dist import run_distributed  # noqa: E402
 
 def our_config(a: dict, world: int, extra: list[str]):
     from megatron_zpp.arguments import parse_args
-    from megatron_zpp.config import validate
+    from megatron_zpp.validation import validate
 
     argv = (
         f"--mock-data --num-layers {a['layers']} --hidden-size {a['hidden']} --num-attention-heads "

@@ -316,7 +316,8 @@ def ours_refusal(args: list[str]) -> str | None:
     sys.path.insert(0, ROOT)
     try:
         from megatron_zpp.arguments import parse_args
-        from megatron_zpp.config import ConfigError, validate
+        from megatron_zpp.config import ConfigError
+        from megatron_zpp.validation import validate
     except Exception as e:  # noqa: BLE001
         return f"cannot import megatron_zpp: {e}"
     try:

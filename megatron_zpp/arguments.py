@@ -15,8 +15,9 @@ import typing
 
 import yaml
 
-from .config import SECTIONS, Config, ConfigError, validate
+from .config import SECTIONS, Config, ConfigError
 from .topology import check_node_layout
+from .validation import validate
 
 # Megatron-LM spellings accepted as aliases: flag -> (section, field, value).
 ALIASES = {

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from megatron_zpp.arguments import load_yaml, parse_args
-from megatron_zpp.config import NOT_YET, Config, ConfigError, validate
+from megatron_zpp.config import Config, ConfigError
+from megatron_zpp.validation import NOT_YET, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_zpp import memory
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import validate
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
 TOLERANCE = 0.10

@@ -18,8 +18,8 @@ import torch
 
 from megatron_zpp import comm, training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import validate
 from megatron_zpp.tensor_parallel import unshard
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
 STEPS, GBS, MBS, SEQ, HIDDEN = 6, 8, 2, 32, 32

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import validate
+from megatron_zpp.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = (

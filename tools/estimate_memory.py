@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zpp import memory  # noqa: E402
 from megatron_zpp.arguments import parse_args  # noqa: E402
-from megatron_zpp.config import ConfigError, validate  # noqa: E402
+from megatron_zpp.config import ConfigError  # noqa: E402
+from megatron_zpp.validation import validate
 
 ASSUMPTIONS = (
     "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "

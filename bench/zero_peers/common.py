@@ -181,7 +181,7 @@ def peer_args(add_own=None) -> tuple[argparse.Namespace, list[str]]:
 def parse_model_args(argv: list[str]):
     """Our Config from the same flags pretrain_gpt.py gets (ZeRO flags left out)."""
     from megatron_zpp.arguments import parse_args
-    from megatron_zpp.config import validate
+    from megatron_zpp.validation import validate
 
     return validate(parse_args(argv), int(os.environ.get("WORLD_SIZE", 1)))
 

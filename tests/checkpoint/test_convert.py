@@ -16,7 +16,8 @@ import torch
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
-from megatron_zpp.config import Config, validate
+from megatron_zpp.config import Config
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

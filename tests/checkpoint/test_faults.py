@@ -32,8 +32,8 @@ import pretrain_gpt
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import files, sharded
-from megatron_zpp.config import validate
 from megatron_zpp.training import loop
+from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

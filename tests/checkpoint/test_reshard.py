@@ -21,7 +21,7 @@ from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, save_checkpoint
 from megatron_zpp.checkpoint.consolidate import consolidate
-from megatron_zpp.config import validate
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
 N = 2

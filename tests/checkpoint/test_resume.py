@@ -17,7 +17,7 @@ import torch
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, files
-from megatron_zpp.config import validate
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
 N = 3

@@ -15,9 +15,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import ConfigError, ModelConfig, validate
+from megatron_zpp.config import ConfigError, ModelConfig
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.training.builders import compile_model
+from megatron_zpp.validation import validate
 from tests.test_parity import assert_close_relative, train_and_collect
 from tests.test_training import TINY
 

@@ -17,9 +17,10 @@ import torch
 
 from megatron_zpp import recompute
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import ConfigError, ModelConfig, validate
+from megatron_zpp.config import ConfigError, ModelConfig
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.tensor_parallel import random as tp_random
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.test_parity import BASE, HIDDEN, KINDS, MBS, SEQ, train_and_collect
 

@@ -25,7 +25,8 @@ import torch
 
 from megatron_zpp import comm, training
 from megatron_zpp.arguments import parse_args, parse_config
-from megatron_zpp.config import ConfigError, validate
+from megatron_zpp.config import ConfigError
+from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.test_parity import assert_close_relative
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from megatron_zpp.arguments import parse_args, parse_config
-from megatron_zpp.config import ConfigError, validate
+from megatron_zpp.config import ConfigError
+from megatron_zpp.validation import validate
 from megatron_zpp.zero import ZeroEngine
 from tests.dist import run_distributed
 from tests.test_parity import assert_close_relative, full_weights, train_and_collect

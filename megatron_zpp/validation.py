@@ -1,0 +1,510 @@
+"""Validation: the values that follow from others, then every setting checked against the others
+and the world size, before any process group exists. Each problem is one line naming the flags
+to change (ConfigError lists them all). What depends on the node layout is checked with the
+topology (topology.check_node_layout).
+"""
+
+from __future__ import annotations
+
+from .config import SECTIONS, Config, ConfigError, TrainConfig, flag_of
+
+# Features whose flags exist but whose implementation has not landed. Each is refused
+# with its reason until it works (a flag that is accepted must work).
+NOT_YET: dict = {}
+
+
+def _failed(checks: list[tuple[bool, str]]) -> list[str]:
+    return [msg for ok, msg in checks if not ok]
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Fill derived values, then check every setting against each other and the world size.
+
+    Raises ConfigError listing every problem, each naming the flags to change.
+    """
+    errors = _refused(cfg) + _check_sizes(cfg)
+    if len(errors) > len(_refused(cfg)):  # the checks below divide by these sizes
+        raise ConfigError("\n".join(errors))
+    derive(cfg, world_size)
+    for check in (
+        _check_layout,
+        _check_model,
+        _check_pipeline,
+        _check_recompute,
+        _check_batch,
+        _check_checkpointing,
+        _check_compile,
+        _check_optim,
+        _check_data,
+        _check_zero,
+        _check_log,
+    ):
+        errors += check(cfg, world_size)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return cfg
+
+
+def derive(cfg: Config, world_size: int) -> None:
+    """The values that follow from others: world and data-parallel sizes, defaults that
+    depend on other settings."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    p.world_size, p.data_parallel_size = world_size, max(world_size // model_parallel, 1)
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * p.data_parallel_size
+    if t.train_iters is None:  # Megatron: from --train-samples, else our default
+        t.train_iters_from_samples = t.train_samples is not None
+        t.train_iters = t.iterations_for_samples() if t.train_samples is not None else 100
+
+
+def _refused(cfg: Config) -> list[str]:
+    return [
+        f"{flag_of(section, name)}: {why}; leave it at its default"
+        for section in SECTIONS
+        for name, (is_set, why) in NOT_YET.items()
+        if hasattr(getattr(cfg, section), name) and is_set(cfg)
+    ]
+
+
+def _check_sizes(cfg: Config) -> list[str]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    given = [("--train-iters", t.train_iters), ("--train-samples", t.train_samples)]
+    given += [("--global-batch-size", t.global_batch_size)]
+    return [
+        f"{flag} must be >= 1 (got {v})"
+        for flag, v in [
+            ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+            ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+            ("--context-parallel-size", p.context_parallel_size),
+            ("--num-layers", m.num_layers),
+            ("--hidden-size", m.hidden_size),
+            ("--num-attention-heads", m.num_attention_heads),
+            ("--seq-length", m.seq_length),
+            ("--micro-batch-size", t.micro_batch_size),
+            *[(flag, v) for flag, v in given if v is not None],
+            *[(f"--rampup-batch-size {what}", v) for what, v in zip(("START", "INCR", "SAMPLES"), t.rampup_batch_size)],
+        ]
+        if v < 1
+    ] + _failed(
+        [
+            (
+                len(t.rampup_batch_size) in (0, 3),
+                "--rampup-batch-size takes three numbers: START INCR SAMPLES",
+            ),
+            (
+                t.train_samples is None or t.train_iters is None or t.train_iters_from_samples,
+                "give either --train-iters or --train-samples, not both",
+            ),
+        ]
+    )
+
+
+def _check_layout(cfg: Config, world_size: int) -> list[str]:
+    p = cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    model_parallel = tp * pp * cp
+    return _failed(
+        [
+            (
+                world_size % model_parallel == 0,
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+                f"--pipeline-model-parallel-size x --context-parallel-size = {tp} x {pp} x {cp} = {model_parallel}; "
+                f"launch a multiple of {model_parallel} ranks or change the parallel sizes",
+            ),
+            (
+                p.distributed_timeout_minutes > 0,
+                f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})",
+            ),
+            (
+                p.ranks_per_node is None or (p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0),
+                f"--ranks-per-node {p.ranks_per_node} must be >= 1 and divide the world size {world_size}",
+            ),
+            (
+                sorted(p.order.split("-")) == sorted(["tp", "cp", "dp", "pp"]),
+                f"--parallel-order {p.order!r} must name each of tp, cp, dp, pp exactly once, e.g. tp-cp-dp-pp",
+            ),
+        ]
+    )
+
+
+def _check_model(cfg: Config, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    return _failed(
+        [
+            (
+                m.hidden_size % m.num_attention_heads == 0,
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
+            ),
+            (
+                m.num_attention_heads % m.kv_heads == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}",
+            ),
+            (
+                m.num_attention_heads % tp == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.kv_heads % tp == 0,
+                f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.head_dim % 2 == 0,
+                f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE",
+            ),
+            (
+                m.ffn_size % tp == 0,
+                f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
+            (
+                not (m.softmax_attention_every and m.attention_type == "softmax"),
+                "--softmax-attention-every needs --attention-type gla (the other layers are GLA)",
+            ),
+            (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
+            (
+                m.seq_length <= m.max_position_embeddings,
+                f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}",
+            ),
+            (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
+            (
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
+            ),
+            (
+                m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,
+                f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
+            ),
+            (
+                not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+                f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}",
+            ),
+        ]
+    )
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if vpp is not None:
+        return _failed(
+            [
+                (pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+                (
+                    vpp >= 1 and m.num_layers % (pp * vpp) == 0,
+                    f"--num-layers {m.num_layers} is not divisible by PP x --num-layers-per-virtual-pipeline-stage "
+                    f"= {pp} x {vpp}",
+                ),
+                (
+                    first is None and last is None,
+                    "uneven first/last pipeline stages cannot be combined with --num-layers-per-virtual-pipeline-stage",
+                ),
+            ]
+        )
+    if first is not None or last is not None:
+        fixed = (first or 0) + (last or 0)
+        free = pp - (first is not None) - (last is not None)
+        rest = m.num_layers - fixed
+        return _failed(
+            [
+                (pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1"),
+                (
+                    rest >= 0 and (rest % free == 0 if free else rest == 0),
+                    f"--num-layers {m.num_layers} minus first/last stage layers ({fixed}) does not split evenly over "
+                    f"the other {free} stages",
+                ),
+            ]
+        )
+    return _failed(
+        [
+            (
+                m.num_layers % pp == 0,
+                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                f"change one, or set --decoder-first/last-pipeline-num-layers",
+            )
+        ]
+    )
+
+
+def chunk_layer_counts(cfg: Config) -> list[int]:
+    """Layers of each pipeline stage, or of each virtual stage with interleaving (stages.py's split)."""
+    m, p = cfg.model, cfg.parallel
+    pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    if vpp:
+        return [vpp] * (m.num_layers // vpp)
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    free = pp - (first is not None) - (last is not None)
+    rest = (m.num_layers - (first or 0) - (last or 0)) // max(free, 1)
+    sizes = [rest] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return sizes
+
+
+def _check_recompute(cfg: Config, world_size: int) -> list[str]:
+    m = cfg.model
+    gran, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    if gran != "full":
+        return _failed(
+            [
+                (method is None, "--recompute-method needs --recompute-granularity full"),
+                (n is None, "--recompute-num-layers needs --recompute-granularity full"),
+            ]
+        )
+    if method is None or n is None:
+        return [
+            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+            "(or use --recompute-granularity selective)"
+        ]
+    most = max(chunk_layer_counts(cfg), default=m.num_layers)
+    return _failed(
+        [
+            (n >= 1, f"--recompute-num-layers must be >= 1 (got {n})"),
+            (
+                method != "block" or n <= most,
+                f"--recompute-num-layers {n} exceeds the {most} layers of a (virtual) pipeline stage: with "
+                f"--recompute-method block use at most {most}",
+            ),
+        ]
+    )
+
+
+def _check_batch(cfg: Config, world_size: int) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    dp, pp, cp = p.data_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    per_step = t.micro_batch_size * dp
+    errors = _failed(
+        [
+            (
+                t.global_batch_size % per_step == 0,
+                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+                f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
+            )
+        ]
+    ) + _check_rampup(t, per_step)
+    if t.train_iters_from_samples and t.train_iters < 1:
+        errors.append(f"--train-samples {t.train_samples} is less than one step (--global-batch-size)")
+    if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
+        sizes = sorted({t.global_batch_size, *t.rampup_batch_size[:2]})  # START, INCR: all ramp sizes follow
+        errors += _failed(
+            [
+                (
+                    (size // per_step) % pp == 0,
+                    f"the interleaved schedule needs the number of micro-batches per step ({size // per_step} = "
+                    f"batch {size} / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size {pp}",
+                )
+                for size in sizes
+            ]
+        )
+    if t.generate_tokens:
+        errors += _failed(
+            [
+                (
+                    pp == 1 and cp == 1,
+                    "--generate-tokens needs --pipeline-model-parallel-size 1 and "
+                    "--context-parallel-size 1 (or use tools/generate.py on a checkpoint)",
+                )
+            ]
+        )
+    return errors
+
+
+def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:
+    """--rampup-batch-size START INCR SAMPLES: every batch of the ramp is START + k INCR, so
+    START and INCR multiples of micro x DP keep each one whole micro-batches (Megatron checks
+    each batch as it comes; these two checks say it at start-up)."""
+    if not t.rampup_batch_size:
+        return []
+    start, incr, _ = t.rampup_batch_size
+    flag = "--rampup-batch-size"
+    return _failed(
+        [
+            (t.train_samples is not None, f"{flag} needs --train-samples (sample-based training, as in Megatron)"),
+            (
+                start % per_step == 0 and incr % per_step == 0,
+                f"{flag}: START {start} and INCR {incr} must be multiples of --micro-batch-size x DP = {per_step}",
+            ),
+            (
+                start < t.global_batch_size and (t.global_batch_size - start) % incr == 0,
+                f"{flag}: START {start} must be below --global-batch-size {t.global_batch_size} and reach it in "
+                f"steps of INCR {incr}",
+            ),
+        ]
+    )
+
+
+def _check_compile(cfg: Config, world_size: int) -> list[str]:
+    """--torch-compile: what has been verified to compose with it (the block's collectives and the
+    per-TP-rank dropout stream run inside the compiled code under TP/CP, and are not verified there)."""
+    if not cfg.train.torch_compile:
+        return []
+    p, m = cfg.parallel, cfg.model
+    why = "collectives inside the compiled blocks are not verified (the byte ledger could miss them)"
+    return _failed(
+        [
+            (p.tensor_model_parallel_size == 1, f"--torch-compile needs --tensor-model-parallel-size 1: {why}"),
+            (p.context_parallel_size == 1, f"--torch-compile needs --context-parallel-size 1: {why}"),
+            (
+                m.attention_dropout == 0,
+                "--torch-compile needs --attention-dropout 0 (its per-TP-rank RNG stream is not verified under "
+                "torch.compile); --hidden-dropout is fine",
+            ),
+            (
+                cfg.train.kernels != "triton",
+                "--torch-compile compiles the PyTorch references: use --kernels torch or auto with it, not triton",
+            ),
+            (
+                not cfg.data.packed_documents,
+                "--torch-compile is not verified with packed documents (--reset-position-ids, "
+                "--reset-attention-mask): drop one or the other",
+            ),
+        ]
+    )
+
+
+def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.train
+    return _failed(
+        [
+            (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
+            (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
+            (
+                t.ckpt_step is None or t.load is not None,
+                "--ckpt-step needs --load DIR (which checkpoints to choose from)",
+            ),
+            (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
+        ]
+    )
+
+
+def _check_optim(cfg: Config, world_size: int) -> list[str]:
+    o = cfg.optim
+    return _failed(
+        [
+            (0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
+            (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
+            (o.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0"),
+            (
+                o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction <= 1,
+                f"--lr-warmup-fraction {o.lr_warmup_fraction} must be between 0 and 1",
+            ),
+            (
+                o.lr_warmup_fraction is None or not (o.lr_warmup_iters or o.lr_warmup_samples),
+                "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
+            ),
+        ]
+    ) + _check_schedule_units(cfg)
+
+
+def _check_schedule_units(cfg: Config) -> list[str]:
+    """Megatron's rule: with --train-samples the LR schedule is given in samples, with
+    --train-iters in iterations; a setting in the other unit is refused, not ignored."""
+    o = cfg.optim
+    if cfg.train.train_samples is not None:
+        wrong = [("--lr-warmup-iters", o.lr_warmup_iters), ("--lr-decay-iters", o.lr_decay_iters)]
+        wrong += [("--lr-wsd-decay-iters", o.lr_wsd_decay_iters)]
+        return [
+            f"{f} is for --train-iters: with --train-samples use {f.replace('iters', 'samples')}" for f, v in wrong if v
+        ]
+    wrong = [("--lr-warmup-samples", o.lr_warmup_samples), ("--lr-decay-samples", o.lr_decay_samples)]
+    wrong += [("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)]
+    return [
+        f"{f} needs --train-samples (with --train-iters use {f.replace('samples', 'iters')})" for f, v in wrong if v
+    ]
+
+
+def _check_data(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.data
+    parts = d.split.replace("/", ",").split(",")
+    return _failed(
+        [
+            (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
+            (d.num_workers >= 0, f"--num-workers must be >= 0 (got {d.num_workers})"),
+            (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
+            (
+                d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,
+                f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model",
+            ),
+            (
+                all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
+                f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
+            ),
+        ]
+    )
+
+
+def _check_zero(cfg: Config, world_size: int) -> list[str]:
+    z = cfg.zero
+    zero_group = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # replicas of each weight
+    hpz, tiers = z.zero_hpz_partition_size, z.zero_hierarchy
+    zpp = [
+        f
+        for f, on in [
+            ("--zero-param-persistence step", z.zero_param_persistence == "step"),
+            ("--zero-quantized-weights", z.zero_quantized_weights),
+            ("--zero-hpz-partition-size", hpz > 1),
+            ("--zero-quantized-gradients", z.zero_quantized_gradients),
+            ("--zero-gradient-stochastic-rounding", z.zero_gradient_stochastic_rounding),
+            ("--zero-hierarchy", bool(tiers)),
+        ]
+        if on
+    ]
+    return _failed(
+        [
+            (
+                z.ddp_bucket_size is None or z.ddp_bucket_size >= 1,
+                f"--ddp-bucket-size must be >= 1 gradient elements (got {z.ddp_bucket_size})",
+            ),
+            (
+                z.ddp_bucket_size is None or z.zero_stage == 0,
+                "--ddp-bucket-size applies to plain data parallelism (--zero-stage 0); ZeRO reduces one unit "
+                "(a transformer block, the embedding, the head) at a time: leave it unset",
+            ),
+            (
+                z.overlap_grad_reduce or z.zero_stage < 2,
+                "--no-overlap-grad-reduce: ZeRO-2/3 reduce each unit's gradients during the backward (that is what "
+                "keeps them sharded); use --zero-stage 0 or 1 to reduce after the backward",
+            ),
+            (
+                not z.overlap_param_gather or z.zero_stage in (1, 2),
+                "--overlap-param-gather applies to ZeRO-1/2 (the all-gather of the updated weights after the step); "
+                "ZeRO-3 gathers unit by unit with prefetch already, plain DP gathers nothing: drop it",
+            ),
+            (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
+            (
+                z.zero_gradient_quantization_block_size >= 2 and z.zero_gradient_quantization_block_size % 2 == 0,
+                "--zero-gradient-quantization-block-size must be an even number >= 2 (int4 packs two values per byte)",
+            ),
+            (z.zero_quantization_block_size >= 1, "--zero-quantization-block-size must be >= 1"),
+            (
+                not z.zero_gradient_stochastic_rounding or z.zero_quantized_gradients,
+                "--zero-gradient-stochastic-rounding needs --zero-quantized-gradients (it rounds qgZ's int4 values)",
+            ),
+            *[(z.zero_stage == 3, f"{flag} applies to ZeRO-3 sharded weights: add --zero-stage 3") for flag in zpp],
+            (
+                hpz <= 1 or zero_group % hpz == 0,
+                f"--zero-hpz-partition-size {hpz} must divide the ZeRO group size "
+                f"(data parallel x context parallel = {zero_group})",
+            ),
+            (
+                not tiers
+                or (
+                    all(b % a == 0 for a, b in zip(tiers, tiers[1:]))
+                    and all(t >= 1 for t in tiers)
+                    and all(zero_group % t == 0 for t in tiers)
+                ),
+                f"--zero-hierarchy {' '.join(map(str, tiers))}: each tier must divide the next and the ZeRO group "
+                f"size {zero_group}",
+            ),
+        ]
+    )
+
+
+def _check_log(cfg: Config, world_size: int) -> list[str]:
+    return _failed([(cfg.log.log_interval >= 1, "--log-interval must be >= 1")])
