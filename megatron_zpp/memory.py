@@ -39,7 +39,7 @@ from . import recompute
 from .config import Config
 from .data.tokenizer import pad_vocab_size
 from .model import ParallelContext
-from .ops.gla import _sub_block
+from .ops.gla_chunked import sub_block
 from .pipeline_parallel.stages import build_stage_model, stage_chunks
 from .topology import Group
 from .zero.sharded_params import flat_geometry, model_units, pad_block
@@ -267,11 +267,11 @@ def gla_backward_live(x: Dims) -> int:
     fp32 copy, logsigmoid's buffer and g, the residual's gradient (e), and the operator's fp32
     working set at its peak (ops/gla.py, while _intra_score_grads forms dk), in units of one
     [b, s, w] fp32 tensor: q, k, v, g, do and the scaled do as [B, H, N, C, D] blocks (6), the chunk
-    decays q_in, k_out (2), the sub-block decays (c - 1)/2 + 2 (c = _sub_block(C), M = C / c sub-blocks
+    decays q_in, k_out (2), the sub-block decays (c - 1)/2 + 2 (c = sub_block(C), M = C / c sub-blocks
     per chunk), keys_between and queries_between (M each), dA (C / d), dq, the decayed q and the
     product forming dk (3), the entering states and their gradient (2 d / C)."""
     bs, w, C = x.b * x.s, x.width, x.chunk
-    c = _sub_block(C)
+    c = sub_block(C)
     kept = norm_saved(x) + x.e * bs * (2 * x.h + (4 if x.low_rank else 5) * w + x.low_rank)
     kept += bs * ((4 * w if (x.low_rank or x.e != 4) else 0) + 8 * w)
     units = 6 + 2 + (c - 1) / 2 + 2 + 2 * (C // c) + C / x.d + 3 + 2 * x.d / C
