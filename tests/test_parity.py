@@ -34,6 +34,7 @@ KINDS = {
     "gla": ["--attention-type", "gla"],
     "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--gla-gate-low-rank", "4"],
 }
+FULL_UNIFORM_1 = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 LAYOUTS = {  # name: (world size, layers, flags)
     "dp2": (2, 4, []),  # plain data parallelism, 2 micro-batches accumulated per rank
     "tp2": (2, 4, ["--tensor-model-parallel-size", "2"]),
@@ -44,12 +45,7 @@ LAYOUTS = {  # name: (world size, layers, flags)
             "--tensor-model-parallel-size",
             "2",
             "--sequence-parallel",
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
+            *FULL_UNIFORM_1,
         ],
     ),
     "pp2": (2, 4, ["--pipeline-model-parallel-size", "2"]),
@@ -79,12 +75,7 @@ LAYOUTS = {  # name: (world size, layers, flags)
             "4",
             "--cp-algo",
             "all-gather",
-            "--recompute-granularity",
-            "full",
-            "--recompute-method",
-            "uniform",
-            "--recompute-num-layers",
-            "1",
+            *FULL_UNIFORM_1,
         ],
     ),
 }
