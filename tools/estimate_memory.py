@@ -86,11 +86,14 @@ def report(cfg, gpu_gb: float | None) -> str:
 
 
 def main(argv=None) -> int:
-    ours, rest = tool_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
+        print(__doc__)
+    ours, rest = tool_args(argv)
     try:
         cfg = validate(parse_args(rest), ours.world_size)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2
     print(report(cfg, ours.gpu_memory_gb))
     return 0
