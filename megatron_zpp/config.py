@@ -342,7 +342,15 @@ class TrainConfig:
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
     )
     exit_signal_handler: bool = opt(
-        False, "--exit-signal-handler", "on SIGTERM (preemption), finish the step, save to --save and exit"
+        False, "--exit-signal-handler", "on --exit-signal (preemption), finish the step, save to --save and exit 0"
+    )
+    exit_signal: list[str] = opt(
+        ["SIGTERM"],
+        "--exit-signal",
+        "the signal(s) --exit-signal-handler catches, of SIGTERM SIGUSR1 SIGUSR2 SIGINT SIGHUP (SLURM: #SBATCH "
+        "--signal=USR1@120 sends SIGUSR1 120 s before the time limit, a preemption sends SIGTERM: give both)",
+        nargs="+",
+        type=str,
     )
     generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
     generate_prompt: str = opt(
@@ -393,12 +401,51 @@ class LogConfig:
     metrics_file: str | None = opt(None, "--metrics-file", "JSONL of per-iteration metrics (written by one rank)")
     comm_report: str | None = opt(None, "--comm-report", "JSON of communication bytes per group/phase/link")
     tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "write tensorboard scalars here")
-    wandb_project: str | None = opt(None, "--wandb-project", "log to Weights & Biases under this project")
-    wandb_mode: str = opt(
-        "offline", "--wandb-mode", "W&B mode (offline unless you say so)", choices=["offline", "online", "disabled"]
-    )
     peak_tflops: float | None = opt(
         None, "--peak-tflops", "dense peak TFLOP/s per rank for MFU (default: known GPU peak, or measured CPU matmul)"
+    )
+    # -- experiment tracking and profiling (Megatron-LM's names and defaults) --
+    wandb_project: str | None = opt(None, "--wandb-project", "log to Weights & Biases under this project")
+    wandb_exp_name: str | None = opt(None, "--wandb-exp-name", "W&B run name (default: a name W&B chooses)")
+    wandb_entity: str | None = opt(None, "--wandb-entity", "W&B entity (user or team) owning the project")
+    wandb_save_dir: str | None = opt(
+        None, "--wandb-save-dir", "where W&B writes its local files (default, as Megatron: --save DIR/wandb)"
+    )
+    wandb_mode: str | None = opt(
+        None,
+        "--wandb-mode",
+        "W&B mode (default: $WANDB_MODE, else offline: nothing leaves the machine unless you say so)",
+        choices=["offline", "online", "disabled"],
+    )
+    profile: bool = opt(
+        False,
+        "--profile",
+        "profile iterations --profile-step-start to --profile-step-end - 1 (numbered from 1, as logged) on the "
+        "ranks of --profile-ranks: with --use-pytorch-profiler a torch.profiler chrome trace; without it (CUDA "
+        "only) an nsys capture range (cudaProfilerStart/Stop: nsys profile --capture-range=cudaProfilerApi ...)",
+    )
+    use_pytorch_profiler: bool = opt(
+        False, "--use-pytorch-profiler", "with --profile: torch.profiler, one chrome trace per rank (CPU and CUDA)"
+    )
+    profile_step_start: int = opt(10, "--profile-step-start", "first profiled iteration")
+    profile_step_end: int = opt(12, "--profile-step-end", "profiling stops before this iteration")
+    profile_ranks: list[int] = opt(
+        [0], "--profile-ranks", "global ranks that profile and write memory snapshots", nargs="+", type=int
+    )
+    profile_dir: str | None = opt(
+        None,
+        "--profile-dir",
+        "where --use-pytorch-profiler writes rank-R.json.gz (default, as Megatron: TENSORBOARD_DIR/../torch_profile "
+        "with --tensorboard-dir, else ./torch_profile)",
+    )
+    record_memory_history: bool = opt(
+        False,
+        "--record-memory-history",
+        "CUDA only: record the caching allocator's history from start-up and write a snapshot (view it at "
+        "pytorch.org/memory_viz) at every log interval on the ranks of --profile-ranks",
+    )
+    memory_snapshot_path: str = opt(
+        "snapshot.pickle", "--memory-snapshot-path", "memory snapshot file; rank R writes BASE_R.EXT"
     )
 
 

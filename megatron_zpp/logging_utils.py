@@ -15,10 +15,20 @@ def log(msg: str, rank: int = 0) -> None:
 
 
 class MetricsSink:
-    def __init__(self, log_cfg, config_dict: dict, enabled: bool, start_iteration: int = 0):
+    def __init__(
+        self,
+        log_cfg,
+        config_dict: dict,
+        enabled: bool,
+        start_iteration: int = 0,
+        save_dir: str | None = None,
+        wandb_run_id: str | None = None,
+    ):
         """A run resumed at `start_iteration` keeps the metrics file's lines up to it (those
-        of the steps after it are redone) and appends."""
-        self.enabled = enabled
+        of the steps after it are redone) and appends; tensorboard drops the previous run's
+        events after it (purge_step), and W&B continues the run `wandb_run_id` (the one the
+        checkpoint names). `wandb_run_id` afterwards: this run's W&B id (None without W&B)."""
+        self.enabled, self.wandb_run_id = enabled, wandb_run_id
         self.jsonl = self.tb = self.wandb = None
         if not enabled:
             return
@@ -30,11 +40,14 @@ class MetricsSink:
         if log_cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_cfg.tensorboard_dir)
-        if log_cfg.wandb_project and log_cfg.wandb_mode != "disabled":
-            import wandb
-
-            self.wandb = wandb.init(project=log_cfg.wandb_project, mode=log_cfg.wandb_mode, config=config_dict)
+            # the next step logged is start_iteration + 1: events of the previous run from there on are void
+            self.tb = SummaryWriter(
+                log_cfg.tensorboard_dir, purge_step=start_iteration + 1 if start_iteration else None
+            )
+        mode = log_cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+        if log_cfg.wandb_project and mode != "disabled":
+            self.wandb = _wandb_run(log_cfg, mode, config_dict, save_dir, wandb_run_id)
+            self.wandb_run_id = self.wandb.id
 
     def write(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -56,6 +69,27 @@ class MetricsSink:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def _wandb_run(log_cfg, mode: str, config_dict: dict, save_dir: str | None, run_id: str | None):
+    """wandb.init with Megatron's flags; `run_id` (a resumed run's) is continued (resume="allow"),
+    unless $WANDB_RUN_ID names another run."""
+    import wandb
+
+    directory = log_cfg.wandb_save_dir or (os.path.join(save_dir, "wandb") if save_dir else None)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    run_id = os.environ.get("WANDB_RUN_ID") or run_id
+    return wandb.init(
+        project=log_cfg.wandb_project,
+        name=log_cfg.wandb_exp_name,
+        entity=log_cfg.wandb_entity,
+        dir=directory,
+        mode=mode,
+        config=config_dict,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
 
 
 def _lines_up_to(path: str, iteration: int) -> list[str]:

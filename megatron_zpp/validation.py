@@ -12,6 +12,8 @@ from .config import SECTIONS, Config, ConfigError, TrainConfig, flag_of
 # with its reason until it works (a flag that is accepted must work).
 NOT_YET: dict = {}
 
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")  # what --exit-signal-handler may catch
+
 
 def _failed(checks: list[tuple[bool, str]]) -> list[str]:
     return [msg for ok, msg in checks if not ok]
@@ -370,6 +372,7 @@ def _check_compile(cfg: Config, world_size: int) -> list[str]:
 
 def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
     t = cfg.train
+    unknown = [s for s in t.exit_signal if s not in EXIT_SIGNALS]
     return _failed(
         [
             (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
@@ -379,6 +382,14 @@ def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
                 "--ckpt-step needs --load DIR (which checkpoints to choose from)",
             ),
             (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
+            (
+                t.exit_signal_handler or t.exit_signal == ["SIGTERM"],
+                f"--exit-signal {' '.join(t.exit_signal)} needs --exit-signal-handler (which catches it)",
+            ),
+            (
+                not unknown,
+                f"--exit-signal {' '.join(unknown)}: not one of {' '.join(EXIT_SIGNALS)}",
+            ),
         ]
     )
 
@@ -507,4 +518,25 @@ def _check_zero(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_log(cfg: Config, world_size: int) -> list[str]:
-    return _failed([(cfg.log.log_interval >= 1, "--log-interval must be >= 1")])
+    return _failed([(cfg.log.log_interval >= 1, "--log-interval must be >= 1")]) + _check_profiling(cfg, world_size)
+
+
+def _check_profiling(cfg: Config, world_size: int) -> list[str]:
+    """--profile and --record-memory-history; what needs CUDA is checked once the device is known
+    (training/profiling.check_device)."""
+    g = cfg.log
+    bad_ranks = [r for r in g.profile_ranks if not 0 <= r < world_size]
+    return _failed(
+        [
+            (g.profile or not g.use_pytorch_profiler, "--use-pytorch-profiler needs --profile (which steps to trace)"),
+            (
+                not g.profile or 0 <= g.profile_step_start < g.profile_step_end,
+                f"--profile-step-start {g.profile_step_start} must be >= 0 and below --profile-step-end "
+                f"{g.profile_step_end}",
+            ),
+            (
+                not (g.profile or g.record_memory_history) or not bad_ranks,
+                f"--profile-ranks {' '.join(map(str, bad_ranks))}: no such rank (world size {world_size})",
+            ),
+        ]
+    )

@@ -8,7 +8,8 @@ Format of a checkpoint directory DIR:
     DIR/iter_0000010/
         meta.json              {"format", "iteration", "consumed_samples", "padded_vocab_size", "world_size",
                                 "layout": {tp, pp, cp, dp, zero_stage, vpp, ...},
-                                "config": the full config dict, "files": {name: sha256}}
+                                "config": the full config dict, "files": {name: sha256},
+                                "tracking": run metadata that follows the run, e.g. {"wandb_run_id"}}
         rank_00000.safetensors ...  one per global rank: a nested dict stored as safetensors
                                (every tensor under its path in the dict, e.g.
                                "/model/unit3.layer2.master", "/optimizer/state/5/exp_avg"; the
@@ -110,10 +111,18 @@ def _fresh_dir(tmp: str) -> None:
 
 
 def _seal(
-    directory: str, final: str, tmp: str, cfg, iteration: int, consumed: int, padded_vocab: int, digests: list[str]
+    directory: str,
+    final: str,
+    tmp: str,
+    cfg,
+    iteration: int,
+    consumed: int,
+    padded_vocab: int,
+    digests: list[str],
+    tracking: dict | None = None,
 ) -> None:
-    """Write meta.json (with every rank file's sha256), rename tmp to final, then point
-    `latest` at it."""
+    """Write meta.json (with every rank file's sha256 and the run's `tracking` metadata),
+    rename tmp to final, then point `latest` at it."""
     files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
     meta = {
@@ -125,6 +134,7 @@ def _seal(
         "layout": layout_of(cfg),
         "config": cfg.to_dict(),
         "files": files,
+        "tracking": dict(tracking or {}),
     }
     fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
     fsync_path(tmp)
@@ -158,6 +168,7 @@ def save_checkpoint(run, directory: str) -> str:
             run.consumed_samples,
             run.tokenizer.padded_vocab_size,
             [bytes(d.tolist()).hex() for d in digests.cpu()],
+            getattr(run, "tracking", None),  # rank 0's: the rank that logs
         )
     comm.barrier()
     return final
@@ -225,6 +236,7 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
             set_rng_state(state["rng"])
         how = "same layout"
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
+    run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
     return (

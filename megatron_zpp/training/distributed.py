@@ -1,13 +1,16 @@
-"""Start and end the distributed job: the process group on the run's device, every group."""
+"""Start and end the distributed job: the process group on the run's device, every group, and
+the exit signal the ranks agree on."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..config import Config
 from ..topology import ProcessGroups, build_groups_from_config
 
@@ -37,3 +40,37 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+class ExitSignal:
+    """--exit-signal-handler: the signals of --exit-signal only set a flag; after each step the
+    ranks agree on it (a 1-element MAX all-reduce over the world), so a signal that reached any
+    rank stops every rank at the same step boundary, after a checkpoint. Installed at set-up,
+    so a signal that comes while the run loads is kept too (instead of killing the rank)."""
+
+    def __init__(self, enabled: bool, signal_names: list[str], device: torch.device):
+        self.enabled, self.device, self.received = enabled, device, False
+        self.names = list(signal_names)
+        self.previous: dict[int, object] = {}  # installed: signal -> the handler it replaced
+
+    def install(self) -> ExitSignal:
+        if self.enabled and not self.previous:
+            for name in self.names:
+                signum = getattr(signal, name)
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def anywhere(self, groups: ProcessGroups) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([float(self.received)], device=self.device)
+        comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for signum, previous in self.previous.items():  # None: a handler not set from Python
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self.previous = {}

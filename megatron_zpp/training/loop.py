@@ -1,48 +1,20 @@
 """The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
-cadence, and the SIGTERM stop of --exit-signal-handler."""
+cadence, profiling windows, and the stop of --exit-signal-handler."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import time
-
-import torch
-import torch.distributed as dist
 
 from .. import comm
 from ..checkpoint import save_checkpoint
 from ..logging_utils import MetricsSink, log
 from ..perf import flops_per_token, memory_gib, peak_tflops
-from ..topology import ProcessGroups
 from .builders import training_dtype
+from .profiling import StepProfiler
 from .run import Run
 from .step import evaluate, train_step
-
-
-class ExitSignal:
-    """--exit-signal-handler: SIGTERM only sets a flag; after each step the ranks agree on it
-    (a 1-element MAX all-reduce over the world), so a signal that reached any rank stops
-    every rank at the same step boundary, after a checkpoint."""
-
-    def __init__(self, enabled: bool, device: torch.device):
-        self.enabled, self.device, self.received = enabled, device, False
-        self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def anywhere(self, groups: ProcessGroups) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([float(self.received)], device=self.device)
-        comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def close(self) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGTERM, self.previous)
 
 
 @dataclasses.dataclass
@@ -119,17 +91,37 @@ def _save_due(run: Run) -> bool:
     )
 
 
+def _metrics_sink(run: Run) -> MetricsSink:
+    """Rank 0's metrics outputs; a resumed run continues the checkpoint's W&B run and
+    tensorboard step axis, and the W&B run's id goes into the checkpoints it saves."""
+    cfg = run.cfg
+    sink = MetricsSink(
+        cfg.log,
+        dataclasses.asdict(cfg),
+        enabled=run.rank == 0,
+        start_iteration=run.iteration,
+        save_dir=cfg.train.save,
+        wandb_run_id=run.tracking.get("wandb_run_id"),
+    )
+    if sink.wandb_run_id:
+        run.tracking["wandb_run_id"] = sink.wandb_run_id
+    return sink
+
+
 def train(run: Run) -> list[dict]:
-    """Train to --train-iters (or a SIGTERM); the metrics of every step."""
+    """Train to --train-iters (or the --exit-signal); the metrics of every step."""
     cfg, rank, t = run.cfg, run.rank, run.cfg.train
-    sink = MetricsSink(cfg.log, dataclasses.asdict(cfg), enabled=rank == 0, start_iteration=run.iteration)
+    sink = _metrics_sink(run)
     throughput = Throughput.of(run)
     history = []
     comm.LEDGER.reset()
-    stop = ExitSignal(t.exit_signal_handler, run.device)
+    stop = run.exit_signal.install()
+    profiler = StepProfiler(cfg, rank, run.device, run.iteration)
     data_wait = 0.0  # since the last log line
     while run.iteration < t.train_iters:
+        profiler.before_step(run.iteration + 1)
         metrics = _timed_step(run, throughput)
+        profiler.after_step(run.iteration)
         data_wait += metrics["data_wait_time"]
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
             metrics["val_loss"] = evaluate(run)
@@ -137,6 +129,7 @@ def train(run: Run) -> list[dict]:
         sink.write(metrics, run.iteration)
         if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
             _log_line(run, metrics, data_wait)
+            run.memory_snapshots.dump()
             data_wait = 0.0
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
@@ -144,12 +137,14 @@ def train(run: Run) -> list[dict]:
         if stop.anywhere(run.groups):
             saved = saved or save_checkpoint(run, t.save)
             log(
-                f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
-                f"--load {t.save}",
+                f"{' or '.join(t.exit_signal)} received: stopped after iteration {run.iteration}, saved {saved}; "
+                f"resume with --load {t.save}",
                 rank,
             )
             run.stopped_by_signal = True
             break
+    profiler.close()
+    run.memory_snapshots.dump()
     stop.close()
     sink.close()
     run.train_data.close()  # its loader threads; a later train() restarts them where the data stands

@@ -9,7 +9,7 @@ position) before the data iterator is built, so the data continues where it stop
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,8 @@ from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
 from ..zero import DataParallelEngine, build_engine
 from .builders import build_data, build_model, build_stage_link
-from .distributed import init_distributed
+from .distributed import ExitSignal, init_distributed
+from .profiling import MemorySnapshots, check_device
 
 
 @dataclass
@@ -45,15 +46,21 @@ class Run:
     iteration: int = 0
     consumed_samples: int = 0
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
-    stopped_by_signal: bool = False  # --exit-signal-handler: SIGTERM ended train() early
+    stopped_by_signal: bool = False  # --exit-signal-handler: the signal ended train() early
+    exit_signal: ExitSignal | None = None  # installed at set-up, so a signal while loading is kept
+    memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
+    tracking: dict = field(default_factory=dict)  # run metadata kept in checkpoints: {"wandb_run_id": ...}
 
 
 def setup(cfg: Config) -> Run:
     groups, device = init_distributed(cfg)
+    exit_signal = ExitSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal, device).install()
+    check_device(cfg, device)
     try:
         set_kernels(cfg.train.kernels, device)
     except KernelUnavailable as e:
         raise ConfigError(str(e)) from None
+    memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
     d = cfg.data
     tokenizer = build_tokenizer(
         d.tokenizer_type,
@@ -76,6 +83,8 @@ def setup(cfg: Config) -> Run:
         build_engine(cfg, chunks, groups),
         None,
         None,
+        exit_signal=exit_signal,
+        memory_snapshots=memory_snapshots,
     )
     if cfg.train.load:  # model, optimizer, RNG, position
         restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
