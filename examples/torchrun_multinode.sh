@@ -11,6 +11,8 @@
 # script are added last and win. The same command resumes: --load names the --save directory
 # (RUN_DIR/ckpt, on storage every node sees). A SIGTERM to torchrun reaches its ranks, which
 # finish the step, save and exit (--exit-signal-handler); torchrun itself then reports the signal.
+# It kills ranks still running 30 s after passing the signal on (recent torchrun: --shutdown-timeout):
+# a step plus a save must fit in that, or stop the run with a SIGTERM to the ranks themselves.
 #
 # Environment: NNODES, MASTER_ADDR (required); MASTER_PORT (29500), GPUS_PER_NODE (8), RDZV_ID
 # (a name of the run shared by its nodes), RUN_DIR (runs/gpt1.3b-zeropp), DATA_PATH + TOKENIZER or

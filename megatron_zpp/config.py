@@ -409,7 +409,10 @@ class LogConfig:
     wandb_exp_name: str | None = opt(None, "--wandb-exp-name", "W&B run name (default: a name W&B chooses)")
     wandb_entity: str | None = opt(None, "--wandb-entity", "W&B entity (user or team) owning the project")
     wandb_save_dir: str | None = opt(
-        None, "--wandb-save-dir", "where W&B writes its local files (default, as Megatron: --save DIR/wandb)"
+        None,
+        "--wandb-save-dir",
+        "where W&B writes its local files (default, as Megatron: --save DIR/wandb; without --save, W&B's own: "
+        "$WANDB_DIR or ./wandb)",
     )
     wandb_mode: str | None = opt(
         None,
