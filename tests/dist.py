@@ -5,8 +5,8 @@
 fn must be a module-level function (it is pickled into the rank processes). Ranks are
 forked from a forkserver that imported torch and the package once per test session, so
 a rank starts in milliseconds instead of re-importing torch (about 2 s of CPU each on
-this machine's 2 cores); each rank takes the caller's current environment and working
-directory. Each rank gets torch.distributed initialized on gloo over loopback and a
+this machine's 2 cores); each rank takes the caller's current environment, working
+directory, stdout and stderr. Each rank gets torch.distributed initialized on gloo over loopback and a
 share of the cores, so N ranks do not oversubscribe the machine. A failing rank's traceback is re-raised here;
 a hang is killed after `timeout` seconds and reported as such.
 
@@ -25,6 +25,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,22 @@ def _context():
     return ctx
 
 
-def _worker(rank, world_size, port, env, cwd, fn, args, queue, init_group):
+class _CallerStdio:
+    """The caller's stdout and stderr, sent with a rank as file descriptors: a forked rank would write to
+    the forkserver's, those of whichever test started it (pytest's capfd must see each test's ranks)."""
+
+    def __reduce__(self):  # pickled while the rank starts: the descriptors travel with it
+        return (_inherited_fds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _inherited_fds(*dups) -> list[int]:
+    return [d.detach() for d in dups]
+
+
+def _worker(rank, world_size, port, env, cwd, stdio, fn, args, queue, init_group):
+    for fd, target in zip(stdio, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     os.chdir(cwd)
     os.environ.clear()  # the caller's environment now, not the forkserver's from its start
     os.environ.update(
@@ -97,7 +113,9 @@ def run_distributed(
     rank_env = {**os.environ, **(env or {})}
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, rank_env, os.getcwd(), fn, args, queue, init_group), daemon=True
+            target=_worker,
+            args=(r, world_size, port, rank_env, os.getcwd(), _CallerStdio(), fn, args, queue, init_group),
+            daemon=True,
         )
         for r in range(world_size)
     ]
