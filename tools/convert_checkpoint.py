@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_zpp.checkpoint import CheckpointError  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
 
 
@@ -259,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state, config = consolidate(args.load)
+    try:
+        state, config = consolidate(args.load)
+    except CheckpointError as e:  # no checkpoint there, or a damaged one: one line
+        print(f"error: --load {e}", file=sys.stderr)
+        return 2
     if args.to == "consolidated":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         torch.save({"config": config, "model": state}, args.output)

@@ -56,11 +56,11 @@ def main(argv=None) -> int:
     p.add_argument("--input", nargs="+", required=True, help="a directory of pairs, or prefixes")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
-    prefixes = find_prefixes(args.input)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     try:
+        prefixes = find_prefixes(args.input)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
         w = merge(prefixes, args.output_prefix)
-    except IndexedDatasetError as e:
+    except (IndexedDatasetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(

@@ -42,6 +42,15 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         except ValueError:
             return None
 
+    if number(items[0]) is not None:  # a weighted blend: every other item must be a weight
+        bad = [w for w in items[::2] if number(w) is None or not math.isfinite(number(w))]
+        if bad:
+            raise ValueError(
+                f"--data-path: weight {bad[0]!r} is not a finite number: weights and prefixes must alternate "
+                "(W1 PREFIX1 W2 PREFIX2 ...)"
+            )
+        if len(items) % 2:
+            raise ValueError(f"--data-path: weight {items[-1]!r} has no prefix after it (W1 PREFIX1 W2 PREFIX2 ...)")
     if len(items) % 2 == 0 and all(number(w) is not None for w in items[::2]):
         weights = [number(w) for w in items[::2]]
         prefixes = [p.strip() for p in items[1::2]]
