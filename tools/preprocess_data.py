@@ -33,6 +33,7 @@ from megatron_zpp.data.compressed import CompressedInputError, open_input, strip
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron_zpp.data.inputs import checked_tokenizer  # noqa: E402
 from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 BATCH_LINES, BATCH_BYTES = 1024, 1 << 20  # one task to a worker
 IN_FLIGHT_PER_WORKER = 4  # batches queued or being tokenized per worker: the memory bound
@@ -231,16 +232,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the worker pool forks after the bar exists
-    bar = tqdm(
-        total=total,
-        unit="B" if total is not None else " docs",
-        unit_scale=True,
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=args.quiet,
-        mininterval=0.5,
-        desc="tokenizing",
-    )
+    unit = "B" if total is not None else " docs"
+    bar = progress(None, "tokenizing", total, unit, unit_scale=True, disable=args.quiet)  # bytes of the input files
     docs = blank = 0
     empty = dict.fromkeys(args.json_keys, 0)
     bad, t0, last_post = [], time.time(), 0.0
@@ -339,7 +332,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--hf-dataset", action="store_true", help="read --input with HF `datasets` (local only)")
     p.add_argument("--hf-split", default="train")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none either when stderr is not a terminal)"
+    )
     args = p.parse_args(argv)
     if not args.hf_dataset:
         args.input = expand_inputs(args.input)

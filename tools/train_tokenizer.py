@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
 CHUNK_CHARS = 2000  # sentencepiece trains on "sentences"; long documents go in line-aligned chunks
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
     if args.vocab_size < 1:
         p.error(f"--vocab-size must be >= 1 (got {args.vocab_size})")
     t0 = time.time()
-    texts = Counted(iter_texts(paths, args.json_keys, args.hf_dataset))
+    # sentencepiece trains in C++ with no progress to report: the bar covers reading the input
+    texts = Counted(progress(iter_texts(paths, args.json_keys, args.hf_dataset), "reading text", unit=" texts"))
     try:
         model = train(
             texts,

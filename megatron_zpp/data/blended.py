@@ -26,6 +26,7 @@ from megatron_zpp.data.gpt_dataset import (
     save_arrays,
     split_ranges,
 )
+from megatron_zpp.progress import progress
 
 SURPLUS = 0.005  # Megatron's margin of extra samples built per blended dataset
 
@@ -73,7 +74,7 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     counts = [0] * n
     w = [float(x) for x in weights]
     r = range(1, n)
-    for t in range(size):  # a plain loop: ~1 s per million samples for a few datasets
+    for t in progress(range(size), "blending index", unit=" samples", miniters=1 << 14):  # ~1 s per million
         tt = t if t > 0 else 1
         best, best_err = 0, w[0] * tt - counts[0]
         for i in r:
