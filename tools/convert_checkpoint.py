@@ -28,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_zpp.checkpoint import CheckpointError  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 
 class ConversionError(ValueError):
@@ -93,7 +95,7 @@ def to_hf_state(state: dict, cfg) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
     if "output.weight" in state:
         out["lm_head.weight"] = state["output.weight"]
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), "HF export", unit=" layers"):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = state[src + "mixer.qkv.weight"].split([q_rows, kv_rows, kv_rows], dim=0)
         gate, up = state[src + "mlp.fc1.weight"].split([ffn, ffn], dim=0)
@@ -118,7 +120,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
     if cfg.model.untie_embeddings_and_output_weights:
         out["output.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.model.num_layers):
+    for i in progress(range(cfg.model.num_layers), "HF import", unit=" layers"):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
         out.update(
@@ -188,7 +190,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     else:
         files = ["model.safetensors"]
     hf = {}
-    for name in files:
+    for name in progress(files, "reading HF files", unit=" files"):
         hf.update(load_file(os.path.join(hf_dir, name)))
     try:
         state = from_hf_state(hf, cfg)
@@ -259,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state, config = consolidate(args.load)
+    try:
+        state, config = consolidate(args.load)
+    except CheckpointError as e:  # no checkpoint there, or a damaged one: one line
+        print(f"error: --load {e}", file=sys.stderr)
+        return 2
     if args.to == "consolidated":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         torch.save({"config": config, "model": state}, args.output)
