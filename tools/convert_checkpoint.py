@@ -7,8 +7,9 @@
         softmax-attention models with RMSNorm, SwiGLU and RoPE: a LlamaForCausalLM directory,
         config.json + model.safetensors (+ tokenizer.model); every other model (GLA, hybrid,
         LayerNorm, GeLU): the same files plus our remote code (megatron_zpp/hf_remote/:
-        configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch), loaded
-        with AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
+        configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
+        tokenizer, tokenizer_config.json naming Llama's), loaded with
+        AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
         a HF directory of either kind (model.safetensors or its sharded index) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
@@ -243,6 +244,8 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
         raise ConversionError(f"--tokenizer-model {tokenizer_model}: no such file")
     if tokenizer is not None:  # the run's sentencepiece model (or the one passed) goes along
         shutil.copyfile(tok_model, os.path.join(output, "tokenizer.model"))
+        if remote:
+            hf_gla.write_tokenizer_config(output)
     return hf["architectures"][0]
 
 

@@ -15,6 +15,7 @@ gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with it
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -76,6 +77,13 @@ def write_remote_code(output: str) -> None:
     """Copy the configuration and modeling files next to the weights (auto_map names them)."""
     for path in hf_remote.files():
         shutil.copyfile(path, os.path.join(output, os.path.basename(path)))
+
+
+def write_tokenizer_config(output: str) -> None:
+    """Name the tokenizer class of the copied sentencepiece tokenizer.model, which transformers would
+    otherwise take from the model type (Llama's is; ours has none): Llama's sentencepiece tokenizer."""
+    with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer"}, f, indent=2)
 
 
 def _norm_pairs(ours: str, theirs: str, cfg) -> list[tuple[str, str]]:

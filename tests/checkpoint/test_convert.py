@@ -325,3 +325,31 @@ def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path):
         hf_gla.from_remote_state({**theirs, "model.layers.0.attn.extra": torch.zeros(1)}, cfg)
     with pytest.raises(hf_gla.RemoteConversionError, match="no HF name for layers.0.mixer.extra"):
         hf_gla.to_remote_state({**state, "layers.0.mixer.extra": torch.zeros(1)}, cfg)
+
+
+def test_hf_remote_export_carries_the_tokenizer(tmp_path):
+    """A sentencepiece run's tokenizer.model goes along, with tokenizer_config.json naming Llama's
+    tokenizer class (our model type has none): AutoTokenizer splits text as our tokenizer does."""
+    import sentencepiece as spm
+    import transformers
+
+    from megatron_zpp.data.tokenizer import SentencePieceTokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"def f_{i}(self, x):\n    return x + {i}  # the quick brown fox" for i in range(200)))
+    prefix = str(tmp_path / "tok")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=prefix, vocab_size=120, model_type="bpe", minloglevel=2
+    )
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", prefix + ".model"
+    state = {n: p.detach() for n, p in GPT(cfg.model, 128).named_parameters()}
+    out = str(tmp_path / "hf")
+    assert _tool("convert_checkpoint").export_hf(state, cfg.to_dict(), out) == "MegatronZppGLAForCausalLM"
+    ours = SentencePieceTokenizer(prefix + ".model")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == ours.eod
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = "def __init__(self, x): return quick"
+    assert hf_tok(prompt, add_special_tokens=False).input_ids == ours.tokenize(prompt)
