@@ -117,14 +117,13 @@ def gla_chunked(
     return torch.cat(outs, dim=2).transpose(1, 2), S
 
 
-def _cache_layer(cache, layer_idx: int, kind: str):
-    """The cache's layer `layer_idx`, checked to be of the kind a layer of this model needs."""
+def _recurrent_cache_layer(cache, layer_idx: int):
+    """The cache's layer `layer_idx`, checked to hold a recurrent state (transformers' linear-attention layer)."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    linear = hasattr(layer, "recurrent_states") and not hasattr(layer, "keys")
-    if layer is None or (kind == "linear_attention") != linear:
+    if not (hasattr(layer, "recurrent_states") and hasattr(cache, "update_recurrent_state")):
         raise ValueError(
-            f"layer {layer_idx} ({kind}) needs a cache built from the model's layer types: "
+            f"GLA layer {layer_idx} needs a cache built from the model's layer types: "
             "DynamicCache(config=model.config) (transformers >= 5), or use_cache=False"
         )
     return layer
@@ -157,7 +156,7 @@ class MegatronZppGatedLinearAttention(nn.Module):
         )
         logits = self.gk_up(self.gk_down(x)) if self.low_rank else self.gk_proj(x)
         g = F.logsigmoid(logits.float()).view(B, T, self.heads, self.head_dim) / self.normalizer
-        layer = _cache_layer(cache, self.layer_idx, "linear_attention") if cache is not None else None
+        layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
         state = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
         o, state = gla_chunked(q.float(), k.float(), v.float(), g, state, self.chunk)
         if cache is not None:
@@ -183,7 +182,6 @@ class MegatronZppAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            _cache_layer(cache, self.layer_idx, "full_attention")
             k, v = cache.update(k, v, self.layer_idx)
         groups = self.heads // self.kv_heads  # query head i reads key/value head i // groups
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -263,6 +263,10 @@ def test_hf_remote_export_matches_logits(remote, kind):
             cached.append(step.logits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(cached, dim=1), want, rtol=1e-4, atol=1e-4)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match=r"GLA layer 0 needs a cache built from the model's layer types"):
+        hf(input_ids=tokens, cache=DynamicCache())  # a cache of keys/values only: no room for the GLA state
 
 
 @pytest.mark.parametrize("kind", list(REMOTE))
