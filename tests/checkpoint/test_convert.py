@@ -354,6 +354,6 @@ def test_hf_remote_export_carries_the_tokenizer(tmp_path):
     ours = SentencePieceTokenizer(prefix + ".model")
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["eos_token_id"] == ours.eod
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     prompt = "def __init__(self, x): return quick"
     assert hf_tok(prompt, add_special_tokens=False).input_ids == ours.tokenize(prompt)
