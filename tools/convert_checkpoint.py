@@ -193,10 +193,11 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_cfg = json.load(f)
-    remote = hf_cfg.get("model_type") == hf_remote.MODEL_TYPE
-    cfg = (
-        _with_tokenizer(hf_gla.config_from_remote(hf_cfg, hf_dir), hf_dir) if remote else config_from_hf(hf_cfg, hf_dir)
-    )
+    remote = hf_cfg.get("model_type") == hf_remote.MODEL_TYPE  # our GLA/hybrid export, else a Llama
+    try:
+        cfg = _with_tokenizer(hf_gla.config_from_remote(hf_cfg), hf_dir) if remote else config_from_hf(hf_cfg, hf_dir)
+    except hf_gla.RemoteConversionError as e:
+        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):  # a sharded HF checkpoint: the index names each tensor's file
         with open(index) as f:

@@ -5,7 +5,7 @@ PyTorch) copied next to model.safetensors, with config.json's auto_map naming th
     hf = remote_config(cfg, vocab, tokenizer)   # config.json (model_type megatron_zpp_gla)
     to_remote_state(state, cfg)                 # our single-rank names -> the remote model's
     from_remote_state(hf_state, cfg)            # and back (bitwise: splits and concatenations)
-    config_from_remote(hf, hf_dir)              # our Config of such a config.json
+    config_from_remote(hf)                      # our Config of such a config.json
 
 Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
@@ -171,8 +171,15 @@ def _hybrid_period(kinds: list[str]) -> tuple[str, int] | None:
     return None
 
 
-def config_from_remote(hf: dict, hf_dir: str):
+def config_from_remote(hf: dict):
     """Our Config of the remote-code model a config.json describes; refuses what we cannot hold."""
+    try:
+        return _config_from_remote(hf)
+    except KeyError as e:
+        raise RemoteConversionError(f"config.json has no {e}") from None
+
+
+def _config_from_remote(hf: dict):
     from ..config import Config
 
     heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
@@ -193,7 +200,7 @@ def config_from_remote(hf: dict, hf_dir: str):
         if bad
     ]
     if why:
-        raise RemoteConversionError(f"cannot import {hf_dir}: " + "; ".join(why))
+        raise RemoteConversionError("; ".join(why))
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads

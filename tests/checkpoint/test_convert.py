@@ -309,7 +309,7 @@ def test_hf_remote_import_round_trip(remote, kind, tmp_path):
         assert torch.equal(p.detach(), original[name]), name
 
 
-def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path):
+def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
     from megatron_zpp.checkpoint import hf_gla
 
     hf = {
@@ -320,7 +320,14 @@ def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path):
         "layer_types": ["full_attention", "linear_attention", "linear_attention"],
     }
     with pytest.raises(hf_gla.RemoteConversionError, match="softmax attention at every K-th layer"):
-        hf_gla.config_from_remote(hf, str(tmp_path))
+        hf_gla.config_from_remote(hf)
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # the tool: one line, exit code 2
+    args = ["--from", "hf", "--load", str(tmp_path), "--to", "sharded", "--output", str(tmp_path / "out")]
+    assert _tool("convert_checkpoint").main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot import {tmp_path}: layer_types")
+    hf["layer_types"] = ["linear_attention"] * 3
+    with pytest.raises(hf_gla.RemoteConversionError, match="config.json has no 'intermediate_size'"):
+        hf_gla.config_from_remote(hf)
     cfg = Config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
     state = {n: p.detach() for n, p in GPT(cfg.model, 64).named_parameters()}
