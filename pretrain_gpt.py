@@ -5,6 +5,7 @@
 `--help` lists every flag. The configuration is checked before any process group is
 created: an invalid layout costs one clear error, not a failed job. A rank whose peer
 died or hung (past --distributed-timeout-minutes), or whose checkpoint cannot be loaded,
+or whose input files are missing or malformed (checked before the model is built),
 exits non-zero with one line naming the cause; any other exception is a bug and keeps
 its traceback.
 """
@@ -16,6 +17,7 @@ import traceback
 
 from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.data.inputs import check_inputs
 from megatron_zpp.logging_utils import fail, log
 
 # what gloo says when the other end of a collective is gone (NCCL raises DistBackendError); a
@@ -29,11 +31,13 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 def main(argv=None):
     try:
         cfg = parse_config(argv, int(os.environ.get("WORLD_SIZE", 1)))
+        check_inputs(cfg)  # data files and tokenizer: before any process group or model exists
     except ConfigError as e:
         fail(str(e).replace("\n", "\nerror: "))
 
     from megatron_zpp import training
     from megatron_zpp.checkpoint import CheckpointError
+    from megatron_zpp.data.indexed_dataset import IndexedDatasetError
 
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -51,6 +55,8 @@ def main(argv=None):
         fail(str(e))
     except CheckpointError as e:
         fail(f"rank {rank}: {e}", code=1, every_rank=True)
+    except IndexedDatasetError as e:  # the dataset indices (a cache missing on this rank's file system)
+        fail(f"rank {rank}: {e}", code=2, every_rank=True)
     except RuntimeError as e:
         cause = distributed_failure(e, cfg)
         if cause is None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import sys
 import types
 import typing
 
@@ -137,7 +139,7 @@ def load_yaml(path: str) -> dict[str, object]:
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: invalid YAML: {e}") from None
+        raise ConfigError(f"--config {path}: invalid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of settings at the top level")
     flat: dict[str, object] = {}
@@ -155,13 +157,37 @@ def load_yaml(path: str) -> dict[str, object]:
         section, field_name = index[name]
         out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown settings: {', '.join(unknown)}")
+        raise ConfigError(
+            f"--config {path}: unknown {'setting' if len(unknown) == 1 else 'settings'} "
+            + ", ".join(f"{key!r}{_did_you_mean(key)}" for key in unknown)
+        )
     return out
+
+
+def _did_you_mean(key: str) -> str:
+    """' (did you mean 'hidden-size'?)' for the valid setting nearest to a YAML key, else ''."""
+    names = sorted(
+        {
+            f.metadata["flag"].lstrip("-")
+            for cls in SECTIONS.values()
+            for f in dataclasses.fields(cls)
+            if "flag" in f.metadata
+        }
+    )
+    close = difflib.get_close_matches(str(key).split(".")[-1].lstrip("-").replace("_", "-"), names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _one_line_error(message: str) -> None:
+    print(f"error: {message} (pretrain_gpt.py --help lists every flag)", file=sys.stderr)
+    sys.exit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse argv (and --config YAML) into an unvalidated Config."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    parser.error = _one_line_error  # not the usage of every flag: one line, then exit 2 as argparse does
+    args = vars(parser.parse_args(argv))
     values = load_yaml(args.pop("config")) if args.get("config") else {}
     args.pop("config", None)
     values.update(args)

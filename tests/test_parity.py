@@ -89,6 +89,7 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
     losses = [h["loss"] for h in training.train(run)]
+    ledger = comm.LEDGER.local_rows()  # the steps' traffic, before the gathers below
     with run.dp.full_parameters():  # ZeRO-3 keeps only shards between uses
         weights = {
             name: p.detach().double().numpy().copy() for chunk in run.chunks for name, p in chunk.named_parameters()
@@ -99,7 +100,8 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
         "losses": losses,
         "weights": weights,
         "splits": splits,
-        "ledger": comm.LEDGER.local_rows(),
+        "ledger": ledger,
+        "units": [(u.name, u.padded) for u in getattr(run.dp, "units", [])],  # ZeRO's flat buffers
         "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank},
     }
 

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
+from megatron_zpp.training.loop import format_eta
 from megatron_zpp.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,8 +118,14 @@ def test_pretrain_gpt_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iter    15/15" in out.stdout
     assert "| global batch 8 |" in out.stdout and "| data wait " in out.stdout
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records]
     assert len(losses) == 15 and np.mean(losses[-3:]) < np.mean(losses[:3])
+    # the ETA of each log line: remaining iterations x the mean step time (the first step left out)
+    lines = [line for line in out.stdout.splitlines() if "| loss " in line]
+    for line, it in zip(lines, (5, 10, 15)):
+        times = [r["step_time"] for r in records[1:it]]
+        assert line.endswith(f"| ETA {format_eta((15 - it) * sum(times) / len(times))}"), line
 
     rep = json.loads(report.read_text())
     assert rep["world_size"] == 2 and rep["steps"] == 15

@@ -1,13 +1,17 @@
-"""Convert a sharded megatron_zpp checkpoint (any parallel layout) to one file or to HF Llama, and back.
+"""Convert a sharded megatron_zpp checkpoint (any parallel layout) to one file or to HF, and back.
 
     python tools/convert_checkpoint.py --load ckpt --to consolidated --output model.pt
         one file {"config": the run's config dict, "model": {name: fp32 tensor}}, loadable
         with torch.load(..., weights_only=True); the names are those of a single-rank GPT
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
-        a LlamaForCausalLM directory: config.json + model.safetensors (+ tokenizer.model);
-        only for softmax-attention models with RMSNorm, SwiGLU and RoPE
+        softmax-attention models with RMSNorm, SwiGLU and RoPE: a LlamaForCausalLM directory,
+        config.json + model.safetensors (+ tokenizer.model); every other model (GLA, hybrid,
+        LayerNorm, GeLU): the same files plus our remote code (megatron_zpp/hf_remote/:
+        configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
+        tokenizer, tokenizer_config.json naming Llama's), loaded with
+        AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF Llama directory (model.safetensors or its sharded index) -> a weights-only
+        a HF directory of either kind (model.safetensors or its sharded index) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -28,7 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_zpp import hf_remote  # noqa: E402
+from megatron_zpp.checkpoint import CheckpointError, hf_gla  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 
 class ConversionError(ValueError):
@@ -93,7 +100,7 @@ def to_hf_state(state: dict, cfg) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
     if "output.weight" in state:
         out["lm_head.weight"] = state["output.weight"]
-    for i in range(m.num_layers):
+    for i in progress(range(m.num_layers), "HF export", unit=" layers"):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = state[src + "mixer.qkv.weight"].split([q_rows, kv_rows, kv_rows], dim=0)
         gate, up = state[src + "mlp.fc1.weight"].split([ffn, ffn], dim=0)
@@ -118,7 +125,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"]}
     if cfg.model.untie_embeddings_and_output_weights:
         out["output.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.model.num_layers):
+    for i in progress(range(cfg.model.num_layers), "HF import", unit=" layers"):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
         out.update(
@@ -167,6 +174,11 @@ def config_from_hf(hf: dict, hf_dir: str):
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.attention_type = "RMSNorm", "swiglu", "softmax"
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
+    return _with_tokenizer(cfg, hf_dir)
+
+
+def _with_tokenizer(cfg, hf_dir: str):
+    """cfg, with the directory's sentencepiece tokenizer.model as its tokenizer when there is one."""
     tok = os.path.join(hf_dir, "tokenizer.model")
     if os.path.isfile(tok):
         cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", os.path.abspath(tok)
@@ -174,13 +186,19 @@ def config_from_hf(hf: dict, hf_dir: str):
 
 
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
-    """(our weights, checkpoint dir) of a HF Llama directory, saved as a weights-only checkpoint."""
+    """(our weights, checkpoint dir) of a HF Llama or remote-code GLA/hybrid directory, saved as a
+    weights-only checkpoint."""
     from safetensors.torch import load_file
 
     from megatron_zpp.checkpoint.sharded import save_weights
 
     with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = config_from_hf(json.load(f), hf_dir)
+        hf_cfg = json.load(f)
+    remote = hf_cfg.get("model_type") == hf_remote.MODEL_TYPE  # our GLA/hybrid export, else a Llama
+    try:
+        cfg = _with_tokenizer(hf_gla.config_from_remote(hf_cfg), hf_dir) if remote else config_from_hf(hf_cfg, hf_dir)
+    except hf_gla.RemoteConversionError as e:
+        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):  # a sharded HF checkpoint: the index names each tensor's file
         with open(index) as f:
@@ -188,20 +206,22 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     else:
         files = ["model.safetensors"]
     hf = {}
-    for name in files:
+    for name in progress(files, "reading HF files", unit=" files"):
         hf.update(load_file(os.path.join(hf_dir, name)))
     try:
-        state = from_hf_state(hf, cfg)
+        state = hf_gla.from_remote_state(hf, cfg) if remote else from_hf_state(hf, cfg)
     except KeyError as e:
         raise ConversionError(f"cannot import {hf_dir}: tensor {e} is missing") from None
+    except hf_gla.RemoteConversionError as e:
+        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     return state, save_weights(output, cfg, state)
 
 
-def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> None:
+def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
+    """Write the HF directory `output`; returns its architecture (LlamaForCausalLM when Llama can
+    hold the model, else our remote-code MegatronZppGLAForCausalLM)."""
     cfg = config_from_dict(config)
-    why = hf_unsupported(cfg)
-    if why:
-        raise ConversionError("cannot export to HF Llama: " + "; ".join(why) + ". Use --to consolidated instead")
+    remote = bool(hf_unsupported(cfg))  # GLA, hybrid, LayerNorm or GeLU: not a Llama
     from safetensors.torch import save_file
 
     tokenizer = None
@@ -211,14 +231,24 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 
         tokenizer = SentencePieceTokenizer(tok_model)
     vocab = state["embedding.weight"].shape[0]
+    try:
+        weights = hf_gla.to_remote_state(state, cfg) if remote else to_hf_state(state, cfg)
+    except hf_gla.RemoteConversionError as e:
+        raise ConversionError(f"cannot export to HF: {e}") from None
+    hf = hf_gla.remote_config(cfg, vocab, tokenizer) if remote else hf_config(cfg, vocab, tokenizer)
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, vocab, tokenizer), f, indent=2)
-    save_file(to_hf_state(state, cfg), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+        json.dump(hf, f, indent=2)
+    save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    if remote:
+        hf_gla.write_remote_code(output)
     if tokenizer_model and not os.path.isfile(tokenizer_model):
         raise ConversionError(f"--tokenizer-model {tokenizer_model}: no such file")
     if tokenizer is not None:  # the run's sentencepiece model (or the one passed) goes along
         shutil.copyfile(tok_model, os.path.join(output, "tokenizer.model"))
+        if remote:
+            hf_gla.write_tokenizer_config(output)
+    return hf["architectures"][0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="source",
         default="megatron_zpp",
         choices=["megatron_zpp", "hf"],
-        help="what --load is: our sharded checkpoint (default) or a HF Llama directory",
+        help="what --load is: our sharded checkpoint (default) or a HF directory (Llama, or our GLA/hybrid export)",
     )
     ap.add_argument(
         "--load",
@@ -259,18 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state, config = consolidate(args.load)
+    try:
+        state, config = consolidate(args.load)
+    except CheckpointError as e:  # no checkpoint there, or a damaged one: one line
+        print(f"error: --load {e}", file=sys.stderr)
+        return 2
     if args.to == "consolidated":
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         torch.save({"config": config, "model": state}, args.output)
     else:
         try:
-            export_hf(state, config, args.output, args.tokenizer_model)
+            kind = export_hf(state, config, args.output, args.tokenizer_model)
         except ConversionError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     n = sum(t.numel() for t in state.values())
-    print(f"wrote {args.output} ({args.to}: {len(state)} tensors, {n / 1e6:.2f}M parameters)")
+    what = f"hf {kind}" if args.to == "hf" else args.to
+    print(f"wrote {args.output} ({what}: {len(state)} tensors, {n / 1e6:.2f}M parameters)")
     return 0
 
 

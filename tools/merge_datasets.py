@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 
 def find_prefixes(inputs: list[str]) -> list[str]:
@@ -35,9 +36,14 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDatasetWriter:
     first = IndexedDataset(prefixes[0])
     tag = f".tmp{os.getpid()}"
     writer = IndexedDatasetWriter(output_prefix + ".bin" + tag, first.dtype, output_prefix + ".lengths" + tag)
+    bar = progress(
+        None, "merging", sum(os.path.getsize(p + ".bin") for p in prefixes if os.path.isfile(p + ".bin")), "B"
+    )
     try:
         for p in prefixes:
             writer.add_index(p)
+            bar.update(os.path.getsize(p + ".bin"))
+        bar.close()
         writer.finalize(output_prefix + ".idx" + tag)
     except BaseException:
         writer.abort()
@@ -56,11 +62,11 @@ def main(argv=None) -> int:
     p.add_argument("--input", nargs="+", required=True, help="a directory of pairs, or prefixes")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
-    prefixes = find_prefixes(args.input)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     try:
+        prefixes = find_prefixes(args.input)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
         w = merge(prefixes, args.output_prefix)
-    except IndexedDatasetError as e:
+    except (IndexedDatasetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(

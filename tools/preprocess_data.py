@@ -28,8 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_zpp.config import ConfigError  # noqa: E402
+from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
+from megatron_zpp.data.inputs import checked_tokenizer  # noqa: E402
 from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
 
 BATCH_LINES, BATCH_BYTES = 1024, 1 << 20  # one task to a worker
 IN_FLIGHT_PER_WORKER = 4  # batches queued or being tokenized per worker: the memory bound
@@ -41,8 +45,12 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     for p in patterns:
         hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         for h in hits:
+            if os.path.isdir(h):
+                raise SystemExit(f"error: --input {h}: is a directory (give its files, e.g. {h}/*.jsonl)")
             if not os.path.isfile(h):
                 raise SystemExit(f"error: --input {h}: no such file")
+            if not os.access(h, os.R_OK):
+                raise SystemExit(f"error: --input {h}: not readable (permission denied)")
         if not hits:
             raise SystemExit(f"error: --input {p}: no file matches")
         paths += hits
@@ -61,7 +69,7 @@ def open_hf_dataset(sources: list[str], split: str = "train"):
                 raise SystemExit(f"error: {sources[0]}: no split {split!r} (has {list(ds)})")
             ds = ds[split]
     else:
-        ext = os.path.splitext(sources[0])[1].lstrip(".").lower()
+        ext = os.path.splitext(strip_compression_suffix(sources[0]))[1].lstrip(".").lower()  # datasets decompresses
         builder = {"jsonl": "json", "ndjson": "json", "txt": "text", "parquet": "parquet", "csv": "csv"}.get(ext, ext)
         ds = datasets.load_dataset(builder, data_files=sources, split=split, streaming=True)
     return enumerate(ds, start=1)
@@ -76,16 +84,16 @@ def read_batches(args):
             yield name, i * BATCH_LINES + 1, chunk, len(chunk)
         return
     for path in args.input:
-        with open(path, "rb") as f:
-            first, lines, size = 1, [], 0
+        with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
+            first, lines, size, done = 1, [], 0, 0  # done: bytes of the file on disk already counted
             for line in f:
                 lines.append(line)
                 size += len(line)
                 if len(lines) >= BATCH_LINES or size >= BATCH_BYTES:
-                    yield path, first, lines, size
-                    first, lines, size = first + len(lines), [], 0
+                    yield path, first, lines, f.position - done
+                    first, lines, size, done = first + len(lines), [], 0, f.position
             if lines:
-                yield path, first, lines, size
+                yield path, first, lines, os.path.getsize(path) - done
 
 
 _MISSING = object()
@@ -212,7 +220,7 @@ def encoded_stream(args, tok_args, dtype, stop: threading.Event):
 
 def run(args) -> int:
     tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1)
-    tok = build_tokenizer(*tok_args)
+    tok = checked_tokenizer(*tok_args)  # a missing or wrong tokenizer model: one line, before any output
     dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     tag = f".tmp{os.getpid()}"
@@ -224,16 +232,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the worker pool forks after the bar exists
-    bar = tqdm(
-        total=total,
-        unit="B" if total is not None else " docs",
-        unit_scale=True,
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=args.quiet,
-        mininterval=0.5,
-        desc="tokenizing",
-    )
+    unit = "B" if total is not None else " docs"
+    bar = progress(None, "tokenizing", total, unit, unit_scale=True, disable=args.quiet)  # bytes of the input files
     docs = blank = 0
     empty = dict.fromkeys(args.json_keys, 0)
     bad, t0, last_post = [], time.time(), 0.0
@@ -332,7 +332,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--hf-dataset", action="store_true", help="read --input with HF `datasets` (local only)")
     p.add_argument("--hf-split", default="train")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none either when stderr is not a terminal)"
+    )
     args = p.parse_args(argv)
     if not args.hf_dataset:
         args.input = expand_inputs(args.input)
@@ -350,6 +352,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: no output written", file=sys.stderr)
         return 130
+    except (CompressedInputError, ConfigError) as e:  # an input that cannot be read; no output written
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

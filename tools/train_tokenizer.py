@@ -18,6 +18,10 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
+from megatron_zpp.progress import progress  # noqa: E402
+
 SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
 CHUNK_CHARS = 2000  # sentencepiece trains on "sentences"; long documents go in line-aligned chunks
 
@@ -28,6 +32,9 @@ def expand_inputs(patterns: list[str]) -> list[str]:
         hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         if not hits:
             raise SystemExit(f"error: --input {p}: no file matches")
+        for h in hits:
+            if not os.path.isfile(h):
+                raise SystemExit(f"error: --input {h}: {'is a directory' if os.path.isdir(h) else 'no such file'}")
         paths += hits
     return paths
 
@@ -44,19 +51,31 @@ def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False)
                     yield row[k]
         return
     for path in paths:
-        if path.endswith((".jsonl", ".json", ".jsonl.gz")) or path.endswith(".ndjson"):
-            with open(path, "rb") as f:
+        with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
+            if strip_compression_suffix(path).endswith((".jsonl", ".json", ".ndjson")):
                 for line in f:
                     try:
                         doc = json.loads(line)
-                    except ValueError:
+                    except ValueError:  # invalid JSON or UTF-8
                         continue
                     for k in json_keys:
                         if isinstance(doc, dict) and isinstance(doc.get(k), str):
                             yield doc[k]
-        else:  # plain text: the whole file is one stream of lines
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield from f
+            else:  # plain text: the whole file is one stream of lines
+                for line in f:
+                    yield line.decode("utf-8", errors="replace")
+
+
+class Counted:
+    """An iterable that counts what went through it (to say how much text a failed training saw)."""
+
+    def __init__(self, items):
+        self.items, self.count = items, 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.count += 1
+            yield item
 
 
 def sentences(texts, max_chars: int = CHUNK_CHARS):
@@ -148,19 +167,31 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     paths = args.input if args.hf_dataset else expand_inputs(args.input)
+    if args.vocab_size < 1:
+        p.error(f"--vocab-size must be >= 1 (got {args.vocab_size})")
     t0 = time.time()
-    model = train(
-        iter_texts(paths, args.json_keys, args.hf_dataset),
-        args.model_prefix,
-        args.vocab_size,
-        args.model_type,
-        args.byte_fallback,
-        args.character_coverage,
-        args.input_sentence_size,
-        args.num_threads,
-        args.user_defined_symbols,
-        quiet=not args.verbose,
-    )
+    # sentencepiece trains in C++ with no progress to report: the bar covers reading the input
+    texts = Counted(progress(iter_texts(paths, args.json_keys, args.hf_dataset), "reading text", unit=" texts"))
+    try:
+        model = train(
+            texts,
+            args.model_prefix,
+            args.vocab_size,
+            args.model_type,
+            args.byte_fallback,
+            args.character_coverage,
+            args.input_sentence_size,
+            args.num_threads,
+            args.user_defined_symbols,
+            quiet=not args.verbose,
+        )
+    except CompressedInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # sentencepiece's own refusal: no text, a vocabulary it cannot reach, ...
+        found = f"{texts.count} text(s) of --json-keys {' '.join(args.json_keys)} found in --input"
+        print(f"error: sentencepiece could not train ({' '.join(str(e).split())}); {found}", file=sys.stderr)
+        return 1
     print(
         f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
         f"in {time.time() - t0:.1f}s",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..progress import progress
 from .files import find_checkpoint
 from .layout import config_from_dict
 from .reshard import SavedCheckpoint
@@ -21,7 +22,8 @@ def consolidate(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     checkpoint `ckpt_dir/latest` names (or of an iteration directory itself)."""
     path, meta = find_checkpoint(ckpt_dir)
     saved = SavedCheckpoint(path, meta)
-    return {name: saved.full(name, moments=False)["param"] for name in saved.names()}, meta["config"]
+    names = progress(saved.names(), "consolidating", unit=" tensors")
+    return {name: saved.full(name, moments=False)["param"] for name in names}, meta["config"]
 
 
 def padded_vocab_of(state: dict) -> int:

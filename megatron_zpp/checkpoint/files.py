@@ -134,8 +134,11 @@ def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
 
 
 def _read_meta_file(meta_path: str) -> dict:
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except ValueError as e:  # truncated or not JSON: a damaged checkpoint, not a bug
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
     return meta

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
 from .files import CheckpointError, RankFile, open_rank_file
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
@@ -155,7 +156,7 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
     by_name: dict[str, list] = {}
     for s in lay.slots:
         by_name.setdefault(s.name, []).append(s)
-    for name, slots in by_name.items():  # one parameter at a time: memory stays one parameter's
+    for name, slots in progress(by_name.items(), "resharding", unit=" tensors"):  # memory: one parameter's
         full = {k: _fit(name, t, slots[0].full_shape) for k, t in saved.full(name).items()}
         for s in slots:
             n = s.hi - s.lo

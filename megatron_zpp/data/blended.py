@@ -26,6 +26,7 @@ from megatron_zpp.data.gpt_dataset import (
     save_arrays,
     split_ranges,
 )
+from megatron_zpp.progress import progress
 
 SURPLUS = 0.005  # Megatron's margin of extra samples built per blended dataset
 
@@ -42,6 +43,15 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         except ValueError:
             return None
 
+    if number(items[0]) is not None:  # a weighted blend: every other item must be a weight
+        bad = [w for w in items[::2] if number(w) is None or not math.isfinite(number(w))]
+        if bad:
+            raise ValueError(
+                f"--data-path: weight {bad[0]!r} is not a finite number: weights and prefixes must alternate "
+                "(W1 PREFIX1 W2 PREFIX2 ...)"
+            )
+        if len(items) % 2:
+            raise ValueError(f"--data-path: weight {items[-1]!r} has no prefix after it (W1 PREFIX1 W2 PREFIX2 ...)")
     if len(items) % 2 == 0 and all(number(w) is not None for w in items[::2]):
         weights = [number(w) for w in items[::2]]
         prefixes = [p.strip() for p in items[1::2]]
@@ -64,7 +74,7 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     counts = [0] * n
     w = [float(x) for x in weights]
     r = range(1, n)
-    for t in range(size):  # a plain loop: ~1 s per million samples for a few datasets
+    for t in progress(range(size), "blending index", unit=" samples", miniters=1 << 14):  # ~1 s per million
         tt = t if t > 0 else 1
         best, best_err = 0, w[0] * tt - counts[0]
         for i in r:

@@ -79,9 +79,9 @@ class IndexedDataset:
         if len(header) < HEADER_BYTES:
             raise IndexedDatasetError(f"{ipath}: truncated header ({idx_bytes} bytes, need {HEADER_BYTES})")
         if header[:9] != MAGIC:
-            raise IndexedDatasetError(
-                f"{ipath}: bad magic {header[:9]!r}, expected {MAGIC!r} (not a Megatron mmap index)"
-            )
+            packed = header.startswith((b"\x1f\x8b", b"\x28\xb5\x2f\xfd", b"BZh", b"\xfd7zXZ"))
+            why = "it is compressed: decompress it (pairs are memory-mapped)" if packed else "not a Megatron mmap index"
+            raise IndexedDatasetError(f"{ipath}: bad magic {header[:9]!r}, expected {MAGIC!r} ({why})")
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
             raise IndexedDatasetError(f"{ipath}: unsupported version {version}, expected {VERSION}")

@@ -46,15 +46,43 @@ class Throughput:
         }
 
 
-def _log_line(run: Run, m: dict, data_wait: float) -> None:
-    """The console line of the last step; `data_wait`: seconds the steps since the last line waited for data."""
+class StepClock:
+    """The mean iteration time of this run, for the ETA of the log line; the first step (warm-up:
+    allocation, compilation) is left out once there are others."""
+
+    def __init__(self):
+        self.first, self.rest, self.count = 0.0, 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        if self.count == 0:
+            self.first = seconds
+        else:
+            self.rest += seconds
+        self.count += 1
+
+    def eta(self, remaining: int) -> float:
+        mean = self.rest / (self.count - 1) if self.count > 1 else self.first
+        return max(remaining, 0) * mean
+
+
+def format_eta(seconds: float) -> str:
+    """12345.6 -> '3:25:46'; past a day '2d 3:25:46'."""
+    s = int(round(seconds))
+    days, s = divmod(s, 86400)
+    clock = f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{days}d {clock}" if days else clock
+
+
+def _log_line(run: Run, m: dict, data_wait: float, eta: float) -> None:
+    """The console line of the last step; `data_wait`: seconds the steps since the last line waited for data;
+    `eta`: seconds to --train-iters (or the iterations --train-samples makes) at the mean step time."""
     mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
     val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
     log(
         f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
         f"global batch {m['global_batch_size']} | grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
         f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | data wait {1e3 * data_wait:.1f} ms | "
-        f"mem {m['memory_gib']:.2f} GiB",
+        f"mem {m['memory_gib']:.2f} GiB | ETA {format_eta(eta)}",
         run.rank,
     )
 
@@ -118,17 +146,19 @@ def train(run: Run) -> list[dict]:
     stop = run.exit_signal.install()
     profiler = StepProfiler(cfg, rank, run.device, run.iteration)
     data_wait = 0.0  # since the last log line
+    clock = StepClock()
     while run.iteration < t.train_iters:
         profiler.before_step(run.iteration + 1)
         metrics = _timed_step(run, throughput)
         profiler.after_step(run.iteration)
         data_wait += metrics["data_wait_time"]
+        clock.add(metrics["step_time"])
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
             metrics["val_loss"] = evaluate(run)
         history.append(metrics)
         sink.write(metrics, run.iteration)
         if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
-            _log_line(run, metrics, data_wait)
+            _log_line(run, metrics, data_wait, clock.eta(t.train_iters - run.iteration))
             run.memory_snapshots.dump()
             data_wait = 0.0
         saved = save_checkpoint(run, t.save) if _save_due(run) else None

@@ -15,8 +15,8 @@ import torch
 
 from ..checkpoint import load_checkpoint
 from ..config import Config, ConfigError
+from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
-from ..data.tokenizer import build_tokenizer
 from ..logging_utils import log
 from ..model import GPT, count_parameters
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
@@ -61,14 +61,7 @@ def setup(cfg: Config) -> Run:
     except KernelUnavailable as e:
         raise ConfigError(str(e)) from None
     memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
-    d = cfg.data
-    tokenizer = build_tokenizer(
-        d.tokenizer_type,
-        d.tokenizer_model,
-        cfg.model.vocab_size,
-        cfg.model.make_vocab_size_divisible_by,
-        groups.tp.size,
-    )
+    tokenizer = load_tokenizer(cfg, groups.tp.size)  # a bad tokenizer model is a ConfigError
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
     n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)  # before ZeRO-3 shards them

@@ -5,9 +5,16 @@ untied output layer; PP2 with the tied embedding on both stages) and saves; cons
 checkpoint must give the weights of a single-rank run trained identically (parity holds: 1e-5 relative per tensor). The
 consolidated file, greedy generation and the HF Llama export (logits against
 transformers' LlamaForCausalLM, when transformers is installed) are checked on them.
+
+A tiny GLA model (low-rank decay gate, RMSNorm, SwiGLU, tied) and a tiny hybrid (softmax attention
+every 2nd layer, GQA, full-rank gate, LayerNorm, GeLU, untied) train 3 steps on one rank; their HF
+export is our remote code (megatron_zpp/hf_remote), loaded by AutoModelForCausalLM with
+trust_remote_code: its logits, its cached token-by-token logits and its greedy `generate` are checked
+against our GPT and tools/generate.py, and the import back against the weights, bitwise.
 """
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -17,6 +24,7 @@ from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.config import Config
+from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
@@ -178,17 +186,181 @@ def test_hf_import_refuses_what_we_cannot_hold(tmp_path):
         conv.config_from_hf(hf, str(tmp_path))
 
 
-def test_hf_export_refuses_what_llama_cannot_hold(tmp_path):
+def test_hf_export_writes_remote_code_for_what_llama_cannot_hold(tmp_path):
+    """What Llama cannot hold (GLA, hybrid, LayerNorm, GeLU) is named, and exported as our remote-code model."""
     conv = _tool("convert_checkpoint")
-    for setting, message in [
-        ({"attention_type": "gla", "softmax_attention_every": 2}, "gated linear attention"),
-        ({"normalization": "LayerNorm"}, "LayerNorm; Llama uses RMSNorm"),
-        ({"activation": "gelu"}, "gelu; Llama uses SwiGLU"),
-    ]:
+    for i, (setting, message, kinds) in enumerate(
+        [
+            ({"attention_type": "gla", "softmax_attention_every": 2}, "gated linear attention", ["linear", "full"]),
+            ({"normalization": "LayerNorm"}, "LayerNorm; Llama uses RMSNorm", ["full", "full"]),
+            ({"activation": "gelu"}, "gelu; Llama uses SwiGLU", ["full", "full"]),
+        ]
+    ):
         cfg = Config()
+        cfg.model.num_layers, cfg.model.hidden_size = 2, 32
         for k, v in setting.items():
             setattr(cfg.model, k, v)
         assert config_from_dict(cfg.to_dict()).model == cfg.model
-        with pytest.raises(conv.ConversionError, match=message):
-            conv.export_hf({}, cfg.to_dict(), str(tmp_path / "hf"))
-    assert not os.path.exists(tmp_path / "hf")
+        assert any(message in why for why in conv.hf_unsupported(cfg))
+        model = GPT(cfg.model, 64)
+        init_weights(model, 1)
+        out = str(tmp_path / f"hf{i}")
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        assert conv.export_hf(state, cfg.to_dict(), out) == "MegatronZppGLAForCausalLM"
+        with open(os.path.join(out, "config.json")) as f:
+            assert json.load(f)["layer_types"] == [f"{k}_attention" for k in kinds]
+
+
+REMOTE = {
+    "gla": ["--attention-type", "gla", "--gla-gate-low-rank", "4"],
+    "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--normalization", "LayerNorm"]
+    + ["--activation", "gelu", "--untie-embeddings-and-output-weights"],
+}
+REMOTE_BASE = BASE + ["--init-method-std", "0.2"]  # larger weights: logits far apart, so greedy has no near-ties
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """kind -> (checkpoint dir of a 1-rank run, its HF export dir, our single-rank GPT with those weights)."""
+    conv, out = _tool("convert_checkpoint"), {}
+    for kind, extra in REMOTE.items():
+        base = tmp_path_factory.mktemp(kind)
+        ckpt, hf_dir = str(base / "ckpt"), str(base / "hf")
+        _train(REMOTE_BASE + extra + ["--save", ckpt], 1)
+        assert conv.main(["--load", ckpt, "--to", "hf", "--output", hf_dir]) == 0
+        out[kind] = (ckpt, hf_dir, _tool("generate").load_model(*consolidate(ckpt))[0])
+    return out
+
+
+def _load_remote(hf_dir: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).float().eval()
+
+
+@pytest.mark.parametrize("kind", list(REMOTE))
+def test_hf_remote_export_matches_logits(remote, kind):
+    """Full-sequence logits (27 tokens: a partial last GLA chunk) and the cached ones, a 5-token
+    prefill then one token at a time, equal our GPT's within 1e-4 (fp32)."""
+    _, hf_dir, ours = remote[kind]
+    assert sorted(os.listdir(hf_dir)) == [
+        "config.json",
+        "configuration_megatron_zpp_gla.py",
+        "model.safetensors",
+        "modeling_megatron_zpp_gla.py",
+    ]
+    hf = _load_remote(hf_dir)
+    assert type(hf).__name__ == "MegatronZppGLAForCausalLM"
+    assert hasattr(hf, "lm_head") == (kind == "hybrid")  # tied: the logits read the embedding
+    tokens = torch.randint(0, 128, (2, 27), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(tokens=tokens)
+        got = hf(input_ids=tokens, use_cache=False).logits
+        step = hf(input_ids=tokens[:, :5], use_cache=True)
+        cached = [step.logits]
+        for t in range(5, tokens.shape[1]):
+            step = hf(input_ids=tokens[:, t : t + 1], cache=step.cache, use_cache=True)
+            cached.append(step.logits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(cached, dim=1), want, rtol=1e-4, atol=1e-4)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match=r"GLA layer 0 needs a cache built from the model's layer types"):
+        hf(input_ids=tokens, cache=DynamicCache())  # a cache of keys/values only: no room for the GLA state
+
+
+@pytest.mark.parametrize("kind", list(REMOTE))
+def test_hf_remote_generate_matches_tools_generate(remote, kind, capsys):
+    """HF's greedy generate, with its cache (recurrent states, keys/values) and without, gives
+    tools/generate.py's tokens."""
+    ckpt, hf_dir, _ = remote[kind]
+    capsys.readouterr()
+    assert _tool("generate").main(["--load", ckpt, "--prompt", "5 6 7", "--max-new-tokens", "8", "--greedy"]) == 0
+    ours = [int(t) for t in capsys.readouterr().out.strip().splitlines()[-1].split()[3:]]
+    hf = _load_remote(hf_dir)
+    prompt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        for use_cache in (True, False):
+            out = hf.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=use_cache, pad_token_id=127)
+            assert out[0, 3:].tolist() == ours, f"use_cache={use_cache}"
+    assert len(ours) == 8
+
+
+@pytest.mark.parametrize("kind", list(REMOTE))
+def test_hf_remote_import_round_trip(remote, kind, tmp_path):
+    """HF -> ours gives back the weights bitwise and the same model; `--load` with the run's flags takes it."""
+    ckpt, hf_dir, _ = remote[kind]
+    back = str(tmp_path / "back")
+    assert (
+        _tool("convert_checkpoint").main(["--from", "hf", "--load", hf_dir, "--to", "sharded", "--output", back]) == 0
+    )
+    (original, config), (imported, back_config) = consolidate(ckpt), consolidate(back)
+    assert sorted(imported) == sorted(original)
+    for name, w in original.items():
+        assert torch.equal(imported[name], w), name
+    m, b = config_from_dict(config).model, config_from_dict(back_config).model
+    assert [b.layer_kind(i) for i in range(2)] == [m.layer_kind(i) for i in range(2)]
+    for field in ["normalization", "activation", "gla_gate_low_rank", "untie_embeddings_and_output_weights"]:
+        assert getattr(b, field) == getattr(m, field), field
+    assert (b.ffn_size, b.kv_heads, b.head_dim) == (m.ffn_size, m.kv_heads, m.head_dim)
+    run = training.setup(validate(parse_args(REMOTE_BASE + REMOTE[kind] + ["--load", back]), 1))
+    assert run.iteration == 0
+    for name, p in run.chunks[0].named_parameters():
+        assert torch.equal(p.detach(), original[name]), name
+
+
+def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
+    from megatron_zpp.checkpoint import hf_gla
+
+    hf = {
+        "model_type": "megatron_zpp_gla",
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 3,
+        "layer_types": ["full_attention", "linear_attention", "linear_attention"],
+    }
+    with pytest.raises(hf_gla.RemoteConversionError, match="softmax attention at every K-th layer"):
+        hf_gla.config_from_remote(hf)
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # the tool: one line, exit code 2
+    args = ["--from", "hf", "--load", str(tmp_path), "--to", "sharded", "--output", str(tmp_path / "out")]
+    assert _tool("convert_checkpoint").main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: cannot import {tmp_path}: layer_types")
+    hf["layer_types"] = ["linear_attention"] * 3
+    with pytest.raises(hf_gla.RemoteConversionError, match="config.json has no 'intermediate_size'"):
+        hf_gla.config_from_remote(hf)
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
+    state = {n: p.detach() for n, p in GPT(cfg.model, 64).named_parameters()}
+    theirs = hf_gla.to_remote_state(state, cfg)
+    with pytest.raises(hf_gla.RemoteConversionError, match="does not have: model.layers.0.attn.extra"):
+        hf_gla.from_remote_state({**theirs, "model.layers.0.attn.extra": torch.zeros(1)}, cfg)
+    with pytest.raises(hf_gla.RemoteConversionError, match="no HF name for layers.0.mixer.extra"):
+        hf_gla.to_remote_state({**state, "layers.0.mixer.extra": torch.zeros(1)}, cfg)
+
+
+def test_hf_remote_export_carries_the_tokenizer(tmp_path):
+    """A sentencepiece run's tokenizer.model goes along, with tokenizer_config.json naming Llama's
+    tokenizer class (our model type has none): AutoTokenizer splits text as our tokenizer does."""
+    import sentencepiece as spm
+    import transformers
+
+    from megatron_zpp.data.tokenizer import SentencePieceTokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"def f_{i}(self, x):\n    return x + {i}  # the quick brown fox" for i in range(200)))
+    prefix = str(tmp_path / "tok")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=prefix, vocab_size=120, model_type="bpe", minloglevel=2
+    )
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
+    cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", prefix + ".model"
+    state = {n: p.detach() for n, p in GPT(cfg.model, 128).named_parameters()}
+    out = str(tmp_path / "hf")
+    assert _tool("convert_checkpoint").export_hf(state, cfg.to_dict(), out) == "MegatronZppGLAForCausalLM"
+    ours = SentencePieceTokenizer(prefix + ".model")
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["eos_token_id"] == ours.eod
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    prompt = "def __init__(self, x): return quick"
+    assert hf_tok(prompt, add_special_tokens=False).input_ids == ours.tokenize(prompt)

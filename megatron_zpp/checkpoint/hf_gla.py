@@ -1,0 +1,217 @@
+"""HF export and import of the models Llama cannot hold (GLA, hybrid, LayerNorm, GeLU), as a
+transformers remote-code model: megatron_zpp/hf_remote/ (configuration + modeling file, plain
+PyTorch) copied next to model.safetensors, with config.json's auto_map naming them.
+
+    hf = remote_config(cfg, vocab, tokenizer)   # config.json (model_type megatron_zpp_gla)
+    to_remote_state(state, cfg)                 # our single-rank names -> the remote model's
+    from_remote_state(hf_state, cfg)            # and back (bitwise: splits and concatenations)
+    config_from_remote(hf)                      # our Config of such a config.json
+
+Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
+gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with its bias), g_norm
+(the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from .. import hf_remote
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+class RemoteConversionError(ValueError):
+    """A tensor or setting the conversion cannot map; the message names it."""
+
+
+def layer_types(cfg) -> list[str]:
+    m = cfg.model
+    return [LINEAR if m.layer_kind(i) == "gla" else FULL for i in range(m.num_layers)]
+
+
+def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
+    """config.json of the remote-code model of `cfg` (vocab: the padded vocabulary)."""
+    m = cfg.model
+    out = {
+        "architectures": [hf_remote.ARCHITECTURE],
+        "model_type": hf_remote.MODEL_TYPE,
+        "auto_map": dict(hf_remote.AUTO_MAP),
+        "vocab_size": vocab,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,
+        "layer_types": layer_types(cfg),
+        "normalization": m.normalization,
+        "norm_eps": m.norm_epsilon,
+        "activation": m.activation,
+        "rope_theta": m.rotary_base,
+        "max_position_embeddings": m.max_position_embeddings or m.seq_length,
+        "gla_gate_low_rank": m.gla_gate_low_rank,
+        "gla_gate_normalizer": m.gla_gate_normalizer,
+        "gla_chunk_size": m.gla_chunk_size,
+        "initializer_range": m.init_method_std,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    if tokenizer is not None:
+        if getattr(tokenizer, "bos", None) is not None:
+            out["bos_token_id"] = tokenizer.bos
+        out["eos_token_id"] = tokenizer.eod
+        if getattr(tokenizer, "pad", None) is not None:
+            out["pad_token_id"] = tokenizer.pad
+    return out
+
+
+def write_remote_code(output: str) -> None:
+    """Copy the configuration and modeling files next to the weights (auto_map names them)."""
+    for path in hf_remote.files():
+        shutil.copyfile(path, os.path.join(output, os.path.basename(path)))
+
+
+def write_tokenizer_config(output: str) -> None:
+    """Name the tokenizer class of the copied sentencepiece tokenizer.model, which transformers would
+    otherwise take from the model type (Llama's is; ours has none): Llama's sentencepiece tokenizer."""
+    with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer"}, f, indent=2)
+
+
+def _norm_pairs(ours: str, theirs: str, cfg) -> list[tuple[str, str]]:
+    pairs = [(ours + ".weight", theirs + ".weight")]
+    return pairs + ([(ours + ".bias", theirs + ".bias")] if cfg.model.normalization == "LayerNorm" else [])
+
+
+def _plain_pairs(cfg) -> list[tuple[str, str]]:
+    """(our name, remote name) of every tensor that is copied as it is."""
+    m = cfg.model
+    pairs = [("embedding.weight", "model.embed_tokens.weight"), *_norm_pairs("final_norm", "model.norm", cfg)]
+    if m.untie_embeddings_and_output_weights:
+        pairs.append(("output.weight", "lm_head.weight"))
+    for i in range(m.num_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        pairs += _norm_pairs(src + "norm1", dst + "input_layernorm", cfg)
+        pairs += _norm_pairs(src + "norm2", dst + "post_attention_layernorm", cfg)
+        pairs.append((src + "mlp.fc2.weight", dst + "mlp.down_proj.weight"))
+        if m.layer_kind(i) == "softmax":
+            pairs.append((src + "mixer.proj.weight", dst + "self_attn.o_proj.weight"))
+            continue
+        pairs += [(src + "mixer.proj_out.weight", dst + "attn.o_proj.weight")]
+        pairs += [(src + "mixer.head_norm", dst + "attn.g_norm.weight")]
+        if m.gla_gate_low_rank:
+            pairs += [
+                (src + "mixer.gate_down", dst + "attn.gk_down.weight"),
+                (src + "mixer.gate_up", dst + "attn.gk_up.weight"),
+                (src + "mixer.gate_bias", dst + "attn.gk_up.bias"),
+            ]
+    return pairs
+
+
+def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
+    """(our fused name, the remote names of its row blocks, their row counts) of every fused tensor."""
+    m = cfg.model
+    d, ffn, width = m.head_dim, m.ffn_size, m.num_attention_heads * m.head_dim
+    out = []
+    for i in range(m.num_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        mlp = ["gate_proj", "up_proj"] if m.activation == "swiglu" else ["up_proj"]
+        out.append((src + "mlp.fc1.weight", [f"{dst}mlp.{n}.weight" for n in mlp], [ffn] * len(mlp)))
+        if m.layer_kind(i) == "softmax":
+            qkv = [f"{dst}self_attn.{n}_proj.weight" for n in "qkv"]
+            out.append((src + "mixer.qkv.weight", qkv, [width, m.kv_heads * d, m.kv_heads * d]))
+        else:  # q | k | v | output gate (| decay gate at full rank): the sections of proj_in
+            names = ["q_proj", "k_proj", "v_proj", "g_proj"] + ([] if m.gla_gate_low_rank else ["gk_proj"])
+            out.append((src + "mixer.proj_in.weight", [f"{dst}attn.{n}.weight" for n in names], [width] * len(names)))
+    return out
+
+
+def to_remote_state(state: dict, cfg) -> dict[str, torch.Tensor]:
+    """Our single-rank names -> the remote model's (fused rows split); every tensor must be mapped."""
+    out = {theirs: state[ours] for ours, theirs in _plain_pairs(cfg)}
+    used = {ours for ours, _ in _plain_pairs(cfg)}
+    for ours, names, rows in _fused(cfg):
+        out.update(zip(names, state[ours].split(rows, dim=0)))
+        used.add(ours)
+    if left := sorted(set(state) - used):
+        raise RemoteConversionError(f"no HF name for {', '.join(left)}")
+    return {k: v.float().contiguous().clone() for k, v in out.items()}
+
+
+def from_remote_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """The remote model's names -> our single-rank names: the inverse of `to_remote_state`."""
+    try:
+        out = {ours: hf[theirs] for ours, theirs in _plain_pairs(cfg)}
+        used = {theirs for _, theirs in _plain_pairs(cfg)}
+        for ours, names, _ in _fused(cfg):
+            out[ours] = torch.cat([hf[n] for n in names])
+            used.update(names)
+    except KeyError as e:
+        raise RemoteConversionError(f"tensor {e} is missing") from None
+    if left := sorted(set(hf) - used):
+        raise RemoteConversionError(f"tensors this model does not have: {', '.join(left)}")
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def _hybrid_period(kinds: list[str]) -> tuple[str, int] | None:
+    """(--attention-type, --softmax-attention-every) giving these layer types, or None when none does."""
+    if all(k == FULL for k in kinds):
+        return "softmax", 0
+    for every in [0] + list(range(2, len(kinds) + 1)):
+        if all((k == FULL) == bool(every and (i + 1) % every == 0) for i, k in enumerate(kinds)):
+            return "gla", every
+    return None
+
+
+def config_from_remote(hf: dict):
+    """Our Config of the remote-code model a config.json describes; refuses what we cannot hold."""
+    try:
+        return _config_from_remote(hf)
+    except KeyError as e:
+        raise RemoteConversionError(f"config.json has no {e}") from None
+
+
+def _config_from_remote(hf: dict):
+    from ..config import Config
+
+    heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
+    period = _hybrid_period(kinds) if set(kinds) <= {LINEAR, FULL} else None
+    why = [
+        w
+        for w, bad in [
+            (
+                f"layer_types {kinds} is not GLA with softmax attention at every K-th layer (K-1, 2K-1, ...)",
+                period is None,
+            ),
+            (
+                f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
+                hf.get("head_dim", hidden // heads) != hidden // heads,
+            ),
+            (f"{hf['num_hidden_layers']} layers but {len(kinds)} layer_types", len(kinds) != hf["num_hidden_layers"]),
+        ]
+        if bad
+    ]
+    if why:
+        raise RemoteConversionError("; ".join(why))
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
+    m.num_query_groups = hf.get("num_key_value_heads", heads)
+    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
+    m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
+    m.attention_type, m.softmax_attention_every = period
+    m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
+    m.rotary_base = float(hf.get("rope_theta", 10000.0))
+    m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
+    m.gla_chunk_size = hf["gla_chunk_size"]
+    m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
+    m.init_method_std = hf.get("initializer_range", m.init_method_std)
+    return cfg

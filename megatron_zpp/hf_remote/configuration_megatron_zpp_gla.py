@@ -1,0 +1,82 @@
+"""Configuration of a megatron_zpp GLA / hybrid causal LM (transformers remote code).
+
+Written by megatron_zpp's tools/convert_checkpoint.py --to hf next to the weights; loaded with
+`AutoConfig.from_pretrained(dir, trust_remote_code=True)`. Self-contained: imports only transformers.
+
+layer_types holds one entry per layer: "linear_attention" (gated linear attention, GLA) or
+"full_attention" (causal softmax attention with RoPE and grouped-query heads); transformers'
+DynamicCache reads it to keep a recurrent state for the first kind and keys/values for the second.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class MegatronZppGLAConfig(PretrainedConfig):
+    model_type = "megatron_zpp_gla"
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        hidden_size: int = 128,
+        intermediate_size: int = 384,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        layer_types: list[str] | None = None,
+        normalization: str = "RMSNorm",
+        norm_eps: float = 1e-5,
+        activation: str = "swiglu",
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 256,
+        gla_gate_low_rank: int = 0,
+        gla_gate_normalizer: float = 16.0,
+        gla_chunk_size: int = 16,
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.layer_types = list(layer_types) if layer_types is not None else ["linear_attention"] * num_hidden_layers
+        self.normalization, self.norm_eps, self.activation = normalization, norm_eps, activation
+        self.rope_theta, self.max_position_embeddings = rope_theta, max_position_embeddings
+        self.gla_gate_low_rank, self.gla_gate_normalizer = gla_gate_low_rank, gla_gate_normalizer
+        self.gla_chunk_size, self.initializer_range, self.use_cache = gla_chunk_size, initializer_range, use_cache
+        self._check()
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def _check(self) -> None:
+        bad = [
+            why
+            for why, wrong in [
+                (
+                    f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+                    len(self.layer_types) != self.num_hidden_layers,
+                ),
+                (f"layer_types may hold only {LAYER_TYPES}", not set(self.layer_types) <= set(LAYER_TYPES)),
+                (
+                    f"normalization {self.normalization!r} is not RMSNorm or LayerNorm",
+                    self.normalization not in ("RMSNorm", "LayerNorm"),
+                ),
+                (f"activation {self.activation!r} is not swiglu or gelu", self.activation not in ("swiglu", "gelu")),
+                (
+                    "num_attention_heads is not a multiple of num_key_value_heads",
+                    self.num_attention_heads % self.num_key_value_heads != 0,
+                ),
+            ]
+            if wrong
+        ]
+        if bad:
+            raise ValueError("MegatronZppGLAConfig: " + "; ".join(bad))
+
+
+__all__ = ["MegatronZppGLAConfig"]
