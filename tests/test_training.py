@@ -38,7 +38,6 @@ def test_bf16_trains_with_fp32_masters():
 
 def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
     metrics = tmp_path / "m.jsonl"
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     argv = TINY + [
         "--train-iters",
@@ -53,6 +52,8 @@ def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
         str(tmp_path / "tb"),
         "--wandb-project",
         "zpp-test",
+        "--wandb-save-dir",  # not $WANDB_DIR: W&B reads that once per process, and other tests ran W&B before
+        str(tmp_path),
         "--eval-interval",
         "5",
         "--eval-iters",
