@@ -29,6 +29,7 @@ Not modelled: a full-recompute rerun's ZeRO-3 gathers are counted as backward ga
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -57,13 +58,14 @@ class Coll:
     nbytes: float  # the full buffer, as comm.model_bytes takes it
     kind: str  # overlap class: tp, cp_attn, cp_scan, pp, zero_gather, grad, param_gather, misc
     quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
+    ranks: tuple[int, ...] = field(default=(), compare=False)  # the group's global ranks (node sharing)
 
     def bytes(self) -> float:
         return comm.model_bytes(self.op, self.n, self.nbytes)
 
 
 def _coll(group: Group, phase: str, op: str, nbytes: float, kind: str, link: str | None = None, quant=0.0):
-    return Coll(group.role, phase, op, link or group.link, group.size, nbytes, kind, quant)
+    return Coll(group.role, phase, op, link or group.link, group.size, nbytes, kind, quant, group.ranks)
 
 
 @dataclass
@@ -137,17 +139,21 @@ def _act_bytes(cfg: Config) -> tuple[int, int]:
 
 def _tp_enter(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
     if sp:
-        return [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")] if fwd else [
-            _coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")
-        ]
+        return (
+            [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")]
+            if fwd
+            else [_coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")]
+        )
     return [] if fwd else [_coll(g.tp, "tp_bwd_allreduce", "all_reduce", nbytes, "tp")]
 
 
 def _tp_exit(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
     if sp:
-        return [_coll(g.tp, "sp_fwd_reducescatter", "reduce_scatter", nbytes, "tp")] if fwd else [
-            _coll(g.tp, "sp_bwd_allgather", "all_gather", nbytes, "tp")
-        ]
+        return (
+            [_coll(g.tp, "sp_fwd_reducescatter", "reduce_scatter", nbytes, "tp")]
+            if fwd
+            else [_coll(g.tp, "sp_bwd_allgather", "all_gather", nbytes, "tp")]
+        )
     return [_coll(g.tp, "tp_fwd_allreduce", "all_reduce", nbytes, "tp")] if fwd else []
 
 
@@ -173,7 +179,7 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
         elif not rerun:
             out += _scan_colls(cfg, g, fwd)
     if rerun:
-        out = [Coll(c.role, c.phase + ":recompute", c.op, c.link, c.n, c.nbytes, c.kind) for c in out]
+        out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
     return out
 
 
@@ -225,7 +231,11 @@ def _units(cfg: Config, chunks) -> list[UnitInfo]:
             numels = [q.numel() for q in params]
             _, padded, shard = flat_geometry(numels, n, pad_block(cfg.zero))
             partial = [bool(getattr(q, "tp_partial_grad", False)) for q in params]
-            out.append(UnitInfo(name, c, numels, padded, shard, module is not None, partial, name == "embedding" and chunk.tied))
+            out.append(
+                UnitInfo(
+                    name, c, numels, padded, shard, module is not None, partial, name == "embedding" and chunk.tied
+                )
+            )
     return out
 
 
@@ -249,9 +259,11 @@ class _ZeroState:
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
         group = self.g.dp_cp
         if self.hpz is not None and (backward or self.secondary[id(u)]):
-            return [(u.name, _coll(self.hpz, phase, "all_gather", u.padded * self.e, "zero_gather"))] if (
-                self.hpz.size > 1
-            ) else []
+            return (
+                [(u.name, _coll(self.hpz, phase, "all_gather", u.padded * self.e, "zero_gather"))]
+                if (self.hpz.size > 1)
+                else []
+            )
         if self.hpz is not None:
             self.secondary[id(u)] = True
         if group.size == 1:
@@ -358,9 +370,13 @@ def rank_step(cfg: Config, rank: int) -> RankStep:
         colls += [(None, c) for c in tp_cp]
         v = op.chunk * pp + g.pp_rank
         if pp > 1 and fwd and v < pp * V - 1:
-            colls.append((None, _coll(g.pp, "pp_fwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank + 1) % pp])))
+            colls.append(
+                (None, _coll(g.pp, "pp_fwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank + 1) % pp]))
+            )
         if pp > 1 and not fwd and v > 0:
-            colls.append((None, _coll(g.pp, "pp_bwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank - 1) % pp])))
+            colls.append(
+                (None, _coll(g.pp, "pp_bwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank - 1) % pp]))
+            )
         step.per_op.append((op, colls))
     step.step_end = _step_end(cfg, g, chunks, units)
     return step
@@ -379,7 +395,7 @@ def ddp_buckets(cfg: Config, chunks) -> list[int]:
 
 
 def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> list[Coll]:
-    z, p = cfg.zero, cfg.parallel
+    z = cfg.zero
     e = 2 if cfg.train.bf16 else 4
     out: list[Coll] = []
     if z.zero_stage == 0:

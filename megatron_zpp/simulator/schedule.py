@@ -92,20 +92,16 @@ def stage_ops(pp: int, pp_rank: int, chunks: int, m: int) -> StageSchedule:
     return StageSchedule(stage.ops, link.fwd_sends, link.bwd_sends)
 
 
-def pipeline_time(
-    schedules: list[StageSchedule], fwd: list[list[float]], bwd: list[list[float]], p2p: float = 0.0
-) -> tuple[float, list[float]]:
-    """(time until every stage is done, each stage's busy time). fwd[p][c] / bwd[p][c]: the
-    time of one forward / backward of chunk c on stage p (with what it exposes of its own
-    communication); p2p: time of one activation transfer between stages."""
+def pipeline_time(schedules: list[StageSchedule], run, p2p: float = 0.0) -> list[float]:
+    """Each stage's end time. run(stage, op, start) -> end: runs one forward/backward that may
+    start at `start` (its stage is free and its input has arrived); p2p: transfer time of an
+    activation or gradient between stages (added to each cross-stage dependency)."""
     pp = len(schedules)
     V = max(op.chunk for op in schedules[0].ops) + 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
-    clock = [0.0] * pp
-    index = [0] * pp
-    total_ops = sum(len(s.ops) for s in schedules)
-    finished = 0
-    while finished < total_ops:
+    clock, index = [0.0] * pp, [0] * pp
+    remaining = sum(len(s.ops) for s in schedules)
+    while remaining:
         progressed = False
         for p in range(pp):
             while index[p] < len(schedules[p].ops):
@@ -113,20 +109,22 @@ def pipeline_time(
                 v = op.chunk * pp + p
                 if op.kind == "F":
                     dep = ("F", v - 1, op.micro_batch) if v > 0 else None
-                    cost = fwd[p][op.chunk]
                 else:
                     dep = ("B", v + 1, op.micro_batch) if v < pp * V - 1 else ("F", v, op.micro_batch)
-                    cost = bwd[p][op.chunk]
                 if dep is not None and dep not in done:
                     break
                 ready = 0.0 if dep is None else done[dep] + (p2p if dep[1] != v else 0.0)
-                start = max(clock[p], ready)
-                clock[p] = start + cost
+                clock[p] = run(p, op, max(clock[p], ready))
                 done[(op.kind, v, op.micro_batch)] = clock[p]
                 index[p] += 1
-                finished += 1
+                remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked in the simulator")
-    busy = [sum(fwd[p][op.chunk] if op.kind == "F" else bwd[p][op.chunk] for op in s.ops) for p, s in enumerate(schedules)]
-    return max(clock), busy
+    return clock
+
+
+def uniform_pipeline(pp: int, chunks: int, m: int, fwd: float, bwd: float) -> float:
+    """Step time of uniform forwards/backwards (per chunk) with free p2p: the bubble's reference."""
+    schedules = [stage_ops(pp, p, chunks, m) for p in range(pp)]
+    return max(pipeline_time(schedules, lambda p, op, start: start + (fwd if op.kind == "F" else bwd)))
