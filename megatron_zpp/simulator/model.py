@@ -202,28 +202,33 @@ class _RankTimer:
         extra = (total_sync + scan_exposed) / max(len(layer_names), 1)
         t = start
         gather_done: dict[str, float] = {}
-        issue_at = start
-        for name in order:
+
+        def prefetch(name: str, at: float) -> None:
             for c in zero.get(name, []):
-                gather_done[name] = self._issue(issue_at, self._t(c))
+                gather_done[name] = self._issue(at, self._t(c))
+
+        if order:
+            prefetch(order[0], start)
+        for k, name in enumerate(order):
             ready = max(t, gather_done.get(name, t))
             self.exposed["zero-3 gathers"] += ready - t
+            if k + 1 < len(order):  # the next unit's gather is issued as this one starts computing
+                prefetch(order[k + 1], ready)
             cost = units.get(name, 0.0) * factor
             if op.kind == "B" and name in self.rerun[op.chunk]:
                 cost += units.get(name, 0.0)
             if name.startswith("layer"):
                 cost += extra
-            issue_at = ready  # the next unit's gather is prefetched as this one starts
             t = ready + cost
             self.compute += units.get(name, 0.0) * factor + (
                 units.get(name, 0.0) if op.kind == "B" and name in self.rerun[op.chunk] else 0.0
             )
-            for c in grads.get(name, []):
+            if grads.get(name):  # one unit's reduction (all its hops) is one of the engine's in flight
                 if len(self.inflight) >= MAX_IN_FLIGHT:  # the engine finishes the oldest first
                     oldest = self.inflight.pop(0)
                     self.exposed["gradient reduce"] += max(0.0, oldest - t)
                     t = max(t, oldest)
-                self.inflight.append(self._issue(t, self._t(c)))
+                self.inflight.append(self._issue(t, sum(self._t(c) for c in grads[name])))
         for c in tail:
             t_p2p = self._t(c)
             self.exposed["pp p2p"] += t_p2p
@@ -262,8 +267,11 @@ def simulate(cfg: Config, cl: Cluster) -> Breakdown:
     timed from representative ranks (TP 0, DP 0); the slowest sets the step."""
     topo = topology_from_config(cfg)
     pipelines: dict[int, list[int]] = defaultdict(list)
+    cp = topo.sizes["cp"]
+    edges = {0, 1, cp - 2, cp - 1}  # the chain's ends and one inner rank: the others repeat the inner one
     for r in representative_ranks(cfg):
-        pipelines[topo.coords(r)["cp"]].append(r)
+        if topo.coords(r)["cp"] in edges:
+            pipelines[topo.coords(r)["cp"]].append(r)
     best: Breakdown | None = None
     for members in pipelines.values():
         timers = [
