@@ -5,6 +5,7 @@ with the error. None of these runs is used by the calibration.
 
     python bench/simulator_validation.py            # 13 runs, ~10-15 min on 2 idle cores
     python bench/simulator_validation.py --quick    # 2 runs (smoke test)
+    python bench/simulator_validation.py --calibrate  # calibrate first, under the same cluster lock
 
 Runs: ZeRO-3 and ZeRO++ (qwZ + hpZ + qgZ) on two model sizes at 1 Gbit/s and 200 Mbit/s; qwZ,
 hpZ and qgZ alone; CP All-Scan vs all-gather (GLA layers, CP over all 4 ranks). The measured
@@ -26,10 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from calibrate_cluster import launch, wait_for_cluster  # noqa: E402
+from calibrate_cluster import calibrate, launch, wait_for_cluster  # noqa: E402
 
 from megatron_zpp.arguments import parse_args  # noqa: E402
 from megatron_zpp.simulator import preset, simulate  # noqa: E402
+from megatron_zpp.simulator.hardware import EMULATED_JSON  # noqa: E402
 from megatron_zpp.validation import validate  # noqa: E402
 
 WORLD = 4
@@ -97,12 +99,20 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster-json", default=None, help="the emulated preset (default: the checked-in one)")
     ap.add_argument("--wait-minutes", type=float, default=30.0)
     ap.add_argument("--json-out", default=None, help="also write the rows as JSONL (plots)")
+    ap.add_argument(
+        "--calibrate", action="store_true", help="first run tools/calibrate_cluster.py's measurements (same lock)"
+    )
     a = ap.parse_args(argv)
     runs = QUICK if a.quick else FULL
     cluster = wait_for_cluster(a.wait_minutes)
     rows, start = [], time.time()
     load = [os.getloadavg()[0]]
     try:
+        if a.calibrate:
+            out = a.cluster_json or os.path.normpath(EMULATED_JSON)
+            with open(out, "w") as fh:
+                json.dump(calibrate(cluster, "1gbit", WORLD), fh, indent=1)
+            print(f"calibrated: {out}", flush=True)
         for layout, size, rate in runs:
             measured = measure(cluster, layout, size, rate, a.iters)
             predicted = predict(layout, size, rate, a.cluster_json)

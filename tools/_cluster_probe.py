@@ -5,7 +5,8 @@ cluster's namespaces; writes rank 0's figures as JSON to argv[1]).
   shaped veth) at a small and a large message: alpha and bandwidth per link class;
 * compute: every rank at once runs forward + backward of the calibration models (what a
   training step's compute shares the cores with), model FLOP/s per rank (perf.py's count);
-* quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py).
+* quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py);
+* AdamW: seconds per parameter of an optimizer step (torch's AdamW on the model's parameters).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def link(peer: int) -> dict:
     }
 
 
-def compute(flags: list[str], reps: int = 3) -> dict:
+def compute(flags: list[str], reps: int = 5) -> dict:
     """Model FLOP/s of forward + backward of one micro-batch, all ranks at once."""
     cfg = parse_args(flags)
     m = cfg.model
@@ -75,7 +76,23 @@ def compute(flags: list[str], reps: int = 3) -> dict:
     dist.barrier()
     seconds = sorted(times)[len(times) // 2]
     flops = flops_per_token(m, m.vocab_size) * tokens.numel()
-    return {"flags": " ".join(flags), "seconds": seconds, "flops": flops, "layers": m.num_layers}
+    params = [q for q in model.parameters()]
+    adam = torch.optim.AdamW(params, lr=1e-4)
+    adam.step()  # creates its state
+    steps = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        adam.step()
+        steps.append(time.perf_counter() - start)
+    numel = sum(q.numel() for q in params)
+    optimizer = sorted(steps)[len(steps) // 2] / numel
+    return {
+        "flags": " ".join(flags),
+        "seconds": seconds,
+        "flops": flops,
+        "layers": m.num_layers,
+        "optimizer_s_per_param": optimizer,
+    }
 
 
 def quantizer() -> float:

@@ -144,7 +144,7 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
             "inter_node": {"alpha": m["inter_node"]["alpha"], "bandwidth": eff * shaped, "shared": "node"},
         },
         "quant_elems_per_s": m["quant_elems_per_s"],
-        "optimizer_s_per_param": 0.0,
+        "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in m["compute"]),
         "sub_node_tiers": [],
         "device": "cpu",
         "fixed_step_s": 0.0,
