@@ -51,8 +51,10 @@ def wait_for_cluster(minutes: float) -> Cluster:
         except SystemExit as e:
             if time.time() > deadline:
                 raise
-            print(f"[calibrate] {e}; retrying in 20 s", file=sys.stderr, flush=True)
-            time.sleep(20)
+            if not getattr(wait_for_cluster, "told", False):
+                print(f"[calibrate] {e}; waiting for it", file=sys.stderr, flush=True)
+                wait_for_cluster.told = True
+            time.sleep(1)
     cluster = Cluster(True, fd)
     if not cluster.netns:
         raise SystemExit(f"error: no emulated cluster here ({cluster.reason}); calibration needs it")
