@@ -1,0 +1,452 @@
+"""Every collective one rank issues in a training step, from a validated config.
+
+Enumerated the way the engines issue them (read alongside the code they mirror):
+
+* tensor_parallel/layers.py: per micro-batch and block, two column-parallel inputs (SP:
+  all-gather forward / reduce-scatter backward; else an all-reduce of the input gradient)
+  and two row-parallel outputs (SP: reduce-scatter / all-gather; else a forward
+  all-reduce); the embedding's output and the output layer's input likewise; the
+  vocab-parallel cross-entropy's two fp32 all-reduces (tensor_parallel/cross_entropy.py);
+* context_parallel/: softmax layers all-gather K|V and reduce-scatter their gradient;
+  GLA layers pass one fp32 state [b, heads, d, d] down the chain (all-scan, ring) or
+  all-gather every state (LASP-2), forward and backward;
+* pipeline_parallel/: the sends of the real schedule (schedule.stage_ops);
+* zero/: plain DP's fp32 gradient all-reduce; ZeRO units (the engine's own padding,
+  zero/sharded_params.flat_geometry) gathered and released by the hooks' rules (a block
+  before each forward and backward, the end units once until their gradient is reduced;
+  hpZ: the step's first gather from the primary, qwZ-quantized, every later one from the
+  secondary), gradients reduce-scattered flat or hop by hop (qgZ int4 wire bytes,
+  ops/quantize.wire_bytes), stages 1-2's parameter all-gather after the step;
+* optim/finalize.py, clipping.py and training/step.py: the SP norm-gradient and tied
+  embedding all-reduces, the fp64 grad-norm all-reduce, the loss report.
+
+Each collective's bytes are `comm.model_bytes` of its (op, group size, buffer) and its
+link is the ledger's (topology.Topology.link_class of the group, or of the pair for p2p),
+so the simulator and a --comm-report ledger agree exactly (tests/test_simulator.py).
+Not modelled: a full-recompute rerun's ZeRO-3 gathers are counted as backward gathers
+(the ledger may file some of them under "zero_bwd_allgather:recompute").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .. import comm
+from ..config import Config
+from ..memory import stage_model
+from ..ops.quantize import wire_bytes
+from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
+from ..zero.ddp_engine import default_bucket_numel
+from ..zero.grad_buffer import bucket_bounds
+from ..zero.sharded_params import flat_geometry, model_units, pad_block, shard_segments
+from .schedule import Op, StageSchedule, stage_ops
+
+QWZ_BITS, QGZ_BITS = 8, 4  # zero/gather.py, zero/zero_engine.py
+
+
+@dataclass(frozen=True)
+class Coll:
+    """One collective call: bytes() is what the ledger records for it."""
+
+    role: str
+    phase: str
+    op: str
+    link: str
+    n: int
+    nbytes: float  # the full buffer, as comm.model_bytes takes it
+    kind: str  # overlap class: tp, cp_attn, cp_scan, pp, zero_gather, grad, param_gather, misc
+    quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
+    ranks: tuple[int, ...] = field(default=(), compare=False)  # the group's global ranks (node sharing)
+
+    def bytes(self) -> float:
+        return comm.model_bytes(self.op, self.n, self.nbytes)
+
+
+def _coll(group: Group, phase: str, op: str, nbytes: float, kind: str, link: str | None = None, quant=0.0):
+    return Coll(group.role, phase, op, link or group.link, group.size, nbytes, kind, quant, group.ranks)
+
+
+@dataclass
+class UnitInfo:
+    name: str
+    chunk: int
+    numels: list[int]
+    padded: int
+    shard: int
+    is_block: bool
+    tp_partial: list[bool]
+    tied: bool
+
+
+@dataclass
+class RankStep:
+    """One rank's step: its schedule, the collectives of each forward/backward (in
+    issue order, each with the unit it belongs to for ZeRO) and those at the step's end."""
+
+    rank: int
+    pp_rank: int
+    schedule: StageSchedule
+    per_op: list[tuple[Op, list[tuple[str | None, Coll]]]] = field(default_factory=list)
+    step_end: list[Coll] = field(default_factory=list)
+    units: list[UnitInfo] = field(default_factory=list)
+
+    def all(self) -> list[Coll]:
+        return [c for _, cs in self.per_op for _, c in cs] + self.step_end
+
+
+# ---------------------------------------------------------------- groups of a rank
+
+
+def rank_groups(cfg: Config, rank: int) -> ProcessGroups:
+    """This rank's groups as topology.build_groups_from_config makes them, without processes:
+    the same kinds, members and link classes (Topology.link_class), no torch handles."""
+    z = cfg.zero
+    topo = topology_from_config(cfg)
+    tiers = zero_reduce_tiers(cfg, topo) if (z.zero_quantized_gradients or z.zero_hierarchy) else None
+    mine: dict[str, Group] = {}
+    for kind, groups in topo.all_group_kinds(tiers, z.zero_hpz_partition_size).items():
+        for members in groups:
+            if rank in members:
+                key = tuple(members)
+                peers = tuple(topo.link_class([rank, r]) for r in key)
+                mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key), peers)
+    return ProcessGroups(topo, rank, mine)
+
+
+_CHUNKS: dict[tuple[str, int], list] = {}
+
+
+def stage_chunks(cfg: Config, pp_rank: int) -> list:
+    """This stage's model chunks on the meta device (memory.stage_model), cached per config."""
+    key = (repr(cfg), pp_rank)
+    if key not in _CHUNKS:
+        if len(_CHUNKS) > 64:
+            _CHUNKS.clear()
+        _CHUNKS[key] = stage_model(cfg, pp_rank)
+    return _CHUNKS[key]
+
+
+# ---------------------------------------------------------------- per micro-batch
+
+
+def _act_bytes(cfg: Config) -> tuple[int, int]:
+    """(bytes per element of the training dtype, elements of one [b, s/cp, h] activation)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    return (2 if t.bf16 else 4), t.micro_batch_size * (m.seq_length // p.context_parallel_size) * m.hidden_size
+
+
+def _tp_enter(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
+    if sp:
+        return (
+            [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")]
+            if fwd
+            else [_coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")]
+        )
+    return [] if fwd else [_coll(g.tp, "tp_bwd_allreduce", "all_reduce", nbytes, "tp")]
+
+
+def _tp_exit(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
+    if sp:
+        return (
+            [_coll(g.tp, "sp_fwd_reducescatter", "reduce_scatter", nbytes, "tp")]
+            if fwd
+            else [_coll(g.tp, "sp_bwd_allgather", "all_gather", nbytes, "tp")]
+        )
+    return [_coll(g.tp, "tp_fwd_allreduce", "all_reduce", nbytes, "tp")] if fwd else []
+
+
+def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bool = False) -> list[Coll]:
+    """TP and CP collectives of one block's forward (fwd) or backward; `rerun`: the forward
+    collectives a full-recompute rerun repeats (TP, softmax K|V gather; not the GLA scan)."""
+    m, p = cfg.model, cfg.parallel
+    e, act = _act_bytes(cfg)
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    out: list[Coll] = []
+    if tp > 1:
+        for _ in range(2):  # mixer, then MLP: enter the TP region, leave it
+            out += _tp_enter(g, p.sequence_parallel, act * e, fwd) + _tp_exit(g, p.sequence_parallel, act * e, fwd)
+    if cp > 1:
+        b, s_cp = cfg.train.micro_batch_size, m.seq_length // cp
+        if m.layer_kind(layer) == "softmax":
+            kv = cp * b * (m.kv_heads // tp) * s_cp * 2 * m.head_dim * e
+            out.append(
+                _coll(g.cp, "cp_attn_fwd", "all_gather", kv, "cp_attn")
+                if fwd
+                else _coll(g.cp, "cp_attn_bwd", "reduce_scatter", kv, "cp_attn")
+            )
+        elif not rerun:
+            out += _scan_colls(cfg, g, fwd)
+    if rerun:
+        out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
+    return out
+
+
+def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool) -> list[Coll]:
+    """The GLA state scan of one layer (context_parallel/gla.py: fp32 state [b, H, K, V])."""
+    m, p = cfg.model, cfg.parallel
+    heads = m.num_attention_heads // p.tensor_model_parallel_size
+    state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
+    cp, algo = g.cp, p.cp_algo
+    if algo == "all-gather":  # LASP-2: the states (and their decays, forward) of every rank
+        gamma = cfg.train.micro_batch_size * heads * m.head_dim * 4
+        nbytes = cp.size * (state + gamma) if fwd else cp.size * state
+        return [_coll(cp, "cp_lasp2_fwd" if fwd else "cp_lasp2_bwd", "all_gather", nbytes, "cp_scan")]
+    dst = cp.rank + (1 if fwd else -1)
+    if not 0 <= dst < cp.size:
+        return []
+    name = "cp_allscan" if algo == "all-scan" else "cp_ring"
+    return [_coll(cp, f"{name}_{'fwd' if fwd else 'bwd'}", "send", state, "cp_scan", link=cp.peer_links[dst])]
+
+
+def _end_colls(cfg: Config, g: ProcessGroups, chunk, fwd: bool) -> list[Coll]:
+    """The embedding's output (first stage) and the output layer + cross-entropy (last)."""
+    p = cfg.parallel
+    if p.tensor_model_parallel_size == 1:
+        return []
+    e, act = _act_bytes(cfg)
+    sp, out = p.sequence_parallel, []
+    if chunk.pre_process:
+        out += _tp_exit(g, sp, act * e, fwd)
+    if chunk.post_process:
+        out += _tp_enter(g, sp, act * e, fwd)
+        if fwd:
+            rows = act // cfg.model.hidden_size
+            out += [
+                _coll(g.tp, "tp_fwd_ce", "all_reduce", rows * 4, "tp"),
+                _coll(g.tp, "tp_fwd_ce", "all_reduce", 2 * rows * 4, "tp"),
+            ]
+    return out
+
+
+# ---------------------------------------------------------------- ZeRO
+
+
+def _units(cfg: Config, chunks) -> list[UnitInfo]:
+    n = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
+    out = []
+    for c, chunk in enumerate(chunks):
+        for name, params, module in model_units(chunk):
+            numels = [q.numel() for q in params]
+            _, padded, shard = flat_geometry(numels, n, pad_block(cfg.zero))
+            partial = [bool(getattr(q, "tp_partial_grad", False)) for q in params]
+            out.append(
+                UnitInfo(
+                    name, c, numels, padded, shard, module is not None, partial, name == "embedding" and chunk.tied
+                )
+            )
+    return out
+
+
+class _ZeroState:
+    """Gathered / released state of each unit, by zero_engine.py's hook rules."""
+
+    def __init__(self, cfg: Config, g: ProcessGroups, units: list[UnitInfo]):
+        z = cfg.zero
+        self.cfg, self.g, self.units = cfg, g, units
+        self.e = 2 if cfg.train.bf16 else 4
+        self.per_step = z.zero_param_persistence == "step"
+        self.hpz = g.dp_hpz if z.zero_hpz_partition_size > 1 else None
+        self.qwz = z.zero_quantization_block_size if z.zero_quantized_weights else None
+        self.gathered = {id(u): False for u in units}
+        self.secondary = {id(u): False for u in units}
+
+    def gather(self, u: UnitInfo, backward: bool) -> list[tuple[str, Coll]]:
+        if self.gathered[id(u)]:
+            return []
+        self.gathered[id(u)] = True
+        phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
+        group = self.g.dp_cp
+        if self.hpz is not None and (backward or self.secondary[id(u)]):
+            return (
+                [(u.name, _coll(self.hpz, phase, "all_gather", u.padded * self.e, "zero_gather"))]
+                if (self.hpz.size > 1)
+                else []
+            )
+        if self.hpz is not None:
+            self.secondary[id(u)] = True
+        if group.size == 1:
+            return []
+        if self.qwz is None:
+            return [(u.name, _coll(group, phase, "all_gather", u.padded * self.e, "zero_gather"))]
+        wire = group.size * wire_bytes(u.shard, self.qwz, QWZ_BITS)
+        return [(u.name, _coll(group, phase, "all_gather", wire, "zero_gather", quant=u.padded + u.shard))]
+
+    def release(self, u: UnitInfo) -> None:
+        if not self.per_step:
+            self.gathered[id(u)] = False
+
+
+def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
+    """One unit's gradient reduction (zero/grad_reduce.py): flat, or hop by hop."""
+    z = cfg.zero
+    if z.zero_quantized_gradients or z.zero_hierarchy:
+        bits = QGZ_BITS if z.zero_quantized_gradients else None
+        block = z.zero_gradient_quantization_block_size
+        phase = "qgz_grad" if bits else "zero_grad_hierarchical"
+        out, numel = [], u.padded
+        for hop in g.dp_tier_hops():
+            if hop.size > 1:
+                nbytes = wire_bytes(numel, block, bits) if bits else 4 * numel
+                out.append(_coll(hop, phase, "all_to_all", nbytes, "grad", quant=2 * numel if bits else 0.0))
+            numel //= hop.size
+        return out
+    if g.dp_cp.size == 1:
+        return []
+    return [_coll(g.dp_cp, "zero_grad_reducescatter", "reduce_scatter", 4 * u.padded, "grad")]
+
+
+def _zero_forward(st: _ZeroState, chunk, units: list[UnitInfo]) -> list[tuple[str, Coll]]:
+    blocks = [u for u in units if u.is_block]
+    start = [u for u in units if u.name == "embedding"] if chunk.pre_process else []
+    end = [u for u in units if u.name in ("head", "embedding")] if chunk.post_process else []
+    out = []
+    for u in start:
+        out += st.gather(u, False)
+    for u in blocks:
+        out += st.gather(u, False)
+        st.release(u)  # after its forward
+    for u in end:
+        out += st.gather(u, False)
+    return out
+
+
+def _zero_backward(st: _ZeroState, cfg: Config, g: ProcessGroups, chunk, units) -> list[tuple[str, Coll]]:
+    blocks = [u for u in units if u.is_block]
+    start = [u for u in units if u.name == "embedding"] if chunk.pre_process else []
+    end = [u for u in units if u.name in ("head", "embedding")] if chunk.post_process else []
+    out = []
+    for u in start + [u for u in end if u not in start]:  # chunk_backward: 1F1B may have freed them
+        out += st.gather(u, True)
+    # gradients complete in backward order: the head, the blocks last to first, the embedding
+    order = [u for u in end if u.name == "head"] + list(reversed(blocks)) + [u for u in units if u.name == "embedding"]
+    for u in order:
+        if u.is_block:
+            out += st.gather(u, True)
+        out += [(u.name, c) for c in _reduction(cfg, g, u)]
+        st.release(u)
+    return out
+
+
+# ---------------------------------------------------------------- a rank's step
+
+
+def rank_step(cfg: Config, rank: int) -> RankStep:
+    p, z = cfg.parallel, cfg.zero
+    g = rank_groups(cfg, rank)
+    chunks = stage_chunks(cfg, g.pp_rank)
+    pp, V = p.pipeline_model_parallel_size, len(chunks)
+    m = cfg.num_micro_batches
+    sched = stage_ops(pp, g.pp_rank, V, m)
+    step = RankStep(rank, g.pp_rank, sched)
+    e, act = _act_bytes(cfg)
+    p2p_bytes = act * e // (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    units = _units(cfg, chunks) if z.zero_stage >= 1 else []
+    step.units = units
+    by_chunk = defaultdict(list)
+    for u in units:
+        by_chunk[u.chunk].append(u)
+    st = _ZeroState(cfg, g, units) if z.zero_stage == 3 else None
+    last_b = {c: max(i for i, op in enumerate(sched.ops) if op.kind == "B" and op.chunk == c) for c in range(V)}
+    for i, op in enumerate(sched.ops):
+        chunk, fwd = chunks[op.chunk], op.kind == "F"
+        layer_ids = [int(k) for k in chunk.layers.keys()]
+        colls: list[tuple[str | None, Coll]] = []
+        if st is not None and fwd:
+            colls += _zero_forward(st, chunk, by_chunk[op.chunk])
+        if st is not None and not fwd:
+            colls += _zero_backward(st, cfg, g, chunk, by_chunk[op.chunk])
+        elif z.zero_stage == 2 and not fwd:
+            colls += [(u.name, c) for u in reversed(by_chunk[op.chunk]) for c in _reduction(cfg, g, u)]
+        elif z.zero_stage == 1 and not fwd and z.overlap_grad_reduce and i == last_b[op.chunk]:
+            colls += [(u.name, c) for u in reversed(by_chunk[op.chunk]) for c in _reduction(cfg, g, u)]
+        tp_cp = _end_colls(cfg, g, chunk, fwd)
+        rerun = {layer_ids[j] for a, b, again in chunk.block_groups if again for j in range(a, b)}
+        for layer in layer_ids if fwd else reversed(layer_ids):
+            if not fwd and layer in rerun:
+                tp_cp += _block_colls(cfg, g, layer, True, rerun=True)
+            tp_cp += _block_colls(cfg, g, layer, fwd)
+        colls += [(None, c) for c in tp_cp]
+        v = op.chunk * pp + g.pp_rank
+        if pp > 1 and fwd and v < pp * V - 1:
+            colls.append(
+                (None, _coll(g.pp, "pp_fwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank + 1) % pp]))
+            )
+        if pp > 1 and not fwd and v > 0:
+            colls.append(
+                (None, _coll(g.pp, "pp_bwd_p2p", "send", p2p_bytes, "pp", link=g.pp.peer_links[(g.pp.rank - 1) % pp]))
+            )
+        step.per_op.append((op, colls))
+    step.step_end = _step_end(cfg, g, chunks, units)
+    return step
+
+
+def ddp_buckets(cfg: Config, chunks) -> list[int]:
+    """Elements of each plain-DP gradient bucket (zero/grad_buffer.py's layout)."""
+    z, n = cfg.zero, cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
+    overlap = z.overlap_grad_reduce and n > 1
+    bucket = (z.ddp_bucket_size or default_bucket_numel(n)) if overlap else None
+    sizes = []
+    for c in reversed(range(len(chunks))):
+        numels = [q.numel() for q in reversed([q for q in chunks[c].parameters() if q.requires_grad])]
+        sizes += [sum(numels[a:b]) for a, b in bucket_bounds(numels, bucket)]
+    return sizes
+
+
+def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> list[Coll]:
+    z = cfg.zero
+    e = 2 if cfg.train.bf16 else 4
+    out: list[Coll] = []
+    if z.zero_stage == 0:
+        if g.dp_cp.size > 1:
+            out += [_coll(g.dp_cp, "grad_allreduce", "all_reduce", 4 * n, "grad") for n in ddp_buckets(cfg, chunks)]
+        partial = sum(q.numel() for c in chunks for q in c.parameters() if getattr(q, "tp_partial_grad", False))
+        tied = [c.embedding.weight.numel() for c in chunks if hasattr(c, "embedding") and c.tied]
+    else:
+        if z.zero_stage == 1 and not z.overlap_grad_reduce:
+            for u in reversed(units):
+                out += _reduction(cfg, g, u)
+        lo_of = g.dp_cp.rank
+        partial = 0
+        for u in units:
+            offsets = [0]
+            for n in u.numels:
+                offsets.append(offsets[-1] + n)
+            lo = lo_of * u.shard
+            partial += sum(b - a for i, a, b, _ in shard_segments(offsets, lo, lo + u.shard) if u.tp_partial[i])
+        tied = [u.shard for u in units if u.tied]
+    if partial and g.tp.size > 1:
+        out.append(_coll(g.tp, "sp_norm_grad_allreduce", "all_reduce", 4 * partial, "misc"))
+    if "embedding" in g and g.embedding.size > 1:
+        out += [_coll(g.embedding, "embedding_grad_allreduce", "all_reduce", 4 * n, "misc") for n in tied]
+    for group in ([g.dp_cp] if z.zero_stage >= 1 else []) + [g.mp]:
+        if group.size > 1:
+            out.append(_coll(group, "grad_norm", "all_reduce", 8, "misc"))
+    if z.zero_stage in (1, 2) and g.dp_cp.size > 1:
+        out += [_coll(g.dp_cp, "zero_param_allgather", "all_gather", u.padded * e, "param_gather") for u in units]
+    if g.pp.size > 1:
+        out.append(_coll(g.pp, "loss_report", "broadcast", 4, "misc"))
+    if g.dp_cp.size > 1:
+        out.append(_coll(g.dp_cp, "loss_report", "all_reduce", 4, "misc"))
+    return out
+
+
+# ---------------------------------------------------------------- the ledger's view
+
+
+def ledger_rows(cfg: Config, ranks: list[int] | None = None) -> dict[tuple[str, str, str, str], float]:
+    """Mean bytes per rank per step by (role, phase, op, link), as comm.gather_report's
+    bytes_per_rank_per_step (mean over `ranks`: all of them by default)."""
+    ranks = list(range(cfg.parallel.world_size)) if ranks is None else ranks
+    out: dict[tuple[str, str, str, str], float] = defaultdict(float)
+    for r in ranks:
+        for c in rank_step(cfg, r).all():
+            out[(c.role, c.phase, c.op, c.link)] += c.bytes() / len(ranks)
+    return dict(out)
+
+
+def representative_ranks(cfg: Config) -> list[int]:
+    """One rank per (PP stage, CP rank) at TP rank 0 and DP rank 0: the others repeat them."""
+    topo = topology_from_config(cfg)
+    return sorted({topo.rank_of(pp=s, cp=c) for s in range(topo.sizes["pp"]) for c in range(topo.sizes["cp"])})

@@ -1,0 +1,316 @@
+"""Step time of a training step: compute, the collectives of collectives.py on the
+cluster's alpha-beta links, and an overlap model per schedule.
+
+Cost of one collective: steps x alpha + bytes / bandwidth (+ quantization work), with
+bytes = comm.model_bytes (the ledger's), steps the ring's message steps (n-1; 2(n-1) for
+all-reduce; 1 for a send), the link of its class (hardware.Cluster.link; a "node" link's
+bandwidth split over the node's ranks, which all send at once).
+
+Compute: perf.flops_per_token split per layer (the count with one layer less), divided by
+TP (and the tokens by CP), at the cluster's sustained rate; backward = 2 x forward, plus
+the forward again for fully recomputed layers.
+
+Overlap, per rank, with one compute stream and one communication stream:
+
+* TP collectives and the softmax K|V gather under CP are synchronous: fully exposed;
+* the GLA state scan runs while the layer computes its local output (context_parallel/
+  gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
+  chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
+  all-gather;
+* ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
+  one) and the unit waits for it; gradient reductions are queued on the communication
+  stream after their unit's backward, at most 2 in flight (zero_engine.MAX_IN_FLIGHT), and
+  drain at the step's end; ZeRO-1/2 and plain DP reduce during the last backward
+  (--overlap-grad-reduce) or after it; stages 1-2's parameter all-gather is exposed
+  unless --overlap-param-gather hides it behind the next forward;
+* pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
+  so the bubble comes out of the event times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from ..config import Config
+from ..context_parallel import auto_blocks
+from ..data.tokenizer import pad_vocab_size
+from ..perf import flops_per_token
+from ..topology import Group, topology_from_config
+from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks
+from .hardware import Cluster
+from .schedule import pipeline_time
+
+MAX_IN_FLIGHT = 2  # zero/zero_engine.py
+
+
+def _steps(op: str, n: int) -> int:
+    return {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
+
+
+RING_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def node_egress(c: Coll, ranks_per_node: int, gloo: bool) -> float:
+    """Bytes leaving one node for collective `c` when every group of its kind runs at once
+    (all ranks run the same program): a ring leaves each node once per group, so a node
+    carries (ranks per node / members per node) x the per-rank bytes; an all-to-all sends
+    every member's cross-node share; a p2p send leaves from every rank. gloo's SUM
+    reduce-scatter is an all-to-all (comm.py)."""
+    if c.op == "send":
+        return ranks_per_node * c.bytes()
+    k = max(Counter(r // ranks_per_node for r in c.ranks).values()) if c.ranks else 1
+    groups = ranks_per_node / k
+    if c.op == "all_to_all" or (gloo and c.op == "reduce_scatter"):
+        return groups * k * c.bytes() * (c.n - k) / max(c.n - 1, 1)
+    return groups * c.bytes()
+
+
+def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
+    if c.n <= 1:
+        return 0.0
+    link = cl.link(c.link)
+    if link.shared == "node":
+        wire = node_egress(c, ranks_per_node or cl.ranks_per_node, cl.device == "cpu") / link.bandwidth
+    else:
+        wire = c.bytes() / link.bandwidth
+    return _steps(c.op, c.n) * link.alpha + wire + c.quant_elems / cl.quant_elems_per_s
+
+
+def layer_flops(cfg: Config) -> tuple[list[float], float]:
+    """(model FLOPs per token of each layer, of the output layer), forward + backward."""
+    m = cfg.model
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    total = [flops_per_token(dataclasses.replace(m, num_layers=n), vocab) for n in range(m.num_layers + 1)]
+    return [b - a for a, b in zip(total, total[1:])], total[0]
+
+
+def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float:
+    """The GLA state scan's chain time for one layer, one direction."""
+    m, p = cfg.model, cfg.parallel
+    P = cp.size
+    if P <= 1:
+        return 0.0
+    heads = m.num_attention_heads // p.tensor_model_parallel_size
+    state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
+    link = cl.link(cp.link)
+    per_node = max(Counter(r // ranks_per_node for r in cp.ranks).values())
+    bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
+    if p.cp_algo == "all-gather":
+        gamma = cfg.train.micro_batch_size * heads * m.head_dim * 4
+        return (P - 1) * (link.alpha + (state + gamma) / bw)
+    if p.cp_algo == "ring":
+        return (P - 1) * (link.alpha + state / bw)
+
+    class _Dev:  # auto_blocks reads only the device type
+        type = cl.device
+
+    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, m.head_dim)
+    return (P - 2 + K) * (link.alpha + state / K / bw) if P > 2 else link.alpha + state / bw
+
+
+@dataclass
+class Breakdown:
+    step_time_s: float
+    compute_s: float
+    bubble_s: float
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    other_s: dict[str, float] = field(default_factory=dict)
+    bytes_per_rank: dict[str, float] = field(default_factory=dict)  # by link class, mean over the ranks timed
+
+
+class _RankTimer:
+    """One rank's compute and communication streams through its schedule."""
+
+    def __init__(self, cfg: Config, cl: Cluster, step: RankStep, cp: Group):
+        self.cfg, self.cl, self.step, self.cp = cfg, cl, step, cp
+        self.rpn = topology_from_config(cfg).ranks_per_node
+        self.comm_free = 0.0
+        self.inflight: list[float] = []  # end times of gradient reductions in flight
+        self.exposed: dict[str, float] = defaultdict(float)
+        self.compute = 0.0
+        chunks = stage_chunks(cfg, step.pp_rank)
+        per_layer, head = layer_flops(cfg)
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        tokens = t.micro_batch_size * m.seq_length / p.context_parallel_size
+        rate = cl.sustained_tflops * 1e12 * p.tensor_model_parallel_size / tokens  # tokens x FLOPs at TP-split rate
+        self.fwd_unit: list[dict[str, float]] = []  # per chunk: unit name -> forward seconds
+        self.rerun: list[set[str]] = []
+        for chunk in chunks:
+            ids = [int(k) for k in chunk.layers.keys()]
+            units = {f"layer{i}": per_layer[i] / 3 / rate + cl.per_layer_s / 3 for i in ids}
+            if chunk.post_process:
+                units["head"] = head / 3 / rate
+            self.fwd_unit.append(units)
+            again = {f"layer{ids[j]}" for a, b, r in chunk.block_groups if r for j in range(a, b)}
+            self.rerun.append(again)
+        heads_width = m.num_attention_heads * m.head_dim
+        self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
+
+    def _t(self, c: Coll) -> float:
+        return coll_time(c, self.cl, self.rpn)
+
+    # the communication stream
+    def _issue(self, start: float, cost: float) -> float:
+        begin = max(start, self.comm_free)
+        self.comm_free = begin + cost
+        return self.comm_free
+
+    def run(self, index: int, start: float) -> float:
+        op, colls = self.step.per_op[index]
+        cl = self.cl
+        units = self.fwd_unit[op.chunk]
+        zero: dict[str, list[Coll]] = defaultdict(list)
+        grads: dict[str, list[Coll]] = defaultdict(list)
+        tail: list[Coll] = []
+        layer_names = [n for n in units if n.startswith("layer")]
+        # attribute the unit-less collectives (TP/CP per layer, end units) in issue order
+        per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan")]
+        for u, c in colls:
+            if u is not None:
+                (grads if c.kind == "grad" else zero)[u].append(c)
+            elif c.kind == "pp":
+                tail.append(c)
+        total_sync = 0.0
+        scan_exposed = 0.0
+        for c in per_layer:
+            if c.kind == "cp_scan":
+                t_scan = scan_time(self.cfg, cl, self.cp, self.rpn) if c.op == "send" else self._t(c)
+                window = self.gla_core * (1 if op.kind == "F" else 2)
+                tokens = (
+                    self.cfg.train.micro_batch_size
+                    * self.cfg.model.seq_length
+                    / self.cfg.parallel.context_parallel_size
+                )
+                scan_exposed += max(0.0, t_scan - window * tokens)
+            else:
+                total_sync += self._t(c)
+        self.exposed["tp+cp (synchronous)"] += total_sync
+        self.exposed["cp state scan"] += scan_exposed
+        factor = 1.0 if op.kind == "F" else 2.0
+        order = list(units) if op.kind == "F" else list(reversed(list(units)))
+        if op.kind == "F" and "embedding" in zero:
+            order = ["embedding"] + order
+        elif op.kind == "B":
+            order = [u for u in order if u != "head"]
+            order = (
+                (["head"] if "head" in units else [])
+                + order
+                + (["embedding"] if "embedding" in zero or "embedding" in grads else [])
+            )
+        extra = (total_sync + scan_exposed) / max(len(layer_names), 1)
+        t = start
+        gather_done: dict[str, float] = {}
+
+        def prefetch(name: str, at: float) -> None:
+            for c in zero.get(name, []):
+                gather_done[name] = self._issue(at, self._t(c))
+
+        if order:
+            prefetch(order[0], start)
+        for k, name in enumerate(order):
+            ready = max(t, gather_done.get(name, t))
+            self.exposed["zero-3 gathers"] += ready - t
+            if k + 1 < len(order):  # the next unit's gather is issued as this one starts computing
+                prefetch(order[k + 1], ready)
+            cost = units.get(name, 0.0) * factor
+            if op.kind == "B" and name in self.rerun[op.chunk]:
+                cost += units.get(name, 0.0)
+            if name.startswith("layer"):
+                cost += extra
+            t = ready + cost
+            self.compute += units.get(name, 0.0) * factor + (
+                units.get(name, 0.0) if op.kind == "B" and name in self.rerun[op.chunk] else 0.0
+            )
+            if grads.get(name):  # one unit's reduction (all its hops) is one of the engine's in flight
+                if len(self.inflight) >= MAX_IN_FLIGHT:  # the engine finishes the oldest first
+                    oldest = self.inflight.pop(0)
+                    self.exposed["gradient reduce"] += max(0.0, oldest - t)
+                    t = max(t, oldest)
+                self.inflight.append(self._issue(t, sum(self._t(c) for c in grads[name])))
+        for c in tail:
+            t_p2p = self._t(c)
+            self.exposed["pp p2p"] += t_p2p
+            t += t_p2p
+        return t
+
+    def finish(self, t: float) -> tuple[float, dict[str, float]]:
+        """The step's end after the last backward at `t`: drain, finalize, optimizer, gathers."""
+        cfg, cl, other = self.cfg, self.cl, defaultdict(float)
+        drained = max([t, self.comm_free] + self.inflight)
+        other["gradient reduce (drain)"] += drained - t
+        t = drained
+        for c in self.step.step_end:
+            dt = self._t(c)
+            if c.kind == "grad":
+                other["gradient reduce (after backward)"] += dt
+            elif c.kind == "param_gather":
+                first_fwd = sum(self.fwd_unit[0].values())
+                dt = max(0.0, dt - first_fwd) if cfg.zero.overlap_param_gather else dt
+                other["parameter all-gather"] += dt
+            else:
+                other["small syncs"] += dt
+            t += dt
+        shard = (
+            sum(u.shard for u in self.step.units)
+            if self.step.units
+            else sum(q.numel() for c in stage_chunks(cfg, self.step.pp_rank) for q in c.parameters())
+        )
+        other["optimizer"] = shard * cl.optimizer_s_per_param
+        other["fixed overhead"] = cl.fixed_step_s
+        return t + other["optimizer"] + cl.fixed_step_s, dict(other)
+
+
+def simulate(cfg: Config, cl: Cluster) -> Breakdown:
+    """Step time of `cfg` (a validated config) on cluster `cl`: each CP rank's pipeline is
+    timed from representative ranks (TP 0, DP 0); the slowest sets the step."""
+    topo = topology_from_config(cfg)
+    pipelines: dict[int, list[int]] = defaultdict(list)
+    cp = topo.sizes["cp"]
+    edges = {0, 1, cp - 2, cp - 1}  # the chain's ends and one inner rank: the others repeat the inner one
+    for r in representative_ranks(cfg):
+        if topo.coords(r)["cp"] in edges:
+            pipelines[topo.coords(r)["cp"]].append(r)
+    best: Breakdown | None = None
+    for members in pipelines.values():
+        timers = [
+            _RankTimer(cfg, cl, rank_step(cfg, r), rank_groups(cfg, r).cp)
+            for r in sorted(members, key=lambda r: topo.coords(r)["pp"])
+        ]
+        index = [{op: i for i, (op, _) in enumerate(tm.step.per_op)} for tm in timers]
+        ends = pipeline_time(
+            [tm.step.schedule for tm in timers], lambda s, op, start: timers[s].run(index[s][op], start)
+        )
+        finished = [tm.finish(end) for tm, end in zip(timers, ends)]
+        slowest = max(range(len(timers)), key=lambda i: finished[i][0])
+        tm, (_, other) = timers[slowest], finished[slowest]
+        exposed = {k: v for k, v in tm.exposed.items() if v > 1e-12}
+        bubble = max(0.0, ends[slowest] - tm.compute - sum(exposed.values()))
+        bd = Breakdown(
+            max(f[0] for f in finished), tm.compute, bubble, exposed, {k: v for k, v in other.items() if v > 1e-12}
+        )
+        bd.bytes_per_rank = _bytes_by_link([tm.step for tm in timers])
+        if best is None or bd.step_time_s > best.step_time_s:
+            best = bd
+    return best
+
+
+def _bytes_by_link(steps: list[RankStep]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for st in steps:
+        for c in st.all():
+            out[c.link] += c.bytes() / len(steps)
+    return dict(out)
+
+
+def throughput(cfg: Config, bd: Breakdown) -> dict[str, float]:
+    """tokens/s and model TFLOP/s per rank of a simulated step."""
+    m, t = cfg.model, cfg.train
+    vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    tokens = t.global_batch_size * m.seq_length
+    flops = flops_per_token(m, vocab) * tokens
+    return {
+        "tokens_per_s": tokens / bd.step_time_s,
+        "tflops_per_gpu": flops / bd.step_time_s / cfg.parallel.world_size / 1e12,
+    }

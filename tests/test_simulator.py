@@ -1,0 +1,162 @@
+"""The step-time simulator (megatron_zpp/simulator/):
+
+* its per-step bytes per (role, phase, op, link) equal a real --comm-report ledger exactly,
+  for ZeRO++ (qwZ + hpZ + qgZ over 2 emulated nodes), ZeRO-3 with PP 1F1B and CP All-Scan,
+  and TP (sequence parallel) with PP: one 4-rank gloo spawn, one step each;
+* the pipeline timing of the real schedules gives 1F1B's bubble (p-1)/(m+p-1) exactly with
+  uniform forward/backward times, and the interleaved schedule a smaller one;
+* more inter-node bandwidth never makes a step slower;
+* qgZ's cross-node gradient bytes per node are 1/4 of a 16-bit gradient's (the paper's M/4),
+  plus its fp32 block scales;
+* the CLI prints a table and a JSONL row.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_zpp.arguments import parse_args
+from megatron_zpp.simulator import ledger_rows, preset, simulate
+from megatron_zpp.simulator.schedule import uniform_pipeline
+from megatron_zpp.validation import validate
+from tests.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = (
+    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
+    "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 2 "
+    "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --train-iters 1 --ranks-per-node 2 "
+    "--zero-quantization-block-size 64 --zero-gradient-quantization-block-size 64"
+).split()
+LAYOUTS = {
+    "zero++ (qwZ, hpZ, qgZ), 2 nodes": "--zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 2 "
+    "--zero-quantized-gradients",
+    "zero-3 + PP2 1F1B + CP2 all-scan": "--zero-stage 3 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
+    "--cp-algo all-scan",
+    "TP2 sequence parallel + PP2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+    "--sequence-parallel",
+}
+
+
+def _ledgers(rank, world_size, argvs):
+    from megatron_zpp import comm, training
+
+    out = []
+    for argv in argvs:
+        run = training.setup(validate(parse_args(argv), world_size))
+        training.train(run)  # train() resets the ledger first: the report holds this run only
+        out.append(comm.gather_report(world_size))
+    return out
+
+
+def test_bytes_equal_a_real_ledger():
+    argvs = [BASE + flags.split() for flags in LAYOUTS.values()]
+    reports = run_distributed(_ledgers, 4, argvs, timeout=600)[0]
+    for name, report, argv in zip(LAYOUTS, reports, argvs):
+        real = {(r["role"], r["phase"], r["op"], r["link"]): r["bytes_per_rank_per_step"] for r in report["records"]}
+        sim = ledger_rows(validate(parse_args(argv), 4))
+        assert set(sim) == set(real), (
+            f"{name}: simulator-only {set(sim) - set(real)}, ledger-only {set(real) - set(sim)}"
+        )
+        for key, value in real.items():
+            assert sim[key] == pytest.approx(value, rel=1e-12, abs=1e-9), f"{name} {key}"
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16)])
+def test_1f1b_bubble_and_interleaving(pp, m):
+    tf, tb = 1.0, 2.0
+    step = uniform_pipeline(pp, 1, m, tf, tb)
+    bubble = 1 - m * (tf + tb) / step
+    assert bubble == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
+    v = 2  # each chunk holds half the layers: half the time per chunk
+    inter = uniform_pipeline(pp, v, m, tf / v, tb / v)
+    assert inter < step
+    assert 1 - m * (tf + tb) / inter == pytest.approx((pp - 1) / (v * m + pp - 1), rel=1e-12)
+
+
+def _cfg(extra: str, world: int = 32, rpn: int = 8):
+    flags = (
+        "--mock-data --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
+        f"--vocab-size 32000 --global-batch-size {world * 2} --bf16 --ranks-per-node {rpn} "
+    ) + extra
+    return validate(parse_args(flags.split()), world)
+
+
+def test_more_bandwidth_is_never_slower():
+    for extra in (
+        "--zero-stage 3",
+        "--zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 8 --zero-quantized-gradients",
+        "--zero-stage 0",
+    ):
+        cfg = _cfg(extra)
+        times = [simulate(cfg, preset("v100-ib100").with_inter_node(g)).step_time_s for g in (25, 100, 400, 1600)]
+        assert all(a >= b for a, b in zip(times, times[1:])), (extra, times)
+        assert times[0] > times[-1]
+
+
+def test_qgz_cross_node_gradient_bytes_are_a_quarter_per_node():
+    """ZeRO-3's reduce-scatter sends (n-1)/n x 4P bytes per rank across nodes (fp32 gradients here);
+    qgZ sends (N-1)/N x (P/(2D) + scales) per rank: the node's D ranks together send
+    (N-1)/N x P/2, i.e. 1/4 of a 16-bit gradient's P x 2 bytes (the paper's M/4 for M = 2P)."""
+    z3 = ledger_rows(_cfg("--zero-stage 3"), [0])
+    zpp = ledger_rows(_cfg("--zero-stage 3 --zero-quantized-gradients"), [0])
+    grad_z3 = sum(v for k, v in z3.items() if k[1] == "zero_grad_reducescatter" and k[3] == "inter_node")
+    grad_qgz = sum(v for k, v in zpp.items() if k[1] == "qgz_grad" and k[3] == "inter_node")
+    n, nodes, D = 32, 4, 8
+    padded_elems = grad_z3 / ((n - 1) / n * 4)
+    fp16_per_node = (nodes - 1) / nodes * 2 * padded_elems  # a 16-bit gradient's cross-node share per node
+    block = _cfg("").zero.zero_gradient_quantization_block_size  # one fp32 scale per block: 8/block more than int4
+    assert D * grad_qgz / fp16_per_node == pytest.approx(0.25 * (1 + 8 / block), rel=1e-9)
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location(
+        "simulate_scaling", os.path.join(ROOT, "tools", "simulate_scaling.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_table_and_json(capsys):
+    flags = [
+        "--world-size",
+        "16",
+        "--system",
+        "a100",
+        "--mock-data",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "128",
+        "--global-batch-size",
+        "32",
+        "--zero-stage",
+        "3",
+    ]
+    cli = _cli()
+    assert cli.main(flags) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out and "TFLOP/s per GPU" in out and "inter_node" in out
+    assert cli.main(["--json", *flags]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert set(row) == {
+        "experiment",
+        "system",
+        "ranks",
+        "link_gbps",
+        "seq_length",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "source",
+    }
+    assert row["source"] == "simulated" and row["ranks"] == 16 and row["step_time_s"] > 0
+    assert cli.main([*flags, "--system", "nonesuch"]) == 2
+    assert "unknown cluster preset" in capsys.readouterr().err

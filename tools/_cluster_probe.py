@@ -1,0 +1,125 @@
+"""One rank of tools/calibrate_cluster.py's measurements (run by torchrun in the emulated
+cluster's namespaces; writes rank 0's figures as JSON to argv[1]).
+
+* p2p ping-pong rank 0 <-> 1 (same namespace: loopback) and rank 0 <-> P/2 (across the
+  shaped veth) at a small and a large message: alpha and bandwidth per link class;
+* compute: every rank at once runs forward + backward of the calibration models (what a
+  training step's compute shares the cores with), model FLOP/s per rank (perf.py's count);
+* quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py);
+* AdamW: seconds per parameter of an optimizer step (torch's AdamW on the model's parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_zpp.arguments import parse_args  # noqa: E402
+from megatron_zpp.model import GPT  # noqa: E402
+from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire  # noqa: E402
+from megatron_zpp.perf import flops_per_token  # noqa: E402
+
+SMALL, LARGE = 1024, 4 << 20
+
+
+def ping_pong(peer: int, nbytes: int, reps: int) -> float:
+    """Seconds of one one-way message of `nbytes` between rank 0 and `peer` (half a round trip)."""
+    rank = dist.get_rank()
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+    dist.barrier()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        elif rank == peer:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        best = min(best, (time.perf_counter() - start) / 2)
+    dist.barrier()
+    return best
+
+
+def link(peer: int) -> dict:
+    t_small, t_large = ping_pong(peer, SMALL, 20), ping_pong(peer, LARGE, 4)
+    bandwidth = (LARGE - SMALL) / max(t_large - t_small, 1e-9)
+    return {
+        "alpha": max(t_small - SMALL / bandwidth, 1e-6),
+        "bandwidth": bandwidth,
+        "small_s": t_small,
+        "large_s": t_large,
+    }
+
+
+def compute(flags: list[str], reps: int = 5) -> dict:
+    """Model FLOP/s of forward + backward of one micro-batch, all ranks at once."""
+    cfg = parse_args(flags)
+    m = cfg.model
+    torch.manual_seed(0)
+    model = GPT(m, m.vocab_size)
+    tokens = torch.randint(0, m.vocab_size, (cfg.train.micro_batch_size, m.seq_length))
+    model(tokens=tokens, labels=tokens).mean().backward()  # warm up
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        model(tokens=tokens, labels=tokens).mean().backward()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    seconds = sorted(times)[len(times) // 2]
+    flops = flops_per_token(m, m.vocab_size) * tokens.numel()
+    params = [q for q in model.parameters()]
+    adam = torch.optim.AdamW(params, lr=1e-4)
+    adam.step()  # creates its state
+    steps = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        adam.step()
+        steps.append(time.perf_counter() - start)
+    numel = sum(q.numel() for q in params)
+    optimizer = sorted(steps)[len(steps) // 2] / numel
+    return {
+        "flags": " ".join(flags),
+        "seconds": seconds,
+        "flops": flops,
+        "layers": m.num_layers,
+        "optimizer_s_per_param": optimizer,
+    }
+
+
+def quantizer() -> float:
+    x = torch.randn(1 << 22)
+    out = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        wire = quantize_wire(x.view(1, -1), 2048, 8)
+        dequantize_wire(wire, x.numel(), 2048, 8, out=out.view(1, -1))
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.numel() / best
+
+
+def main() -> None:
+    out, models = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    result = {"intra_node": link(1), "inter_node": link(world // 2)}
+    result["compute"] = [compute(f.split()) for f in models]
+    result["quant_elems_per_s"] = quantizer()
+    if dist.get_rank() == 0:
+        with open(out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Predict the step time of a pretrain_gpt.py configuration on a cluster: the same flags as
+pretrain_gpt.py, plus
+
+    --world-size N          ranks (default: $WORLD_SIZE or 1)
+    --system NAME           cluster preset: v100-ib100, v100-ib400, v100-ib800, frontier, a100,
+                            h100, h200, emulated (bench/results/emulated_cluster.json, written
+                            by tools/calibrate_cluster.py)    [default: h100]
+    --system-file PATH      the JSON of an emulated preset other than the checked-in one
+    --link-gbps G           override the inter-node bandwidth per node (Gbit/s)
+    --json                  print one JSONL row (plots, tools/plot_scaling.py) instead of the table
+    --experiment NAME       the row's "experiment" key [default: simulate]
+
+    python tools/simulate_scaling.py --system v100-ib100 --world-size 64 --mock-data --num-layers 40 \\
+        --hidden-size 6144 --num-attention-heads 48 --seq-length 512 --global-batch-size 128 \\
+        --zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 16 --zero-quantized-gradients \\
+        --ranks-per-node 16 --bf16
+
+Prints the step time and its parts (compute, exposed communication by kind, pipeline
+bubble, step-end work), tokens/s and model TFLOP/s per GPU, and the bytes per rank per link
+class (the ledger's byte model: what --comm-report would record). megatron_zpp/simulator/
+model.py states the overlap model. --ranks-per-node defaults to the preset's node size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_zpp.arguments import parse_args  # noqa: E402
+from megatron_zpp.config import ConfigError  # noqa: E402
+from megatron_zpp.simulator import preset, simulate, throughput  # noqa: E402
+from megatron_zpp.validation import validate  # noqa: E402
+
+
+def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    ap.add_argument("--system", default="h100")
+    ap.add_argument("--system-file", default=None)
+    ap.add_argument("--link-gbps", type=float, default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--experiment", default="simulate")
+    return ap.parse_known_args(argv)
+
+
+def row(ours, cfg, cluster, bd) -> dict:
+    tp = throughput(cfg, bd)
+    inter = cluster.link("inter_node")
+    return {
+        "experiment": ours.experiment,
+        "system": cluster.name,
+        "ranks": cfg.parallel.world_size,
+        "link_gbps": inter.bandwidth * 8 / 1e9,
+        "seq_length": cfg.model.seq_length,
+        "step_time_s": bd.step_time_s,
+        "tokens_per_s": tp["tokens_per_s"],
+        "tflops_per_gpu": tp["tflops_per_gpu"],
+        "source": "simulated",
+    }
+
+
+def report(cfg, cluster, bd) -> str:
+    tp = throughput(cfg, bd)
+    p, z = cfg.parallel, cfg.zero
+    lines = [
+        f"system {cluster.name}: {cluster.ranks_per_node} ranks per node, {cluster.sustained_tflops:.1f} TFLOP/s "
+        "sustained per rank; links "
+        + ", ".join(
+            f"{k} {v.bandwidth * 8 / 1e9:.3g} Gbit/s per {v.shared}, alpha {v.alpha * 1e6:.3g} us"
+            for k, v in cluster.links.items()
+        ),
+        f"layout: world {p.world_size} = TP {p.tensor_model_parallel_size} x CP {p.context_parallel_size} x "
+        f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size}, ZeRO-{z.zero_stage}"
+        + (" qwZ" if z.zero_quantized_weights else "")
+        + (f" hpZ{z.zero_hpz_partition_size}" if z.zero_hpz_partition_size > 1 else "")
+        + (" qgZ" if z.zero_quantized_gradients else "")
+        + f", {cfg.num_micro_batches} micro-batches per step",
+        f"{'step time':<36} {bd.step_time_s * 1e3:12.3f} ms",
+        f"{'  compute':<36} {bd.compute_s * 1e3:12.3f} ms",
+    ]
+    for k, v in bd.exposed_s.items():
+        lines.append(f"{'  exposed ' + k:<36} {v * 1e3:12.3f} ms")
+    if bd.bubble_s:
+        lines.append(f"{'  pipeline bubble':<36} {bd.bubble_s * 1e3:12.3f} ms")
+    for k, v in bd.other_s.items():
+        lines.append(f"{'  step end: ' + k:<36} {v * 1e3:12.3f} ms")
+    lines += [
+        f"{'tokens/s':<36} {tp['tokens_per_s']:12.1f}",
+        f"{'model TFLOP/s per GPU':<36} {tp['tflops_per_gpu']:12.2f}",
+        "bytes per rank per step by link: "
+        + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(bd.bytes_per_rank.items())),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
+        print(__doc__)
+    ours, rest = tool_args(argv)
+    try:
+        cluster = preset(ours.system, ours.system_file)
+        if ours.link_gbps:
+            cluster = cluster.with_inter_node(ours.link_gbps)
+        if "--ranks-per-node" not in rest:
+            rest += ["--ranks-per-node", str(min(cluster.ranks_per_node, ours.world_size))]
+        cfg = validate(parse_args(rest), ours.world_size)
+        bd = simulate(cfg, cluster)
+    except (ConfigError, KeyError, FileNotFoundError, ValueError) as e:
+        print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
+        return 2
+    print(json.dumps(row(ours, cfg, cluster, bd)) if ours.json else report(cfg, cluster, bd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
