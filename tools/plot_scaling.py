@@ -74,9 +74,10 @@ def label_of(key: tuple) -> str:
     return f"{system}{extra} ({source})"
 
 
-def plot_scaling(rows, x: str | None = None, y: str = "tokens_per_s", log_x: bool | None = None, title: str = ""):
+def plot_scaling(rows, x=None, y="tokens_per_s", log_x: bool | None = None, title: str = ""):
     """The Figure: one subplot per experiment (order of first appearance). Each series is one
-    Line2D with gid "<source>:<system>" and label_of() as its label. x None: pick_x per experiment;
+    Line2D with gid "<source>:<system>" and label_of() as its label. x: a key of X_KEYS, or
+    {experiment: key}, None (or missing): pick_x per experiment; y: a row key, or {experiment: key};
     log_x None: logarithmic for link rates and ranks."""
     import matplotlib
 
@@ -93,19 +94,20 @@ def plot_scaling(rows, x: str | None = None, y: str = "tokens_per_s", log_x: boo
     for i, exp in enumerate(experiments):
         ax = fig.add_subplot(1, len(experiments), i + 1)
         mine = [r for r in rows if r["experiment"] == exp]
-        xk = x or pick_x(mine)
-        groups = series_of(mine, xk, y)
+        xk = (x.get(exp) if isinstance(x, dict) else x) or pick_x(mine)
+        yk = y.get(exp, "tokens_per_s") if isinstance(y, dict) else y
+        groups = series_of(mine, xk, yk)
         for key, pts in groups.items():
             system, source, _ = key
             style = {"color": colors[systems.index(system) % len(colors)], **STYLE[source]}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label_of(key), gid=f"{source}:{system}", **style)
         if not groups:
-            ax.text(0.5, 0.5, f"no {y}", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"no {yk}", ha="center", va="center", transform=ax.transAxes)
         if log_x if log_x is not None else xk in ("link_gbps", "ranks"):
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.set_xlabel(X_LABELS[xk])
-        ax.set_ylabel(Y_KEYS.get(y, y))
+        ax.set_ylabel(Y_KEYS.get(yk, yk))
         ax.set_title(exp)
         ax.grid(alpha=0.3)
         if groups:
