@@ -70,6 +70,7 @@ def gbps(rate: str) -> float | None:
 def add_common_args(p: argparse.ArgumentParser, out_name: str) -> None:
     g = p.add_argument_group("sweep")
     g.add_argument("--steps", type=int, default=3, help="timed steps per setting (default 3)")
+    g.add_argument("--repeats", type=int, default=1, help="rounds over all settings, order reversed every other")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each launch (default 2)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="training dtype (default fp32: see docs)")
     g.add_argument("--out", default=os.path.join(RESULTS, out_name), help="JSONL of the rows (the PNG beside it)")
@@ -131,6 +132,29 @@ def cross_node(report: dict | None, ranks: int) -> dict:
     return {"cross_node_mb_per_rank": inter / 1e6, "cp_mb_per_rank": cp / 1e6}
 
 
+def combine(rounds: list[list[dict]]) -> list[dict]:
+    """One row per setting from several rounds: the median over the rounds of each round's median
+    (a failed round is dropped; all failed: its failed row), each round's step time and their spread."""
+    key = lambda r: (r["experiment"], r["system"], r["ranks"], r.get("rate"), r["seq_length"])  # noqa: E731
+    groups: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault(key(r), []).append(r)
+    out = []
+    for rs in groups.values():
+        ok = [r for r in rs if r["step_time_s"]]
+        if not ok:
+            out.append(rs[0])
+            continue
+        t = statistics.median(r["step_time_s"] for r in ok)
+        row = dict(ok[0], step_time_s=t, rounds=len(ok), round_step_time_s=[r["step_time_s"] for r in ok])
+        for k in ("tokens_per_s", "tflops_per_gpu", "load"):
+            row[k] = statistics.median(r[k] for r in ok)
+        row["round_spread"] = (max(row["round_step_time_s"]) - min(row["round_step_time_s"])) / t
+        out.append(row)
+    return out
+
+
 def write_rows(path: str, rows: list[dict], append: bool) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a" if append else "w") as f:
@@ -188,8 +212,9 @@ class Sweep:
         self.first_row = False
         return rows
 
-    def run_concurrent(self, job: Job, flags: list[str], copies: int) -> dict:
-        """`copies` independent single-rank runs of `job` at once (the nodes alternating): what
+    def run_concurrent(self, job: Job, flags: list[str], copies: int, per_node: int) -> dict:
+        """`copies` independent single-rank runs of `job` at once (the nodes alternating), each at the
+        threads of a rank of a `per_node`-rank node (pretrain_gpt.py: cores / LOCAL_WORLD_SIZE): what
         the CPU sharing alone costs. A row with their summed tokens/s and median step time."""
         from bench.cluster import _kill
 
@@ -202,7 +227,8 @@ class Sweep:
             os.makedirs(out)
             outs.append(out)
             args = [*flags, *job.flags, "--train-iters", str(iters), "--metrics-file", os.path.join(out, "m.jsonl")]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning"}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOCAL_WORLD_SIZE": str(per_node),
+                   "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
             log_f = open(os.path.join(out, "node0.log"), "w")
             cmd = self.cluster.prefix(i % 2) + [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -221,6 +247,17 @@ class Sweep:
         row["step_time_s"] = statistics.median(r["step_time_s"] for r in rows)
         log(f"  {row['step_time_s']:.3f} s/step each, {row['tokens_per_s']:.0f} tok/s together")
         return row
+
+    def run_jobs(self, jobs: list[tuple[Job, list[str]]]) -> list[dict]:
+        """Every (job, flags) for --repeats rounds, the order reversed every other round (a drift of the
+        machine's load hits every setting alike); the combined rows replace the progress rows in --out."""
+        rounds = []
+        for k in range(self.a.repeats):
+            order = jobs if k % 2 == 0 else jobs[::-1]
+            rounds.append([row for job, flags in order for row in self.run(job, flags)])
+        rows = combine(rounds)
+        write_rows(self.a.out, rows, append=False)
+        return rows
 
     def _failed_row(self, job: Job, rate: str, error: str) -> dict:
         return {"experiment": job.experiment, "system": job.system, "ranks": job.ranks, "link_gbps": gbps(rate),

@@ -45,13 +45,15 @@ def main(argv=None) -> int:
     sweep = _sweep.Sweep(a)
     rows = []
     try:
+        jobs = []
         for P in a.ps:
             for seq in a.seq_lengths:
                 flags = _sweep.model_flags(a, seq, micro_batch=1, dp=1)
                 flags += f"--attention-type gla --gla-chunk-size 64 --context-parallel-size {P}".split()
                 for name in a.algos:
                     job = _sweep.Job(EXPERIMENT, name, ["--cp-algo", ALGOS[name]], P, P // 2, [a.rate], seq)
-                    rows += sweep.run(job, flags)
+                    jobs.append((job, flags))
+        rows = sweep.run_jobs(jobs)
     finally:
         sweep.close()
     t = {(r["system"], r["ranks"], r["seq_length"]): r for r in rows if r["step_time_s"]}

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     rows = []
     try:
         flags = _sweep.model_flags(a, a.seq_length, micro_batch=1, dp=8)
-        for name in a.systems:
-            rows += sweep.run(_sweep.Job(EXPERIMENT, name, SYSTEMS[name].split(), 8, 4, a.rates, a.seq_length), flags)
+        jobs = [(_sweep.Job(EXPERIMENT, n, SYSTEMS[n].split(), 8, 4, a.rates, a.seq_length), flags) for n in a.systems]
+        rows = sweep.run_jobs(jobs)
     finally:
         sweep.close()
     print(f"\n{'system':<16}" + "".join(f"{r:>10}" for r in a.rates) + "   (tokens/s; cross-node MB/rank/step)")

@@ -6,8 +6,10 @@ of one rank). The Frontier follow-up reports 0.94 to 384 GCDs for a 20B GPT (arX
 
 The 2 shared cores cap this: N ranks at one thread each get min(N, 2) cores, so the raw
 efficiency at 4 ranks is at most 0.5 whatever the communication. The script therefore also
-runs N independent single-rank trainings at once (no communication, the same CPU sharing)
-and reports efficiency net of the CPU sharing: tokens/s(N) / their summed tokens/s.
+runs N independent single-rank trainings at once (no communication, the same CPU sharing, each
+at the threads of one rank of the N-rank layout: pretrain_gpt.py gives a rank cores / ranks per
+node) and reports efficiency net of the CPU sharing: tokens/s(N) / their summed tokens/s. The
+1-rank reference runs alone on the machine's 2 cores.
 
     sudo .venv/bin/python examples/reproduce/weak_scaling.py                  (~7 min here)
     sudo .venv/bin/python examples/reproduce/weak_scaling.py --rate 250mbit --ranks 1 2 4 8
@@ -56,18 +58,19 @@ def main(argv=None) -> int:
     rows, shared = [], {}
     try:
         one = _sweep.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
-        rows += sweep.run(one, _sweep.model_flags(a, a.seq_length, 1, 1))
+        jobs = [(one, _sweep.model_flags(a, a.seq_length, 1, 1))]
         for n in [n for n in a.ranks if n > 1]:
             per_node = max(1, n // 2)
-            flags = _sweep.model_flags(a, a.seq_length, 1, n)
             for name in a.systems:
                 job = _sweep.Job(EXPERIMENT, name, system_flags(name, per_node).split(), n, per_node, [a.rate],
                                  a.seq_length)  # fmt: skip
-                rows += sweep.run(job, flags)
+                jobs.append((job, _sweep.model_flags(a, a.seq_length, 1, n)))
+        rows = sweep.run_jobs(jobs)
+        for n in [n for n in a.ranks if n > 1]:
             alone = _sweep.Job(
                 EXPERIMENT, f"{n} independent ranks", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length
             )
-            shared[n] = sweep.run_concurrent(alone, _sweep.model_flags(a, a.seq_length, 1, 1), n)
+            shared[n] = sweep.run_concurrent(alone, _sweep.model_flags(a, a.seq_length, 1, 1), n, max(1, n // 2))
             shared[n].update(ranks=n, system=f"{n} independent single-rank runs")
     finally:
         sweep.close()

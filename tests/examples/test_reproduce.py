@@ -61,3 +61,16 @@ def test_crossing():
     assert zeropp.crossing(rows, 200) == pytest.approx(math.sqrt(0.25 * 0.5), rel=1e-12)
     assert zeropp.crossing(rows, 40) == 0.125  # reached at the lowest rate tried
     assert zeropp.crossing(rows, 500) is None
+
+
+def test_combine_rounds():
+    def row(system, t, load):
+        return {"experiment": "e", "system": system, "ranks": 4, "rate": "1gbit", "seq_length": 64,
+                "step_time_s": t, "tokens_per_s": 256 / t if t else None, "tflops_per_gpu": 1 / t if t else None,
+                "load": load}  # fmt: skip
+
+    rounds = [[row("a", 2.0, 1), row("b", None, 1)], [row("b", None, 2), row("a", 4.0, 3)], [row("a", 3.0, 2)]]
+    a, b = sweep.combine(rounds)
+    assert a["step_time_s"] == 3.0 and a["round_step_time_s"] == [2.0, 4.0, 3.0] and a["rounds"] == 3
+    assert a["tokens_per_s"] == 256 / 3.0 and a["load"] == 2 and a["round_spread"] == pytest.approx(2 / 3)
+    assert b["step_time_s"] is None and b["system"] == "b"  # every round failed: the failed row
