@@ -212,10 +212,10 @@ class Sweep:
         self.first_row = False
         return rows
 
-    def run_concurrent(self, job: Job, flags: list[str], copies: int, per_node: int) -> dict:
-        """`copies` independent single-rank runs of `job` at once (the nodes alternating), each at the
-        threads of a rank of a `per_node`-rank node (pretrain_gpt.py: cores / LOCAL_WORLD_SIZE): what
-        the CPU sharing alone costs. A row with their summed tokens/s and median step time."""
+    def run_concurrent(self, job: Job, flags: list[str], copies: int) -> dict:
+        """`copies` independent single-rank runs of `job` at once (the nodes alternating), each at one
+        thread (LOCAL_WORLD_SIZE = the core count: pretrain_gpt.py gives a rank cores / LOCAL_WORLD_SIZE
+        threads): what the CPU sharing alone costs. A row with their summed tokens/s and median step time."""
         from bench.cluster import _kill
 
         assert len(job.rates) == 1 and job.ranks == 1
@@ -227,8 +227,8 @@ class Sweep:
             os.makedirs(out)
             outs.append(out)
             args = [*flags, *job.flags, "--train-iters", str(iters), "--metrics-file", os.path.join(out, "m.jsonl")]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "LOCAL_WORLD_SIZE": str(per_node),
-                   "PYTHONWARNINGS": "ignore::FutureWarning"}  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning",
+                   "LOCAL_WORLD_SIZE": str(os.cpu_count() or 1)}  # fmt: skip
             log_f = open(os.path.join(out, "node0.log"), "w")
             cmd = self.cluster.prefix(i % 2) + [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, cwd=ROOT,

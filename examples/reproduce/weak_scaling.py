@@ -6,10 +6,11 @@ of one rank). The Frontier follow-up reports 0.94 to 384 GCDs for a 20B GPT (arX
 
 The 2 shared cores cap this: N ranks at one thread each get min(N, 2) cores, so the raw
 efficiency at 4 ranks is at most 0.5 whatever the communication. The script therefore also
-runs N independent single-rank trainings at once (no communication, the same CPU sharing, each
-at the threads of one rank of the N-rank layout: pretrain_gpt.py gives a rank cores / ranks per
-node) and reports efficiency net of the CPU sharing: tokens/s(N) / their summed tokens/s. The
-1-rank reference runs alone on the machine's 2 cores.
+runs N independent single-rank trainings at once (no communication, the same CPU sharing) and
+reports efficiency net of the CPU sharing: tokens/s(N) / their summed tokens/s. The reference
+rank and the independent ones run at one thread each (one core per rank while N <= 2); the ranks
+of a training run get pretrain_gpt.py's cores / ranks per node (so 2 threads each at 2 ranks =
+2 nodes x 1, where they oversubscribe the 2 cores, and 1 each at 4 ranks).
 
     sudo .venv/bin/python examples/reproduce/weak_scaling.py                  (~7 min here)
     sudo .venv/bin/python examples/reproduce/weak_scaling.py --rate 250mbit --ranks 1 2 4 8
@@ -58,19 +59,17 @@ def main(argv=None) -> int:
     rows, shared = [], {}
     try:
         one = _sweep.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
-        jobs = [(one, _sweep.model_flags(a, a.seq_length, 1, 1))]
+        alone_flags = _sweep.model_flags(a, a.seq_length, 1, 1)
+        jobs = []
         for n in [n for n in a.ranks if n > 1]:
             per_node = max(1, n // 2)
             for name in a.systems:
                 job = _sweep.Job(EXPERIMENT, name, system_flags(name, per_node).split(), n, per_node, [a.rate],
                                  a.seq_length)  # fmt: skip
                 jobs.append((job, _sweep.model_flags(a, a.seq_length, 1, n)))
-        rows = sweep.run_jobs(jobs)
+        rows = [dict(sweep.run_concurrent(one, alone_flags, 1), system="1 rank")] + sweep.run_jobs(jobs)
         for n in [n for n in a.ranks if n > 1]:
-            alone = _sweep.Job(
-                EXPERIMENT, f"{n} independent ranks", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length
-            )
-            shared[n] = sweep.run_concurrent(alone, _sweep.model_flags(a, a.seq_length, 1, 1), n, max(1, n // 2))
+            shared[n] = sweep.run_concurrent(one, alone_flags, n)
             shared[n].update(ranks=n, system=f"{n} independent single-rank runs")
     finally:
         sweep.close()
