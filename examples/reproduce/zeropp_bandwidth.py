@@ -43,6 +43,7 @@ def parse_cli(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--replot", action="store_true", help="no runs: the table and PNG again from --out")
     _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
@@ -63,6 +64,12 @@ def crossing(rows: list[dict], target: float) -> float | None:
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
+    if a.replot:  # the table, the crossings and the PNG again from --out's measured rows
+        rows = [r for r in _sweep.read_rows(a.out) if r["source"] == "measured"]
+        a.rates = list(dict.fromkeys(r["rate"] for r in rows))
+        a.systems = list(dict.fromkeys(r["system"] for r in rows))
+        report(rows, a)
+        return 0
     sweep = _sweep.Sweep(a)
     rows = []
     try:
@@ -98,7 +105,14 @@ def report(rows: list[dict], a) -> None:
         paper = [{"experiment": EXPERIMENT, "system": claim, "ranks": 4, "link_gbps": full / PAPER_FACTOR,
                   "seq_length": a.seq_length, "tokens_per_s": base, "step_time_s": None, "tflops_per_gpu": None,
                   "source": "paper", "note": f"the paper's claim on our axes: {claim}"}]  # fmt: skip
-        _sweep.write_rows(a.out, paper, append=True)
+        for r in a.rates[1:]:  # the same question with a lower rate as "full": where ZeRO-3 is link-bound
+            ref = next((z["tokens_per_s"] for z in by["ZeRO-3"] if z["rate"] == r), None)
+            y = crossing(by["ZeRO++"], ref) if ref else None
+            if y:
+                more = " or lower" if y == lowest else ""
+                print(f"  ZeRO-3 at {r} ({ref:.0f} tokens/s): ZeRO++ matches it down to {y:.3f} Gbit/s{more}, "
+                      f"{_sweep.gbps(r) / y:.1f}x less bandwidth")  # fmt: skip
+    _sweep.write_rows(a.out, rows + paper, append=False)
 
     def decorate(fig):
         if base:
