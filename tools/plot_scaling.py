@@ -9,8 +9,8 @@ One subplot per experiment; one PNG.
 A row: {experiment, system, ranks, link_gbps, seq_length, step_time_s, tokens_per_s,
 tflops_per_gpu, source}; null values are skipped. The x axis defaults, per experiment, to
 the one of ranks / link_gbps / seq_length that takes the most values; the others, where they
-vary, split the series (their values go into the label). Line styles by source: measured
-solid with dots, simulated dashed, paper as stars without a line; one colour per system.
+vary, split the series (their values go into the label and pick the marker). Line styles by
+source: measured solid, simulated dashed, paper as stars without a line; one colour per system.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ Y_KEYS = {
 }
 X_LABELS = {"ranks": "ranks", "link_gbps": "cross-node link (Gbit/s)", "seq_length": "sequence length"}
 SOURCES = ("measured", "simulated", "paper")
+MARKERS = ("o", "^", "s", "D", "v", "P")
 STYLE = {
     "measured": {"linestyle": "-", "marker": "o"},
     "simulated": {"linestyle": "--", "marker": "s", "markerfacecolor": "none"},
@@ -97,9 +98,12 @@ def plot_scaling(rows, x=None, y="tokens_per_s", log_x: bool | None = None, titl
         xk = (x.get(exp) if isinstance(x, dict) else x) or pick_x(mine)
         yk = y.get(exp, "tokens_per_s") if isinstance(y, dict) else y
         groups = series_of(mine, xk, yk)
+        dims = list(dict.fromkeys(k[2] for k in groups))  # a marker per value of the splitting keys
         for key, pts in groups.items():
-            system, source, _ = key
+            system, source, split = key
             style = {"color": colors[systems.index(system) % len(colors)], **STYLE[source]}
+            if source != "paper" and len(dims) > 1:
+                style["marker"] = MARKERS[dims.index(split) % len(MARKERS)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label_of(key), gid=f"{source}:{system}", **style)
         if not groups:
             ax.text(0.5, 0.5, f"no {yk}", ha="center", va="center", transform=ax.transAxes)

@@ -120,6 +120,7 @@ def report(rows: list[dict], a) -> None:
             ax.axhline(base, color="gray", linestyle=":", linewidth=1)
             ax.annotate("ZeRO-3 at full rate", (min(r["link_gbps"] for r in rows), base), fontsize="small",
                         color="gray", va="bottom")  # fmt: skip
+            ax.legend(loc="lower right", fontsize="small")  # clear of the line and its label
 
     _sweep.save_plot(rows + paper, _sweep.png_of(a.out), decorate, x="link_gbps", y="tokens_per_s",
                      title=f"ZeRO-3 vs ZeRO++ over the cross-node rate, 2 nodes x 2 ranks, {a.dtype}")  # fmt: skip
