@@ -227,6 +227,7 @@ class Sweep:
             os.makedirs(out)
             outs.append(out)
             args = [*flags, *job.flags, "--train-iters", str(iters), "--metrics-file", os.path.join(out, "m.jsonl")]
+            args += ["--ranks-per-node", "1"]  # the layout is one rank; LOCAL_WORLD_SIZE only sets the threads
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning",
                    "LOCAL_WORLD_SIZE": str(os.cpu_count() or 1)}  # fmt: skip
             log_f = open(os.path.join(out, "node0.log"), "w")
