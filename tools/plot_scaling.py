@@ -60,7 +60,7 @@ def pick_x(rows: list[dict]) -> str:
 
 def series_of(rows: list[dict], x: str, y: str) -> dict[tuple, list[tuple[float, float]]]:
     """{(system, source, ((key, value), ...)): sorted (x, y) points}; the varying non-x keys split the series."""
-    split = [k for k in X_KEYS if k != x and len({r.get(k) for r in rows}) > 1]
+    split = [k for k in X_KEYS if k != x and len({r.get(k) for r in rows if _number(r.get(k))}) > 1]
     out: dict[tuple, list] = {}
     for r in rows:
         if _number(r.get(x)) and _number(r.get(y)):
@@ -71,7 +71,7 @@ def series_of(rows: list[dict], x: str, y: str) -> dict[tuple, list[tuple[float,
 
 def label_of(key: tuple) -> str:
     system, source, dims = key
-    extra = "".join(f", {k.replace('_', ' ')} {v}" for k, v in dims)
+    extra = "".join(f", {k.replace('_', ' ')} {v}" for k, v in dims if v is not None)
     return f"{system}{extra} ({source})"
 
 
