@@ -25,6 +25,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${pip[@]}" "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"${pip[@]}" -e ".[data,logging,dev]"
+"${pip[@]}" -e ".[data,logging,plot,dev]"
 echo "$want" > "$stamp"
 echo "environment ready: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Plot training metrics from one or several `pretrain_gpt.py --metrics-file` JSONL runs:
+loss (and validation loss), learning rate, gradient norm, tokens/s, MFU and memory, one
+subplot per metric, the runs side by side in each. One PNG.
+
+    python tools/plot_metrics.py runs/a/metrics.jsonl runs/b/metrics.jsonl --labels zero3 zero++ \\
+        --smooth 0.9 --log-x --output metrics.png
+
+--smooth W is TensorBoard's exponential moving average (0: raw; 0.9: heavy) of the noisy
+metrics (loss, grad norm, tokens/s, MFU); the raw series is then drawn faint behind the
+smoothed one. Needs matplotlib (`pip install -e .[plot]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+# (record key in the metrics file, subplot title); logging_utils.MetricsSink writes the records
+METRICS = {
+    "loss": "loss",
+    "lr": "learning rate",
+    "grad_norm": "grad norm",
+    "tokens_per_sec": "tokens/s",
+    "mfu": "MFU",
+    "memory_gib": "memory (GiB)",
+}
+NOISY = ("loss", "grad_norm", "tokens_per_sec", "mfu")  # --smooth applies to these; lr and memory are drawn raw
+X_KEYS = ("iteration", "consumed_samples")
+
+
+class PlotError(Exception):
+    """A problem with the input, reported as one line."""
+
+
+def load_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file; PlotError naming the file (and line) if it is missing or malformed."""
+    if not os.path.isfile(path):
+        raise PlotError(f"{path}: no such file")
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PlotError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise PlotError(f"{path}:{n}: a record must be a JSON object")
+            rows.append(row)
+    if not rows:
+        raise PlotError(f"{path}: no records")
+    return rows
+
+
+def default_label(path: str) -> str:
+    """The file's stem, or its folder's name for the usual runs/NAME/metrics.jsonl."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return parent if stem == "metrics" and parent else stem
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: s_t = w s_{t-1} + (1 - w) x_t, debiased so the start is not pulled to 0."""
+    out, acc = [], 0.0
+    for t, v in enumerate(values, 1):
+        acc = weight * acc + (1 - weight) * v
+        out.append(acc / (1 - weight**t))
+    return out
+
+
+def series(rows: list[dict], key: str, x_key: str) -> tuple[list[float], list[float]]:
+    """(x, y) of the records that have a finite number for `key`."""
+    xs, ys = [], []
+    for i, row in enumerate(rows, 1):
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(row.get(x_key, i))
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_metrics(runs, metrics=tuple(METRICS), smooth: float = 0.0, log_x: bool = False, x_key: str = "iteration"):
+    """The Figure: one subplot per metric, one line per run. `runs`: [(label, records)].
+    A smoothed line has gid "smoothed", its raw series gid "raw" (faint); unsmoothed lines gid "raw"."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    cols = min(3, len(metrics))
+    rows_n = math.ceil(len(metrics) / cols)
+    fig = Figure(figsize=(5 * cols, 3.6 * rows_n), layout="constrained")
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, key in enumerate(metrics):
+        ax = fig.add_subplot(rows_n, cols, i + 1)
+        ax.set_title(METRICS.get(key, key))
+        ax.set_xlabel(x_key.replace("_", " "))
+        drawn = False
+        for j, (label, records) in enumerate(runs):
+            color = colors[j % len(colors)]
+            drawn |= _draw(ax, records, key, x_key, label, color, smooth if key in NOISY else 0.0)
+            if key == "loss":
+                drawn |= _draw(ax, records, "val_loss", x_key, f"{label} (val)", color, 0.0, style="--")
+        if not drawn:
+            ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
+            continue
+        if log_x:
+            ax.set_xscale("log")
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.grid(alpha=0.3)
+        if len(runs) > 1 or key == "loss":
+            ax.legend(fontsize="small")
+    return fig
+
+
+def _draw(ax, records, key, x_key, label, color, smooth, style="-") -> bool:
+    xs, ys = series(records, key, x_key)
+    if not ys:
+        return False
+    if smooth > 0:
+        ax.plot(xs, ys, style, color=color, alpha=0.25, linewidth=0.8, gid="raw", label="_nolegend_")
+        ax.plot(xs, ema(ys, smooth), style, color=color, label=label, gid="smoothed")
+    else:
+        ax.plot(xs, ys, style, color=color, label=label, gid="raw")
+    return True
+
+
+def parse_cli(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("metrics_files", nargs="+", metavar="METRICS_FILE", help="JSONL written by --metrics-file")
+    p.add_argument("--labels", nargs="+", help="one label per file (default: the run's folder or file name)")
+    p.add_argument("--output", "-o", default="metrics.png", help="the PNG to write (default metrics.png)")
+    p.add_argument("--metrics", nargs="+", default=list(METRICS), help=f"subplots, of {', '.join(METRICS)}")
+    p.add_argument("--smooth", type=float, default=0.0, help="exponential moving average weight in [0, 1)")
+    p.add_argument("--log-x", action="store_true", help="logarithmic x axis")
+    p.add_argument("--x", dest="x_key", default="iteration", choices=X_KEYS, help="x axis (default iteration)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_cli(argv)
+    try:
+        if a.labels and len(a.labels) != len(a.metrics_files):
+            raise PlotError(f"--labels: {len(a.labels)} labels for {len(a.metrics_files)} files")
+        if not 0 <= a.smooth < 1:
+            raise PlotError(f"--smooth {a.smooth}: use a weight in [0, 1), e.g. 0.9")
+        unknown = [m for m in a.metrics if m not in METRICS]
+        if unknown:
+            raise PlotError(f"--metrics {' '.join(unknown)}: use some of {', '.join(METRICS)}")
+        labels = a.labels or [default_label(p) for p in a.metrics_files]
+        runs = [(label, load_jsonl(path)) for label, path in zip(labels, a.metrics_files)]
+        fig = plot_metrics(runs, a.metrics, a.smooth, a.log_x, a.x_key)
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: {e.name or e}: not installed; pip install -e .[plot]", file=sys.stderr)
+        return 2
+    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
+    fig.savefig(a.output, dpi=100)
+    print(f"wrote {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
