@@ -17,6 +17,7 @@ srun torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE" \
   --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
   --micro-batch-size 4 --global-batch-size 512 --train-iters 100000 \
   --lr 2e-4 --min-lr 2e-5 --lr-warmup-iters 2000 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+  --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 --adam-beta2 0.95 \
   --bf16 --zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size "$GPUS_PER_NODE" \
   --zero-quantized-gradients \
   --data-path "$DATA_PATH" --split 969,30,1 \

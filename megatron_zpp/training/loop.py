@@ -1,9 +1,11 @@
 """The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
-cadence, and the SIGTERM stop of --exit-signal-handler."""
+cadence, and the early stops: SIGTERM (--exit-signal-handler), --exit-interval and
+--exit-duration-in-mins, each after a checkpoint when --save is given."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import signal
 import time
@@ -23,22 +25,26 @@ from .step import evaluate, train_step
 
 class ExitSignal:
     """--exit-signal-handler: SIGTERM only sets a flag; after each step the ranks agree on it
-    (a 1-element MAX all-reduce over the world), so a signal that reached any rank stops
-    every rank at the same step boundary, after a checkpoint."""
+    (a MAX all-reduce over the world), so a signal that reached any rank stops every rank at
+    the same step boundary, after a checkpoint. --exit-duration-in-mins rides on the same
+    all-reduce (Megatron's rule: a rank past the time stops them all), from `started` (time.time())."""
 
-    def __init__(self, enabled: bool, device: torch.device):
+    def __init__(self, enabled: bool, device: torch.device, minutes: float | None = None, started: float = 0.0):
         self.enabled, self.device, self.received = enabled, device, False
+        self.deadline = started + 60 * minutes if minutes else None
         self.previous = signal.signal(signal.SIGTERM, self._handle) if enabled else None
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def anywhere(self, groups: ProcessGroups) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([float(self.received)], device=self.device)
+    def anywhere(self, groups: ProcessGroups) -> str | None:
+        """'signal', 'duration' or None, the same on every rank."""
+        if not self.enabled and self.deadline is None:
+            return None
+        late = self.deadline is not None and time.time() >= self.deadline
+        flag = torch.tensor([float(self.received), float(late)], device=self.device)
         comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return "signal" if flag[0].item() else "duration" if flag[1].item() else None
 
     def close(self) -> None:
         if self.enabled:
@@ -106,6 +112,8 @@ def _log_line(run: Run, m: dict, data_wait: float, eta: float) -> None:
     `eta`: seconds to --train-iters (or the iterations --train-samples makes) at the mean step time."""
     mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
     val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+    if "loss_scale" in m:  # --fp16
+        val += f" | loss scale {m['loss_scale']:g} | skipped {m['skipped_iterations']}"
     log(
         f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
         f"global batch {m['global_batch_size']} | grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
@@ -125,9 +133,19 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
     run.iteration += 1
     run.consumed_samples += batch
     comm.LEDGER.step()
-    if not math.isfinite(loss):
+    if not math.isfinite(loss) and run.loss_scaler is None:  # --fp16 skips such a step instead
         raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
+    scaling = {}
+    if run.loss_scaler is not None:
+        scaling = {"loss_scale": run.loss_scaler.scale, "skipped_iterations": run.skipped_iterations}
+        if run.last_step_skipped:
+            log(
+                f"iteration {run.iteration}: gradients overflowed in fp16, step skipped; loss scale now "
+                f"{run.loss_scaler.scale:g} ({run.skipped_iterations} skipped so far)",
+                run.rank,
+            )
     return {
+        **scaling,
         "iteration": run.iteration,
         "loss": loss,
         "grad_norm": grad_norm,
@@ -147,6 +165,22 @@ def _save_due(run: Run) -> bool:
     )
 
 
+def _stop_early(run: Run, why: str, saved: str | None) -> None:
+    """Stop before --train-iters: save to --save (when given and not just saved) and say why."""
+    t = run.cfg.train
+    if t.save and not saved:
+        saved = save_checkpoint(run, t.save)
+    cause = {
+        "signal": "SIGTERM received",
+        "interval": f"--exit-interval {t.exit_interval} reached",
+        "duration": f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed",
+    }[why]
+    after = f"saved {saved}; resume with --load {t.save}" if saved else "not saved (no --save)"
+    log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
+    run.stopped_by_signal = why == "signal"
+    run.stopped_by = why
+
+
 def train(run: Run) -> list[dict]:
     """Train to --train-iters (or a SIGTERM); the metrics of every step."""
     cfg, rank, t = run.cfg, run.rank, run.cfg.train
@@ -154,11 +188,16 @@ def train(run: Run) -> list[dict]:
     throughput = Throughput.of(run)
     history = []
     comm.LEDGER.reset()
-    stop = ExitSignal(t.exit_signal_handler, run.device)
+    stop = ExitSignal(t.exit_signal_handler, run.device, t.exit_duration_in_mins, run.started_at)
+    if t.manual_gc:  # Megatron's --manual-gc: collect at chosen steps only, alike on every rank
+        gc.disable()
+        gc.collect()
     data_wait = 0.0  # since the last log line
     clock = StepClock()
     while run.iteration < t.train_iters:
         metrics = _timed_step(run, throughput)
+        if t.manual_gc and t.manual_gc_interval and run.iteration % t.manual_gc_interval == 0:
+            gc.collect()
         data_wait += metrics["data_wait_time"]
         clock.add(metrics["step_time"])
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
@@ -171,16 +210,15 @@ def train(run: Run) -> list[dict]:
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             log(f"saved checkpoint {saved}", rank)
-        if stop.anywhere(run.groups):
-            saved = saved or save_checkpoint(run, t.save)
-            log(
-                f"SIGTERM received: stopped after iteration {run.iteration}, saved {saved}; resume with "
-                f"--load {t.save}",
-                rank,
-            )
-            run.stopped_by_signal = True
+        why = stop.anywhere(run.groups)
+        if why is None and t.exit_interval and run.iteration % t.exit_interval == 0 and run.iteration < t.train_iters:
+            why = "interval"
+        if why:
+            _stop_early(run, why, saved)
             break
     stop.close()
+    if t.manual_gc:
+        gc.enable()
     sink.close()
     run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
     if cfg.log.comm_report:

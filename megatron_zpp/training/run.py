@@ -9,6 +9,7 @@ position) before the data iterator is built, so the data continues where it stop
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,11 @@ from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
 from ..logging_utils import log
 from ..model import GPT, count_parameters
+from ..model.attention import describe_attention_backend
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
 from ..ops.quantize import quantizer_backend
+from ..optim.loss_scaler import LossScaler
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
@@ -46,9 +49,17 @@ class Run:
     consumed_samples: int = 0
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
     stopped_by_signal: bool = False  # --exit-signal-handler: SIGTERM ended train() early
+    # --fp16: the loss scaler; steps skipped on overflow (they do not advance the LR schedule)
+    loss_scaler: LossScaler | None = None
+    skipped_iterations: int = 0
+    skipped_samples: int = 0
+    last_step_skipped: bool = False
+    stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
+    started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
 
 def setup(cfg: Config) -> Run:
+    started_at = time.time()
     groups, device = init_distributed(cfg)
     try:
         set_kernels(cfg.train.kernels, device)
@@ -69,6 +80,8 @@ def setup(cfg: Config) -> Run:
         build_engine(cfg, chunks, groups),
         None,
         None,
+        loss_scaler=LossScaler.from_config(cfg.train),
+        started_at=started_at,
     )
     if cfg.train.load:  # model, optimizer, RNG, position
         restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
@@ -97,15 +110,24 @@ def _log_setup(run: Run, n_params: int) -> None:
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
-        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}"
+        f"{_precision(cfg)}"
         f"{', blocks compiled (--torch-compile, inductor)' if cfg.train.torch_compile else ''}",
         rank,
     )
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
     log(describe(run.device), rank)
+    attention = describe_attention_backend(cfg.model.attention_backend, run.device)
     log(
-        f"other ops: {norm_backend(run.device)}; attention: torch SDPA; ZeRO++ quantizers: {quantizer_backend()}; "
+        f"other ops: {norm_backend(run.device)}; attention: {attention}; ZeRO++ quantizers: {quantizer_backend()}; "
         f"transformer-engine: {te}",
         rank,
     )
     log(f"{run.dp.describe()}; optimizer: {run.dp.optimizer_name}", rank)
+
+
+def _precision(cfg: Config) -> str:
+    t = cfg.train
+    if t.fp16:
+        how = f"static scale {t.loss_scale:g}" if t.loss_scale else f"dynamic from {t.initial_loss_scale:g}"
+        return f"fp16 compute + fp32 master weights, loss scaling ({how})"
+    return "bf16 compute + fp32 master weights" if t.bf16 else "fp32"
