@@ -341,11 +341,14 @@ def test_swiglu_ffn_rounds_down_as_megatron():
 
 
 def test_exit_duration_stops_after_the_step_that_passes_it(tmp_path):
-    argv = OLD_DEFAULTS + (
-        "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --vocab-size 128 "
-        "--make-vocab-size-divisible-by 32 --train-iters 50 --device cpu --peak-tflops 1 "
-        "--exit-duration-in-mins 1e-9"
-    ).split()
+    argv = (
+        OLD_DEFAULTS
+        + (
+            "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --vocab-size 128 "
+            "--make-vocab-size-divisible-by 32 --train-iters 50 --device cpu --peak-tflops 1 "
+            "--exit-duration-in-mins 1e-9"
+        ).split()
+    )
     run = training.setup(parse_config(argv + ["--save", str(tmp_path / "ckpt")], 1))
     history = training.train(run)
     assert len(history) == 1 and run.stopped_by == "duration"
