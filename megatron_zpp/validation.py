@@ -544,6 +544,14 @@ def _check_megatron_model(cfg: Config, world_size: int) -> list[str]:
             (m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: only 1.0 (full RoPE) is built; drop it"),
             (not m.add_bias_linear, "--add-bias-linear: biases in the linear layers are not built; drop it"),
             (
+                m.attention_backend not in ("flash", "fused")
+                or cfg.train.bf16
+                or cfg.train.fp16
+                or cfg.train.device == "cpu",
+                f"--attention-backend {m.attention_backend}: SDPA's flash and fused kernels take 16-bit inputs: add "
+                "--bf16 or --fp16, or use --attention-backend auto/unfused",
+            ),
+            (
                 m.num_query_groups is None or m.group_query_attention,
                 f"--num-query-groups {m.num_query_groups} needs --group-query-attention (Megatron ignores it "
                 "without, and uses one key/value head per query head): add it, or drop --num-query-groups",

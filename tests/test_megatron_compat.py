@@ -331,6 +331,7 @@ def test_gqa_and_unbuilt_values_are_refused_by_name():
     assert "either --fp16 or --bf16" in errors(["--fp16", "--bf16"])
     assert "give --ffn-hidden-size" in errors(["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"])
     assert "needs --vocab-file" in errors(["--tokenizer-type", "GPT2BPETokenizer"])
+    assert "16-bit inputs" in errors(["--use-flash-attn"])  # Megatron's alias of --attention-backend flash
 
 
 def test_swiglu_ffn_rounds_down_as_megatron():

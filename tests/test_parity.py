@@ -30,7 +30,8 @@ BASE = (
         f"--mock-data --hidden-size {HIDDEN} --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
         f"--seq-length {SEQ} --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 "
         f"--train-iters {STEPS} --global-batch-size {GBS} --micro-batch-size {MBS} --lr 3e-3 "
-        f"--lr-warmup-iters 2 --clip-grad 0.5 --seed 11"
+        f"--lr-warmup-iters 2 --clip-grad 0.5 --seed 11 "
+        f"--ffn-hidden-size {64 * ((int(8 * HIDDEN / 3) + 63) // 64)}"  # the SwiGLU width these tolerances were set at
     ).split()
 )
 KINDS = {

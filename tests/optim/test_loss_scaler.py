@@ -11,6 +11,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
+from megatron_zpp.checkpoint import save_checkpoint
 from megatron_zpp.config import TrainConfig
 from megatron_zpp.optim.loss_scaler import LossScaler
 from megatron_zpp.training import builders
@@ -83,7 +84,7 @@ def fp32_compute(monkeypatch):
     monkeypatch.setattr(builders, "training_dtype", lambda cfg: torch.float32)
 
 
-def test_fp16_scaling_matches_fp32_and_overflow_skips(fp32_compute):
+def test_fp16_scaling_matches_fp32_and_overflow_skips(fp32_compute, tmp_path):
     _, ref_losses, ref_lrs, ref_w = run_steps([])
     # no overflow: a power-of-two scale is exact in fp32, so the run equals the unscaled one
     run, losses, lrs, w = run_steps(["--fp16", "--initial-loss-scale", "65536"])
@@ -99,3 +100,9 @@ def test_fp16_scaling_matches_fp32_and_overflow_skips(fp32_compute):
     assert run.loss_scaler.scale == 32768
     assert lrs == [ref_lrs[0], ref_lrs[1], ref_lrs[1]]
     assert run.skipped_samples == 2
+    # the checkpoint keeps the scaler and the skipped steps
+    save_checkpoint(run, str(tmp_path))
+    resumed = training.setup(validate(parse_args(TINY + ["--fp16", "--load", str(tmp_path)]), 1))
+    assert resumed.loss_scaler.state_dict() == run.loss_scaler.state_dict()
+    assert (resumed.skipped_iterations, resumed.skipped_samples) == (1, 2)
+    resumed.train_data.close()
