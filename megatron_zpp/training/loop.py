@@ -170,11 +170,12 @@ def _stop_early(run: Run, why: str, saved: str | None) -> None:
     t = run.cfg.train
     if t.save and not saved:
         saved = save_checkpoint(run, t.save)
-    cause = {
-        "signal": "SIGTERM received",
-        "interval": f"--exit-interval {t.exit_interval} reached",
-        "duration": f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed",
-    }[why]
+    if why == "signal":
+        cause = "SIGTERM received"
+    elif why == "interval":
+        cause = f"--exit-interval {t.exit_interval} reached"
+    else:
+        cause = f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed"
     after = f"saved {saved}; resume with --load {t.save}" if saved else "not saved (no --save)"
     log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
     run.stopped_by_signal = why == "signal"
