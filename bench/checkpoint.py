@@ -230,11 +230,12 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     from megatron_zpp.zero import DDPEngine
 
     label, _, extra = LAYOUTS[name]
+    OLD_BLOCK = "--normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0"  # the figures' block
     argv = (
         f"--mock-data --device cpu --num-layers {a['layers']} --hidden-size {a['hidden']} "
         f"--num-attention-heads {a['heads']} --seq-length {a['seq']} --vocab-size {a['vocab']} "
         f"--micro-batch-size 1 --global-batch-size 2 --train-iters 10 --lr 1e-3 --lr-warmup-iters "
-        f"0 --log-interval 1000000"
+        f"0 --log-interval 1000000 {OLD_BLOCK}"
     ).split() + extra
     run = training.setup(validate(parse_args(argv), world))
     training.train_step(run)

@@ -259,8 +259,15 @@ def main() -> None:
         vocab_size=a.vocab_size,
         attention_type=a.attention_type,
         softmax_attention_every=a.softmax_attention_every,
+        group_query_attention=a.num_query_groups is not None,
         num_query_groups=a.num_query_groups,
         gla_chunk_size=a.gla_chunk_size,
+        # the figures' block (this project's former defaults), the SwiGLU width rounded up as it was
+        normalization="RMSNorm",
+        activation="swiglu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        ffn_hidden_size=64 * ((int(8 * a.hidden_size / 3) + 63) // 64),
     )
     assert cfg.hidden_size % cfg.num_attention_heads == 0 and cfg.head_dim % 2 == 0, "heads must divide hidden, even"
     load0 = os.getloadavg()[0]

@@ -25,6 +25,65 @@ from .validation import validate
 ALIASES = {
     "--swiglu": ("model", "activation", "swiglu"),
     "--fp32": ("train", "bf16", False),
+    "--disable-bias-linear": ("model", "add_bias_linear", False),
+    "--use-flash-attn": ("model", "attention_backend", "flash"),
+    "--use-rotary-position-embeddings": ("model", "position_embedding_type", "rope"),
+}
+
+# Megatron-LM flags accepted without a setting of their own, because what they ask for is what
+# always happens here: flag -> (takes a value, why).
+NOOPS = {
+    "--use-mcore-models": (False, "deprecated in Megatron-LM, which ignores it too"),
+    "--cross-entropy-loss-fusion": (False, "the vocab-parallel cross-entropy is always fused (one pass per row)"),
+    "--log-throughput": (False, "tokens/s, TFLOP/s per rank and MFU are always logged"),
+    "--no-create-attention-mask-in-dataloader": (
+        False,
+        "the data loader never builds an attention mask (causal SDPA; packed documents travel as document ids)",
+    ),
+    "--tiktoken-pattern": (True, "read only by TikTokenizer (not built here); Megatron ignores it for the others"),
+}
+
+# Megatron-LM flags that are refused by name: flag -> (takes a value, why and what to use). A flag
+# that a config field declares is that field's, not refused (so a feature that lands wins).
+REFUSED = {
+    **{
+        f: (v, "FP8 needs transformer-engine, which is not supported here: drop it (use --bf16)")
+        for f, v in [
+            ("--fp8-format", True),
+            ("--fp8-recipe", True),
+            ("--fp8-amax-history-len", True),
+            ("--fp8-amax-compute-algo", True),
+            ("--fp8-param-gather", False),
+            ("--fp8-margin", True),
+        ]
+    },
+    "--transformer-impl": (True, "transformer-engine layers are not supported; ours are PyTorch modules: drop it"),
+    "--apply-layernorm-1p": (
+        False,
+        "zero-centred norm weights are not built: drop it (the same function at init; with norms exempt from "
+        "weight decay, as here and in Megatron, AdamW trains both alike up to round-off)",
+    ),
+    "--decoupled-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
+    "--decoupled-min-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
+    "--grad-reduce-in-bf16": (
+        False,
+        "gradients are reduced in fp32 by every engine (int4 with --zero-quantized-gradients): drop it",
+    ),
+    "--ckpt-format": (
+        True,
+        "checkpoints are this project's sharded safetensors (tools/convert_checkpoint.py converts them): drop it",
+    ),
+    "--no-mmap-bin-files": (False, ".bin files are always memory-mapped (pages read on demand): drop it"),
+    "--step-batch-size-schedule": (
+        True,
+        "not built: use --rampup-batch-size START INCR SAMPLES with --train-samples (Megatron's linear ramp)",
+    ),
+    "--profile": (False, "torch.profiler traces are not built yet: drop it"),
+    "--profile-step-start": (True, "torch.profiler traces are not built yet: drop it"),
+    "--profile-step-end": (True, "torch.profiler traces are not built yet: drop it"),
+    "--profile-ranks": (True, "torch.profiler traces are not built yet: drop it"),
+    "--squared-relu": (False, "not built: use --swiglu or the default gelu"),
+    "--quick-geglu": (False, "not built: use --swiglu or the default gelu"),
 }
 
 
@@ -47,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py",
         description="Pretrain a GPT with TP x PP x CP x ZeRO++ DP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # as Megatron: --hidden-s is an error, not --hidden-size
     )
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of settings; command-line flags override it")
     for section, cls in SECTIONS.items():
@@ -94,7 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help=f"alias of {name}={value} (Megatron-LM spelling)",
         )
+    _add_megatron_only(parser)
     return parser
+
+
+def _add_megatron_only(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags that have no setting here: accepted no-ops and refused ones."""
+    known = set(parser._option_string_actions)
+    noops = parser.add_argument_group("Megatron-LM flags accepted as no-ops (what they ask for always happens)")
+    for flag, (takes_value, why) in NOOPS.items():
+        kind = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
+        noops.add_argument(flag, dest=f"noop.{flag}", default=argparse.SUPPRESS, help=why, **kind)
+    refused = parser.add_argument_group("Megatron-LM flags refused (each says why and what to use)")
+    for flag, (takes_value, why) in REFUSED.items():
+        if flag in known:  # implemented by a config field
+            continue
+        kind = {"nargs": "*", "metavar": "VALUE"} if takes_value else {"nargs": "?", "const": True, "metavar": "VALUE"}
+        refused.add_argument(flag, dest=f"refused.{flag}", default=argparse.SUPPRESS, help=f"refused: {why}", **kind)
+
+
+def refused_flags(args: dict) -> list[str]:
+    """One line per refused Megatron flag given (popped from the parsed `args`)."""
+    given = [dest.split(".", 1)[1] for dest in list(args) if dest.startswith("refused.")]
+    for dest in [d for d in args if d.startswith(("refused.", "noop."))]:
+        args.pop(dest)
+    return [f"{flag}: {REFUSED[flag][1]}" for flag in given]
 
 
 def _coerce(section: str, name: str, value, path: str):
@@ -188,6 +272,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser = build_parser()
     parser.error = _one_line_error  # not the usage of every flag: one line, then exit 2 as argparse does
     args = vars(parser.parse_args(argv))
+    refused = refused_flags(args)
+    if refused:
+        raise ConfigError("\n".join(refused))
     values = load_yaml(args.pop("config")) if args.get("config") else {}
     args.pop("config", None)
     values.update(args)

@@ -31,10 +31,15 @@ class ModelConfig:
     hidden_size: int = opt(128, "--hidden-size", "model width")
     num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads (query heads)")
     num_query_groups: int | None = opt(
-        None, "--num-query-groups", "key/value heads for grouped-query attention (default: = heads)"
+        None,
+        "--num-query-groups",
+        "key/value heads with --group-query-attention (default 1, as Megatron; refused without it, which Megatron "
+        "would ignore)",
     )
     ffn_hidden_size: int | None = opt(
-        None, "--ffn-hidden-size", "MLP inner width (default 4*hidden for gelu, 8/3*hidden rounded to 64 for swiglu)"
+        None,
+        "--ffn-hidden-size",
+        "MLP inner width (default, as Megatron: 4*hidden for gelu, int(8/3*hidden / 64)*64 for swiglu)",
     )
     seq_length: int = opt(256, "--seq-length", "training sequence length in tokens")
     max_position_embeddings: int | None = opt(
@@ -46,9 +51,14 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = opt(
         128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP"
     )
-    normalization: str = opt("RMSNorm", "--normalization", "norm layer", choices=["RMSNorm", "LayerNorm"])
+    normalization: str = opt("LayerNorm", "--normalization", "norm layer", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "--norm-epsilon", "epsilon of the norm layers")
-    activation: str = opt("swiglu", "--activation", "MLP activation", choices=["swiglu", "gelu"])
+    activation: str = opt(
+        "gelu",
+        "--activation",
+        "MLP activation (--swiglu, Megatron's flag, is --activation swiglu)",
+        choices=["gelu", "swiglu"],
+    )
     rotary_base: float = opt(10000.0, "--rotary-base", "RoPE base frequency")
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
@@ -67,8 +77,8 @@ class ModelConfig:
         "0 = full rank (one more head-split section of the input projection)",
     )
     gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
-    hidden_dropout: float = opt(0.0, "--hidden-dropout", "dropout after attention and MLP outputs")
-    attention_dropout: float = opt(0.0, "--attention-dropout", "dropout on softmax attention probabilities")
+    hidden_dropout: float = opt(0.1, "--hidden-dropout", "dropout after attention and MLP outputs")
+    attention_dropout: float = opt(0.1, "--attention-dropout", "dropout on softmax attention probabilities")
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
     recompute_granularity: str | None = opt(
         None,
@@ -93,9 +103,40 @@ class ModelConfig:
         "pipeline stage (block)",
     )
 
+    # Megatron-LM compatibility (issue 16): its flags with its defaults; what is not built is refused by validation
+    group_query_attention: bool = opt(
+        False, "--group-query-attention", "grouped-query attention with --num-query-groups key/value heads"
+    )
+    kv_channels: int | None = opt(
+        None, "--kv-channels", "head dim (default and only supported value: --hidden-size / --num-attention-heads)"
+    )
+    position_embedding_type: str = opt(
+        "rope",
+        "--position-embedding-type",
+        "position embedding: only rope is built (Megatron's default is learned_absolute: see the README table)",
+        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+    )
+    rotary_percent: float = opt(1.0, "--rotary-percent", "fraction of the head dim RoPE rotates (only 1.0 is built)")
+    add_bias_linear: bool = opt(
+        False,
+        "--add-bias-linear",
+        "biases in the linear layers: not built, so off by default (Megatron's default is on; --disable-bias-linear, "
+        "Megatron's flag, says what happens here anyway)",
+    )
+    attention_backend: str = opt(
+        "auto",
+        "--attention-backend",
+        "softmax attention kernel, mapped to PyTorch SDPA's backends on CUDA: flash = flash attention, fused = "
+        "cuDNN/memory-efficient, unfused/local = the math path, auto = SDPA's own choice (--use-flash-attn = flash); "
+        "on CPU SDPA's CPU kernel runs whatever the choice (the log says which)",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+    )
+
     @property
     def kv_heads(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+        if self.group_query_attention:
+            return self.num_query_groups or 1
+        return self.num_attention_heads
 
     @property
     def head_dim(self) -> int:
@@ -105,8 +146,8 @@ class ModelConfig:
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.activation == "swiglu":
-            return 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+        if self.activation == "swiglu":  # Megatron's rounding: down to a multiple of 64 (5440 at hidden 2048)
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
 
     def layer_kind(self, layer: int) -> str:
@@ -212,6 +253,12 @@ class ZeroConfig:
         "plain DP with --overlap-grad-reduce: gradient elements per all-reduce bucket (default, as Megatron: "
         "max(40M, 1M x DP x CP)); without overlap the gradients go in one bucket",
     )
+    use_distributed_optimizer: bool = opt(
+        False,
+        "--use-distributed-optimizer",
+        "Megatron's distributed optimizer (fp32 masters and AdamW state sharded over DP, gradients reduce-scattered): "
+        "--zero-stage 1 here, unless --zero-stage is higher",
+    )
     overlap_param_gather: bool = opt(
         False,
         "--overlap-param-gather",
@@ -223,7 +270,7 @@ class ZeroConfig:
 @dataclass
 class OptimConfig:
     lr: float = opt(3e-4, "--lr", "peak learning rate")
-    min_lr: float = opt(3e-5, "--min-lr", "learning rate at the end of decay")
+    min_lr: float = opt(0.0, "--min-lr", "learning rate at the end of decay")
     lr_warmup_iters: int = opt(0, "--lr-warmup-iters", "linear warmup iterations")
     lr_warmup_samples: int = opt(
         0, "--lr-warmup-samples", "linear warmup over this many samples (sample-based training: --train-samples)"
@@ -238,7 +285,7 @@ class OptimConfig:
         None, "--lr-decay-samples", "samples of decay, with --train-samples (default: train samples)"
     )
     lr_decay_style: str = opt(
-        "cosine", "--lr-decay-style", "decay after warmup", choices=["constant", "linear", "cosine", "WSD"]
+        "linear", "--lr-decay-style", "decay after warmup", choices=["constant", "linear", "cosine", "WSD"]
     )
     lr_wsd_decay_iters: int | None = opt(
         None,
@@ -251,11 +298,14 @@ class OptimConfig:
         "WSD with --train-samples: samples of the final decay (default: a tenth of the decay samples after warmup)",
     )
     lr_wsd_decay_style: str = opt(
-        "linear", "--lr-wsd-decay-style", "WSD: shape of the final decay", choices=["linear", "cosine", "exponential"]
+        "exponential",
+        "--lr-wsd-decay-style",
+        "WSD: shape of the final decay",
+        choices=["exponential", "linear", "cosine"],
     )
-    weight_decay: float = opt(0.1, "--weight-decay", "AdamW weight decay (not applied to norms and biases)")
+    weight_decay: float = opt(0.01, "--weight-decay", "AdamW weight decay (not applied to norms and biases)")
     adam_beta1: float = opt(0.9, "--adam-beta1", "AdamW beta1")
-    adam_beta2: float = opt(0.95, "--adam-beta2", "AdamW beta2")
+    adam_beta2: float = opt(0.999, "--adam-beta2", "AdamW beta2")
     adam_eps: float = opt(1e-8, "--adam-eps", "AdamW epsilon")
     clip_grad: float = opt(1.0, "--clip-grad", "global gradient-norm clip (0 = off)")
 
@@ -267,13 +317,16 @@ class DataConfig:
     )
     split: str = opt("969,30,1", "--split", "train,valid,test proportions of each dataset")
     mock_data: bool = opt(False, "--mock-data", "synthetic learnable token sequences instead of --data-path")
-    tokenizer_type: str = opt(
-        "NullTokenizer",
+    tokenizer_type: str | None = opt(
+        None,
         "--tokenizer-type",
-        "tokenizer",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        "tokenizer (default: GPT2BPETokenizer when --vocab-file and --merge-file are given, as Megatron's GPT-3 "
+        "example expects, else NullTokenizer)",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
     )
     tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
+    vocab_file: str | None = opt(None, "--vocab-file", "GPT2BPETokenizer: the vocabulary (GPT-2's vocab.json)")
+    merge_file: str | None = opt(None, "--merge-file", "GPT2BPETokenizer: the BPE merges (GPT-2's merges.txt)")
     data_cache_path: str | None = opt(None, "--data-cache-path", "where dataset indices are cached (.npy)")
     reset_position_ids: bool = opt(
         False, "--reset-position-ids", "packed documents: positions restart at 0 after each EOD token"
@@ -321,9 +374,24 @@ class TrainConfig:
         "train on this many samples instead of --train-iters (the LR schedule then counts samples)",
     )
     eval_interval: int = opt(0, "--eval-interval", "evaluate every N steps (0 = never)")
-    eval_iters: int = opt(2, "--eval-iters", "validation batches per evaluation")
+    eval_iters: int = opt(100, "--eval-iters", "validation batches per evaluation")
     seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
     bf16: bool = opt(False, "--bf16", "bf16 compute with fp32 master weights")
+    # fp16 with loss scaling (Megatron's flags and defaults; issue 16)
+    fp16: bool = opt(
+        False, "--fp16", "fp16 compute with fp32 master weights and loss scaling (dynamic unless --loss-scale)"
+    )
+    loss_scale: float | None = opt(
+        None, "--loss-scale", "--fp16: static loss scale (a power of 2); default: dynamic loss scaling"
+    )
+    initial_loss_scale: float = opt(2.0**32, "--initial-loss-scale", "--fp16: first scale of dynamic loss scaling")
+    min_loss_scale: float = opt(1.0, "--min-loss-scale", "--fp16: the dynamic scale never falls below this")
+    loss_scale_window: int = opt(
+        1000, "--loss-scale-window", "--fp16: steps without overflow after which the dynamic scale doubles"
+    )
+    hysteresis: int = opt(
+        2, "--hysteresis", "--fp16: overflowing steps (since the last growth) before the scale halves"
+    )
     device: str = opt("auto", "--device", "cpu, cuda, or auto (cuda when available)")
     kernels: str = opt(
         "auto",
@@ -352,11 +420,40 @@ class TrainConfig:
         nargs="+",
         type=str,
     )
+    exit_interval: int | None = opt(
+        None, "--exit-interval", "stop after the iteration divisible by N (saving to --save when given)"
+    )
+    exit_duration_in_mins: float | None = opt(
+        None,
+        "--exit-duration-in-mins",
+        "stop after the first step that ends this many minutes after start (all ranks agree; saving to --save)",
+    )
     generate_tokens: int = opt(0, "--generate-tokens", "after training, greedy-decode N tokens and print them")
     generate_prompt: str = opt(
         "def",
         "--generate-prompt",
         "prompt text for --generate-tokens (a trailing space becomes a lone word-start token: leave it out)",
+    )
+
+    # Megatron-LM run-time flags (issue 16)
+    calculate_per_token_loss: bool = opt(
+        False,
+        "--calculate-per-token-loss",
+        "the loss is the mean over every token of the global batch (here every micro-batch has the same tokens, "
+        "so it equals the mean of micro-batch means; refused with --eod-mask-loss, where they differ)",
+    )
+    manual_gc: bool = opt(
+        False, "--manual-gc", "turn Python's automatic garbage collector off; collect every --manual-gc-interval steps"
+    )
+    manual_gc_interval: int = opt(
+        0, "--manual-gc-interval", "with --manual-gc: collect every N steps (0 = only at start)"
+    )
+    empty_unused_memory_level: int = opt(
+        0,
+        "--empty-unused-memory-level",
+        "release the accelerator's cached free memory: 1 = after each step's forward-backward, 2 = also after the "
+        "optimizer step (0 = never; nothing to release on CPU)",
+        choices=[0, 1, 2],
     )
 
     # filled by validate(): --train-iters came from --train-samples
@@ -397,7 +494,7 @@ class TrainConfig:
 
 @dataclass
 class LogConfig:
-    log_interval: int = opt(1, "--log-interval", "print a log line every N steps")
+    log_interval: int = opt(100, "--log-interval", "print a log line every N steps")
     metrics_file: str | None = opt(None, "--metrics-file", "JSONL of per-iteration metrics (written by one rank)")
     comm_report: str | None = opt(None, "--comm-report", "JSON of communication bytes per group/phase/link")
     tensorboard_dir: str | None = opt(None, "--tensorboard-dir", "write tensorboard scalars here")

@@ -148,7 +148,7 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         d=m.head_dim,
         ffn=m.ffn_size // tp,
         vocab=vocab // tp,
-        e=2 if cfg.train.bf16 else 4,
+        e=2 if cfg.train.bf16 or cfg.train.fp16 else 4,
         low_rank=m.gla_gate_low_rank,
         dropout=m.hidden_dropout > 0,
         masked=cp > 1 or cfg.data.reset_attention_mask,
@@ -348,7 +348,7 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     (`backend`), comm.reduce_scatter runs as an all-to-all into a full-size receive buffer, one per
     ZeRO reduction in flight; NCCL reduce-scatters in place."""
     z, p = cfg.zero, cfg.parallel
-    e = 2 if cfg.train.bf16 else 4
+    e = 2 if cfg.train.bf16 or cfg.train.fp16 else 4
     group = p.data_parallel_size * p.context_parallel_size  # the ZeRO group: DP x CP
     terms, notes, transient = {}, {}, {}
     if z.zero_stage == 0:

@@ -40,6 +40,9 @@ def validate(cfg: Config, world_size: int) -> Config:
         _check_data,
         _check_zero,
         _check_log,
+        _check_megatron_model,
+        _check_precision,
+        _check_run_control,
     ):
         errors += check(cfg, world_size)
     if errors:
@@ -57,6 +60,11 @@ def derive(cfg: Config, world_size: int) -> None:
         m.max_position_embeddings = m.seq_length
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
+    d = cfg.data
+    if d.tokenizer_type is None:
+        d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+    if cfg.zero.use_distributed_optimizer and cfg.zero.zero_stage == 0:  # Megatron's distributed optimizer
+        cfg.zero.zero_stage = 1
     if t.train_iters is None:  # Megatron: from --train-samples, else our default
         t.train_iters_from_samples = t.train_samples is not None
         t.train_iters = t.iterations_for_samples() if t.train_samples is not None else 100
@@ -439,8 +447,16 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
             (d.num_workers >= 0, f"--num-workers must be >= 0 (got {d.num_workers})"),
             (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
             (
-                d.tokenizer_type == "NullTokenizer" or d.tokenizer_model is not None,
+                d.tokenizer_type in ("NullTokenizer", "GPT2BPETokenizer") or d.tokenizer_model is not None,
                 f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model",
+            ),
+            (
+                d.tokenizer_type != "GPT2BPETokenizer" or (d.vocab_file and d.merge_file),
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)",
+            ),
+            (
+                d.tokenizer_type == "GPT2BPETokenizer" or not (d.vocab_file or d.merge_file),
+                "--vocab-file/--merge-file are read by --tokenizer-type GPT2BPETokenizer only: add it or drop them",
             ),
             (
                 all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
@@ -538,5 +554,87 @@ def _check_profiling(cfg: Config, world_size: int) -> list[str]:
                 not (g.profile or g.record_memory_history) or not bad_ranks,
                 f"--profile-ranks {' '.join(map(str, bad_ranks))}: no such rank (world size {world_size})",
             ),
+        ]
+    )
+
+
+def _check_megatron_model(cfg: Config, world_size: int) -> list[str]:
+    """Megatron-LM model flags whose other values are not built here (issue 16)."""
+    m = cfg.model
+    return _failed(
+        [
+            (
+                m.position_embedding_type == "rope",
+                f"--position-embedding-type {m.position_embedding_type}: only rope is built here; use "
+                "--position-embedding-type rope",
+            ),
+            (
+                m.kv_channels is None or m.kv_channels * m.num_attention_heads == m.hidden_size,
+                f"--kv-channels {m.kv_channels}: only --hidden-size / --num-attention-heads = {m.head_dim} is built "
+                "(the head dim); drop it",
+            ),
+            (m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: only 1.0 (full RoPE) is built; drop it"),
+            (not m.add_bias_linear, "--add-bias-linear: biases in the linear layers are not built; drop it"),
+            (
+                m.attention_backend not in ("flash", "fused")
+                or cfg.train.bf16
+                or cfg.train.fp16
+                or cfg.train.device == "cpu",
+                f"--attention-backend {m.attention_backend}: SDPA's flash and fused kernels take 16-bit inputs: add "
+                "--bf16 or --fp16, or use --attention-backend auto/unfused",
+            ),
+            (
+                m.num_query_groups is None or m.group_query_attention,
+                f"--num-query-groups {m.num_query_groups} needs --group-query-attention (Megatron ignores it "
+                "without, and uses one key/value head per query head): add it, or drop --num-query-groups",
+            ),
+            (
+                m.num_query_groups is None or m.num_query_groups >= 1,
+                f"--num-query-groups must be >= 1 (got {m.num_query_groups})",
+            ),
+            (
+                m.ffn_size >= 1,
+                f"--swiglu: Megatron's default MLP width int(8/3 x {m.hidden_size} / 64) x 64 is 0 at --hidden-size "
+                f"{m.hidden_size}: give --ffn-hidden-size",
+            ),
+        ]
+    )
+
+
+def _check_precision(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.train
+    return _failed(
+        [
+            (not (t.fp16 and t.bf16), "give either --fp16 or --bf16, not both"),
+            (
+                t.loss_scale is None or t.loss_scale > 0,
+                f"--loss-scale must be > 0 (got {t.loss_scale}; leave it out for dynamic scaling)",
+            ),
+            (
+                0 < t.min_loss_scale <= t.initial_loss_scale,
+                f"--min-loss-scale {t.min_loss_scale} must be > 0 and at most --initial-loss-scale "
+                f"{t.initial_loss_scale}",
+            ),
+            (t.loss_scale_window >= 1, f"--loss-scale-window must be >= 1 (got {t.loss_scale_window})"),
+            (t.hysteresis >= 1, f"--hysteresis must be >= 1 (got {t.hysteresis})"),
+            (
+                not (t.calculate_per_token_loss and cfg.data.eod_mask_loss),
+                "--calculate-per-token-loss with --eod-mask-loss (a mean over the global batch's unmasked tokens) is "
+                "not built: drop one (--eod-mask-loss alone averages each micro-batch's unmasked tokens)",
+            ),
+        ]
+    )
+
+
+def _check_run_control(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.train
+    return _failed(
+        [
+            (t.exit_interval is None or t.exit_interval >= 1, f"--exit-interval must be >= 1 (got {t.exit_interval})"),
+            (
+                t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+                f"--exit-duration-in-mins must be > 0 (got {t.exit_duration_in_mins})",
+            ),
+            (t.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0 (got {t.manual_gc_interval})"),
         ]
     )

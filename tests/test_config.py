@@ -75,14 +75,23 @@ def test_explicit_global_batch_and_positions_kept():
 
 ERROR_CASES = [
     (dict(model__hidden_size=128, model__num_attention_heads=3), 1, ["--num-attention-heads", "--hidden-size"]),
-    (dict(model__num_attention_heads=4, model__num_query_groups=3), 1, ["--num-query-groups"]),
+    (
+        dict(model__num_attention_heads=4, model__num_query_groups=3, model__group_query_attention=True),
+        1,
+        ["--num-query-groups"],
+    ),
     (
         dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=2),
         4,
         ["--num-attention-heads", "--tensor-model-parallel-size"],
     ),
     (
-        dict(parallel__tensor_model_parallel_size=4, model__num_attention_heads=8, model__num_query_groups=2),
+        dict(
+            parallel__tensor_model_parallel_size=4,
+            model__num_attention_heads=8,
+            model__num_query_groups=2,
+            model__group_query_attention=True,
+        ),
         4,
         ["--num-query-groups", "--tensor-model-parallel-size"],
     ),

@@ -10,13 +10,18 @@ from megatron_zpp import memory
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 TOLERANCE = 0.10
 BASE = (
-    "--mock-data --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --seq-length 128 --vocab-size 256 "
-    "--make-vocab-size-divisible-by 32 --gla-chunk-size 32 --micro-batch-size 4 --num-layers 2 --train-iters 2 "
-    "--lr 1e-3 --seed 3 --attention-type gla --softmax-attention-every 2"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --hidden-size 64 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 --seq-length 128 --vocab-size 256 "
+        "--make-vocab-size-divisible-by 32 --gla-chunk-size 32 --micro-batch-size 4 --num-layers 2 --train-iters 2 "
+        "--lr 1e-3 --seed 3 --attention-type gla --softmax-attention-every 2"
+    ).split()
+)
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 
 

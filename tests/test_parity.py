@@ -21,14 +21,19 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.tensor_parallel import unshard
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 STEPS, GBS, MBS, SEQ, HIDDEN = 6, 8, 2, 32, 32
 BASE = (
-    f"--mock-data --hidden-size {HIDDEN} --num-attention-heads 4 --num-query-groups 2 "
-    f"--seq-length {SEQ} --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 "
-    f"--train-iters {STEPS} --global-batch-size {GBS} --micro-batch-size {MBS} --lr 3e-3 "
-    f"--lr-warmup-iters 2 --clip-grad 0.5 --seed 11"
-).split()
+    OLD_DEFAULTS
+    + (
+        f"--mock-data --hidden-size {HIDDEN} --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        f"--seq-length {SEQ} --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 "
+        f"--train-iters {STEPS} --global-batch-size {GBS} --micro-batch-size {MBS} --lr 3e-3 "
+        f"--lr-warmup-iters 2 --clip-grad 0.5 --seed 11 "
+        f"--ffn-hidden-size {64 * ((int(8 * HIDDEN / 3) + 63) // 64)}"  # the SwiGLU width these tolerances were set at
+    ).split()
+)
 KINDS = {
     "softmax": ["--attention-type", "softmax"],
     "gla": ["--attention-type", "gla"],

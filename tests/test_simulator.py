@@ -25,7 +25,7 @@ from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = (
-    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
+    "--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 --seq-length 32 "
     "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 2 "
     "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --train-iters 1 --ranks-per-node 2 "
     "--zero-quantization-block-size 64 --zero-gradient-quantization-block-size 64"

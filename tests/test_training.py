@@ -13,13 +13,17 @@ from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.training.loop import format_eta
 from megatron_zpp.validation import validate
+from tests.old_defaults import OLD_DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = (
-    "--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-    "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --lr 3e-3 "
-    "--lr-warmup-iters 2 --seed 7"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+        "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --lr 3e-3 "
+        "--lr-warmup-iters 2 --seed 7"
+    ).split()
+)
 
 
 def run_training(argv: list[str], world_size: int) -> tuple[list[float], list[np.ndarray]]:
@@ -107,7 +111,8 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 240) -> subprocess.
 
 def test_pretrain_gpt_under_torchrun(tmp_path):
     # one hybrid GQA model (GLA and softmax layers): each kind's training under every layout is test_parity's
-    kind = ["--attention-type", "gla", "--softmax-attention-every", "2", "--num-query-groups", "2"]
+    kind = ["--attention-type", "gla", "--softmax-attention-every", "2"]
+    kind += ["--group-query-attention", "--num-query-groups", "2"]
     metrics, report = tmp_path / "m.jsonl", tmp_path / "comm.json"
     out = torchrun(
         TINY

@@ -167,7 +167,8 @@ def config_from_hf(hf: dict, hf_dir: str):
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
-    m.num_query_groups = hf.get("num_key_value_heads", heads)
+    m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
+    m.hidden_dropout, m.attention_dropout = 0.0, float(hf.get("attention_dropout", 0.0))  # Llama trains without
     m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
     m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
     m.norm_epsilon, m.rotary_base = hf.get("rms_norm_eps", 1e-6), float(hf.get("rope_theta", 10000.0))

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         m.vocab_size,
         m.make_vocab_size_divisible_by,
         1,
+        d.vocab_file,
+        d.merge_file,
     )
     prompt = tok.tokenize(args.prompt) if args.prompt else []
     if not prompt:  # start a new document

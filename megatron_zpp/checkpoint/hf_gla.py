@@ -204,7 +204,8 @@ def _config_from_remote(hf: dict):
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
-    m.num_query_groups = hf.get("num_key_value_heads", heads)
+    m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
+    m.hidden_dropout = m.attention_dropout = 0.0  # the exported model has none (Megatron's default is 0.1)
     m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
     m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
     m.attention_type, m.softmax_attention_every = period

@@ -77,7 +77,19 @@ def config_from_dict(d: dict) -> Config:
             if not hasattr(obj, name):
                 raise CheckpointError(f"checkpoint config has an unknown setting {section}.{name}")
             setattr(obj, name, value)
+    _upgrade_old_config(d, cfg)
     return cfg
+
+
+def _upgrade_old_config(d: dict, cfg: Config) -> None:
+    """Checkpoints saved before the Megatron defaults (issue 16) have no model.group_query_attention:
+    there --num-query-groups alone meant GQA and a SwiGLU MLP width rounded up to 64."""
+    m, saved = cfg.model, d.get("model", {})
+    if "group_query_attention" in saved:
+        return
+    m.group_query_attention = m.num_query_groups is not None
+    if m.ffn_hidden_size is None and m.activation == "swiglu":
+        m.ffn_hidden_size = 64 * ((int(8 * m.hidden_size / 3) + 63) // 64)
 
 
 def topology_of(cfg: Config) -> Topology:
@@ -126,7 +138,7 @@ def rank_layout(
     if (c["tp"], c["pp"]) not in cache:
         cache[c["tp"], c["pp"]] = build_chunks(cfg, vocab, c["tp"], c["pp"])
     chunks = cache[c["tp"], c["pp"]]
-    zero, bf16 = cfg.zero.zero_stage > 0, cfg.train.bf16
+    zero, bf16 = cfg.zero.zero_stage > 0, cfg.train.bf16 or cfg.train.fp16  # 16-bit weights: fp32 masters
     out = RankLayout(zero=zero)
 
     def slot(key, lo, hi, name, p, start, master_key=None):

@@ -120,9 +120,10 @@ def _seal(
     padded_vocab: int,
     digests: list[str],
     tracking: dict | None = None,
+    train_state: dict | None = None,
 ) -> None:
-    """Write meta.json (with every rank file's sha256 and the run's `tracking` metadata),
-    rename tmp to final, then point `latest` at it."""
+    """Write meta.json (with every rank file's sha256, the run's `tracking` metadata and its
+    `train_state`: the loss scaler and skipped steps), rename tmp to final, then point `latest` at it."""
     files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
     meta = {
@@ -136,6 +137,8 @@ def _seal(
         "files": files,
         "tracking": dict(tracking or {}),
     }
+    if train_state:
+        meta["train_state"] = train_state
     fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
     fsync_path(tmp)
     if os.path.exists(final):  # saved this iteration before: replace it
@@ -169,16 +172,33 @@ def save_checkpoint(run, directory: str) -> str:
             run.tokenizer.padded_vocab_size,
             [bytes(d.tolist()).hex() for d in digests.cpu()],
             getattr(run, "tracking", None),  # rank 0's: the rank that logs
+            _train_state(run),
         )
     comm.barrier()
     return final
+
+
+def _train_state(run) -> dict:
+    """--fp16: the loss scaler and the skipped steps (the same on every rank), kept in meta.json."""
+    if run.loss_scaler is None and not run.skipped_iterations:
+        return {}
+    scaler = run.loss_scaler.state_dict() if run.loss_scaler else None
+    return {"loss_scaler": scaler, "skipped_iterations": run.skipped_iterations, "skipped_samples": run.skipped_samples}
+
+
+def _restore_train_state(run, meta: dict) -> None:
+    state = meta.get("train_state") or {}
+    run.skipped_iterations = int(state.get("skipped_iterations", 0))
+    run.skipped_samples = int(state.get("skipped_samples", 0))
+    if run.loss_scaler is not None and state.get("loss_scaler"):
+        run.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
 def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
     """A weights-only checkpoint (iteration 0, no optimizer state, no RNG) of single-rank fp32
     `weights`, as a 1-rank plain-DP layout of `cfg`; `--load` reshards it to any layout and
     starts a fresh optimizer. For importers (tools/convert_checkpoint.py --from hf)."""
-    if cfg.parallel.world_size != 1 or cfg.zero.zero_stage or cfg.train.bf16:
+    if cfg.parallel.world_size != 1 or cfg.zero.zero_stage or cfg.train.bf16 or cfg.train.fp16:
         raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
     final, tmp = _start(directory, 0)
     _fresh_dir(tmp)
@@ -222,7 +242,7 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
     changes = layout_changes(meta, run.cfg)
     if changes:
         saved = SavedCheckpoint(path, meta)
-        dtype = torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+        dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
         state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
         _restore(run, path, {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}})
         run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
@@ -237,6 +257,7 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         how = "same layout"
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
+    _restore_train_state(run, meta)
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
     return (

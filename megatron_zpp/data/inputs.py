@@ -51,17 +51,22 @@ def load_tokenizer(cfg: Config, tp_size: int = 1):
     """The tokenizer of `cfg`; a missing model, one of the wrong kind or one that does not load
     is a ConfigError naming --tokenizer-model."""
     d, m = cfg.data, cfg.model
-    return checked_tokenizer(d.tokenizer_type, d.tokenizer_model, m.vocab_size, m.make_vocab_size_divisible_by, tp_size)
+    files = {"vocab_file": d.vocab_file, "merge_file": d.merge_file}  # GPT2BPETokenizer's
+    return checked_tokenizer(
+        d.tokenizer_type, d.tokenizer_model, m.vocab_size, m.make_vocab_size_divisible_by, tp_size, **files
+    )
 
 
-def checked_tokenizer(kind: str, model: str | None, vocab_size: int | None, divisible_by: int = 128, tp_size: int = 1):
+def checked_tokenizer(
+    kind: str, model: str | None, vocab_size: int | None, divisible_by: int = 128, tp_size: int = 1, **files
+):
     """build_tokenizer, with every way it can fail on its input a one-line ConfigError (the data
     tools use it too)."""
     problem = _tokenizer_model_problem(kind, model)
     if problem:
         raise ConfigError(problem)
     try:
-        return build_tokenizer(kind, model, vocab_size, divisible_by, tp_size)
+        return build_tokenizer(kind, model, vocab_size, divisible_by, tp_size, **files)
     except _TOKENIZER_ERRORS as e:
         text = " ".join(str(e).split()) or type(e).__name__
         if text.startswith("--") or not model:

@@ -101,15 +101,51 @@ class HuggingFaceTokenizer(_Tokenizer):
         return self.tok.decode([int(i) for i in ids])
 
 
+class GPT2BPETokenizer(_Tokenizer):
+    """GPT-2's byte-level BPE from a vocab.json and a merges.txt (Megatron's GPT2BPETokenizer): GPT-2's
+    pre-tokenizing regex over bytes, and the end-of-document token `<|endoftext|>`. Read with the
+    `tokenizers` package; never downloads."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"{flag} {path}: no such file (GPT2BPETokenizer needs vocab.json and merges.txt)"
+                )
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as e:
+            raise ImportError("GPT2BPETokenizer needs the `tokenizers` package: pip install tokenizers") from e
+        self.tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self.tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.tok.decoder = decoders.ByteLevel()
+        eod = self.tok.token_to_id(self.EOD)
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file}: has no {self.EOD} token to end documents with")
+        self.vocab_size, self.eod = self.tok.get_vocab_size(), eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None,
     vocab_size: int | None = None,
     make_vocab_size_divisible_by: int = 128,
     tp_size: int = 1,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ) -> _Tokenizer:
     """Build the tokenizer named by --tokenizer-type and set its Megatron-padded vocabulary size."""
-    if tokenizer_type == "NullTokenizer":
+    if tokenizer_type == "GPT2BPETokenizer":
+        tok = GPT2BPETokenizer(vocab_file, merge_file)
+    elif tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         tok = NullTokenizer(vocab_size)
@@ -121,7 +157,7 @@ def build_tokenizer(
     else:
         raise ValueError(
             f"unknown --tokenizer-type {tokenizer_type!r}; "
-            "choose NullTokenizer, SentencePieceTokenizer or HuggingFaceTokenizer"
+            "choose NullTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or GPT2BPETokenizer"
         )
     tok.padded_vocab_size = pad_vocab_size(tok.vocab_size, make_vocab_size_divisible_by, tp_size)
     return tok

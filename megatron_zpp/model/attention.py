@@ -26,6 +26,33 @@ from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
 from .documents import Documents
 
+# --attention-backend (Megatron's names) -> the SDPA backends allowed on CUDA; auto: SDPA's own choice
+_SDPA_BACKENDS = {
+    "flash": ("FLASH_ATTENTION",),
+    "fused": ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"),
+    "unfused": ("MATH",),
+    "local": ("MATH",),
+}
+
+
+def describe_attention_backend(backend: str, device: torch.device) -> str:
+    """The start-up log's words for the softmax attention path --attention-backend selects."""
+    if device.type != "cuda":
+        return f"torch SDPA, CPU kernel (--attention-backend {backend} selects a backend on CUDA only)"
+    if backend == "auto":
+        return "torch SDPA, its own backend choice (--attention-backend auto)"
+    names = "/".join(_SDPA_BACKENDS[backend])
+    return f"torch SDPA restricted to {names} (--attention-backend {backend}; packed documents and CP use masks)"
+
+
+def _sdpa_backend(backend: str, device: torch.device):
+    """A context restricting SDPA to --attention-backend's kernels on CUDA (a no-op elsewhere)."""
+    if backend == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, n) for n in _SDPA_BACKENDS[backend]])
+
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
@@ -35,6 +62,7 @@ class SelfAttention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
         self.dropout = cfg.attention_dropout
+        self.backend = cfg.attention_backend
         self.selective = cfg.recompute_granularity == "selective"  # the core attention is recomputed in backward
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
@@ -65,7 +93,11 @@ class SelfAttention(nn.Module):
             if (self.cp is not None and self.cp.size > 1) or doc_ids is not None:
                 # local queries against the keys of every CP slice, masked to their documents
                 return attention_context_parallel(q, k, v, self.cp, dropout, self.training, doc_ids, self.selective)
-            gqa = self.kv_heads != self.heads
-            sdpa = F.scaled_dot_product_attention
-            attend = functools.partial(sdpa, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+            attend = functools.partial(_attend, self.backend, dropout, self.kv_heads != self.heads)
             return recompute.checkpoint(attend, q, k, v) if self.selective else attend(q, k, v)
+
+
+def _attend(backend: str, dropout: float, gqa: bool, q, k, v):
+    """Causal SDPA on --attention-backend's kernels (inside the function: a recompute reruns it the same way)."""
+    with _sdpa_backend(backend, q.device):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)

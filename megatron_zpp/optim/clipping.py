@@ -39,10 +39,14 @@ def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None
 
 
 def clip_by_global_norm(
-    counted: list[torch.Tensor], grads: list[torch.Tensor], groups_to_sum, max_norm: float
+    counted: list[torch.Tensor], grads: list[torch.Tensor], groups_to_sum, max_norm: float, loss_scale=None
 ) -> float:
     """Global norm of the `counted` gradients (each parameter once, summed over
-    `groups_to_sum`), then clip all of `grads` by it. Returns the norm before clipping."""
+    `groups_to_sum`), then clip all of `grads` by it. Returns the norm before clipping.
+    `loss_scale` (--fp16): the gradients are first divided by it (`counted` must view `grads`)."""
+    if loss_scale is not None and loss_scale != 1.0:
+        for g in grads:
+            g.mul_(1.0 / loss_scale)  # a power of two: exact
     norm = global_grad_norm(counted, groups_to_sum)
     clip_(grads, norm, max_norm)
     return norm

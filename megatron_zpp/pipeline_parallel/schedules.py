@@ -43,8 +43,10 @@ class Stage:
         position_offset: int,
         forward_only: bool,
         on_backward: Callable[[int, bool], None] | None = None,
+        loss_scale: float = 1.0,
     ):
         self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
+        self.loss_scale = loss_scale  # --fp16: the backward starts from loss x scale
         self.position_offset, self.forward_only = position_offset, forward_only
         self.losses: list[torch.Tensor] = []
         self.runs = [0] * len(chunks)  # micro-batches each chunk has run
@@ -87,7 +89,7 @@ class Stage:
             return out
         loss = out.mean() if batch.get("loss_mask") is None else (out * batch["loss_mask"]).sum() / batch["loss_tokens"]
         self.losses.append(loss.detach())
-        return loss / self.m
+        return loss / self.m if self.loss_scale == 1.0 else loss * (self.loss_scale / self.m)
 
     @staticmethod
     def backward(hidden: torch.Tensor | None, out: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -235,8 +237,9 @@ def run_schedule(
     position_offset: int = 0,
     forward_only: bool = False,
     on_backward: Callable[[int, bool], None] | None = None,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only, on_backward)
+    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only, on_backward, loss_scale)
     if link is None or link.pp.size == 1:
         return forward_backward_no_pipelining(stage)
     if len(chunks) == 1:

@@ -16,6 +16,8 @@ from ..topology import ProcessGroups
 
 
 def training_dtype(cfg: Config) -> torch.dtype:
+    if cfg.train.fp16:
+        return torch.float16
     return torch.bfloat16 if cfg.train.bf16 else torch.float32
 
 

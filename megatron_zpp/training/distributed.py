@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -44,13 +45,23 @@ def shutdown() -> None:
 
 class ExitSignal:
     """--exit-signal-handler: the signals of --exit-signal only set a flag; after each step the
-    ranks agree on it (a 1-element MAX all-reduce over the world), so a signal that reached any
-    rank stops every rank at the same step boundary, after a checkpoint. Installed at set-up,
-    so a signal that comes while the run loads is kept too (instead of killing the rank)."""
+    ranks agree on it (a MAX all-reduce over the world), so a signal that reached any rank stops
+    every rank at the same step boundary, after a checkpoint. Installed at set-up, so a signal
+    that comes while the run loads is kept too (instead of killing the rank).
+    --exit-duration-in-mins rides on the same all-reduce (Megatron's rule: a rank past the time
+    stops them all), counted from `started` (time.time() at set-up)."""
 
-    def __init__(self, enabled: bool, signal_names: list[str], device: torch.device):
+    def __init__(
+        self,
+        enabled: bool,
+        signal_names: list[str],
+        device: torch.device,
+        minutes: float | None = None,
+        started: float = 0.0,
+    ):
         self.enabled, self.device, self.received = enabled, device, False
         self.names = list(signal_names)
+        self.deadline = started + 60 * minutes if minutes else None
         self.previous: dict[int, object] = {}  # installed: signal -> the handler it replaced
 
     def install(self) -> ExitSignal:
@@ -63,12 +74,14 @@ class ExitSignal:
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def anywhere(self, groups: ProcessGroups) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([float(self.received)], device=self.device)
+    def anywhere(self, groups: ProcessGroups) -> str | None:
+        """'signal', 'duration' or None, the same on every rank."""
+        if not self.enabled and self.deadline is None:
+            return None
+        late = self.deadline is not None and time.time() >= self.deadline
+        flag = torch.tensor([float(self.received), float(late)], device=self.device)
         comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return "signal" if flag[0].item() else "duration" if flag[1].item() else None
 
     def close(self) -> None:
         for signum, previous in self.previous.items():  # None: a handler not set from Python

@@ -1,9 +1,11 @@
 """The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
-cadence, profiling windows, and the stop of --exit-signal-handler."""
+cadence, profiling windows, and the early stops: a signal (--exit-signal-handler), --exit-interval
+and --exit-duration-in-mins, each after a checkpoint when --save is given."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 
@@ -78,6 +80,8 @@ def _log_line(run: Run, m: dict, data_wait: float, eta: float) -> None:
     `eta`: seconds to --train-iters (or the iterations --train-samples makes) at the mean step time."""
     mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
     val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
+    if "loss_scale" in m:  # --fp16
+        val += f" | loss scale {m['loss_scale']:g} | skipped {m['skipped_iterations']}"
     log(
         f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
         f"global batch {m['global_batch_size']} | grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
@@ -97,9 +101,19 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
     run.iteration += 1
     run.consumed_samples += batch
     comm.LEDGER.step()
-    if not math.isfinite(loss):
+    if not math.isfinite(loss) and run.loss_scaler is None:  # --fp16 skips such a step instead
         raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
+    scaling = {}
+    if run.loss_scaler is not None:
+        scaling = {"loss_scale": run.loss_scaler.scale, "skipped_iterations": run.skipped_iterations}
+        if run.last_step_skipped:
+            log(
+                f"iteration {run.iteration}: gradients overflowed in fp16, step skipped; loss scale now "
+                f"{run.loss_scaler.scale:g} ({run.skipped_iterations} skipped so far)",
+                run.rank,
+            )
     return {
+        **scaling,
         "iteration": run.iteration,
         "loss": loss,
         "grad_norm": grad_norm,
@@ -136,6 +150,23 @@ def _metrics_sink(run: Run) -> MetricsSink:
     return sink
 
 
+def _stop_early(run: Run, why: str, saved: str | None) -> None:
+    """Stop before --train-iters: save to --save (when given and not just saved) and say why."""
+    t = run.cfg.train
+    if t.save and not saved:
+        saved = save_checkpoint(run, t.save)
+    if why == "signal":
+        cause = f"{' or '.join(t.exit_signal)} received"
+    elif why == "interval":
+        cause = f"--exit-interval {t.exit_interval} reached"
+    else:
+        cause = f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed"
+    after = f"saved {saved}; resume with --load {t.save}" if saved else "not saved (no --save)"
+    log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
+    run.stopped_by_signal = why == "signal"
+    run.stopped_by = why
+
+
 def train(run: Run) -> list[dict]:
     """Train to --train-iters (or the --exit-signal); the metrics of every step."""
     cfg, rank, t = run.cfg, run.rank, run.cfg.train
@@ -143,14 +174,19 @@ def train(run: Run) -> list[dict]:
     throughput = Throughput.of(run)
     history = []
     comm.LEDGER.reset()
-    stop = run.exit_signal.install()
+    stop = run.exit_signal.install()  # again after a previous train() closed it
     profiler = StepProfiler(cfg, rank, run.device, run.iteration)
+    if t.manual_gc:  # Megatron's --manual-gc: collect at chosen steps only, alike on every rank
+        gc.disable()
+        gc.collect()
     data_wait = 0.0  # since the last log line
     clock = StepClock()
     while run.iteration < t.train_iters:
         profiler.before_step(run.iteration + 1)
         metrics = _timed_step(run, throughput)
         profiler.after_step(run.iteration)
+        if t.manual_gc and t.manual_gc_interval and run.iteration % t.manual_gc_interval == 0:
+            gc.collect()
         data_wait += metrics["data_wait_time"]
         clock.add(metrics["step_time"])
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
@@ -164,18 +200,17 @@ def train(run: Run) -> list[dict]:
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             log(f"saved checkpoint {saved}", rank)
-        if stop.anywhere(run.groups):
-            saved = saved or save_checkpoint(run, t.save)
-            log(
-                f"{' or '.join(t.exit_signal)} received: stopped after iteration {run.iteration}, saved {saved}; "
-                f"resume with --load {t.save}",
-                rank,
-            )
-            run.stopped_by_signal = True
+        why = stop.anywhere(run.groups)
+        if why is None and t.exit_interval and run.iteration % t.exit_interval == 0 and run.iteration < t.train_iters:
+            why = "interval"
+        if why:
+            _stop_early(run, why, saved)
             break
     profiler.close()
     run.memory_snapshots.dump()
     stop.close()
+    if t.manual_gc:
+        gc.enable()
     sink.close()
     run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
     if cfg.log.comm_report:

@@ -9,6 +9,7 @@ position) before the data iterator is built, so the data continues where it stop
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,9 +20,11 @@ from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
 from ..logging_utils import log
 from ..model import GPT, count_parameters
+from ..model.attention import describe_attention_backend
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
 from ..ops.quantize import quantizer_backend
+from ..optim.loss_scaler import LossScaler
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
@@ -50,11 +53,21 @@ class Run:
     exit_signal: ExitSignal | None = None  # installed at set-up, so a signal while loading is kept
     memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
     tracking: dict = field(default_factory=dict)  # run metadata kept in checkpoints: {"wandb_run_id": ...}
+    # --fp16: the loss scaler; steps skipped on overflow (they do not advance the LR schedule)
+    loss_scaler: LossScaler | None = None
+    skipped_iterations: int = 0
+    skipped_samples: int = 0
+    last_step_skipped: bool = False
+    stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
+    started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
 
 def setup(cfg: Config) -> Run:
+    started_at = time.time()
     groups, device = init_distributed(cfg)
-    exit_signal = ExitSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal, device).install()
+    t = cfg.train
+    exit_signal = ExitSignal(t.exit_signal_handler, t.exit_signal, device, t.exit_duration_in_mins, started_at)
+    exit_signal.install()
     check_device(cfg, device)
     try:
         set_kernels(cfg.train.kernels, device)
@@ -78,6 +91,8 @@ def setup(cfg: Config) -> Run:
         None,
         exit_signal=exit_signal,
         memory_snapshots=memory_snapshots,
+        loss_scaler=LossScaler.from_config(cfg.train),
+        started_at=started_at,
     )
     if cfg.train.load:  # model, optimizer, RNG, position
         restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
@@ -106,15 +121,24 @@ def _log_setup(run: Run, n_params: int) -> None:
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
-        f"{'bf16 compute + fp32 master weights' if cfg.train.bf16 else 'fp32'}"
+        f"{_precision(cfg)}"
         f"{', blocks compiled (--torch-compile, inductor)' if cfg.train.torch_compile else ''}",
         rank,
     )
     te = "present, not used" if importlib.util.find_spec("transformer_engine") else "not installed"
     log(describe(run.device), rank)
+    attention = describe_attention_backend(cfg.model.attention_backend, run.device)
     log(
-        f"other ops: {norm_backend(run.device)}; attention: torch SDPA; ZeRO++ quantizers: {quantizer_backend()}; "
+        f"other ops: {norm_backend(run.device)}; attention: {attention}; ZeRO++ quantizers: {quantizer_backend()}; "
         f"transformer-engine: {te}",
         rank,
     )
     log(f"{run.dp.describe()}; optimizer: {run.dp.optimizer_name}", rank)
+
+
+def _precision(cfg: Config) -> str:
+    t = cfg.train
+    if t.fp16:
+        how = f"static scale {t.loss_scale:g}" if t.loss_scale else f"dynamic from {t.initial_loss_scale:g}"
+        return f"fp16 compute + fp32 master weights, loss scaling ({how})"
+    return "bf16 compute + fp32 master weights" if t.bf16 else "fp32"

@@ -32,9 +32,14 @@ def position_offset(run) -> int:
 
 def train_step(run) -> tuple[float, float, float]:
     """One optimizer step over the global batch due after `run.consumed_samples` (it grows
-    during a ramp-up). Returns (mean loss over the global batch, grad norm, lr)."""
+    during a ramp-up). Returns (mean loss over the global batch, grad norm, lr).
+
+    --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
+    overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
+    Megatron, does not advance the learning-rate schedule."""
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
+    scaler = run.loss_scaler
     losses = run_schedule(
         run.chunks,
         run.train_data,
@@ -42,13 +47,28 @@ def train_step(run) -> tuple[float, float, float]:
         run.link,
         position_offset(run),
         on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
+        loss_scale=scaler.scale if scaler else 1.0,
     )
     # the loss is reduced before the step: a collective after it would queue behind the weight
     # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
     loss = report_loss(run, losses)
-    lr = step_learning_rate(run.cfg, run.iteration, run.consumed_samples)
-    grad_norm = run.dp.step(lr)
+    lr = step_learning_rate(run.cfg, run.iteration - run.skipped_iterations, run.consumed_samples - run.skipped_samples)
+    empty_cache(run, 1)
+    grad_norm = run.dp.step(lr, scaler.scale if scaler else None)
+    empty_cache(run, 2)
+    run.last_step_skipped = bool(scaler and scaler.overflowed(grad_norm))
+    if scaler:
+        scaler.update(run.last_step_skipped)
+    if run.last_step_skipped:
+        run.skipped_iterations += 1
+        run.skipped_samples += run.cfg.train.global_batch_at(run.consumed_samples)
     return loss, grad_norm, lr
+
+
+def empty_cache(run, level: int) -> None:
+    """--empty-unused-memory-level: hand the accelerator's cached free blocks back (none on CPU)."""
+    if run.cfg.train.empty_unused_memory_level >= level and run.device.type != "cpu":
+        torch.accelerator.empty_cache()
 
 
 @torch.no_grad()

@@ -42,9 +42,10 @@ class DataParallelEngine(ABC):
         this call everything is reduced in `step`."""
 
     @abstractmethod
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, loss_scale: float | None = None) -> float:
         """Reduce and finalize the gradients, clip by the global norm, step AdamW;
-        returns the norm before clipping."""
+        returns the norm before clipping. With `loss_scale` (--fp16) the gradients are first
+        divided by it, and a non-finite norm (an overflow, alike on every rank) skips AdamW."""
 
     @abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ rebuilt by the next gather, so none of them is saved.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -329,7 +330,7 @@ class ZeroEngine(DataParallelEngine):
         for unit in self.units:
             unit.grad_shard.div_(self.group.size)
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, loss_scale: float | None = None) -> float:
         self._finish_grads()
         g = self.groups
         counted = [
@@ -338,11 +339,13 @@ class ZeroEngine(DataParallelEngine):
             for p, a, b, _ in u.segments()
             if counted_once(p, g.tp_rank, g.is_first_stage)
         ]
-        norm = clip_by_global_norm(counted, [u.grad_shard for u in self.units], [self.group, g.mp], self.clip)
+        shards = [u.grad_shard for u in self.units]
+        norm = clip_by_global_norm(counted, shards, [self.group, g.mp], self.clip, loss_scale)
         set_lr(self.optimizer, lr)
         for unit, a, b, view in self.opt_segments:
             view.grad = unit.grad_shard[a:b]
-        self.optimizer.step()
+        if loss_scale is None or math.isfinite(norm):  # --fp16 overflow: skip (the shards are re-set alike)
+            self.optimizer.step()
         for *_, view in self.opt_segments:
             view.grad = None
         for unit in self.units:  # --overlap-param-gather: the next forward waits for each unit's gather

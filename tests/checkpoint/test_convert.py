@@ -27,14 +27,19 @@ from megatron_zpp.config import Config
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = (
-    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
-    "32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --train-iters 3 "
-    "--global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 "
-    "--seed 5 --peak-tflops 1"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--seq-length "
+        "32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --train-iters 3 "
+        "--global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 "
+        "--seed 5 --peak-tflops 1"
+    ).split()
+)
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "zero3_untied": ["--zero-stage", "3", "--untie-embeddings-and-output-weights"],

@@ -35,15 +35,20 @@ from megatron_zpp.checkpoint import files, sharded
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = (
-    "--mock-data --device cpu --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "
-    "--seq-length 32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 "
-    "--attention-type gla --softmax-attention-every 2 --gla-chunk-size 8 --global-batch-size "
-    "4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 2 --clip-grad 0.5 --seed 11 "
-    "--peak-tflops 1 --distributed-timeout-minutes 1"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --device cpu --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 "
+        "--seq-length 32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 "
+        "--attention-type gla --softmax-attention-every 2 --gla-chunk-size 8 --global-batch-size "
+        "4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 2 --clip-grad 0.5 --seed 11 "
+        "--peak-tflops 1 --distributed-timeout-minutes 1"
+    ).split()
+)
 NO_HANG_S = 60 + 60  # the collective timeout above, plus a margin for a loaded machine
 
 

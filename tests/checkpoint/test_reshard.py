@@ -23,15 +23,20 @@ from megatron_zpp.checkpoint import CheckpointError, save_checkpoint
 from megatron_zpp.checkpoint.consolidate import consolidate
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 N = 2
 BASE = (
-    f"--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
-    f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 4 --attention-type "
-    f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
-    f"--global-batch-size 8 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 "
-    f"--seed 7 --peak-tflops 1 --device cpu"
-).split()
+    OLD_DEFAULTS
+    + (
+        f"--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+        f"--num-query-groups 2 --seq-length "
+        f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 4 --attention-type "
+        f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
+        f"--global-batch-size 8 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 "
+        f"--seed 7 --peak-tflops 1 --device cpu"
+    ).split()
+)
 SOURCE = (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3"])
 TARGETS = {
     "tp1_pp4_dp2_zero3": (8, ["--pipeline-model-parallel-size", "4", "--zero-stage", "3"]),

@@ -19,15 +19,20 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, files
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 
 N = 3
 BASE = (
-    f"--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
-    f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --attention-type "
-    f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
-    f"--global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 2 --clip-grad 0.5 "
-    f"--seed 11 --peak-tflops 1"
-).split()
+    OLD_DEFAULTS
+    + (
+        f"--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+        f"--num-query-groups 2 --seq-length "
+        f"32 --vocab-size 128 --make-vocab-size-divisible-by 32 --num-layers 2 --attention-type "
+        f"gla --softmax-attention-every 2 --gla-chunk-size 8 --train-iters {2 * N} "
+        f"--global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --lr-warmup-iters 2 --clip-grad 0.5 "
+        f"--seed 11 --peak-tflops 1"
+    ).split()
+)
 LAYOUTS = {
     "dp2": (2, []),
     "zero3": (2, ["--zero-stage", "3"]),

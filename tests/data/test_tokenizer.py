@@ -93,7 +93,7 @@ def test_null_tokenizer_and_padding():
 
 def test_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="unknown --tokenizer-type"):
-        build_tokenizer("GPT2BPETokenizer", None, 10, 1, 1)
+        build_tokenizer("TikTokenizer", None, 10, 1, 1)
     with pytest.raises(ValueError, match="needs --tokenizer-model"):
         build_tokenizer("SentencePieceTokenizer", None, None, 1, 1)
     with pytest.raises(FileNotFoundError, match="no such sentencepiece model"):

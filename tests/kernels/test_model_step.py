@@ -6,6 +6,7 @@ import torch
 from megatron_zpp.config import ModelConfig
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.ops import dispatch
+from tests.old_defaults import old_model
 
 
 def loss_and_grads(mode: str, cfg: ModelConfig, tokens, labels):
@@ -21,7 +22,7 @@ def loss_and_grads(mode: str, cfg: ModelConfig, tokens, labels):
 
 
 def test_hybrid_gpt_step_on_triton_kernels_equals_torch():
-    cfg = ModelConfig(
+    cfg = old_model(
         num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64,
         attention_type="gla", softmax_attention_every=2, gla_chunk_size=16,
     )  # fmt: skip

@@ -9,12 +9,12 @@ about 1e-6); bf16 1e-2 (one rounding of each output: measured up to 5e-3). Block
 import pytest
 import torch
 
-from megatron_zpp.config import ModelConfig
 from megatron_zpp.model import ParallelContext
 from megatron_zpp.model.gpt import Block
 from megatron_zpp.model.rope import rope_tables
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops import rope as rope_ops
+from tests.old_defaults import old_model
 
 BASE = 10000.0
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -107,7 +107,7 @@ BLOCKS = {
 @pytest.mark.parametrize("kind", list(BLOCKS))
 def test_block_with_triton_kernels_equals_torch(kind):
     """One transformer Block, forward and backward (input and every parameter), --kernels triton vs torch."""
-    cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=8, **BLOCKS[kind])
+    cfg = old_model(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=8, **BLOCKS[kind])
     torch.manual_seed(0)
     block = Block(cfg, 0, ParallelContext())
     for p in block.parameters():

@@ -15,10 +15,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.config import ConfigError, ModelConfig
+from megatron_zpp.config import ConfigError
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.training.builders import compile_model
 from megatron_zpp.validation import validate
+from tests.old_defaults import old_model
 from tests.test_parity import assert_close_relative, train_and_collect
 from tests.test_training import TINY
 
@@ -31,7 +32,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_compiled_blocks_equal_eager():
-    cfg = ModelConfig(
+    cfg = old_model(
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,

@@ -6,6 +6,7 @@ import torch
 from megatron_zpp.config import ModelConfig
 from megatron_zpp.model import GPT, ParallelContext, count_parameters, init_weights
 from megatron_zpp.tensor_parallel import shard, unshard
+from tests.old_defaults import old_model
 
 VOCAB = 96
 
@@ -13,7 +14,7 @@ VOCAB = 96
 def tiny(**kw) -> ModelConfig:
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, gla_chunk_size=8)
     base.update(kw)
-    return ModelConfig(**base)
+    return old_model(**base)
 
 
 def build(cfg: ModelConfig, seed: int = 0, dtype=torch.float64) -> GPT:

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.config import ModelConfig
 from megatron_zpp.model import ParallelContext, init_weights
 from megatron_zpp.model.linear_attention import GatedLinearAttention
+from tests.old_defaults import old_model
 
 
 def token_loop_gla(layer: GatedLinearAttention, x: torch.Tensor, low_rank: int) -> torch.Tensor:
@@ -32,7 +32,7 @@ def token_loop_gla(layer: GatedLinearAttention, x: torch.Tensor, low_rank: int) 
 
 @pytest.mark.parametrize("low_rank", [0, 4])
 def test_gla_layer_matches_token_loop(low_rank):
-    cfg = ModelConfig(hidden_size=32, num_attention_heads=2, gla_chunk_size=8, gla_gate_low_rank=low_rank)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8, gla_gate_low_rank=low_rank)
     layer = GatedLinearAttention(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()
@@ -50,12 +50,12 @@ def test_gla_layer_matches_token_loop(low_rank):
 
 
 def test_low_rank_gate_parameters():
-    cfg = ModelConfig(hidden_size=32, num_attention_heads=2, gla_gate_low_rank=4)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_gate_low_rank=4)
     tp = type("FakeTP", (), {"rank": 0, "size": 2})()
     layer = GatedLinearAttention(cfg, ParallelContext(tp=tp), out_std=0.02)
     assert layer.proj_in.weight.shape == (4 * 32 // 2, 32)  # q, k, v, output gate; no decay-gate section
     assert layer.gate_down.shape == (4, 32) and layer.gate_down.tp_split is None
     assert layer.gate_down.tp_partial_grad  # each TP rank backpropagates its heads only
     assert layer.gate_up.shape == (16, 4) and layer.gate_up.tp_split == (0, (32,))
-    full = GatedLinearAttention(ModelConfig(hidden_size=32, num_attention_heads=2), ParallelContext(), 0.02)
+    full = GatedLinearAttention(old_model(hidden_size=32, num_attention_heads=2), ParallelContext(), 0.02)
     assert full.proj_in.weight.shape == (5 * 32, 32) and not hasattr(full, "gate_down")

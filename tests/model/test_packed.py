@@ -26,6 +26,7 @@ from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gla import chunk_gla, chunk_gla_uses_kernels, recurrent_gla
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
+from tests.old_defaults import old_model
 from tests.test_parity import argv_for, assert_close_relative, full_weights, train_and_collect
 
 VOCAB, EOD, T = 96, 95, 32
@@ -38,7 +39,7 @@ KINDS = {
 
 
 def config(kind: str, chunk: int = 8) -> ModelConfig:
-    return ModelConfig(
+    return old_model(
         num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, gla_chunk_size=chunk, **KINDS[kind]
     )
 

@@ -22,6 +22,7 @@ from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.tensor_parallel import random as tp_random
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import old_model
 from tests.test_parity import BASE, HIDDEN, KINDS, MBS, SEQ, train_and_collect
 
 FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers"]
@@ -35,7 +36,7 @@ HYBRID_CFG = dict(attention_type="gla", softmax_attention_every=2)  # layers G S
 
 
 def _single_rank(**recompute_cfg):
-    cfg = ModelConfig(
+    cfg = old_model(
         num_layers=4,
         hidden_size=32,
         num_attention_heads=4,
@@ -106,7 +107,7 @@ def test_saved_activations_shrink():
     """What the forward keeps for the backward (saved tensors, by storage): full < selective < none."""
 
     def saved_bytes(**mode):
-        cfg = ModelConfig(
+        cfg = old_model(
             num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, gla_chunk_size=8, **HYBRID_CFG, **mode
         )
         model = GPT(cfg, 96)

@@ -17,6 +17,7 @@ from megatron_zpp.config import OptimConfig
 from megatron_zpp.optim import optimizer as adamw
 from megatron_zpp.optim.optimizer import MixedPrecisionAdamW, adamw_kind, build_adamw
 from megatron_zpp.validation import validate
+from tests.old_defaults import OLD_DEFAULTS
 
 
 def assert_close_to_scale(a, b, tol=1e-5):
@@ -153,9 +154,12 @@ def test_apex_state_dict_keeps_torch_format(monkeypatch):
 
 
 TINY = (
-    "--mock-data --hidden-size 16 --num-attention-heads 2 --seq-length 16 --vocab-size 64 "
-    "--make-vocab-size-divisible-by 32 --num-layers 2 --global-batch-size 2 --lr 3e-3 --train-iters 2 --seed 5"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --hidden-size 16 --ffn-hidden-size 64 --num-attention-heads 2 --seq-length 16 --vocab-size 64 "
+        "--make-vocab-size-divisible-by 32 --num-layers 2 --global-batch-size 2 --lr 3e-3 --train-iters 2 --seed 5"
+    ).split()
+)
 
 
 @pytest.mark.parametrize("engine", [["--zero-stage", "0"], ["--zero-stage", "1", "--bf16"]], ids=["plain", "zero1"])

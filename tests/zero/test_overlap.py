@@ -28,14 +28,19 @@ from megatron_zpp.arguments import parse_args, parse_config
 from megatron_zpp.config import ConfigError
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 from tests.test_parity import assert_close_relative
 
 BASE = (
-    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
-    "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 4 "
-    "--micro-batch-size 1 --global-batch-size 8 "
-    "--train-iters 3 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 --seed 7 --peak-tflops 1"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 --seq-length 32 "
+        "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 4 "
+        "--micro-batch-size 1 --global-batch-size 8 "
+        "--train-iters 3 --lr 3e-3 --lr-warmup-iters 1 --clip-grad 0.5 --seed 7 --peak-tflops 1"
+    ).split()
+)
 BUCKET = ["--ddp-bucket-size", "3000"]  # a few parameters per bucket: several buckets per chunk
 PLAIN = {  # name: flags (DP x CP = 4 or 2; 2 to 4 micro-batches per rank)
     "dp4": [],

@@ -17,15 +17,20 @@ import pytest
 from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
 from tests.dist import run_distributed
+from tests.old_defaults import OLD_DEFAULTS
 from tests.test_parity import assert_close_relative, full_weights, train_and_collect
 
 BASE = (
-    "--mock-data --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length "
-    "32 --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 4 "
-    "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --lr 3e-3 "
-    "--lr-warmup-iters 2 --clip-grad 0.5 --seed 5 --ranks-per-node 2 "
-    "--zero-quantization-block-size 64 --zero-gradient-quantization-block-size 64"
-).split()
+    OLD_DEFAULTS
+    + (
+        "--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+        "--num-query-groups 2 --seq-length "
+        "32 --vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 4 "
+        "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --lr 3e-3 "
+        "--lr-warmup-iters 2 --clip-grad 0.5 --seed 5 --ranks-per-node 2 "
+        "--zero-quantization-block-size 64 --zero-gradient-quantization-block-size 64"
+    ).split()
+)
 ZPP = ["--zero-stage", "3", "--zero-quantized-weights", "--zero-hpz-partition-size", "2", "--zero-quantized-gradients"]
 
 
