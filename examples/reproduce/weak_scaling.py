@@ -4,13 +4,19 @@ ZeRO-3 and ZeRO++, as real pretrain_gpt.py runs; efficiency(N) = tokens/s(N) / (
 of one rank). The Frontier follow-up reports 0.94 to 384 GCDs for a 20B GPT (arXiv
 2501.04266, abstract); ZeCO near-linear scaling 8 -> 256 GPUs.
 
-The 2 shared cores cap this: N ranks at one thread each get min(N, 2) cores, so the raw
-efficiency at 4 ranks is at most 0.5 whatever the communication. The script therefore also
-runs N independent single-rank trainings at once (no communication, the same CPU sharing) and
-reports efficiency net of the CPU sharing: tokens/s(N) / their summed tokens/s. The reference
-rank and the independent ones run at one thread each (one core per rank while N <= 2); the ranks
-of a training run get pretrain_gpt.py's cores / ranks per node (so 2 threads each at 2 ranks =
-2 nodes x 1, where they oversubscribe the 2 cores, and 1 each at 4 ranks).
+The 2 shared cores cap this: N ranks share them, so the raw efficiency at 4 ranks is at most
+0.5 whatever the communication. The script therefore also runs, next to each N, N independent
+single-rank trainings at once (no communication, the same CPU sharing) and reports efficiency
+net of the CPU sharing: tokens/s(N) / their summed tokens/s. The copies are gated: each waits,
+after its warmup and an untimed block, at a file gate that the driver opens once all N wait
+there, so their --baseline-steps timed steps (median) run together and not beside another
+copy's start-up. Each copy gets the threads a training rank of that N gets (pretrain_gpt.py
+gives a rank cores / ranks per node: 1 thread at 4 ranks = 2 nodes x 2), but no more than
+cores / N: at 2 ranks = 2 nodes x 1 the training ranks get 2 threads each, and 2 copies at 2
+threads, computing without the ranks' pauses for communication, spin against each other
+(measured 21x slower per step than one copy alone), so there the copies run at 1 thread each:
+the baseline is what the cores do with N ranks' work and no communication. The raw reference
+is one rank alone at one thread.
 
     sudo .venv/bin/python examples/reproduce/weak_scaling.py                  (~7 min here)
     sudo .venv/bin/python examples/reproduce/weak_scaling.py --rate 250mbit --ranks 1 2 4 8
@@ -49,6 +55,7 @@ def parse_cli(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--baseline-steps", type=int, default=10, help="timed steps of the single-rank runs (default 10)")
     _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
@@ -60,17 +67,21 @@ def main(argv=None) -> int:
     try:
         one = _sweep.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
         alone_flags = _sweep.model_flags(a, a.seq_length, 1, 1)
-        jobs = []
-        for n in [n for n in a.ranks if n > 1]:
+        cores = os.cpu_count() or 1
+        rows = [dict(sweep.run_concurrent(one, alone_flags, 1, cores, a.baseline_steps), system="1 rank")]
+        for n in [n for n in a.ranks if n > 1]:  # each N's baseline beside its runs: a drift of load hits both
             per_node = max(1, n // 2)
+            # the training ranks' threads (LOCAL_WORLD_SIZE = ranks per node), but at most cores / N each: N
+            # copies computing without pause at more threads spin against each other (see the docs)
+            local_world = max(per_node, min(n, cores))
+            shared[n] = sweep.run_concurrent(one, alone_flags, n, local_world, a.baseline_steps)
+            shared[n].update(ranks=n, system=f"{n} independent single-rank runs")
+            jobs = []
             for name in a.systems:
                 job = _sweep.Job(EXPERIMENT, name, system_flags(name, per_node).split(), n, per_node, [a.rate],
                                  a.seq_length)  # fmt: skip
                 jobs.append((job, _sweep.model_flags(a, a.seq_length, 1, n)))
-        rows = [dict(sweep.run_concurrent(one, alone_flags, 1), system="1 rank")] + sweep.run_jobs(jobs)
-        for n in [n for n in a.ranks if n > 1]:
-            shared[n] = sweep.run_concurrent(one, alone_flags, n)
-            shared[n].update(ranks=n, system=f"{n} independent single-rank runs")
+            rows += sweep.run_jobs(jobs)
     finally:
         sweep.close()
     base = rows[0]["tokens_per_s"]
@@ -87,7 +98,10 @@ def main(argv=None) -> int:
             plot_rows.append({**r, "system": system})
             plot_rows.append({**r, "system": system, "experiment": NET, "efficiency": net})
     for s in shared.values():
-        print(f"{s['system']}: {s['tokens_per_s']:.0f} tokens/s together ({s['step_time_s']:.3f} s/step each)")
+        print(
+            f"{s['system']} at {s['threads']} thread(s) each: {s['tokens_per_s']:.0f} tokens/s together "
+            f"({s['step_time_s']:.3f} s/step each)"
+        )
     extra = [dict(s, experiment=f"{EXPERIMENT}_cpu_baseline") for s in shared.values()]
     paper = [{"experiment": e, "system": s, "ranks": n, "link_gbps": None, "seq_length": None, "step_time_s": None,
               "tokens_per_s": None, "tflops_per_gpu": None, "efficiency": eff, "source": "paper"}
