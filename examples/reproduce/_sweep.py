@@ -36,6 +36,7 @@ for _p in (ROOT, os.path.join(ROOT, "tools")):
 
 PROBE = os.path.join(ROOT, "bench", "zero_peers", "ours.py")
 LOOPBACK = "127.0.0.1"
+TAIL_STEPS = 3  # untimed steps after the concurrent copies' timed block
 
 
 def log(msg: str) -> None:
@@ -212,40 +213,53 @@ class Sweep:
         self.first_row = False
         return rows
 
-    def run_concurrent(self, job: Job, flags: list[str], copies: int) -> dict:
-        """`copies` independent single-rank runs of `job` at once (the nodes alternating), each at one
-        thread (LOCAL_WORLD_SIZE = the core count: pretrain_gpt.py gives a rank cores / LOCAL_WORLD_SIZE
-        threads): what the CPU sharing alone costs. A row with their summed tokens/s and median step time."""
+    def run_concurrent(self, job: Job, flags: list[str], copies: int, local_world: int, steps: int) -> dict:
+        """`copies` independent single-rank runs of `job` at once (the nodes alternating): what the CPU
+        sharing alone costs. Each copy sees LOCAL_WORLD_SIZE = `local_world` (pretrain_gpt.py gives a rank
+        cores / LOCAL_WORLD_SIZE threads, so pass the training ranks' ranks per node for the same threads)
+        and runs under the probe: --warmup steps, an untimed block of steps + 1 that absorbs the other
+        copies' start-up, a file gate that opens once every copy waits at it (`open_gates`), `steps` + 1
+        steps timed together (the first, holding the gate wait, dropped), then a few untimed steps so a
+        copy lagging behind still shares the cores to its last timed step. A row with the copies' summed
+        tokens/s (each one's median) and their median step time."""
         from bench.cluster import _kill
 
         assert len(job.rates) == 1 and job.ranks == 1
-        iters = self.a.warmup + self.a.steps + 1
-        log(f"{job.experiment}: {copies} concurrent single-rank runs of {job.system}")
-        procs, outs = [], []
+        gated = dataclasses.replace(job, rates=job.rates * 2)  # block 0: start-up; block 1: timed together
+        need = self.a.warmup + 2 * (steps + 1)
+        log(f"{job.experiment}: {copies} concurrent single-rank runs of {job.system}, {steps} steps timed together")
+        procs, outs, load = [], [], os.getloadavg()[0]
         for i in range(copies):
             out = os.path.join(self.work, f"{len(os.listdir(self.work)):03d}")
             os.makedirs(out)
             outs.append(out)
-            args = [*flags, *job.flags, "--train-iters", str(iters), "--metrics-file", os.path.join(out, "m.jsonl")]
-            args += ["--ranks-per-node", "1"]  # the layout is one rank; LOCAL_WORLD_SIZE only sets the threads
+            open(os.path.join(out, "gate2.open"), "w").close()  # the tail steps never wait
+            args = [*flags, *job.flags, "--train-iters", str(need + TAIL_STEPS)]
+            args += ["--metrics-file", os.path.join(out, "m.jsonl"), "--ranks-per-node", "1"]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning",
-                   "LOCAL_WORLD_SIZE": str(os.cpu_count() or 1)}  # fmt: skip
+                   "LOCAL_WORLD_SIZE": str(local_world), "ZPP_PROBE_DIR": out}  # fmt: skip
+            probe = [PROBE, "--warmup", str(self.a.warmup), "--gate-every", str(steps + 1), "--", *args]
             log_f = open(os.path.join(out, "node0.log"), "w")
-            cmd = self.cluster.prefix(i % 2) + [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args]
+            cmd = self.cluster.prefix(i % 2) + [sys.executable, *probe]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT, cwd=ROOT,
                                            start_new_session=True), log_f))  # fmt: skip
         deadline = time.perf_counter() + self.a.run_timeout
-        while any(p.poll() is None for p, _ in procs) and time.perf_counter() < deadline:
+        error = open_gates(outs, 1, [p for p, _ in procs], deadline)
+        while not error and any(p.poll() is None for p, _ in procs) and time.perf_counter() < deadline:
             time.sleep(0.2)
         for p, f in procs:
             _kill(p)
             f.close()
-        if any(p.returncode for p, _ in procs):
-            raise RuntimeError(f"a concurrent run failed: {last_error(outs[0], 1)}")
-        rows = [summarize(job, [json.loads(x) for x in open(os.path.join(o, "m.jsonl"))], None, self.a.steps,
-                          self.a.warmup)[0] for o in outs]  # fmt: skip
-        row = {**rows[0], "copies": copies, "tokens_per_s": sum(r["tokens_per_s"] for r in rows)}
+        if error or any(p.returncode for p, _ in procs):
+            raise RuntimeError(f"a concurrent run failed: {error or last_error(outs[0], 1)}")
+        rows = []
+        for o in outs:
+            metrics = [json.loads(x) for x in open(os.path.join(o, "m.jsonl")) if x.strip()]
+            rows.append(summarize(gated, metrics[:need], None, steps, self.a.warmup)[1])
+        row = {**rows[0], "copies": copies, "threads": max(1, (os.cpu_count() or 1) // local_world), "load": load}
+        row["tokens_per_s"] = sum(r["tokens_per_s"] for r in rows)
         row["step_time_s"] = statistics.median(r["step_time_s"] for r in rows)
+        row["copy_step_time_s"] = [r["step_time_s"] for r in rows]
         log(f"  {row['step_time_s']:.3f} s/step each, {row['tokens_per_s']:.0f} tok/s together")
         return row
 
@@ -328,6 +342,20 @@ class Sweep:
         if codes != [0] * len(procs):
             return f"exit codes {codes}: {last_error(out, job.nodes)}"
         return None
+
+
+def open_gates(dirs: list[str], k: int, procs: list, deadline: float) -> str | None:
+    """Open gate k of every probe dir at once, when every single-rank copy waits at it (gate<k>.rank0
+    in each dir); an error if a copy ended first or the deadline passed."""
+    while not all(os.path.exists(os.path.join(d, f"gate{k}.rank0")) for d in dirs):
+        if any(p.poll() is not None for p in procs):
+            return f"a copy ended before gate {k}"
+        if time.perf_counter() > deadline:
+            return "timed out at the gate (--run-timeout)"
+        time.sleep(0.05)
+    for d in dirs:
+        open(os.path.join(d, f"gate{k}.open"), "w").close()
+    return None
 
 
 def refusal(args: list[str], world: int) -> str | None:

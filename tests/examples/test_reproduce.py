@@ -74,3 +74,30 @@ def test_combine_rounds():
     assert a["step_time_s"] == 3.0 and a["round_step_time_s"] == [2.0, 4.0, 3.0] and a["rounds"] == 3
     assert a["tokens_per_s"] == 256 / 3.0 and a["load"] == 2 and a["round_spread"] == pytest.approx(2 / 3)
     assert b["step_time_s"] is None and b["system"] == "b"  # every round failed: the failed row
+
+
+def test_open_gates(tmp_path):
+    """The concurrent single-rank copies' gate opens in every dir only once each copy waits at it."""
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    (dirs[0] / "gate1.rank0").touch()  # copy b not at the gate yet and ended: no gate may open
+    assert (
+        sweep.open_gates([str(d) for d in dirs], 1, [Proc(None), Proc(1)], deadline=1e18)
+        == "a copy ended before gate 1"
+    )
+    assert sweep.open_gates([str(d) for d in dirs], 1, [Proc(None)] * 2, deadline=0) == (
+        "timed out at the gate (--run-timeout)"
+    )
+    assert not any((d / "gate1.open").exists() for d in dirs)
+    (dirs[1] / "gate1.rank0").touch()
+    assert sweep.open_gates([str(d) for d in dirs], 1, [Proc(None)] * 2, deadline=0) is None
+    assert all((d / "gate1.open").exists() for d in dirs) and not (dirs[0] / "gate2.open").exists()
