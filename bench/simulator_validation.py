@@ -110,8 +110,9 @@ def main(argv=None) -> int:
     try:
         if a.calibrate:
             out = a.cluster_json or os.path.normpath(EMULATED_JSON)
+            calibrated = calibrate(cluster, "1gbit", WORLD)  # before opening: a failure keeps the old preset
             with open(out, "w") as fh:
-                json.dump(calibrate(cluster, "1gbit", WORLD), fh, indent=1)
+                json.dump(calibrated, fh, indent=1)
             print(f"calibrated: {out}", flush=True)
         for layout, size, rate in runs:
             measured = measure(cluster, layout, size, rate, a.iters)
