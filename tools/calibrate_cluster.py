@@ -160,8 +160,10 @@ def run_flags(common: str, size: str, layout: str, iters: int) -> list[str]:
 
 
 def measure_step(cluster: Cluster, argv: list[str], rate: str, world: int) -> float:
-    """Median step time (the steps after the first) of pretrain_gpt.py `argv` at `rate`."""
-    import statistics
+    """Step time of pretrain_gpt.py `argv` at `rate`: the fastest step after the first (the 2 cores
+    are shared with other jobs, whose bursts slow whole runs by up to 2x (the same run measured
+    263 and 458 ms minutes apart): the fastest step is the one least disturbed, and the
+    calibration and the validation both take it)."""
 
     cluster.shape(parse_rate(rate))
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +174,7 @@ def measure_step(cluster: Cluster, argv: list[str], rate: str, world: int) -> fl
             raise RuntimeError(f"{' '.join(argv)} at {rate}: exit {code}\n{text[-2000:]}")
         with open(metrics) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
-    return statistics.median([r["step_time"] for r in rows if "step_time" in r][1:])
+    return min([r["step_time"] for r in rows if "step_time" in r][1:])
 
 
 def _sim(preset: dict, argv: list[str], rate: str, world: int, **terms) -> float:
@@ -202,7 +204,7 @@ def _solve(f, target: float, x0: float = 0.0, step: float = 1e-3) -> float:
     return x
 
 
-def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 5) -> dict:
+def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict:
     """The terms the microbenchmarks cannot see, from calibration-only training runs (RUN_SIZES:
     not the validation's models), each term linear in the simulated step (its column: the
     simulator's step with the term set minus without):

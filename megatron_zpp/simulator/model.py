@@ -26,8 +26,8 @@ Overlap, per rank, with one compute stream and one communication stream:
 * pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
   so the bubble comes out of the event times;
 * overlap efficiency (Cluster.overlap_efficiency): of the stream time the schedule above
-  hides, only that fraction is really hidden, the rest is added to the step ("communication
-  not overlapped"; the GLA scan's hidden part likewise). 1.0 on the GPU presets (separate
+  hides, only that fraction is really hidden, the rest is added to the step ("comm not
+  overlapped"; the GLA scan's hidden part likewise). 1.0 on the GPU presets (separate
   comm streams); on the emulated cluster gloo's threads take the same 2 cores as compute, so
   it is fitted from calibration runs at two link rates.
 
@@ -292,8 +292,8 @@ class _RankTimer:
         # what the stream "hid" but did not: (1 - overlap efficiency) of the hidden stream time
         hidden = self.comm_busy - self.exposed["zero-3 gathers"] - self.exposed["gradient reduce"]
         hidden -= other["gradient reduce (drain)"]
-        other["communication not overlapped"] = (1 - cl.overlap_efficiency) * max(0.0, hidden)
-        terms = ("optimizer", "fixed overhead", "per-unit overhead", "communication not overlapped")
+        other["comm not overlapped"] = (1 - cl.overlap_efficiency) * max(0.0, hidden)
+        terms = ("optimizer", "fixed overhead", "per-unit overhead", "comm not overlapped")
         extra = sum(other[k] for k in terms)
         return t + extra, dict(other)
 
