@@ -10,7 +10,11 @@ Measures, with 4 gloo ranks (2 per namespace) running at once as in training:
   simulator can take any other rate: --link-gbps, bench/simulator_validation.py);
 * the model FLOP/s per rank of forward + backward of two small GPTs (all ranks computing at
   once, so the shared cores are counted), fitted as seconds = FLOPs / rate + layers x overhead;
-* the int8 quantize + dequantize throughput (ops/quantize.py).
+* the int8 quantize + dequantize throughput (ops/quantize.py), and per (bits, block) of the
+  runs (int4 / int8 at 256) the quantizer's per-element and per-call cost;
+* then six calibration-only training runs (other model sizes than the validation's) for the
+  terms no microbenchmark sees: per-step and per-ZeRO-unit overhead, the overlap efficiency,
+  the quantizer's per-call cost in a real step, the CP chain's per-message cost (fit_runs).
 
 Only one emulated-cluster bench may run at a time (a lock): this tool waits for it (up to
 --wait-minutes). Without root or iproute2 it says so and stops.
