@@ -160,3 +160,45 @@ def test_cli_table_and_json(capsys):
     assert row["source"] == "simulated" and row["ranks"] == 16 and row["step_time_s"] > 0
     assert cli.main([*flags, "--system", "nonesuch"]) == 2
     assert "unknown cluster preset" in capsys.readouterr().err
+
+
+def test_calibration_fit_recovers_known_terms(monkeypatch):
+    """tools/calibrate_cluster.fit_runs on "runs" that are the simulator itself with known
+    overhead, overlap, per-call quantizer and chain-message terms gets those terms back (the
+    fit is a linear solve on the simulator's own columns: exact up to its max(0, .) kinks,
+    here within 1% for the linear ones, 10% for the per-call and per-message ones)."""
+    spec = importlib.util.spec_from_file_location(
+        "calibrate_cluster", os.path.join(ROOT, "tools", "calibrate_cluster.py")
+    )
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    link = {"alpha": 1.5e-4, "bandwidth": 2e9, "shared": "rank"}
+    base = {  # an emulated preset as the probe writes it (figures of a 2026-12-01 calibration)
+        "name": "emulated",
+        "ranks_per_node": 2,
+        "sustained_tflops": 0.08,
+        "links": {"intra_node": link, "inter_node": {**link, "bandwidth": 1.25e8, "shared": "node"}},
+        "quant_elems_per_s": 6.5e8,
+        "quant": {"4/256": [2e-9, 3e-4], "8/256": [1e-9, 2e-4]},
+        "optimizer_s_per_param": 2e-8,
+        "device": "cpu",
+        "per_layer_s": 0.017,
+        "measured": {"inter_node_efficiency": 1.0},
+    }
+    truth = {
+        "fixed_step_s": 0.03,
+        "unit_step_s": 0.004,
+        "overlap_efficiency": 0.3,
+        "quant": {"4/256": [2e-9, 5e-3], "8/256": [1e-9, 2e-3]},
+        "scan_msg_s": 2e-3,
+    }
+    monkeypatch.setattr(
+        cc, "measure_step", lambda cluster, argv, rate, world: cc._sim(base, argv, rate, world, **truth)
+    )
+    got = cc.fit_runs(None, base, 4)
+    for k in ("fixed_step_s", "unit_step_s", "overlap_efficiency"):
+        assert got[k] == pytest.approx(truth[k], rel=0.01), k
+    assert got["scan_msg_s"] == pytest.approx(truth["scan_msg_s"], rel=0.1)
+    for key, (_, per_call) in truth["quant"].items():
+        assert got["quant"][key][1] == pytest.approx(per_call, rel=0.1), key
+    assert all(preset(n).overlap_efficiency == 1.0 and preset(n).unit_step_s == 0.0 for n in ("v100-ib100", "h100"))

@@ -5,7 +5,8 @@ cluster's namespaces; writes rank 0's figures as JSON to argv[1]).
   shaped veth) at a small and a large message: alpha and bandwidth per link class;
 * compute: every rank at once runs forward + backward of the calibration models (what a
   training step's compute shares the cores with), model FLOP/s per rank (perf.py's count);
-* quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py);
+* quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py), and per
+  (bits, block) of the runs (int4/int8 at 256) the per-element and per-call cost;
 * AdamW: seconds per parameter of an optimizer step (torch's AdamW on the model's parameters).
 """
 
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zpp.arguments import parse_args  # noqa: E402
 from megatron_zpp.model import GPT  # noqa: E402
-from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire  # noqa: E402
+from megatron_zpp.ops.quantize import dequantize_sum_wire, dequantize_wire, quantize_wire  # noqa: E402
 from megatron_zpp.perf import flops_per_token  # noqa: E402
 
 SMALL, LARGE = 1024, 4 << 20
@@ -107,6 +108,24 @@ def quantizer() -> float:
     return 2 * x.numel() / best
 
 
+def quantizer_geometry(bits: int, block: int) -> list[float]:
+    """[seconds per element, seconds per call] of quantize + dequantize-sum at (bits, block), all
+    ranks at once: the slope and intercept between a small and a large buffer (2 rows, as a hop)."""
+    times = {}
+    for n in (1 << 13, 1 << 21):
+        x, out = torch.randn(2, n // 2), torch.empty(n // 2)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            wire = quantize_wire(x, block, bits)
+            dequantize_sum_wire(wire, n // 2, block, bits, out)
+            best = min(best, time.perf_counter() - start)
+        times[n] = best
+    (n1, t1), (n2, t2) = sorted(times.items())
+    per_elem = (t2 - t1) / (n2 - n1)
+    return [per_elem / 2, max(t1 - per_elem * n1, 0.0) / 2]  # elements counted twice, 2 calls (as Coll)
+
+
 def main() -> None:
     out, models = sys.argv[1], json.loads(sys.argv[2])
     dist.init_process_group("gloo")
@@ -114,6 +133,7 @@ def main() -> None:
     result = {"intra_node": link(1), "inter_node": link(world // 2)}
     result["compute"] = [compute(f.split()) for f in models]
     result["quant_elems_per_s"] = quantizer()
+    result["quant"] = {f"{b}/{k}": quantizer_geometry(b, k) for b, k in ((4, 256), (8, 256))}
     if dist.get_rank() == 0:
         with open(out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -10,7 +10,11 @@ Measures, with 4 gloo ranks (2 per namespace) running at once as in training:
   simulator can take any other rate: --link-gbps, bench/simulator_validation.py);
 * the model FLOP/s per rank of forward + backward of two small GPTs (all ranks computing at
   once, so the shared cores are counted), fitted as seconds = FLOPs / rate + layers x overhead;
-* the int8 quantize + dequantize throughput (ops/quantize.py).
+* the int8 quantize + dequantize throughput (ops/quantize.py), and per (bits, block) of the
+  runs (int4 / int8 at 256) the quantizer's per-element and per-call cost;
+* then six calibration-only training runs (other model sizes than the validation's) for the
+  terms no microbenchmark sees: per-step and per-ZeRO-unit overhead, the overlap efficiency,
+  the quantizer's per-call cost in a real step, the CP chain's per-message cost (fit_runs).
 
 Only one emulated-cluster bench may run at a time (a lock): this tool waits for it (up to
 --wait-minutes). Without root or iproute2 it says so and stops.
@@ -35,10 +39,28 @@ from cluster import ADDRS, VETHS, Cluster, _kill, parse_rate, take_lock  # noqa:
 from megatron_zpp.simulator.hardware import EMULATED_JSON  # noqa: E402
 
 PER_NODE = 2
-CALIBRATION_MODELS = [  # tiny GPTs like the validation's (bench/simulator_validation.py)
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
-    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
+CALIBRATION_MODELS = [  # tiny GPTs, other sizes than the validation's (bench/simulator_validation.py)
+    "--num-layers 2 --hidden-size 48 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
+    "--num-layers 6 --hidden-size 48 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
+    "--num-layers 3 --hidden-size 160 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
 ]
+# Calibration-only training runs (pretrain_gpt.py), never the validation's sizes (S: 2 x 64, M: 4 x 128)
+RUN_COMMON = (
+    "--mock-data --seq-length 128 --vocab-size 512 --make-vocab-size-divisible-by 128 --micro-batch-size 2 "
+    "--global-batch-size 8 --ranks-per-node 2 --lr 1e-3 --log-interval 1 --peak-tflops 1 "
+    "--zero-quantization-block-size 256 --zero-gradient-quantization-block-size 256"
+)
+RUN_SIZES = {
+    "C3": "--num-layers 3 --hidden-size 96 --num-attention-heads 4",
+    "C6": "--num-layers 6 --hidden-size 48 --num-attention-heads 4",
+}
+RUN_LAYOUTS = {
+    "zero3": "--zero-stage 3",
+    "qwZ": "--zero-stage 3 --zero-quantized-weights",
+    "qgZ": "--zero-stage 3 --zero-quantized-gradients",
+    "cp all-scan": "--context-parallel-size 4 --cp-algo all-scan --attention-type gla --softmax-attention-every 0 "
+    "--gla-chunk-size 16",
+}
 
 
 def wait_for_cluster(minutes: float) -> Cluster:
@@ -110,14 +132,134 @@ def launch(cluster: Cluster, argv: list[str], world: int, timeout: float, env: d
 launch.port = 29750
 
 
+def _nnls(A, y):
+    """Least squares with every coefficient >= 0 (few unknowns: try each support, keep the best)."""
+    import itertools
+
+    import numpy as np
+
+    A, y = np.asarray(A, float), np.asarray(y, float)
+    best, best_x = float("inf"), np.zeros(A.shape[1])
+    for k in range(1, A.shape[1] + 1):
+        for cols in itertools.combinations(range(A.shape[1]), k):
+            x = np.zeros(A.shape[1])
+            x[list(cols)] = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
+            err = float(((A @ x - y) ** 2).sum())
+            if (x >= 0).all() and err < best:
+                best, best_x = err, x
+    return best_x, best
+
+
 def fit_compute(rows: list[dict]) -> tuple[float, float]:
-    """(FLOP/s per rank, seconds per layer and micro-batch) from seconds = flops/rate + layers*c."""
-    (f1, l1, t1), (f2, l2, t2) = [(r["flops"], r["layers"], r["seconds"]) for r in rows[:2]]
-    det = f1 * l2 - f2 * l1
-    inv_rate, per_layer = (t1 * l2 - t2 * l1) / det, (f1 * t2 - f2 * t1) / det
-    if inv_rate <= 0 or per_layer < 0:  # noisy: no overhead term, the mean rate
-        return (f1 + f2) / (t1 + t2), 0.0
-    return 1 / inv_rate, per_layer
+    """(FLOP/s per rank, seconds per layer and micro-batch) from seconds = flops/rate + layers*c,
+    least squares over the calibration models (2 and 6 layers, two widths), both terms >= 0."""
+    x, _ = _nnls([[r["flops"], r["layers"]] for r in rows], [r["seconds"] for r in rows])
+    if x[0] <= 0:
+        return sum(r["flops"] for r in rows) / sum(r["seconds"] for r in rows), 0.0
+    return 1 / x[0], float(x[1])
+
+
+def run_flags(common: str, size: str, layout: str, iters: int) -> list[str]:
+    return f"{common} {size} {layout} --train-iters {iters}".split()
+
+
+def measure_step(cluster: Cluster, argv: list[str], rate: str, world: int) -> float:
+    """Step time of pretrain_gpt.py `argv` at `rate`: the fastest step after the first (the 2 cores
+    are shared with other jobs, whose bursts slow whole runs by up to 2x (the same run measured
+    263 and 458 ms minutes apart): the fastest step is the one least disturbed, and the
+    calibration and the validation both take it)."""
+
+    cluster.shape(parse_rate(rate))
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        script = os.path.join(ROOT, "pretrain_gpt.py")
+        code, text = launch(cluster, [script, *argv, "--metrics-file", metrics], world, 600)
+        if code or not os.path.exists(metrics):
+            raise RuntimeError(f"{' '.join(argv)} at {rate}: exit {code}\n{text[-2000:]}")
+        with open(metrics) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+    return min([r["step_time"] for r in rows if "step_time" in r][1:])
+
+
+def _sim(preset: dict, argv: list[str], rate: str, world: int, **terms) -> float:
+    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.simulator import simulate
+    from megatron_zpp.simulator.hardware import Cluster as SimCluster
+    from megatron_zpp.validation import validate
+
+    cl = SimCluster.from_json({**preset, **terms})
+    cl = cl.with_inter_node(parse_rate(rate) / 1e9 * preset["measured"]["inter_node_efficiency"])
+    return simulate(validate(parse_args(argv), world), cl).step_time_s
+
+
+def _solve(f, target: float, x0: float = 0.0, step: float = 1e-3) -> float:
+    """x >= 0 with f(x) = target for a monotone, piecewise-linear f (the simulator in one term):
+    a few Newton steps on finite differences (the overlap's min/max make f's slope change)."""
+    x = x0
+    for _ in range(4):
+        fx = f(x)
+        slope = (f(x + step) - fx) / step
+        if slope <= 0:
+            break
+        x_new = max(x + (target - fx) / slope, 0.0)
+        if abs(x_new - x) < 1e-7:
+            return x_new
+        x = x_new
+    return x
+
+
+def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict:
+    """The terms the microbenchmarks cannot see, from calibration-only training runs (RUN_SIZES:
+    not the validation's models), each term linear in the simulated step (its column: the
+    simulator's step with the term set minus without):
+
+    1. zero3 on C3 at 1 Gbit/s and 200 Mbit/s and on C6 at 1 Gbit/s: fixed_step_s, unit_step_s
+       (C6 has more units) and 1 - overlap_efficiency (the 200 Mbit/s run has more stream time);
+    2. qwZ and qgZ on C3 at 200 Mbit/s: the per-call cost of the int8 / int4 quantizer at block
+       256 (the probe's per-call figure is the floor: the runs' calls also wait for the cores);
+    3. CP All-Scan on C3 at 1 Gbit/s: scan_msg_s, the per-message cost of the state chain."""
+    import numpy as np
+
+    q = {**preset["quant"]}
+    runs = {}
+    for name, size, layout, rate in (
+        ("zero3 C3 1gbit", "C3", "zero3", "1gbit"),
+        ("zero3 C3 200mbit", "C3", "zero3", "200mbit"),
+        ("zero3 C6 1gbit", "C6", "zero3", "1gbit"),
+        ("qwZ C3 200mbit", "C3", "qwZ", "200mbit"),
+        ("qgZ C3 200mbit", "C3", "qgZ", "200mbit"),
+        ("cp all-scan C3 1gbit", "C3", "cp all-scan", "1gbit"),
+    ):
+        argv = run_flags(RUN_COMMON, RUN_SIZES[size], RUN_LAYOUTS[layout], iters)
+        runs[name] = (argv, rate, measure_step(cluster, argv, rate, world))
+        print(f"[calibrate] {name}: {runs[name][2] * 1e3:.1f} ms", flush=True)
+    zero = [runs[k] for k in ("zero3 C3 1gbit", "zero3 C3 200mbit", "zero3 C6 1gbit")]
+    base = [_sim(preset, a, r, world) for a, r, _ in zero]
+    cols = [
+        [1.0] * 3,
+        [(_sim(preset, a, r, world, unit_step_s=1e-3) - b) / 1e-3 for (a, r, _), b in zip(zero, base)],
+        [_sim(preset, a, r, world, overlap_efficiency=0.0) - b for (a, r, _), b in zip(zero, base)],
+    ]
+    A, y = np.array(cols).T, np.array([m - b for (_, _, m), b in zip(zero, base)])
+    # all three >= 0 and 1 - overlap efficiency <= 1: the best over a grid of the overlap term
+    fits = [(_nnls(A[:, :2], y - lost * A[:, 2]), lost) for lost in np.linspace(0.0, 1.0, 51)]
+    ((fixed, unit), _), lost = min(fits, key=lambda f: f[0][1])
+    terms = {"fixed_step_s": float(fixed), "unit_step_s": float(unit), "overlap_efficiency": float(1.0 - lost)}
+    fitted = {**preset, **terms}
+    for name, key in (("qwZ C3 200mbit", "8/256"), ("qgZ C3 200mbit", "4/256")):
+        a, r, m = runs[name]
+        per_elem, floor = q[key]  # the probe's per-call cost is the floor
+
+        def with_call(c, a=a, r=r, key=key, per_elem=per_elem):
+            return _sim(fitted, a, r, world, quant={**q, key: [per_elem, c]})
+
+        q[key] = [per_elem, _solve(with_call, m, floor) if with_call(floor) < m else floor]
+    fitted["quant"] = q
+    a, r, m = runs["cp all-scan C3 1gbit"]
+    scan = _solve(lambda x: _sim(fitted, a, r, world, scan_msg_s=x), m)
+    terms.update(quant=q, scan_msg_s=scan)
+    terms["calibration_runs"] = {k: {"flags": " ".join(a), "rate": r, "measured_s": m} for k, (a, r, m) in runs.items()}
+    return terms
 
 
 def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
@@ -133,7 +275,7 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
     shaped = parse_rate(rate) / 8
     rate_flops, per_layer = fit_compute(m["compute"])
     eff = min(m["inter_node"]["bandwidth"] / shaped, 1.0)
-    return {
+    preset = {
         "name": "emulated",
         "ranks_per_node": PER_NODE,
         "sustained_tflops": rate_flops / 1e12,
@@ -146,6 +288,7 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
             "inter_node": {"alpha": m["inter_node"]["alpha"], "bandwidth": eff * shaped, "shared": "node"},
         },
         "quant_elems_per_s": m["quant_elems_per_s"],
+        "quant": m["quant"],
         "optimizer_s_per_param": max(r["optimizer_s_per_param"] for r in m["compute"]),
         "sub_node_tiers": [],
         "device": "cpu",
@@ -155,6 +298,10 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}",
         "measured": {**m, "calibration_rate": rate, "inter_node_efficiency": eff},
     }
+    runs = fit_runs(cluster, preset, world)
+    preset["measured"]["calibration_runs"] = runs.pop("calibration_runs")
+    preset.update(runs)
+    return preset
 
 
 def main(argv=None) -> int:

@@ -58,14 +58,21 @@ class Coll:
     nbytes: float  # the full buffer, as comm.model_bytes takes it
     kind: str  # overlap class: tp, cp_attn, cp_scan, pp, zero_gather, grad, param_gather, misc
     quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
+    quant_key: str = ""  # "bits/block" of its quantizer (hardware.Cluster.quant's key)
+    quant_calls: int = 0  # quantizer passes it runs (quantize + dequantize(-sum): 2), each with a fixed cost
     ranks: tuple[int, ...] = field(default=(), compare=False)  # the group's global ranks (node sharing)
 
     def bytes(self) -> float:
         return comm.model_bytes(self.op, self.n, self.nbytes)
 
 
-def _coll(group: Group, phase: str, op: str, nbytes: float, kind: str, link: str | None = None, quant=0.0):
-    return Coll(group.role, phase, op, link or group.link, group.size, nbytes, kind, quant, group.ranks)
+def _coll(
+    group: Group, phase: str, op: str, nbytes: float, kind: str, link: str | None = None, quant=0.0, qkey: str = ""
+):
+    calls = 2 if quant else 0  # one quantize, one dequantize (or dequantize-sum) pass per call
+    return Coll(
+        group.role, phase, op, link or group.link, group.size, nbytes, kind, quant, qkey, calls, ranks=group.ranks
+    )
 
 
 @dataclass
@@ -271,7 +278,8 @@ class _ZeroState:
         if self.qwz is None:
             return [(u.name, _coll(group, phase, "all_gather", u.padded * self.e, "zero_gather"))]
         wire = group.size * wire_bytes(u.shard, self.qwz, QWZ_BITS)
-        return [(u.name, _coll(group, phase, "all_gather", wire, "zero_gather", quant=u.padded + u.shard))]
+        key = f"{QWZ_BITS}/{self.qwz}"
+        return [(u.name, _coll(group, phase, "all_gather", wire, "zero_gather", quant=u.padded + u.shard, qkey=key))]
 
     def release(self, u: UnitInfo) -> None:
         if not self.per_step:
@@ -289,7 +297,8 @@ def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
         for hop in g.dp_tier_hops():
             if hop.size > 1:
                 nbytes = wire_bytes(numel, block, bits) if bits else 4 * numel
-                out.append(_coll(hop, phase, "all_to_all", nbytes, "grad", quant=2 * numel if bits else 0.0))
+                qkey = f"{bits}/{block}" if bits else ""
+                out.append(_coll(hop, phase, "all_to_all", nbytes, "grad", quant=2 * numel if bits else 0.0, qkey=qkey))
             numel //= hop.size
         return out
     if g.dp_cp.size == 1:

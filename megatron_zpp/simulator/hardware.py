@@ -41,6 +41,24 @@ class Cluster:
     device: str = "cuda"  # which column of context_parallel.all_scan.LINK_MODEL picks All-Scan's blocks
     fixed_step_s: float = 0.0  # per-step overhead outside the model (Python, data, logging)
     per_layer_s: float = 0.0  # per layer and micro-batch, forward + backward (kernel launches, hooks)
+    # Per ZeRO unit and step: the engine's Python work per unit (gather/release hooks, the
+    # reduction's bookkeeping, AdamW over the unit's shard segments). ~0 on GPUs (hidden by async
+    # kernels); the emulated preset fits it from calibration-only training runs.
+    unit_step_s: float = 0.0
+    # Fraction of the communication-stream time that really hides behind compute. 1.0 where
+    # collectives run on their own stream/engine (NCCL/RCCL on GPUs); on the emulated cluster 4
+    # ranks share 2 cores with gloo's threads, so a "hidden" transfer still takes CPU from the
+    # compute: fitted from calibration runs at two link rates (tools/calibrate_cluster.py).
+    overlap_efficiency: float = 1.0
+    # Quantizer cost per (bits, block), key "bits/block": [seconds per element, seconds per call]
+    # (a call: one quantize or dequantize(-sum) pass, whose fixed cost is chunk loops and small
+    # tensors). Per element measured by the probe at the runs' geometry; per call fitted from
+    # calibration-only qwZ / qgZ runs. Keys absent here fall back to quant_elems_per_s.
+    quant: dict = field(default_factory=dict)
+    # Extra seconds per message of the CP state chain (All-Scan's K blocks x chain steps, ring's
+    # and all-gather's P-1 steps) beyond the link alpha: gloo's per-send cost with 4 ranks on 2 cores
+    # (fitted from a calibration-only CP run). 0 on GPUs.
+    scan_msg_s: float = 0.0
     notes: str = ""
     measured: dict = field(default_factory=dict)
 

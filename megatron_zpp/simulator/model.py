@@ -24,7 +24,17 @@ Overlap, per rank, with one compute stream and one communication stream:
   (--overlap-grad-reduce) or after it; stages 1-2's parameter all-gather is exposed
   unless --overlap-param-gather hides it behind the next forward;
 * pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
-  so the bubble comes out of the event times.
+  so the bubble comes out of the event times;
+* overlap efficiency (Cluster.overlap_efficiency): of the stream time the schedule above
+  hides, only that fraction is really hidden, the rest is added to the step ("comm not
+  overlapped"; the GLA scan's hidden part likewise). 1.0 on the GPU presets (separate
+  comm streams); on the emulated cluster gloo's threads take the same 2 cores as compute, so
+  it is fitted from calibration runs at two link rates.
+
+Step-end terms besides the optimizer: Cluster.fixed_step_s (per step) and unit_step_s per
+ZeRO unit (Python hooks, the optimizer over many shard segments: ~0 on GPUs, fitted on the
+emulated cluster); the quantizer's per-element and per-call cost per (bits, block)
+(quant_time); the CP chain's per-message cost scan_msg_s on top of the link alpha.
 """
 
 from __future__ import annotations
@@ -75,7 +85,18 @@ def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
         wire = node_egress(c, ranks_per_node or cl.ranks_per_node, cl.device == "cpu") / link.bandwidth
     else:
         wire = c.bytes() / link.bandwidth
-    return _steps(c.op, c.n) * link.alpha + wire + c.quant_elems / cl.quant_elems_per_s
+    return _steps(c.op, c.n) * link.alpha + wire + quant_time(c, cl)
+
+
+def quant_time(c: Coll, cl: Cluster) -> float:
+    """The quantizer work of `c`: per element + per call at its (bits, block) where the preset
+    has them (Cluster.quant), else elements at the preset's one throughput."""
+    if not c.quant_elems:
+        return 0.0
+    if c.quant_key in cl.quant:
+        per_elem, per_call = cl.quant[c.quant_key]
+        return c.quant_elems * per_elem + c.quant_calls * per_call
+    return c.quant_elems / cl.quant_elems_per_s
 
 
 def layer_flops(cfg: Config) -> tuple[list[float], float]:
@@ -99,15 +120,16 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
     if p.cp_algo == "all-gather":
         gamma = cfg.train.micro_batch_size * heads * m.head_dim * 4
-        return (P - 1) * (link.alpha + (state + gamma) / bw)
+        return (P - 1) * (link.alpha + cl.scan_msg_s + (state + gamma) / bw)
     if p.cp_algo == "ring":
-        return (P - 1) * (link.alpha + state / bw)
+        return (P - 1) * (link.alpha + cl.scan_msg_s + state / bw)
 
     class _Dev:  # auto_blocks reads only the device type
         type = cl.device
 
     K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, m.head_dim)
-    return (P - 2 + K) * (link.alpha + state / K / bw) if P > 2 else link.alpha + state / bw
+    alpha = link.alpha + cl.scan_msg_s  # per message: the link's alpha + the CPU cost of one send (emulated)
+    return (P - 2 + K) * (alpha + state / K / bw) if P > 2 else alpha + state / bw
 
 
 @dataclass
@@ -127,6 +149,7 @@ class _RankTimer:
         self.cfg, self.cl, self.step, self.cp = cfg, cl, step, cp
         self.rpn = topology_from_config(cfg).ranks_per_node
         self.comm_free = 0.0
+        self.comm_busy = 0.0  # seconds issued on the communication stream (for the overlap efficiency)
         self.inflight: list[float] = []  # end times of gradient reductions in flight
         self.exposed: dict[str, float] = defaultdict(float)
         self.compute = 0.0
@@ -155,6 +178,7 @@ class _RankTimer:
     def _issue(self, start: float, cost: float) -> float:
         begin = max(start, self.comm_free)
         self.comm_free = begin + cost
+        self.comm_busy += cost
         return self.comm_free
 
     def run(self, index: int, start: float) -> float:
@@ -176,14 +200,19 @@ class _RankTimer:
         scan_exposed = 0.0
         for c in per_layer:
             if c.kind == "cp_scan":
-                t_scan = scan_time(self.cfg, cl, self.cp, self.rpn) if c.op == "send" else self._t(c)
+                t_scan = (
+                    scan_time(self.cfg, cl, self.cp, self.rpn)
+                    if c.op == "send"
+                    else self._t(c) + _steps(c.op, c.n) * cl.scan_msg_s
+                )
                 window = self.gla_core * (1 if op.kind == "F" else 2)
                 tokens = (
                     self.cfg.train.micro_batch_size
                     * self.cfg.model.seq_length
                     / self.cfg.parallel.context_parallel_size
                 )
-                scan_exposed += max(0.0, t_scan - window * tokens)
+                hidden = min(t_scan, window * tokens)
+                scan_exposed += t_scan - cl.overlap_efficiency * hidden
             else:
                 total_sync += self._t(c)
         self.exposed["tp+cp (synchronous)"] += total_sync
@@ -259,7 +288,14 @@ class _RankTimer:
         )
         other["optimizer"] = shard * cl.optimizer_s_per_param
         other["fixed overhead"] = cl.fixed_step_s
-        return t + other["optimizer"] + cl.fixed_step_s, dict(other)
+        other["per-unit overhead"] = cl.unit_step_s * len(self.step.units)
+        # what the stream "hid" but did not: (1 - overlap efficiency) of the hidden stream time
+        hidden = self.comm_busy - self.exposed["zero-3 gathers"] - self.exposed["gradient reduce"]
+        hidden -= other["gradient reduce (drain)"]
+        other["comm not overlapped"] = (1 - cl.overlap_efficiency) * max(0.0, hidden)
+        terms = ("optimizer", "fixed overhead", "per-unit overhead", "comm not overlapped")
+        extra = sum(other[k] for k in terms)
+        return t + extra, dict(other)
 
 
 def simulate(cfg: Config, cl: Cluster) -> Breakdown:
