@@ -219,8 +219,9 @@ def encoded_stream(args, tok_args, dtype, stop: threading.Event):
 
 
 def run(args) -> int:
-    tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1)
-    tok = checked_tokenizer(*tok_args)  # a missing or wrong tokenizer model: one line, before any output
+    tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1, args.vocab_file, args.merge_file)
+    files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file}  # GPT2BPETokenizer's
+    tok = checked_tokenizer(*tok_args[:5], **files)  # a missing or wrong tokenizer model: one line, before any output
     dtype = token_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     tag = f".tmp{os.getpid()}"
@@ -319,9 +320,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--tokenizer-type",
         default="SentencePieceTokenizer",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
     )
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="SentencePiece model file, or HF tokenizer directory")
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     p.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")

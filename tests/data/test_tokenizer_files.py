@@ -57,3 +57,21 @@ def test_huggingface_tokenizer_directory(tmp_path):
     for text in TEXT[:3]:
         ids = tok.tokenize(text)
         assert ids == bpe.encode(text).ids and tok.detokenize(ids) == text
+
+
+def test_preprocess_data_with_gpt2_bpe(tmp_path):
+    """Megatron's preprocessing command line (--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file):
+    the documents' ids, each ended by EOD, are those of the `tokenizers` object."""
+    from megatron_zpp.data.indexed_dataset import IndexedDataset
+    from tests.data.test_preprocess import preprocess_data
+
+    bpe = byte_level_bpe()
+    vocab, merges = bpe.save_model(str(tmp_path))
+    docs = TEXT[:3]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    argv = f"--input {tmp_path}/in.jsonl --output-prefix {tmp_path}/out --tokenizer-type GPT2BPETokenizer "
+    argv += f"--vocab-file {vocab} --merge-file {merges} --append-eod --quiet"
+    assert preprocess_data.main(argv.split()) == 0
+    data = IndexedDataset(str(tmp_path / "out_text_document"))
+    for i, text in enumerate(docs):
+        assert data[i].tolist() == bpe.encode(text).ids + [bpe.token_to_id(EOD)]
