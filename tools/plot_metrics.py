@@ -143,29 +143,39 @@ def parse_cli(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    a = parse_cli(argv)
+def render(build, output: str) -> int:
+    """Build the figure and save it to `output`; a PlotError or a missing matplotlib is one line, exit 2
+    (shared with plot_scaling.py)."""
     try:
-        if a.labels and len(a.labels) != len(a.metrics_files):
-            raise PlotError(f"--labels: {len(a.labels)} labels for {len(a.metrics_files)} files")
-        if not 0 <= a.smooth < 1:
-            raise PlotError(f"--smooth {a.smooth}: use a weight in [0, 1), e.g. 0.9")
-        unknown = [m for m in a.metrics if m not in METRICS]
-        if unknown:
-            raise PlotError(f"--metrics {' '.join(unknown)}: use some of {', '.join(METRICS)}")
-        labels = a.labels or [default_label(p) for p in a.metrics_files]
-        runs = [(label, load_jsonl(path)) for label, path in zip(labels, a.metrics_files)]
-        fig = plot_metrics(runs, a.metrics, a.smooth, a.log_x, a.x_key)
+        fig = build()
     except PlotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"error: {e.name or e}: not installed; pip install -e .[plot]", file=sys.stderr)
         return 2
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    fig.savefig(a.output, dpi=100)
-    print(f"wrote {a.output}")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=100)
+    print(f"wrote {output}")
     return 0
+
+
+def figure_of(a: argparse.Namespace):
+    if a.labels and len(a.labels) != len(a.metrics_files):
+        raise PlotError(f"--labels: {len(a.labels)} labels for {len(a.metrics_files)} files")
+    if not 0 <= a.smooth < 1:
+        raise PlotError(f"--smooth {a.smooth}: use a weight in [0, 1), e.g. 0.9")
+    unknown = [m for m in a.metrics if m not in METRICS]
+    if unknown:
+        raise PlotError(f"--metrics {' '.join(unknown)}: use some of {', '.join(METRICS)}")
+    labels = a.labels or [default_label(p) for p in a.metrics_files]
+    runs = [(label, load_jsonl(path)) for label, path in zip(labels, a.metrics_files)]
+    return plot_metrics(runs, a.metrics, a.smooth, a.log_x, a.x_key)
+
+
+def main(argv=None) -> int:
+    a = parse_cli(argv)
+    return render(lambda: figure_of(a), a.output)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plot_metrics import PlotError, load_jsonl  # noqa: E402
+from plot_metrics import PlotError, load_jsonl, render  # noqa: E402
 
 X_KEYS = ("ranks", "link_gbps", "seq_length")
 Y_KEYS = {
@@ -134,29 +134,22 @@ def parse_cli(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def figure_of(a: argparse.Namespace):
+    rows = []
+    for path in a.files:
+        mine = load_jsonl(path)
+        check_rows(mine, path)
+        rows += mine
+    if a.experiment:
+        rows = [r for r in rows if r["experiment"] in a.experiment]
+        if not rows:
+            raise PlotError(f"--experiment {' '.join(a.experiment)}: no such rows in {', '.join(a.files)}")
+    return plot_scaling(rows, a.x, a.y, a.log_x, a.title)
+
+
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    try:
-        rows = []
-        for path in a.files:
-            mine = load_jsonl(path)
-            check_rows(mine, path)
-            rows += mine
-        if a.experiment:
-            rows = [r for r in rows if r["experiment"] in a.experiment]
-            if not rows:
-                raise PlotError(f"--experiment {' '.join(a.experiment)}: no such rows in {', '.join(a.files)}")
-        fig = plot_scaling(rows, a.x, a.y, a.log_x, a.title)
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"error: {e.name or e}: not installed; pip install -e .[plot]", file=sys.stderr)
-        return 2
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    fig.savefig(a.output, dpi=100)
-    print(f"wrote {a.output}")
-    return 0
+    return render(lambda: figure_of(a), a.output)
 
 
 if __name__ == "__main__":
