@@ -84,13 +84,7 @@ def hf_config(cfg, vocab: int, tokenizer=None) -> dict:
         "dtype": "float32",
         "use_cache": True,
     }
-    if tokenizer is not None:
-        if getattr(tokenizer, "bos", None) is not None:
-            out["bos_token_id"] = tokenizer.bos
-        out["eos_token_id"] = tokenizer.eod
-        if getattr(tokenizer, "pad", None) is not None:
-            out["pad_token_id"] = tokenizer.pad
-    return out
+    return out | hf_gla.special_token_ids(tokenizer)
 
 
 def to_hf_state(state: dict, cfg) -> dict[str, torch.Tensor]:

@@ -64,13 +64,16 @@ def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
         "dtype": "float32",
         "use_cache": True,
     }
-    if tokenizer is not None:
-        if getattr(tokenizer, "bos", None) is not None:
-            out["bos_token_id"] = tokenizer.bos
-        out["eos_token_id"] = tokenizer.eod
-        if getattr(tokenizer, "pad", None) is not None:
-            out["pad_token_id"] = tokenizer.pad
-    return out
+    return out | special_token_ids(tokenizer)
+
+
+def special_token_ids(tokenizer) -> dict:
+    """config.json's bos/eos/pad ids from our tokenizer (EOD is HF's eos); {} without one."""
+    if tokenizer is None:
+        return {}
+    ids = {"bos_token_id": getattr(tokenizer, "bos", None), "eos_token_id": tokenizer.eod}
+    ids["pad_token_id"] = getattr(tokenizer, "pad", None)
+    return {k: v for k, v in ids.items() if v is not None}
 
 
 def write_remote_code(output: str) -> None:
