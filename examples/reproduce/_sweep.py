@@ -180,6 +180,12 @@ class Sweep:
         self.port = 29700 + os.getpid() % 200
         self.first_row = True
 
+    def __enter__(self) -> Sweep:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.cluster.cleanup()
         if self.a.keep:

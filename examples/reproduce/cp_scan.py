@@ -42,9 +42,7 @@ def parse_cli(argv=None):
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    sweep = _sweep.Sweep(a)
-    rows = []
-    try:
+    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
         jobs = []
         for P in a.ps:
             for seq in a.seq_lengths:
@@ -54,8 +52,6 @@ def main(argv=None) -> int:
                     job = _sweep.Job(EXPERIMENT, name, ["--cp-algo", ALGOS[name]], P, P // 2, [a.rate], seq)
                     jobs.append((job, flags))
         rows = sweep.run_jobs(jobs)
-    finally:
-        sweep.close()
     t = {(r["system"], r["ranks"], r["seq_length"]): r for r in rows if r["step_time_s"]}
     print(f"\n{'P':>3} {'seq':>6} " + "".join(f"{n:>12}" for n in a.algos) + "   all-gather/All-Scan  CP MB/rank")
     for P in a.ps:

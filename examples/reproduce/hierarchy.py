@@ -50,14 +50,10 @@ def parse_cli(argv=None):
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    sweep = _sweep.Sweep(a)
-    rows = []
-    try:
+    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
         flags = _sweep.model_flags(a, a.seq_length, micro_batch=1, dp=8)
         jobs = [(_sweep.Job(EXPERIMENT, n, SYSTEMS[n].split(), 8, 4, a.rates, a.seq_length), flags) for n in a.systems]
         rows = sweep.run_jobs(jobs)
-    finally:
-        sweep.close()
     print(f"\n{'system':<16}" + "".join(f"{r:>10}" for r in a.rates) + "   (tokens/s; cross-node MB/rank/step)")
     for s in a.systems:
         rs = [r for r in rows if r["system"] == s]

@@ -56,9 +56,7 @@ def parse_cli(argv=None):
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    sweep = _sweep.Sweep(a)
-    rows = []
-    try:
+    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
         one = _sweep.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
         alone = sweep.run_concurrent(one, _sweep.model_flags(a, a.seq_length, 1, 1), 1, os.cpu_count() or 1,
                                      a.reference_steps)  # fmt: skip
@@ -70,8 +68,6 @@ def main(argv=None) -> int:
                                  a.seq_length)  # fmt: skip
                 jobs.append((job, _sweep.model_flags(a, a.seq_length, 1, n)))
         rows = [dict(alone, system="1 rank")] + sweep.run_jobs(jobs)
-    finally:
-        sweep.close()
     return report(a, rows)
 
 

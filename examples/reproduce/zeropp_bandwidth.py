@@ -70,14 +70,10 @@ def main(argv=None) -> int:
         a.systems = list(dict.fromkeys(r["system"] for r in rows))
         report(rows, a)
         return 0
-    sweep = _sweep.Sweep(a)
-    rows = []
-    try:
+    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
         flags = _sweep.model_flags(a, a.seq_length, micro_batch=1, dp=4)
         jobs = [(_sweep.Job(EXPERIMENT, n, SYSTEMS[n].split(), 4, 2, a.rates, a.seq_length), flags) for n in a.systems]
         rows = sweep.run_jobs(jobs)
-    finally:
-        sweep.close()
     report(rows, a)
     return 0
 
