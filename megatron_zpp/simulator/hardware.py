@@ -41,6 +41,10 @@ class Cluster:
     device: str = "cuda"  # which column of context_parallel.all_scan.LINK_MODEL picks All-Scan's blocks
     fixed_step_s: float = 0.0  # per-step overhead outside the model (Python, data, logging)
     per_layer_s: float = 0.0  # per layer and micro-batch, forward + backward (kernel launches, hooks)
+    # Extra per GLA layer and micro-batch over a softmax one, forward + backward: the chunked
+    # scan's many small ops, which perf.py's FLOP count does not see (CPU: ~2x a softmax layer at
+    # 2 chunks; the probe measures it at the CP runs' local length). 0 on GPUs (fused kernels).
+    gla_layer_s: float = 0.0
     # Per ZeRO unit and step: the engine's Python work per unit (gather/release hooks, the
     # reduction's bookkeeping, AdamW over the unit's shard segments). ~0 on GPUs (hidden by async
     # kernels); the emulated preset fits it from calibration-only training runs.

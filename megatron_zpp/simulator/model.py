@@ -10,7 +10,8 @@ Compute: perf.flops_per_token split per layer (the count with one layer less), d
 TP (and the tokens by CP), at the cluster's sustained rate; backward = 2 x forward, plus
 the forward again for fully recomputed layers.
 
-Overlap, per rank, with one compute stream and one communication stream:
+Overlap, per rank, with one compute stream and one communication stream per link class
+(transfers on one link queue on it; an intra-node and an inter-node one run at once):
 
 * TP collectives and the softmax K|V gather under CP are synchronous: fully exposed;
 * the GLA state scan runs while the layer computes its local output (context_parallel/
@@ -18,11 +19,16 @@ Overlap, per rank, with one compute stream and one communication stream:
   chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
   all-gather;
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
-  one) and the unit waits for it; gradient reductions are queued on the communication
-  stream after their unit's backward, at most 2 in flight (zero_engine.MAX_IN_FLIGHT), and
-  drain at the step's end; ZeRO-1/2 and plain DP reduce during the last backward
-  (--overlap-grad-reduce) or after it; stages 1-2's parameter all-gather is exposed
-  unless --overlap-param-gather hides it behind the next forward;
+  one) and the unit waits for it; a unit's gradient reduction starts after its backward,
+  at most 2 in flight (zero_engine.MAX_IN_FLIGHT, the oldest finished first), the rest
+  drains at the step's end; a hierarchical one (qgZ) moves one hop per later unit, its
+  wait at that program point (grad_reduce.HierarchicalReduceScatter.advance); ZeRO-1/2
+  and plain DP reduce during the last backward (--overlap-grad-reduce) or after it;
+  stages 1-2's parameter all-gather is exposed unless --overlap-param-gather hides it
+  behind the next forward;
+* the quantizer (qwZ, qgZ) runs on the compute stream, where zero/gather.py and
+  zero/grad_reduce.py call it: quantize before the issue, dequantize(-sum) after the wait
+  (quant_parts);
 * pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
   so the bubble comes out of the event times;
 * overlap efficiency (Cluster.overlap_efficiency): of the stream time the schedule above
@@ -31,10 +37,12 @@ Overlap, per rank, with one compute stream and one communication stream:
   comm streams); on the emulated cluster gloo's threads take the same 2 cores as compute, so
   it is fitted from calibration runs at two link rates.
 
-Step-end terms besides the optimizer: Cluster.fixed_step_s (per step) and unit_step_s per
-ZeRO unit (Python hooks, the optimizer over many shard segments: ~0 on GPUs, fitted on the
-emulated cluster); the quantizer's per-element and per-call cost per (bits, block)
-(quant_time); the CP chain's per-message cost scan_msg_s on top of the link alpha.
+Per layer and micro-batch, a fixed overhead (Cluster.per_layer_s, + gla_layer_s for a GLA
+layer: the CPU's per-op cost; 0 on the GPU presets). Step-end terms besides the optimizer:
+Cluster.fixed_step_s (per step) and unit_step_s per ZeRO unit (Python hooks, the optimizer
+over many shard segments: ~0 on GPUs, fitted on the emulated cluster); the quantizer's
+per-element and per-call cost per (bits, block) (quant_time); the CP chain's per-message cost
+scan_msg_s on top of the link alpha.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ def node_egress(c: Coll, ranks_per_node: int, gloo: bool) -> float:
     return groups * c.bytes()
 
 
-def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
+def wire_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
+    """The transfer of `c` on its link: message steps x alpha + bytes / bandwidth."""
     if c.n <= 1:
         return 0.0
     link = cl.link(c.link)
@@ -85,7 +94,12 @@ def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
         wire = node_egress(c, ranks_per_node or cl.ranks_per_node, cl.device == "cpu") / link.bandwidth
     else:
         wire = c.bytes() / link.bandwidth
-    return _steps(c.op, c.n) * link.alpha + wire + quant_time(c, cl)
+    return _steps(c.op, c.n) * link.alpha + wire
+
+
+def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
+    """The transfer and the quantizer work of `c`, back to back (a synchronous call)."""
+    return wire_time(c, cl, ranks_per_node) + quant_time(c, cl) if c.n > 1 else 0.0
 
 
 def quant_time(c: Coll, cl: Cluster) -> float:
@@ -97,6 +111,16 @@ def quant_time(c: Coll, cl: Cluster) -> float:
         per_elem, per_call = cl.quant[c.quant_key]
         return c.quant_elems * per_elem + c.quant_calls * per_call
     return c.quant_elems / cl.quant_elems_per_s
+
+
+def quant_parts(c: Coll, cl: Cluster) -> tuple[float, float]:
+    """quant_time(c) split into (before the issue: quantize what this rank sends, after the
+    wait: dequantize what arrived). Both run on the compute stream (zero/gather.py,
+    zero/grad_reduce.py call the quantizer from the hooks). A qwZ gather quantizes its shard
+    and dequantizes n of them; a qgZ hop quantizes and dequantize-sums the same elements."""
+    q = quant_time(c, cl) if c.n > 1 else 0.0
+    sent = 1 / (c.n + 1) if c.kind == "zero_gather" else 0.5
+    return q * sent, q * (1 - sent)
 
 
 def layer_flops(cfg: Config) -> tuple[list[float], float]:
@@ -142,16 +166,30 @@ class Breakdown:
     bytes_per_rank: dict[str, float] = field(default_factory=dict)  # by link class, mean over the ranks timed
 
 
+@dataclass
+class _Reduction:
+    """One unit's gradient reduction in flight: its hops (one for a flat reduce-scatter)."""
+
+    hops: list[Coll]
+    hop: int = 0  # the hop on the wire
+    end: float = 0.0  # when that hop's transfer ends
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.hops[0].op == "all_to_all"
+
+
 class _RankTimer:
     """One rank's compute and communication streams through its schedule."""
 
     def __init__(self, cfg: Config, cl: Cluster, step: RankStep, cp: Group):
         self.cfg, self.cl, self.step, self.cp = cfg, cl, step, cp
         self.rpn = topology_from_config(cfg).ranks_per_node
-        self.comm_free = 0.0
-        self.comm_busy = 0.0  # seconds issued on the communication stream (for the overlap efficiency)
-        self.inflight: list[float] = []  # end times of gradient reductions in flight
+        self.comm_free: dict[str, float] = defaultdict(float)  # per link class: when its stream is free
+        self.comm_busy = 0.0  # seconds issued on the communication streams (for the overlap efficiency)
+        self.pending: list[_Reduction] = []  # gradient reductions in flight, oldest first
         self.exposed: dict[str, float] = defaultdict(float)
+        self.book = self.exposed  # where waits and quantizer passes are booked (finish: the step-end terms)
         self.compute = 0.0
         chunks = stage_chunks(cfg, step.pp_rank)
         per_layer, head = layer_flops(cfg)
@@ -162,7 +200,7 @@ class _RankTimer:
         self.rerun: list[set[str]] = []
         for chunk in chunks:
             ids = [int(k) for k in chunk.layers.keys()]
-            units = {f"layer{i}": per_layer[i] / 3 / rate + cl.per_layer_s / 3 for i in ids}
+            units = {f"layer{i}": per_layer[i] / 3 / rate + self._layer_overhead(m.layer_kind(i)) / 3 for i in ids}
             if chunk.post_process:
                 units["head"] = head / 3 / rate
             self.fwd_unit.append(units)
@@ -171,15 +209,58 @@ class _RankTimer:
         heads_width = m.num_attention_heads * m.head_dim
         self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
 
+    def _layer_overhead(self, kind: str) -> float:
+        return self.cl.per_layer_s + (self.cl.gla_layer_s if kind == "gla" else 0.0)
+
     def _t(self, c: Coll) -> float:
         return coll_time(c, self.cl, self.rpn)
 
-    # the communication stream
-    def _issue(self, start: float, cost: float) -> float:
-        begin = max(start, self.comm_free)
-        self.comm_free = begin + cost
+    # the communication streams: one per link class (transfers on one link share it and queue;
+    # different links run at once, as their process groups do)
+    def _issue(self, start: float, c: Coll) -> float:
+        """Start `c`'s transfer at `start` (or when its link is free); its end."""
+        cost = wire_time(c, self.cl, self.rpn)
+        begin = max(start, self.comm_free[c.link])
+        self.comm_free[c.link] = begin + cost
         self.comm_busy += cost
-        return self.comm_free
+        return begin + cost
+
+    def _quantizer(self, t: float, seconds: float) -> float:
+        self.book["quantizer"] += seconds
+        return t + seconds
+
+    # gradient reductions (zero/grad_reduce.py): a flat reduce-scatter is waited on only when the
+    # engine holds too many; a hierarchical one moves one hop each time a later unit's gradients
+    # are ready (the hop's wait, its dequantize-sum, the next hop's quantize and issue)
+    def _start_hop(self, r: _Reduction, t: float) -> float:
+        c = r.hops[r.hop]
+        t = self._quantizer(t, quant_parts(c, self.cl)[0])
+        r.end = self._issue(t, c)
+        return t
+
+    def _finish_hop(self, r: _Reduction, t: float, kind: str) -> float:
+        self.book[kind] += max(0.0, r.end - t)
+        t = self._quantizer(max(t, r.end), quant_parts(r.hops[r.hop], self.cl)[1])
+        r.hop += 1
+        return self._start_hop(r, t) if r.hop < len(r.hops) else t
+
+    def _finish_reduction(self, r: _Reduction, t: float, kind: str) -> float:
+        while r.hop < len(r.hops):
+            t = self._finish_hop(r, t, kind)
+        return t
+
+    def _reduce(self, colls: list[Coll], t: float) -> float:
+        """zero_engine._reduce: start this unit's reduction, advance those in flight, finish the
+        oldest beyond MAX_IN_FLIGHT; the compute stream's time after it."""
+        r = _Reduction(colls)
+        t = self._start_hop(r, t)
+        for p in self.pending:
+            if p.hierarchical and p.hop < len(p.hops):
+                t = self._finish_hop(p, t, "gradient reduce")
+        self.pending.append(r)
+        while len(self.pending) > MAX_IN_FLIGHT:
+            t = self._finish_reduction(self.pending.pop(0), t, "gradient reduce")
+        return t
 
     def run(self, index: int, start: float) -> float:
         op, colls = self.step.per_op[index]
@@ -232,17 +313,21 @@ class _RankTimer:
         t = start
         gather_done: dict[str, float] = {}
 
-        def prefetch(name: str, at: float) -> None:
+        def prefetch(name: str, at: float) -> float:
+            """Quantize (qwZ) and issue `name`'s gathers at `at`; the compute stream's time after."""
             for c in zero.get(name, []):
-                gather_done[name] = self._issue(at, self._t(c))
+                at = self._quantizer(at, quant_parts(c, cl)[0])
+                gather_done[name] = max(gather_done.get(name, at), self._issue(at, c))
+            return at
 
         if order:
-            prefetch(order[0], start)
+            t = prefetch(order[0], start)
         for k, name in enumerate(order):
             ready = max(t, gather_done.get(name, t))
             self.exposed["zero-3 gathers"] += ready - t
+            ready = self._quantizer(ready, sum(quant_parts(c, cl)[1] for c in zero.get(name, [])))
             if k + 1 < len(order):  # the next unit's gather is issued as this one starts computing
-                prefetch(order[k + 1], ready)
+                ready = prefetch(order[k + 1], ready)
             cost = units.get(name, 0.0) * factor
             if op.kind == "B" and name in self.rerun[op.chunk]:
                 cost += units.get(name, 0.0)
@@ -252,12 +337,8 @@ class _RankTimer:
             self.compute += units.get(name, 0.0) * factor + (
                 units.get(name, 0.0) if op.kind == "B" and name in self.rerun[op.chunk] else 0.0
             )
-            if grads.get(name):  # one unit's reduction (all its hops) is one of the engine's in flight
-                if len(self.inflight) >= MAX_IN_FLIGHT:  # the engine finishes the oldest first
-                    oldest = self.inflight.pop(0)
-                    self.exposed["gradient reduce"] += max(0.0, oldest - t)
-                    t = max(t, oldest)
-                self.inflight.append(self._issue(t, sum(self._t(c) for c in grads[name])))
+            if grads.get(name):
+                t = self._reduce(grads[name], t)
         for c in tail:
             t_p2p = self._t(c)
             self.exposed["pp p2p"] += t_p2p
@@ -267,7 +348,10 @@ class _RankTimer:
     def finish(self, t: float) -> tuple[float, dict[str, float]]:
         """The step's end after the last backward at `t`: drain, finalize, optimizer, gathers."""
         cfg, cl, other = self.cfg, self.cl, defaultdict(float)
-        drained = max([t, self.comm_free] + self.inflight)
+        self.book = other  # the drain's waits and quantizer passes are step-end terms
+        while self.pending:
+            t = self._finish_reduction(self.pending.pop(0), t, "gradient reduce (drain)")
+        drained = max([t, *self.comm_free.values()])
         other["gradient reduce (drain)"] += drained - t
         t = drained
         for c in self.step.step_end:
