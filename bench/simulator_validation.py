@@ -3,14 +3,15 @@ runs of pretrain_gpt.py (4 gloo ranks, 2 per namespace, --ranks-per-node 2, the 
 beside the simulator's prediction from the `emulated` preset (tools/calibrate_cluster.py),
 with the error. None of these runs is used by the calibration.
 
-    python bench/simulator_validation.py            # 13 runs, ~10-15 min on 2 idle cores
-    python bench/simulator_validation.py --quick    # 2 runs (smoke test)
-    python bench/simulator_validation.py --calibrate  # calibrate first, under the same cluster lock
+    python bench/simulator_validation.py            # 13 runs x 3 rounds, ~10 min on 2 idle cores
+    python bench/simulator_validation.py --quick    # 2 runs, 1 round (smoke test)
+    python bench/simulator_validation.py --calibrate  # calibrate first (~5 min), under the same cluster lock
 
 Runs: ZeRO-3 and ZeRO++ (qwZ + hpZ + qgZ) on two model sizes at 1 Gbit/s and 200 Mbit/s; qwZ,
 hpZ and qgZ alone; CP All-Scan vs all-gather (GLA layers, CP over all 4 ranks). The measured
-step time is the fastest step after the first (--metrics-file; calibrate_cluster.measure_step:
-other jobs share the 2 cores). Target: within 15%.
+step time is the median step (--metrics-file, the first step dropped) over --rounds launches of
+each run, the runs interleaved and their order reversed every other round: the statistic of the
+calibration (calibrate_cluster.measure_runs, whose docstring says why). Target: within 15%.
 Takes the emulated cluster's lock (waits for another bench up to --wait-minutes).
 """
 
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from calibrate_cluster import calibrate, measure_step, wait_for_cluster  # noqa: E402
+from calibrate_cluster import calibrate, measure_runs, wait_for_cluster  # noqa: E402
 
 from megatron_zpp.arguments import parse_args  # noqa: E402
 from megatron_zpp.simulator import preset, simulate  # noqa: E402
@@ -75,14 +76,11 @@ def predict(layout: str, size: str, rate: str, cluster_json: str | None) -> floa
     return simulate(validate(parse_args(flags(layout, size, 1)), WORLD), cl).step_time_s
 
 
-def measure(cluster, layout: str, size: str, rate: str, iters: int) -> float:
-    return measure_step(cluster, flags(layout, size, iters), rate, WORLD)  # the calibration's statistic
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 runs: a smoke test")
-    ap.add_argument("--iters", type=int, default=7, help="training steps per run (the first is not timed)")
+    ap.add_argument("--iters", type=int, default=12, help="training steps per launch (the first is not timed)")
+    ap.add_argument("--rounds", type=int, default=None, help="launches of each run (default 3; --quick: 1)")
     ap.add_argument("--cluster-json", default=None, help="the emulated preset (default: the checked-in one)")
     ap.add_argument("--wait-minutes", type=float, default=30.0)
     ap.add_argument("--json-out", default=None, help="also write the rows as JSONL (plots)")
@@ -101,8 +99,11 @@ def main(argv=None) -> int:
             with open(out, "w") as fh:
                 json.dump(calibrated, fh, indent=1)
             print(f"calibrated: {out}", flush=True)
+        specs = {f"{lay} {size} {rate}": (flags(lay, size, a.iters), rate) for lay, size, rate in runs}
+        rounds = a.rounds or (1 if a.quick else 3)
+        step = measure_runs(cluster, specs, WORLD, rounds, log=lambda m: print(f"  {m}", flush=True))
         for layout, size, rate in runs:
-            measured = measure(cluster, layout, size, rate, a.iters)
+            measured = step[f"{layout} {size} {rate}"]
             predicted = predict(layout, size, rate, a.cluster_json)
             err = predicted / measured - 1
             rows.append(

@@ -162,11 +162,12 @@ def test_cli_table_and_json(capsys):
     assert "unknown cluster preset" in capsys.readouterr().err
 
 
-def test_calibration_fit_recovers_known_terms(monkeypatch):
+def test_calibration_fit_recovers_known_terms(monkeypatch, tmp_path):
     """tools/calibrate_cluster.fit_runs on "runs" that are the simulator itself with known
     overhead, overlap, per-call quantizer and chain-message terms gets those terms back (the
     fit is a linear solve on the simulator's own columns: exact up to its max(0, .) kinks,
-    here within 1% for the linear ones, 10% for the per-call and per-message ones)."""
+    here within 1% for the linear ones, 10% for the per-call and per-message ones); --refit of
+    a preset that stores those runs, with other terms in it, fits the same terms again."""
     spec = importlib.util.spec_from_file_location(
         "calibrate_cluster", os.path.join(ROOT, "tools", "calibrate_cluster.py")
     )
@@ -193,7 +194,11 @@ def test_calibration_fit_recovers_known_terms(monkeypatch):
         "scan_msg_s": 2e-3,
     }
     monkeypatch.setattr(
-        cc, "measure_step", lambda cluster, argv, rate, world: cc._sim(base, argv, rate, world, **truth)
+        cc,
+        "measure_runs",
+        lambda cluster, runs, world, rounds, log=None: {
+            k: cc._sim(base, argv, rate, world, **truth) for k, (argv, rate) in runs.items()
+        },
     )
     got = cc.fit_runs(None, base, 4)
     for k in ("fixed_step_s", "unit_step_s", "overlap_efficiency"):
@@ -202,3 +207,10 @@ def test_calibration_fit_recovers_known_terms(monkeypatch):
     for key, (_, per_call) in truth["quant"].items():
         assert got["quant"][key][1] == pytest.approx(per_call, rel=0.1), key
     assert all(preset(n).overlap_efficiency == 1.0 and preset(n).unit_step_s == 0.0 for n in ("v100-ib100", "h100"))
+    stale = {**base, "fixed_step_s": 1.0, "overlap_efficiency": 0.9, "notes": "old"}
+    stale["measured"] = {**base["measured"], "quant": base["quant"], "calibration_runs": got["calibration_runs"]}
+    (tmp_path / "p.json").write_text(json.dumps(stale))
+    refitted = cc.refit(str(tmp_path / "p.json"), 4)
+    for k in ("fixed_step_s", "unit_step_s", "overlap_efficiency", "scan_msg_s"):
+        assert refitted[k] == pytest.approx(got[k], rel=1e-9), k
+    assert refitted["quant"] == got["quant"] and "refitted" in refitted["notes"]

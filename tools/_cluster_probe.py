@@ -1,10 +1,11 @@
 """One rank of tools/calibrate_cluster.py's measurements (run by torchrun in the emulated
-cluster's namespaces; writes rank 0's figures as JSON to argv[1]).
+cluster's namespaces; writes rank 0's figures as JSON to argv[1]; argv[2]: {"compute": [flags], "gla": [flags]}).
 
 * p2p ping-pong rank 0 <-> 1 (same namespace: loopback) and rank 0 <-> P/2 (across the
   shaped veth) at a small and a large message: alpha and bandwidth per link class;
 * compute: every rank at once runs forward + backward of the calibration models (what a
   training step's compute shares the cores with), model FLOP/s per rank (perf.py's count);
+  and the GLA models with GLA and with softmax layers (the GLA layers' extra cost);
 * quantizer: int8 wire quantize + dequantize elements per second (ops/quantize.py), and per
   (bits, block) of the runs (int4/int8 at 256) the per-element and per-call cost;
 * AdamW: seconds per parameter of an optimizer step (torch's AdamW on the model's parameters).
@@ -96,6 +97,19 @@ def compute(flags: list[str], reps: int = 5) -> dict:
     }
 
 
+def gla_overhead(flags: list[str]) -> dict:
+    """Forward + backward of the same model with GLA and with softmax layers (all ranks at once):
+    the GLA layers' extra seconds, which the FLOP count does not see (calibrate: gla_layer_s)."""
+    gla = "--attention-type gla --softmax-attention-every 0".split()
+    softmax, linear = compute(flags), compute(flags + gla)
+    return {
+        "flags": " ".join(flags),
+        "layers": softmax["layers"],
+        "softmax_s": softmax["seconds"],
+        "gla_s": linear["seconds"],
+    }
+
+
 def quantizer() -> float:
     x = torch.randn(1 << 22)
     out = torch.empty_like(x)
@@ -131,7 +145,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     result = {"intra_node": link(1), "inter_node": link(world // 2)}
-    result["compute"] = [compute(f.split()) for f in models]
+    result["compute"] = [compute(f.split()) for f in models["compute"]]
+    result["gla"] = [gla_overhead(f.split()) for f in models["gla"]]
     result["quant_elems_per_s"] = quantizer()
     result["quant"] = {f"{b}/{k}": quantizer_geometry(b, k) for b, k in ((4, 256), (8, 256))}
     if dist.get_rank() == 0:

@@ -2,19 +2,22 @@
 (bench/cluster.py: two network namespaces joined by a tc-shaped veth; root needed).
 
     python tools/calibrate_cluster.py [--rate 1gbit] [--ranks 4] [--out bench/results/emulated_cluster.json]
+    python tools/calibrate_cluster.py --refit PRESET.json --out PRESET.json   # terms only, no cluster
 
 Measures, with 4 gloo ranks (2 per namespace) running at once as in training:
 
 * the p2p alpha and bandwidth inside a namespace (loopback) and across the veth shaped at
   --rate (the inter-node bandwidth is stored as a fraction of the shaped rate, so the
   simulator can take any other rate: --link-gbps, bench/simulator_validation.py);
-* the model FLOP/s per rank of forward + backward of two small GPTs (all ranks computing at
-  once, so the shared cores are counted), fitted as seconds = FLOPs / rate + layers x overhead;
+* the model FLOP/s per rank of forward + backward of three small GPTs (all ranks computing at
+  once, so the shared cores are counted), fitted as seconds = FLOPs / rate + layers x overhead,
+  and the extra seconds of a GLA layer over a softmax one at the CP runs' local length;
 * the int8 quantize + dequantize throughput (ops/quantize.py), and per (bits, block) of the
   runs (int4 / int8 at 256) the quantizer's per-element and per-call cost;
-* then six calibration-only training runs (other model sizes than the validation's) for the
-  terms no microbenchmark sees: per-step and per-ZeRO-unit overhead, the overlap efficiency,
-  the quantizer's per-call cost in a real step, the CP chain's per-message cost (fit_runs).
+* then six calibration-only training runs (other model sizes than the validation's), each
+  launched 3 times interleaved (measure_runs), for the terms no microbenchmark sees: per-step
+  and per-ZeRO-unit overhead, the overlap efficiency, the quantizer's per-call cost in a real
+  step, the CP chain's per-message cost (fit_runs).
 
 Only one emulated-cluster bench may run at a time (a lock): this tool waits for it (up to
 --wait-minutes). Without root or iproute2 it says so and stops.
@@ -43,6 +46,15 @@ CALIBRATION_MODELS = [  # tiny GPTs, other sizes than the validation's (bench/si
     "--num-layers 2 --hidden-size 48 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
     "--num-layers 6 --hidden-size 48 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
     "--num-layers 3 --hidden-size 160 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 2",
+]
+# GLA vs softmax layers at the CP runs' local length (seq 128 over CP 4: 32 tokens, 2 chunks)
+GLA_MODELS = [
+    "--num-layers 2 --hidden-size 48 --num-attention-heads 4 --seq-length 32 --vocab-size 512 --micro-batch-size 2 "
+    "--gla-chunk-size 16",
+    "--num-layers 6 --hidden-size 48 --num-attention-heads 4 --seq-length 32 --vocab-size 512 --micro-batch-size 2 "
+    "--gla-chunk-size 16",
+    "--num-layers 3 --hidden-size 160 --num-attention-heads 4 --seq-length 32 --vocab-size 512 --micro-batch-size 2 "
+    "--gla-chunk-size 16",
 ]
 # Calibration-only training runs (pretrain_gpt.py), never the validation's sizes (S: 2 x 64, M: 4 x 128)
 RUN_COMMON = (
@@ -159,16 +171,19 @@ def fit_compute(rows: list[dict]) -> tuple[float, float]:
     return 1 / x[0], float(x[1])
 
 
+def fit_gla(rows: list[dict]) -> float:
+    """Seconds per GLA layer over a softmax one: least squares through 0 of the difference over
+    the layers, >= 0."""
+    num = sum(r["layers"] * (r["gla_s"] - r["softmax_s"]) for r in rows)
+    return max(num / sum(r["layers"] ** 2 for r in rows), 0.0)
+
+
 def run_flags(common: str, size: str, layout: str, iters: int) -> list[str]:
     return f"{common} {size} {layout} --train-iters {iters}".split()
 
 
-def measure_step(cluster: Cluster, argv: list[str], rate: str, world: int) -> float:
-    """Step time of pretrain_gpt.py `argv` at `rate`: the fastest step after the first (the 2 cores
-    are shared with other jobs, whose bursts slow whole runs by up to 2x (the same run measured
-    263 and 458 ms minutes apart): the fastest step is the one least disturbed, and the
-    calibration and the validation both take it)."""
-
+def measure_steps(cluster: Cluster, argv: list[str], rate: str, world: int) -> list[float]:
+    """The step times of one launch of pretrain_gpt.py `argv` at `rate`, the first step dropped."""
     cluster.shape(parse_rate(rate))
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
@@ -178,7 +193,28 @@ def measure_step(cluster: Cluster, argv: list[str], rate: str, world: int) -> fl
             raise RuntimeError(f"{' '.join(argv)} at {rate}: exit {code}\n{text[-2000:]}")
         with open(metrics) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
-    return min([r["step_time"] for r in rows if "step_time" in r][1:])
+    return [r["step_time"] for r in rows if "step_time" in r][1:]
+
+
+def measure_runs(cluster: Cluster, runs: dict, world: int, rounds: int = 3, log=None) -> dict[str, float]:
+    """{name: step time} of `runs` ({name: (argv, rate)}): each launched `rounds` times, the order
+    reversed every other round, and its figure the median of all its timed steps.
+
+    Why so: 4 ranks and their gloo threads share 2 cores, and identical launches minutes apart
+    differ by up to 25% (C6 ZeRO-3: medians 158-208 ms in 8 launches, fastest steps 121-191 ms,
+    pinned to cores or not). The median over rounds interleaved with the other runs averages that
+    drift over all of them alike; calibration and validation take the same statistic."""
+    import statistics
+
+    steps: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for k in range(rounds):
+        for name in names if k % 2 == 0 else reversed(names):
+            argv, rate = runs[name]
+            steps[name] += measure_steps(cluster, argv, rate, world)
+            if log:
+                log(f"{name}: round {k + 1}/{rounds}, median so far {statistics.median(steps[name]) * 1e3:.1f} ms")
+    return {name: statistics.median(s) for name, s in steps.items()}
 
 
 def _sim(preset: dict, argv: list[str], rate: str, world: int, **terms) -> float:
@@ -208,10 +244,31 @@ def _solve(f, target: float, x0: float = 0.0, step: float = 1e-3) -> float:
     return x
 
 
-def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict:
-    """The terms the microbenchmarks cannot see, from calibration-only training runs (RUN_SIZES:
-    not the validation's models), each term linear in the simulated step (its column: the
-    simulator's step with the term set minus without):
+FIT_RUNS = (  # (name, model size, layout, rate): calibration-only training runs
+    ("zero3 C3 1gbit", "C3", "zero3", "1gbit"),
+    ("zero3 C3 200mbit", "C3", "zero3", "200mbit"),
+    ("zero3 C6 1gbit", "C6", "zero3", "1gbit"),
+    ("qwZ C3 200mbit", "C3", "qwZ", "200mbit"),
+    ("qgZ C3 200mbit", "C3", "qgZ", "200mbit"),
+    ("cp all-scan C3 1gbit", "C3", "cp all-scan", "1gbit"),
+)
+
+
+def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 12, rounds: int = 3) -> dict:
+    """Measure FIT_RUNS on the cluster (measure_runs) and fit the terms no microbenchmark sees
+    (fit_terms)."""
+    runs = {
+        name: (run_flags(RUN_COMMON, RUN_SIZES[size], RUN_LAYOUTS[layout], iters), rate)
+        for name, size, layout, rate in FIT_RUNS
+    }
+    measured = measure_runs(cluster, runs, world, rounds, log=lambda m: print(f"[calibrate] {m}", flush=True))
+    return fit_terms(preset, {k: (*runs[k], measured[k]) for k in runs}, world)
+
+
+def fit_terms(preset: dict, runs: dict, world: int) -> dict:
+    """The terms of the measured `runs` (name -> (argv, rate, seconds), FIT_RUNS' names),
+    each term linear in the simulated step (its column: the simulator's step with the term
+    set minus without):
 
     1. zero3 on C3 at 1 Gbit/s and 200 Mbit/s and on C6 at 1 Gbit/s: fixed_step_s, unit_step_s
        (C6 has more units) and 1 - overlap_efficiency (the 200 Mbit/s run has more stream time);
@@ -220,19 +277,10 @@ def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict
     3. CP All-Scan on C3 at 1 Gbit/s: scan_msg_s, the per-message cost of the state chain."""
     import numpy as np
 
-    q = {**preset["quant"]}
-    runs = {}
-    for name, size, layout, rate in (
-        ("zero3 C3 1gbit", "C3", "zero3", "1gbit"),
-        ("zero3 C3 200mbit", "C3", "zero3", "200mbit"),
-        ("zero3 C6 1gbit", "C6", "zero3", "1gbit"),
-        ("qwZ C3 200mbit", "C3", "qwZ", "200mbit"),
-        ("qgZ C3 200mbit", "C3", "qgZ", "200mbit"),
-        ("cp all-scan C3 1gbit", "C3", "cp all-scan", "1gbit"),
-    ):
-        argv = run_flags(RUN_COMMON, RUN_SIZES[size], RUN_LAYOUTS[layout], iters)
-        runs[name] = (argv, rate, measure_step(cluster, argv, rate, world))
-        print(f"[calibrate] {name}: {runs[name][2] * 1e3:.1f} ms", flush=True)
+    untouched = {"fixed_step_s": 0.0, "unit_step_s": 0.0, "overlap_efficiency": 1.0, "scan_msg_s": 0.0}
+    probe = preset["measured"].get("quant", preset["quant"])  # the probe's per-call figures are the floor
+    preset = {**preset, **untouched, "quant": {**probe}}
+    q = preset["quant"]
     zero = [runs[k] for k in ("zero3 C3 1gbit", "zero3 C3 200mbit", "zero3 C6 1gbit")]
     base = [_sim(preset, a, r, world) for a, r, _ in zero]
     cols = [
@@ -248,7 +296,7 @@ def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict
     fitted = {**preset, **terms}
     for name, key in (("qwZ C3 200mbit", "8/256"), ("qgZ C3 200mbit", "4/256")):
         a, r, m = runs[name]
-        per_elem, floor = q[key]  # the probe's per-call cost is the floor
+        per_elem, floor = q[key]
 
         def with_call(c, a=a, r=r, key=key, per_elem=per_elem):
             return _sim(fitted, a, r, world, quant={**q, key: [per_elem, c]})
@@ -262,11 +310,26 @@ def fit_runs(cluster: Cluster, preset: dict, world: int, iters: int = 7) -> dict
     return terms
 
 
+def refit(path: str, world: int) -> dict:
+    """The preset at `path` with its terms refitted from its own stored calibration runs (after a
+    change to the simulator: no cluster needed, the measurements are those of the calibration)."""
+    with open(path) as fh:
+        preset = json.load(fh)
+    stored = preset["measured"]["calibration_runs"]
+    runs = {k: (v["flags"].split(), v["rate"], v["measured_s"]) for k, v in stored.items()}
+    terms = fit_terms(preset, runs, world)
+    terms.pop("calibration_runs")
+    preset.update(terms)
+    preset["notes"] += f"; terms refitted {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    return preset
+
+
 def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
     cluster.shape(parse_rate(rate))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        probe = [os.path.join(ROOT, "tools", "_cluster_probe.py"), out, json.dumps(CALIBRATION_MODELS)]
+        models = {"compute": CALIBRATION_MODELS, "gla": GLA_MODELS}
+        probe = [os.path.join(ROOT, "tools", "_cluster_probe.py"), out, json.dumps(models)]
         code, text = launch(cluster, probe, world, timeout=900)
         if code or not os.path.exists(out):
             raise SystemExit(f"error: the probe failed (exit {code}):\n{text[-3000:]}")
@@ -294,6 +357,7 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
         "device": "cpu",
         "fixed_step_s": 0.0,
         "per_layer_s": per_layer,
+        "gla_layer_s": fit_gla(m["gla"]),
         "notes": f"tools/calibrate_cluster.py at {rate}, {world} gloo ranks, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}",
         "measured": {**m, "calibration_rate": rate, "inter_node_efficiency": eff},
@@ -310,12 +374,22 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=4, help="gloo ranks, 2 per namespace")
     ap.add_argument("--out", default=os.path.normpath(EMULATED_JSON))
     ap.add_argument("--wait-minutes", type=float, default=30.0, help="how long to wait for another bench's lock")
+    ap.add_argument(
+        "--refit",
+        metavar="PRESET",
+        help="no measuring: refit PRESET's terms from its stored calibration runs (after a simulator change)",
+    )
     a = ap.parse_args(argv)
-    cluster = wait_for_cluster(a.wait_minutes)
-    try:
-        preset = calibrate(cluster, a.rate, a.ranks)
-    finally:
-        cluster.cleanup()
+    if a.refit:
+        if not os.path.exists(a.refit):
+            raise SystemExit(f"error: --refit {a.refit}: no such file")
+        preset = refit(a.refit, a.ranks)
+    else:
+        cluster = wait_for_cluster(a.wait_minutes)
+        try:
+            preset = calibrate(cluster, a.rate, a.ranks)
+        finally:
+            cluster.cleanup()
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(preset, fh, indent=1)
