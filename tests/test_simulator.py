@@ -167,7 +167,7 @@ def test_calibration_fit_recovers_known_terms(monkeypatch, tmp_path):
     overhead, overlap, per-call quantizer and chain-message terms gets those terms back (the
     fit is a linear solve on the simulator's own columns: exact up to its max(0, .) kinks,
     here within 1% for the linear ones, 10% for the per-call and per-message ones); --refit of
-    a preset that stores those runs, with other terms in it, fits the same terms again."""
+    a preset that stores those runs, with stale terms in it, gets the known terms back too."""
     spec = importlib.util.spec_from_file_location(
         "calibrate_cluster", os.path.join(ROOT, "tools", "calibrate_cluster.py")
     )
@@ -211,6 +211,9 @@ def test_calibration_fit_recovers_known_terms(monkeypatch, tmp_path):
     stale["measured"] = {**base["measured"], "quant": base["quant"], "calibration_runs": got["calibration_runs"]}
     (tmp_path / "p.json").write_text(json.dumps(stale))
     refitted = cc.refit(str(tmp_path / "p.json"), 4)
-    for k in ("fixed_step_s", "unit_step_s", "overlap_efficiency", "scan_msg_s"):
-        assert refitted[k] == pytest.approx(got[k], rel=1e-9), k
-    assert refitted["quant"] == got["quant"] and "refitted" in refitted["notes"]
+    for k in ("fixed_step_s", "unit_step_s", "overlap_efficiency"):  # the stale terms are not kept
+        assert refitted[k] == pytest.approx(truth[k], rel=0.01), k
+    assert refitted["scan_msg_s"] == pytest.approx(truth["scan_msg_s"], rel=0.1)
+    for key, (_, per_call) in truth["quant"].items():
+        assert refitted["quant"][key][1] == pytest.approx(per_call, rel=0.1), key
+    assert "refitted" in refitted["notes"]
