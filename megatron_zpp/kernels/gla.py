@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import target
+
 SUB_BLOCK = 16  # tokens per sub-block of the intra-chunk tiles (the smallest tl.dot tile)
 LOG_TINY_FP32 = math.log(torch.finfo(torch.float32).tiny)  # dg is 0 below this gate (as the reference)
 
@@ -371,18 +373,18 @@ def supported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
 
 def _blocks(K: int, V: int, device: torch.device) -> tuple[int, int]:
     """Tile widths: whole (padded) K and V in the interpreter (fewer programs), at most 64 on a GPU."""
-    cap = 256 if device.type != "cuda" else 64
+    cap = 256 if target.gpu(device) is None else 64
     return min(cap, max(16, triton.next_power_of_2(K))), min(cap, max(16, triton.next_power_of_2(V)))
 
 
 def _diag_block(BK: int, device: torch.device) -> int:
     """Key width of the [BT, BT, keys] pair tiles of a diagonal sub-block: 16 keeps them in registers on a GPU."""
-    return BK if device.type != "cuda" else 16
+    return BK if target.gpu(device) is None else 16
 
 
 def _precision(*tensors: torch.Tensor) -> str:
     """fp32 inputs get exact fp32 products; bf16 inputs may use tf32 on a GPU (accumulation stays fp32)."""
-    if tensors[0].device.type == "cuda" and all(t.dtype == torch.bfloat16 for t in tensors):
+    if target.gpu(tensors[0].device) is not None and all(t.dtype == torch.bfloat16 for t in tensors):
         return "tf32"
     return "ieee"
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import target
+
 
 @triton.jit
 def _norm_fwd_kernel(
@@ -118,8 +120,9 @@ def norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _default_programs(device: torch.device, rows: int) -> int:
-    if device.type == "cuda":  # a few row blocks per SM keeps every SM busy, the partials small
-        return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    gpu = target.gpu(device)
+    if gpu is not None:  # a few row blocks per SM keeps every SM busy, the partials small
+        return min(rows, 4 * gpu.sm_count)
     return min(rows, 4)
 
 
