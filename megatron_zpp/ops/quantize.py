@@ -48,6 +48,7 @@ import sys
 import threading
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import dispatch
 
@@ -126,9 +127,11 @@ def _scales_from_absmax(absmax: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:
-    """A 32-bit seed (as int32) from `generator` (the default CPU generator when None)."""
+    """A 32-bit seed (as int32) from `generator` (the default CPU generator when None). Drawn outside any
+    FakeTensorMode: the generator is real host state, so a shapes-only run draws (and advances) as eager does."""
     device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(-(1 << 31), 1 << 31, (), generator=generator, device=device, dtype=torch.int64))
+    with unset_fake_temporarily():
+        return int(torch.randint(-(1 << 31), 1 << 31, (), generator=generator, device=device, dtype=torch.int64))
 
 
 def _logical_shift_xor_(h: torch.Tensor, shift: int, tmp: torch.Tensor) -> torch.Tensor:
