@@ -397,11 +397,15 @@ class TrainConfig:
         "auto",
         "--kernels",
         "op implementations: triton (our Triton kernels; on CPU only under TRITON_INTERPRET=1), torch (the "
-        "PyTorch references), auto (Triton on CUDA when importable, else torch)",
+        "PyTorch references), auto (Triton on CUDA when importable, else torch); any of them with --torch-compile "
+        "(each kernel is a custom op, called as it is inside the compiled graph)",
         choices=["auto", "triton", "torch"],
     )
     torch_compile: bool = opt(
-        False, "--torch-compile", "compile each transformer block and the cross-entropy with torch.compile (inductor)"
+        False,
+        "--torch-compile",
+        "compile each transformer block and the cross-entropy with torch.compile (inductor); the --kernels "
+        "Triton kernels inside them stay opaque custom ops, the PyTorch code around them is compiled",
     )
     save: str | None = opt(None, "--save", "checkpoint directory to write")
     load: str | None = opt(None, "--load", "checkpoint directory to resume from")

@@ -351,7 +351,9 @@ def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:
 
 def _check_compile(cfg: Config, world_size: int) -> list[str]:
     """--torch-compile: what has been verified to compose with it (the block's collectives and the
-    per-TP-rank dropout stream run inside the compiled code under TP/CP, and are not verified there)."""
+    per-TP-rank dropout stream run inside the compiled code under TP/CP, and are not verified there).
+    Any --kernels composes: each Triton kernel is a custom op (ops/dispatch.kernel_op) that the compiled
+    graph calls as it is (tests/kernels/test_torch_compile.py: compiled equals eager on the kernels)."""
     if not cfg.train.torch_compile:
         return []
     p, m = cfg.parallel, cfg.model
@@ -364,10 +366,6 @@ def _check_compile(cfg: Config, world_size: int) -> list[str]:
                 m.attention_dropout == 0,
                 "--torch-compile needs --attention-dropout 0 (its per-TP-rank RNG stream is not verified under "
                 "torch.compile); --hidden-dropout is fine",
-            ),
-            (
-                cfg.train.kernels != "triton",
-                "--torch-compile compiles the PyTorch references: use --kernels torch or auto with it, not triton",
             ),
             (
                 not cfg.data.packed_documents,

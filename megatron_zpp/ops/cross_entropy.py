@@ -27,6 +27,28 @@ def _kernels():
     return cross_entropy
 
 
+@dispatch.kernel_op("cross_entropy_stats")
+def _stats_kernel(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """fp32 [3, rows]: max, sum exp, target. One tensor, as a custom op's outputs may not alias each other
+    (the wrapper's three may be views of one buffer); the stack copies 3 values a row."""
+    return torch.stack(_kernels().ce_fwd_stats(x, labels))
+
+
+@_stats_kernel.register_fake
+def _(x, labels):
+    return x.new_empty(3, x.shape[0], dtype=torch.float32)
+
+
+@dispatch.kernel_op("cross_entropy_grad")
+def _grad_kernel(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    return _kernels().ce_bwd(x, labels, lse, dloss)
+
+
+@_grad_kernel.register_fake
+def _(x, labels, lse, dloss):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     return dispatch.use_triton(x) and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1
 
@@ -62,7 +84,7 @@ def local_stats_reference(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
 def local_stats(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of x [rows, V]: max, sum exp(x - max) and x[label] (0 where the label is outside)."""
     if _use_kernel(x):
-        return _kernels().ce_fwd_stats(x, labels.contiguous())
+        return tuple(_stats_kernel(x, labels.contiguous()).unbind())
     return local_stats_reference(x, labels)
 
 
@@ -84,5 +106,5 @@ def softmax_grad(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss
     with lse the row's log-sum-exp over the whole vocabulary (all TP slices)."""
     if _use_kernel(x):
         f32 = torch.float32
-        return _kernels().ce_bwd(x, labels.contiguous(), lse.to(f32).contiguous(), dloss.to(f32).contiguous())
+        return _grad_kernel(x, labels.contiguous(), lse.to(f32).contiguous(), dloss.to(f32).contiguous())
     return softmax_grad_reference(x, labels, lse, dloss)

@@ -9,28 +9,42 @@ reference (megatron_zpp/ops/). One process-wide mode, set once at start-up from 
 An op asks `use_triton(op, tensor)`; an op whose kernel does not apply to a call (a dtype or shape it
 does not take) falls back to its reference for that call and says why through `register(op, ...)`.
 `describe(device)` is the one start-up log line naming the path of every registered op.
+
+Every kernel launch an op makes goes through a custom op, `kernel_op(name)` (torch.library, namespace
+megatron_zpp), with a fake implementation stating its outputs' shapes, dtypes and devices: torch.compile
+(--torch-compile) keeps it as one opaque node of the graph, and FakeTensorMode runs it as shapes only.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
 
+LIBRARY = "megatron_zpp"  # the namespace of our custom ops: torch.ops.megatron_zpp.<name>
 MODES = ("auto", "triton", "torch")
 _mode = "auto"
 _ops: dict[str, str] = {}  # op name -> what its kernel covers (shown in the log line)
+KERNEL_OPS: dict[str, torch.library.CustomOpDef] = {}  # every kernel_op, by name (the tests check each)
 
 
 class KernelUnavailable(RuntimeError):
     """--kernels triton where Triton cannot run; the message is one line for the user."""
 
 
-@functools.cache
+_import_checked: list[str | None] = []  # triton_importable's answer once known (a plain global, not
+# functools.cache: torch.compile traces this on every kernel dispatch and reads a global as a guarded constant)
+
+
 def triton_importable() -> str | None:
-    """None when `import triton` works, else the reason."""
+    """None when `import triton` works, else the reason (checked once)."""
+    if not _import_checked:
+        _import_checked.append(_import_triton())
+    return _import_checked[0]
+
+
+def _import_triton() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     try:
@@ -79,6 +93,25 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and triton_importable() is None
 
 
+def kernel_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """Decorator: the function (a Triton launch) becomes the custom op megatron_zpp::<name>; give it a
+    fake with `.register_fake`. The ops are the launches only: the gradients stay in the ops'
+    autograd.Functions (which torch.compile traces), as GLA's pieces are also chained by context
+    parallelism's own Functions, and an in-place op (RoPE) cannot take `.register_autograd`.
+
+    torch.library.custom_op, not triton_op: triton_op lets inductor look inside, but only at launches
+    written `wrap_triton(kernel)[grid](...)` (ours, in kernels/, launch `kernel[grid]`), and under the
+    CPU interpreter (TRITON_INTERPRET=1) it fails to trace at all (checked with torch 2.13, Triton 3.9).
+    A custom op is opaque: inductor calls it as it is, on CUDA and in the interpreter alike, and fuses
+    the torch code around it; our kernels are already the fused unit of their op."""
+
+    def register(fn):
+        KERNEL_OPS[name] = torch.library.custom_op(f"{LIBRARY}::{name}", fn, mutates_args=mutates_args)
+        return KERNEL_OPS[name]
+
+    return register
+
+
 def register(op: str, covers: str) -> None:
     """Declare an op with a Triton kernel; `covers` says what it takes (e.g. "fp32/bf16, any width")."""
     _ops[op] = covers
@@ -91,6 +124,7 @@ def describe(device: torch.device) -> str:
     where = "Triton interpreter" if on and device.type != "cuda" else "Triton"
     if not on:
         reason = "--kernels torch" if _mode == "torch" else reason or "auto takes Triton on CUDA only"
-    path = f"{where} kernels" if on else f"torch references ({reason})"
+    ops_note = f"each a {LIBRARY}:: custom op, an opaque node under --torch-compile"
+    path = f"{where} kernels ({ops_note})" if on else f"torch references ({reason})"
     ops = ", ".join(f"{op} [{covers}]" for op, covers in sorted(_ops.items())) or "none registered"
     return f"kernels (--kernels {_mode}): {path} for {ops}"

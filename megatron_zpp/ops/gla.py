@@ -97,6 +97,70 @@ def _use_kernel(chunk_size: int, v: Tensor, qk: Tensor, *others: Tensor | None) 
     )
 
 
+# The Triton launches as custom ops (dispatch.kernel_op), outputs fp32; autograd stays in the Functions
+# below and in context_parallel/gla.py, which interleave these pieces with their communication.
+
+
+def _kernels():
+    from ..kernels import gla  # lazily: triton is needed only once a kernel runs
+
+    return gla
+
+
+def _fp32(t: Tensor, *shape: int) -> Tensor:
+    return t.new_empty(shape, dtype=torch.float32)
+
+
+@dispatch.kernel_op("gla_fwd_states")
+def _fwd_states_kernel(
+    k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    return _kernels().fwd_states(k, v, g, initial_state, chunk_size)
+
+
+@_fwd_states_kernel.register_fake
+def _(k, v, g, initial_state, chunk_size):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    return _fp32(k, B, H, T // chunk_size, K, V), _fp32(k, B, H, K, V)
+
+
+@dispatch.kernel_op("gla_fwd_output")
+def _fwd_output_kernel(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, states_in: Tensor, scale: float, chunk_size: int
+) -> Tensor:
+    return _kernels().fwd_output(q, k, v, g, states_in, scale, chunk_size)
+
+
+@_fwd_output_kernel.register_fake
+def _(q, k, v, g, states_in, scale, chunk_size):
+    return _fp32(q, *q.shape[:3], v.shape[-1])
+
+
+@dispatch.kernel_op("gla_bwd")
+def _bwd_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    initial_state: Tensor | None,
+    do: Tensor | None,
+    d_final_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+    states_in: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels().bwd(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in)
+
+
+@_bwd_kernel.register_fake
+def _(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dq, dk, dg = (_fp32(q, B, T, H, K) for _ in range(3))
+    return dq, dk, _fp32(q, B, T, H, V), dg, _fp32(q, B, H, K, V)
+
+
 def recurrent_gla(
     q: Tensor,
     k: Tensor,
@@ -134,9 +198,7 @@ def chunk_gla_fwd_states(
     check_shapes(k, k, v, g, initial_state)
     check_chunk_size(k.shape[1], chunk_size)
     if _use_kernel(chunk_size, v, k, g, initial_state):
-        from ..kernels import gla as gla_kernels
-
-        return gla_kernels.fwd_states(k, v, g, initial_state, chunk_size)
+        return _fwd_states_kernel(k, v, g, initial_state, chunk_size)
     dt = compute_dtype(k, v, g, initial_state)
     k, v, g = (to_chunks(x, chunk_size, dt) for x in (k, v, g))
     start = initial_state.to(dt) if initial_state is not None else None
@@ -156,12 +218,10 @@ def chunk_gla_fwd_output(
     check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _use_kernel(chunk_size, v, q, k, g, states_in):
-        from ..kernels import gla as gla_kernels
-
         if states_in is None:  # the kernel always reads entering states
             B, T, H, K = q.shape
             states_in = q.new_zeros(B, H, T // chunk_size, K, v.shape[-1], dtype=torch.float32)
-        return gla_kernels.fwd_output(q, k, v, g, states_in, scale, chunk_size)
+        return _fwd_output_kernel(q, k, v, g, states_in, scale, chunk_size)
     dt = compute_dtype(q, k, v, g, states_in)
     q, k, v, g = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
     if states_in is None:
@@ -200,9 +260,7 @@ def chunk_gla_bwd(
     check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _use_kernel(chunk_size, v, q, k, g, initial_state, do, d_final_state, states_in):
-        from ..kernels import gla as gla_kernels
-
-        return gla_kernels.bwd(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in)
+        return _bwd_kernel(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in)
     dt = compute_dtype(q, k, v, g, initial_state)
     q, k, v, g = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
     decay = chunk_decay(g)

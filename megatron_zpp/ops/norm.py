@@ -60,12 +60,43 @@ def _kernels():
     return norm
 
 
+# The custom ops return tensors only: RMSNorm's missing mean and db come back as empty tensors.
+
+
+@dispatch.kernel_op("norm_fwd")
+def _norm_fwd(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, rstd = _kernels().norm_fwd(x2d, weight, bias, eps)
+    return y, rstd.new_empty(0) if mean is None else mean, rstd
+
+
+@_norm_fwd.register_fake
+def _(x2d, weight, bias, eps):
+    rows = x2d.shape[0]
+    stats = x2d.new_empty(rows, dtype=torch.float32)
+    return torch.empty_like(x2d), stats.new_empty(0 if bias is None else rows), stats
+
+
+@dispatch.kernel_op("norm_bwd")
+def _norm_bwd(
+    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _kernels().norm_bwd(dy2d, x2d, weight, mean, rstd)
+    return dx, dw, dw.new_empty(0) if db is None else db
+
+
+@_norm_bwd.register_fake
+def _(dy2d, x2d, weight, mean, rstd):
+    return torch.empty_like(x2d), torch.empty_like(weight), weight.new_empty(0 if mean is None else weight.shape[0])
+
+
 class NormFunction(torch.autograd.Function):
     """RMSNorm (bias None) or LayerNorm through the Triton kernels; saves x and the fp32 row statistics."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = _kernels().norm_fwd(_rows(x), weight, bias, eps)
+        y, mean, rstd = _norm_fwd(_rows(x), weight, bias, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias = bias is not None
         return y.view(x.shape)
@@ -73,8 +104,8 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _kernels().norm_bwd(_rows(dy), _rows(x), weight, mean if ctx.has_bias else None, rstd)
-        return dx.view(x.shape), dw, db, None
+        dx, dw, db = _norm_bwd(_rows(dy), _rows(x), weight, mean if ctx.has_bias else None, rstd)
+        return dx.view(x.shape), dw, db if ctx.has_bias else None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

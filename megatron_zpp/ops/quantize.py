@@ -48,6 +48,7 @@ import sys
 import threading
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import dispatch
 
@@ -126,9 +127,11 @@ def _scales_from_absmax(absmax: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:
-    """A 32-bit seed (as int32) from `generator` (the default CPU generator when None)."""
+    """A 32-bit seed (as int32) from `generator` (the default CPU generator when None). Drawn outside any
+    FakeTensorMode: the generator is real host state, so a shapes-only run draws (and advances) as eager does."""
     device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(-(1 << 31), 1 << 31, (), generator=generator, device=device, dtype=torch.int64))
+    with unset_fake_temporarily():
+        return int(torch.randint(-(1 << 31), 1 << 31, (), generator=generator, device=device, dtype=torch.int64))
 
 
 def _logical_shift_xor_(h: torch.Tensor, shift: int, tmp: torch.Tensor) -> torch.Tensor:
@@ -320,11 +323,7 @@ def quantize_wire(
         return out
     seed = _draw_seed(generator) if stochastic else None
     if _kernel_applies(x):
-        layout = _groups_layout(x, block)
-        if layout is None:  # no [G, C] view with unit stride in C: one copy, then the kernel
-            x = x.reshape(r, m).contiguous()
-            layout = (m, 0, m)
-        _kernels().quantize(x, x.stride(0), layout[1], layout[2], r, m, out, block, bits, seed)
+        _quantize_kernel(x, out, block, bits, seed)
         return out
     absmax = _eager_quantize(x.reshape(r, nb, block), data, bits, seed)
     scale_bytes.copy_(_scales_from_absmax(absmax, LEVELS[bits]).view(torch.uint8))  # bytes: any alignment
@@ -341,7 +340,7 @@ def dequantize_wire(buf: torch.Tensor, m: int, block: int, bits: int, out: torch
     if r * nb == 0:
         return out
     if _kernel_applies(out) and out.stride(1) == 1:
-        _kernels().dequantize(buf, out, m, block, bits)
+        _dequantize_kernel(buf, out, m, block, bits)
     else:
         _eager_dequantize(data, _read_scales(scale_bytes), bits, out.view(r, nb, block))
     return out
@@ -358,7 +357,7 @@ def dequantize_sum_wire(
     if not m:
         return out
     if _kernel_applies(out) and out.is_contiguous() and (buf.shape[0] or accumulate):
-        _kernels().dequantize_sum(buf, out, m, block, bits, accumulate)
+        _dequantize_sum_kernel(buf, out, m, block, bits, accumulate)
     else:
         _eager_dequantize_sum(data, _read_scales(scale_bytes), bits, out.view(m // block, block), accumulate)
     return out
@@ -390,7 +389,7 @@ def dequantize_sum_quantize_wire(
         summed = dequantize_sum_wire(buf, m, block, bits, torch.empty(m, dtype=torch.float32, device=buf.device))
         return quantize_wire(summed.view(-1, rows, chunk).movedim(1, 0), block, bits, stochastic, generator, out)
     seed = _draw_seed(generator) if stochastic else None
-    _kernels().dequantize_sum_quantize(buf, out, m, rows, chunk, block, bits, seed)
+    _dequantize_sum_quantize_kernel(buf, out, m, rows, chunk, block, bits, seed)
     return out
 
 
@@ -425,6 +424,43 @@ def _kernels():
     from ..kernels import quantize  # lazily: triton is needed only once a kernel runs
 
     return quantize
+
+
+# The launches as custom ops (dispatch.kernel_op), each filling its `out`: their fakes return nothing.
+
+
+@dispatch.kernel_op("quantize_wire", mutates_args=("out",))
+def _quantize_kernel(x: torch.Tensor, out: torch.Tensor, block: int, bits: int, seed: int | None) -> None:
+    """x [r, *rest] -> wire rows in `out`; the strides are read here, from the tensor the kernel gets."""
+    r, m = x.shape[0], math.prod(x.shape[1:])
+    layout = _groups_layout(x, block)
+    if layout is None:  # no [G, C] view with unit stride in C: one copy, then the kernel
+        x = x.reshape(r, m).contiguous()
+        layout = (m, 0, m)
+    _kernels().quantize(x, x.stride(0), layout[1], layout[2], r, m, out, block, bits, seed)
+
+
+@dispatch.kernel_op("dequantize_wire", mutates_args=("out",))
+def _dequantize_kernel(buf: torch.Tensor, out: torch.Tensor, m: int, block: int, bits: int) -> None:
+    _kernels().dequantize(buf, out, m, block, bits)
+
+
+@dispatch.kernel_op("dequantize_sum_wire", mutates_args=("out",))
+def _dequantize_sum_kernel(
+    buf: torch.Tensor, out: torch.Tensor, m: int, block: int, bits: int, accumulate: bool
+) -> None:
+    _kernels().dequantize_sum(buf, out, m, block, bits, accumulate)
+
+
+@dispatch.kernel_op("dequantize_sum_quantize_wire", mutates_args=("out",))
+def _dequantize_sum_quantize_kernel(
+    buf: torch.Tensor, out: torch.Tensor, m: int, rows: int, chunk: int, block: int, bits: int, seed: int | None
+) -> None:
+    _kernels().dequantize_sum_quantize(buf, out, m, rows, chunk, block, bits, seed)
+
+
+for _op in (_quantize_kernel, _dequantize_kernel, _dequantize_sum_kernel, _dequantize_sum_quantize_kernel):
+    _op.register_fake(lambda *args: None)  # they only write their `out`, whose shape the caller checked
 
 
 # ---------------------------------------------------------------- public API: separate data and scales

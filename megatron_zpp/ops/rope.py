@@ -43,6 +43,28 @@ def _kernels():
     return rope
 
 
+@dispatch.kernel_op("rope")
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """x rotated (transpose: by the inverse rotation) into a new tensor."""
+    return _kernels().rope(x, cos, sin, out=torch.empty_like(x), transpose=transpose)
+
+
+@_rope.register_fake
+def _(x, cos, sin, transpose):
+    return torch.empty_like(x)
+
+
+@dispatch.kernel_op("rope_", mutates_args=("x",))
+def _rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x rotated in place."""
+    _kernels().rope(x, cos, sin, out=x)
+
+
+@_rope_.register_fake
+def _(x, cos, sin):
+    return None
+
+
 class RopeFunction(torch.autograd.Function):
     """The rotation through the Triton kernel, in place (the input is marked dirty) or into a new tensor.
     In place takes a plain tensor or a single view (a slice, .view of it), not an output of a
@@ -51,9 +73,10 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, in_place: bool):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        out = _kernels().rope(x, cos, sin, out=x if in_place else torch.empty_like(x))
         if in_place:
+            _rope_(x, cos, sin)
             ctx.mark_dirty(x)
+        out = x if in_place else _rope(x, cos, sin, False)
         ctx.save_for_backward(cos, sin)
         return out
 
@@ -62,7 +85,7 @@ class RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         # into a new tensor: the incoming gradient may be shared with another consumer
-        return _kernels().rope(dy, cos, sin, out=torch.empty_like(dy), transpose=True), None, None, None
+        return _rope(dy, cos, sin, True), None, None, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,9 +101,12 @@ def apply_rope_qk(
     """qk: [B, T, Hq + Hk, D], the query heads then the key heads as one view of the QKV projection
     (they lie side by side there; a slice, not a split output). Returns the rotated q [B, T, Hq, D] and
     k [B, T, Hk, D]: on the kernel path rotated in place in qk's storage (one launch for both; use
-    the returned tensors), on the reference path new tensors (each head group rotated on its own)."""
+    the returned tensors), on the reference path new tensors (each head group rotated on its own).
+    Under torch.compile the kernel path writes a new tensor (same values): AOTAutograd cannot trace an
+    in-place autograd.Function on a view (torch 2.13: an internal assert in CopySlices)."""
     kv_heads = qk.shape[2] - q_heads
     if _kernel_applies(qk, cos, sin):
-        return RopeFunction.apply(qk, cos, sin, True).split([q_heads, kv_heads], dim=2)
+        in_place = not torch.compiler.is_compiling()
+        return RopeFunction.apply(qk, cos, sin, in_place).split([q_heads, kv_heads], dim=2)
     q, k = qk.split([q_heads, kv_heads], dim=2)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)

@@ -29,18 +29,38 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
+@dispatch.kernel_op("swiglu_fwd")
+def _swiglu_fwd(h2d: torch.Tensor) -> torch.Tensor:
+    return _kernels().swiglu_fwd(h2d)
+
+
+@_swiglu_fwd.register_fake
+def _(h2d):
+    return h2d.new_empty(h2d.shape[0], h2d.shape[1] // 2)
+
+
+@dispatch.kernel_op("swiglu_bwd")
+def _swiglu_bwd(dy2d: torch.Tensor, h2d: torch.Tensor) -> torch.Tensor:
+    return _kernels().swiglu_bwd(dy2d, h2d)
+
+
+@_swiglu_bwd.register_fake
+def _(dy2d, h2d):
+    return h2d.new_empty(h2d.shape)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Saves only the [gate | up] input; the backward recomputes sigmoid(gate)."""
 
     @staticmethod
     def forward(ctx, h):
         ctx.save_for_backward(h)
-        return _kernels().swiglu_fwd(_rows(h)).view(*h.shape[:-1], h.shape[-1] // 2)
+        return _swiglu_fwd(_rows(h)).view(*h.shape[:-1], h.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
-        return _kernels().swiglu_bwd(_rows(dy), _rows(h)).view(h.shape)
+        return _swiglu_bwd(_rows(dy), _rows(h)).view(h.shape)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,6 @@ def test_zero3_with_compiled_blocks_equals_eager_plain():
         (["--tensor-model-parallel-size", "2"], 2, "--tensor-model-parallel-size 1"),
         (["--context-parallel-size", "2"], 2, "--context-parallel-size 1"),
         (["--attention-dropout", "0.1"], 1, "--attention-dropout 0"),
-        (["--kernels", "triton"], 1, "not triton"),
         (["--reset-attention-mask"], 1, "packed documents"),
         (["--reset-position-ids"], 1, "packed documents"),
     ],
