@@ -81,7 +81,7 @@ def norm_cases():
     from megatron_zpp.kernels import norm as N
 
     rows = 32768
-    for n in (4096, 16384, 32768):
+    for n in (4096, 8192, 16384, 32768):
         for dtype in (torch.bfloat16, torch.float32):
             for rms in (True, False):
                 tag = f"{'rms' if rms else 'ln'} n{n} {str(dtype)[6:]}"
