@@ -6,6 +6,8 @@ One program per (token, block of heads): it loads the token's cos/sin row once a
 in fp32. The output may alias the input (in place: the forward rotates q and k where they lie). The
 backward is the transpose of the rotation, which for the model's tables (both halves equal) is the
 rotation by -theta. Strided batch/token/head dims (views of a fused QKV projection); unit stride in D.
+Offsets are int64 (token and head indices times their strides); 4 warps for about 4096 elements a
+program (16 a thread: one 16-byte access per half-row of bf16).
 """
 
 from __future__ import annotations

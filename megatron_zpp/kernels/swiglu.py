@@ -3,7 +3,8 @@
 The input is [rows, 2F] (each TP rank's columns are its gate share then its up share), the output
 [rows, F]. One program per (row, block of columns), fp32 math whatever the dtype. The backward
 reads the same [gate | up] input and writes the gradient of both halves into one [rows, 2F] tensor,
-the layout the projection's backward takes.
+the layout the projection's backward takes. Row offsets are int64 (rows x 2F passes 2^31 at 8192 x
+2 x 131072); the column block is a grid axis of at most F / 1024 programs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, dy_row_stride, h_row_stride, dh_ro
     tl.store(dh_ptr + row * dh_row_stride + F + cols, dup.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
+NUM_WARPS = 4  # 8 columns a thread at a full block: one 16-byte access of bf16 per tensor
+
+
 def _block(F: int) -> int:
     return min(1024, triton.next_power_of_2(F))
 
@@ -51,7 +55,9 @@ def swiglu_fwd(h2d: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, F, device=h2d.device, dtype=h2d.dtype)
     block = _block(F)
     if rows and F:
-        _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](h2d, y, h2d.stride(0), y.stride(0), F, BLOCK=block)
+        _swiglu_fwd_kernel[(rows, triton.cdiv(F, block))](
+            h2d, y, h2d.stride(0), y.stride(0), F, BLOCK=block, num_warps=NUM_WARPS
+        )
     return y
 
 
@@ -62,6 +68,6 @@ def swiglu_bwd(dy2d: torch.Tensor, h2d: torch.Tensor) -> torch.Tensor:
     block = _block(F)
     if rows and F:
         _swiglu_bwd_kernel[(rows, triton.cdiv(F, block))](
-            dy2d, h2d, dh, dy2d.stride(0), h2d.stride(0), dh.stride(0), F, BLOCK=block
+            dy2d, h2d, dh, dy2d.stride(0), h2d.stride(0), dh.stride(0), F, BLOCK=block, num_warps=NUM_WARPS
         )
     return dh

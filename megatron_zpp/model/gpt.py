@@ -116,4 +116,5 @@ class GPT(nn.Module):
         return logits if labels is None else self.loss(logits, labels)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp)
+        # the logits are head()'s temporary (F.linear's backward keeps its inputs, not its output)
+        return vocab_parallel_cross_entropy(logits, labels, self.ctx.tp, inplace_backward=True)

@@ -3,6 +3,7 @@ that combine the pieces stay in tensor_parallel/cross_entropy.py.
 
     local_stats(x, labels)              -> per row: max, sum exp(x - max), x[label] (0 if outside)
     softmax_grad(x, labels, lse, dloss) -> (exp(x - lse) - onehot(labels)) * dloss, in x's dtype
+                                           (inplace=True: over x itself)
 
 `x` is [rows, V_local] logits, `labels` the rows' targets in this slice's numbering (outside
 [0, V_local) when another rank holds them). Neither path keeps an fp32 copy of the logits: the
@@ -49,6 +50,17 @@ def _(x, labels, lse, dloss):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@dispatch.kernel_op("cross_entropy_grad_", mutates_args=("x",))
+def _grad_kernel_(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor) -> None:
+    """The gradient written over the logits x (a custom op may not return an alias of its input)."""
+    _kernels().ce_bwd(x, labels, lse, dloss, inplace=True)
+
+
+@_grad_kernel_.register_fake
+def _(x, labels, lse, dloss):
+    return None
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
     return dispatch.use_triton(x) and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1
 
@@ -89,9 +101,9 @@ def local_stats(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def softmax_grad_reference(
-    x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor
+    x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, inplace: bool = False
 ) -> torch.Tensor:
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = x if inplace else torch.empty_like(x, memory_format=torch.contiguous_format)
     index, inside = _onehot_index(labels, x.shape[-1])
     dtype = _math_dtype(x)
     for a, b in _row_chunks(x):
@@ -101,10 +113,17 @@ def softmax_grad_reference(
     return dx
 
 
-def softmax_grad(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+def softmax_grad(
+    x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
     """(softmax - onehot(labels)) * dloss[:, None] for x [rows, V] in x's dtype, softmax = exp(x - lse)
-    with lse the row's log-sum-exp over the whole vocabulary (all TP slices)."""
+    with lse the row's log-sum-exp over the whole vocabulary (all TP slices). inplace: the gradient is
+    written over x (returned), row chunk by row chunk after it is read: no logits-sized allocation."""
     if _use_kernel(x):
         f32 = torch.float32
-        return _grad_kernel(x, labels.contiguous(), lse.to(f32).contiguous(), dloss.to(f32).contiguous())
-    return softmax_grad_reference(x, labels, lse, dloss)
+        lse, dloss = lse.to(f32).contiguous(), dloss.to(f32).contiguous()
+        if inplace:
+            _grad_kernel_(x, labels.contiguous(), lse, dloss)
+            return x
+        return _grad_kernel(x, labels.contiguous(), lse, dloss)
+    return softmax_grad_reference(x, labels, lse, dloss, inplace=inplace)

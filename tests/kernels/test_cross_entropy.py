@@ -101,3 +101,35 @@ def test_the_kernel_runs_under_triton_and_not_under_torch(monkeypatch):
     dispatch.set_kernels("auto", torch.device("cpu"))
     assert calls == ["fwd"]
     assert ce.local_stats(x.double(), labels)[0].dtype == torch.float64  # fp64: always the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace_backward_writes_the_gradient_over_the_logits(mode, dtype):
+    """inplace_backward (the model's path): the gradient that reaches the output layer is the logits'
+    own storage, equal to the fp64 reference; a leaf is never overwritten; another reader of the
+    logits after the write, or a second backward, fails loudly (the version counter)."""
+    logits, labels, dloss = _case(11, 37, dtype)
+    leaf = logits.clone().requires_grad_()
+    x = leaf * 1  # the output layer's product: a non-leaf nobody else keeps
+    seen = []
+    x.register_hook(seen.append)
+    loss = vocab_parallel_cross_entropy(x, labels, None, inplace_backward=True)
+    (loss * dloss).sum().backward()
+    ref_loss, ref_grad = _fp64_reference(logits, labels, dloss)
+    _check(loss, leaf.grad, ref_loss, ref_grad, dtype)
+    assert seen[0].data_ptr() == x.data_ptr() and torch.equal(x.detach(), seen[0])  # no logits-sized buffer
+
+    y = logits.clone().requires_grad_()  # a leaf: the flag is ignored, the leaf keeps its values
+    vocab_parallel_cross_entropy(y, labels, None, inplace_backward=True).sum().backward()
+    assert torch.equal(y.detach(), logits)
+
+    x = leaf * 1
+    other = (x**2).sum()  # PowBackward saves x
+    loss = vocab_parallel_cross_entropy(x, labels, None, inplace_backward=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()  # the cross-entropy (created later) runs first and overwrites x
+    x = leaf * 1
+    loss = vocab_parallel_cross_entropy(x, labels, None, inplace_backward=True).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -97,3 +97,21 @@ def test_fp64_and_torch_mode_take_the_reference():
     y = norm_ops.layer_norm(x.float(), w.float().requires_grad_(), b.float(), EPS)
     assert type(y.grad_fn).__name__ != "NormFunctionBackward"
     assert rel_err(y, layer_norm_fp64(x.float().double(), w.float().double(), b.float().double(), EPS)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("shape", [(5, 33), (37, 100)])
+def test_wide_rows_in_tiles_against_fp64(monkeypatch, shape, kind, dtype):
+    """The paths of wide rows (forward in tiles; backward: dx per row in tiles, dw/db by column tiles over
+    row blocks), reached at small widths by lowering the limits: several tiles and a ragged tail."""
+    for name, value in [("MAX_ROW_BLOCK", 16), ("MAX_FUSED_BWD", 16), ("TILE_N", 16), ("DW_TILE_N", 8)]:
+        monkeypatch.setattr(norm_kernels, name, value)
+    check(kind, *inputs(shape, dtype, seed=2))
+
+
+@pytest.mark.parametrize("programs", [1, 4, 37])
+def test_wide_rows_weight_gradient_partials(monkeypatch, programs):
+    monkeypatch.setattr(norm_kernels, "MAX_FUSED_BWD", 16)
+    monkeypatch.setattr(norm_kernels, "DW_TILE_N", 8)
+    test_weight_gradient_partials_over_row_blocks(programs)
