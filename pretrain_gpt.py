@@ -53,6 +53,8 @@ def main(argv=None):
         log("done", run.rank)
     except ConfigError as e:  # a setting found invalid during set-up: alike on every rank
         fail(str(e))
+    except training.NonFiniteStepError as e:  # agreed by every rank: each says it
+        fail(f"rank {rank}: {e}", code=1, every_rank=True)
     except CheckpointError as e:
         fail(f"rank {rank}: {e}", code=1, every_rank=True)
     except IndexedDatasetError as e:  # the dataset indices (a cache missing on this rank's file system)

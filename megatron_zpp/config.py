@@ -384,6 +384,18 @@ class TrainConfig:
     loss_scale: float | None = opt(
         None, "--loss-scale", "--fp16: static loss scale (a power of 2); default: dynamic loss scaling"
     )
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True,
+        "--check-for-nan-in-loss-and-grad",
+        "check the loss and the global gradient norm before every optimizer step (all ranks agree); a non-finite "
+        "step is never applied and stops the run (--fp16 skips overflowing gradients instead); "
+        "--no-check-for-nan-in-loss-and-grad applies fp32/bf16 steps whatever they hold",
+    )
+    max_skipped_steps: int = opt(
+        100,
+        "--max-skipped-steps",
+        "--fp16: stop the run after more than N consecutive steps skipped for overflowing gradients",
+    )
     initial_loss_scale: float = opt(2.0**32, "--initial-loss-scale", "--fp16: first scale of dynamic loss scaling")
     min_loss_scale: float = opt(1.0, "--min-loss-scale", "--fp16: the dynamic scale never falls below this")
     loss_scale_window: int = opt(

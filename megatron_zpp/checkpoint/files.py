@@ -86,6 +86,12 @@ def _unflatten(skeleton: dict, tensor) -> object:
     return skeleton["v"]
 
 
+def nonfinite_tensors(state: dict) -> list[str]:
+    """The paths of the floating-point tensors of `state` that hold an inf or a NaN."""
+    tensors, _ = _flatten(state)
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def write_rank_file(tmp: str, rank: int, state: dict) -> str:
     """Write one rank's file (fsynced, renamed into place); its sha256."""
     path = os.path.join(tmp, rank_file(rank))

@@ -49,6 +49,7 @@ from .files import (
     fsync_path,
     fsync_write,
     iter_name,
+    nonfinite_tensors,
     rank_file,
     read_meta,
     read_rank_file,
@@ -155,12 +156,17 @@ def save_checkpoint(run, directory: str) -> str:
     if run.rank == 0:
         _fresh_dir(tmp)
     comm.barrier()
-    digest = write_rank_file(tmp, run.rank, _rank_state(run))
-    # each rank hashed its own file; rank 0 collects the digests (also: every file is written)
+    state = _rank_state(run)
+    bad = nonfinite_tensors(state)  # such a file is not written, and no rank seals the save
+    digest = "00" * 32 if bad else write_rank_file(tmp, run.rank, state)
+    # each rank hashed its own file; every rank gets the digests and the non-finite flags (byte 32)
     world = run.groups.world
-    digests = torch.zeros(world.size, 32, dtype=torch.uint8, device=run.device)
-    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=run.device).view(1, 32)
+    digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
+    mine = torch.tensor([*bytes.fromhex(digest), int(bool(bad))], dtype=torch.uint8, device=run.device).view(1, 33)
     comm.all_gather(digests, mine, world, "checkpoint_digests")
+    flagged = [r for r, d in enumerate(digests.cpu()) if d[32]]
+    if flagged:
+        _refuse_nonfinite(run, directory, tmp, flagged, bad)
     if run.rank == 0:
         _seal(
             directory,
@@ -170,12 +176,26 @@ def save_checkpoint(run, directory: str) -> str:
             run.iteration,
             run.consumed_samples,
             run.tokenizer.padded_vocab_size,
-            [bytes(d.tolist()).hex() for d in digests.cpu()],
+            [bytes(d[:32].tolist()).hex() for d in digests.cpu()],
             getattr(run, "tracking", None),  # rank 0's: the rank that logs
             _train_state(run),
         )
     comm.barrier()
+    run.last_checkpoint = final
     return final
+
+
+def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: list[str]) -> None:
+    """No rank seals a save in which any rank holds a non-finite tensor: `latest` stays where it was."""
+    comm.barrier()  # every rank is done with tmp
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    mine = f"{len(bad)} non-finite tensors here, the first {bad[0]}" if bad else f"non-finite on ranks {flagged}"
+    latest = os.path.join(directory, "latest")
+    kept = open(latest).read().strip() if os.path.exists(latest) else "no checkpoint"
+    raise CheckpointError(
+        f"refused to save iteration {run.iteration} to {directory}: {mine}; {latest} still names {kept}"
+    )
 
 
 def _train_state(run) -> dict:
@@ -257,6 +277,7 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         how = "same layout"
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
+    run.last_checkpoint = path
     _restore_train_state(run, meta)
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size

@@ -58,6 +58,8 @@ class Run:
     skipped_iterations: int = 0
     skipped_samples: int = 0
     last_step_skipped: bool = False
+    consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
+    last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
