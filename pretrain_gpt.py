@@ -38,6 +38,7 @@ def main(argv=None):
     from megatron_zpp import training
     from megatron_zpp.checkpoint import CheckpointError
     from megatron_zpp.data.indexed_dataset import IndexedDatasetError
+    from megatron_zpp.tensor_parallel.layers import TokenIdError
 
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -53,7 +54,7 @@ def main(argv=None):
         log("done", run.rank)
     except ConfigError as e:  # a setting found invalid during set-up: alike on every rank
         fail(str(e))
-    except training.NonFiniteStepError as e:  # agreed by every rank: each says it
+    except (training.NonFiniteStepError, TokenIdError) as e:  # each rank that finds it says it
         fail(f"rank {rank}: {e}", code=1, every_rank=True)
     except CheckpointError as e:
         fail(f"rank {rank}: {e}", code=1, every_rank=True)

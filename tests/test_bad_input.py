@@ -29,6 +29,7 @@ import train_tokenizer  # noqa: E402
 import pretrain_gpt  # noqa: E402
 
 TINY = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 2".split()
+HEAD = 1 << 20  # tokens
 TEXTS = [f"document {i}: some words, more words and an end." for i in range(60)]
 
 
@@ -62,6 +63,10 @@ def files(tmp_path_factory):
     f = {"dir": str(d)}
     f["good"] = write_pair(str(d / "good_text_document"), [list(range(1, 40))] * 10)
     f["big_ids"] = write_pair(str(d / "big_ids"), [[5, 900, 7]] * 10)  # ids past NullTokenizer --vocab-size 512
+    late = np.arange(HEAD + 8) % 500
+    late[-3] = 700  # past the first 1M tokens, which was all the old check read
+    f["late_oov"] = write_pair(str(d / "late_oov"), [late])
+    f["padding_ids"] = write_pair(str(d / "padding_ids"), [[5, 505, 7]] * 10)  # vocab 500, padded to 512
     f["empty_docs"] = write_pair(str(d / "empty_docs"), [[]] * 5)
     f["float"] = write_pair(str(d / "float"), [[1.0, 2.0]] * 3, np.float32)
     f["int32"] = write_pair(str(d / "int32"), [[1, 2, 3]] * 3, np.int32)
@@ -170,6 +175,12 @@ CASES = [
     ("pretrain", lambda f: pretrain("--data-path", f["empty_docs"]), "holds no tokens"),
     ("pretrain", lambda f: pretrain("--data-path", f["float"]), "not integer token ids"),
     ("pretrain", lambda f: pretrain("--data-path", f["big_ids"]), "token id 900"),
+    ("pretrain", lambda f: pretrain("--data-path", f["late_oov"]), "token id 700"),
+    (
+        "pretrain",
+        lambda f: pretrain("--data-path", f["padding_ids"], "--vocab-size", "500"),
+        "token id 505 in",
+    ),
     # pretrain_gpt.py: the tokenizer and the vocabulary
     (
         "pretrain",
