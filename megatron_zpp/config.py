@@ -416,7 +416,18 @@ class TrainConfig:
         False, "--torch-compile", "compile each transformer block and the cross-entropy with torch.compile (inductor)"
     )
     save: str | None = opt(None, "--save", "checkpoint directory to write")
-    load: str | None = opt(None, "--load", "checkpoint directory to resume from")
+    load: str | None = opt(
+        None,
+        "--load",
+        "checkpoint to resume from: a checkpoint root (the directory with 'latest') or one iteration directory in "
+        "it; one that holds no checkpoint is an error unless it is also --save (a first start of a requeued job)",
+    )
+    override_checkpoint: bool = opt(
+        False,
+        "--override-checkpoint",
+        "let a run that did not --load from --save write into a --save that already holds checkpoints (overwriting "
+        "them and moving 'latest' back)",
+    )
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
     ckpt_step: int | None = opt(
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"

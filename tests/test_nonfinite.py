@@ -61,7 +61,7 @@ def _assert_stopped_at_2(results, directory, what):
         saved = _saved(directory, 1, rank)
         assert all(torch.equal(weights[k], saved[k]) for k in saved)  # step 2 was not applied
     assert open(os.path.join(directory, "latest")).read().strip() == "iter_0000001"
-    assert sorted(os.listdir(directory)) == ["iter_0000001", "latest"]
+    assert sorted(os.listdir(directory)) == [".lock", "iter_0000001", "latest"]
 
 
 def test_nan_gradient_on_one_rank_stops_every_rank_unapplied_fp32(tmp_path):
@@ -92,5 +92,5 @@ def test_check_off_refuses_to_save_nonfinite_tensors(tmp_path):
     ((error, iteration, _),) = run_distributed(_train, 1, argv, set())
     assert error.startswith(f"CheckpointError: refused to save iteration {iteration} to {save}: "), error
     assert "non-finite tensors here, the first /model/" in error
-    assert sorted(os.listdir(save)) == ["iter_0000001", "latest"]
+    assert sorted(os.listdir(save)) == [".lock", "iter_0000001", "latest"]
     assert open(os.path.join(save, "latest")).read().strip() == "iter_0000001"

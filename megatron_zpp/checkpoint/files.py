@@ -128,6 +128,30 @@ def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] 
     return path, _read_meta_file(meta_path)
 
 
+def locate_checkpoint(load: str, iteration: int | None = None) -> tuple[str, dict] | None:
+    """(iteration dir, meta) that --load names: an iteration dir itself (it holds meta.json), or the
+    one `latest` in the checkpoint root names (or `iteration`'s, --ckpt-step); None when `load` is a
+    root without `latest` and no iteration is asked for."""
+    if os.path.isfile(os.path.join(load, "meta.json")):
+        path = os.path.normpath(load)
+        if iteration is not None and os.path.basename(path) != iter_name(iteration):
+            raise CheckpointError(
+                f"--ckpt-step {iteration} asks for another iteration than --load {load} names: "
+                "give --load the checkpoint root (the directory with 'latest') with --ckpt-step, or drop --ckpt-step"
+            )
+        return os.path.abspath(path), _read_meta_file(os.path.join(path, "meta.json"))
+    found = read_meta(load, iteration)
+    return (os.path.abspath(found[0]), found[1]) if found else None
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """The iterations of the complete-looking iteration dirs in `directory`, in order."""
+    if not os.path.isdir(directory):
+        return []
+    names = [d for d in os.listdir(directory) if d.startswith("iter_") and d[5:].isdigit()]
+    return sorted(int(d[5:]) for d in names if os.path.isdir(os.path.join(directory, d)))
+
+
 def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
     """(iteration dir, meta) of `ckpt_dir/latest`, or of `ckpt_dir` when it is an iteration dir."""
     meta_path = os.path.join(ckpt_dir, "meta.json")

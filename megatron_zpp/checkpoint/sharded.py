@@ -49,9 +49,9 @@ from .files import (
     fsync_path,
     fsync_write,
     iter_name,
+    locate_checkpoint,
     nonfinite_tensors,
     rank_file,
-    read_meta,
     read_rank_file,
     write_rank_file,
 )
@@ -250,10 +250,10 @@ def _restore(run, path: str, state: dict) -> None:
 
 def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `latest` names (or that of `iteration`), saved at this layout or (resharded)
-    at any other. Returns what was restored, in words; None (and nothing changed) when
-    there is no checkpoint."""
-    found = read_meta(directory, iteration)
+    checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
+    or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
+    what was restored, in words; None (and nothing changed) when there is no checkpoint."""
+    found = locate_checkpoint(directory, iteration)
     if found is None:
         return None
     path, meta = found

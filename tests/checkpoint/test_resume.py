@@ -161,8 +161,9 @@ def test_other_model_shape_says_what_differs(saved, tmp_path):
     assert json.load(open(meta_path))["layout"]["tp"] == 1
 
 
-def test_missing_checkpoint_starts_from_scratch(tmp_path):
-    run = _setup(BASE + ["--load", str(tmp_path / "nothing")])
+def test_missing_checkpoint_starts_from_scratch_when_load_is_save(tmp_path):
+    """A requeued job's first start (an empty --load elsewhere is an error: tests/checkpoint/test_load_save.py)."""
+    run = _setup(BASE + ["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "nothing")])
     assert run.iteration == 0 and run.consumed_samples == 0
 
 
