@@ -35,7 +35,6 @@ point leaves the previous `latest` and its directory intact.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -53,6 +52,7 @@ from .files import (
     nonfinite_tensors,
     rank_file,
     read_rank_file,
+    write_meta,
     write_rank_file,
 )
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
@@ -92,8 +92,10 @@ def _rank_state(run) -> dict:
     """What this rank saves: a snapshot (the live tensors go on changing)."""
     state = run.dp.state_dict()
     return {
+        "rank": run.rank,  # these three are cross-checked against meta.json on every read (files.py)
         "iteration": run.iteration,
         "consumed_samples": run.consumed_samples,
+        "layout": layout_of(run.cfg),
         "model": {k: t.detach().clone() for k, t in state["model"].items()},
         "optimizer": state["optimizer"],
         "rng": get_rng_state(),
@@ -140,7 +142,7 @@ def _seal(
     }
     if train_state:
         meta["train_state"] = train_state
-    fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+    write_meta(tmp, meta)
     fsync_path(tmp)
     if os.path.exists(final):  # saved this iteration before: replace it
         shutil.rmtree(final)
@@ -226,8 +228,10 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
         tmp,
         0,
         {
+            "rank": 0,
             "iteration": 0,
             "consumed_samples": 0,
+            "layout": layout_of(cfg),
             "optimizer": {},
             "rng": {},
             "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
@@ -238,6 +242,39 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
 
 
 # ---- load ---------------------------------------------------------------------------------
+def _check_tensors(run, path: str, meta: dict, model: dict) -> None:
+    """A same-layout load takes the tensors as saved: their keys and shapes must be this layout's,
+    and their dtype too when the checkpoint trained in this run's dtype (never silently upcast)."""
+    live = run.dp.model_state_dict()
+    fpath = f"{path}/{rank_file(run.rank)}"
+    if set(model) != set(live):
+        missing, extra = sorted(set(live) - set(model)), sorted(set(model) - set(live))
+        raise CheckpointError(f"{fpath}: tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    saved_train = meta["config"].get("train", {})
+    same_dtype = (saved_train.get("bf16"), saved_train.get("fp16")) == (run.cfg.train.bf16, run.cfg.train.fp16)
+    for key, t in model.items():
+        if tuple(t.shape) != tuple(live[key].shape):
+            raise CheckpointError(
+                f"{fpath}: /model/{key} has shape {tuple(t.shape)}, this layout's is {tuple(live[key].shape)}"
+            )
+        if same_dtype and t.dtype != live[key].dtype:
+            raise CheckpointError(
+                f"{fpath}: /model/{key} is {str(t.dtype).replace('torch.', '')}, "
+                f"this layout saves {str(live[key].dtype).replace('torch.', '')} (the file was rewritten?)"
+            )
+
+
+def _agree(run, error: CheckpointError | None) -> None:
+    """Every rank learns whether any rank could not read its part (one all-reduce every rank issues,
+    before any collective of the restore), so all of them stop, each with a line, none waiting."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=run.device)
+    comm.all_reduce(flag, run.groups.world, "checkpoint_load", op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise CheckpointError("another rank could not load the checkpoint (its line says why)")
+
+
 def _restore(run, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
@@ -248,15 +285,8 @@ def _restore(run, path: str, state: dict) -> None:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
-    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
-    or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
-    what was restored, in words; None (and nothing changed) when there is no checkpoint."""
-    found = locate_checkpoint(directory, iteration)
-    if found is None:
-        return None
-    path, meta = found
+def _read_state(run, path: str, meta: dict) -> tuple[dict, str, bool]:
+    """(this rank's state to restore, how it was read, whether it has AdamW state), checked."""
     vocab = run.tokenizer.padded_vocab_size
     check_same_model(path, meta, run.cfg, vocab)
     changes = layout_changes(meta, run.cfg)
@@ -264,17 +294,34 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         saved = SavedCheckpoint(path, meta)
         dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
         state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
-        _restore(run, path, {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}})
         run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
-        has_optimizer = saved.step is not None
         how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
-    else:
-        state = read_rank_file(path, meta, run.rank, map_location=run.device)
-        _restore(run, path, state)
-        has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has neither
-        if state["rng"]:
-            set_rng_state(state["rng"])
-        how = "same layout"
+        return {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}}, how, saved.step is not None
+    state = read_rank_file(path, meta, run.rank, map_location=run.device)
+    _check_tensors(run, path, meta, state["model"])
+    return state, "same layout", bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has none
+
+
+def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
+    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
+    checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
+    or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
+    what was restored, in words; None (and nothing changed) when there is no checkpoint.
+    Every rank reads and checks its part first; if any cannot, all raise CheckpointError."""
+    found, error = None, None
+    try:
+        found = locate_checkpoint(directory, iteration)
+        if found:
+            state, how, has_optimizer = _read_state(run, *found)
+    except CheckpointError as e:
+        error = e
+    _agree(run, error)
+    if found is None:
+        return None
+    path, meta = found
+    _restore(run, path, state)
+    if state.get("rng"):
+        set_rng_state(state["rng"])
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
     run.last_checkpoint = path
