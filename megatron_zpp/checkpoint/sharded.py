@@ -153,38 +153,72 @@ def _seal(
 
 
 def save_checkpoint(run, directory: str) -> str:
-    """Collective: every rank writes its file; rank 0 seals the directory and `latest`."""
+    """Collective: every rank writes its file; rank 0 seals the directory and `latest`. A save that
+    fails anywhere (a non-finite tensor, an OSError such as a full disk) fails on every rank with
+    one line, `latest` left where it was."""
     final, tmp = _start(directory, run.iteration)
-    if run.rank == 0:
-        _fresh_dir(tmp)
-    comm.barrier()
+    problem = _os_problem(lambda: _fresh_dir(tmp), run, directory) if run.rank == 0 else None
+    _agree_saved(run, problem, directory, tmp)  # also: tmp exists before any rank writes into it
     state = _rank_state(run)
     bad = nonfinite_tensors(state)  # such a file is not written, and no rank seals the save
-    digest = "00" * 32 if bad else write_rank_file(tmp, run.rank, state)
-    # each rank hashed its own file; every rank gets the digests and the non-finite flags (byte 32)
+    digest = "00" * 32
+    if not bad:
+        written = []
+        problem = _os_problem(lambda: written.append(write_rank_file(tmp, run.rank, state)), run, directory)
+        digest = written[0] if written else digest
+    # each rank hashed its own file; every rank gets the digests and each rank's status (byte 32)
     world = run.groups.world
     digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
-    mine = torch.tensor([*bytes.fromhex(digest), int(bool(bad))], dtype=torch.uint8, device=run.device).view(1, 33)
+    status = 1 if bad else 2 if problem else 0
+    mine = torch.tensor([*bytes.fromhex(digest), status], dtype=torch.uint8, device=run.device).view(1, 33)
     comm.all_gather(digests, mine, world, "checkpoint_digests")
-    flagged = [r for r, d in enumerate(digests.cpu()) if d[32]]
-    if flagged:
-        _refuse_nonfinite(run, directory, tmp, flagged, bad)
+    statuses = [int(d[32]) for d in digests.cpu()]
+    if 1 in statuses:
+        _refuse_nonfinite(run, directory, tmp, [r for r, v in enumerate(statuses) if v == 1], bad)
+    if 2 in statuses:
+        failed = [r for r, v in enumerate(statuses) if v == 2]
+        _agree_saved(run, problem or f"rank(s) {failed} could not write their files", directory, tmp)
     if run.rank == 0:
-        _seal(
-            directory,
-            final,
-            tmp,
-            run.cfg,
-            run.iteration,
-            run.consumed_samples,
-            run.tokenizer.padded_vocab_size,
-            [bytes(d[:32].tolist()).hex() for d in digests.cpu()],
-            getattr(run, "tracking", None),  # rank 0's: the rank that logs
-            _train_state(run),
-        )
-    comm.barrier()
+        digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
+        problem = _os_problem(lambda: _seal_run(run, directory, final, tmp, digests_hex), run, directory)
+    _agree_saved(run, problem, directory, tmp)
     run.last_checkpoint = final
     return final
+
+
+def _seal_run(run, directory: str, final: str, tmp: str, digests: list[str]) -> None:
+    tracking = getattr(run, "tracking", None)  # rank 0's: the rank that logs
+    cfg, vocab = run.cfg, run.tokenizer.padded_vocab_size
+    _seal(directory, final, tmp, cfg, run.iteration, run.consumed_samples, vocab, digests, tracking, _train_state(run))
+
+
+def _os_problem(action, run, directory: str) -> str | None:
+    """Run `action`; an OSError (full disk, read-only file system) as one line, else None."""
+    try:
+        action()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        why = f"{e.strerror or e}{where}; free space or give another --save"
+        return f"cannot save iteration {run.iteration} to {directory}: {why}"
+    return None
+
+
+def _kept(directory: str) -> str:
+    latest = os.path.join(directory, "latest")
+    kept = open(latest).read().strip() if os.path.exists(latest) else "no checkpoint"
+    return f"{latest} still names {kept}"
+
+
+def _agree_saved(run, problem: str | None, directory: str, tmp: str) -> None:
+    """Every rank learns whether any rank's part of the save failed (one all-reduce every rank issues);
+    then all raise CheckpointError, rank 0 having removed the unfinished directory."""
+    flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=run.device)
+    comm.all_reduce(flag, run.groups.world, "checkpoint_save", op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(f"{problem or 'another rank could not save (its line says why)'}; {_kept(directory)}")
 
 
 def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: list[str]) -> None:
@@ -193,11 +227,7 @@ def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: li
     if run.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     mine = f"{len(bad)} non-finite tensors here, the first {bad[0]}" if bad else f"non-finite on ranks {flagged}"
-    latest = os.path.join(directory, "latest")
-    kept = open(latest).read().strip() if os.path.exists(latest) else "no checkpoint"
-    raise CheckpointError(
-        f"refused to save iteration {run.iteration} to {directory}: {mine}; {latest} still names {kept}"
-    )
+    raise CheckpointError(f"refused to save iteration {run.iteration} to {directory}: {mine}; {_kept(directory)}")
 
 
 def _train_state(run) -> dict:

@@ -80,3 +80,30 @@ def test_second_live_writer_is_refused(tmp_path):
     finally:
         guard.release_save_dirs()
     assert run("--save", busy, "--train-iters", "2")[0] is None  # free again
+
+
+def _disk_full_on_last_rank(rank, world, argv):
+    """The last rank's second save finds the disk full."""
+    from megatron_zpp.checkpoint import sharded
+
+    write = sharded.write_rank_file
+
+    def full(tmp, r, state):
+        if r == world - 1 and state["iteration"] == 4:
+            raise OSError(28, "No space left on device", f"{tmp}/rank_{r:05d}.safetensors")
+        return write(tmp, r, state)
+
+    sharded.write_rank_file = full
+    return _run(rank, world, argv)[0]
+
+
+def test_full_disk_during_a_save_fails_every_rank_and_keeps_latest(tmp_path):
+    ck = str(tmp_path / "ck")
+    errors = run_distributed(_disk_full_on_last_rank, 2, ["--save", ck, "--train-iters", "4"])
+    kept = f"{ck}/latest still names iter_0000002"
+    assert errors[1].startswith(
+        f"error: cannot save iteration 4 to {ck}: No space left on device ({ck}/iter_0000004.tmp"
+    )
+    assert errors[1].endswith(f"free space or give another --save; {kept}"), errors[1]
+    assert errors[0] == f"error: rank(s) [1] could not write their files; {kept}"
+    assert latest(ck) == "iter_0000002" and sorted(os.listdir(ck)) == [".lock", "iter_0000002", "latest"]
