@@ -17,7 +17,9 @@ Format of a checkpoint directory DIR:
                                header's "megatron_zpp" entry): nothing is ever unpickled, and a
                                rank reads only the tensors it asks for
 
-A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
+A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+(the first four cross-checked against meta.json on every read; meta.json's own sha256 is in
+meta.json.sha256 beside it):
 * "model", "optimizer": the data-parallel engine's state dict (zero/engine.py): plain DP
   {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master}; ZeRO
   {"unit{u}.{unit name}.master": fp32 master shard} (the training-dtype shard, ZeRO-3's
@@ -56,7 +58,7 @@ from .files import (
     write_rank_file,
 )
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
-from .rng import get_rng_state, set_rng_state
+from .rng import get_rng_state
 
 
 def layout_of(cfg) -> dict:
@@ -350,8 +352,9 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         return None
     path, meta = found
     _restore(run, path, state)
-    if state.get("rng"):
-        set_rng_state(state["rng"])
+    # set just before the first step (training/step.py), so that nothing the set-up draws after this
+    # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
+    run.pending_rng_state = state.get("rng") or None
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
     run.last_checkpoint = path

@@ -62,6 +62,7 @@ class Run:
     skipped_samples: int = 0
     last_step_skipped: bool = False
     consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
+    pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
@@ -103,7 +104,9 @@ def setup(cfg: Config) -> Run:
         _load(run)
     if cfg.train.save:
         _guard_save(run)
-    run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
+    run.train_data, run.valid_data = build_data(
+        cfg, groups, tokenizer, device, consumed=run.consumed_samples, iteration=run.iteration
+    )
     _log_setup(run, n_params)
     return run
 

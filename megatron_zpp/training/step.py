@@ -12,6 +12,7 @@ import os
 import torch
 
 from .. import comm
+from ..checkpoint.rng import set_rng_state
 from ..optim import step_learning_rate
 from ..pipeline_parallel import run_schedule
 
@@ -39,6 +40,9 @@ def train_step(run) -> tuple[float, float, float]:
     --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
     overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
     Megatron, does not advance the learning-rate schedule."""
+    if run.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
+        set_rng_state(run.pending_rng_state)
+        run.pending_rng_state = None
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     scaler = run.loss_scaler

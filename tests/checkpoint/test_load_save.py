@@ -107,3 +107,11 @@ def test_full_disk_during_a_save_fails_every_rank_and_keeps_latest(tmp_path):
     assert errors[1].endswith(f"free space or give another --save; {kept}"), errors[1]
     assert errors[0] == f"error: rank(s) [1] could not write their files; {kept}"
     assert latest(ck) == "iter_0000002" and sorted(os.listdir(ck)) == [".lock", "iter_0000002", "latest"]
+
+
+def test_resume_at_a_smaller_global_batch_size(tmp_path):
+    """Megatron allows it: the dataset holds the samples consumed plus the steps left (was StopIteration)."""
+    ck = str(tmp_path / "ck")
+    assert run("--save", ck, "--train-iters", "2")[0] is None
+    error, span, log = run("--load", ck, "--save", ck, "--global-batch-size", "1", "--train-iters", "4")
+    assert error is None and span == (2, 4), (error, log[-2000:])
