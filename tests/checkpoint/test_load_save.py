@@ -132,3 +132,10 @@ def test_resume_with_dropout_is_bitwise_after_the_peak_probe(tmp_path):
     full = run_distributed(_losses, 1, ["--save", ck, "--train-iters", "4"])[0]
     resumed = run_distributed(_losses, 1, ["--load", f"{ck}/iter_0000002", "--save", ck + "2", "--train-iters", "4"])[0]
     assert resumed == full[2:]
+
+
+def test_unwritable_save_is_refused_before_any_step(tmp_path):
+    (tmp_path / "file").write_text("")
+    error, _, log = run("--save", f"{tmp_path}/file/ck", "--train-iters", "2")
+    assert error == f"error: --save {tmp_path}/file/ck: cannot be written (Not a directory): give a writable --save"
+    assert "iter " not in log  # no step's work lost
