@@ -485,3 +485,16 @@ def test_compressed_corpora_read_like_plain(files, tmp_path):
         texts = list(train_tokenizer.iter_texts([str(tmp_path / name)], ["text"]))
         assert texts == TEXTS[:5] * 300, name
     assert all(v == outputs["c.jsonl"] for v in outputs.values())
+
+
+def test_failure_hint_names_a_checkpoint_only_when_one_exists(tmp_path):
+    """A lost peer or a timeout says where to resume: the last checkpoint, or that none was saved."""
+    from megatron_zpp.arguments import parse_config
+
+    ck = str(tmp_path / "ck")
+    hint = lambda *a: pretrain_gpt._resume_hint(parse_config(pretrain("--mock-data", *a), 1))  # noqa: E731
+    assert hint("--save", ck) == "rerun it (no checkpoint was saved)"
+    assert hint() == "rerun it (no --save: no checkpoint)"
+    os.makedirs(ck)
+    write(os.path.join(ck, "latest"), b"iter_0000002\n")
+    assert hint("--save", ck) == f"resume from the last checkpoint with --load {ck}"
