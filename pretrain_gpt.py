@@ -19,6 +19,7 @@ from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
 from megatron_zpp.data.inputs import check_inputs
 from megatron_zpp.logging_utils import fail, log
+from megatron_zpp.validation import launch_env
 
 # what gloo says when the other end of a collective is gone (NCCL raises DistBackendError); a
 # collective queued behind an async one that timed out (an overlapped gradient bucket) finds
@@ -30,7 +31,8 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 def main(argv=None):
     try:
-        cfg = parse_config(argv, int(os.environ.get("WORLD_SIZE", 1)))
+        _, world = launch_env(os.environ)
+        cfg = parse_config(argv, world)
         check_inputs(cfg)  # data files and tokenizer: before any process group or model exists
     except ConfigError as e:
         fail(str(e).replace("\n", "\nerror: "))
@@ -38,6 +40,7 @@ def main(argv=None):
     from megatron_zpp import training
     from megatron_zpp.checkpoint import CheckpointError
     from megatron_zpp.data.indexed_dataset import IndexedDatasetError
+    from megatron_zpp.tensor_parallel.layers import TokenIdError
 
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -53,15 +56,17 @@ def main(argv=None):
         log("done", run.rank)
     except ConfigError as e:  # a setting found invalid during set-up: alike on every rank
         fail(str(e))
+    except (training.NonFiniteStepError, TokenIdError) as e:  # each rank that finds it says it
+        fail(f"rank {rank}: {e}", code=1)
     except CheckpointError as e:
-        fail(f"rank {rank}: {e}", code=1, every_rank=True)
+        fail(f"rank {rank}: {e}", code=1)
     except IndexedDatasetError as e:  # the dataset indices (a cache missing on this rank's file system)
-        fail(f"rank {rank}: {e}", code=2, every_rank=True)
+        fail(f"rank {rank}: {e}", code=2)
     except RuntimeError as e:
         cause = distributed_failure(e, cfg)
         if cause is None:
             raise
-        fail(f"rank {rank}: {cause}", code=1, every_rank=True)
+        fail(f"rank {rank}: {cause}", code=1)
 
 
 def distributed_failure(e: RuntimeError, cfg) -> str | None:
@@ -87,9 +92,18 @@ def distributed_failure(e: RuntimeError, cfg) -> str | None:
         return None
     # gloo's text: "[.../pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
     detail = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0]).split(". ")[0].rstrip(".")
-    ckpt = cfg.train.save or cfg.train.load
-    resume = f"resume from the last checkpoint with --load {ckpt}" if ckpt else "rerun it (no --save: no checkpoint)"
-    return f"{what}{_where(e)}: {detail}. {why}; {resume}"
+    return f"{what}{_where(e)}: {detail}. {why}; {_resume_hint(cfg)}"
+
+
+def _resume_hint(cfg) -> str:
+    """Where a failed run resumes: the last checkpoint of --save (or --load) when one exists."""
+    t = cfg.train
+    for ckpt in (t.save, t.load):
+        if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+            return f"resume from the last checkpoint with --load {ckpt}"
+    if t.load and os.path.exists(os.path.join(t.load, "meta.json")):
+        return f"rerun it with --load {t.load} (no later checkpoint was saved)"
+    return "rerun it (no checkpoint was saved)" if t.save else "rerun it (no --save: no checkpoint)"
 
 
 def _where(e: BaseException) -> str:

@@ -195,6 +195,10 @@ def _coerce(section: str, name: str, value, path: str):
         elif typing.get_origin(tp) is list or tp is list:
             items = value if isinstance(value, list) else [value]
             value = [meta.get("type", str)(v) for v in items]
+        elif tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise ValueError(f"expected an integer, got {value!r}")  # int() would make 32.9 -> 32, true -> 1
+        elif tp is float and isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
         else:
             value = tp(value)
     except (TypeError, ValueError) as e:

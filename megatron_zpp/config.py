@@ -384,6 +384,18 @@ class TrainConfig:
     loss_scale: float | None = opt(
         None, "--loss-scale", "--fp16: static loss scale (a power of 2); default: dynamic loss scaling"
     )
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True,
+        "--check-for-nan-in-loss-and-grad",
+        "check the loss and the global gradient norm before every optimizer step (all ranks agree); a non-finite "
+        "step is never applied and stops the run (--fp16 skips overflowing gradients instead); "
+        "--no-check-for-nan-in-loss-and-grad applies fp32/bf16 steps whatever they hold",
+    )
+    max_skipped_steps: int = opt(
+        100,
+        "--max-skipped-steps",
+        "--fp16: stop the run after more than N consecutive steps skipped for overflowing gradients",
+    )
     initial_loss_scale: float = opt(2.0**32, "--initial-loss-scale", "--fp16: first scale of dynamic loss scaling")
     min_loss_scale: float = opt(1.0, "--min-loss-scale", "--fp16: the dynamic scale never falls below this")
     loss_scale_window: int = opt(
@@ -408,7 +420,18 @@ class TrainConfig:
         "Triton kernels inside them stay opaque custom ops, the PyTorch code around them is compiled",
     )
     save: str | None = opt(None, "--save", "checkpoint directory to write")
-    load: str | None = opt(None, "--load", "checkpoint directory to resume from")
+    load: str | None = opt(
+        None,
+        "--load",
+        "checkpoint to resume from: a checkpoint root (the directory with 'latest') or one iteration directory in "
+        "it; one that holds no checkpoint is an error unless it is also --save (a first start of a requeued job)",
+    )
+    override_checkpoint: bool = opt(
+        False,
+        "--override-checkpoint",
+        "let a run that did not --load from --save write into a --save that already holds checkpoints (overwriting "
+        "them and moving 'latest' back)",
+    )
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
     ckpt_step: int | None = opt(
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"

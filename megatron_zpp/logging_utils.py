@@ -99,10 +99,12 @@ def _lines_up_to(path: str, iteration: int) -> list[str]:
         return [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
 
 
-def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
-    """Print one clear error and exit without a traceback: on rank 0 only (an error all
-    ranks find alike, e.g. the configuration), or, with every_rank, on each rank that
-    calls it (a failure of its own: its peer died, its checkpoint file is bad)."""
-    if every_rank or int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+def fail(msg: str, code: int = 2) -> None:
+    """Print one clear error and exit without a traceback, on every rank that calls it (prefixed
+    with its rank when there are several): a launcher such as torchrun kills the other ranks as
+    soon as one exits, so a line left to rank 0 alone could be lost."""
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if world not in ("0", "1") and not msg.startswith("rank "):
+        msg = f"rank {rank}: {msg}"
+    print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)

@@ -6,6 +6,8 @@ topology (topology.check_node_layout).
 
 from __future__ import annotations
 
+import math
+
 from .config import SECTIONS, Config, ConfigError, TrainConfig, flag_of
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
@@ -13,6 +15,29 @@ from .config import SECTIONS, Config, ConfigError, TrainConfig, flag_of
 NOT_YET: dict = {}
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")  # what --exit-signal-handler may catch
+
+
+def launch_env(environ) -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as the launcher (torchrun, srun) set them; ConfigError when they cannot be a
+    launch: not integers, RANK outside WORLD_SIZE, or several ranks without MASTER_ADDR/MASTER_PORT."""
+    values = {}
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1")):
+        text = environ.get(name, default)
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={text!r} is not an integer: launch with torchrun (or srun) or unset it"
+            ) from None
+    rank, world = values["RANK"], values["WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world}: a rank must be in [0, WORLD_SIZE)")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if world > 1 and not environ.get(v)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but {' and '.join(missing)} not set: launch with torchrun (or srun with them exported)"
+        )
+    return rank, world
 
 
 def _failed(checks: list[tuple[bool, str]]) -> list[str]:
@@ -404,7 +429,15 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
     o = cfg.optim
     return _failed(
         [
-            (0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}"),
+            (math.isfinite(o.lr) and o.lr >= 0, f"--lr {o.lr} must be a finite number >= 0"),
+            (
+                not math.isfinite(o.lr) or 0 <= o.min_lr <= o.lr,
+                f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}",
+            ),
+            (0 <= o.adam_beta1 < 1, f"--adam-beta1 {o.adam_beta1} must be in [0, 1)"),
+            (0 <= o.adam_beta2 < 1, f"--adam-beta2 {o.adam_beta2} must be in [0, 1)"),
+            (o.adam_eps > 0, f"--adam-eps {o.adam_eps} must be > 0"),
+            (o.clip_grad >= 0, f"--clip-grad {o.clip_grad} must be >= 0 (0 turns clipping off)"),
             (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
             (o.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0"),
             (
@@ -461,7 +494,19 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
                 f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
             ),
         ]
-    )
+    ) + _check_split_weights(cfg)
+
+
+def _check_split_weights(cfg: Config) -> list[str]:
+    """A --split (of a --data-path) must give the training set a share (validation and test may have none)."""
+    d = cfg.data
+    try:
+        weights = [float(s) for s in d.split.replace("/", ",").split(",")]
+    except ValueError:
+        return []  # _check_data says so
+    if d.mock_data or not weights or weights[0] > 0:
+        return []
+    return [f"--split {d.split!r} gives the training set no documents: its first number must be > 0"]
 
 
 def _check_zero(cfg: Config, world_size: int) -> list[str]:
@@ -625,9 +670,13 @@ def _check_precision(cfg: Config, world_size: int) -> list[str]:
 
 
 def _check_run_control(cfg: Config, world_size: int) -> list[str]:
-    t = cfg.train
+    t, m = cfg.train, cfg.model
     return _failed(
         [
+            (0 <= t.seed < 2**32, f"--seed {t.seed} must be in [0, 2^32)"),
+            (0 <= m.hidden_dropout < 1, f"--hidden-dropout {m.hidden_dropout} must be in [0, 1)"),
+            (0 <= m.attention_dropout < 1, f"--attention-dropout {m.attention_dropout} must be in [0, 1)"),
+            (t.max_skipped_steps >= 0, f"--max-skipped-steps must be >= 0 (got {t.max_skipped_steps})"),
             (t.exit_interval is None or t.exit_interval >= 1, f"--exit-interval must be >= 1 (got {t.exit_interval})"),
             (
                 t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,

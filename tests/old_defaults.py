@@ -1,14 +1,19 @@
 """The defaults this project had before it took Megatron-LM's (issue 16). The tests written
-against them pass them explicitly, so that each keeps checking what it was written for.
+against them pass them explicitly, so that each keeps checking what it was written for; those
+that resume a run take OLD_DEFAULTS_WITH_DROPOUT (issue 23: a resume is bitwise with dropout on).
 (The SwiGLU width now rounds down as Megatron's does; tests whose hidden size would round it
 to 0 pass --ffn-hidden-size.)"""
 
 from megatron_zpp.config import ModelConfig
 
-OLD_DEFAULTS = (
-    "--normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 --weight-decay 0.1 --adam-beta2 0.95 "
+# Megatron's default dropout (--hidden-dropout 0.1 --attention-dropout 0.1) kept: what the resume tests run with
+OLD_DEFAULTS_WITH_DROPOUT = (
+    "--normalization RMSNorm --swiglu --weight-decay 0.1 --adam-beta2 0.95 "
     "--min-lr 3e-5 --lr-decay-style cosine --lr-wsd-decay-style linear --log-interval 1 --eval-iters 2"
 ).split()
+# dropout off: for the tests that compare a layout with another (or with a reference), whose masks must differ
+DROPOUT_OFF = "--hidden-dropout 0 --attention-dropout 0".split()
+OLD_DEFAULTS = OLD_DEFAULTS_WITH_DROPOUT + DROPOUT_OFF
 
 OLD_MODEL = dict(normalization="RMSNorm", activation="swiglu", hidden_dropout=0.0, attention_dropout=0.0)
 

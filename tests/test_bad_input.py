@@ -5,6 +5,7 @@ process (a Python start with torch costs seconds); a few run as real subprocesse
 
 import contextlib
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -29,6 +30,7 @@ import train_tokenizer  # noqa: E402
 import pretrain_gpt  # noqa: E402
 
 TINY = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 2".split()
+HEAD = 1 << 20  # tokens
 TEXTS = [f"document {i}: some words, more words and an end." for i in range(60)]
 
 
@@ -62,6 +64,10 @@ def files(tmp_path_factory):
     f = {"dir": str(d)}
     f["good"] = write_pair(str(d / "good_text_document"), [list(range(1, 40))] * 10)
     f["big_ids"] = write_pair(str(d / "big_ids"), [[5, 900, 7]] * 10)  # ids past NullTokenizer --vocab-size 512
+    late = np.arange(HEAD + 8) % 500
+    late[-3] = 700  # past the first 1M tokens, which was all the old check read
+    f["late_oov"] = write_pair(str(d / "late_oov"), [late])
+    f["padding_ids"] = write_pair(str(d / "padding_ids"), [[5, 505, 7]] * 10)  # vocab 500, padded to 512
     f["empty_docs"] = write_pair(str(d / "empty_docs"), [[]] * 5)
     f["float"] = write_pair(str(d / "float"), [[1.0, 2.0]] * 3, np.float32)
     f["int32"] = write_pair(str(d / "int32"), [[1, 2, 3]] * 3, np.int32)
@@ -111,12 +117,19 @@ def files(tmp_path_factory):
     f["yaml_bad"] = write(d / "bad.yaml", b"hidden-size: [1, 2\n")
     f["yaml_list"] = write(d / "list.yaml", b"- 1\n- 2\n")
     f["yaml_value"] = write(d / "value.yaml", b"hidden-size: wide\n")
+    f["yaml_fraction"] = write(d / "fraction.yaml", b"hidden-size: 32.9\n")
+    f["yaml_bool"] = write(d / "bool.yaml", b"num-layers: true\n")
     os.mkdir(d / "empty_dir")
     os.mkdir(d / "hf_empty")
     f["ckpt_meta"] = str(d / "ckpt")
     os.makedirs(d / "ckpt" / "iter_0000001")
     write(d / "ckpt" / "latest", b"iter_0000001")
     write(d / "ckpt" / "iter_0000001" / "meta.json", b'{"format": ')
+    write(d / "ckpt" / "iter_0000001" / "meta.json.sha256", hashlib.sha256(b'{"format": ').hexdigest().encode())
+    f["ckpt_unhashed"] = str(d / "unhashed")  # meta.json without its sha256 beside it
+    os.makedirs(d / "unhashed" / "iter_0000001")
+    write(d / "unhashed" / "latest", b"iter_0000001")
+    write(d / "unhashed" / "iter_0000001" / "meta.json", b"{}")
     return f
 
 
@@ -170,6 +183,23 @@ CASES = [
     ("pretrain", lambda f: pretrain("--data-path", f["empty_docs"]), "holds no tokens"),
     ("pretrain", lambda f: pretrain("--data-path", f["float"]), "not integer token ids"),
     ("pretrain", lambda f: pretrain("--data-path", f["big_ids"]), "token id 900"),
+    ("pretrain", lambda f: pretrain("--data-path", f["late_oov"]), "token id 700"),
+    (
+        "pretrain",
+        lambda f: pretrain("--data-path", f["padding_ids"], "--vocab-size", "500"),
+        "token id 505 in",
+    ),
+    # pretrain_gpt.py: values (issue 23)
+    ("pretrain", lambda f: pretrain("--data-path", f["good"], "--split", "0,0,0"), "gives the training set no"),
+    ("pretrain", lambda f: pretrain("--data-path", f["good"], "--split", "0,0,1"), "its first number must be > 0"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--adam-beta1", "1.5"), "--adam-beta1 1.5 must be in [0, 1)"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--hidden-dropout", "1.5"), "--hidden-dropout 1.5 must be in"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--seed", "-1"), "--seed -1 must be in [0, 2^32)"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--lr", "nan"), "--lr nan must be a finite number"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--clip-grad", "-1"), "--clip-grad -1.0 must be >= 0"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--max-skipped-steps", "-1"), "--max-skipped-steps must be >= 0"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_fraction"]), "expected an integer, got 32.9"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_bool"]), "expected an integer, got True"),
     # pretrain_gpt.py: the tokenizer and the vocabulary
     (
         "pretrain",
@@ -336,6 +366,16 @@ CASES = [
     ),
     (
         "convert",
+        lambda f: ["--load", f["ckpt_unhashed"], "--to", "consolidated", "--output", f["dir"] + "/c.pt"],
+        "meta.json.sha256 is missing",
+    ),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--load", f["ckpt_meta"]),
+        "not valid JSON",
+    ),
+    (
+        "convert",
         lambda f: ["--from", "hf", "--load", f["dir"] + "/hf_empty", "--to", "sharded", "--output", f["dir"] + "/s"],
         "config.json",
     ),
@@ -368,6 +408,33 @@ def test_every_bad_input_is_one_named_error(files, monkeypatch):
             failures.append(
                 f"{tool} {' '.join(args)}\n  exit {code}, stderr: {err.strip()[-600:]!r}\n  wanted: {why!r}"
             )
+    assert not failures, "\n".join(failures)
+
+
+LAUNCH_CASES = [  # (environment, what the error line says)
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT not set"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 with WORLD_SIZE=2"),
+    # a refusal is printed by every rank, not rank 0 alone (torchrun kills rank 0 when rank 1 exits first)
+    (
+        {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+        "rank 1: --seed -1 must be in [0, 2^32)",
+    ),
+]
+
+
+def test_bad_launch_environment_and_refusals_on_every_rank(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    failures = []
+    for env, why in LAUNCH_CASES:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            code, err = call(pretrain_gpt.main, pretrain("--mock-data", "--seed", "-1"))
+        errors = [line for line in err.splitlines() if "error:" in line]
+        if code in (0, None) or "Traceback" in err or len(errors) != 1 or why not in errors[0]:
+            failures.append(f"{env}: exit {code}, stderr {err.strip()[-600:]!r}, wanted {why!r}")
     assert not failures, "\n".join(failures)
 
 
@@ -418,3 +485,16 @@ def test_compressed_corpora_read_like_plain(files, tmp_path):
         texts = list(train_tokenizer.iter_texts([str(tmp_path / name)], ["text"]))
         assert texts == TEXTS[:5] * 300, name
     assert all(v == outputs["c.jsonl"] for v in outputs.values())
+
+
+def test_failure_hint_names_a_checkpoint_only_when_one_exists(tmp_path):
+    """A lost peer or a timeout says where to resume: the last checkpoint, or that none was saved."""
+    from megatron_zpp.arguments import parse_config
+
+    ck = str(tmp_path / "ck")
+    hint = lambda *a: pretrain_gpt._resume_hint(parse_config(pretrain("--mock-data", *a), 1))  # noqa: E731
+    assert hint("--save", ck) == "rerun it (no checkpoint was saved)"
+    assert hint() == "rerun it (no --save: no checkpoint)"
+    os.makedirs(ck)
+    write(os.path.join(ck, "latest"), b"iter_0000002\n")
+    assert hint("--save", ck) == f"resume from the last checkpoint with --load {ck}"

@@ -86,6 +86,12 @@ def _unflatten(skeleton: dict, tensor) -> object:
     return skeleton["v"]
 
 
+def nonfinite_tensors(state: dict) -> list[str]:
+    """The paths of the floating-point tensors of `state` that hold an inf or a NaN."""
+    tensors, _ = _flatten(state)
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def write_rank_file(tmp: str, rank: int, state: dict) -> str:
     """Write one rank's file (fsynced, renamed into place); its sha256."""
     path = os.path.join(tmp, rank_file(rank))
@@ -122,6 +128,30 @@ def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] 
     return path, _read_meta_file(meta_path)
 
 
+def locate_checkpoint(load: str, iteration: int | None = None) -> tuple[str, dict] | None:
+    """(iteration dir, meta) that --load names: an iteration dir itself (it holds meta.json), or the
+    one `latest` in the checkpoint root names (or `iteration`'s, --ckpt-step); None when `load` is a
+    root without `latest` and no iteration is asked for."""
+    if os.path.isfile(os.path.join(load, "meta.json")):
+        path = os.path.normpath(load)
+        if iteration is not None and os.path.basename(path) != iter_name(iteration):
+            raise CheckpointError(
+                f"--ckpt-step {iteration} asks for another iteration than --load {load} names: "
+                "give --load the checkpoint root (the directory with 'latest') with --ckpt-step, or drop --ckpt-step"
+            )
+        return os.path.abspath(path), _read_meta_file(os.path.join(path, "meta.json"))
+    found = read_meta(load, iteration)
+    return (os.path.abspath(found[0]), found[1]) if found else None
+
+
+def saved_iterations(directory: str) -> list[int]:
+    """The iterations of the complete-looking iteration dirs in `directory`, in order."""
+    if not os.path.isdir(directory):
+        return []
+    names = [d for d in os.listdir(directory) if d.startswith("iter_") and d[5:].isdigit()]
+    return sorted(int(d[5:]) for d in names if os.path.isdir(os.path.join(directory, d)))
+
+
 def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
     """(iteration dir, meta) of `ckpt_dir/latest`, or of `ckpt_dir` when it is an iteration dir."""
     meta_path = os.path.join(ckpt_dir, "meta.json")
@@ -133,14 +163,119 @@ def find_checkpoint(ckpt_dir: str) -> tuple[str, dict]:
     return found
 
 
+# meta.json's fields and their JSON types ("tracking" and "train_state" may be absent)
+META_FIELDS = {
+    "format": str,
+    "iteration": int,
+    "consumed_samples": int,
+    "padded_vocab_size": int,
+    "world_size": int,
+    "layout": dict,
+    "config": dict,
+    "files": dict,
+}
+OPTIONAL_META_FIELDS = {"tracking": dict, "train_state": dict}
+
+
+def meta_digest_file(iteration_dir: str) -> str:
+    """Beside meta.json: its sha256, written last by the save, checked first by every read."""
+    return os.path.join(iteration_dir, "meta.json.sha256")
+
+
+def write_meta(iteration_dir: str, meta: dict) -> None:
+    data = json.dumps(meta, indent=1).encode()
+    fsync_write(os.path.join(iteration_dir, "meta.json"), data)
+    fsync_write(meta_digest_file(iteration_dir), (hashlib.sha256(data).hexdigest() + "\n").encode())
+
+
+def _type_name(tp) -> str:
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+    }
+    return names.get(tp, "null")
+
+
+def _field_problem(name: str, value, tp) -> str | None:
+    if isinstance(value, bool) and tp is not bool or not isinstance(value, tp):
+        return f"field {name!r} is {_type_name(type(value))}, expected {_type_name(tp)}"
+    return None
+
+
+def _config_problem(config: dict) -> str | None:
+    """The first setting of meta["config"] whose type is not its field's (settings whose default is
+    None may hold any JSON value); unknown sections and settings are config_from_dict's to name."""
+    from ..config import Config  # config.py imports nothing of ours
+
+    defaults = Config().to_dict()
+    for section, values in config.items():
+        if not isinstance(values, dict):
+            return f"field 'config.{section}' is {_type_name(type(values))}, expected an object"
+        for name, value in values.items():
+            default = defaults.get(section, {}).get(name)
+            if default is None or value is None:
+                continue
+            tp = float if type(default) is float else type(default)
+            if tp is float and isinstance(value, int) and not isinstance(value, bool):
+                continue
+            if (isinstance(value, bool) != (tp is bool)) or not isinstance(value, tp):
+                return (
+                    f"field 'config.{section}.{name}' is {_type_name(type(value))} {value!r}, expected {_type_name(tp)}"
+                )
+    return None
+
+
+def meta_problem(meta) -> str | None:
+    """Why `meta` is not a meta.json this code wrote (None when its shape and types are right)."""
+    if not isinstance(meta, dict):
+        return f"is {_type_name(type(meta))}, not an object"
+    if meta.get("format") != FORMAT:
+        return f"unknown format {meta.get('format')!r} (expected {FORMAT})"
+    for name, tp in META_FIELDS.items():
+        if name not in meta:
+            return f"field {name!r} is missing"
+        problem = _field_problem(name, meta[name], tp)
+        if problem:
+            return problem
+    for name, tp in OPTIONAL_META_FIELDS.items():
+        problem = _field_problem(name, meta[name], tp) if meta.get(name) is not None else None
+        if problem:
+            return problem
+    bad = [k for k, v in meta["files"].items() if not isinstance(v, str)]
+    if bad:
+        return f"field 'files.{bad[0]}' is {_type_name(type(meta['files'][bad[0]]))}, expected a string"
+    if sorted(meta["files"]) != [rank_file(r) for r in range(meta["world_size"])]:
+        return f"field 'files' does not list the {meta['world_size']} rank files of 'world_size'"
+    return _config_problem(meta["config"])
+
+
 def _read_meta_file(meta_path: str) -> dict:
+    """meta.json, checked against its sha256 (meta.json.sha256 beside it) and its schema."""
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        with open(meta_path, "rb") as f:
+            data = f.read()
+        with open(meta_digest_file(os.path.dirname(meta_path))) as f:
+            digest = f.read().strip()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e.filename} is missing (incomplete or damaged checkpoint)") from None
+    except OSError as e:
+        raise CheckpointError(f"{meta_path}: cannot be read ({e.strerror or e})") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(
+            f"{meta_path}: its sha256 does not match {os.path.basename(meta_digest_file(''))} beside it "
+            "(edited or damaged): restore the file as saved"
+        )
+    try:
+        meta = json.loads(data)
     except ValueError as e:  # truncated or not JSON: a damaged checkpoint, not a bug
         raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
+    problem = meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{meta_path}: {problem}")
     return meta
 
 
@@ -165,6 +300,29 @@ class RankFile:
     def state(self) -> dict:
         return _unflatten(self._skeleton, self.tensor)
 
+    def header(self, key: str):
+        """A top-level entry of the saved dict (a number, the layout), read without its tensors; KeyError if absent."""
+        entries = dict(self._skeleton.get("d", []))
+        return _unflatten(entries[key], self.tensor)
+
+
+# what each rank file carries of meta.json, cross-checked on every read
+RANK_FILE_COPIES = ("iteration", "consumed_samples", "layout")
+
+
+def _rank_file_problem(rf: RankFile, meta: dict, rank: int) -> str | None:
+    """Why the file `rf`, opened as `rank`'s, disagrees with meta.json (None when it agrees)."""
+    try:
+        saved_rank = rf.header("rank")
+        if saved_rank != rank:
+            return f"holds rank {saved_rank}'s state, not rank {rank}'s (rank files swapped?)"
+        for key in RANK_FILE_COPIES:
+            if rf.header(key) != meta[key]:
+                return f"field {key!r} is {rf.header(key)!r} but meta.json says {meta[key]!r}"
+    except KeyError as e:
+        return f"field {e.args[0]!r} is missing"
+    return None
+
 
 def open_rank_file(path: str, meta: dict, rank: int, device="cpu") -> RankFile:
     """One rank's file, checked against meta.json's sha256 first."""
@@ -173,7 +331,11 @@ def open_rank_file(path: str, meta: dict, rank: int, device="cpu") -> RankFile:
         raise CheckpointError(f"checkpoint file {fpath} is missing")
     if sha256_of(fpath) != meta["files"].get(rank_file(rank)):
         raise CheckpointError(f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match meta.json")
-    return RankFile(fpath, device)
+    rf = RankFile(fpath, device)
+    problem = _rank_file_problem(rf, meta, rank)
+    if problem:
+        raise CheckpointError(f"checkpoint file {fpath}: {problem}")
+    return rf
 
 
 def read_rank_file(path: str, meta: dict, rank: int, map_location="cpu") -> dict:

@@ -17,7 +17,9 @@ Format of a checkpoint directory DIR:
                                header's "megatron_zpp" entry): nothing is ever unpickled, and a
                                rank reads only the tensors it asks for
 
-A rank file holds {"iteration", "consumed_samples", "model", "optimizer", "rng"}:
+A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+(the first four cross-checked against meta.json on every read; meta.json's own sha256 is in
+meta.json.sha256 beside it):
 * "model", "optimizer": the data-parallel engine's state dict (zero/engine.py): plain DP
   {"chunk{c}.{param name}": tensor} and, for bf16, {"master.{i}": fp32 master}; ZeRO
   {"unit{u}.{unit name}.master": fp32 master shard} (the training-dtype shard, ZeRO-3's
@@ -35,7 +37,6 @@ point leaves the previous `latest` and its directory intact.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -49,13 +50,15 @@ from .files import (
     fsync_path,
     fsync_write,
     iter_name,
+    locate_checkpoint,
+    nonfinite_tensors,
     rank_file,
-    read_meta,
     read_rank_file,
+    write_meta,
     write_rank_file,
 )
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
-from .rng import get_rng_state, set_rng_state
+from .rng import get_rng_state
 
 
 def layout_of(cfg) -> dict:
@@ -91,8 +94,10 @@ def _rank_state(run) -> dict:
     """What this rank saves: a snapshot (the live tensors go on changing)."""
     state = run.dp.state_dict()
     return {
+        "rank": run.rank,  # these three are cross-checked against meta.json on every read (files.py)
         "iteration": run.iteration,
         "consumed_samples": run.consumed_samples,
+        "layout": layout_of(run.cfg),
         "model": {k: t.detach().clone() for k, t in state["model"].items()},
         "optimizer": state["optimizer"],
         "rng": get_rng_state(),
@@ -139,7 +144,7 @@ def _seal(
     }
     if train_state:
         meta["train_state"] = train_state
-    fsync_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+    write_meta(tmp, meta)
     fsync_path(tmp)
     if os.path.exists(final):  # saved this iteration before: replace it
         shutil.rmtree(final)
@@ -150,32 +155,81 @@ def _seal(
 
 
 def save_checkpoint(run, directory: str) -> str:
-    """Collective: every rank writes its file; rank 0 seals the directory and `latest`."""
+    """Collective: every rank writes its file; rank 0 seals the directory and `latest`. A save that
+    fails anywhere (a non-finite tensor, an OSError such as a full disk) fails on every rank with
+    one line, `latest` left where it was."""
     final, tmp = _start(directory, run.iteration)
-    if run.rank == 0:
-        _fresh_dir(tmp)
-    comm.barrier()
-    digest = write_rank_file(tmp, run.rank, _rank_state(run))
-    # each rank hashed its own file; rank 0 collects the digests (also: every file is written)
+    problem = _os_problem(lambda: _fresh_dir(tmp), run, directory) if run.rank == 0 else None
+    _agree_saved(run, problem, directory, tmp)  # also: tmp exists before any rank writes into it
+    state = _rank_state(run)
+    bad = nonfinite_tensors(state)  # such a file is not written, and no rank seals the save
+    digest = "00" * 32
+    if not bad:
+        written = []
+        problem = _os_problem(lambda: written.append(write_rank_file(tmp, run.rank, state)), run, directory)
+        digest = written[0] if written else digest
+    # each rank hashed its own file; every rank gets the digests and each rank's status (byte 32)
     world = run.groups.world
-    digests = torch.zeros(world.size, 32, dtype=torch.uint8, device=run.device)
-    mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=run.device).view(1, 32)
+    digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
+    status = 1 if bad else 2 if problem else 0
+    mine = torch.tensor([*bytes.fromhex(digest), status], dtype=torch.uint8, device=run.device).view(1, 33)
     comm.all_gather(digests, mine, world, "checkpoint_digests")
+    statuses = [int(d[32]) for d in digests.cpu()]
+    if 1 in statuses:
+        _refuse_nonfinite(run, directory, tmp, [r for r, v in enumerate(statuses) if v == 1], bad)
+    if 2 in statuses:
+        failed = [r for r, v in enumerate(statuses) if v == 2]
+        _agree_saved(run, problem or f"rank(s) {failed} could not write their files", directory, tmp)
     if run.rank == 0:
-        _seal(
-            directory,
-            final,
-            tmp,
-            run.cfg,
-            run.iteration,
-            run.consumed_samples,
-            run.tokenizer.padded_vocab_size,
-            [bytes(d.tolist()).hex() for d in digests.cpu()],
-            getattr(run, "tracking", None),  # rank 0's: the rank that logs
-            _train_state(run),
-        )
-    comm.barrier()
+        digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
+        problem = _os_problem(lambda: _seal_run(run, directory, final, tmp, digests_hex), run, directory)
+    _agree_saved(run, problem, directory, tmp)
+    run.last_checkpoint = final
     return final
+
+
+def _seal_run(run, directory: str, final: str, tmp: str, digests: list[str]) -> None:
+    tracking = getattr(run, "tracking", None)  # rank 0's: the rank that logs
+    cfg, vocab = run.cfg, run.tokenizer.padded_vocab_size
+    _seal(directory, final, tmp, cfg, run.iteration, run.consumed_samples, vocab, digests, tracking, _train_state(run))
+
+
+def _os_problem(action, run, directory: str) -> str | None:
+    """Run `action`; an OSError (full disk, read-only file system) as one line, else None."""
+    try:
+        action()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        why = f"{e.strerror or e}{where}; free space or give another --save"
+        return f"cannot save iteration {run.iteration} to {directory}: {why}"
+    return None
+
+
+def _kept(directory: str) -> str:
+    latest = os.path.join(directory, "latest")
+    kept = open(latest).read().strip() if os.path.exists(latest) else "no checkpoint"
+    return f"{latest} still names {kept}"
+
+
+def _agree_saved(run, problem: str | None, directory: str, tmp: str) -> None:
+    """Every rank learns whether any rank's part of the save failed (one all-reduce every rank issues);
+    then all raise CheckpointError, rank 0 having removed the unfinished directory."""
+    flag = torch.tensor([int(problem is not None)], dtype=torch.int32, device=run.device)
+    comm.all_reduce(flag, run.groups.world, "checkpoint_save", op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(f"{problem or 'another rank could not save (its line says why)'}; {_kept(directory)}")
+
+
+def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: list[str]) -> None:
+    """No rank seals a save in which any rank holds a non-finite tensor: `latest` stays where it was."""
+    comm.barrier()  # every rank is done with tmp
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    mine = f"{len(bad)} non-finite tensors here, the first {bad[0]}" if bad else f"non-finite on ranks {flagged}"
+    raise CheckpointError(f"refused to save iteration {run.iteration} to {directory}: {mine}; {_kept(directory)}")
 
 
 def _train_state(run) -> dict:
@@ -206,8 +260,10 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
         tmp,
         0,
         {
+            "rank": 0,
             "iteration": 0,
             "consumed_samples": 0,
+            "layout": layout_of(cfg),
             "optimizer": {},
             "rng": {},
             "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
@@ -218,6 +274,39 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
 
 
 # ---- load ---------------------------------------------------------------------------------
+def _check_tensors(run, path: str, meta: dict, model: dict) -> None:
+    """A same-layout load takes the tensors as saved: their keys and shapes must be this layout's,
+    and their dtype too when the checkpoint trained in this run's dtype (never silently upcast)."""
+    live = run.dp.model_state_dict()
+    fpath = f"{path}/{rank_file(run.rank)}"
+    if set(model) != set(live):
+        missing, extra = sorted(set(live) - set(model)), sorted(set(model) - set(live))
+        raise CheckpointError(f"{fpath}: tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    saved_train = meta["config"].get("train", {})
+    same_dtype = (saved_train.get("bf16"), saved_train.get("fp16")) == (run.cfg.train.bf16, run.cfg.train.fp16)
+    for key, t in model.items():
+        if tuple(t.shape) != tuple(live[key].shape):
+            raise CheckpointError(
+                f"{fpath}: /model/{key} has shape {tuple(t.shape)}, this layout's is {tuple(live[key].shape)}"
+            )
+        if same_dtype and t.dtype != live[key].dtype:
+            raise CheckpointError(
+                f"{fpath}: /model/{key} is {str(t.dtype).replace('torch.', '')}, "
+                f"this layout saves {str(live[key].dtype).replace('torch.', '')} (the file was rewritten?)"
+            )
+
+
+def _agree(run, error: CheckpointError | None) -> None:
+    """Every rank learns whether any rank could not read its part (one all-reduce every rank issues,
+    before any collective of the restore), so all of them stop, each with a line, none waiting."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=run.device)
+    comm.all_reduce(flag, run.groups.world, "checkpoint_load", op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise CheckpointError("another rank could not load the checkpoint (its line says why)")
+
+
 def _restore(run, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
@@ -228,15 +317,8 @@ def _restore(run, path: str, state: dict) -> None:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
-    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `latest` names (or that of `iteration`), saved at this layout or (resharded)
-    at any other. Returns what was restored, in words; None (and nothing changed) when
-    there is no checkpoint."""
-    found = read_meta(directory, iteration)
-    if found is None:
-        return None
-    path, meta = found
+def _read_state(run, path: str, meta: dict) -> tuple[dict, str, bool]:
+    """(this rank's state to restore, how it was read, whether it has AdamW state), checked."""
     vocab = run.tokenizer.padded_vocab_size
     check_same_model(path, meta, run.cfg, vocab)
     changes = layout_changes(meta, run.cfg)
@@ -244,19 +326,38 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
         saved = SavedCheckpoint(path, meta)
         dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
         state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
-        _restore(run, path, {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}})
         run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
-        has_optimizer = saved.step is not None
         how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
-    else:
-        state = read_rank_file(path, meta, run.rank, map_location=run.device)
-        _restore(run, path, state)
-        has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has neither
-        if state["rng"]:
-            set_rng_state(state["rng"])
-        how = "same layout"
+        return {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}}, how, saved.step is not None
+    state = read_rank_file(path, meta, run.rank, map_location=run.device)
+    _check_tensors(run, path, meta, state["model"])
+    return state, "same layout", bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has none
+
+
+def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
+    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
+    checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
+    or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
+    what was restored, in words; None (and nothing changed) when there is no checkpoint.
+    Every rank reads and checks its part first; if any cannot, all raise CheckpointError."""
+    found, error = None, None
+    try:
+        found = locate_checkpoint(directory, iteration)
+        if found:
+            state, how, has_optimizer = _read_state(run, *found)
+    except CheckpointError as e:
+        error = e
+    _agree(run, error)
+    if found is None:
+        return None
+    path, meta = found
+    _restore(run, path, state)
+    # set just before the first step (training/step.py), so that nothing the set-up draws after this
+    # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
+    run.pending_rng_state = state.get("rng") or None
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
+    run.last_checkpoint = path
     _restore_train_state(run, meta)
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size

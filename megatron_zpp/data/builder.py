@@ -4,10 +4,10 @@ the dataset, blended.py the blend)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from .blended import build_split_datasets, parse_data_path
+from .token_range import index_cache_dir
 
 
 def parse_split(split: str) -> list[float]:
@@ -39,7 +39,7 @@ def build_gpt_datasets(
     failure raises on all ranks instead of hanging some.
     """
     prefixes, weights = parse_data_path(data_path)
-    cache_dir = cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    cache_dir = index_cache_dir(prefixes[0], cache_path)
     fractions = parse_split(split)
     args = (prefixes, weights, fractions, seq_length, seed, tuple(int(n) for n in num_samples), cache_dir)
     result, error = None, None

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, idx_path
 
 SPLITS = ("train", "valid", "test")
 SEPARATE_LAST_EPOCH_BELOW = 0.80  # Megatron's threshold for shuffling a short last epoch on its own
@@ -39,15 +39,28 @@ def cache_paths(cache_dir: str, description: dict, kind: str, names: tuple[str, 
     return {n: os.path.join(cache_dir, f"{h}-{kind}-{n}.npy") for n in names}
 
 
+def _file_stamp(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
 def save_arrays(paths: dict, arrays: dict, description: dict) -> None:
-    """Write each array under a temporary name and rename: a reader never sees half a file."""
-    os.makedirs(os.path.dirname(next(iter(paths.values()))), exist_ok=True)
-    for name, path in paths.items():
-        tmp = f"{path}.tmp{os.getpid()}.npy"
-        np.save(tmp, arrays[name])
-        os.replace(tmp, path)
-    with open(next(iter(paths.values())).rsplit("-", 1)[0] + "-description.json", "w") as f:
-        json.dump(description, f, indent=1, sort_keys=True)
+    """Write each array under a temporary name and rename: a reader never sees half a file.
+    A cache directory that cannot be written is an IndexedDatasetError naming it and the fix."""
+    cache_dir = os.path.dirname(next(iter(paths.values())))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for name, path in paths.items():
+            tmp = f"{path}.tmp{os.getpid()}.npy"
+            np.save(tmp, arrays[name])
+            os.replace(tmp, path)
+        with open(next(iter(paths.values())).rsplit("-", 1)[0] + "-description.json", "w") as f:
+            json.dump(description, f, indent=1, sort_keys=True)
+    except OSError as e:
+        raise IndexedDatasetError(
+            f"cannot write the dataset index cache in {cache_dir} ({e.strerror or e}): "
+            "give a writable --data-cache-path"
+        ) from None
 
 
 def load_arrays(paths: dict) -> dict | None:
@@ -122,6 +135,8 @@ class GPTDataset(torch.utils.data.Dataset):
             "prefix": os.path.abspath(indexed.prefix),
             "index_sequences": len(indexed),
             "index_tokens": indexed.num_tokens,
+            # the .idx as written: a re-preprocessing into the same prefix never reuses a stale cache
+            "index_file": _file_stamp(idx_path(indexed.prefix)),
             "split": split,
             "documents": [int(documents[0]), int(documents[-1]) + 1],
             "seq_length": seq_length,

@@ -3,6 +3,7 @@ engine, and AdamW on fp32 masters."""
 
 from .clipping import clip_, clip_by_global_norm, counted_once, global_grad_norm
 from .finalize import finalize_model_grads
+from .nonfinite import StepCheck, check_step
 from .optimizer import MixedPrecisionAdamW, adamw_order, build_adamw, set_lr
 from .schedules import learning_rate, learning_rate_at_samples, step_learning_rate
 
@@ -19,4 +20,6 @@ __all__ = [
     "build_adamw",
     "set_lr",
     "finalize_model_grads",
+    "StepCheck",
+    "check_step",
 ]

@@ -120,6 +120,22 @@ class RowParallelLinear(nn.Module):
         return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
 
 
+class TokenIdError(ValueError):
+    """A token id outside the embedding's rows: the data does not match the vocabulary."""
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse ids outside [0, vocab_size): one min/max, on every TP rank alike (each sees the same ids),
+    instead of an IndexError (TP 1) or the silent zero rows of a vocabulary-parallel lookup (TP > 1)."""
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise TokenIdError(
+            f"token id {bad} in the batch is outside the embedding's {vocab_size} rows: the data was tokenized "
+            "with another tokenizer or --vocab-size is too small (pretrain_gpt.py checks every --data-path .bin)"
+        )
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split over TP ranks; each rank looks up the ids it
     owns and the partial results are summed (reduce-scattered with sequence parallel)."""
@@ -139,6 +155,7 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.per_rank * _size(self.tp))
         if _size(self.tp) == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start

@@ -9,6 +9,16 @@ from .distributed import init_distributed, shutdown
 from .generation import greedy_generate
 from .loop import train
 from .run import Run, setup
-from .step import evaluate, train_step
+from .step import NonFiniteStepError, evaluate, train_step
 
-__all__ = ["Run", "setup", "train", "train_step", "evaluate", "greedy_generate", "init_distributed", "shutdown"]
+__all__ = [
+    "Run",
+    "setup",
+    "train",
+    "train_step",
+    "NonFiniteStepError",
+    "evaluate",
+    "greedy_generate",
+    "init_distributed",
+    "shutdown",
+]

@@ -76,12 +76,23 @@ def build_stage_link(cfg: Config, groups: ProcessGroups, device: torch.device) -
     return StageLink(groups.pp, (cfg.train.micro_batch_size, seq, cfg.model.hidden_size), training_dtype(cfg), device)
 
 
-def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int):
-    """(train iterator resumed at `consumed` samples, a factory of validation iterators or None)."""
+def train_samples_needed(t, consumed: int, iteration: int) -> int:
+    """Training samples the dataset must hold: a fresh run's (a ramp-up's batches, then full ones), or,
+    resumed at `iteration` after `consumed` samples (perhaps at another --global-batch-size, which
+    Megatron allows), those consumed plus the batches of the steps left."""
+    fresh = max(t.samples_after(t.train_iters), t.train_samples or 0)
+    for _ in range(max(t.train_iters - iteration, 0)):
+        consumed += t.global_batch_at(consumed)
+    return max(fresh, consumed)
+
+
+def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):
+    """(train iterator resumed at `consumed` samples after `iteration` steps, a factory of validation
+    iterators or None)."""
     t = cfg.train
     eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
     num_samples = (
-        max(t.samples_after(t.train_iters), t.train_samples or 0),  # a ramp-up's batches, then full ones
+        train_samples_needed(t, consumed, iteration),
         eval_rounds * t.global_batch_size,
         t.eval_iters * t.global_batch_size,
     )

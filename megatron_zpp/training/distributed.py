@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..checkpoint.guard import release_save_dirs
 from ..config import Config
 from ..topology import ProcessGroups, build_groups_from_config
 
@@ -41,6 +42,7 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    release_save_dirs()  # --save's writer lock
 
 
 class ExitSignal:

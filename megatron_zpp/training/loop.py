@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import time
 
 from .. import comm
@@ -101,8 +100,6 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
     run.iteration += 1
     run.consumed_samples += batch
     comm.LEDGER.step()
-    if not math.isfinite(loss) and run.loss_scaler is None:  # --fp16 skips such a step instead
-        raise FloatingPointError(f"loss is {loss} at iteration {run.iteration}")
     scaling = {}
     if run.loss_scaler is not None:
         scaling = {"loss_scale": run.loss_scaler.scale, "skipped_iterations": run.skipped_iterations}

@@ -9,12 +9,15 @@ position) before the data iterator is built, so the data continues where it stop
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint
+from ..checkpoint.files import saved_iterations
+from ..checkpoint.guard import guard_save_dir
 from ..config import Config, ConfigError
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
@@ -58,6 +61,9 @@ class Run:
     skipped_iterations: int = 0
     skipped_samples: int = 0
     last_step_skipped: bool = False
+    consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
+    pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
+    last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
@@ -95,16 +101,48 @@ def setup(cfg: Config) -> Run:
         started_at=started_at,
     )
     if cfg.train.load:  # model, optimizer, RNG, position
-        restored = load_checkpoint(run, cfg.train.load, cfg.train.ckpt_step)
-        log(
-            f"loaded {restored}"
-            if restored
-            else f"no checkpoint in {cfg.train.load} (no 'latest' file): starting from scratch",
-            run.rank,
-        )
-    run.train_data, run.valid_data = build_data(cfg, groups, tokenizer, device, consumed=run.consumed_samples)
+        _load(run)
+    if cfg.train.save:
+        _guard_save(run)
+    run.train_data, run.valid_data = build_data(
+        cfg, groups, tokenizer, device, consumed=run.consumed_samples, iteration=run.iteration
+    )
     _log_setup(run, n_params)
     return run
+
+
+def _same_dir(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _load(run: Run) -> None:
+    """--load: a checkpoint, or nothing only where --load is --save (the first start of a requeued job)."""
+    t = run.cfg.train
+    restored = load_checkpoint(run, t.load, t.ckpt_step)
+    if restored:
+        log(f"loaded {restored}", run.rank)
+    elif _same_dir(t.load, t.save):
+        log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
+    else:
+        what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
+        raise CheckpointError(
+            f"--load {t.load}: {what}; give a checkpoint root or an iteration directory in it, "
+            "or drop --load to start from scratch"
+        )
+
+
+def _guard_save(run: Run) -> None:
+    """--save: this run's lock, and no overwriting a directory it did not load from (checkpoint/guard.py)."""
+    t = run.cfg.train
+    loaded_root = os.path.dirname(run.last_checkpoint) if run.last_checkpoint else None
+    guard_save_dir(t.save, loaded_root, t.override_checkpoint, run.rank, run.groups, run.device)
+    have = saved_iterations(t.save)
+    if have and t.override_checkpoint and not _same_dir(loaded_root, t.save):
+        log(
+            f"--override-checkpoint: {os.path.abspath(t.save)} holds checkpoints up to iteration {have[-1]}; "
+            f"this run saves over them from iteration {run.iteration + 1} on and moves 'latest' to its own",
+            run.rank,
+        )
 
 
 def _log_setup(run: Run, n_params: int) -> None:

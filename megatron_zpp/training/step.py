@@ -7,9 +7,12 @@ The loss is reported on every rank: the last pipeline stage holds it."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import comm
+from ..checkpoint.rng import set_rng_state
 from ..optim import step_learning_rate
 from ..pipeline_parallel import run_schedule
 
@@ -37,6 +40,9 @@ def train_step(run) -> tuple[float, float, float]:
     --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
     overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
     Megatron, does not advance the learning-rate schedule."""
+    if run.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
+        set_rng_state(run.pending_rng_state)
+        run.pending_rng_state = None
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     scaler = run.loss_scaler
@@ -54,15 +60,45 @@ def train_step(run) -> tuple[float, float, float]:
     loss = report_loss(run, losses)
     lr = step_learning_rate(run.cfg, run.iteration - run.skipped_iterations, run.consumed_samples - run.skipped_samples)
     empty_cache(run, 1)
-    grad_norm = run.dp.step(lr, scaler.scale if scaler else None)
+    check = run.dp.step(lr, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
     empty_cache(run, 2)
-    run.last_step_skipped = bool(scaler and scaler.overflowed(grad_norm))
+    run.last_step_skipped = not check.applied
+    refuse_nonfinite(run, loss, check)
     if scaler:
         scaler.update(run.last_step_skipped)
     if run.last_step_skipped:
         run.skipped_iterations += 1
         run.skipped_samples += run.cfg.train.global_batch_at(run.consumed_samples)
-    return loss, grad_norm, lr
+    return loss, check.grad_norm, lr
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step whose loss or gradients are not finite (--check-for-nan-in-loss-and-grad): not applied,
+    and the run stops; alike on every rank (the check is agreed)."""
+
+
+def refuse_nonfinite(run, loss: float, check) -> None:
+    """Raise NonFiniteStepError for a step the check refused: a non-finite loss (any dtype), non-finite
+    fp32/bf16 gradients, or (--fp16) more than --max-skipped-steps overflowing steps in a row."""
+    t = run.cfg.train
+    if not t.check_for_nan_in_loss_and_grad:
+        return
+    run.consecutive_skips = 0 if check.finite else run.consecutive_skips + 1
+    fp16_overflow = run.loss_scaler is not None and check.loss_finite
+    if check.finite or (fp16_overflow and run.consecutive_skips <= t.max_skipped_steps):
+        return
+    what = "the loss is" if not check.loss_finite else "the gradients are"
+    why = f"{what} not finite (loss {loss:g}, grad norm {check.grad_norm:g})"
+    if fp16_overflow:
+        why = f"{run.consecutive_skips} steps in a row overflowed in fp16 (--max-skipped-steps {t.max_skipped_steps})"
+    raise NonFiniteStepError(f"iteration {run.iteration + 1}: {why}; the step was not applied. {_resume_hint(run)}")
+
+
+def _resume_hint(run) -> str:
+    if run.last_checkpoint:
+        root = os.path.dirname(run.last_checkpoint)
+        return f"The last good checkpoint is {run.last_checkpoint}: resume with --load {root} (e.g. with a lower --lr)"
+    return "No checkpoint was saved or loaded by this run: nothing to resume from (e.g. lower --lr and rerun)"
 
 
 def empty_cache(run, level: int) -> None:

@@ -11,11 +11,9 @@ fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..optim import MixedPrecisionAdamW, clip_by_global_norm, counted_once, finalize_model_grads
+from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_buffer import GradBuffer
@@ -55,16 +53,17 @@ class DDPEngine(DataParallelEngine):
         if self.overlap:
             self.grads.set_last_micro_batch(chunk, last)
 
-    def step(self, lr: float, loss_scale: float | None = None) -> float:
+    def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         g = self.groups
         self.grads.finish()
         tied = [c.embedding.weight.main_grad for c in self.chunks if hasattr(c, "embedding") and c.tied]
         finalize_model_grads([p.main_grad for p in self.params if getattr(p, "tp_partial_grad", False)], tied, g)
         counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
         norm = clip_by_global_norm(counted, [p.main_grad for p in self.params], [g.mp], self.clip, loss_scale)
-        if loss_scale is None or math.isfinite(norm):
+        check = check_step(loss, norm, g.world, self.params[0].device, loss_scale, skip_nonfinite)
+        if check.applied:
             self.optimizer.step(lr)
-        return norm
+        return check
 
     # ---- state -------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:

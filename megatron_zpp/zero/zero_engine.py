@@ -23,13 +23,12 @@ rebuilt by the next gather, so none of them is saved.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..optim import build_adamw, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
+from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
 from ..recompute import recomputing
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
@@ -330,7 +329,7 @@ class ZeroEngine(DataParallelEngine):
         for unit in self.units:
             unit.grad_shard.div_(self.group.size)
 
-    def step(self, lr: float, loss_scale: float | None = None) -> float:
+    def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         self._finish_grads()
         g = self.groups
         counted = [
@@ -344,13 +343,14 @@ class ZeroEngine(DataParallelEngine):
         set_lr(self.optimizer, lr)
         for unit, a, b, view in self.opt_segments:
             view.grad = unit.grad_shard[a:b]
-        if loss_scale is None or math.isfinite(norm):  # --fp16 overflow: skip (the shards are re-set alike)
+        check = check_step(loss, norm, g.world, shards[0].device, loss_scale, skip_nonfinite)
+        if check.applied:  # not applied: the shards are re-set alike below
             self.optimizer.step()
         for *_, view in self.opt_segments:
             view.grad = None
         for unit in self.units:  # --overlap-param-gather: the next forward waits for each unit's gather
             unit.set_shard(unit.master, wait=not self.overlap_gather)
-        return norm
+        return check
 
     # ---- state -------------------------------------------------------------------------
     def _masters(self) -> dict[str, FlatUnit]:

@@ -35,11 +35,11 @@ from megatron_zpp.checkpoint import files, sharded
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed
-from tests.old_defaults import OLD_DEFAULTS
+from tests.old_defaults import OLD_DEFAULTS_WITH_DROPOUT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = (
-    OLD_DEFAULTS
+    OLD_DEFAULTS_WITH_DROPOUT  # Megatron's default dropout: the resumed runs are bitwise all the same
     + (
         "--mock-data --device cpu --hidden-size 32 --num-attention-heads 4 --group-query-attention "
         "--num-query-groups 2 "

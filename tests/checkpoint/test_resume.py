@@ -1,6 +1,7 @@
 """Sharded checkpoints resume exactly, and refuse what they cannot load.
 
-Exact resume (fp32, CPU, gloo; plain DP, ZeRO-3, TP2 on 2 ranks; ZeRO++ with qwZ, hpZ and
+Exact resume with Megatron's default dropout (fp32, CPU, gloo; plain DP, ZeRO-3, TP2 with
+sequence parallelism, PP2 on 2 ranks; ZeRO++ with qwZ, hpZ and
 qgZ on 2 emulated nodes of 2 ranks): a run of 2N steps that
 saves every N steps must give the same per-step losses as one that never saves; then a
 new process loading the step-N checkpoint and running N more steps must give bitwise the
@@ -19,11 +20,11 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, files
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
-from tests.old_defaults import OLD_DEFAULTS
+from tests.old_defaults import OLD_DEFAULTS_WITH_DROPOUT
 
 N = 3
 BASE = (
-    OLD_DEFAULTS
+    OLD_DEFAULTS_WITH_DROPOUT  # Megatron's default dropout: every stream it draws from is restored
     + (
         f"--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention "
         f"--num-query-groups 2 --seq-length "
@@ -36,7 +37,8 @@ BASE = (
 LAYOUTS = {
     "dp2": (2, []),
     "zero3": (2, ["--zero-stage", "3"]),
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     # ZeRO++ on 2 emulated nodes of 2 ranks: qwZ, hpZ secondary shards, qgZ
     "zeropp": (
         4,
@@ -161,8 +163,9 @@ def test_other_model_shape_says_what_differs(saved, tmp_path):
     assert json.load(open(meta_path))["layout"]["tp"] == 1
 
 
-def test_missing_checkpoint_starts_from_scratch(tmp_path):
-    run = _setup(BASE + ["--load", str(tmp_path / "nothing")])
+def test_missing_checkpoint_starts_from_scratch_when_load_is_save(tmp_path):
+    """A requeued job's first start (an empty --load elsewhere is an error: tests/checkpoint/test_load_save.py)."""
+    run = _setup(BASE + ["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "nothing")])
     assert run.iteration == 0 and run.consumed_samples == 0
 
 
@@ -173,7 +176,8 @@ def test_rank_file_is_safetensors_with_nothing_pickled(saved):
     with open(path, "rb") as f:
         assert b"pickle" not in f.read(1 << 16) and not path.endswith(".pt")
     skeleton = json.loads(safe_open(path, framework="pt").metadata()["megatron_zpp"])  # the dict's shape: JSON
-    assert {k for k, _ in skeleton["d"]} == {"iteration", "consumed_samples", "model", "optimizer", "rng"}
+    want = {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+    assert {k for k, _ in skeleton["d"]} == want
     state = files.RankFile(path).state()
     assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor) and isinstance(state["rng"]["python"]["state"], list)
     assert isinstance(state["optimizer"]["param_groups"][0]["betas"], tuple)  # tuples stay tuples

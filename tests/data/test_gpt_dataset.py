@@ -169,3 +169,33 @@ def test_built_on_one_rank_others_wait_and_load(tmp_path):
     assert results[0][1:] == results[1][1:]
     local = build([prefix], (200, 0, 0), tmp_path, seed=3, cache="again")[0]  # and across runs
     assert hashlib.md5(np.stack([local[i] for i in range(len(local))]).tobytes()).hexdigest() == results[0][2]
+
+
+def _corpus_of_lengths(prefix, lengths):
+    w = IndexedDatasetWriter(prefix + ".bin", np.int32)
+    for d, n in enumerate(lengths):
+        w.add_document(d * 1000 + np.arange(n))
+    w.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_cache_rebuilt_when_repreprocessed_with_the_same_counts(tmp_path):
+    """Same sequence and token counts, other lengths: keyed by the .idx's size and mtime, the cache is
+    rebuilt (it was reused, and its samples ran past the new documents: IndexError)."""
+    lengths = [int(n) for n in np.random.default_rng(0).integers(1, 40, 60)]
+    prefix = _corpus_of_lengths(str(tmp_path / "c"), lengths)
+    build([prefix], (50, 0, 0), tmp_path)
+    _corpus_of_lengths(prefix, lengths[::-1])
+    os.utime(prefix + ".idx", ns=(1, 1))  # a rewrite within the clock's tick still differs from this
+    again = build([prefix], (50, 0, 0), tmp_path)[0]
+    fresh = build([prefix], (50, 0, 0), tmp_path, cache="fresh")[0]
+    assert all(np.array_equal(again[i], fresh[i]) for i in range(len(fresh)))
+
+
+def test_unwritable_cache_is_one_error_naming_the_flag(tmp_path):
+    prefix = make_corpus(str(tmp_path / "c"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        IndexedDatasetError, match=r"cannot write the dataset index cache in .*give a writable --data-cache"
+    ):
+        build([prefix], (10, 0, 0), tmp_path, cache="file/cache")

@@ -62,10 +62,10 @@ def run_steps(extra: list[str], inject_at: int | None = None):
     losses, lrs, weights = [], [], []
     step = run.dp.step
 
-    def stepped(lr, loss_scale=None):
+    def stepped(lr, loss_scale=None, *check):
         if len(losses) + 1 == inject_at:
             run.dp.params[3].main_grad.view(-1)[0] = math.inf
-        return step(lr, loss_scale)
+        return step(lr, loss_scale, *check)
 
     run.dp.step = stepped
     for _ in range(run.cfg.train.train_iters):

@@ -1,6 +1,7 @@
 """TP layers, the vocab-parallel loss and dropout RNG streams on 2 gloo ranks, against
 their single-rank equivalents."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +13,7 @@ from megatron_zpp.tensor_parallel import (
     shard,
     vocab_parallel_cross_entropy,
 )
+from megatron_zpp.tensor_parallel.layers import TokenIdError
 from megatron_zpp.tensor_parallel.random import ShardedDropout, seed_parallel_rng
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
@@ -69,6 +71,9 @@ def _layers_worker(rank, world):
     with torch.no_grad():
         e.weight.copy_(shard(emb, e.weight.tp_split, tp.rank, tp.size))
     torch.testing.assert_close(e(ids), F.embedding(ids, emb), rtol=1e-12, atol=1e-12)
+    for bad in (32, -1):  # every TP rank refuses it (without TP > 1 zeroing it silently), before any collective
+        with pytest.raises(TokenIdError, match=f"token id {bad} in the batch is outside the embedding's 32 rows"):
+            e(ids.masked_fill(ids == ids[0, 3], bad))
     logits = torch.randn(2, 8, 32, dtype=torch.float64)
     lr = logits.clone().requires_grad_()
     ref_loss = F.cross_entropy(lr.view(-1, 32), labels.view(-1), reduction="none").view(2, 8)
