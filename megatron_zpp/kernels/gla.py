@@ -95,7 +95,7 @@ def _fwd_states_kernel(
     NK: tl.constexpr, NV: tl.constexpr, USE_H0: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (V tile, K tile, b*H + h), V tiles fastest
-    i_v, i_k, i_bh = pid % NV, (pid // NV) % NK, pid // (NV * NK)
+    i_v, i_k, i_bh = (pid % NV).to(tl.int32), ((pid // NV) % NK).to(tl.int32), pid // (NV * NK)
     b, h = i_bh // H, i_bh % H
     rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
     mk, mv, all_rows = rk < K, rv < V, rc < C
@@ -108,7 +108,8 @@ def _fwd_states_kernel(
     g_ptr += b * sgb + h * sgh
     v_ptr += b * svb + h * svh
     states_ptr += i_bh * N * (K * V)
-    for _ in range(N):  # pointers advance one chunk per step (64-bit pointer arithmetic)
+    c64, kv64 = i_bh * 0 + C, i_bh * 0 + K * V  # 64-bit steps: the pointers advance one chunk per step
+    for _ in range(N):
         tl.store(states_ptr + kv, S, mask=mkv)
         kk = _load_rows(k_ptr, rc, rk, all_rows, mk, skt)
         gg = _load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
@@ -116,10 +117,10 @@ def _fwd_states_kernel(
         vv = _load_rows(v_ptr, rc, rv, all_rows, mv, svt)
         S = S * tl.exp(tl.sum(gg, axis=0))[:, None]
         S += _dot(tl.trans(kk * k_out), vv, BF16)
-        states_ptr += K * V
-        k_ptr += C * skt
-        g_ptr += C * sgt
-        v_ptr += C * svt
+        states_ptr += kv64
+        k_ptr += c64 * skt
+        g_ptr += c64 * sgt
+        v_ptr += c64 * svt
     tl.store(final_ptr + i_bh * (K * V) + kv, S, mask=mkv)
 
 
@@ -174,7 +175,7 @@ def _output_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, NV: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (V tile, chunk, b*H + h)
-    i_v, rest = pid % NV, pid // NV
+    i_v, rest = (pid % NV).to(tl.int32), pid // NV
     i_n, i_bh = rest % N, rest // N
     b, h = i_bh // H, i_bh % H
     row0 = i_n * C
@@ -208,7 +209,7 @@ def _bwd_states_kernel(
     NK: tl.constexpr, NV: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (V tile, K tile, b*H + h)
-    i_v, i_k, i_bh = pid % NV, (pid // NV) % NK, pid // (NV * NK)
+    i_v, i_k, i_bh = (pid % NV).to(tl.int32), ((pid // NV) % NK).to(tl.int32), pid // (NV * NK)
     b, h = i_bh // H, i_bh % H
     rk, rv, rc = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, C)
     mk, mv, all_rows = rk < K, rv < V, rc < C
@@ -217,12 +218,12 @@ def _bwd_states_kernel(
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DS:
         dS = tl.load(dS_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0).to(tl.float32)
-    last = i_bh * 0 + (N - 1)  # the last chunk, in 64 bits; the pointers step back one chunk per step
+    c64, kv64, last = i_bh * 0 + C, i_bh * 0 + K * V, i_bh * 0 + (N - 1)  # 64-bit; last: the last chunk
     q_ptr += b * sqb + last * C * sqt + h * sqh
     g_ptr += b * sgb + last * C * sgt + h * sgh
     do_ptr += b * sob + last * C * sot + h * soh
     d_ends_ptr += (i_bh * N + last) * (K * V)
-    for _ in range(N):
+    for _ in range(N):  # the pointers step back one chunk per step
         tl.store(d_ends_ptr + kv, dS, mask=mkv)
         gg = _load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
         dS = dS * tl.exp(tl.sum(gg, axis=0))[:, None]
@@ -230,10 +231,10 @@ def _bwd_states_kernel(
             qq = _load_rows(q_ptr, rc, rk, all_rows, mk, sqt) * tl.exp(tl.cumsum(gg, axis=0))
             dd = _load_rows(do_ptr, rc, rv, all_rows, mv, sot)
             dS += _dot(tl.trans(qq * scale), dd, BF16)
-        d_ends_ptr -= K * V
-        q_ptr -= C * sqt
-        g_ptr -= C * sgt
-        do_ptr -= C * sot
+        d_ends_ptr -= kv64
+        q_ptr -= c64 * sqt
+        g_ptr -= c64 * sgt
+        do_ptr -= c64 * sot
     tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
 
 
@@ -243,7 +244,7 @@ def _score_grad_kernel(
     H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (row block, chunk, b*H + h)
-    i_r, rest = pid % (C // BR), pid // (C // BR)
+    i_r, rest = (pid % (C // BR)).to(tl.int32), pid // (C // BR)
     i_n, i_bh = rest % N, rest // N
     b, h = i_bh // H, i_bh % H
     row0 = i_n * C
@@ -271,7 +272,7 @@ def _dv_kernel(
     BC: tl.constexpr, NV: tl.constexpr, HAS_DO: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (V tile, chunk, b*H + h)
-    i_v, rest = pid % NV, pid // NV
+    i_v, rest = (pid % NV).to(tl.int32), pid // NV
     i_n, i_bh = rest % N, rest // N
     b, h = i_bh // H, i_bh % H
     row0 = i_n * C
@@ -360,7 +361,7 @@ def _dqkg_kernel(
     NK: tl.constexpr, HAS_DO: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64)  # (K tile, chunk, b*H + h)
-    i_k, rest = pid % NK, pid // NK
+    i_k, rest = (pid % NK).to(tl.int32), pid // NK
     i_n, i_bh = rest % N, rest // N
     b, h = i_bh // H, i_bh % H
     row0 = i_n * C
@@ -462,10 +463,16 @@ _DEFAULT_GPU = {
 def _config(kernel: str, C: int, K: int, V: int, bf16: bool, device: torch.device) -> dict[str, int]:
     """Tile widths (constexprs) and num_warps / num_stages of one launch. The interpreter (CPU) takes whole
     (padded) K and V tiles and whole chunks: fewer, larger programs."""
+    if target.gpu(device) is not None:
+        return gpu_tiles(kernel, C, K, V, bf16)
     pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    if target.gpu(device) is None:
-        full = dict(BK=pk, BV=pv, BC=C, BR=C, DBK=pk, num_warps=4, num_stages=1)
-        return {name: full[name] for name in _DEFAULT_GPU[kernel]}
+    full = dict(BK=pk, BV=pv, BC=C, BR=C, DBK=pk, num_warps=4, num_stages=1)
+    return {name: full[name] for name in _DEFAULT_GPU[kernel]}
+
+
+def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: bool) -> dict[str, int]:
+    """A GPU launch's config: the table's entry with its tiles capped at the padded K / V and at C."""
+    pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     cfg = dict(_gpu_config(kernel, C, bf16))
     for name, cap in (("BK", pk), ("DBK", pk), ("BV", pv), ("BC", C), ("BR", C)):
         if name in cfg:
