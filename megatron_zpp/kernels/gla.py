@@ -51,10 +51,22 @@ def _load_rows(ptr, rows, cols, row_mask, col_mask, stride):
 
 
 @_device_fn
+def _round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: bf16 operands emulated for the interpreter."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@_device_fn
 def _dot(a, b, BF16: tl.constexpr):
-    """a @ b accumulated in fp32: bf16 operands (tensor cores) when BF16, else exact fp32 products ("ieee")."""
-    if BF16:
+    """a @ b accumulated in fp32. BF16 1: bf16 operands (tensor cores), for bf16 inputs on a GPU; 2: the same
+    operand rounding emulated in fp32 (the interpreter's bf16 arithmetic is unreliable; the products of two bf16
+    values are exact in fp32); 0: exact fp32 products ("ieee", not tf32)."""
+    if BF16 == 1:
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif BF16 == 2:
+        out = tl.dot(_round_bf16(a), _round_bf16(b), input_precision="ieee")
     else:
         out = tl.dot(a, b, input_precision="ieee")
     return out
@@ -460,7 +472,7 @@ _DEFAULT_GPU = {
 }
 
 
-def _config(kernel: str, C: int, K: int, V: int, bf16: bool, device: torch.device) -> dict[str, int]:
+def _config(kernel: str, C: int, K: int, V: int, bf16: int, device: torch.device) -> dict[str, int]:
     """Tile widths (constexprs) and num_warps / num_stages of one launch. The interpreter (CPU) takes whole
     (padded) K and V tiles and whole chunks: fewer, larger programs."""
     if target.gpu(device) is not None:
@@ -470,20 +482,28 @@ def _config(kernel: str, C: int, K: int, V: int, bf16: bool, device: torch.devic
     return {name: full[name] for name in _DEFAULT_GPU[kernel]}
 
 
-def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: bool) -> dict[str, int]:
+def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: int) -> dict[str, int]:
     """A GPU launch's config: the table's entry with its tiles capped at the padded K / V and at C."""
     pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    cfg = dict(_gpu_config(kernel, C, bf16))
+    cfg = dict(_gpu_config(kernel, C, bool(bf16)))
     for name, cap in (("BK", pk), ("DBK", pk), ("BV", pv), ("BC", C), ("BR", C)):
         if name in cfg:
             cfg[name] = min(cfg[name], cap)
     return cfg
 
 
-def _bf16_dots(device: torch.device, *tensors: torch.Tensor | None) -> bool:
-    """bf16 dot operands (fp32 accumulation) when the inputs are bf16, on a GPU; fp32 inputs get exact fp32
-    products ("ieee", not tf32). The interpreter computes in fp32 (its bf16 arithmetic is unreliable)."""
-    return target.gpu(device) is not None and all(t.dtype == torch.bfloat16 for t in tensors if t is not None)
+EMULATE_BF16_DOTS = False  # tests: the interpreter rounds dot operands to bf16 as a GPU launch does
+
+
+def _bf16_dots(device: torch.device, *tensors: torch.Tensor | None) -> int:
+    """The kernels' BF16 mode (see _dot): 1, bf16 dot operands (fp32 accumulation) when the inputs are bf16, on a
+    GPU; fp32 inputs get exact fp32 products (0; not tf32). The interpreter computes in fp32 (0), or emulates
+    the GPU's bf16 operands (2) under EMULATE_BF16_DOTS."""
+    if not all(t.dtype == torch.bfloat16 for t in tensors if t is not None):
+        return 0
+    if target.gpu(device) is not None:
+        return 1
+    return 2 if EMULATE_BF16_DOTS else 0
 
 
 def _strided(x: torch.Tensor, C: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -505,13 +525,14 @@ def fwd_states(k, v, g, initial_state, chunk_size):
     h0 = None if initial_state is None else initial_state.contiguous()
     B, T, H, K = k.shape
     V, N = v.shape[-1], T // C
-    cfg = _config("fwd_states", C, K, V, _bf16_dots(k.device, k, v), k.device)
+    bf16 = _bf16_dots(k.device, k, v)
+    cfg = _config("fwd_states", C, K, V, bf16, k.device)
     NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
     states = k.new_empty(B, H, N, K, V, dtype=torch.float32)
     final = k.new_empty(B, H, K, V, dtype=torch.float32)
     _fwd_states_kernel[(NK * NV * B * H,)](
         k, v, g, h0 if h0 is not None else final, states, final, N, *sk, *sv, *sg,
-        H=H, K=K, V=V, C=C, NK=NK, NV=NV, USE_H0=h0 is not None, BF16=_bf16_dots(k.device, k, v), **cfg,
+        H=H, K=K, V=V, C=C, NK=NK, NV=NV, USE_H0=h0 is not None, BF16=bf16, **cfg,
     )  # fmt: skip
     return states, final
 

@@ -139,6 +139,20 @@ def test_chunk_gla_bf16_matches_the_fp64_token_loop(kernels_on):
         assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("kind", ["mild", "reset"])
+def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, kind):
+    """A GPU launch on bf16 inputs feeds its dots bf16 operands (fp32 accumulation): the interpreter emulates that
+    rounding (kernels/gla.py _round_bf16), and the result stays within bf16's tolerance of the fp64 recurrence."""
+    monkeypatch.setattr(gla_kernels, "EMULATE_BF16_DOTS", True)
+    inputs = case(kind, T=64, K=16, V=24, dtype=torch.bfloat16, seed=2)
+    got = run_chunk_gla(chunk_gla, *inputs, chunk_size=32)
+    assert kernels_on["bwd"] == 1
+    for name, a, b in zip(NAMES, got, fp64_token_loop(*inputs)):
+        assert torch.isfinite(a.float()).all() and rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+    if kind == "reset":
+        assert (got[5][torch.isneginf(inputs[3])] == 0).all()
+
+
 class _OneRankScan:
     """A stand-in for the CP state scan of one rank: its incoming state is the head, and the rank after it
     sends back dS_out, the gradient of the state this rank passes on."""
