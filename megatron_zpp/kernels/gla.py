@@ -1,7 +1,15 @@
 """Triton kernels for chunked gated linear attention (GLA), forward and backward.
 
-Layout as in megatron_zpp/ops/gla.py: q, k, g [B, T, H, K], v [B, T, H, V] (contiguous), states
-[B, H, N, K, V] fp32, T = N * C. Every kernel loads its inputs as fp32 and accumulates in fp32.
+Layout as in megatron_zpp/ops/gla.py: q, k, g [B, T, H, K], v [B, T, H, V], read with their own batch, token
+and head strides (the GLA layer's q, k, v are views of one projection output: read in place, never copied;
+only the last dim must be contiguous); states [B, H, N, K, V] fp32, T = N * C. Every kernel loads its inputs
+as fp32 and does its elementwise math and accumulation in fp32; dot operands are bf16 for bf16 inputs on a
+GPU (the tensor cores; fp32 accumulation) and exact fp32 products ("ieee", not tf32) for fp32 inputs.
+
+Addressing: every grid is one axis (limit 2^31 - 1) over (tile, chunk, batch * head), so a sequence may have
+any number of chunks (axes 1 and 2 stop at 65535); program ids and every base offset are 64-bit (a tensor
+may pass 2^31 elements: states at B x H x T > 2^21 with chunk 16 and K = V = 128); offsets inside a chunk
+stay 32-bit. Tiles, warps and stages per kernel come from the config table by the wrappers (_GPU_CONFIGS).
 
 Decomposition (the one of flash-linear-attention's chunk_gla, with our numerics):
 
@@ -446,30 +454,46 @@ def supported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
 
 
 # Per-kernel tiles, warps and pipeline stages on a GPU, keyed on (kernel, C, bf16 dot operands); tile widths
-# are then capped at the padded K / V. Chosen with megatron_zpp/testing/triton_aot.py: no register spills on
-# sm_80 and sm_90 for C in {16, 64, 128} (32 in between) x K, V in {64, 128, 256} x bf16 / fp32, shared
-# memory under both limits. Tiles: BK / BV key / value widths, BC the score columns (rows for dv) per step,
+# are then capped at the padded K / V and at C. Chosen with megatron_zpp/testing/triton_aot.py (the largest
+# tiles of a short list that compile with no register spills and at most 232 registers on sm_80 and sm_90 at
+# K = V = 128), then checked for no spills at C in {16, 64, 128} x K = V in {64, 128, 256} x bf16 / fp32 x
+# every specialization (initial state or not, do or not, final-state gradient or not); shared memory is under
+# both limits. Tiles: BK / BV key / value widths, BC the score columns (rows for dv) per step,
 # BR the score rows per program, DBK the key width of the [16, 16, keys] pair tiles of a diagonal sub-block.
-_GPU_CONFIGS: dict[tuple[str, int, bool], dict[str, int]] = {}
+def _cfg(num_warps: int = 4, num_stages: int = 2, **tiles: int) -> dict[str, int]:
+    return dict(tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+_S32, _S16 = _cfg(BK=32, BV=32), _cfg(BK=16, BV=32)  # the scans: 32 x 32 state tiles, 16 programs a head at 128
+_O64, _O32, _O16 = _cfg(BK=64, BV=64, BC=32), _cfg(BK=32, BV=32, BC=32), _cfg(BK=32, BV=32, BC=16)
+# kernel -> C -> (bf16 dot operands, fp32 "ieee" products); a C between two rows takes the larger C's row
+_TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
+    "fwd_states": {16: (_S32, _S32), 64: (_S32, _S32), 128: (_S32, _S16)},
+    "bwd_states": {16: (_S32, _S32), 64: (_S32, _S32), 128: (_S32, _S16)},
+    "intra_scores": {
+        16: (_cfg(BK=64, DBK=16), _cfg(BK=64, DBK=16)),
+        64: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16)),
+        128: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16, num_stages=1)),
+    },
+    "output": {16: (_O64, _O64), 64: (_O64, _O16), 128: (_O32, _O32)},
+    "dv": {16: (_O64, _O64), 64: (_O64, _O16), 128: (_O32, _O32)},
+    "score_grad": {
+        16: (_cfg(BR=16, BV=32), _cfg(BR=16, BV=32)),
+        64: (_cfg(BR=64, BV=64), _cfg(BR=32, BV=32)),
+        128: (_cfg(BR=64, BV=64), _cfg(BR=32, BV=32)),
+    },
+    "intra_grad": {16: (_cfg(BK=32), _cfg(BK=32)), 64: (_cfg(BK=16), _cfg(BK=16)), 128: (_cfg(BK=16), _cfg(BK=16))},
+    "dqkg": {
+        16: (_cfg(BK=64, BV=64), _cfg(BK=64, BV=64)),
+        64: (_cfg(BK=32, BV=32), _cfg(BK=16, BV=32)),
+        128: (_cfg(BK=16, BV=32, num_warps=8), _cfg(BK=16, BV=32, num_warps=8)),
+    },
+}
 
 
 def _gpu_config(kernel: str, C: int, bf16: bool) -> dict[str, int]:
-    for c in (C, 64 if C < 64 else 128):
-        if (kernel, c, bf16) in _GPU_CONFIGS:
-            return _GPU_CONFIGS[(kernel, c, bf16)]
-    return _DEFAULT_GPU[kernel]
-
-
-_DEFAULT_GPU = {
-    "fwd_states": dict(BK=32, BV=32, num_warps=4, num_stages=2),
-    "intra_scores": dict(BK=32, DBK=16, num_warps=4, num_stages=2),
-    "output": dict(BK=32, BV=32, BC=32, num_warps=4, num_stages=2),
-    "bwd_states": dict(BK=32, BV=32, num_warps=4, num_stages=2),
-    "score_grad": dict(BR=32, BV=32, num_warps=4, num_stages=2),
-    "dv": dict(BK=32, BV=32, BC=32, num_warps=4, num_stages=2),
-    "intra_grad": dict(BK=16, num_warps=4, num_stages=2),
-    "dqkg": dict(BK=16, BV=32, num_warps=4, num_stages=2),
-}
+    rows = _TABLE[kernel]
+    return rows[min((c for c in rows if c >= C), default=max(rows))][0 if bf16 else 1]
 
 
 def _config(kernel: str, C: int, K: int, V: int, bf16: int, device: torch.device) -> dict[str, int]:
@@ -479,7 +503,7 @@ def _config(kernel: str, C: int, K: int, V: int, bf16: int, device: torch.device
         return gpu_tiles(kernel, C, K, V, bf16)
     pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     full = dict(BK=pk, BV=pv, BC=C, BR=C, DBK=pk, num_warps=4, num_stages=1)
-    return {name: full[name] for name in _DEFAULT_GPU[kernel]}
+    return {name: full[name] for name in _TABLE[kernel][16][0]}
 
 
 def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: int) -> dict[str, int]:
