@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .config import SECTIONS, Config, ConfigError, TrainConfig, flag_of
+from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
@@ -83,6 +83,8 @@ def derive(cfg: Config, world_size: int) -> None:
     p.world_size, p.data_parallel_size = world_size, max(world_size // model_parallel, 1)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
+    if m.gla_chunk_size is None:  # by the device the run will use (--device auto: CUDA when available)
+        m.gla_chunk_size = default_gla_chunk_size(_device_type(t.device))
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
     d = cfg.data
@@ -93,6 +95,15 @@ def derive(cfg: Config, world_size: int) -> None:
     if t.train_iters is None:  # Megatron: from --train-samples, else our default
         t.train_iters_from_samples = t.train_samples is not None
         t.train_iters = t.iterations_for_samples() if t.train_samples is not None else 100
+
+
+def _device_type(device: str) -> str:
+    """--device as the run resolves it (training/distributed.py): auto is cuda when CUDA is available."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _refused(cfg: Config) -> list[str]:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import recompute
-from ..config import ModelConfig
+from ..config import ModelConfig, default_gla_chunk_size
 from ..context_parallel import gla_context_parallel
 from ..ops.gla import chunk_gla
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
@@ -37,6 +37,7 @@ class GatedLinearAttention(nn.Module):
         self.ctx = ctx
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         self.chunk_size, self.normalizer, self.eps = cfg.gla_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
+        # None (a config that skipped validation's derive): the default of the device the forward runs on
         self.low_rank = cfg.gla_gate_low_rank
         self.selective = cfg.recompute_granularity == "selective"
         width, std = cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
@@ -81,14 +82,15 @@ class GatedLinearAttention(nn.Module):
 
     def _mix(self, q, k, v, g) -> torch.Tensor:
         ctx, T = self.ctx, q.shape[1]
+        chunk = self.chunk_size or default_gla_chunk_size(q.device.type)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
-            return gla_context_parallel(
-                q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=self.chunk_size
-            )
-        pad = -T % self.chunk_size  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
+            return gla_context_parallel(q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk)
+        pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
         if pad:
             q, k, v, g = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
-        return chunk_gla(q, k, v, g, chunk_size=self.chunk_size)[0][:, :T]
+        # o stays in the compute dtype (fp32 for bf16 inputs): the head norm reads it without a bf16 round trip
+        out_dtype = torch.promote_types(v.dtype, torch.float32)
+        return chunk_gla(q, k, v, g, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:

@@ -277,39 +277,42 @@ def chunk_gla_bwd(
 
 
 class ChunkGLAFunction(torch.autograd.Function):
-    """(o [B,T,H,V] in v's dtype, final_state [B,H,K,V] fp32) = chunked GLA with its own backward.
+    """(o [B,T,H,V] in v's dtype or out_dtype, final_state [B,H,K,V] fp32) = chunked GLA with its own backward.
 
     Saves only q, k, v, g and initial_state; the backward recomputes the entering states.
-    apply(q, k, v, g, initial_state or None, scale or None (K**-0.5), chunk_size).
+    apply(q, k, v, g, initial_state or None, scale or None (K**-0.5), chunk_size[, out_dtype or None]).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, chunk_size):
+    def forward(ctx, q, k, v, g, initial_state, scale, chunk_size, out_dtype=None):
         check_shapes(q, k, v, g, initial_state)
         check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         ctx.save_for_backward(q, k, v, g, initial_state)
         ctx.scale, ctx.chunk_size = scale, chunk_size
+        out_dtype = v.dtype if out_dtype is None else out_dtype
         ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
         if _use_kernel(chunk_size, v, q, k, g, initial_state):  # the building blocks run the kernels
             states_in, final_state = chunk_gla_fwd_states(k, v, g, initial_state, chunk_size)
-            return chunk_gla_fwd_output(q, k, v, g, states_in, scale, chunk_size).to(v.dtype), final_state
+            return chunk_gla_fwd_output(q, k, v, g, states_in, scale, chunk_size).to(out_dtype), final_state
         dt = compute_dtype(q, k, v, g, initial_state)
         qc, kc, vc, gc = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
         decay = chunk_decay(gc)
         start = initial_state.to(dt) if initial_state is not None else None
         states_in, final_state = fwd_states(kc, vc, decay, start)
         o = fwd_output(qc, kc, vc, gc, decay, states_in, scale)
-        return from_chunks(o).to(v.dtype), final_state
+        return from_chunks(o).to(out_dtype), final_state
 
     @staticmethod
     def backward(ctx, do, d_final_state):
         q, k, v, g, initial_state = ctx.saved_tensors
         if do is None and d_final_state is None:
-            return (None,) * 7
+            return (None,) * 8
+        if do is not None:  # o's gradient in v's dtype, as the cotangent of an output in v's dtype would be
+            do = do.to(v.dtype)
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, initial_state, do, d_final_state, ctx.scale, ctx.chunk_size)
         dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0, None, None, None
 
 
 class GLAStateCorrectionFunction(torch.autograd.Function):
@@ -349,12 +352,15 @@ def chunk_gla(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 16,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunked GLA (same result as `recurrent_gla`). T must be a multiple of chunk_size.
 
-    Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] fp32/fp64 or None).
+    Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). out_dtype
+    fp32 for bf16 inputs keeps the fp32 output as computed (no bf16 rounding; o's gradient is still taken
+    in v's dtype).
     """
-    o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, chunk_size)
+    o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, chunk_size, out_dtype)
     return o, (final_state if output_final_state else None)
 
 

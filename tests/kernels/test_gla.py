@@ -139,6 +139,20 @@ def test_chunk_gla_bf16_matches_the_fp64_token_loop(kernels_on):
         assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("kind", ["mild", "reset"])
+def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, kind):
+    """A GPU launch on bf16 inputs feeds its dots bf16 operands (fp32 accumulation): the interpreter emulates that
+    rounding (kernels/gla.py _round_bf16), and the result stays within bf16's tolerance of the fp64 recurrence."""
+    monkeypatch.setattr(gla_kernels, "EMULATE_BF16_DOTS", True)
+    inputs = case(kind, T=64, K=16, V=24, dtype=torch.bfloat16, seed=2)
+    got = run_chunk_gla(chunk_gla, *inputs, chunk_size=32)
+    assert kernels_on["bwd"] == 1
+    for name, a, b in zip(NAMES, got, fp64_token_loop(*inputs)):
+        assert torch.isfinite(a.float()).all() and rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+    if kind == "reset":
+        assert (got[5][torch.isneginf(inputs[3])] == 0).all()
+
+
 class _OneRankScan:
     """A stand-in for the CP state scan of one rank: its incoming state is the head, and the rank after it
     sends back dS_out, the gradient of the state this rank passes on."""
@@ -186,3 +200,93 @@ def test_calls_the_kernels_do_not_take_fall_back(kernels_on):
     chunk_gla_bwd(q, k, v, g, h0, do, dS, None, 16)
     assert kernels_on["bwd"] == 0
     assert "gla [" in dispatch.describe(CPU)
+
+
+def test_gpu_tiles_and_strided_views_match_the_reference(kernels_on, monkeypatch):
+    """The GPU launches' decomposition in the interpreter: the config table's kernels with every tile cut to 16
+    (several K / V tiles with masked tails, score blocks of 16 rows or columns, one flat grid over tile, chunk
+    and head), on q, k, v read in place as strided views of one projection output, g of another."""
+
+    def small_gpu_tiles(kernel, C, K, V, bf16, device):
+        cfg = gla_kernels.gpu_tiles(kernel, C, K, V, bf16)
+        return {name: min(x, 16) if name.startswith(("B", "DB")) else x for name, x in cfg.items()}
+
+    monkeypatch.setattr(gla_kernels, "_config", small_gpu_tiles)
+    B, T, H, K, V, C = 2, 64, 2, 40, 24, 32
+    q, k, v, g, h0, do, dS = case("strong", B=B, T=T, H=H, K=K, V=V, seed=4)
+    proj = torch.zeros(B, T, H * (2 * K + V) + 3)  # a projection's output; the GLA layer views its sections
+    q_view, k_view = proj[..., : H * K].view(B, T, H, K), proj[..., H * K : 2 * H * K].view(B, T, H, K)
+    v_view = proj[..., 2 * H * K : 2 * H * K + H * V].view(B, T, H, V)
+    for view, x in zip((q_view, k_view, v_view), (q, k, v)):
+        view.copy_(x)
+    g_view = torch.zeros(B, T, H, 2 * K)[..., 5 : 5 + K]  # head stride 2K, token stride 2HK
+    g_view.copy_(g)
+    assert not any(x.is_contiguous() for x in (q_view, k_view, v_view, g_view))
+    got = building_blocks(q_view, k_view, v_view, g_view, h0, do, dS, C)
+    dispatch.set_kernels("torch", CPU)
+    ref = building_blocks(q, k, v, g, h0, do, dS, C)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.shape == b.shape and torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (i, rel_err(a, b))
+
+
+AOT_CHECK = """
+import json, sys, torch
+from megatron_zpp.kernels import gla
+from megatron_zpp.testing import triton_aot as aot
+
+arch, C, N, dt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
+H, D = 2, 128
+meta = lambda *s, dtype=dt: torch.empty(*s, device="meta", dtype=dtype)  # noqa: E731
+q, k, v, g, do = (meta(1, N * C, H, D) for _ in range(5))
+h0, dS = meta(1, H, D, D, dtype=torch.float32), meta(1, H, D, D, dtype=torch.float32)
+with aot.recording(arch) as launches:
+    states, _ = gla.fwd_states(k, v, g, h0, C)  # states [1, H, N, D, D]
+    gla.fwd_output(q, k, v, g, states, 0.1, C)
+    gla.bwd(q, k, v, g, h0, do, dS, 0.1, C, states_in=states)
+out = []
+for launch in {x.kernel: x for x in launches}.values():  # intra_scores runs twice, the same specialization
+    c = aot.compile_launch(launch, arch)
+    lines = c.ttir.splitlines()
+    scalar = [x.split(" : ")[-1].split(" loc(")[0] for x in lines if "tt.addptr" in x and " : !tt.ptr<" in x]
+    pid64 = any("tt.get_program_id" in x for x in lines) and any("arith.extsi %pid" in x for x in lines)
+    out.append(dict(kernel=launch.kernel, grid=launch.grid, problems=aot.grid_problems(launch), spills=c.spills,
+                    shared=c.shared, scalar_offsets=scalar, pid64=pid64))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(
+    "arch, C, N, dtype",
+    [
+        (90, 16, 65536 + 64, "bfloat16"),  # 1.05M tokens, past 65535 chunks; entering states of 2.1e9 elements
+        (80, 64, 4, "float32"),  # the CUDA default chunk, fp32 (the most registers) on sm_80 (the least shared)
+    ],
+)
+def test_launches_compile_with_64_bit_offsets_and_no_chunk_limit(tmp_path, arch, C, N, dtype):
+    """The real wrappers compiled for a GPU (megatron_zpp/testing/triton_aot.py, no GPU here): every grid is one
+    axis within its limit and covers every chunk, every kernel extends its program id to 64 bits and adds only
+    64-bit scalar offsets to its pointers (the per-tile offsets inside a chunk stay 32-bit), none spills and
+    each fits the target's shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a cached cubin comes without ptxas' report
+    argv = [sys.executable, "-c", AOT_CHECK, str(arch), str(C), str(N), dtype]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    launches = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {x["kernel"] for x in launches} == {
+        "_fwd_states_kernel", "_intra_scores_kernel", "_output_kernel", "_bwd_states_kernel",
+        "_score_grad_kernel", "_intra_grad_kernel", "_dv_kernel", "_dqkg_kernel",
+    }  # fmt: skip
+    for x in launches:
+        name = x["kernel"]
+        assert len(x["grid"]) == 1 and x["problems"] == [], (name, x["grid"])
+        assert x["grid"][0] >= (N if "states" not in name else 2), (name, x["grid"])
+        assert x["pid64"], name
+        assert x["scalar_offsets"] and all(o.endswith(", i64") for o in x["scalar_offsets"]), (name, x)
+        assert x["spills"] == 0 and x["shared"] <= {80: 166912, 90: 232448}[arch], (name, x["spills"], x["shared"])
