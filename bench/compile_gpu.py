@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -271,12 +272,18 @@ def sweep(cases: list[Case], archs=ARCHS, jobs: int = 1) -> list[dict]:
                 row["grid_problems"] += [f"{case.name}: {p}" for p in triton_aot.grid_problems(launch)]
     todo = [row for row in rows.values() if "_launch" in row]
     _LAUNCHES[:] = [(row["arch"], row.pop("_launch")) for row in todo]
-    if jobs > 1:
-        ctx = multiprocessing.get_context("fork")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(_compile, range(len(todo))))
-    else:
-        results = [_compile(i) for i in range(len(todo))]
+    results = []
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            ctx = multiprocessing.get_context("fork")
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx))
+            done = pool.map(_compile, range(len(todo)))
+        else:
+            done = map(_compile, range(len(todo)))
+        for i, result in enumerate(done):  # progress on stderr: a slow machine still shows where it is
+            arch, launch = _LAUNCHES[i]
+            print(f"[{i + 1}/{len(todo)}] sm_{arch} {launch.kernel} {result['seconds']:.1f} s", file=sys.stderr)
+            results.append(result)
     for row, result in zip(todo, results):
         row.update(result)
     out = list(rows.values())
