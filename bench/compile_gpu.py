@@ -356,6 +356,29 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def by_kernel(rows: list[dict]) -> str:
+    """One line per kernel, sm_80 then sm_90: compiles, max registers, spilling compiles, failing checks."""
+    kernels = sorted({r["kernel"] for r in rows})
+    archs = sorted({r["arch"] for r in rows})
+    head = " | ".join(f"sm_{a}: regs (max), spilling, failing checks" for a in archs)
+    lines = [f"| kernel | compiles | {head} |", "| --- | --- |" + " --- |" * len(archs)]
+    for kernel in kernels:
+        cells = []
+        for arch in archs:
+            rs = [r for r in rows if r["kernel"] == kernel and r["arch"] == arch]
+            ok = [r for r in rs if not r.get("error")]
+            fails: dict[str, int] = {}
+            for r in rs:
+                for check in r["problems"]:
+                    fails[check] = fails.get(check, 0) + 1
+            regs = max((r["registers"] for r in ok), default="-")
+            spilling = sum(bool(r["spill_stores"] + r["spill_loads"]) for r in ok)
+            cells.append(f"{regs}, {spilling}, " + (", ".join(f"{k} {v}" for k, v in sorted(fails.items())) or "none"))
+        n = sum(r["kernel"] == kernel for r in rows) // max(1, len(archs))
+        lines.append(f"| `{kernel}` | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ci", action="store_true", help="the CI subset (defaults and shapes at risk)")
@@ -364,7 +387,18 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON object (last line)")
     ap.add_argument("--markdown", default=None, help="write the table (and a per-kernel summary) here")
+    ap.add_argument("--from-json", default=None, help="render the rows of an earlier --json run (no compile)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.loads([line for line in f if line.startswith("{")][-1])
+        title = f"Ahead-of-time compile, {'CI subset' if saved['ci'] else 'full sweep'} ({len(saved['rows'])} compiles)"
+        text = markdown(saved["rows"], title) + "\n## Per kernel\n\n" + by_kernel(saved["rows"])
+        if a.markdown:
+            with open(a.markdown, "w") as f:
+                f.write(text)
+        print(by_kernel(saved["rows"]))
+        return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench/compile_gpu.py: run it without TRITON_INTERPRET=1 (the interpreter compiles nothing)")
     cases = [c for c in all_cases() if (c.ci or not a.ci) and (a.family is None or c.family in a.family)]
@@ -381,7 +415,7 @@ def main(argv=None) -> int:
             print(f"FAIL [{check}] sm_{r['arch']} {r['kernel']} ({r['config']}; {r['cases'][0]}): {msg}")
     if a.markdown:
         with open(a.markdown, "w") as f:
-            f.write(markdown(rows, title) + "\n## Summary\n\n" + summary(rows))
+            f.write(markdown(rows, title) + "\n## Per kernel\n\n" + by_kernel(rows))
     if a.json:
         print(json.dumps({"bench": "compile_gpu", "ci": a.ci, "seconds": seconds, "jobs": a.jobs, "rows": rows}))
     return 1 if failing else 0
