@@ -119,5 +119,7 @@ def test_kernels_are_reached_only_through_the_ops_dispatch():
         kernel_imports = {m for m in imports if m.startswith("megatron_zpp.kernels")}
         if module.startswith("megatron_zpp.kernels"):
             assert not {m for m in imports if not m.startswith("megatron_zpp.kernels")}, f"{module}: {imports}"
-        elif kernel_imports:
-            assert module.startswith("megatron_zpp.ops"), f"{module} imports {sorted(kernel_imports)}"
+        elif kernel_imports:  # and the ahead-of-time compile check, which tunes the wrappers for a named GPU
+            assert module.startswith(("megatron_zpp.ops", "megatron_zpp.testing")), (
+                f"{module} imports {sorted(kernel_imports)}"
+            )

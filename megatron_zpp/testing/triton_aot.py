@@ -7,7 +7,13 @@ and specialization attributes), and each recorded launch is compiled with
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` down to a cubin by the ptxas of
 Triton's wheel, whose `-v` report gives registers and spills.
 
+`int32_offsets(ttir)` reads a compiled kernel's TTIR for pointer offsets computed in 32 bits from an
+unbounded product (a program id, a kernel argument or a loop counter times anything), the offsets that
+overflow once a tensor passes 2^31 elements.
+
 Run in a process without TRITON_INTERPRET=1: under the interpreter `triton.jit` builds no JITFunction.
+The sweep over every kernel and shape is bench/compile_gpu.py; tests/kernels/test_compile_gpu.py runs
+its CI subset in a subprocess.
 """
 
 from __future__ import annotations
@@ -84,11 +90,17 @@ def recording(arch: int) -> Iterator[list[Launch]]:
         JITFunction.run = saved
 
 
+def launch_key(launch: Launch) -> str:
+    """What makes two launches one compile: kernel, signature, constexprs, specialization and options."""
+    parts = (launch.kernel, launch.signature, launch.constexprs, launch.attrs, launch.options)
+    return repr(tuple(sorted(p.items(), key=repr) if isinstance(p, dict) else p for p in parts))
+
+
 def compile_launch(launch: Launch, arch: int) -> Compiled:
     """Compile to a cubin for sm_<arch>; raises what the compiler raises (a kernel that does not compile)."""
     src = ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs)
     log = io.StringIO()
-    with _ptxas_log(), contextlib.redirect_stdout(log):
+    with _ptxas_log(), _always_compile(), contextlib.redirect_stdout(log):
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch.options)
     report = _PTXAS.search(log.getvalue())
     if report is None:
@@ -108,6 +120,17 @@ def _ptxas_log() -> Iterator[None]:
         knobs.dump_ptxas_log = saved
 
 
+@contextlib.contextmanager
+def _always_compile() -> Iterator[None]:
+    """A cache hit would skip ptxas and so its report: compile every time (TRITON_ALWAYS_COMPILE)."""
+    knobs = triton.knobs.compilation
+    saved, knobs.always_compile = knobs.always_compile, True
+    try:
+        yield
+    finally:
+        knobs.always_compile = saved
+
+
 def grid_problems(launch: Launch) -> list[str]:
     """The grid axes past CUDA's limits."""
     return [
@@ -115,3 +138,128 @@ def grid_problems(launch: Launch) -> list[str]:
         for axis, (size, limit) in enumerate(zip(launch.grid, MAX_GRID))
         if size > limit
     ]
+
+
+# ---------------------------------------------------------------- 32-bit offsets in the TTIR
+
+_NAME = re.compile(r"%([\w$.-]+)(?:#\d+)?")
+_DEF = re.compile(r"^\s*%([\w$.-]+)(?::\d+)?\s*=\s*(.*)$")
+_LOC_DEF = re.compile(r"^#(loc\d*)\s*=\s*loc\((.*)\)\s*$")
+_TRAILING_LOC = re.compile(r"\s+loc\(((?:[^()]|\([^()]*(?:\([^()]*\))*[^()]*\))*)\)\s*(\{|\})?\s*$")
+_I32 = re.compile(r"(?:^i32|xi32>)$")
+
+
+def _type_is_i32(text: str) -> bool:
+    return bool(_I32.search(text.strip()))
+
+
+def _resolve_loc(body: str, locs: dict[str, str], depth: int = 0) -> str:
+    """A location as file:line, a call site chain innermost first ("gla.py:58 <- gla.py:101")."""
+    body = body.strip()
+    if depth > 20:
+        return "?"
+    if body.startswith("#loc"):
+        return _resolve_loc(locs.get(body[1:], "unknown"), locs, depth + 1)
+    m = re.match(r'^"([^"]*)":(\d+):\d+$', body)
+    if m:
+        return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}"
+    m = re.match(r"^callsite\((\S+) at (\S+)\)$", body)
+    if m:
+        return f"{_resolve_loc(m.group(1), locs, depth + 1)} <- {_resolve_loc(m.group(2), locs, depth + 1)}"
+    m = re.match(r'^"[^"]*"\((.*)\)$', body)  # a named location: "name"(#locN)
+    if m:
+        return _resolve_loc(m.group(1), locs, depth + 1)
+    m = re.match(r"^fused\[([^,\]]+)", body)
+    if m:
+        return _resolve_loc(m.group(1), locs, depth + 1)
+    return "?"
+
+
+def int32_offsets(ttir: str) -> list[str]:
+    """The `tt.addptr`s whose offset is i32 (scalar or tensor) and computed from an i32 `arith.muli` with an
+    operand derived from a program id, a kernel argument or an `scf.for` induction variable (values with no
+    bound at compile time; products of ranges and constants only are bounded). Each as "file:line (offset
+    type)", the source line of the addptr with its call sites. Empty: every unbounded offset is 64-bit."""
+    locs: dict[str, str] = {}
+    deps: dict[str, set[str]] = {}
+    sources: set[str] = set()
+    i32_products: set[str] = set()
+    addptrs: list[tuple[str, str, str]] = []  # (offset name, offset type, location)
+    stack: list[tuple[list[str], list[str]]] = []  # open regions: (results, loop-carried arguments)
+
+    def depend(name: str, on) -> None:
+        deps.setdefault(name, set()).update(on)
+
+    for raw in ttir.splitlines():
+        m = _LOC_DEF.match(raw)
+        if m:
+            locs[m.group(1)] = m.group(2)
+            continue
+        line, loc = raw.strip(), "unknown"
+        t = _TRAILING_LOC.search(line)
+        if t:
+            loc = t.group(1)
+            line = line[: t.start()] + (" " + t.group(2) if t.group(2) else "")
+        closes, opens = line.startswith("}"), line.endswith("{")
+        if closes and stack:
+            frame = stack.pop()
+            if opens:  # "} else {": the same op's next region
+                stack.append(frame)
+            continue
+        if line.startswith("tt.func"):
+            sources.update(re.findall(r"%([\w$.-]+):", line))
+            stack.append(([], []))
+            continue
+        if line.startswith("scf.yield") and stack:
+            results, carried = stack[-1]
+            yielded = {n for n in _NAME.findall(line.split(":", 1)[0])}
+            for name in results + carried:
+                depend(name, yielded)
+            continue
+        d = _DEF.match(line)
+        if d is None:
+            if opens:
+                stack.append(([], []))
+            continue
+        result, rhs = d.group(1), d.group(2)
+        if rhs.startswith("scf.for"):
+            f = re.match(r"scf\.for %([\w$.-]+) = (.*?)(?: iter_args\((.*?)\))? (?:->|:)", rhs)
+            carried = []
+            if f:
+                sources.add(f.group(1))
+                for arg, init in re.findall(r"%([\w$.-]+) = %([\w$.-]+)", f.group(3) or ""):
+                    depend(arg, {init})
+                    carried.append(arg)
+            stack.append(([result], carried))
+            continue
+        if opens:  # scf.if, scf.while, tt.reduce ...: results from its operands and its yields
+            stack.append(([result], []))
+        operands = set(_NAME.findall(rhs.split(" : ", 1)[0] if " : " in rhs else rhs))
+        depend(result, operands)
+        op = rhs.split(None, 1)[0].strip('"')
+        if op == "tt.get_program_id":
+            sources.add(result)
+        elif op == "arith.muli" and _type_is_i32(rhs.rsplit(":", 1)[-1]):
+            i32_products.add(result)
+        elif op == "tt.addptr":
+            names = _NAME.findall(rhs.split(" : ", 1)[0])
+            offset_type = rhs.split(" : ", 1)[-1].rsplit(",", 1)[-1].strip()
+            if len(names) == 2 and _type_is_i32(offset_type):
+                addptrs.append((names[1], offset_type, loc))
+
+    unbounded, risky = set(sources), set()
+    changed = True
+    while changed:  # to a fixed point: loop-carried values feed back through their yields
+        changed = False
+        for name, on in deps.items():
+            if name not in unbounded and on & unbounded:
+                unbounded.add(name)
+                changed = True
+            if name not in risky and (on & risky or (name in i32_products and on & unbounded)):
+                risky.add(name)
+                changed = True
+    found: dict[str, None] = {}
+    for offset, offset_type, loc in addptrs:
+        if offset in risky:
+            found[f"{_resolve_loc(loc, locs)} ({offset_type})"] = None
+    return list(found)
