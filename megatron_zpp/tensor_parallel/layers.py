@@ -125,15 +125,22 @@ class TokenIdError(ValueError):
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Refuse ids outside [0, vocab_size): one min/max, on every TP rank alike (each sees the same ids),
-    instead of an IndexError (TP 1) or the silent zero rows of a vocabulary-parallel lookup (TP > 1)."""
+    """Refuse ids outside [0, vocab_size) on every TP rank alike (each sees the same ids), instead of an
+    IndexError (TP 1) or the silent zero rows of a vocabulary-parallel lookup (TP > 1). On the CPU one
+    min/max names the id; on an accelerator a device-side assert keeps the host from syncing every step
+    (pretrain_gpt.py has already checked every token of the data files against the vocabulary)."""
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(), _TOKEN_ID_HINT.format(bad="", n=vocab_size))
+        return
     low, high = (int(v) for v in torch.aminmax(ids))
     if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise TokenIdError(
-            f"token id {bad} in the batch is outside the embedding's {vocab_size} rows: the data was tokenized "
-            "with another tokenizer or --vocab-size is too small (pretrain_gpt.py checks every --data-path .bin)"
-        )
+        raise TokenIdError(_TOKEN_ID_HINT.format(bad=f" {low if low < 0 else high}", n=vocab_size))
+
+
+_TOKEN_ID_HINT = (
+    "token id{bad} in the batch is outside the embedding's {n} rows: the data was tokenized "
+    "with another tokenizer or --vocab-size is too small (pretrain_gpt.py checks every --data-path .bin)"
+)
 
 
 class VocabParallelEmbedding(nn.Module):
