@@ -54,6 +54,39 @@ def test_copy_tp_range_equals_the_cut_shard():
                 assert torch.equal(got, ref.to(torch.bfloat16))
 
 
+def test_materialize_keeps_the_parameters_and_computes_buffers():
+    """materialize: the same Parameter objects (hooks and references stay valid) with their init rule and
+    TP split, on the device, filled as the old init_weights filled a real model; meta buffers come from the
+    module's reset_buffers(device), and a module without one is refused by name."""
+    from megatron_zpp.model.init import RankInit, materialize
+    from megatron_zpp.tensor_parallel.layers import mark
+
+    class Part(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = mark(torch.nn.Parameter(torch.empty(6, 4)), ("normal", 0.5), (0, (12,)))
+            self.g = mark(torch.nn.Parameter(torch.empty(4)), ("ones",))
+            self.register_buffer("table", torch.empty(3), persistent=False)
+
+        def reset_buffers(self, device):
+            self.table = torch.arange(3.0, device=device)
+
+    with torch.device("meta"):
+        part = Part()
+    w = part.w
+    materialize([part], RankInit([part], 7, 1, 2, torch.device("cpu")))
+    assert part.w is w and w.init == ("normal", 0.5) and w.tp_split == (0, (12,)) and not w.is_meta
+    ref = Part()
+    todays_init_weights(ref, 7, 1, 2)
+    assert torch.equal(part.w, ref.w) and torch.equal(part.g, torch.ones(4))
+    assert torch.equal(part.table, torch.arange(3.0))
+    with torch.device("meta"):
+        bare = torch.nn.Module()
+        bare.register_buffer("table", torch.empty(3))
+    with pytest.raises(NotImplementedError, match="reset_buffers"):
+        materialize([bare], RankInit([bare], 7, 0, 1, torch.device("cpu")))
+
+
 # ---------------------------------------------------------------- today's start-up, as it was
 
 
