@@ -1,6 +1,7 @@
 """Start-up on the meta device: each rank allocates and fills only what it holds.
 
 * the TP range writer equals cutting the TP shard and slicing it, for every split kind;
+* materialize keeps each parameter object and its attributes, and computes meta buffers (reset_buffers);
 * the weights each rank starts from are bitwise those of the start-up before it (the whole model part
   built on the device in fp32, `TODAYS_INIT` below, then cut by the engine), for ZeRO-0 with TP,
   ZeRO-1, ZeRO-2 and ZeRO-3 with TP, PP, hpZ and bf16: the engines' state dicts and the weights
