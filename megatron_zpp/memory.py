@@ -39,9 +39,11 @@ from . import recompute
 from .config import Config
 from .data.tokenizer import pad_vocab_size
 from .model import ParallelContext
+from .model.init import full_shape
 from .ops.gla_chunked import sub_block
-from .pipeline_parallel.stages import build_stage_model, stage_chunks
+from .pipeline_parallel.stages import stage_chunks
 from .topology import Group
+from .training.builders import meta_model
 from .zero.sharded_params import flat_geometry, model_units, pad_block
 
 GiB = 2**30
@@ -327,8 +329,7 @@ def stage_model(cfg: Config, pp_rank: int):
         cp_algo=p.cp_algo,
         all_scan_blocks=p.all_scan_blocks or 1,
     )
-    with torch.device("meta"):
-        return build_stage_model(cfg, vocab, ctx, pp_rank)
+    return meta_model(cfg, vocab, ctx, pp_rank)  # the builder training starts from
 
 
 @dataclass
@@ -341,6 +342,26 @@ class Rank:
     transient: dict[str, int] = field(default_factory=dict)
     peak: int = 0
     in_flight: int = 1
+    startup: dict[str, int] = field(default_factory=dict)  # what the rank holds when set-up ends
+    startup_transient: int = 0  # the init's one full parameter (fp32): host memory on a GPU run
+    startup_peak: int = 0  # on the device: startup (+ startup_transient when the device is the CPU)
+    slice_fp32: int = 0  # this rank's whole (TP, PP) slice in fp32: what a start-up building it first would hold
+
+
+def startup_terms(cfg: Config, chunks) -> tuple[dict[str, int], int, int]:
+    """(what the rank holds when set-up ends, by term; the largest full parameter in fp32; the
+    rank's (TP, PP) slice in fp32). Start-up builds the model on the meta device and each engine
+    allocates only what it keeps (model/init.py): its weights, fp32 masters and gradient buffers as
+    in `static_terms` (AdamW's moments come with the first step, ZeRO-3's gathered units with the
+    first forward), while the init draws one full single-rank parameter at a time on the CPU and
+    copies the rank's piece of it into place."""
+    terms, _, _ = static_terms(cfg, chunks)
+    keep = ("parameters", "fp32 master copy", "gradients", "gradients (fp32 main_grad buffer)", "hpZ secondary shard")
+    held = {k: v for k, v in terms.items() if k in keep}
+    tp = cfg.parallel.tensor_model_parallel_size
+    largest = max((4 * math.prod(full_shape(p, tp)) for c in chunks for p in c.parameters()), default=0)
+    slice_fp32 = 4 * sum(p.numel() for c in chunks for p in c.parameters())
+    return held, largest, slice_fp32
 
 
 def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, int], dict[str, str], dict[str, int]]:
@@ -406,6 +427,8 @@ def estimate_rank(
     placements = stage_chunks(p, cfg.model.num_layers, pp_rank)
     terms, notes, transient = static_terms(cfg, chunks, backend)
     rank = Rank(pp_rank, terms, notes)
+    rank.startup, rank.startup_transient, rank.slice_fp32 = startup_terms(cfg, chunks)
+    rank.startup_peak = sum(rank.startup.values()) + (rank.startup_transient if backend == "gloo" else 0)
 
     kept = [chunk_activations(cfg, x, c.layer_ids, cp_rank) for c in placements]
     m, V = cfg.num_micro_batches, len(placements)

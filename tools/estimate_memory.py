@@ -8,7 +8,8 @@
         --global-batch-size 256 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --bf16
 
 Prints, for the worst pipeline stage (named), the bytes of each term (megatron_zpp/memory.py
-says how each is counted), the peak, and the other stages' peaks. Nothing is allocated: the
+says how each is counted), the peak, and the other stages' peaks; then the start-up peak (what
+the rank holds when set-up ends, plus the one full parameter the init draws at a time). Nothing is allocated: the
 model is built on the meta device.
 """
 
@@ -67,6 +68,21 @@ def report(cfg, gpu_gb: float | None) -> str:
         if n:
             lines.append(f"{'(transient) ' + name:<52} {fmt(n)}")
     lines.append(f"{'peak':<52} {fmt(worst.peak)}")
+    boot = max(ranks, key=lambda r: sum(r.startup.values()) + r.startup_transient)
+    lines.append(f"start-up (model built on the meta device; each rank fills what it holds), stage {boot.stage}:")
+    for name, n in boot.startup.items():
+        lines.append(f"{'  ' + name:<52} {fmt(n)}")
+    held = sum(boot.startup.values())
+    lines.append(f"{'  start-up peak on the device (GPU)':<52} {fmt(held)}")
+    lines.append(
+        f"{'  + one full parameter drawn by the init (fp32)':<52} {fmt(boot.startup_transient)}"
+        "   host memory on GPU; on a CPU run it adds to the peak"
+    )
+    lines.append(f"{'  start-up peak on a CPU run':<52} {fmt(held + boot.startup_transient)}")
+    lines.append(
+        f"{'  (this rank: its whole (TP, PP) slice in fp32)':<52} {fmt(boot.slice_fp32)}"
+        "   what building the slice before sharding it held"
+    )
     if len(ranks) > 1:
         lines.append("per stage peak: " + ", ".join(f"{r.stage}: {r.peak / memory.GiB:.3f} GiB" for r in ranks))
     lines.append(

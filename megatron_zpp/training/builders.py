@@ -10,7 +10,8 @@ from ..config import Config
 from ..data.builder import build_gpt_datasets
 from ..data.loader import BatchIterator, Packing
 from ..data.mock import MockGPTDataset
-from ..model import GPT, ParallelContext, init_weights
+from ..model import GPT, ParallelContext
+from ..model.init import RankInit
 from ..pipeline_parallel import StageLink, build_stage_model
 from ..topology import ProcessGroups
 
@@ -32,15 +33,32 @@ def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
     )
 
 
-def build_model(cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device) -> list[GPT]:
-    """This rank's model chunks, each initialized from the single-rank weights."""
-    chunks = build_stage_model(cfg, vocab_size, parallel_context(cfg, groups), groups.pp_rank)
-    for chunk in chunks:
-        init_weights(chunk, cfg.train.seed, groups.tp_rank, groups.tp.size)
-    chunks = [chunk.to(device=device, dtype=training_dtype(cfg)) for chunk in chunks]
+def meta_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_rank: int) -> list[GPT]:
+    """The one builder of a rank's model: its (TP, PP) slice's chunks on the meta device, in the
+    training dtype (shapes, names, TP splits and init rules; no memory). `ctx` may carry stand-in
+    groups of the right sizes (the estimator, a dry run): only their sizes and ranks are read."""
+    with torch.device("meta"):
+        chunks = build_stage_model(cfg, vocab_size, ctx, pp_rank)
+    return [chunk.to(dtype=training_dtype(cfg)) for chunk in chunks]  # meta to meta: the same parameters
+
+
+def rank_init(cfg: Config, groups: ProcessGroups, chunks: list[GPT], device: torch.device) -> RankInit:
+    """What fills this rank's parameters on `device`: the single-rank weights of the seed, cut to its
+    TP rank (model/init.py)."""
+    return RankInit(chunks, cfg.train.seed, groups.tp_rank, groups.tp.size, device)
+
+
+def build_model(
+    cfg: Config, groups: ProcessGroups, vocab_size: int, device: torch.device
+) -> tuple[list[GPT], RankInit]:
+    """This rank's model chunks on the meta device and what initializes them from the single-rank
+    weights: `zero.build_engine(cfg, chunks, groups, init)` materializes what the rank holds
+    (the whole slice for ZeRO-0, the flat buffers for ZeRO-1/2, the shards for ZeRO-3), one
+    parameter at a time, straight on `device`."""
+    chunks = meta_model(cfg, vocab_size, parallel_context(cfg, groups), groups.pp_rank)
     if cfg.train.torch_compile:
         compile_model(chunks, cfg.model.seq_length)
-    return chunks
+    return chunks, rank_init(cfg, groups, chunks, device)
 
 
 def compile_model(chunks: list[GPT], seq_length: int) -> None:

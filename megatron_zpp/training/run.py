@@ -82,8 +82,8 @@ def setup(cfg: Config) -> Run:
     memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
     tokenizer = load_tokenizer(cfg, groups.tp.size)  # a bad tokenizer model is a ConfigError
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
-    chunks = build_model(cfg, groups, tokenizer.padded_vocab_size, device)
-    n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)  # before ZeRO-3 shards them
+    chunks, init = build_model(cfg, groups, tokenizer.padded_vocab_size, device)  # on meta: the engine fills them
+    n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)
     run = Run(
         cfg,
         groups,
@@ -92,7 +92,7 @@ def setup(cfg: Config) -> Run:
         tokenizer,
         chunks,
         build_stage_link(cfg, groups, device),
-        build_engine(cfg, chunks, groups),
+        build_engine(cfg, chunks, groups, init),
         None,
         None,
         exit_signal=exit_signal,

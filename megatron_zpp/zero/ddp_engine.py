@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.init import materialize
 from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
@@ -26,8 +27,12 @@ def default_bucket_numel(group_size: int) -> int:
 
 
 class DDPEngine(DataParallelEngine):
-    def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroups, optim_cfg, zero_cfg):
+    def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
+        """`chunks` built on the meta device come with `init` (model/init.RankInit): this rank holds
+        them whole, so every parameter is allocated and filled here, one at a time."""
         self.chunks, self.groups = chunks, groups
+        if init is not None:
+            materialize(chunks, init)
         chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
         self.params = [p for ps in chunk_params for p in ps]
         self.overlap = zero_cfg.overlap_grad_reduce and groups.dp_cp.size > 1

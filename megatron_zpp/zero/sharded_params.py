@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..model.init import swap_in
 from ..topology import Group
 from .gather import PendingGather, all_gather_weights
 
@@ -77,40 +78,74 @@ class FlatUnit:
         pad_block: int,
         hpz: Group | None = None,
         qwz_block: int | None = None,
+        init=None,
     ):
+        """`params` are real tensors (copied into the flat buffer), or on the meta device with `init`
+        (model/init.RankInit): a sharded start-up, which allocates and fills only what this rank
+        keeps, parameter by parameter: ZeRO-3 its shard (the full buffer is first allocated by the
+        first gather), stages 1-2 the full buffer. The values are the same either way."""
         self.name, self.params, self.group, self.stage = name, params, group, stage
         self.hpz, self.qwz_block = hpz, qwz_block
         p0 = params[0]
-        self.dtype, self.device = p0.dtype, p0.device
+        on_meta = p0.is_meta
+        if on_meta and init is None:
+            raise ValueError(f"ZeRO unit {name}: its parameters are on the meta device and no init was given")
+        self.dtype, self.device = p0.dtype, (init.device if on_meta else p0.device)
         self.numels = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
         self.ndims = {id(p): p.ndim for p in params}  # stage 3 empties p.data; weight decay needs the real rank
         self.offsets, self.padded, self.shard_numel = flat_geometry(self.numels, group.size, pad_block)
         self.numel = self.offsets[-1]
         self.lo = group.rank * self.shard_numel  # my slice [lo, hi) of the flat buffer
         self.hi = self.lo + self.shard_numel
-
-        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for p, off, n in zip(params, self.offsets, self.numels):
-            self.full[off : off + n].copy_(p.detach().reshape(-1))
-        self._views = [self.full[off : off + n].view(p.shape) for p, off, n in zip(params, self.offsets, self.numels)]
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        self._attach()
-        self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
+        if on_meta:
+            for p in params:  # the same objects, now on the device, empty until attached
+                swap_in(p, self._empty)
+
         self.gathered = True
         self._gather: PendingGather | None = None
+        if on_meta and stage == 3:  # only the shard: the full buffer and its views come with the first gather
+            self.full, self._views, self.gathered = torch.empty(0, dtype=self.dtype, device=self.device), None, False
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
+                init.fill(params[i], self.shard[a:b], start)
+        else:
+            self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            self._make_views()
+            for p, view in zip(params, self._views):
+                if on_meta:
+                    init.fill(p, view.view(-1))
+                else:
+                    view.copy_(p.detach())
+            self._attach()
+            self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
         if hpz is not None:
-            self.secondary_numel = self.padded // hpz.size
-            self.secondary = self.full[hpz.rank * self.secondary_numel : (hpz.rank + 1) * self.secondary_numel].clone()
+            self.secondary_numel = s = self.padded // hpz.size
+            # its first reader is the first forward gather's wait, which writes it: its start is never read
+            if self._views is None:
+                self.secondary = torch.zeros(s, dtype=self.dtype, device=self.device)
+            else:
+                self.secondary = self.full[hpz.rank * s : (hpz.rank + 1) * s].clone()
         self.secondary_current = False  # holds the weights of this step's first forward gather
         if stage == 3:
             self.release()
+
+    def _make_views(self) -> None:
+        self._views = [
+            self.full[off : off + n].view(shape) for shape, off, n in zip(self.shapes, self.offsets, self.numels)
+        ]
 
     # ---- parameter gathering (stage 3) -----------------------------------------------
     def start_gather(self, backward: bool) -> None:
         """Issue the all-gather of this unit's full weights (async; `wait_gather` ends it)."""
         if self.gathered or self._gather is not None:
             return
-        self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        if self._views is None:  # a sharded start-up: the first gather allocates the full buffer
+            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            self._make_views()
+        else:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
         # hpZ: the backward, and every forward after the step's first (the weights change only
         # at the step), gather inside the node from the secondary shards

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.init import materialize
 from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
 from ..recompute import recomputing
 from ..topology import ProcessGroups
@@ -54,7 +55,9 @@ class PendingReduce:
 class ZeroEngine(DataParallelEngine):
     MAX_IN_FLIGHT = 2  # gradient reductions overlapping the backward (each holds one unit's full fp32 gradient)
 
-    def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg):
+    def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
+        """`chunks` built on the meta device come with `init` (model/init.RankInit): each unit then
+        allocates and fills only what this rank keeps (sharded_params.FlatUnit)."""
         self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
@@ -74,7 +77,9 @@ class ZeroEngine(DataParallelEngine):
         for c, chunk in enumerate(chunks):
             units = {}
             for name, params, module in model_units(chunk):
-                unit = FlatUnit(name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz)
+                unit = FlatUnit(
+                    name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz, init=init
+                )
                 unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
                 unit.module, unit.chunk = module, c
                 units[name] = unit
@@ -83,6 +88,8 @@ class ZeroEngine(DataParallelEngine):
                 self._install_hooks(chunk, units)
             if self.overlap_gather:
                 self._install_gather_waits(chunk, units)
+        if init is not None:  # buffers, and any parameter outside the units (none today), whole
+            materialize(chunks, init)
         for unit in self.units:  # fp32 master shard, fp32 gradient shard
             unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
             unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
