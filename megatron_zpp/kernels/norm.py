@@ -165,7 +165,7 @@ def _norm_bwd_dw_kernel(
     IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Wide rows: partial dw (and db) of one column tile over one block of rows."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # 64-bit, as every offset here
     mask = cols < n
     pid = tl.program_id(1).to(tl.int64)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -4,7 +4,7 @@ The input is [rows, 2F] (each TP rank's columns are its gate share then its up s
 [rows, F]. One program per (row, block of columns), fp32 math whatever the dtype. The backward
 reads the same [gate | up] input and writes the gradient of both halves into one [rows, 2F] tensor,
 the layout the projection's backward takes. Row offsets are int64 (rows x 2F passes 2^31 at 8192 x
-2 x 131072); the column block is a grid axis of at most F / 1024 programs.
+2 x 131072), the column offsets too (the compile test holds every offset product to 64 bits).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton.language as tl
 @triton.jit
 def _swiglu_fwd_kernel(h_ptr, y_ptr, h_row_stride, y_row_stride, F, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
     gate = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * h_row_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
@@ -28,7 +28,7 @@ def _swiglu_fwd_kernel(h_ptr, y_ptr, h_row_stride, y_row_stride, F, BLOCK: tl.co
 @triton.jit
 def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, dy_row_stride, h_row_stride, dh_row_stride, F, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
     dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
