@@ -175,15 +175,32 @@ def _resolve_loc(body: str, locs: dict[str, str], depth: int = 0) -> str:
     return "?"
 
 
+def _closure(seeds: set[str], deps: dict[str, set[str]]) -> set[str]:
+    """The values derived from `seeds`, to a fixed point (loop-carried values feed back through their yields)."""
+    derived, changed = set(seeds), True
+    while changed:
+        changed = False
+        for name, on in deps.items():
+            if name not in derived and on & derived:
+                derived.add(name)
+                changed = True
+    return derived
+
+
 def int32_offsets(ttir: str) -> list[str]:
-    """The `tt.addptr`s whose offset is i32 (scalar or tensor) and computed from an i32 `arith.muli` with an
-    operand derived from a program id, a kernel argument or an `scf.for` induction variable (values with no
-    bound at compile time; products of ranges and constants only are bounded). Each as "file:line (offset
-    type)", the source line of the addptr with its call sites. Empty: every unbounded offset is 64-bit."""
+    """The `tt.addptr`s whose offset is i32 (scalar or tensor) and computed from an i32 `arith.muli` that can
+    outgrow 32 bits: one with an operand derived from a program id or an `scf.for` induction variable (a
+    position in the problem, unbounded at compile time), or one of two kernel arguments (sizes, strides). A
+    tile-local range times one argument (a stride) is bounded by the tile's span of one stride, which the
+    launcher passes as i64 once it passes 2^31 and the wrappers keep within 32 bits (kernels/gla.py copies
+    a tensor whose chunk would span more); products of ranges and constants only are bounded. Each as
+    "file:line (offset type)", the source line of the addptr with its call sites. Empty: every offset that
+    can outgrow 32 bits is 64-bit."""
     locs: dict[str, str] = {}
     deps: dict[str, set[str]] = {}
-    sources: set[str] = set()
-    i32_products: set[str] = set()
+    positions: set[str] = set()  # program ids, loop counters
+    arguments: set[str] = set()
+    i32_products: dict[str, list[str]] = {}  # result -> its operands
     addptrs: list[tuple[str, str, str]] = []  # (offset name, offset type, location)
     stack: list[tuple[list[str], list[str]]] = []  # open regions: (results, loop-carried arguments)
 
@@ -207,7 +224,7 @@ def int32_offsets(ttir: str) -> list[str]:
                 stack.append(frame)
             continue
         if line.startswith("tt.func"):
-            sources.update(re.findall(r"%([\w$.-]+):", line))
+            arguments.update(re.findall(r"%([\w$.-]+):", line))
             stack.append(([], []))
             continue
         if line.startswith("scf.yield") and stack:
@@ -226,7 +243,7 @@ def int32_offsets(ttir: str) -> list[str]:
             f = re.match(r"scf\.for %([\w$.-]+) = (.*?)(?: iter_args\((.*?)\))? (?:->|:)", rhs)
             carried = []
             if f:
-                sources.add(f.group(1))
+                positions.add(f.group(1))
                 for arg, init in re.findall(r"%([\w$.-]+) = %([\w$.-]+)", f.group(3) or ""):
                     depend(arg, {init})
                     carried.append(arg)
@@ -238,26 +255,21 @@ def int32_offsets(ttir: str) -> list[str]:
         depend(result, operands)
         op = rhs.split(None, 1)[0].strip('"')
         if op == "tt.get_program_id":
-            sources.add(result)
+            positions.add(result)
         elif op == "arith.muli" and _type_is_i32(rhs.rsplit(":", 1)[-1]):
-            i32_products.add(result)
+            i32_products[result] = _NAME.findall(rhs.split(" : ", 1)[0])
         elif op == "tt.addptr":
             names = _NAME.findall(rhs.split(" : ", 1)[0])
             offset_type = rhs.split(" : ", 1)[-1].rsplit(",", 1)[-1].strip()
             if len(names) == 2 and _type_is_i32(offset_type):
                 addptrs.append((names[1], offset_type, loc))
 
-    unbounded, risky = set(sources), set()
-    changed = True
-    while changed:  # to a fixed point: loop-carried values feed back through their yields
-        changed = False
-        for name, on in deps.items():
-            if name not in unbounded and on & unbounded:
-                unbounded.add(name)
-                changed = True
-            if name not in risky and (on & risky or (name in i32_products and on & unbounded)):
-                risky.add(name)
-                changed = True
+    position, sized = _closure(positions, deps), _closure(arguments, deps)
+
+    def outgrows(operands: list[str]) -> bool:
+        return any(o in position for o in operands) or sum(o in sized for o in operands) >= 2
+
+    risky = _closure({name for name, operands in i32_products.items() if outgrows(operands)}, deps)
     found: dict[str, None] = {}
     for offset, offset_type, loc in addptrs:
         if offset in risky:

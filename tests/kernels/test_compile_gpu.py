@@ -93,7 +93,7 @@ def _bad_offsets_kernel(x_ptr, y_ptr, n_cols, n_tiles, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + row * n_cols + cols)  # i32 program id x argument: flagged
     for i in range(n_tiles):
         x += tl.load(x_ptr + i * BLOCK + cols)  # i32 loop counter x constant: flagged
-    tl.store(y_ptr + cols, x)
+    tl.store(y_ptr + n_cols * n_tiles + cols, x)  # i32 argument x argument: flagged
 
 
 @triton.jit
@@ -104,8 +104,10 @@ def _good_offsets_kernel(x_ptr, y_ptr, n_cols, n_tiles, BLOCK: tl.constexpr):
     for i in range(n_tiles):
         x += tl.load(x_ptr + i.to(tl.int64) * BLOCK + cols)
     tile = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # ranges x constants: bounded
-    tl.store(y_ptr + cols, x)
+    strided = tl.arange(0, 16)[:, None] * n_cols + tl.arange(0, 16)[None, :]  # a range x one stride: bounded
+    tl.store(y_ptr + n_cols.to(tl.int64) * n_tiles + cols, x)
     tl.store(y_ptr + tile, tl.zeros([16, 16], dtype=tl.float32))
+    tl.store(y_ptr + strided, tl.zeros([16, 16], dtype=tl.float32))
 
 
 def checker_pair() -> dict:
@@ -136,7 +138,7 @@ def test_int32_checker_on_known_pair():
     expected = {
         f"{here}:{bad['first_line'] + i}" for i, line in enumerate(bad["source"]) if line.rstrip().endswith("flagged")
     }
-    assert len(expected) == 2
+    assert len(expected) == 3
     found = {f.split(" ")[0] for f in bad["flagged"]}
     assert found == expected, (bad["flagged"], expected)
 
