@@ -466,17 +466,18 @@ def _cfg(num_warps: int = 4, num_stages: int = 2, **tiles: int) -> dict[str, int
 
 _S32, _S16 = _cfg(BK=32, BV=32), _cfg(BK=16, BV=32)  # the scans: 32 x 32 state tiles, 16 programs a head at 128
 _O64, _O32, _O16 = _cfg(BK=64, BV=64, BC=32), _cfg(BK=32, BV=32, BC=32), _cfg(BK=32, BV=32, BC=16)
+_O32W8 = _cfg(BK=32, BV=32, BC=32, num_warps=8)
 # kernel -> C -> (bf16 dot operands, fp32 "ieee" products); a C between two rows takes the larger C's row
 _TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
-    "fwd_states": {16: (_S32, _S32), 64: (_S32, _S32), 128: (_S32, _S16)},
-    "bwd_states": {16: (_S32, _S32), 64: (_S32, _S32), 128: (_S32, _S16)},
+    "fwd_states": {16: (_S32, _S32), 64: (_S32, _S16), 128: (_S16, _S16)},
+    "bwd_states": {16: (_S32, _S32), 64: (_S32, _S16), 128: (_S32, _S16)},
     "intra_scores": {
         16: (_cfg(BK=64, DBK=16), _cfg(BK=64, DBK=16)),
         64: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16)),
         128: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16, num_stages=1)),
     },
-    "output": {16: (_O64, _O64), 64: (_O64, _O16), 128: (_O32, _O32)},
-    "dv": {16: (_O64, _O64), 64: (_O64, _O16), 128: (_O32, _O32)},
+    "output": {16: (_O64, _O32), 64: (_O64, _O16), 128: (_O32, _O32W8)},
+    "dv": {16: (_O32, _O32), 64: (_O64, _O16), 128: (_O32, _O32W8)},
     "score_grad": {
         16: (_cfg(BR=16, BV=32), _cfg(BR=16, BV=32)),
         64: (_cfg(BR=64, BV=64), _cfg(BR=32, BV=32)),
@@ -484,7 +485,7 @@ _TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
     },
     "intra_grad": {16: (_cfg(BK=32), _cfg(BK=32)), 64: (_cfg(BK=16), _cfg(BK=16)), 128: (_cfg(BK=16), _cfg(BK=16))},
     "dqkg": {
-        16: (_cfg(BK=64, BV=64), _cfg(BK=64, BV=64)),
+        16: (_cfg(BK=32, BV=32), _cfg(BK=64, BV=64)),
         64: (_cfg(BK=32, BV=32), _cfg(BK=16, BV=32)),
         128: (_cfg(BK=16, BV=32, num_warps=8), _cfg(BK=16, BV=32, num_warps=8)),
     },
