@@ -37,6 +37,7 @@ def train_step(run) -> tuple[float, float, float]:
     --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
     overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
     Megatron, does not advance the learning-rate schedule."""
+    comm.ORDER.enabled = run.cfg.zero.check_collective_order
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     scaler = run.loss_scaler
@@ -55,6 +56,8 @@ def train_step(run) -> tuple[float, float, float]:
     lr = step_learning_rate(run.cfg, run.iteration - run.skipped_iterations, run.consumed_samples - run.skipped_samples)
     empty_cache(run, 1)
     grad_norm = run.dp.step(lr, scaler.scale if scaler else None)
+    if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it
+        comm.check_collective_order(run.groups)
     empty_cache(run, 2)
     run.last_step_skipped = bool(scaler and scaler.overflowed(grad_norm))
     if scaler:

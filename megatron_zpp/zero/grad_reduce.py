@@ -49,11 +49,13 @@ def padded_numel(n: int, dp: int, block: int) -> int:
 
 
 class ReduceScatter:
-    """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight."""
+    """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight; `wire`
+    (--grad-reduce-in-bf16: torch.bfloat16) is the dtype on the wire and of the sum, fp32
+    by default."""
 
-    def __init__(self, flat: torch.Tensor, group: Group, phase: str):
-        self.out = torch.empty(flat.numel() // group.size, dtype=torch.float32, device=flat.device)
-        self.source = flat.float()  # kept alive until the wire is done with it
+    def __init__(self, flat: torch.Tensor, group: Group, phase: str, wire: torch.dtype = torch.float32):
+        self.out = torch.empty(flat.numel() // group.size, dtype=wire, device=flat.device)
+        self.source = flat.to(wire)  # kept alive until the wire is done with it
         self.work = comm.reduce_scatter(self.out, self.source, group, phase, async_op=True)
 
     def advance(self) -> None:
@@ -61,7 +63,8 @@ class ReduceScatter:
 
     def result(self) -> torch.Tensor:
         self.work.wait()
-        return self.out
+        self.source = None
+        return self.out.float()
 
 
 class HierarchicalReduceScatter:
@@ -72,13 +75,20 @@ class HierarchicalReduceScatter:
     hops: this rank's group per hop, innermost first (e.g. [intra-node, inter-node]);
         group-rank index in hops[i] = DP digit d_i (see the module docstring), as
         Topology.dp_tier_groups builds them.
-    bits: None (send flat.dtype as is), 8 or 4 (quantize once per hop; `stochastic`
-        rounding for unbiased int4 sums).
+    bits: None (send `wire`, default flat.dtype; every sum in fp32), 8 or 4 (quantize once
+        per hop; `stochastic` rounding for unbiased int4 sums).
     result(): [N/dp] fp32, chunk p (p = this rank's DP index) of the SUM over all DP ranks.
     """
 
     def __init__(
-        self, flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int, stochastic: bool = False
+        self,
+        flat: torch.Tensor,
+        hops: list[Group],
+        phase: str,
+        bits: int | None,
+        block: int,
+        stochastic: bool = False,
+        wire: torch.dtype | None = None,
     ):
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be None, 4 or 8, got {bits}")
@@ -91,6 +101,7 @@ class HierarchicalReduceScatter:
                 f"{padded_numel(flat.numel(), dp, block)} elements"
             )
         self.hops, self.phase, self.bits, self.block, self.stochastic = hops, phase, bits, block, stochastic
+        self.wire = wire or flat.dtype
         self.chunk = flat.numel() // dp
         self.cur = flat.view(*reversed(radices), self.chunk)  # [r_k, ..., r_1, r_0, C]
         self.hop, self.work = 0, None
@@ -108,7 +119,7 @@ class HierarchicalReduceScatter:
             self.recv, self.work = send.contiguous(), None
             return
         if self.bits is None:
-            self.send = send.contiguous()
+            self.send = send.to(self.wire).contiguous()
         else:  # the quantizer reads the reordered slices in place
             self.send = quantize_wire(send, self.block, self.bits, stochastic=self.stochastic)
         self._send_wire(group)
