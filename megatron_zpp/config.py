@@ -257,7 +257,7 @@ class ZeroConfig:
         None,
         "--zero-reduce-in-flight",
         "ZeRO: gradient reductions in flight during the backward (each holds one unit's gradient until it lands); "
-        "default: the number of reduction hops (1 flat, else the hierarchy's tiers), and at least 2",
+        "default 2; never fewer than the reduction's hops (1 flat, else the hierarchy's tiers + 1)",
     )
     check_collective_order: bool = opt(
         False,

@@ -16,6 +16,41 @@ The reduced shards then get the finalize syncs every engine shares (optim/finali
 are divided by the ZeRO group size exactly once, clipped by the global norm (each
 parameter counted once over TP, PP and DP) and stepped by AdamW on the fp32 masters.
 
+The reduction schedule is fixed by the program, not the data. Before any backward each
+chunk's units with a trainable parameter are listed in the order their backward ends
+(backward_order); a reducing backward (every one at stages 2-3, the step's last at stage 1
+with overlap) issues them in that order only: a unit goes as soon as all its trainable
+parameters' gradients are in and every unit before it has gone, and autograd's final
+callback issues the rest at the backward's end (a parameter that got no gradient adds
+zeros). ZeRO-3's gathers are issued from module hooks, and a block the data skips fires
+none, so each hook first replays the hooks of the blocks skipped since the last one.
+Every rank therefore issues the same collectives in the same order whichever parameters
+its data reached (--check-collective-order verifies it); zero_grad clears every count,
+accumulator and pointer, so nothing carries into the next step. Frozen parameters
+(requires_grad=False) keep their place in a unit (ZeRO-3 still gathers them) but get no
+hook and no AdamW segment; a unit with none trainable is never reduced.
+
+Streams (torch.get_device_module(device): no-ops on CPU, so one code path runs there too):
+
+* all-gather stream (zero/gather.py): waits for an event recorded on the compute stream
+  (the shard's update, the full buffer's allocation), then qwZ quantize -> all-gather;
+  at the unit's wait: the collective's wait -> qwZ decode -> hpZ secondary copy, then an
+  event the compute stream waits on before it reads the weights. The wire buffers live
+  on the gather stream and are dropped after its wait.
+* one reduce stream per link tier (zero/grad_reduce.py): a reduction's hop 0 stream waits
+  for an event on the compute stream (the gradient is written), each later hop's for the
+  previous hop's stream; each hop runs quantize -> all-to-all -> wait -> dequantize-sum
+  (-> requantize) on its stream, and the last adds the result into the unit's fp32 shard
+  there. On an accelerator the whole chain is enqueued when the unit's gradients are
+  ready (enqueue_whole_chain); on CPU gloo's waits block the host, so hops advance one per
+  later unit as before. The unit's gradient and the buffers that cross streams stay
+  referenced (PendingReduce) until the compute stream has waited for the chain's last
+  event, so both TORCH_NCCL_AVOID_RECORD_STREAMS=1 and the default are safe.
+* the compute stream never waits on the host: beyond max_in_flight reductions
+  (--zero-reduce-in-flight, never fewer than the hops) it waits for the oldest one's
+  event (backpressure); the finalize (and so the clip and the step) waits for every
+  reduction's event, i.e. for all reduce streams.
+
 State dict ("model"): {"unit{u}.{unit name}.master": fp32 master shard}. The training-
 dtype shard is its rounding, and ZeRO-3's full weights and hpZ's secondary shards are
 rebuilt by the next gather, so none of them is saved.
@@ -59,10 +94,13 @@ def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
 
 @dataclass
 class PendingReduce:
-    """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard."""
+    """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard on
+    the reduce stream, and `done` (once the chain is enqueued) is the event that says so. The
+    object keeps every buffer of the chain alive until the compute stream has waited for it."""
 
     unit: FlatUnit
     reduction: ReduceScatter | HierarchicalReduceScatter
+    done: object = None
 
 
 class ZeroEngine(DataParallelEngine):
@@ -80,7 +118,15 @@ class ZeroEngine(DataParallelEngine):
         # reductions in flight (each holds its unit's gradient until it lands): at least one per hop, so
         # that the outermost hop of a reduction is never issued and waited for in the same call
         hops = len(self.reduce_hops) if self.reduce_hops else 1
-        self.max_in_flight = zero_cfg.zero_reduce_in_flight or max(2, hops)
+        self.max_in_flight = max(zero_cfg.zero_reduce_in_flight or 2, hops)
+        # side streams (no-ops on CPU: the same code runs everywhere): weight gathers on one, each
+        # reduction hop on its link tier's; on an accelerator a reduction's whole hop chain is enqueued
+        # at once (NCCL waits only order streams), on CPU gloo's waits block, so hops advance one per unit
+        device = next(p.device for c in chunks for p in c.parameters())
+        self.dev = torch.get_device_module(device)
+        self.gather_stream = self.dev.Stream()
+        self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
+        self.enqueue_whole_chain = device.type != "cpu"
         self.grad_bits = 4 if zero_cfg.zero_quantized_gradients else None
         self.grad_block = zero_cfg.zero_gradient_quantization_block_size
         self.stochastic = zero_cfg.zero_gradient_stochastic_rounding
@@ -119,6 +165,9 @@ class ZeroEngine(DataParallelEngine):
                 self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.trainable)
         self.next = [0] * len(chunks)
         self._pending: list[PendingReduce] = []
+
+        for unit in self.units:
+            unit.gather_stream = self.gather_stream
 
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
         ndims = []
@@ -387,21 +436,36 @@ class ZeroEngine(DataParallelEngine):
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
-                flat, self.reduce_hops, phase, self.grad_bits, self.grad_block, self.stochastic, self.wire
+                flat,
+                self.reduce_hops,
+                phase,
+                self.grad_bits,
+                self.grad_block,
+                self.stochastic,
+                self.wire,
+                self.reduce_streams,
             )
         else:
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire)
-        for pending in self._pending:  # one hop further: each hop's transfer overlapped a unit's backward
-            pending.reduction.advance()
-        self._pending.append(PendingReduce(unit, reduction))
-        while len(self._pending) > self.max_in_flight:  # hold at most this many full gradients
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, self.reduce_streams[0])
+        pending = PendingReduce(unit, reduction)
+        if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
+            pending.done = reduction.finish(unit.grad_shard)
+        else:
+            for p in self._pending:  # one hop further: each hop's transfer overlapped a unit's backward
+                p.reduction.advance()
+        self._pending.append(pending)
+        while len(self._pending) > self.max_in_flight:  # hold at most this many gradients (backpressure)
             self._finish_oldest()
         if not self.per_step:
             unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
     def _finish_oldest(self) -> None:
-        done = self._pending.pop(0)
-        done.unit.grad_shard.add_(done.reduction.result())
+        """The compute stream waits (an event, not the host) for the oldest reduction; its
+        buffers (the unit's gradient among them) are dropped only then."""
+        oldest = self._pending.pop(0)
+        if oldest.done is None:
+            oldest.done = oldest.reduction.finish(oldest.unit.grad_shard)
+        self.dev.current_stream().wait_event(oldest.done)
 
     def _drain(self) -> None:
         while self._pending:

@@ -72,6 +72,7 @@ ENGINES = {
     "zero2": dict(zero_stage=2),
     "zero3": dict(zero_stage=3),
     "zero3_per_step": dict(zero_stage=3, zero_param_persistence="step"),
+    "zero3_whole_chain": dict(zero_stage=3),  # the accelerator's schedule: each chain enqueued at once
     **{
         f"{name}_bf16": dict(
             zero_stage=stage, grad_reduce_in_bf16=True, **({"ddp_bucket_size": 50} if not stage else {})
@@ -117,6 +118,8 @@ def _train(rank, world, case, engine_name, groups):
     zcfg = ZeroConfig(**{"overlap_grad_reduce": True, **ENGINES[engine_name]})
     ocfg = OptimConfig(clip_grad=1e9)
     engine = (DDPEngine if zcfg.zero_stage == 0 else ZeroEngine)([model], groups, ocfg, zcfg)
+    if engine_name.endswith("whole_chain"):
+        engine.enqueue_whole_chain = True
     comm.ORDER.enabled = True
     out = []
     for step, skips in enumerate(CASES[case]):
@@ -168,7 +171,12 @@ def test_reduced_gradients_equal_the_reference(case):
                         torch.testing.assert_close(got[n], w, rtol=1e-5, atol=1e-7, msg=f"{engine_name} {step} {n}")
                 if engine_name.endswith("_bf16"):  # 2 bytes per element on the wire, the fp32 run's half
                     assert wire == res[engine_name.removesuffix("_bf16")][0][step][3] / 2, engine_name
-                if engine_name in ("zero2", "zero3", "zero3_per_step"):  # one reduce per trainable unit per mb
+                if engine_name in (
+                    "zero2",
+                    "zero3",
+                    "zero3_per_step",
+                    "zero3_whole_chain",
+                ):  # one reduce per trainable unit per mb
                     trainable_units = 1 + LAYERS + 1 - (case == "frozen")
                     assert calls == trainable_units * MB, (engine_name, case, calls)
             for n, (before, after) in frozen.items():
