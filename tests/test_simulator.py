@@ -99,6 +99,18 @@ def test_side_streams_hide_the_quantizer_on_an_accelerator():
     assert on_streams < on_compute
 
 
+def test_reductions_in_flight_cover_every_hop():
+    """Three tiers: three reductions in flight (the engine's and the simulator's rule), so the
+    outermost hop is never issued and waited for in the same call; a flag below it is raised."""
+    from megatron_zpp.simulator.model import reductions_in_flight
+
+    argv = BASE + "--zero-stage 3 --zero-quantized-gradients --ranks-per-node 4 --zero-hierarchy 2".split()
+    assert reductions_in_flight(validate(parse_args(argv), 8)) == 3
+    assert reductions_in_flight(validate(parse_args(argv + ["--zero-reduce-in-flight", "1"]), 8)) == 3
+    assert reductions_in_flight(validate(parse_args(argv + ["--zero-reduce-in-flight", "5"]), 8)) == 5
+    assert reductions_in_flight(validate(parse_args(BASE + ["--zero-stage", "2"]), 4)) == 2
+
+
 def test_more_bandwidth_is_never_slower():
     for extra in (
         "--zero-stage 3",
