@@ -65,10 +65,6 @@ REFUSED = {
     ),
     "--decoupled-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
     "--decoupled-min-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
-    "--grad-reduce-in-bf16": (
-        False,
-        "gradients are reduced in fp32 by every engine (int4 with --zero-quantized-gradients): drop it",
-    ),
     "--ckpt-format": (
         True,
         "checkpoints are this project's sharded safetensors (tools/convert_checkpoint.py converts them): drop it",

@@ -105,6 +105,52 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
+class CollectiveOrder:
+    """--check-collective-order: each group's sequence of collectives (op, phase, elements,
+    dtype) since the last check, on this rank."""
+
+    def __init__(self):
+        self.enabled = False
+        self.seq: dict[tuple[str, tuple[int, ...]], list[str]] = defaultdict(list)
+
+    def record(self, group: Group, op: str, phase: str, tensor: torch.Tensor) -> None:
+        if self.enabled:
+            desc = f"{op} {phase}{LEDGER.phase_suffix} {tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}"
+            self.seq[(group.role, group.ranks)].append(desc)
+
+
+ORDER = CollectiveOrder()
+
+
+def check_collective_order(groups) -> None:
+    """Compare each group's sequence of collectives since the last check across its members
+    (a hash each, then the sequences where the hashes differ) and raise RuntimeError naming
+    the first divergence; then start afresh. Collective on every group of `groups` (a
+    ProcessGroups), in the order of their roles, which every rank shares; not recorded."""
+    import hashlib
+
+    for role, group in sorted(groups._groups.items()):
+        seq = ORDER.seq.pop((role, group.ranks), [])
+        if _skip(group):
+            continue
+        digest = hashlib.sha256("\n".join(seq).encode()).hexdigest()
+        digests = [None] * group.size
+        dist.all_gather_object(digests, digest, group=group.handle)
+        if len(set(digests)) == 1:
+            continue
+        seqs = [None] * group.size
+        dist.all_gather_object(seqs, seq, group=group.handle)
+        i = 0
+        while all(i < len(s) for s in seqs) and len({s[i] for s in seqs}) == 1:
+            i += 1
+        what = "; ".join(f"rank {r}: {s[i] if i < len(s) else '(nothing)'}" for r, s in zip(group.ranks, seqs))
+        ORDER.seq.clear()
+        raise RuntimeError(
+            f"--check-collective-order: group {role} {list(group.ranks)} diverged at collective #{i} "
+            f"(after {i} identical ones): {what}"
+        )
+
+
 @contextlib.contextmanager
 def recompute_phase(on: bool = True):
     """Record the calls of the body under phase + ":recompute" (recompute.py: a region's rerun)."""
@@ -195,6 +241,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, phase: str, op=dist.ReduceOp.
     if _skip(group):
         return _Done() if async_op else None
     LEDGER.add(group.role, phase, "all_reduce", group.link, group.size, tensor.numel() * tensor.element_size())
+    ORDER.record(group, "all_reduce", phase, tensor)
     return dist.all_reduce(tensor, op=op, group=group.handle, async_op=async_op)
 
 
@@ -204,6 +251,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         output.copy_(input.reshape(output.shape))
         return _Done() if async_op else None
     LEDGER.add(group.role, phase, "all_gather", group.link, group.size, output.numel() * output.element_size())
+    ORDER.record(group, "all_gather", phase, output)
     return dist.all_gather_single(output, input, group=group.handle, async_op=async_op)
 
 
@@ -215,6 +263,7 @@ def reduce_scatter(
         output.copy_(input.reshape(output.shape))
         return _Done() if async_op else None
     nbytes = input.numel() * input.element_size()
+    ORDER.record(group, "reduce_scatter", phase, input)
     if op != dist.ReduceOp.SUM or not _on_gloo(group):
         LEDGER.add(
             group.role,
@@ -246,6 +295,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: s
         output.copy_(input)
         return _Done() if async_op else None
     LEDGER.add(group.role, phase, "all_to_all", group.link, group.size, input.numel() * input.element_size())
+    ORDER.record(group, "all_to_all", phase, input)
     return dist.all_to_all_single(output, input, group=group.handle, async_op=async_op)
 
 
@@ -254,6 +304,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op
     if _skip(group):
         return _Done() if async_op else None
     LEDGER.add(group.role, phase, "broadcast", group.link, group.size, tensor.numel() * tensor.element_size())
+    ORDER.record(group, "broadcast", phase, tensor)
     return dist.broadcast(tensor, group=group.handle, group_src=src, async_op=async_op)
 
 

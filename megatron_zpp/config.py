@@ -259,6 +259,24 @@ class ZeroConfig:
         "the backward (plain DP: all-reduce of --ddp-bucket-size buckets; ZeRO-1: reduce-scatter per unit; ZeRO-2/3 "
         "always reduce during the backward); --no-overlap-grad-reduce reduces everything after the backward",
     )
+    grad_reduce_in_bf16: bool = opt(
+        False,
+        "--grad-reduce-in-bf16",
+        "as Megatron: gradients cross the wire in bf16 (2 bytes per element; plain DP and ZeRO-1/2/3, and the "
+        "unquantized hierarchy), accumulated over micro-batches and stepped in fp32; qgZ keeps its int4 wire",
+    )
+    zero_reduce_in_flight: int | None = opt(
+        None,
+        "--zero-reduce-in-flight",
+        "ZeRO: gradient reductions in flight during the backward (each holds one unit's gradient until it lands); "
+        "default 2; never fewer than the reduction's hops (1 flat, else the hierarchy's tiers + 1)",
+    )
+    check_collective_order: bool = opt(
+        False,
+        "--check-collective-order",
+        "debug: after each step, hash every group's sequence of collectives and compare the hashes across the "
+        "group; a difference stops the run naming the first collective that differs",
+    )
     ddp_bucket_size: int | None = opt(
         None,
         "--ddp-bucket-size",

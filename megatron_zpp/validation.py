@@ -543,6 +543,11 @@ def _check_zero(cfg: Config, world_size: int) -> list[str]:
                 f"--ddp-bucket-size must be >= 1 gradient elements (got {z.ddp_bucket_size})",
             ),
             (
+                z.zero_reduce_in_flight is None or z.zero_reduce_in_flight >= 1,
+                f"--zero-reduce-in-flight must be >= 1 (got {z.zero_reduce_in_flight}; the engine raises it to the "
+                "number of reduction hops)",
+            ),
+            (
                 z.ddp_bucket_size is None or z.zero_stage == 0,
                 "--ddp-bucket-size applies to plain data parallelism (--zero-stage 0); ZeRO reduces one unit "
                 "(a transformer block, the embedding, the head) at a time: leave it unset",

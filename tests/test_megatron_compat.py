@@ -61,7 +61,7 @@ LLAMA3 = {
     "--adam-beta1": "ok",
     "--adam-beta2": "ok",
     "--bf16": "ok",
-    "--grad-reduce-in-bf16": "reduced in fp32",
+    "--grad-reduce-in-bf16": "ok",
     "--cross-entropy-loss-fusion": "noop",
     "--calculate-per-token-loss": "ok",
     "--manual-gc": "ok",

@@ -37,6 +37,8 @@ LAYOUTS = {
     "--cp-algo all-scan",
     "TP2 sequence parallel + PP2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
     "--sequence-parallel",
+    "zero-3 + hierarchy, bf16 gradient wire": "--zero-stage 3 --zero-hierarchy 2 --grad-reduce-in-bf16",
+    "plain DP4, bf16 gradient wire": "--grad-reduce-in-bf16",
 }
 
 
@@ -82,6 +84,31 @@ def _cfg(extra: str, world: int = 32, rpn: int = 8):
         f"--vocab-size 32000 --global-batch-size {world * 2} --bf16 --ranks-per-node {rpn} "
     ) + extra
     return validate(parse_args(flags.split()), world)
+
+
+def test_side_streams_hide_the_quantizer_on_an_accelerator():
+    """On a GPU preset the quantizer and the hop chains run on the communication streams
+    (zero_engine's accelerator schedule): ZeRO++'s step is faster than on the same preset
+    timed with the CPU schedule (quantizer on the compute stream, one hop per later unit)."""
+    import dataclasses
+
+    cfg = validate(parse_args(BASE + LAYOUTS["zero++ (qwZ, hpZ, qgZ), 2 nodes"].split()), 4)
+    gpu = preset("v100-ib100")
+    on_streams = simulate(cfg, gpu).step_time_s
+    on_compute = simulate(cfg, dataclasses.replace(gpu, device="cpu")).step_time_s
+    assert on_streams < on_compute
+
+
+def test_reductions_in_flight_cover_every_hop():
+    """Three tiers: three reductions in flight (the engine's and the simulator's rule), so the
+    outermost hop is never issued and waited for in the same call; a flag below it is raised."""
+    from megatron_zpp.simulator.model import reductions_in_flight
+
+    argv = BASE + "--zero-stage 3 --zero-quantized-gradients --ranks-per-node 4 --zero-hierarchy 2".split()
+    assert reductions_in_flight(validate(parse_args(argv), 8)) == 3
+    assert reductions_in_flight(validate(parse_args(argv + ["--zero-reduce-in-flight", "1"]), 8)) == 3
+    assert reductions_in_flight(validate(parse_args(argv + ["--zero-reduce-in-flight", "5"]), 8)) == 5
+    assert reductions_in_flight(validate(parse_args(BASE + ["--zero-stage", "2"]), 4)) == 2
 
 
 def test_more_bandwidth_is_never_slower():

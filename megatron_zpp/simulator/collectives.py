@@ -286,6 +286,11 @@ class _ZeroState:
             self.gathered[id(u)] = False
 
 
+def grad_wire_bytes(cfg: Config) -> int:
+    """Bytes per element of an unquantized gradient reduction: 2 with --grad-reduce-in-bf16."""
+    return 2 if cfg.zero.grad_reduce_in_bf16 else 4
+
+
 def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
     """One unit's gradient reduction (zero/grad_reduce.py): flat, or hop by hop."""
     z = cfg.zero
@@ -296,14 +301,14 @@ def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
         out, numel = [], u.padded
         for hop in g.dp_tier_hops():
             if hop.size > 1:
-                nbytes = wire_bytes(numel, block, bits) if bits else 4 * numel
+                nbytes = wire_bytes(numel, block, bits) if bits else grad_wire_bytes(cfg) * numel
                 qkey = f"{bits}/{block}" if bits else ""
                 out.append(_coll(hop, phase, "all_to_all", nbytes, "grad", quant=2 * numel if bits else 0.0, qkey=qkey))
             numel //= hop.size
         return out
     if g.dp_cp.size == 1:
         return []
-    return [_coll(g.dp_cp, "zero_grad_reducescatter", "reduce_scatter", 4 * u.padded, "grad")]
+    return [_coll(g.dp_cp, "zero_grad_reducescatter", "reduce_scatter", grad_wire_bytes(cfg) * u.padded, "grad")]
 
 
 def _zero_forward(st: _ZeroState, chunk, units: list[UnitInfo]) -> list[tuple[str, Coll]]:
@@ -409,7 +414,10 @@ def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> l
     out: list[Coll] = []
     if z.zero_stage == 0:
         if g.dp_cp.size > 1:
-            out += [_coll(g.dp_cp, "grad_allreduce", "all_reduce", 4 * n, "grad") for n in ddp_buckets(cfg, chunks)]
+            out += [
+                _coll(g.dp_cp, "grad_allreduce", "all_reduce", grad_wire_bytes(cfg) * n, "grad")
+                for n in ddp_buckets(cfg, chunks)
+            ]
         partial = sum(q.numel() for c in chunks for q in c.parameters() if getattr(q, "tp_partial_grad", False))
         tied = [c.embedding.weight.numel() for c in chunks if hasattr(c, "embedding") and c.tied]
     else:

@@ -20,15 +20,20 @@ Overlap, per rank, with one compute stream and one communication stream per link
   all-gather;
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
   one) and the unit waits for it; a unit's gradient reduction starts after its backward,
-  at most 2 in flight (zero_engine.MAX_IN_FLIGHT, the oldest finished first), the rest
-  drains at the step's end; a hierarchical one (qgZ) moves one hop per later unit, its
-  wait at that program point (grad_reduce.HierarchicalReduceScatter.advance); ZeRO-1/2
-  and plain DP reduce during the last backward (--overlap-grad-reduce) or after it;
-  stages 1-2's parameter all-gather is exposed unless --overlap-param-gather hides it
-  behind the next forward;
-* the quantizer (qwZ, qgZ) runs on the compute stream, where zero/gather.py and
-  zero/grad_reduce.py call it: quantize before the issue, dequantize(-sum) after the wait
-  (quant_parts);
+  at most --zero-reduce-in-flight in flight (default max(2, hops), zero_engine's
+  max_in_flight; the compute stream waits for the oldest beyond it), the rest drains at
+  the step's end; ZeRO-1/2 and plain DP reduce during the last backward
+  (--overlap-grad-reduce) or after it; stages 1-2's parameter all-gather is exposed
+  unless --overlap-param-gather hides it behind the next forward;
+* the quantizer (qwZ, qgZ), on an accelerator (Cluster.device != "cpu"): on the
+  communication streams, as zero_engine runs it: a gather's quantize -> all-gather ->
+  decode on its link's stream, a reduction's whole hop chain (quantize -> all-to-all ->
+  dequantize-sum per hop, each on its tier's stream) enqueued when the unit's gradients
+  are ready; the compute stream only waits on their events. On the emulated CPU cluster
+  streams are no-ops and gloo's waits block the host, so as the engine there: the
+  quantizer on the compute stream (quantize before the issue, dequantize(-sum) after the
+  wait, quant_parts) and a hierarchical reduction moving one hop per later unit, its wait
+  at that program point (grad_reduce.HierarchicalReduceScatter.advance);
 * pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
   so the bubble comes out of the event times;
 * overlap efficiency (Cluster.overlap_efficiency): of the stream time the schedule above
@@ -55,12 +60,18 @@ from ..config import Config
 from ..context_parallel import auto_blocks
 from ..data.tokenizer import pad_vocab_size
 from ..perf import flops_per_token
-from ..topology import Group, topology_from_config
+from ..topology import Group, topology_from_config, zero_reduce_tiers
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks
 from .hardware import Cluster
 from .schedule import pipeline_time
 
-MAX_IN_FLIGHT = 2  # zero/zero_engine.py
+
+def reductions_in_flight(cfg: Config) -> int:
+    """zero_engine.ZeroEngine.max_in_flight: --zero-reduce-in-flight (default 2), at least the hops."""
+    z = cfg.zero
+    hierarchical = z.zero_quantized_gradients or bool(z.zero_hierarchy)
+    hops = len(zero_reduce_tiers(cfg, topology_from_config(cfg))) + 1 if hierarchical else 1
+    return max(z.zero_reduce_in_flight or 2, hops)
 
 
 def _steps(op: str, n: int) -> int:
@@ -187,7 +198,10 @@ class _RankTimer:
         self.rpn = topology_from_config(cfg).ranks_per_node
         self.comm_free: dict[str, float] = defaultdict(float)  # per link class: when its stream is free
         self.comm_busy = 0.0  # seconds issued on the communication streams (for the overlap efficiency)
+        self.stream_quantizer = 0.0  # quantizer seconds run on the communication streams (hidden or waited for)
         self.pending: list[_Reduction] = []  # gradient reductions in flight, oldest first
+        self.side_streams = cl.device != "cpu"  # quantizer and waits on the communication streams
+        self.in_flight = reductions_in_flight(cfg)
         self.exposed: dict[str, float] = defaultdict(float)
         self.book = self.exposed  # where waits and quantizer passes are booked (finish: the step-end terms)
         self.compute = 0.0
@@ -225,6 +239,17 @@ class _RankTimer:
         self.comm_busy += cost
         return begin + cost
 
+    def _issue_chain(self, start: float, c: Coll) -> float:
+        """On a side stream: quantize, transfer, decode back to back on `c`'s link stream
+        after `start`; the end (the compute stream is not delayed)."""
+        pre, post = quant_parts(c, self.cl)
+        self.stream_quantizer += pre + post
+        begin = max(start, self.comm_free[c.link])
+        end = begin + pre + wire_time(c, self.cl, self.rpn) + post
+        self.comm_busy += end - begin
+        self.comm_free[c.link] = end
+        return end
+
     def _quantizer(self, t: float, seconds: float) -> float:
         self.book["quantizer"] += seconds
         return t + seconds
@@ -251,14 +276,25 @@ class _RankTimer:
 
     def _reduce(self, colls: list[Coll], t: float) -> float:
         """zero_engine._reduce: start this unit's reduction, advance those in flight, finish the
-        oldest beyond MAX_IN_FLIGHT; the compute stream's time after it."""
+        oldest beyond the in-flight limit; the compute stream's time after it."""
         r = _Reduction(colls)
+        if self.side_streams:  # the whole chain enqueued now; backpressure: wait for the oldest's event
+            end = t
+            for c in colls:
+                end = self._issue_chain(end, c)
+            r.hop, r.end = len(colls), end
+            self.pending.append(r)
+            while len(self.pending) > self.in_flight:
+                oldest = self.pending.pop(0)
+                self.book["gradient reduce"] += max(0.0, oldest.end - t)
+                t = max(t, oldest.end)
+            return t
         t = self._start_hop(r, t)
         for p in self.pending:
             if p.hierarchical and p.hop < len(p.hops):
                 t = self._finish_hop(p, t, "gradient reduce")
         self.pending.append(r)
-        while len(self.pending) > MAX_IN_FLIGHT:
+        while len(self.pending) > self.in_flight:
             t = self._finish_reduction(self.pending.pop(0), t, "gradient reduce")
         return t
 
@@ -316,6 +352,9 @@ class _RankTimer:
         def prefetch(name: str, at: float) -> float:
             """Quantize (qwZ) and issue `name`'s gathers at `at`; the compute stream's time after."""
             for c in zero.get(name, []):
+                if self.side_streams:  # quantize -> all-gather -> decode on the gather stream
+                    gather_done[name] = max(gather_done.get(name, at), self._issue_chain(at, c))
+                    continue
                 at = self._quantizer(at, quant_parts(c, cl)[0])
                 gather_done[name] = max(gather_done.get(name, at), self._issue(at, c))
             return at
@@ -325,7 +364,8 @@ class _RankTimer:
         for k, name in enumerate(order):
             ready = max(t, gather_done.get(name, t))
             self.exposed["zero-3 gathers"] += ready - t
-            ready = self._quantizer(ready, sum(quant_parts(c, cl)[1] for c in zero.get(name, [])))
+            if not self.side_streams:  # the decode after the wait, on the compute stream
+                ready = self._quantizer(ready, sum(quant_parts(c, cl)[1] for c in zero.get(name, [])))
             if k + 1 < len(order):  # the next unit's gather is issued as this one starts computing
                 ready = prefetch(order[k + 1], ready)
             cost = units.get(name, 0.0) * factor

@@ -43,6 +43,7 @@ def train_step(run) -> tuple[float, float, float]:
     if run.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
         set_rng_state(run.pending_rng_state)
         run.pending_rng_state = None
+    comm.ORDER.enabled = run.cfg.zero.check_collective_order
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     scaler = run.loss_scaler
@@ -61,6 +62,8 @@ def train_step(run) -> tuple[float, float, float]:
     lr = step_learning_rate(run.cfg, run.iteration - run.skipped_iterations, run.consumed_samples - run.skipped_samples)
     empty_cache(run, 1)
     check = run.dp.step(lr, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
+    if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it
+        comm.check_collective_order(run.groups)
     empty_cache(run, 2)
     run.last_step_skipped = not check.applied
     refuse_nonfinite(run, loss, check)

@@ -11,6 +11,9 @@ fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 
 from ..model.init import materialize
@@ -37,7 +40,12 @@ class DDPEngine(DataParallelEngine):
         self.params = [p for ps in chunk_params for p in ps]
         self.overlap = zero_cfg.overlap_grad_reduce and groups.dp_cp.size > 1
         bucket = (zero_cfg.ddp_bucket_size or default_bucket_numel(groups.dp_cp.size)) if self.overlap else None
-        self.grads = GradBuffer(chunk_params, groups.dp_cp, bucket)
+        wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32
+        self.grads = GradBuffer(chunk_params, groups.dp_cp, bucket, wire)
+        if self.overlap:
+            warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+            for c, chunk in enumerate(chunks):
+                chunk.register_full_backward_pre_hook(self._backward_hook(c))
         self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
         self.optimizer_name = self.optimizer.name
         self.clip = optim_cfg.clip_grad
@@ -49,7 +57,17 @@ class DDPEngine(DataParallelEngine):
             if self.overlap
             else f"{len(self.grads.buckets)} bucket(s) after the backward"
         )
-        return f"data parallel: plain, fp32 gradients all-reduced over DP x CP ({g.size} ranks, {g.link}): {how}"
+        wire = str(self.grads.wire).removeprefix("torch.")
+        return (
+            f"data parallel: plain, fp32 gradients all-reduced in {wire} over DP x CP ({g.size} ranks, {g.link}): {how}"
+        )
+
+    def _backward_hook(self, c: int):
+        def hook(module, grad_output):
+            if self.grads.last[c]:  # the step's last backward of the chunk: start its buckets at its end
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.grads.flush(c))
+
+        return hook
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -61,7 +79,11 @@ class DDPEngine(DataParallelEngine):
     def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         g = self.groups
         self.grads.finish()
-        tied = [c.embedding.weight.main_grad for c in self.chunks if hasattr(c, "embedding") and c.tied]
+        tied = [
+            c.embedding.weight.main_grad
+            for c in self.chunks
+            if hasattr(c, "embedding") and c.tied and c.embedding.weight.requires_grad
+        ]
         finalize_model_grads([p.main_grad for p in self.params if getattr(p, "tp_partial_grad", False)], tied, g)
         counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
         norm = clip_by_global_norm(counted, [p.main_grad for p in self.params], [g.mp], self.clip, loss_scale)

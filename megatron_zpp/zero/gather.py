@@ -27,38 +27,70 @@ QWZ_BITS = 8
 
 @dataclass
 class PendingGather:
-    """An all-gather in flight: its handles, and what to do once they are done."""
+    """An all-gather in flight on `stream`: its handles, and what to do once they are done.
+
+    wait() runs on the gather stream: the collective's wait (on NCCL it only orders the
+    stream), the qwZ decode, then `then` (hpZ: the secondary shard's copy); the compute
+    stream then waits for an event recorded there, never the host. The wire buffers were
+    made on the gather stream and are dropped after its wait; the shard read by the gather
+    stream is the caller's persistent one."""
 
     works: list
     finish: Callable[[], None] | None = None  # qwZ: decode into the output
     sending: torch.Tensor | None = None  # qwZ: the wire buffer on the wire, kept alive until wait()
+    stream: object = None
+    dev: object = None
+    then: Callable[[], None] | None = None
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        if self.finish is not None:
-            self.finish()
+        dev = self.dev or torch.get_device_module("cpu")
+        stream = self.stream or dev.current_stream()
+        with dev.stream(stream):
+            for work in self.works:
+                work.wait()
+            if self.finish is not None:
+                self.finish()
+            if self.then is not None:
+                self.then()
+            done = dev.Event()
+            done.record(stream)
+        dev.current_stream().wait_event(done)
         self.sending = None
 
 
 def all_gather_weights(
-    output: torch.Tensor, shard: torch.Tensor, group: Group, phase: str, qwz_block: int | None = None
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: Group,
+    phase: str,
+    qwz_block: int | None = None,
+    stream=None,
 ) -> PendingGather:
     """Start gathering every rank's 1-D `shard` [s] into `output` [group.size * s]
-    (output.dtype); `qwz_block` quantizes the transfer (int8, one fp32 scale per block)."""
+    (output.dtype); `qwz_block` quantizes the transfer (int8, one fp32 scale per block).
+    `stream` (the engine's all-gather stream; default the current one) runs the quantize
+    and the collective, after what the compute stream has queued (the shard's update, the
+    output's allocation)."""
     if shard.dim() != 1 or output.dim() != 1 or output.numel() != group.size * shard.numel():
         raise ValueError(
             f"output {tuple(output.shape)} must be 1-D with {group.size} x {shard.numel()} elements "
             f"of the 1-D shard {tuple(shard.shape)}"
         )
-    if qwz_block is None or group.size == 1:
-        return PendingGather([comm.all_gather(output, shard, group, phase, async_op=True)])
-    s = shard.numel()
-    wire = quantize_wire(shard.reshape(1, s), qwz_block, QWZ_BITS)
-    gathered = wire.new_empty(group.size, wire.shape[1])  # row j: group rank j's wire
-    work = comm.all_gather(gathered.view(-1), wire.view(-1), group, phase, async_op=True)
+    dev = torch.get_device_module(output.device)
+    stream = stream or dev.current_stream()
+    ready = dev.Event()
+    ready.record(dev.current_stream())
+    stream.wait_event(ready)
+    with dev.stream(stream):
+        if qwz_block is None or group.size == 1:
+            work = comm.all_gather(output, shard, group, phase, async_op=True)
+            return PendingGather([work], stream=stream, dev=dev)
+        s = shard.numel()
+        wire = quantize_wire(shard.reshape(1, s), qwz_block, QWZ_BITS)
+        gathered = wire.new_empty(group.size, wire.shape[1])  # row j: group rank j's wire
+        work = comm.all_gather(gathered.view(-1), wire.view(-1), group, phase, async_op=True)
 
     def decode() -> None:
         dequantize_wire(gathered, s, qwz_block, QWZ_BITS, out=output.view(group.size, s))
 
-    return PendingGather([work], decode, sending=wire)
+    return PendingGather([work], decode, sending=wire, stream=stream, dev=dev)

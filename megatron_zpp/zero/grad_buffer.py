@@ -36,6 +36,7 @@ class Bucket:
     size: int  # parameters in it
     missing: int = 0  # gradients of the last micro-batch still to come
     work: object = None  # the all-reduce in flight, once started
+    wire: torch.Tensor | None = None  # --grad-reduce-in-bf16: the bf16 copy on the wire
 
 
 def bucket_bounds(numels: list[int], bucket_numel: int | None) -> list[tuple[int, int]]:
@@ -53,10 +54,17 @@ def bucket_bounds(numels: list[int], bucket_numel: int | None) -> list[tuple[int
 
 
 class GradBuffer:
-    def __init__(self, chunk_params: list[list[torch.nn.Parameter]], group: Group, bucket_numel: int | None):
+    def __init__(
+        self,
+        chunk_params: list[list[torch.nn.Parameter]],
+        group: Group,
+        bucket_numel: int | None,
+        wire: torch.dtype = torch.float32,
+    ):
         """chunk_params: each model chunk's parameters (requires_grad) in model order;
-        bucket_numel: elements per bucket (None: one bucket per chunk)."""
-        self.group = group
+        bucket_numel: elements per bucket (None: one bucket per chunk); wire: the dtype the
+        buckets are all-reduced in (--grad-reduce-in-bf16: bf16; they accumulate in fp32)."""
+        self.group, self.wire = group, wire
         order = [(c, p) for c in reversed(range(len(chunk_params))) for p in reversed(chunk_params[c])]
         self.params = [p for _, p in order]
         device = self.params[0].device
@@ -96,13 +104,26 @@ class GradBuffer:
             if bucket.missing == 0:
                 self._start_ready()
 
+    def flush(self, chunk: int) -> None:
+        """The end of the last backward of `chunk` (autograd's final callback): its buckets have
+        every gradient they will get this step (a parameter the backward did not reach adds
+        zeros), so they start now, still in layout order."""
+        for bucket in self.buckets:
+            if bucket.chunk == chunk:
+                bucket.missing = 0
+        self._start_ready()
+
     def _start_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].missing == 0:
             self._start(self.buckets[self._next])
             self.started_in_backward += 1
 
     def _start(self, bucket: Bucket) -> None:
-        bucket.work = comm.all_reduce(bucket.data, self.group, "grad_allreduce", async_op=True)
+        if self.wire == bucket.data.dtype:
+            bucket.work = comm.all_reduce(bucket.data, self.group, "grad_allreduce", async_op=True)
+        else:  # the sum runs in the wire dtype (NCCL: bf16 partial sums), then lands back in fp32
+            bucket.wire = bucket.data.to(self.wire)
+            bucket.work = comm.all_reduce(bucket.wire, self.group, "grad_allreduce", async_op=True)
         self._next += 1
 
     def _reset(self) -> None:
@@ -123,6 +144,9 @@ class GradBuffer:
             self._start(self.buckets[self._next])
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.wire is not None:
+                bucket.data.copy_(bucket.wire)
+                bucket.wire = None
         self._reset()
         if self.group.size > 1:
             self.data.div_(self.group.size)

@@ -48,20 +48,46 @@ def padded_numel(n: int, dp: int, block: int) -> int:
     return -(-n // unit) * unit
 
 
-class ReduceScatter:
-    """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight."""
+def _ready_event(dev, stream):
+    """`stream` waits for what the current (compute) stream has queued so far: the gradient."""
+    ready = dev.Event()
+    ready.record(dev.current_stream())
+    stream.wait_event(ready)
 
-    def __init__(self, flat: torch.Tensor, group: Group, phase: str):
-        self.out = torch.empty(flat.numel() // group.size, dtype=torch.float32, device=flat.device)
-        self.source = flat.float()  # kept alive until the wire is done with it
-        self.work = comm.reduce_scatter(self.out, self.source, group, phase, async_op=True)
+
+class ReduceScatter:
+    """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight, on
+    `stream` (default: the current one); `wire` (--grad-reduce-in-bf16: torch.bfloat16) is
+    the dtype on the wire and of the sum, fp32 by default."""
+
+    def __init__(self, flat: torch.Tensor, group: Group, phase: str, wire: torch.dtype = torch.float32, stream=None):
+        self.dev = torch.get_device_module(flat.device)
+        self.stream = stream or self.dev.current_stream()
+        self.flat = flat  # read on the reduce stream: alive until the compute stream waited for `done`
+        _ready_event(self.dev, self.stream)
+        with self.dev.stream(self.stream):
+            self.out = torch.empty(flat.numel() // group.size, dtype=wire, device=flat.device)
+            self.source = flat.to(wire)
+            self.work = comm.reduce_scatter(self.out, self.source, group, phase, async_op=True)
 
     def advance(self) -> None:
         """One collective: nothing to advance."""
 
+    def finish(self, into: torch.Tensor):
+        """On the reduce stream: wait for the wire, add the fp32 shard into `into`; returns the
+        event the compute stream must wait on before it reads `into` or reuses `flat`."""
+        with self.dev.stream(self.stream):
+            self.work.wait()
+            into.add_(self.out.float())
+            done = self.dev.Event()
+            done.record(self.stream)
+        self.source = self.out = None
+        return done
+
     def result(self) -> torch.Tensor:
-        self.work.wait()
-        return self.out
+        out = torch.zeros(self.out.numel(), dtype=torch.float32, device=self.out.device)
+        self.dev.current_stream().wait_event(self.finish(out))
+        return out
 
 
 class HierarchicalReduceScatter:
@@ -72,13 +98,29 @@ class HierarchicalReduceScatter:
     hops: this rank's group per hop, innermost first (e.g. [intra-node, inter-node]);
         group-rank index in hops[i] = DP digit d_i (see the module docstring), as
         Topology.dp_tier_groups builds them.
-    bits: None (send flat.dtype as is), 8 or 4 (quantize once per hop; `stochastic`
-        rounding for unbiased int4 sums).
-    result(): [N/dp] fp32, chunk p (p = this rank's DP index) of the SUM over all DP ranks.
+    bits: None (send `wire`, default flat.dtype; every sum in fp32), 8 or 4 (quantize once
+        per hop; `stochastic` rounding for unbiased int4 sums).
+    streams: one stream per hop (--zero-hierarchy's link tiers; default: the current one):
+        hop i's quantize -> all-to-all -> wait -> dequantize-sum (-> requantize) runs on
+        streams[i], which waits for hop i-1's stream by an event (hop 0's waits for the
+        compute stream, where the gradient was written). A hop's buffers are allocated, used
+        and dropped on its own stream after its wait (which orders that stream after NCCL's):
+        safe with TORCH_NCCL_AVOID_RECORD_STREAMS=1 and without. `flat` (the compute
+        stream's) stays referenced until finish()'s event is waited for.
+    result(): [N/dp] fp32, chunk p (p = this rank's DP index) of the SUM over all DP ranks;
+    finish(into): the same added into `into` on the last hop's stream, returning the event.
     """
 
     def __init__(
-        self, flat: torch.Tensor, hops: list[Group], phase: str, bits: int | None, block: int, stochastic: bool = False
+        self,
+        flat: torch.Tensor,
+        hops: list[Group],
+        phase: str,
+        bits: int | None,
+        block: int,
+        stochastic: bool = False,
+        wire: torch.dtype | None = None,
+        streams: list | None = None,
     ):
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be None, 4 or 8, got {bits}")
@@ -91,16 +133,35 @@ class HierarchicalReduceScatter:
                 f"{padded_numel(flat.numel(), dp, block)} elements"
             )
         self.hops, self.phase, self.bits, self.block, self.stochastic = hops, phase, bits, block, stochastic
+        self.wire = wire or flat.dtype
         self.chunk = flat.numel() // dp
+        self.dev = torch.get_device_module(flat.device)
+        self.streams = list(streams) if streams else [self.dev.current_stream()] * len(hops)
+        self.flat = flat  # read on the reduce streams: alive until the compute stream waited for finish()
+        self._keep: list[torch.Tensor] = []  # buffers that crossed from one hop's stream to the next
+        _ready_event(self.dev, self.streams[0])
         self.cur = flat.view(*reversed(radices), self.chunk)  # [r_k, ..., r_1, r_0, C]
         self.hop, self.work = 0, None
         self._start_hop()
+
+    def _on(self):
+        return self.dev.stream(self.streams[self.hop])
+
+    def _handoff(self) -> None:
+        """Hop `self.hop`'s stream waits for the previous hop's."""
+        ev = self.dev.Event()
+        ev.record(self.streams[self.hop - 1])
+        self.streams[self.hop].wait_event(ev)
 
     @property
     def done(self) -> bool:
         return self.hop == len(self.hops)
 
     def _start_hop(self) -> None:
+        with self._on():
+            self._start_hop_here()
+
+    def _start_hop_here(self) -> None:
         group = self.hops[self.hop]
         send = self.cur.movedim(-2, 0)  # [r_i, r_k, ..., r_{i+1}, C], a strided view
         self.rest = send.shape[1:]
@@ -108,7 +169,7 @@ class HierarchicalReduceScatter:
             self.recv, self.work = send.contiguous(), None
             return
         if self.bits is None:
-            self.send = send.contiguous()
+            self.send = send.to(self.wire).contiguous()
         else:  # the quantizer reads the reordered slices in place
             self.send = quantize_wire(send, self.block, self.bits, stochastic=self.stochastic)
         self._send_wire(group)
@@ -118,6 +179,14 @@ class HierarchicalReduceScatter:
         self.work = comm.all_to_all(self.recv, self.send, group, self.phase, async_op=True)
 
     def _finish_hop(self) -> None:
+        with self._on():
+            nxt = self._finish_hop_here()
+        if nxt:
+            self._handoff()
+            self._start_hop()
+
+    def _finish_hop_here(self) -> bool:
+        """Returns whether the next hop must start (on its own stream)."""
         if self.work is not None:
             self.work.wait()
         r, m = self.recv.shape[0], math.prod(self.rest)
@@ -128,25 +197,40 @@ class HierarchicalReduceScatter:
                 self.recv, m, self.block, self.bits, nxt.size, self.chunk, stochastic=self.stochastic
             )
             self.rest, self.hop = (*self.rest[:-2], self.chunk), self.hop + 1
-            self._send_wire(nxt)
-            return
+            self._keep.append(self.send)  # made on this hop's stream, read on the next one's: kept to the end
+            self._handoff()
+            with self._on():
+                self._send_wire(nxt)
+            return False
         if self.bits is None or self.work is None:
             summed = self.recv.view(r, m).sum(0, dtype=torch.float32)
         else:
             summed = dequantize_sum_wire(self.recv, m, self.block, self.bits, torch.empty(m, device=self.recv.device))
         self.cur, self.send, self.recv = summed.view(self.rest), None, None  # fp32: [r_k, ..., r_{i+1}, C]
         self.hop += 1
-        if not self.done:
-            self._start_hop()
+        return not self.done
 
     def advance(self) -> None:
         if not self.done:
             self._finish_hop()
 
-    def result(self) -> torch.Tensor:
+    def finish(self, into: torch.Tensor):
+        """Run the remaining hops, add the fp32 result into `into` on the last hop's stream;
+        returns the event the compute stream must wait on."""
         while not self.done:
             self._finish_hop()
-        return self.cur.reshape(self.chunk)
+        last = self.streams[-1]
+        with self.dev.stream(last):
+            into.add_(self.cur.reshape(self.chunk))
+            done = self.dev.Event()
+            done.record(last)
+        self.cur = None
+        return done
+
+    def result(self) -> torch.Tensor:
+        out = torch.zeros(self.chunk, dtype=torch.float32, device=self.flat.device)
+        self.dev.current_stream().wait_event(self.finish(out))
+        return out
 
 
 def hierarchical_reduce_scatter(

@@ -149,21 +149,22 @@ class FlatUnit:
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
         # hpZ: the backward, and every forward after the step's first (the weights change only
         # at the step), gather inside the node from the secondary shards
+        stream = getattr(self, "gather_stream", None)  # the engine's all-gather stream
         if self.hpz is not None and (backward or self.secondary_current):
-            self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase)
+            self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase, stream=stream)
         else:
-            self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block)
+            self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block, stream)
 
     def wait_gather(self) -> None:
         if self.gathered:
             return
         if self._gather is None:
             raise RuntimeError(f"ZeRO unit {self.name}: waited for a gather that was never started")
-        self._gather.wait()
         if self.hpz is not None and not self.secondary_current:  # the step's first forward: keep its weights
-            s = self.secondary_numel
-            self.secondary.copy_(self.full[self.hpz.rank * s : (self.hpz.rank + 1) * s])
+            s = self.secondary_numel  # copied on the gather stream, before the compute stream may read `full`
+            self._gather.then = lambda: self.secondary.copy_(self.full[self.hpz.rank * s : (self.hpz.rank + 1) * s])
             self.secondary_current = True
+        self._gather.wait()
         self._gather, self.gathered = None, True
         self._attach()
 
@@ -201,7 +202,8 @@ class FlatUnit:
         self.secondary_current = False
         self.shard.copy_(new_shard)
         if self.stage < 3:
-            self._gather = all_gather_weights(self.full, self.shard, self.group, "zero_param_allgather")
+            stream = getattr(self, "gather_stream", None)
+            self._gather = all_gather_weights(self.full, self.shard, self.group, "zero_param_allgather", stream=stream)
             self.gathered = False
             if wait:
                 self.wait_gather()

@@ -16,6 +16,41 @@ The reduced shards then get the finalize syncs every engine shares (optim/finali
 are divided by the ZeRO group size exactly once, clipped by the global norm (each
 parameter counted once over TP, PP and DP) and stepped by AdamW on the fp32 masters.
 
+The reduction schedule is fixed by the program, not the data. Before any backward each
+chunk's units with a trainable parameter are listed in the order their backward ends
+(backward_order); a reducing backward (every one at stages 2-3, the step's last at stage 1
+with overlap) issues them in that order only: a unit goes as soon as all its trainable
+parameters' gradients are in and every unit before it has gone, and autograd's final
+callback issues the rest at the backward's end (a parameter that got no gradient adds
+zeros). ZeRO-3's gathers are issued from module hooks, and a block the data skips fires
+none, so each hook first replays the hooks of the blocks skipped since the last one.
+Every rank therefore issues the same collectives in the same order whichever parameters
+its data reached (--check-collective-order verifies it); zero_grad clears every count,
+accumulator and pointer, so nothing carries into the next step. Frozen parameters
+(requires_grad=False) keep their place in a unit (ZeRO-3 still gathers them) but get no
+hook and no AdamW segment; a unit with none trainable is never reduced.
+
+Streams (torch.get_device_module(device): no-ops on CPU, so one code path runs there too):
+
+* all-gather stream (zero/gather.py): waits for an event recorded on the compute stream
+  (the shard's update, the full buffer's allocation), then qwZ quantize -> all-gather;
+  at the unit's wait: the collective's wait -> qwZ decode -> hpZ secondary copy, then an
+  event the compute stream waits on before it reads the weights. The wire buffers live
+  on the gather stream and are dropped after its wait.
+* one reduce stream per link tier (zero/grad_reduce.py): a reduction's hop 0 stream waits
+  for an event on the compute stream (the gradient is written), each later hop's for the
+  previous hop's stream; each hop runs quantize -> all-to-all -> wait -> dequantize-sum
+  (-> requantize) on its stream, and the last adds the result into the unit's fp32 shard
+  there. On an accelerator the whole chain is enqueued when the unit's gradients are
+  ready (enqueue_whole_chain); on CPU gloo's waits block the host, so hops advance one per
+  later unit as before. The unit's gradient and the buffers that cross streams stay
+  referenced (PendingReduce) until the compute stream has waited for the chain's last
+  event, so both TORCH_NCCL_AVOID_RECORD_STREAMS=1 and the default are safe.
+* the compute stream never waits on the host: beyond max_in_flight reductions
+  (--zero-reduce-in-flight, never fewer than the hops) it waits for the oldest one's
+  event (backpressure); the finalize (and so the clip and the step) waits for every
+  reduction's event, i.e. for all reduce streams.
+
 State dict ("model"): {"unit{u}.{unit name}.master": fp32 master shard}. The training-
 dtype shard is its rounding, and ZeRO-3's full weights and hpZ's secondary shards are
 rebuilt by the next gather, so none of them is saved.
@@ -44,17 +79,31 @@ def _gather(units: list[FlatUnit], backward: bool = False) -> None:
         u.wait_gather()
 
 
+def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
+    """The units of a chunk in the order their backward ends:
+    a tied output layer on the last stage (the embedding), the head, the blocks last to
+    first, the embedding lookup. Known from the model, not from the data."""
+    by_name = {u.name: u for u in units}
+    emb = by_name.get("embedding")
+    order = [emb] if emb is not None and chunk.post_process and not chunk.pre_process else []
+    order += [by_name["head"]] if "head" in by_name else []
+    order += reversed([u for u in units if u.module is not None])
+    order += [emb] if emb is not None and emb not in order else []
+    return order + [u for u in units if u not in order]
+
+
 @dataclass
 class PendingReduce:
-    """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard."""
+    """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard on
+    the reduce stream, and `done` (once the chain is enqueued) is the event that says so. The
+    object keeps every buffer of the chain alive until the compute stream has waited for it."""
 
     unit: FlatUnit
     reduction: ReduceScatter | HierarchicalReduceScatter
+    done: object = None
 
 
 class ZeroEngine(DataParallelEngine):
-    MAX_IN_FLIGHT = 2  # gradient reductions overlapping the backward (each holds one unit's full fp32 gradient)
-
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
         """`chunks` built on the meta device come with `init` (model/init.RankInit): each unit then
         allocates and fills only what this rank keeps (sharded_params.FlatUnit)."""
@@ -68,9 +117,22 @@ class ZeroEngine(DataParallelEngine):
         self.clip = optim_cfg.clip_grad
         hierarchical = zero_cfg.zero_quantized_gradients or bool(zero_cfg.zero_hierarchy)
         self.reduce_hops = groups.dp_tier_hops() if hierarchical else None
+        # reductions in flight (each holds its unit's gradient until it lands): at least one per hop, so
+        # that the outermost hop of a reduction is never issued and waited for in the same call
+        hops = len(self.reduce_hops) if self.reduce_hops else 1
+        self.max_in_flight = max(zero_cfg.zero_reduce_in_flight or 2, hops)
+        # side streams (no-ops on CPU: the same code runs everywhere): weight gathers on one, each
+        # reduction hop on its link tier's; on an accelerator a reduction's whole hop chain is enqueued
+        # at once (NCCL waits only order streams), on CPU gloo's waits block, so hops advance one per unit
+        device = next(p.device for c in chunks for p in c.parameters())
+        self.dev = torch.get_device_module(device)
+        self.gather_stream = self.dev.Stream()
+        self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
+        self.enqueue_whole_chain = device.type != "cpu"
         self.grad_bits = 4 if zero_cfg.zero_quantized_gradients else None
         self.grad_block = zero_cfg.zero_gradient_quantization_block_size
         self.stochastic = zero_cfg.zero_gradient_stochastic_rounding
+        self.wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32  # unquantized paths
         hpz = groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
         self.qwz_block = qwz = zero_cfg.zero_quantization_block_size if zero_cfg.zero_quantized_weights else None
         self.units: list[FlatUnit] = []
@@ -84,8 +146,7 @@ class ZeroEngine(DataParallelEngine):
                 unit.module, unit.chunk = module, c
                 units[name] = unit
                 self.units.append(unit)
-            if self.stage >= 2:
-                self._install_hooks(chunk, units)
+            self._install_hooks(chunk, units)
             if self.overlap_gather:
                 self._install_gather_waits(chunk, units)
         if init is not None:  # buffers, and any parameter outside the units (none today), whole
@@ -94,18 +155,33 @@ class ZeroEngine(DataParallelEngine):
             unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
             unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
             unit.flat_grad, unit.ready, unit.reduced = None, 0, False
+            unit.trainable = sum(p.requires_grad for p in unit.params)  # frozen ones: no hook, no reduce, no step
             if self.stage == 1:
                 unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._grad_hook(unit))
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_hook(unit))
+        # the reduction schedule, fixed by the program: per chunk, its units with a trainable
+        # parameter in the order their backward ends; self.next[c]: the next one to issue
+        self.schedule, self.sched_before = [], {}  # sched_before: scheduled units before it in the backward
+        for c, chunk in enumerate(chunks):
+            order = backward_order(chunk, [u for u in self.units if u.chunk == c])
+            self.schedule.append([u for u in order if u.trainable])
+            for u in order:
+                self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.trainable)
+        self.next = [0] * len(chunks)
         self._pending: list[PendingReduce] = []
+
+        for unit in self.units:
+            unit.gather_stream = self.gather_stream
 
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
         ndims = []
         for unit in self.units:
             for p, a, b, _ in unit.segments():
-                self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
-                ndims.append(unit.ndims[id(p)])
+                if p.requires_grad:
+                    self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
+                    ndims.append(unit.ndims[id(p)])
         self.optimizer, self.optimizer_name = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
 
     def describe(self) -> str:
@@ -130,11 +206,12 @@ class ZeroEngine(DataParallelEngine):
         if self.reduce_hops is not None:
             hops = ", ".join(f"{h.size} ranks {h.link}" for h in self.reduce_hops)
             sr = " stochastic" if self.stochastic else ""
-            what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else "fp32"
+            what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else str(self.wire)[6:]
             parts.append(f"hierarchical gradient all-to-all ({what}), hops: {hops}")
         when = "during the backward" if self.stage >= 2 or self.overlap_grads else "after the backward"
         parts.append(
-            f"gradients accumulated and reduced in fp32 {when}, up to {self.MAX_IN_FLIGHT} reductions in flight"
+            f"gradients accumulated in fp32, reduced in {str(self.wire)[6:] if not self.grad_bits else 'int4'} "
+            f"{when}, up to {self.max_in_flight} reductions in flight"
         )
         if self.overlap_gather:
             parts.append("updated weights all-gathered during the next step's forward (--overlap-param-gather)")
@@ -163,15 +240,71 @@ class ZeroEngine(DataParallelEngine):
         start = [units["embedding"]] if chunk.pre_process else []
         end = [units[n] for n in ("head", "embedding") if n in units and chunk.post_process]
         order = start + blocks + [end]  # the end units are gathered together
-        mine = list(units.values())
+        c = next(iter(units.values())).chunk
+
+        # Stage 3 issues its gathers at module hooks, and a block the data skips fires none: each
+        # hook first plays the hooks of the blocks skipped since the last one (gather, prefetch,
+        # free; in the backward also issue the reductions the backward moved past), so every
+        # rank issues the same gathers and reductions in the same order whatever it skipped.
+        pos = {"fwd": 0, "bwd": 0}  # blocks the forward (in order) / backward (reversed) has passed
+
+        def catch_up_forward(upto: int) -> None:
+            while pos["fwd"] < upto:
+                u = blocks[pos["fwd"]]
+                pos["fwd"] += 1
+                self._gather_and_prefetch([u], order, after=u)
+                if not self.per_step:
+                    u.release()
+
+        def catch_up_backward(upto: int) -> None:
+            while pos["bwd"] < upto:
+                i = len(blocks) - 1 - pos["bwd"]
+                pos["bwd"] += 1
+                blocks[i].gather(backward=True)
+                if i > 0:
+                    blocks[i - 1].start_gather(backward=True)
+                self._issue_before(c, self.sched_before[id(blocks[i])] + bool(blocks[i].trainable))
+                if not self.per_step:
+                    blocks[i].release()
+
+        def chunk_forward(module, args, kwargs):
+            pos["fwd"] = 0
+            self._gather_and_prefetch(start, order)
+
+        def end_forward(*_):
+            catch_up_forward(len(blocks))
 
         def chunk_backward(module, grad_output):
-            for u in mine:  # a new micro-batch's gradients: count them afresh
-                u.ready = 0
+            pos["bwd"] = 0
+            if self._reducing(c):  # at the end of this backward, issue what it did not (no gradient: zeros)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(c))
             if self.stage == 3:  # under 1F1B another micro-batch's backward may have freed them
                 _gather(start + [u for u in end if u not in start], backward=True)
                 if blocks:
                     blocks[-1].start_gather(backward=True)
+
+        def before_forward(i: int, unit: FlatUnit):
+            def hook(module, args):
+                if recomputing():  # a rerun inside the backward of its group: gather it for that backward
+                    unit.gather(backward=True)
+                    return
+                catch_up_forward(i)
+                pos["fwd"] = i + 1
+                self._gather_and_prefetch([unit], order, after=unit)
+
+            return hook
+
+        def before_backward(i: int, unit: FlatUnit):
+            def hook(module, grad_output):
+                j = len(blocks) - 1 - i
+                catch_up_backward(j)
+                pos["bwd"] = j + 1
+                self._issue_before(c, self.sched_before[id(unit)])  # what the backward has moved past
+                unit.gather(backward=True)
+                if i > 0:
+                    blocks[i - 1].start_gather(backward=True)
+
+            return hook
 
         # the chunk's inputs (token ids) need no grad; the pre-hook only needs the output grads
         warnings.filterwarnings(
@@ -182,15 +315,20 @@ class ZeroEngine(DataParallelEngine):
         chunk.register_full_backward_pre_hook(chunk_backward)
         if self.stage < 3:
             return
-        chunk.register_forward_pre_hook(lambda m, a, kw: self._gather_and_prefetch(start, order), with_kwargs=True)
+        chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
+        chunk.register_forward_hook(end_forward)  # a middle stage's skipped last blocks
         if end:
-            chunk.final_norm.register_forward_pre_hook(lambda m, a: _gather(end))
+
+            def end_units(module, args):
+                end_forward()
+                _gather(end)
+
+            chunk.final_norm.register_forward_pre_hook(end_units)
         for i, unit in enumerate(blocks):
-            unit.module.register_forward_pre_hook(self._before_forward(unit, order))
+            unit.module.register_forward_pre_hook(before_forward(i, unit))
             if not self.per_step:
                 unit.module.register_forward_hook(self._after_forward(unit))
-            prev = blocks[i - 1] if i > 0 else None
-            unit.module.register_full_backward_pre_hook(self._before_backward(unit, prev))
+            unit.module.register_full_backward_pre_hook(before_backward(i, unit))
 
     @staticmethod
     def _install_gather_waits(chunk, units: dict[str, FlatUnit]) -> None:
@@ -222,33 +360,11 @@ class ZeroEngine(DataParallelEngine):
             for u in order[i] if isinstance(order[i], list) else [order[i]]:
                 u.start_gather(backward=False)
 
-    @classmethod
-    def _before_forward(cls, unit: FlatUnit, order: list):
-        """Gather the block and prefetch the next; in an activation-recompute rerun (inside the
-        backward of its group, before the block's own backward) gather it for that backward."""
-
-        def hook(module, args):
-            if recomputing():
-                unit.gather(backward=True)
-            else:
-                cls._gather_and_prefetch([unit], order, after=unit)
-
-        return hook
-
     @staticmethod
     def _after_forward(unit: FlatUnit):
         def hook(module, args, output):
             if not recomputing():  # a rerun runs inside the backward, which still needs the weights
                 unit.release()
-
-        return hook
-
-    @staticmethod
-    def _before_backward(unit: FlatUnit, prev: FlatUnit | None):
-        def hook(module, grad_output):
-            unit.gather(backward=True)
-            if prev is not None:
-                prev.start_gather(backward=True)
 
         return hook
 
@@ -261,56 +377,118 @@ class ZeroEngine(DataParallelEngine):
             off, n = unit.offsets[i], unit.numels[i]
             if unit.flat_grad is None:  # fp32 whatever the parameter dtype: micro-batches sum without rounding
                 unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-            if self.stage == 1 and unit.reduced:  # the wire reads flat_grad: adding to it would corrupt the sum
+            if unit.reduced:  # the wire reads flat_grad (stage 1), or this micro-batch's sum is on its way
                 raise RuntimeError(
-                    f"ZeRO-1 unit {unit.name}: a gradient arrived after its reduction started: a backward ran "
-                    "after the one the schedule announced as the last micro-batch (set_last_micro_batch)"
+                    f"ZeRO-{self.stage} unit {unit.name}: a gradient arrived after its reduction started: "
+                    + (
+                        "a backward ran after the one the schedule announced as the last micro-batch "
+                        "(set_last_micro_batch)"
+                        if self.stage == 1
+                        else "the backward reached a later block first (the schedule assumes the blocks' order)"
+                    )
                 )
             unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
-            if self.stage >= 2 or self.last[unit.chunk]:
+            if self._reducing(unit.chunk):
                 unit.ready += 1
-                if unit.ready == len(unit.params):
-                    self._reduce(unit)
-                    self.reduced_in_backward += 1
+                if unit.ready == unit.trainable:
+                    self._issue(unit.chunk, upto=None)
 
         return hook
+
+    def _reducing(self, chunk: int) -> bool:
+        """Whether this backward of `chunk` reduces (stages 2-3: every micro-batch; stage 1: the
+        last, when the schedule announced it)."""
+        return self.stage >= 2 or self.last[chunk]
+
+    def _issue(self, c: int, upto: int | None) -> None:
+        """Issue chunk c's reductions in schedule order: those whose gradients are all in
+        (upto=None), or every one left (upto=len: the end of the backward). The order is the
+        schedule's on every rank whatever the data; only the moment depends on it."""
+        sched = self.schedule[c]
+        while self.next[c] < len(sched):
+            unit = sched[self.next[c]]
+            if upto is None and unit.ready < unit.trainable:
+                break
+            self._reduce(unit)
+            self.reduced_in_backward += 1
+            self.next[c] += 1
+
+    def _issue_before(self, c: int, k: int) -> None:
+        """Issue chunk c's first k scheduled reductions (those the backward has moved past)."""
+        while self.next[c] < k:
+            self._reduce(self.schedule[c][self.next[c]])
+            self.reduced_in_backward += 1
+            self.next[c] += 1
+
+    def _flush(self, c: int) -> None:
+        """The end of a reducing backward of chunk c (autograd's final callback): issue the rest,
+        then count the next micro-batch afresh. A unit that got no gradient sends zeros."""
+        self._issue(c, upto=len(self.schedule[c]))
+        if self.stage >= 2:
+            self.next[c] = 0
+        for u in self.schedule[c]:
+            u.ready = 0
+            u.reduced = self.stage == 1
 
     def _reduce(self, unit: FlatUnit) -> None:
         """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
         and advance the reductions already in flight."""
-        flat, unit.flat_grad, unit.ready = unit.flat_grad, (None if self.stage >= 2 else unit.flat_grad), 0
-        unit.reduced = self.stage == 1  # stage 1 reduces once per step
+        flat = unit.flat_grad
+        if flat is None:  # stages 2-3: no parameter of the unit got a gradient in this micro-batch
+            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+        unit.flat_grad, unit.ready = (None if self.stage >= 2 else flat), 0
+        unit.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
-                flat, self.reduce_hops, phase, self.grad_bits, self.grad_block, self.stochastic
+                flat,
+                self.reduce_hops,
+                phase,
+                self.grad_bits,
+                self.grad_block,
+                self.stochastic,
+                self.wire,
+                self.reduce_streams,
             )
         else:
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter")
-        for pending in self._pending:  # one hop further: each hop's transfer overlapped a unit's backward
-            pending.reduction.advance()
-        self._pending.append(PendingReduce(unit, reduction))
-        while len(self._pending) > self.MAX_IN_FLIGHT:  # hold at most this many full gradients
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, self.reduce_streams[0])
+        pending = PendingReduce(unit, reduction)
+        if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
+            pending.done = reduction.finish(unit.grad_shard)
+        else:
+            for p in self._pending:  # one hop further: each hop's transfer overlapped a unit's backward
+                p.reduction.advance()
+        self._pending.append(pending)
+        while len(self._pending) > self.max_in_flight:  # hold at most this many gradients (backpressure)
             self._finish_oldest()
         if not self.per_step:
             unit.release()  # stage 3: this micro-batch's backward of the unit is over
 
     def _finish_oldest(self) -> None:
-        done = self._pending.pop(0)
-        done.unit.grad_shard.add_(done.reduction.result())
+        """The compute stream waits (an event, not the host) for the oldest reduction; its
+        buffers (the unit's gradient among them) are dropped only then."""
+        oldest = self._pending.pop(0)
+        if oldest.done is None:
+            oldest.done = oldest.reduction.finish(oldest.unit.grad_shard)
+        self.dev.current_stream().wait_event(oldest.done)
 
     def _drain(self) -> None:
         while self._pending:
             self._finish_oldest()
 
     def zero_grad(self) -> None:
+        """Nothing carries over from the last step: shards, accumulators, counts, the schedule."""
+        self._drain()
         for unit in self.units:
             unit.grad_shard.zero_()
             if self.stage == 1:
                 unit.flat_grad.zero_()
-                unit.ready, unit.reduced = 0, False
+            else:
+                unit.flat_grad = None
+            unit.ready, unit.reduced = 0, False
         self.last = [False] * len(self.last)
+        self.next = [0] * len(self.next)
         self.reduced_in_backward = 0
 
     def set_last_micro_batch(self, chunk: int, last: bool) -> None:
@@ -318,13 +496,11 @@ class ZeroEngine(DataParallelEngine):
             self.last[chunk] = last
 
     def _finish_grads(self) -> None:
-        if self.stage == 1:
-            for unit in self.units:  # all of them without overlap; else those the backward did not finish
-                if not unit.reduced:
-                    self._reduce(unit)
-        for unit in self.units:  # a unit whose backward did not touch every parameter
-            if self.stage >= 2 and unit.ready:
-                self._reduce(unit)
+        for c, sched in enumerate(self.schedule):  # in schedule order: what no backward issued
+            for unit in sched[self.next[c] :]:
+                if self.stage == 1 or unit.ready or unit.flat_grad is not None:
+                    self._reduce(unit)  # stage 1 without overlap: all; 2-3: a backward with no end callback
+            self.next[c] = 0
         self._drain()
         self.last = [False] * len(self.last)
         for unit in self.units:
