@@ -11,7 +11,6 @@ fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
