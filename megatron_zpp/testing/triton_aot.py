@@ -189,20 +189,34 @@ def _closure(seeds: set[str], deps: dict[str, set[str]]) -> set[str]:
 
 def int32_offsets(ttir: str) -> list[str]:
     """The `tt.addptr`s whose offset is i32 (scalar or tensor) and computed from an i32 `arith.muli` that can
-    outgrow 32 bits: one with an operand derived from a program id or an `scf.for` induction variable (a
-    position in the problem, unbounded at compile time), or one of two kernel arguments (sizes, strides). A
+    outgrow 32 bits: one with an operand derived from a program id or the counter of an `scf.for` whose bounds
+    derive from one or from an argument (a position in the problem, unbounded at compile time), or one of two
+    kernel arguments (sizes, strides). A
     tile-local range times one argument (a stride) is bounded by the tile's span of one stride, which the
     launcher passes as i64 once it passes 2^31 and the wrappers keep within 32 bits (kernels/gla.py copies
-    a tensor whose chunk would span more); products of ranges and constants only are bounded. Each as
-    "file:line (offset type)", the source line of the addptr with its call sites. Empty: every offset that
-    can outgrow 32 bits is 64-bit."""
+    a tensor whose chunk would span more); products of ranges, constants and remainders by a constant only
+    are bounded. Each as "file:line (offset type)", the source line of the addptr with its call sites.
+    Empty: every offset that can outgrow 32 bits is 64-bit."""
     locs: dict[str, str] = {}
     deps: dict[str, set[str]] = {}
     positions: set[str] = set()  # program ids, loop counters
     arguments: set[str] = set()
+    constants: set[str] = set()
+    loops: list[tuple[str, list[str]]] = []  # (induction variable, its lower and upper bounds)
     i32_products: dict[str, list[str]] = {}  # result -> its operands
     addptrs: list[tuple[str, str, str]] = []  # (offset name, offset type, location)
     stack: list[tuple[list[str], list[str]]] = []  # open regions: (results, loop-carried arguments)
+
+    scopes: list[dict[str, str]] = [{}]  # MLIR names are scoped by region: sibling regions reuse them
+
+    def define(name: str) -> str:
+        unique = f"{name}@{sum(len(x) for x in scopes)}.{len(scopes)}.{len(deps)}"
+        scopes[-1][name] = unique
+        deps.setdefault(unique, set())
+        return unique
+
+    def use(names) -> list[str]:
+        return [next((sc[n] for sc in reversed(scopes) if n in sc), n) for n in names]
 
     def depend(name: str, on) -> None:
         deps.setdefault(name, set()).update(on)
@@ -220,51 +234,78 @@ def int32_offsets(ttir: str) -> list[str]:
         closes, opens = line.startswith("}"), line.endswith("{")
         if closes and stack:
             frame = stack.pop()
+            scopes.pop()
             if opens:  # "} else {": the same op's next region
                 stack.append(frame)
+                scopes.append({})
             continue
         if line.startswith("tt.func"):
-            arguments.update(re.findall(r"%([\w$.-]+):", line))
+            scopes.append({})
+            arguments.update(define(n) for n in re.findall(r"%([\w$.-]+):", line))
             stack.append(([], []))
+            continue
+        if line.startswith("^bb"):  # a block's arguments (tt.reduce's combine region)
+            for n in re.findall(r"%([\w$.-]+):", line):
+                define(n)
             continue
         if line.startswith("scf.yield") and stack:
             results, carried = stack[-1]
-            yielded = {n for n in _NAME.findall(line.split(":", 1)[0])}
+            yielded = set(use(_NAME.findall(line.split(":", 1)[0])))
             for name in results + carried:
                 depend(name, yielded)
             continue
         d = _DEF.match(line)
+        if d is None and line.startswith("scf.for"):  # a loop with no results
+            d = re.match(r"()(.*)$", line)
         if d is None:
             if opens:
                 stack.append(([], []))
+                scopes.append({})
             continue
-        result, rhs = d.group(1), d.group(2)
+        name, rhs = d.group(1), d.group(2)
         if rhs.startswith("scf.for"):
             f = re.match(r"scf\.for %([\w$.-]+) = (.*?)(?: iter_args\((.*?)\))? (?:->|:)", rhs)
+            bounds = use(_NAME.findall(f.group(2).split(" step ")[0])) if f else []
+            inits = re.findall(r"%([\w$.-]+) = %([\w$.-]+)", (f.group(3) or "") if f else "")
+            inits = [(arg, use([init])[0]) for arg, init in inits]
+            result = define(name) if name else ""
+            scopes.append({})
             carried = []
             if f:
-                positions.add(f.group(1))
-                for arg, init in re.findall(r"%([\w$.-]+) = %([\w$.-]+)", f.group(3) or ""):
-                    depend(arg, {init})
-                    carried.append(arg)
-            stack.append(([result], carried))
+                loops.append((define(f.group(1)), bounds))
+                for arg, init in inits:
+                    carried.append(define(arg))
+                    depend(carried[-1], {init})
+            stack.append(([result] if result else [], carried))
             continue
+        operands = use(_NAME.findall(rhs.split(" : ", 1)[0] if " : " in rhs else rhs))
+        result = define(name)
         if opens:  # scf.if, scf.while, tt.reduce ...: results from its operands and its yields
             stack.append(([result], []))
-        operands = set(_NAME.findall(rhs.split(" : ", 1)[0] if " : " in rhs else rhs))
-        depend(result, operands)
+            scopes.append({})
         op = rhs.split(None, 1)[0].strip('"')
-        if op == "tt.get_program_id":
+        if op in ("arith.remsi", "arith.remui") and operands[-1] in constants:
+            operands = []  # x % constant: bounded by the constant, whatever x (a tile index decoded from a flat grid)
+        depend(result, set(operands))
+        if op == "arith.constant":
+            constants.add(result)
+        elif op == "tt.get_program_id":
             positions.add(result)
         elif op == "arith.muli" and _type_is_i32(rhs.rsplit(":", 1)[-1]):
-            i32_products[result] = _NAME.findall(rhs.split(" : ", 1)[0])
+            i32_products[result] = operands
         elif op == "tt.addptr":
-            names = _NAME.findall(rhs.split(" : ", 1)[0])
             offset_type = rhs.split(" : ", 1)[-1].rsplit(",", 1)[-1].strip()
-            if len(names) == 2 and _type_is_i32(offset_type):
-                addptrs.append((names[1], offset_type, loc))
+            if len(operands) == 2 and _type_is_i32(offset_type):
+                addptrs.append((operands[1], offset_type, loc))
 
-    position, sized = _closure(positions, deps), _closure(arguments, deps)
+    sized = _closure(arguments, deps)
+    position: set[str] = set()
+    while True:  # a loop counter is a position unless its bounds are constants or remainders by one
+        seeds = positions | {iv for iv, bounds in loops if any(b in sized or b in position for b in bounds)}
+        grown = _closure(seeds, deps)
+        if grown == position:
+            break
+        position = grown
 
     def outgrows(operands: list[str]) -> bool:
         return any(o in position for o in operands) or sum(o in sized for o in operands) >= 2

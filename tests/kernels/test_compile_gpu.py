@@ -105,6 +105,7 @@ def _good_offsets_kernel(x_ptr, y_ptr, n_cols, n_tiles, BLOCK: tl.constexpr):
         x += tl.load(x_ptr + i.to(tl.int64) * BLOCK + cols)
     tile = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # ranges x constants: bounded
     strided = tl.arange(0, 16)[:, None] * n_cols + tl.arange(0, 16)[None, :]  # a range x one stride: bounded
+    strided += (tl.program_id(0) % 4) * 16  # a program id modulo a constant: bounded
     tl.store(y_ptr + n_cols.to(tl.int64) * n_tiles + cols, x)
     tl.store(y_ptr + tile, tl.zeros([16, 16], dtype=tl.float32))
     tl.store(y_ptr + strided, tl.zeros([16, 16], dtype=tl.float32))
