@@ -186,3 +186,14 @@ def test_legacy_checkpoint_still_verifies_what_it_can(tmp_path, saved):
     os.remove(os.path.join(copy, files.META_DIGEST))
     with pytest.raises(CheckpointError, match="carries its rank and layout .* meta.json.sha256 is missing"):
         opened(copy)
+
+
+def test_legacy_checkpoint_consolidates_with_the_warning(capsys):
+    from safetensors.torch import load_file
+
+    from megatron_zpp.checkpoint.consolidate import consolidate
+
+    state, _ = consolidate(LEGACY)
+    assert "warning:" in capsys.readouterr().err
+    raw = load_file(os.path.join(LEGACY, "iter_0000002", files.rank_file(0)))  # the file itself, read plainly
+    assert state and all(torch.equal(t, raw[f"/model/chunk0.{n}"]) for n, t in state.items())
