@@ -113,6 +113,9 @@ def files(tmp_path_factory):
     f["zst_trunc"] = write(d / "trunc.jsonl.zst", zst[:-10])
     f["zst_bad"] = write(d / "bad.jsonl.zst", zst[:8] + b"\x13" * 40)
     f["no_text"] = write(d / "no_text.jsonl", b"[1]\n[2]\n")
+    f["blank_only"] = write(d / "blank_only.jsonl", b"\n\n")
+    f["empty_jsonl"] = write(d / "empty.jsonl", b"")
+    f["mostly_bad"] = write(d / "mostly_bad.jsonl", good[: good.index(b"\n") + 1] + b'{"text": oops\n' * 9)
     f["yaml_key"] = write(d / "key.yaml", b"hiden-size: 64\n")
     f["yaml_bad"] = write(d / "bad.yaml", b"hidden-size: [1, 2\n")
     f["yaml_list"] = write(d / "list.yaml", b"- 1\n- 2\n")
@@ -301,6 +304,8 @@ CASES = [
         ]
     ],
     ("pre", lambda f: pre(f, f["dir"] + "/none.jsonl"), "no such file"),
+    ("pre", lambda f: pre(f, f["empty_jsonl"]), "empty.jsonl: holds no documents (it is empty); nothing written"),
+    ("pre", lambda f: pre(f, f["blank_only"]), "blank_only.jsonl: holds no documents (2 blank line(s))"),
     ("pre", lambda f: pre(f, f["dir"] + "/*.nothing"), "no file matches"),
     ("pre", lambda f: pre(f, f["dir"]), "is a directory"),
     ("pre", lambda f: pre(f, f["jsonl"], "--workers", "0"), "--workers must be >= 1"),
@@ -322,7 +327,22 @@ CASES = [
     ("pre", lambda f: pre(f, f["jsonl"], tok=("--tokenizer-type", "Bogus")), "invalid choice"),
     # tools/train_tokenizer.py
     ("tok", lambda f: ["--input", f["dir"] + "/none.jsonl", "--model-prefix", f["dir"] + "/t"], "no such file"),
-    ("tok", lambda f: ["--input", f["no_text"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"], "0 text(s)"),
+    (
+        "tok",
+        lambda f: ["--input", f["no_text"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
+        "2 of 2 JSON lines are malformed",
+    ),
+    (
+        "tok",
+        lambda f: ["--input", f["blank_only"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
+        "0 text(s)",
+    ),
+    (  # issue 23: 9 of 10 lines malformed is refused (it trained on the one good line, silently)
+        "tok",
+        lambda f: ["--input", f["mostly_bad"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
+        "9 of 10 JSON lines are malformed (invalid JSON or UTF-8, not an object, or no string under --json-keys "
+        "text), the first at",
+    ),
     (
         "tok",
         lambda f: ["--input", f["trunc_gz"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
@@ -367,7 +387,7 @@ CASES = [
     (
         "convert",
         lambda f: ["--load", f["ckpt_unhashed"], "--to", "consolidated", "--output", f["dir"] + "/c.pt"],
-        "meta.json.sha256 is missing",
+        "unknown format None",
     ),
     (
         "pretrain",

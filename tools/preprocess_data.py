@@ -19,6 +19,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import threading
@@ -151,6 +152,69 @@ def parse_item(item, keys: list[str]):
     return texts, None
 
 
+PIECE_CHARS = 1 << 20  # a document longer than this is tokenized in pieces of about this size (the memory bound)
+_BOUNDARY = re.compile(r"(?<=\S) (?=\S)")  # one space between two non-spaces: where a long document is cut
+_PROBE = "Ab cd  ef\n gh\tij. 12 345 kl, mn\n\nop qr  st uv wx y z" * 8
+
+
+def _cut(text: str, drop_space: bool, size: int):
+    """`text` in pieces of about `size` characters, cut at single spaces between two words (the space
+    dropped with `drop_space`: a tokenizer that adds a dummy prefix puts it back, as sentencepiece does)."""
+    start = 0
+    while len(text) - start > size:
+        m = _BOUNDARY.search(text, start + size)
+        if m is None:  # no cut point left: the rest is one piece
+            break
+        yield text[start : m.start()]
+        start = m.start() + drop_space
+    yield text[start:]
+
+
+def piece_rule(tok) -> bool | None:
+    """How this tokenizer can take a document in pieces and give the tokens of the whole: drop the space at
+    each cut (True: sentencepiece, whose dummy prefix stands for it), keep it (False: byte-level BPE), or
+    neither (None: long documents are tokenized whole). Decided on a probe text cut every few words."""
+    whole = tok.tokenize(_PROBE)
+    for drop in (True, False):
+        if [i for piece in _cut(_PROBE, drop, 7) for i in tok.tokenize(piece)] == whole:
+            return drop
+    return None
+
+
+def tokenize_long(tok, text: str, dtype) -> np.ndarray:
+    """The tokens of a long document, in pieces of about PIECE_CHARS cut at whitespace, each turned into
+    an array at once: its memory is that of one piece, not the 40-odd bytes per character that
+    sentencepiece and a Python list of ids take for the whole (a 45 MB line took 2.2 GB)."""
+    if "piece_rule" not in _W:
+        _W["piece_rule"] = piece_rule(tok)
+    if _W["piece_rule"] is None:
+        return np.asarray(tok.tokenize(text), dtype)
+    parts = [np.asarray(tok.tokenize(piece), dtype) for piece in _cut(text, _W["piece_rule"], PIECE_CHARS)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def _tokenize_key(tok, texts: list[str], eod, dtype) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens of the documents that have any, their lengths, how many had none)."""
+    if all(len(t) <= PIECE_CHARS for t in texts):
+        ids = tok.tokenize_batch(texts) if hasattr(tok, "tokenize_batch") else [tok.tokenize(t) for t in texts]
+        ids = [d for d in ids if d]
+        if eod is not None:
+            for d in ids:
+                d.append(eod)
+        lengths = np.fromiter(map(len, ids), np.int32, len(ids))
+        return (
+            np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())),
+            lengths,
+            len(texts) - len(ids),
+        )
+    docs = [tokenize_long(tok, t, dtype) if len(t) > PIECE_CHARS else np.asarray(tok.tokenize(t), dtype) for t in texts]
+    docs = [d for d in docs if d.size]
+    tail = [np.array([eod], dtype)] if eod is not None else []
+    parts = [x for d in docs for x in (d, *tail)]
+    lengths = np.fromiter((d.size + len(tail) for d in docs), np.int32, len(docs))
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype)), lengths, len(texts) - len(docs)
+
+
 def encode_batch(task) -> Encoded:
     source, first, items, num_bytes = task
     tok, keys, eod, dtype = _W["tok"], _W["keys"], _W["eod"], _W["dtype"]
@@ -168,15 +232,7 @@ def encode_batch(task) -> Encoded:
         for bucket, text in zip(per_key, texts):
             bucket.append(text)
     for key, texts in zip(keys, per_key):
-        ids = tok.tokenize_batch(texts) if hasattr(tok, "tokenize_batch") else [tok.tokenize(t) for t in texts]
-        ids = [d for d in ids if d]
-        out.empty[key] = len(texts) - len(ids)
-        if eod is not None:
-            for d in ids:
-                d.append(eod)
-        lengths = np.fromiter(map(len, ids), np.int32, len(ids))
-        out.lengths[key] = lengths
-        out.tokens[key] = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
+        out.tokens[key], out.lengths[key], out.empty[key] = _tokenize_key(tok, texts, eod, dtype)
     return out
 
 
@@ -218,17 +274,35 @@ def encoded_stream(args, tok_args, dtype, stop: threading.Event):
         pool.join()
 
 
+OUTPUTS = (".bin", ".idx", ".lengths")  # what a run writes per key (the lengths side file: until the .idx is done)
+
+
+def cannot_write(e: OSError, tag: str) -> SystemExit:
+    """The one line for an output that cannot be written (the caller removes the partial outputs)."""
+    path = str(e.filename or "the output").replace(tag, "")
+    return SystemExit(
+        f"error: cannot write {path}: {e.strerror or e}; nothing written (the partial outputs were removed): "
+        "free space or give another --output-prefix"
+    )
+
+
 def run(args) -> int:
     tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1, args.vocab_file, args.merge_file)
     files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file}  # GPT2BPETokenizer's
     tok = checked_tokenizer(*tok_args[:5], **files)  # a missing or wrong tokenizer model: one line, before any output
     dtype = token_dtype(tok.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     tag = f".tmp{os.getpid()}"
-    writers = {
-        k: IndexedDatasetWriter(output_prefix(args, k) + ".bin" + tag, dtype, output_prefix(args, k) + ".lengths" + tag)
-        for k in args.json_keys
-    }
+    ours = {os.path.abspath(output_prefix(args, k) + e + t) for k in args.json_keys for e in OUTPUTS for t in ("", tag)}
+    writers = {}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+        for k in args.json_keys:
+            prefix = output_prefix(args, k)
+            writers[k] = IndexedDatasetWriter(prefix + ".bin" + tag, dtype, prefix + ".lengths" + tag)
+    except OSError as e:
+        for w in writers.values():
+            w.abort()
+        raise cannot_write(e, tag) from None
     total = None if args.hf_dataset else sum(os.path.getsize(p) for p in args.input)
     from tqdm import tqdm
 
@@ -260,6 +334,13 @@ def run(args) -> int:
                 bar.set_postfix_str(f"{docs / dt:,.0f} docs/s, {ntok / dt:,.0f} tokens/s", refresh=False)
                 last_post = now
         bar.close()
+        if docs == 0:  # an empty input, or only blank or skipped lines: nothing to write, and no empty pair
+            what = f"{len(bad):,} bad line(s) skipped (--skip-bad-lines)" if bad else f"{blank:,} blank line(s)"
+            what = what if bad or blank else "it is empty"
+            raise SystemExit(
+                f"error: --input {', '.join(args.input)}: holds no documents ({what}); nothing written "
+                f"(give the corpus, one JSON object per line)"
+            )
         for k, w in writers.items():
             w.finalize(output_prefix(args, k) + ".idx" + tag)
         # Commit: drop any old index first so that a crash between renames leaves a lone .bin.
@@ -270,6 +351,10 @@ def run(args) -> int:
             os.replace(final + ".bin" + tag, final + ".bin")
             os.replace(final + ".idx" + tag, final + ".idx")
         ok = True
+    except OSError as e:  # a full disk, a read-only file system, a quota: one line; the partial outputs go
+        if e.filename is None or os.path.abspath(str(e.filename)) not in ours:
+            raise  # not a write of ours
+        raise cannot_write(e, tag) from None
     finally:
         bar.close()
         if not ok:

@@ -6,7 +6,8 @@
 Writes MODEL_PREFIX.model and MODEL_PREFIX.vocab. Ids 0-3 are <unk>, <s> (bos), </s> (end of
 document, what --append-eod appends) and <pad>. Normalization is the identity and whitespace is
 kept, so detokenize(tokenize(text)) == text (code and indentation survive); byte fallback means
-no character is ever <unk>.
+no character is ever <unk>. Malformed JSON lines are skipped and counted (one warning line: the
+count and the first one); an input more than half malformed is refused, nothing written.
 """
 
 from __future__ import annotations
@@ -39,9 +40,36 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     return paths
 
 
-def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False):
-    """Yield every text field of every document; malformed lines are skipped here (the
-    preprocessor is the strict one)."""
+class TooManyMalformed(Exception):
+    """More than half of the JSON lines are malformed: the wrong file or the wrong --json-keys."""
+
+
+class LineStats:
+    """What iter_texts saw of the JSON lines: how many (blank ones aside), how many were malformed
+    (invalid JSON or UTF-8, not an object, or no string under any --json-keys) and the first of those."""
+
+    def __init__(self):
+        self.lines, self.malformed, self.first = 0, 0, None
+
+    def bad(self, where: str) -> None:
+        self.malformed += 1
+        self.first = self.first or where
+
+    def summary(self, json_keys: list[str]) -> str:
+        return (
+            f"{self.malformed:,} of {self.lines:,} JSON lines are malformed (invalid JSON or UTF-8, not an object, "
+            f"or no string under --json-keys {' '.join(json_keys)}), the first at {self.first}"
+        )
+
+    def too_many(self) -> bool:
+        return self.malformed * 2 > self.lines
+
+
+def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False, stats: LineStats | None = None):
+    """Yield every text field of every document. Malformed JSON lines are skipped and counted in
+    `stats`; when more than half of them are, TooManyMalformed is raised at the end of the input
+    (before sentencepiece trains or writes anything)."""
+    stats = stats if stats is not None else LineStats()
     if hf_dataset:
         from preprocess_data import open_hf_dataset  # tools/ is on sys.path
 
@@ -53,17 +81,23 @@ def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False)
     for path in paths:
         with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
             if strip_compression_suffix(path).endswith((".jsonl", ".json", ".ndjson")):
-                for line in f:
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    stats.lines += 1
                     try:
                         doc = json.loads(line)
                     except ValueError:  # invalid JSON or UTF-8
-                        continue
-                    for k in json_keys:
-                        if isinstance(doc, dict) and isinstance(doc.get(k), str):
-                            yield doc[k]
+                        doc = None
+                    texts = [doc[k] for k in json_keys if isinstance(doc, dict) and isinstance(doc.get(k), str)]
+                    if not texts:
+                        stats.bad(f"{path}:{number}")
+                    yield from texts
             else:  # plain text: the whole file is one stream of lines
                 for line in f:
                     yield line.decode("utf-8", errors="replace")
+    if stats.too_many():
+        raise TooManyMalformed(stats.summary(json_keys))
 
 
 class Counted:
@@ -171,7 +205,8 @@ def main(argv=None) -> int:
         p.error(f"--vocab-size must be >= 1 (got {args.vocab_size})")
     t0 = time.time()
     # sentencepiece trains in C++ with no progress to report: the bar covers reading the input
-    texts = Counted(progress(iter_texts(paths, args.json_keys, args.hf_dataset), "reading text", unit=" texts"))
+    stats = LineStats()
+    texts = Counted(progress(iter_texts(paths, args.json_keys, args.hf_dataset, stats), "reading text", unit=" texts"))
     try:
         model = train(
             texts,
@@ -188,10 +223,19 @@ def main(argv=None) -> int:
     except CompressedInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # sentencepiece's own refusal: no text, a vocabulary it cannot reach, ...
+    except (TooManyMalformed, RuntimeError) as e:  # sentencepiece's own refusal: no text, a vocabulary it cannot reach
+        if stats.too_many():  # iter_texts' (sentencepiece passes it on as a RuntimeError): nothing was written
+            print(
+                f"error: {stats.summary(args.json_keys)}: more than half, so refused (nothing written); "
+                "give the right --input or --json-keys",
+                file=sys.stderr,
+            )
+            return 1
         found = f"{texts.count} text(s) of --json-keys {' '.join(args.json_keys)} found in --input"
         print(f"error: sentencepiece could not train ({' '.join(str(e).split())}); {found}", file=sys.stderr)
         return 1
+    if stats.malformed:
+        print(f"warning: {stats.summary(args.json_keys)}: skipped", file=sys.stderr)
     print(
         f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
         f"in {time.time() - t0:.1f}s",

@@ -9,10 +9,12 @@ reshards a checkpoint into another layout on load), from the fp32 master weights
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..progress import progress
-from .files import find_checkpoint
+from .files import find_checkpoint, legacy_warning
 from .layout import config_from_dict
 from .reshard import SavedCheckpoint
 
@@ -21,6 +23,8 @@ def consolidate(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(full fp32 weights by single-rank parameter name, the run's config dict) of the
     checkpoint `ckpt_dir/latest` names (or of an iteration directory itself)."""
     path, meta = find_checkpoint(ckpt_dir)
+    if legacy_warning(meta):  # saved before meta.json.sha256: read, meta.json unverified
+        print(f"warning: {legacy_warning(meta)}", file=sys.stderr)
     saved = SavedCheckpoint(path, meta)
     names = progress(saved.names(), "consolidating", unit=" tensors")
     return {name: saved.full(name, moments=False)["param"] for name in names}, meta["config"]

@@ -177,9 +177,12 @@ META_FIELDS = {
 OPTIONAL_META_FIELDS = {"tracking": dict, "train_state": dict}
 
 
+META_DIGEST = "meta.json.sha256"
+
+
 def meta_digest_file(iteration_dir: str) -> str:
     """Beside meta.json: its sha256, written last by the save, checked first by every read."""
-    return os.path.join(iteration_dir, "meta.json.sha256")
+    return os.path.join(iteration_dir, META_DIGEST)
 
 
 def write_meta(iteration_dir: str, meta: dict) -> None:
@@ -253,20 +256,36 @@ def meta_problem(meta) -> str | None:
     return _config_problem(meta["config"])
 
 
+# set (by _read_meta_file, never read from a file) on the meta of a checkpoint saved before meta.json.sha256
+# and the rank files' own rank and layout existed: the warning text, which the load logs once
+LEGACY = "_legacy_unverified"
+
+
+def legacy_warning(meta: dict) -> str | None:
+    """The one warning line a load of a pre-sha256 checkpoint prints (None for a current one)."""
+    return meta.get(LEGACY)
+
+
 def _read_meta_file(meta_path: str) -> dict:
-    """meta.json, checked against its sha256 (meta.json.sha256 beside it) and its schema."""
+    """meta.json, checked against its sha256 (meta.json.sha256 beside it) and its schema. A checkpoint
+    without meta.json.sha256 is taken as the legacy format (saved before it existed): its meta.json is
+    unverified (marked with LEGACY), the rest is checked as usual, and its rank files must be legacy too
+    (no 'rank' or 'layout' of their own, see _rank_file_problem)."""
+    digest_path = meta_digest_file(os.path.dirname(meta_path))
     try:
         with open(meta_path, "rb") as f:
             data = f.read()
-        with open(meta_digest_file(os.path.dirname(meta_path))) as f:
-            digest = f.read().strip()
+        digest = None
+        if os.path.exists(digest_path):
+            with open(digest_path) as f:
+                digest = f.read().strip()
     except FileNotFoundError as e:
         raise CheckpointError(f"{e.filename} is missing (incomplete or damaged checkpoint)") from None
     except OSError as e:
         raise CheckpointError(f"{meta_path}: cannot be read ({e.strerror or e})") from None
-    if hashlib.sha256(data).hexdigest() != digest:
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(
-            f"{meta_path}: its sha256 does not match {os.path.basename(meta_digest_file(''))} beside it "
+            f"{meta_path}: its sha256 does not match {os.path.basename(digest_path)} beside it "
             "(edited or damaged): restore the file as saved"
         )
     try:
@@ -276,6 +295,12 @@ def _read_meta_file(meta_path: str) -> dict:
     problem = meta_problem(meta)
     if problem:
         raise CheckpointError(f"{meta_path}: {problem}")
+    if digest is None:
+        meta[LEGACY] = (
+            f"{meta_path}: a checkpoint saved before meta.json.sha256 existed (legacy format): meta.json itself is "
+            "unverified (the rank files' sha256s it lists, their keys, shapes and dtypes are checked); "
+            "the next save writes the current format"
+        )
     return meta
 
 
@@ -300,6 +325,10 @@ class RankFile:
     def state(self) -> dict:
         return _unflatten(self._skeleton, self.tensor)
 
+    def header_keys(self) -> set:
+        """The top-level entries of the saved dict."""
+        return {k for k, _ in self._skeleton.get("d", [])}
+
     def header(self, key: str):
         """A top-level entry of the saved dict (a number, the layout), read without its tensors; KeyError if absent."""
         entries = dict(self._skeleton.get("d", []))
@@ -312,6 +341,17 @@ RANK_FILE_COPIES = ("iteration", "consumed_samples", "layout")
 
 def _rank_file_problem(rf: RankFile, meta: dict, rank: int) -> str | None:
     """Why the file `rf`, opened as `rank`'s, disagrees with meta.json (None when it agrees)."""
+    if meta.get(LEGACY):  # a legacy file carries no rank or layout; a current one means meta.json.sha256 was lost
+        entries = rf.header_keys()
+        if "rank" in entries or "layout" in entries:
+            return (
+                f"carries its rank and layout (the current format) but {META_DIGEST} is missing beside meta.json "
+                "(incomplete or damaged checkpoint)"
+            )
+        for key in ("iteration", "consumed_samples"):  # the legacy format had these two
+            if key in entries and rf.header(key) != meta[key]:
+                return f"field {key!r} is {rf.header(key)!r} but meta.json says {meta[key]!r}"
+        return None
     try:
         saved_rank = rf.header("rank")
         if saved_rank != rank:

@@ -50,6 +50,7 @@ from .files import (
     fsync_path,
     fsync_write,
     iter_name,
+    legacy_warning,
     locate_checkpoint,
     nonfinite_tensors,
     rank_file,
@@ -358,6 +359,7 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
     run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
     run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
     run.last_checkpoint = path
+    run.load_warning = legacy_warning(meta)  # a checkpoint saved before meta.json.sha256: loaded, unverified
     _restore_train_state(run, meta)
     what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size

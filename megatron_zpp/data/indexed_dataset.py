@@ -157,6 +157,14 @@ class IndexedDataset:
         return self.get(int(i))
 
 
+def _write(f, path: str, array: np.ndarray) -> None:
+    """f.write(array's bytes); an OSError (a full disk) names `path`, which a file object's write does not."""
+    try:
+        f.write(array.tobytes())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 class IndexedDatasetWriter:
     """Streams sequences to `bin_file`; lengths spill to a side file so memory stays flat
     however large the corpus. `finalize(idx_file)` writes the index in one streaming pass.
@@ -186,8 +194,8 @@ class IndexedDatasetWriter:
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)
         lengths = np.ascontiguousarray(lengths, dtype=np.int32)
         assert int(lengths.sum(dtype=np.int64)) == tokens.size, "lengths must add up to the tokens"
-        self._bin.write(tokens.tobytes())
-        self._lengths.write(lengths.tobytes())
+        _write(self._bin, self.bin_file, tokens)
+        _write(self._lengths, self.lengths_file, lengths)
         self.num_sequences += lengths.size
         self.num_tokens += tokens.size
 
@@ -207,8 +215,19 @@ class IndexedDatasetWriter:
         self.num_tokens += other.num_tokens
 
     def finalize(self, idx_file: str) -> None:
-        self._bin.close()
-        self._lengths.close()
+        """Write the index; an OSError (a full disk) names the file it was writing (`filename`)."""
+        for f, path in ((self._bin, self.bin_file), (self._lengths, self.lengths_file)):
+            try:
+                f.close()  # flushes the last buffered bytes: where a full disk shows
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, path) from None
+        try:
+            self._write_index(idx_file)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, e.filename or idx_file) from None
+        os.remove(self.lengths_file)
+
+    def _write_index(self, idx_file: str) -> None:
         n = self.num_sequences
         with open(idx_file, "wb") as out, open(self.lengths_file, "rb") as lengths:
             out.write(encode_header(self.dtype, n, n + 1))
@@ -224,12 +243,14 @@ class IndexedDatasetWriter:
                 pointer = int(ends[-1])
             for s in range(0, n + 1, self.BLOCK):
                 out.write(np.arange(s, min(s + self.BLOCK, n + 1), dtype=np.int64).tobytes())
-        os.remove(self.lengths_file)
 
     def abort(self) -> None:
-        """Close and delete everything written so far (used when a run fails)."""
+        """Close and delete everything written so far (used when a run fails, a full disk included)."""
         for f in (self._bin, self._lengths):
-            f.close()
+            try:
+                f.close()
+            except OSError:  # the buffered bytes that a full disk would not take: the file goes anyway
+                pass
         for p in (self.bin_file, self.lengths_file):
             if os.path.exists(p):
                 os.remove(p)

@@ -52,6 +52,7 @@ class Run:
     iteration: int = 0
     consumed_samples: int = 0
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
+    load_warning: str | None = None  # a --load that worked but is worth one line (a legacy, unverified meta.json)
     stopped_by_signal: bool = False  # --exit-signal-handler: the signal ended train() early
     exit_signal: ExitSignal | None = None  # installed at set-up, so a signal while loading is kept
     memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
@@ -120,6 +121,8 @@ def _load(run: Run) -> None:
     t = run.cfg.train
     restored = load_checkpoint(run, t.load, t.ckpt_step)
     if restored:
+        if run.load_warning:
+            log(f"warning: {run.load_warning}", run.rank)
         log(f"loaded {restored}", run.rank)
     elif _same_dir(t.load, t.save):
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)

@@ -129,3 +129,71 @@ def test_tensor_rewritten_in_another_dtype_is_refused(saved, tmp_path):
     assert errors[0].endswith(
         "/model/chunk0.embedding.weight is float16, this layout saves float32 (the file was rewritten?)"
     )
+
+
+# ---- the legacy format: a checkpoint saved before meta.json.sha256 (tests/fixtures/ck_ae388d2) ----
+LEGACY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ck_ae388d2")
+LEGACY_ARGV = (
+    OLD_DEFAULTS
+    + (
+        "--mock-data --device cpu --num-layers 1 --hidden-size 16 --num-attention-heads 2 --ffn-hidden-size 32 "
+        "--seq-length 16 --vocab-size 64 --make-vocab-size-divisible-by 32 --global-batch-size 4 "
+        "--micro-batch-size 1 --train-iters 3 --seed 5 --peak-tflops 1 --lr 1e-3"
+    ).split()
+)
+
+
+def _legacy_run(argv):
+    run = training.setup(validate(parse_args(LEGACY_ARGV + argv), 1))
+    losses = [h["loss"] for h in training.train(run)]
+    return run, losses, {n: p.detach().clone() for n, p in run.chunks[0].named_parameters()}
+
+
+def test_legacy_checkpoint_loads_with_one_warning_and_resumes_exactly(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(LEGACY, ck)
+    run, losses, weights = _legacy_run(["--load", ck, "--save", ck])
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "legacy format" in warnings[0] and "unverified" in warnings[0], out
+    assert run.iteration == 3 and len(losses) == 1
+    assert abs(losses[0] - 4.1278) < 1e-4  # what the code of ae388d2 logged at iteration 3 without stopping
+    _, plain_losses, plain_weights = _legacy_run([])  # this code, 3 iterations without stopping
+    assert losses[0] == plain_losses[-1]
+    assert all(torch.equal(weights[n], plain_weights[n]) for n in plain_weights)
+    assert os.path.exists(os.path.join(ck, "iter_0000003", files.META_DIGEST))  # the next save: current format
+
+
+def _legacy_copy(tmp_path):
+    copy = str(tmp_path / "iter_0000002")
+    shutil.copytree(os.path.join(LEGACY, "iter_0000002"), copy)
+    return copy
+
+
+def test_legacy_checkpoint_still_verifies_what_it_can(tmp_path, saved):
+    copy = _legacy_copy(tmp_path)
+    fpath = os.path.join(copy, files.rank_file(0))
+    open(fpath, "r+b").write(b"\0" * 8)  # a damaged rank file: its sha256 in meta.json still catches it
+    with pytest.raises(CheckpointError, match="corrupted or truncated: its sha256 does not match meta.json"):
+        opened(copy)
+    # a legacy meta.json with a sha256 beside it that does not match: an error, not the legacy format
+    copy = _legacy_copy(tmp_path / "b")
+    open(os.path.join(copy, files.META_DIGEST), "w").write("0" * 64 + "\n")
+    with pytest.raises(CheckpointError, match="its sha256 does not match meta.json.sha256"):
+        opened(copy)
+    # a current checkpoint whose meta.json.sha256 was lost is not taken for a legacy one
+    copy = tampered(saved, tmp_path / "c")
+    os.remove(os.path.join(copy, files.META_DIGEST))
+    with pytest.raises(CheckpointError, match="carries its rank and layout .* meta.json.sha256 is missing"):
+        opened(copy)
+
+
+def test_legacy_checkpoint_consolidates_with_the_warning(capsys):
+    from safetensors.torch import load_file
+
+    from megatron_zpp.checkpoint.consolidate import consolidate
+
+    state, _ = consolidate(LEGACY)
+    assert "warning:" in capsys.readouterr().err
+    raw = load_file(os.path.join(LEGACY, "iter_0000002", files.rank_file(0)))  # the file itself, read plainly
+    assert state and all(torch.equal(t, raw[f"/model/chunk0.{n}"]) for n, t in state.items())
