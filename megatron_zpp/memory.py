@@ -45,10 +45,10 @@ from .pipeline_parallel.stages import stage_chunks
 from .topology import Group
 from .training.builders import meta_model
 from .zero.sharded_params import flat_geometry, model_units, pad_block
+from .zero.zero_engine import reductions_in_flight
 
 GiB = 2**30
 CE_CHUNK_ELEMENTS = 1 << 22  # ops/cross_entropy.py: fp32 values per row chunk
-ZERO_GRADS_IN_FLIGHT = 3  # zero_engine.py: MAX_IN_FLIGHT (2) pending reductions + the unit accumulating
 
 
 # ---------------------------------------------------------------- measuring (CPU)
@@ -395,10 +395,11 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     if stage == 3 and z.zero_hpz_partition_size > 1:
         terms["hpZ secondary shard"] = e * full // z.zero_hpz_partition_size
     biggest = sorted(padded, reverse=True)
+    in_flight = reductions_in_flight(cfg) + 1  # the pending reductions + the unit accumulating
     if stage >= 2:
-        transient["unit gradients in flight (fp32)"] = 4 * sum(biggest[:ZERO_GRADS_IN_FLIGHT])
+        transient["unit gradients in flight (fp32)"] = 4 * sum(biggest[:in_flight])
     if backend == "gloo" and group > 1 and not (z.zero_quantized_gradients or z.zero_hierarchy):
-        transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: ZERO_GRADS_IN_FLIGHT - 1])
+        transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: in_flight - 1])
     if stage == 3:
         ends = [pad for (name, _), pad in zip(units, padded) if name in ("embedding", "head")]
         blocks = sorted(

@@ -60,18 +60,11 @@ from ..config import Config
 from ..context_parallel import auto_blocks
 from ..data.tokenizer import pad_vocab_size
 from ..perf import flops_per_token
-from ..topology import Group, topology_from_config, zero_reduce_tiers
+from ..topology import Group, topology_from_config
+from ..zero.zero_engine import reductions_in_flight
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks
 from .hardware import Cluster
 from .schedule import pipeline_time
-
-
-def reductions_in_flight(cfg: Config) -> int:
-    """zero_engine.ZeroEngine.max_in_flight: --zero-reduce-in-flight (default 2), at least the hops."""
-    z = cfg.zero
-    hierarchical = z.zero_quantized_gradients or bool(z.zero_hierarchy)
-    hops = len(zero_reduce_tiers(cfg, topology_from_config(cfg))) + 1 if hierarchical else 1
-    return max(z.zero_reduce_in_flight or 2, hops)
 
 
 def _steps(op: str, n: int) -> int:

@@ -66,7 +66,7 @@ import torch
 from ..model.init import materialize
 from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
 from ..recompute import recomputing
-from ..topology import ProcessGroups
+from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
 from .sharded_params import FlatUnit, model_units, pad_block
@@ -103,6 +103,21 @@ class PendingReduce:
     done: object = None
 
 
+def in_flight_limit(requested: int | None, hops: int) -> int:
+    """Reductions in flight (each holds its unit's gradient until it lands): --zero-reduce-in-flight
+    (default 2), at least one per hop, so that a reduction's outermost hop is never issued and waited
+    for in the same call."""
+    return max(requested or 2, hops)
+
+
+def reductions_in_flight(cfg) -> int:
+    """The engine's in-flight limit for a configuration (the estimator and the simulator: no groups)."""
+    z = cfg.zero
+    hierarchical = z.zero_quantized_gradients or bool(z.zero_hierarchy)
+    hops = len(zero_reduce_tiers(cfg, topology_from_config(cfg))) + 1 if hierarchical else 1
+    return in_flight_limit(z.zero_reduce_in_flight, hops)
+
+
 class ZeroEngine(DataParallelEngine):
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
         """`chunks` built on the meta device come with `init` (model/init.RankInit): each unit then
@@ -117,14 +132,12 @@ class ZeroEngine(DataParallelEngine):
         self.clip = optim_cfg.clip_grad
         hierarchical = zero_cfg.zero_quantized_gradients or bool(zero_cfg.zero_hierarchy)
         self.reduce_hops = groups.dp_tier_hops() if hierarchical else None
-        # reductions in flight (each holds its unit's gradient until it lands): at least one per hop, so
-        # that the outermost hop of a reduction is never issued and waited for in the same call
         hops = len(self.reduce_hops) if self.reduce_hops else 1
-        self.max_in_flight = max(zero_cfg.zero_reduce_in_flight or 2, hops)
+        self.max_in_flight = in_flight_limit(zero_cfg.zero_reduce_in_flight, hops)
         # side streams (no-ops on CPU: the same code runs everywhere): weight gathers on one, each
         # reduction hop on its link tier's; on an accelerator a reduction's whole hop chain is enqueued
         # at once (NCCL waits only order streams), on CPU gloo's waits block, so hops advance one per unit
-        device = next(p.device for c in chunks for p in c.parameters())
+        device = init.device if init is not None else next(p.device for c in chunks for p in c.parameters())
         self.dev = torch.get_device_module(device)
         self.gather_stream = self.dev.Stream()
         self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
