@@ -440,6 +440,8 @@ def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> l
     for group in ([g.dp_cp] if z.zero_stage >= 1 else []) + [g.mp]:
         if group.size > 1:
             out.append(_coll(group, "grad_norm", "all_reduce", 8, "misc"))
+    if g.world.size > 1:  # optim/nonfinite.agree_finite: the loss's and the gradients' flags, every step
+        out.append(_coll(g.world, "step_check", "all_reduce", 8, "misc"))
     if z.zero_stage in (1, 2) and g.dp_cp.size > 1:
         out += [_coll(g.dp_cp, "zero_param_allgather", "all_gather", u.padded * e, "param_gather") for u in units]
     if g.pp.size > 1:

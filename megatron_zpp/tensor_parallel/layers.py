@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from ..topology import Group
 from .mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
@@ -129,7 +130,7 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
     IndexError (TP 1) or the silent zero rows of a vocabulary-parallel lookup (TP > 1). On the CPU one
     min/max names the id; on an accelerator a device-side assert keeps the host from syncing every step
     (pretrain_gpt.py has already checked every token of the data files against the vocabulary)."""
-    if ids.device.type != "cpu":
+    if ids.device.type != "cpu" or is_fake(ids):  # fake tensors (a dry run) hold no values to name
         torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(), _TOKEN_ID_HINT.format(bad="", n=vocab_size))
         return
     low, high = (int(v) for v in torch.aminmax(ids))
