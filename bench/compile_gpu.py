@@ -33,10 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.kernels import cross_entropy, gla, norm, quantize, rope, swiglu  # noqa: E402
-from megatron_zpp.ops.quantize import wire_bytes  # noqa: E402
-from megatron_zpp.testing import triton_aot  # noqa: E402
+from megatron_zpp.kernels import cross_entropy, gla, norm, quantize, rope, swiglu
+from megatron_zpp.ops.quantize import wire_bytes
+from megatron_zpp.testing import triton_aot
 
 ARCHS = (80, 90)
 META = torch.device("meta")

@@ -57,7 +57,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
 step "kernels at the compile test's shapes, against their references"
-stage "gpu_shapes" 110 gpu_shapes.txt $PY bench/gpu_shapes.py --device cuda
+stage "gpu_shapes" 110 gpu_shapes.txt $PY -m bench.gpu_shapes --device cuda
 
 step "kernels: checks at benchmark shapes, then timings vs reference, torch.compile, fla, Liger, copy bandwidth"
 stage "kernels" 150 kernels.txt $PY bench/kernels.py --device cuda

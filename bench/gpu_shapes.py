@@ -1,7 +1,7 @@
 """The compile test's shapes run for real: each kernel against its PyTorch reference, max error printed.
 
-    python bench/gpu_shapes.py --device cuda                    (bench/gpu_check.sh, stage 2)
-    TRITON_INTERPRET=1 .venv/bin/python bench/gpu_shapes.py --device cpu --scale 1024   (CPU dry run)
+    python -m bench.gpu_shapes --device cuda                     (bench/gpu_check.sh, stage 2)
+    TRITON_INTERPRET=1 .venv/bin/python -m bench.gpu_shapes --device cpu --scale 1024   (CPU dry run)
 
 The cases are bench/compile_gpu.py's CI subset (--all: the full sweep), at their shapes: each kernel's
 default configuration and the shapes at risk (more than 2^31 elements, more than 65535 GLA chunks). The
@@ -17,22 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.compile_gpu import all_cases  # noqa: E402
-from megatron_zpp.ops import dispatch  # noqa: E402
-from megatron_zpp.ops import quantize as q_ops  # noqa: E402
-from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad  # noqa: E402
-from megatron_zpp.ops.gla import chunk_gla  # noqa: E402
-from megatron_zpp.ops.norm import layer_norm, rms_norm  # noqa: E402
-from megatron_zpp.ops.rope import apply_rope  # noqa: E402
-from megatron_zpp.ops.swiglu import swiglu  # noqa: E402
+from bench.compile_gpu import all_cases
+from megatron_zpp.ops import dispatch
+from megatron_zpp.ops import quantize as q_ops
+from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
+from megatron_zpp.ops.gla import chunk_gla
+from megatron_zpp.ops.norm import layer_norm, rms_norm
+from megatron_zpp.ops.rope import apply_rope
+from megatron_zpp.ops.swiglu import swiglu
 
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
