@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         print(__doc__)
     ours, rest = tool_args(argv)
     try:
-        cfg = validate(parse_args(rest), ours.world_size)
+        cfg = validate(parse_args(rest), ours.world_size, run=False)
     except ConfigError as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2
