@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
+from .data.tokenizer import infer_tokenizer_type
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
@@ -92,8 +93,10 @@ def derive(cfg: Config, world_size: int) -> None:
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
     d = cfg.data
-    if d.tokenizer_type is None:
-        d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+    if d.tokenizer_type is None:  # the one rule preprocess_data.py uses too
+        d.tokenizer_type, d.tokenizer_type_inferred = infer_tokenizer_type(
+            d.tokenizer_model, d.vocab_file, d.merge_file
+        )
     if cfg.zero.use_distributed_optimizer and cfg.zero.zero_stage == 0:  # Megatron's distributed optimizer
         cfg.zero.zero_stage = 1
     if t.train_iters is None:  # Megatron: from --train-samples, else our default

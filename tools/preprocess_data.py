@@ -33,7 +33,7 @@ from megatron_zpp.config import ConfigError  # noqa: E402
 from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron_zpp.data.inputs import checked_tokenizer  # noqa: E402
-from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_zpp.data.tokenizer import build_tokenizer, infer_tokenizer_type  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
 BATCH_LINES, BATCH_BYTES = 1024, 1 << 20  # one task to a worker
@@ -287,6 +287,10 @@ def cannot_write(e: OSError, tag: str) -> SystemExit:
 
 
 def run(args) -> int:
+    if args.tokenizer_type is None:  # the rule training uses (validation.derive)
+        args.tokenizer_type, why = infer_tokenizer_type(args.tokenizer_model, args.vocab_file, args.merge_file)
+        if not args.quiet:
+            print(f"--tokenizer-type {args.tokenizer_type} (inferred: {why})", file=sys.stderr)
     tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1, args.vocab_file, args.merge_file)
     files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file}  # GPT2BPETokenizer's
     tok = checked_tokenizer(*tok_args[:5], **files)  # a missing or wrong tokenizer model: one line, before any output
@@ -404,8 +408,10 @@ def parse_args(argv=None):
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output pair each")
     p.add_argument(
         "--tokenizer-type",
-        default="SentencePieceTokenizer",
+        default=None,
         choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+        help="default: inferred as pretrain_gpt.py does (--vocab-file and --merge-file: GPT2BPETokenizer; "
+        "a --tokenizer-model .model file: SentencePieceTokenizer, a directory: HuggingFaceTokenizer)",
     )
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model file, or HF tokenizer directory")
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")

@@ -81,6 +81,8 @@ def setup(cfg: Config) -> Run:
     except KernelUnavailable as e:
         raise ConfigError(str(e)) from None
     memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
+    if cfg.data.tokenizer_type_inferred:
+        log(f"--tokenizer-type {cfg.data.tokenizer_type} (inferred: {cfg.data.tokenizer_type_inferred})", groups.rank)
     tokenizer = load_tokenizer(cfg, groups.tp.size)  # a bad tokenizer model is a ConfigError
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks, init = build_model(cfg, groups, tokenizer.padded_vocab_size, device)  # on meta: the engine fills them
