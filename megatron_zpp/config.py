@@ -471,7 +471,10 @@ class TrainConfig:
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
     )
     exit_signal_handler: bool = opt(
-        False, "--exit-signal-handler", "on --exit-signal (preemption), finish the step, save to --save and exit 0"
+        False,
+        "--exit-signal-handler",
+        "on --exit-signal (preemption), finish the step, save to --save and exit 0 (Ctrl-C is always caught: "
+        "finish the step, save when --save is given, exit 130; a second Ctrl-C stops at once)",
     )
     exit_signal: list[str] = opt(
         ["SIGTERM"],
