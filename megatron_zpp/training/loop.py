@@ -193,6 +193,8 @@ def train(run: Run) -> list[dict]:
         clock.add(metrics["step_time"])
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
             metrics["val_loss"] = evaluate(run)
+        if run.resumed_from:  # the first step after a --load says so (tools/plot_metrics.py marks it)
+            metrics["resumed_from"], run.resumed_from = run.resumed_from, None
         history.append(metrics)
         sink.write(metrics, run.iteration)
         if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:

@@ -67,6 +67,7 @@ class Run:
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, interrupt, interval, duration)
     stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
+    resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
 
@@ -127,6 +128,7 @@ def _load(run: Run) -> None:
         if run.load_warning:
             log(f"warning: {run.load_warning}", run.rank)
         log(f"loaded {restored}", run.rank)
+        run.resumed_from = run.last_checkpoint
     elif _same_dir(t.load, t.save):
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
     else:
