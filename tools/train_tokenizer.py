@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
+from megatron_zpp.data.compressed import CompressedInputError, is_json_lines, open_input, text_lines  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
 SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
@@ -79,23 +79,22 @@ def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False,
                     yield row[k]
         return
     for path in paths:
+        if not is_json_lines(path):  # plain text: the whole file is one stream of lines
+            yield from text_lines(path)
+            continue
         with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
-            if strip_compression_suffix(path).endswith((".jsonl", ".json", ".ndjson")):
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    stats.lines += 1
-                    try:
-                        doc = json.loads(line)
-                    except ValueError:  # invalid JSON or UTF-8
-                        doc = None
-                    texts = [doc[k] for k in json_keys if isinstance(doc, dict) and isinstance(doc.get(k), str)]
-                    if not texts:
-                        stats.bad(f"{path}:{number}")
-                    yield from texts
-            else:  # plain text: the whole file is one stream of lines
-                for line in f:
-                    yield line.decode("utf-8", errors="replace")
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                stats.lines += 1
+                try:
+                    doc = json.loads(line)
+                except ValueError:  # invalid JSON or UTF-8
+                    doc = None
+                texts = [doc[k] for k in json_keys if isinstance(doc, dict) and isinstance(doc.get(k), str)]
+                if not texts:
+                    stats.bad(f"{path}:{number}")
+                yield from texts
     if stats.too_many():
         raise TooManyMalformed(stats.summary(json_keys))
 
