@@ -236,11 +236,25 @@ def main(argv=None) -> int:
     if stats.malformed:
         print(f"warning: {stats.summary(args.json_keys)}: skipped", file=sys.stderr)
     print(
-        f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
-        f"in {time.time() - t0:.1f}s",
+        f"wrote {model} and {args.model_prefix}.vocab ({vocab_report(model, args)}) in {time.time() - t0:.1f}s",
         file=sys.stderr,
     )
     return 0
+
+
+def vocab_report(model: str, args) -> str:
+    """What the written model really holds, read back from it: sentencepiece (hard_vocab_limit off)
+    writes fewer pieces than --vocab-size when the corpus has no more; and the size training pads it to."""
+    import sentencepiece as spm
+
+    from megatron_zpp.data.tokenizer import pad_vocab_size
+
+    size = spm.SentencePieceProcessor(model_file=model).get_piece_size()
+    text = f"{args.model_type}, vocab {size:,}"
+    if size != args.vocab_size:
+        text += f" where --vocab-size {args.vocab_size:,} was asked: the corpus gave no more pieces"
+    padded = pad_vocab_size(size, 128, 1)
+    return text + f"; pretrain_gpt.py pads it to {padded:,} at --make-vocab-size-divisible-by 128 and TP 1"
 
 
 if __name__ == "__main__":
