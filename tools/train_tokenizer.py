@@ -8,6 +8,10 @@ document, what --append-eod appends) and <pad>. Normalization is the identity an
 kept, so detokenize(tokenize(text)) == text (code and indentation survive); byte fallback means
 no character is ever <unk>. Malformed JSON lines are skipped and counted (one warning line: the
 count and the first one); an input more than half malformed is refused, nothing written.
+The last line gives the vocabulary really written, read back from the model: sentencepiece writes
+fewer pieces than --vocab-size when the corpus holds no more (said so), and the size
+pretrain_gpt.py pads it to. A file not named .jsonl/.json/.ndjson whose first line is not a JSON
+object is plain text (the rule tools/preprocess_data.py reads by).
 """
 
 from __future__ import annotations
