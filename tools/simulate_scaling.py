@@ -21,6 +21,9 @@ given, else the preset's dense bf16/fp16 data-sheet peak; --peak-tflops changes 
 denominator, not the preset's compute rate), and the bytes per rank per link
 class (the ledger's byte model: what --comm-report would record). megatron_zpp/simulator/
 model.py states the overlap model. --ranks-per-node defaults to the preset's node size.
+The flags are checked as pretrain_gpt.py checks them, less what only a run reads or writes (the
+data, the tokenizer's files, the checkpoint directories): every examples/configs/*.yaml is accepted
+as it is (--config examples/configs/gpt1.3b_zeropp.yaml).
 """
 
 from __future__ import annotations
