@@ -7,7 +7,8 @@ created: an invalid layout costs one clear error, not a failed job. A rank whose
 died or hung (past --distributed-timeout-minutes), or whose checkpoint cannot be loaded,
 or whose input files are missing or malformed (checked before the model is built),
 exits non-zero with one line naming the cause; any other exception is a bug and keeps
-its traceback.
+its traceback. Ctrl-C (SIGINT, which torchrun forwards to every rank) finishes the step, saves
+when --save is given and exits 130 with one line per rank; a second Ctrl-C stops at once.
 """
 
 import os
@@ -31,6 +32,14 @@ TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
 def main(argv=None):
     try:
+        _main(argv)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training: nothing saved
+        print(f"rank {os.environ.get('RANK', '0')}: interrupted by SIGINT: stopped at once, not saved", flush=True)
+        sys.exit(130)
+
+
+def _main(argv):
+    try:
         _, world = launch_env(os.environ)
         cfg = parse_config(argv, world)
         check_inputs(cfg)  # data files and tokenizer: before any process group or model exists
@@ -46,6 +55,9 @@ def main(argv=None):
     try:
         run = training.setup(cfg)
         training.train(run)
+        if run.stopped_by == "interrupt":  # Ctrl-C: the step finished, saved when --save; the one line said so
+            training.shutdown()
+            sys.exit(130)
         if (
             cfg.train.generate_tokens and not run.stopped_by_signal
         ):  # every rank decodes: TP ranks must take part in each forward

@@ -350,8 +350,9 @@ class DataConfig:
     tokenizer_type: str | None = opt(
         None,
         "--tokenizer-type",
-        "tokenizer (default: GPT2BPETokenizer when --vocab-file and --merge-file are given, as Megatron's GPT-3 "
-        "example expects, else NullTokenizer)",
+        "tokenizer (default: inferred from the files given and logged: --vocab-file and --merge-file "
+        "GPT2BPETokenizer, as Megatron's GPT-3 example expects; a --tokenizer-model .model file "
+        "SentencePieceTokenizer, a directory HuggingFaceTokenizer; none NullTokenizer)",
         choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
     )
     tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
@@ -368,6 +369,9 @@ class DataConfig:
         "masks other documents, GLA resets its state at each document start",
     )
     eod_mask_loss: bool = opt(False, "--eod-mask-loss", "no loss on the predictions made from EOD input tokens")
+
+    # filled by validate(): why --tokenizer-type was inferred ("" when it was given)
+    tokenizer_type_inferred: str = ""
 
     @property
     def packed_documents(self) -> bool:
@@ -467,7 +471,10 @@ class TrainConfig:
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
     )
     exit_signal_handler: bool = opt(
-        False, "--exit-signal-handler", "on --exit-signal (preemption), finish the step, save to --save and exit 0"
+        False,
+        "--exit-signal-handler",
+        "on --exit-signal (preemption), finish the step, save to --save and exit 0 (Ctrl-C is always caught: "
+        "finish the step, save when --save is given, exit 130; a second Ctrl-C stops at once)",
     )
     exit_signal: list[str] = opt(
         ["SIGTERM"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
+from .data.tokenizer import infer_tokenizer_type
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
@@ -44,10 +45,12 @@ def _failed(checks: list[tuple[bool, str]]) -> list[str]:
     return [msg for ok, msg in checks if not ok]
 
 
-def validate(cfg: Config, world_size: int) -> Config:
+def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
     """Fill derived values, then check every setting against each other and the world size.
 
-    Raises ConfigError listing every problem, each naming the flags to change.
+    run=False (the planning tools: tools/estimate_memory.py, tools/simulate_scaling.py) skips the
+    checks of what only a run reads or writes: data, tokenizer files, checkpoint directories
+    (_check_run_paths). Raises ConfigError listing every problem, each naming the flags to change.
     """
     errors = _refused(cfg) + _check_sizes(cfg)
     if len(errors) > len(_refused(cfg)):  # the checks below divide by these sizes
@@ -70,6 +73,8 @@ def validate(cfg: Config, world_size: int) -> Config:
         _check_run_control,
     ):
         errors += check(cfg, world_size)
+    if run:
+        errors += _check_run_paths(cfg)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
@@ -88,8 +93,10 @@ def derive(cfg: Config, world_size: int) -> None:
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
     d = cfg.data
-    if d.tokenizer_type is None:
-        d.tokenizer_type = "GPT2BPETokenizer" if d.vocab_file and d.merge_file else "NullTokenizer"
+    if d.tokenizer_type is None:  # the one rule preprocess_data.py uses too
+        d.tokenizer_type, d.tokenizer_type_inferred = infer_tokenizer_type(
+            d.tokenizer_model, d.vocab_file, d.merge_file
+        )
     if cfg.zero.use_distributed_optimizer and cfg.zero.zero_stage == 0:  # Megatron's distributed optimizer
         cfg.zero.zero_stage = 1
     if t.train_iters is None:  # Megatron: from --train-samples, else our default
@@ -418,12 +425,6 @@ def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
     return _failed(
         [
             (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
-            (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
-            (
-                t.ckpt_step is None or t.load is not None,
-                "--ckpt-step needs --load DIR (which checkpoints to choose from)",
-            ),
-            (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
             (
                 t.exit_signal_handler or t.exit_signal == ["SIGTERM"],
                 f"--exit-signal {' '.join(t.exit_signal)} needs --exit-signal-handler (which catches it)",
@@ -485,9 +486,23 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
     parts = d.split.replace("/", ",").split(",")
     return _failed(
         [
-            (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
             (d.num_workers >= 0, f"--num-workers must be >= 0 (got {d.num_workers})"),
             (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
+            (
+                all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
+                f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
+            ),
+        ]
+    ) + _check_split_weights(cfg)
+
+
+def _check_run_paths(cfg: Config) -> list[str]:
+    """What only a run needs: the data, the tokenizer's files and the checkpoint directories
+    (validate(run=False) skips these: the planning tools read none of them)."""
+    d, t = cfg.data, cfg.train
+    return _failed(
+        [
+            (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
             (
                 d.tokenizer_type in ("NullTokenizer", "GPT2BPETokenizer") or d.tokenizer_model is not None,
                 f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model",
@@ -500,12 +515,14 @@ def _check_data(cfg: Config, world_size: int) -> list[str]:
                 d.tokenizer_type == "GPT2BPETokenizer" or not (d.vocab_file or d.merge_file),
                 "--vocab-file/--merge-file are read by --tokenizer-type GPT2BPETokenizer only: add it or drop them",
             ),
+            (not (t.save_interval and t.save is None), "--save-interval needs --save DIR (where to write checkpoints)"),
             (
-                all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
-                f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
+                t.ckpt_step is None or t.load is not None,
+                "--ckpt-step needs --load DIR (which checkpoints to choose from)",
             ),
+            (not (t.exit_signal_handler and t.save is None), "--exit-signal-handler needs --save DIR (where to save)"),
         ]
-    ) + _check_split_weights(cfg)
+    )
 
 
 def _check_split_weights(cfg: Config) -> list[str]:

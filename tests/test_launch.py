@@ -1,7 +1,9 @@
 """The launch recipes run as a cluster would run them, on 2 emulated nodes of 1 CPU rank each
 (gloo): the SLURM batch script under a fake `srun`/`scontrol` (tasks started with the variables
 SLURM gives them; SIGUSR1 as `#SBATCH --signal=USR1@120` delivers it), then the plain
-multi-node torchrun recipe (one torchrun per node, c10d rendezvous)."""
+multi-node torchrun recipe (one torchrun per node, c10d rendezvous). Ctrl-C (SIGINT) as torchrun
+forwards it to every rank: each finishes the step, the run saves when --save is given, one line
+per rank, exit 130; a second Ctrl-C stops at once."""
 
 import json
 import os
@@ -10,7 +12,11 @@ import subprocess
 import sys
 import time
 
-from tests.dist import free_port
+import pytest
+
+import pretrain_gpt
+from megatron_zpp.training import loop
+from tests.dist import free_port, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the recipes' GPT-1.3B shrunk through the size flags only (flags after the script win over its config)
@@ -129,3 +135,66 @@ def test_torchrun_multinode_recipe_on_two_nodes(tmp_path):
     assert "world 2 = TP 1 x CP 1 x DP 2 x PP 1" in out and "2 node(s) of 1 ranks" in out
     assert "iter     2/2" in out
     assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+
+
+def _sigint_after_step(step: int, times: int = 1):
+    """Ctrl-C on this process (times in a row) right after the loop's step `step` returned: after
+    that step's check, so the run stops after the next step. Returns what to put back."""
+    train_step = loop.train_step
+
+    def step_then_interrupt(run):
+        out = train_step(run)
+        if run.iteration == step - 1:  # the counter moves after the step returns
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    loop.train_step = step_then_interrupt
+    return train_step
+
+
+def _main_exit_code(argv) -> int:
+    try:
+        pretrain_gpt.main(argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_in_one_process(monkeypatch, capsys, times):
+    """Without --save: one line, exit 130, no traceback; the handler pytest had is back afterwards.
+    A second Ctrl-C interrupts the step it lands in."""
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(loop, "train_step", loop.train_step)  # restored after the test
+    _sigint_after_step(2, times)
+    code = _main_exit_code([*TINY, "--mock-data", "--train-iters", "50"])
+    out = capsys.readouterr()
+    lines = [x for x in out.out.splitlines() if "interrupted" in x]
+    if times == 1:
+        assert lines == ["rank 0: interrupted by SIGINT (Ctrl-C): stopped after iteration 3, not saved (no --save)"]
+        assert signal.getsignal(signal.SIGINT) is before
+    else:
+        assert lines == ["rank 0: interrupted by SIGINT: stopped at once, not saved"]
+    assert code == 130 and "Traceback" not in out.err + out.out
+
+
+def _interrupt_rank_1(rank, world_size, argv):
+    if rank == 1:
+        _sigint_after_step(2)
+    return _main_exit_code(argv)
+
+
+def test_ctrl_c_on_two_ranks_saves_once_and_each_rank_says_so(tmp_path, capfd):
+    """A SIGINT (torchrun forwards one to every rank) that reached only rank 1 after its second
+    step's check: both ranks finish the third step, save it, print one line each and exit 130."""
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--mock-data", "--train-iters", "50", "--save", str(ckpt)]
+    codes = run_distributed(_interrupt_rank_1, 2, argv, init_group=False, timeout=300)
+    out = capfd.readouterr()
+    assert codes == [130, 130], out.out[-3000:] + out.err[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+    saved = f"stopped after iteration 3, saved {ckpt}/iter_0000003; resume with --load {ckpt}"
+    lines = sorted(x for x in out.out.splitlines() if "SIGINT" in x)
+    assert lines == [f"rank {r}: interrupted by SIGINT (Ctrl-C): {saved}" for r in (0, 1)]
+    assert "Traceback" not in out.out + out.err

@@ -182,6 +182,8 @@ def test_cli_table_and_json(capsys):
         "step_time_s",
         "tokens_per_s",
         "tflops_per_gpu",
+        "mfu",
+        "peak_tflops",
         "source",
     }
     assert row["source"] == "simulated" and row["ranks"] == 16 and row["step_time_s"] > 0

@@ -11,6 +11,9 @@ Prints, for the worst pipeline stage (named), the bytes of each term (megatron_z
 says how each is counted), the peak, and the other stages' peaks; then the start-up peak (what
 the rank holds when set-up ends, plus the one full parameter the init draws at a time). Nothing is allocated: the
 model is built on the meta device.
+The flags are checked as pretrain_gpt.py checks them, less what only a run reads or writes (the
+data, the tokenizer's files, the checkpoint directories): every examples/configs/*.yaml is accepted
+as it is (--config examples/configs/gpt1.3b_zeropp.yaml).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
         print(__doc__)
     ours, rest = tool_args(argv)
     try:
-        cfg = validate(parse_args(rest), ours.world_size)
+        cfg = validate(parse_args(rest), ours.world_size, run=False)
     except ConfigError as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2

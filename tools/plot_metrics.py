@@ -8,7 +8,12 @@ subplot per metric, the runs side by side in each. One PNG.
 
 --smooth W is TensorBoard's exponential moving average (0: raw; 0.9: heavy) of the noisy
 metrics (loss, grad norm, tokens/s, MFU); the raw series is then drawn faint behind the
-smoothed one. Needs matplotlib (`pip install -e .[plot]`).
+smoothed one. --x iteration | consumed_samples | tokens (tokens: consumed samples times the
+sequence length, which each record gives as tokens_per_sec x step_time / global_batch_size).
+MFU is drawn in percent. Validation points are marked (o) on the validation-loss line, and
+every resume point by a dotted vertical line in each subplot: a record that says it was the
+first after a --load (resumed_from), or an iteration that does not follow the one before it
+(runs appended to one file). Needs matplotlib (`pip install -e .[plot]`).
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ METRICS = {
     "lr": "learning rate",
     "grad_norm": "grad norm",
     "tokens_per_sec": "tokens/s",
-    "mfu": "MFU",
+    "mfu": "MFU (%)",
     "memory_gib": "memory (GiB)",
 }
 NOISY = ("loss", "grad_norm", "tokens_per_sec", "mfu")  # --smooth applies to these; lr and memory are drawn raw
-X_KEYS = ("iteration", "consumed_samples")
+X_KEYS = ("iteration", "consumed_samples", "tokens")
+SCALE = {"mfu": 100.0}  # drawn as a percent of the peak; the file holds the fraction
 
 
 class PlotError(Exception):
@@ -73,15 +79,47 @@ def ema(values: list[float], weight: float) -> list[float]:
     return out
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def x_of(row: dict, x_key: str, default: int):
+    """The record's x: its `x_key`, or for "tokens" consumed samples times the sequence length
+    (tokens_per_sec x step_time / global_batch_size); `default` (its position) when absent."""
+    if x_key != "tokens":
+        return row.get(x_key, default)
+    parts = [row.get(k) for k in ("consumed_samples", "tokens_per_sec", "step_time", "global_batch_size")]
+    if not all(_number(v) for v in parts) or not parts[3]:
+        raise PlotError(
+            f"--x tokens: record {default} has no consumed_samples, tokens_per_sec, step_time and "
+            "global_batch_size to count its tokens"
+        )
+    samples, rate, seconds, batch = parts
+    return samples * round(rate * seconds / batch)
+
+
 def series(rows: list[dict], key: str, x_key: str) -> tuple[list[float], list[float]]:
-    """(x, y) of the records that have a finite number for `key`."""
+    """(x, y) of the records that have a finite number for `key`, y scaled by SCALE (MFU: percent)."""
     xs, ys = [], []
     for i, row in enumerate(rows, 1):
         v = row.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            xs.append(row.get(x_key, i))
-            ys.append(float(v))
+        if _number(v):
+            xs.append(x_of(row, x_key, i))
+            ys.append(float(v) * SCALE.get(key, 1.0))
     return xs, ys
+
+
+def resume_points(rows: list[dict], x_key: str) -> list:
+    """x of each record where a run resumed: it names its checkpoint (resumed_from, written by the
+    first step after a --load), or its iteration does not follow the previous record's."""
+    out, previous = [], None
+    for i, row in enumerate(rows, 1):
+        it = row.get("iteration")
+        back = _number(it) and previous is not None and it <= previous
+        if row.get("resumed_from") or back:
+            out.append(x_of(row, x_key, i))
+        previous = it if _number(it) else previous
+    return out
 
 
 def plot_metrics(runs, metrics=tuple(METRICS), smooth: float = 0.0, log_x: bool = False, x_key: str = "iteration"):
@@ -105,10 +143,14 @@ def plot_metrics(runs, metrics=tuple(METRICS), smooth: float = 0.0, log_x: bool 
             color = colors[j % len(colors)]
             drawn |= _draw(ax, records, key, x_key, label, color, smooth if key in NOISY else 0.0)
             if key == "loss":
-                drawn |= _draw(ax, records, "val_loss", x_key, f"{label} (val)", color, 0.0, style="--")
+                drawn |= _draw(ax, records, "val_loss", x_key, f"{label} (val)", color, 0.0, style="--o")
         if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
             continue
+        for j, (label, records) in enumerate(runs):
+            for k, x in enumerate(resume_points(records, x_key)):
+                name = f"{label} resumed" if k == 0 else "_nolegend_"
+                ax.axvline(x, color=colors[j % len(colors)], linestyle=":", linewidth=1, gid="resume", label=name)
         if log_x:
             ax.set_xscale("log")
         if key == "lr":
@@ -123,11 +165,12 @@ def _draw(ax, records, key, x_key, label, color, smooth, style="-") -> bool:
     xs, ys = series(records, key, x_key)
     if not ys:
         return False
+    marker = dict(markersize=4) if "o" in style else {}
     if smooth > 0:
         ax.plot(xs, ys, style, color=color, alpha=0.25, linewidth=0.8, gid="raw", label="_nolegend_")
         ax.plot(xs, ema(ys, smooth), style, color=color, label=label, gid="smoothed")
     else:
-        ax.plot(xs, ys, style, color=color, label=label, gid="raw")
+        ax.plot(xs, ys, style, color=color, label=label, gid="raw", **marker)
     return True
 
 

@@ -1,14 +1,19 @@
-"""Tokenize a jsonl corpus (or an HF dataset) into Megatron's `.bin/.idx` pairs, streaming.
+"""Tokenize a jsonl corpus, plain-text files (or an HF dataset) into Megatron's `.bin/.idx` pairs, streaming.
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
         --json-keys text --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \
         --append-eod --workers 4
+    python tools/preprocess_data.py --input 'docs/*.txt' --output-prefix data/docs --tokenizer-model tok.model
 
 Writes `{output_prefix}_{key}_document.bin/.idx` per json key. Memory stays bounded whatever the
 corpus size: lines travel to the workers in batches with a fixed number in flight, tokens go
 straight to the `.bin`, lengths to a side file. Outputs are written under temporary names and
 renamed only when the whole corpus succeeded, so an interrupted or failed run leaves no pair.
 Bad input stops the run with `file:line: reason` unless --skip-bad-lines, which counts it.
+A plain-text input (a file not named .jsonl/.json/.ndjson whose first line is not a JSON object:
+the rule tools/train_tokenizer.py reads by, megatron_zpp/data/compressed.py) is one document,
+under the first --json-keys name (`text`: `_text_document`), UTF-8 with undecodable bytes
+replaced; it is read whole, so its size is the memory bound there.
 """
 
 from __future__ import annotations
@@ -30,10 +35,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.config import ConfigError  # noqa: E402
-from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
+from megatron_zpp.data.compressed import (  # noqa: E402
+    CompressedInputError,
+    is_json_lines,
+    open_input,
+    strip_compression_suffix,
+    text_lines,
+)
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron_zpp.data.inputs import checked_tokenizer  # noqa: E402
-from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_zpp.data.tokenizer import build_tokenizer, infer_tokenizer_type  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
 BATCH_LINES, BATCH_BYTES = 1024, 1 << 20  # one task to a worker
@@ -85,6 +96,9 @@ def read_batches(args):
             yield name, i * BATCH_LINES + 1, chunk, len(chunk)
         return
     for path in args.input:
+        if not is_json_lines(path):  # plain text, read as train_tokenizer.py reads it: the file is one document
+            yield path, 1, [{args.json_keys[0]: "".join(text_lines(path))}], os.path.getsize(path)
+            continue
         with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
             first, lines, size, done = 1, [], 0, 0  # done: bytes of the file on disk already counted
             for line in f:
@@ -287,6 +301,14 @@ def cannot_write(e: OSError, tag: str) -> SystemExit:
 
 
 def run(args) -> int:
+    plain = [] if args.hf_dataset else [path for path in args.input if not is_json_lines(path)]
+    if plain and len(args.json_keys) > 1:
+        keys = " ".join(args.json_keys)
+        raise ConfigError(f"--json-keys {keys}: {plain[0]} is plain text, which has one field: give one key")
+    if args.tokenizer_type is None:  # the rule training uses (validation.derive)
+        args.tokenizer_type, why = infer_tokenizer_type(args.tokenizer_model, args.vocab_file, args.merge_file)
+        if not args.quiet:
+            print(f"--tokenizer-type {args.tokenizer_type} (inferred: {why})", file=sys.stderr)
     tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, 1, 1, args.vocab_file, args.merge_file)
     files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file}  # GPT2BPETokenizer's
     tok = checked_tokenizer(*tok_args[:5], **files)  # a missing or wrong tokenizer model: one line, before any output
@@ -339,7 +361,7 @@ def run(args) -> int:
             what = what if bad or blank else "it is empty"
             raise SystemExit(
                 f"error: --input {', '.join(args.input)}: holds no documents ({what}); nothing written "
-                f"(give the corpus, one JSON object per line)"
+                f"(give the corpus: one JSON object per line, or plain-text files)"
             )
         for k, w in writers.items():
             w.finalize(output_prefix(args, k) + ".idx" + tag)
@@ -397,15 +419,17 @@ def parse_args(argv=None):
         "--input",
         nargs="+",
         required=True,
-        help="jsonl files (globs allowed), one document per line; with --hf-dataset a saved "
-        "dataset directory or local data files",
+        help="jsonl files (globs allowed), one document per line, or plain-text files, one document each "
+        "(as tools/train_tokenizer.py reads them); with --hf-dataset a saved dataset directory or local data files",
     )
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output pair each")
     p.add_argument(
         "--tokenizer-type",
-        default="SentencePieceTokenizer",
+        default=None,
         choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+        help="default: inferred as pretrain_gpt.py does (--vocab-file and --merge-file: GPT2BPETokenizer; "
+        "a --tokenizer-model .model file: SentencePieceTokenizer, a directory: HuggingFaceTokenizer)",
     )
     p.add_argument("--tokenizer-model", default=None, help="SentencePiece model file, or HF tokenizer directory")
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")

@@ -1,8 +1,32 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent), check lint and format, and run the whole test suite on CPU.
+# Set up .venv (idempotent), check lint and format, and run the tests on CPU.
+#   bash tools/run_tests.sh                 the whole suite (CI runs exactly this)
+#   bash tools/run_tests.sh tests/data      only that path (any number of paths or node ids)
+#   bash tools/run_tests.sh -k topology     pytest options pass through; no path given: all of tests/
+# RUN_TESTS_DRY_RUN=1 prints the pytest arguments it would use and exits (no setup, no lint).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# pytest options whose value is the next argument (a value is never taken for a path)
+takes_value=" -k -m -p -c -o -W -r -n --deselect --ignore --ignore-glob --maxfail --tb --durations \
+--rootdir --confcutdir --basetemp --junitxml --log-level --log-file --import-mode --capture \
+--override-ini "
+has_path=0
+prev=""
+for arg in "$@"; do
+  if [[ "$arg" != -* && "$takes_value" != *" $prev "* ]]; then
+    has_path=1
+  fi
+  prev="$arg"
+done
+args=("$@")
+[ "$has_path" = 1 ] || args=(tests "$@")
+
+if [ "${RUN_TESTS_DRY_RUN:-0}" = 1 ]; then
+  printf '%s\n' "${args[@]}"
+  exit 0
+fi
 bash tools/setup_env.sh
 .venv/bin/python -m ruff check --quiet .
 .venv/bin/python -m ruff format --check --quiet .
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q "${args[@]}"

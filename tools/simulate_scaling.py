@@ -16,9 +16,14 @@ pretrain_gpt.py, plus
         --ranks-per-node 16 --bf16
 
 Prints the step time and its parts (compute, exposed communication by kind, pipeline
-bubble, step-end work), tokens/s and model TFLOP/s per GPU, and the bytes per rank per link
+bubble, step-end work), tokens/s, model TFLOP/s per GPU and MFU (against --peak-tflops when
+given, else the preset's dense bf16/fp16 data-sheet peak; --peak-tflops changes only MFU's
+denominator, not the preset's compute rate), and the bytes per rank per link
 class (the ledger's byte model: what --comm-report would record). megatron_zpp/simulator/
 model.py states the overlap model. --ranks-per-node defaults to the preset's node size.
+The flags are checked as pretrain_gpt.py checks them, less what only a run reads or writes (the
+data, the tokenizer's files, the checkpoint directories): every examples/configs/*.yaml is accepted
+as it is (--config examples/configs/gpt1.3b_zeropp.yaml).
 """
 
 from __future__ import annotations
@@ -47,6 +52,22 @@ def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
+def peak(cfg, cluster) -> tuple[float, str]:
+    """(peak TFLOP/s per rank MFU is measured against, what it is): --peak-tflops, else the preset's
+    dense bf16/fp16 peak from its data sheet; (0, why) when neither is known."""
+    if cfg.log.peak_tflops:
+        return cfg.log.peak_tflops, f"{cfg.log.peak_tflops:g} TFLOP/s (--peak-tflops)"
+    if cluster.peak_tflops:
+        return cluster.peak_tflops, f"{cluster.peak_tflops:g} TFLOP/s dense bf16/fp16 peak of {cluster.name}"
+    return 0.0, f"unknown: {cluster.name} has no peak, pass --peak-tflops"
+
+
+def mfu(cfg, cluster, tflops_per_gpu: float) -> float | None:
+    """Model FLOP/s per rank over the peak (a fraction), None when the peak is unknown."""
+    value, _ = peak(cfg, cluster)
+    return tflops_per_gpu / value if value else None
+
+
 def row(ours, cfg, cluster, bd) -> dict:
     tp = throughput(cfg, bd)
     inter = cluster.link("inter_node")
@@ -59,6 +80,8 @@ def row(ours, cfg, cluster, bd) -> dict:
         "step_time_s": bd.step_time_s,
         "tokens_per_s": tp["tokens_per_s"],
         "tflops_per_gpu": tp["tflops_per_gpu"],
+        "mfu": mfu(cfg, cluster, tp["tflops_per_gpu"]),
+        "peak_tflops": peak(cfg, cluster)[0] or None,
         "source": "simulated",
     }
 
@@ -91,6 +114,9 @@ def report(cfg, cluster, bd) -> str:
     lines += [
         f"{'tokens/s':<36} {tp['tokens_per_s']:12.1f}",
         f"{'model TFLOP/s per GPU':<36} {tp['tflops_per_gpu']:12.2f}",
+        f"{'MFU':<36} "
+        + (f"{100 * share:11.1f}%" if (share := mfu(cfg, cluster, tp["tflops_per_gpu"])) is not None else f"{'-':>12}")
+        + f"   of {peak(cfg, cluster)[1]}",
         "bytes per rank per step by link: "
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(bd.bytes_per_rank.items())),
     ]
@@ -108,7 +134,7 @@ def main(argv=None) -> int:
             cluster = cluster.with_inter_node(ours.link_gbps)
         if "--ranks-per-node" not in rest:
             rest += ["--ranks-per-node", str(min(cluster.ranks_per_node, ours.world_size))]
-        cfg = validate(parse_args(rest), ours.world_size)
+        cfg = validate(parse_args(rest), ours.world_size, run=False)
         bd = simulate(cfg, cluster)
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)

@@ -8,6 +8,10 @@ document, what --append-eod appends) and <pad>. Normalization is the identity an
 kept, so detokenize(tokenize(text)) == text (code and indentation survive); byte fallback means
 no character is ever <unk>. Malformed JSON lines are skipped and counted (one warning line: the
 count and the first one); an input more than half malformed is refused, nothing written.
+The last line gives the vocabulary really written, read back from the model: sentencepiece writes
+fewer pieces than --vocab-size when the corpus holds no more (said so), and the size
+pretrain_gpt.py pads it to. A file not named .jsonl/.json/.ndjson whose first line is not a JSON
+object is plain text (the rule tools/preprocess_data.py reads by).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.data.compressed import CompressedInputError, open_input, strip_compression_suffix  # noqa: E402
+from megatron_zpp.data.compressed import CompressedInputError, is_json_lines, open_input, text_lines  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
 SPECIAL_IDS = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=3)
@@ -79,23 +83,22 @@ def iter_texts(paths: list[str], json_keys: list[str], hf_dataset: bool = False,
                     yield row[k]
         return
     for path in paths:
+        if not is_json_lines(path):  # plain text: the whole file is one stream of lines
+            yield from text_lines(path)
+            continue
         with open_input(path) as f:  # plain or compressed (gzip, zstd, bz2, xz)
-            if strip_compression_suffix(path).endswith((".jsonl", ".json", ".ndjson")):
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    stats.lines += 1
-                    try:
-                        doc = json.loads(line)
-                    except ValueError:  # invalid JSON or UTF-8
-                        doc = None
-                    texts = [doc[k] for k in json_keys if isinstance(doc, dict) and isinstance(doc.get(k), str)]
-                    if not texts:
-                        stats.bad(f"{path}:{number}")
-                    yield from texts
-            else:  # plain text: the whole file is one stream of lines
-                for line in f:
-                    yield line.decode("utf-8", errors="replace")
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                stats.lines += 1
+                try:
+                    doc = json.loads(line)
+                except ValueError:  # invalid JSON or UTF-8
+                    doc = None
+                texts = [doc[k] for k in json_keys if isinstance(doc, dict) and isinstance(doc.get(k), str)]
+                if not texts:
+                    stats.bad(f"{path}:{number}")
+                yield from texts
     if stats.too_many():
         raise TooManyMalformed(stats.summary(json_keys))
 
@@ -237,11 +240,25 @@ def main(argv=None) -> int:
     if stats.malformed:
         print(f"warning: {stats.summary(args.json_keys)}: skipped", file=sys.stderr)
     print(
-        f"wrote {model} and {args.model_prefix}.vocab ({args.model_type}, vocab {args.vocab_size}) "
-        f"in {time.time() - t0:.1f}s",
+        f"wrote {model} and {args.model_prefix}.vocab ({vocab_report(model, args)}) in {time.time() - t0:.1f}s",
         file=sys.stderr,
     )
     return 0
+
+
+def vocab_report(model: str, args) -> str:
+    """What the written model really holds, read back from it: sentencepiece (hard_vocab_limit off)
+    writes fewer pieces than --vocab-size when the corpus has no more; and the size training pads it to."""
+    import sentencepiece as spm
+
+    from megatron_zpp.data.tokenizer import pad_vocab_size
+
+    size = spm.SentencePieceProcessor(model_file=model).get_piece_size()
+    text = f"{args.model_type}, vocab {size:,}"
+    if size != args.vocab_size:
+        text += f" where --vocab-size {args.vocab_size:,} was asked: the corpus gave no more pieces"
+    padded = pad_vocab_size(size, 128, 1)
+    return text + f"; pretrain_gpt.py pads it to {padded:,} at --make-vocab-size-divisible-by 128 and TP 1"
 
 
 if __name__ == "__main__":

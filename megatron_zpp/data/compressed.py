@@ -2,6 +2,9 @@
 zstd (the `zstandard` package, in the `data` extra). The format is told by the file's first
 bytes, not its name, so `corpus.jsonl.gz` and a gzip file named `corpus.jsonl` both work;
 a zstd file without `zstandard` installed is refused with one line saying what to install.
+
+Both data tools (tools/train_tokenizer.py, tools/preprocess_data.py) tell JSON lines from plain
+text by one rule (is_json_lines) and read plain text through one reader (text_lines).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
+import json
 import lzma
 import zlib
 
@@ -19,6 +23,7 @@ MAGIC = {
     b"\xfd7zXZ\x00": "xz",
 }
 SUFFIXES = (".gz", ".zst", ".zstd", ".bz2", ".xz")
+JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
 class CompressedInputError(OSError):
@@ -137,6 +142,31 @@ class _ZstdFrames(io.RawIOBase):
 
 def open_input(path: str) -> InputFile:
     return InputFile(path)
+
+
+def is_json_lines(path: str) -> bool:
+    """Whether `path` holds one JSON document per line: named .jsonl/.json/.ndjson (before any
+    compression suffix), or, named otherwise, its first non-blank line is a JSON object. Any other
+    file is plain text."""
+    if strip_compression_suffix(path).endswith(JSON_LINES_SUFFIXES):
+        return True
+    with open_input(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), dict)
+                except ValueError:  # not JSON, or not UTF-8
+                    return False
+    return False
+
+
+def text_lines(path: str):
+    """The lines of a plain-text input (plain or compressed), newlines kept, decoded as UTF-8 with
+    undecodable bytes replaced by U+FFFD (a newline byte never falls inside a UTF-8 sequence, so
+    this equals decoding the whole file)."""
+    with open_input(path) as f:
+        for line in f:
+            yield line.decode("utf-8", errors="replace")
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:

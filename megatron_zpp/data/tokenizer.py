@@ -133,6 +133,25 @@ class GPT2BPETokenizer(_Tokenizer):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def infer_tokenizer_type(
+    tokenizer_model: str | None, vocab_file: str | None, merge_file: str | None
+) -> tuple[str, str]:
+    """(--tokenizer-type, why) when it is not given, from the files that are: --vocab-file and
+    --merge-file mean GPT2BPETokenizer; a --tokenizer-model directory (or a path that does not
+    exist and does not end in .model: HF loads directories only) HuggingFaceTokenizer; any
+    other --tokenizer-model (a .model file) SentencePieceTokenizer; nothing NullTokenizer.
+    Training (validation.derive) and tools/preprocess_data.py both use this one rule."""
+    if vocab_file and merge_file:
+        return "GPT2BPETokenizer", "--vocab-file and --merge-file given"
+    if tokenizer_model:
+        if os.path.isdir(tokenizer_model) or not (
+            os.path.exists(tokenizer_model) or tokenizer_model.endswith(".model")
+        ):
+            return "HuggingFaceTokenizer", f"--tokenizer-model {tokenizer_model} is a directory"
+        return "SentencePieceTokenizer", f"--tokenizer-model {tokenizer_model} is a file"
+    return "NullTokenizer", "no --tokenizer-model, --vocab-file or --merge-file"
+
+
 def build_tokenizer(
     tokenizer_type: str,
     tokenizer_model: str | None,

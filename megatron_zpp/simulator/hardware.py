@@ -64,6 +64,9 @@ class Cluster:
     # (fitted from a calibration-only CP run). 0 on GPUs.
     scan_msg_s: float = 0.0
     notes: str = ""
+    # Dense bf16/fp16 peak per rank (TFLOP/s, data sheet): what MFU is measured against; 0 where
+    # unknown (the emulated CPU cluster: pass --peak-tflops).
+    peak_tflops: float = 0.0
     measured: dict = field(default_factory=dict)
 
     def link(self, name: str) -> Link:
@@ -103,6 +106,7 @@ def _v100_dgx2(ib_gbps: float) -> Cluster:
         name=f"v100-dgx2-ib{ib_gbps:g}",
         ranks_per_node=16,
         sustained_tflops=0.40 * 125.0,
+        peak_tflops=125.0,
         links={
             "intra_node": Link(10e-6, 150e9 * 0.8, "rank"),  # ~80% of the link rate as NCCL bus bandwidth
             "inter_node": Link(20e-6, ib_gbps * GBPS * 0.9, "node"),
@@ -123,6 +127,7 @@ def _frontier() -> Cluster:
         name="frontier-mi250x",
         ranks_per_node=8,
         sustained_tflops=0.30 * 191.5,
+        peak_tflops=191.5,
         links={
             "tier0": Link(8e-6, 200e9 * 0.7, "rank"),  # GCD pair in one MI250X package
             "intra_node": Link(10e-6, 50e9 * 0.7, "rank"),  # GCD to GCD across MI250X packages
@@ -140,6 +145,7 @@ def _nvidia(name: str, peak: float, nvlink: float, ib_per_gpu_gbps: float, hbm: 
         name=name,
         ranks_per_node=8,
         sustained_tflops=mfu * peak,
+        peak_tflops=peak,
         links={
             "intra_node": Link(8e-6, nvlink * 0.8, "rank"),
             "inter_node": Link(15e-6, 8 * ib_per_gpu_gbps * GBPS * 0.9, "node"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from .. import comm
 from ..checkpoint.guard import release_save_dirs
 from ..config import Config
+from ..optim.nonfinite import set_stop_source
 from ..topology import ProcessGroups, build_groups_from_config
 
 
@@ -46,12 +48,17 @@ def shutdown() -> None:
 
 
 class ExitSignal:
-    """--exit-signal-handler: the signals of --exit-signal only set a flag; after each step the
-    ranks agree on it (a MAX all-reduce over the world), so a signal that reached any rank stops
-    every rank at the same step boundary, after a checkpoint. Installed at set-up, so a signal
-    that comes while the run loads is kept too (instead of killing the rank).
-    --exit-duration-in-mins rides on the same all-reduce (Megatron's rule: a rank past the time
-    stops them all), counted from `started` (time.time() at set-up)."""
+    """Why a run stops early, agreed by every rank after the same step. --exit-signal-handler: the
+    signals of --exit-signal only set a flag. Ctrl-C (SIGINT, when --exit-signal does not list it)
+    is always caught the same way: the step finishes, the run saves when --save is given and exits
+    130; a second SIGINT interrupts at once (no save). --exit-duration-in-mins: past the time
+    (counted from `started`, time.time() at set-up; Megatron's rule: a rank past it stops them all).
+    With the handler or a duration, the ranks agree right after each step (a MAX all-reduce over
+    the world, as Megatron), so a request that reached any rank before it stops every rank after
+    that step. Without them (a Ctrl-C only), no collective is added: the flag rides on the step's
+    finiteness check (optim/nonfinite.py), so a Ctrl-C that comes after a step's check (during its
+    optimizer step, evaluation or save) stops the run one step later. Installed at set-up, so a
+    signal that comes while the run loads is kept too (instead of killing the rank)."""
 
     def __init__(
         self,
@@ -61,31 +68,44 @@ class ExitSignal:
         minutes: float | None = None,
         started: float = 0.0,
     ):
-        self.enabled, self.device, self.received = enabled, device, False
+        self.enabled, self.device, self.received, self.interrupted = enabled, device, False, False
         self.names = list(signal_names)
         self.deadline = started + 60 * minutes if minutes else None
         self.previous: dict[int, object] = {}  # installed: signal -> the handler it replaced
 
     def install(self) -> ExitSignal:
-        if self.enabled and not self.previous:
-            for name in self.names:
-                signum = getattr(signal, name)
-                self.previous[signum] = signal.signal(signum, self._handle)
+        if not self.previous and threading.current_thread() is threading.main_thread():
+            for name in self.names if self.enabled else []:
+                self.previous[getattr(signal, name)] = signal.signal(getattr(signal, name), self._handle)
+            if signal.SIGINT not in self.previous:
+                self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
+        set_stop_source(self.lanes)
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def anywhere(self, groups: ProcessGroups) -> str | None:
-        """'signal', 'duration' or None, the same on every rank."""
-        if not self.enabled and self.deadline is None:
-            return None
+    def _interrupt(self, signum, frame) -> None:
+        self.interrupted = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt now
+
+    def lanes(self) -> tuple[int, int, int]:
+        """This rank's (signal, duration, interrupt) requests, for the step's agreement."""
         late = self.deadline is not None and time.time() >= self.deadline
-        flag = torch.tensor([float(self.received), float(late)], device=self.device)
-        comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
-        return "signal" if flag[0].item() else "duration" if flag[1].item() else None
+        return int(self.received), int(late), int(self.interrupted)
+
+    def anywhere(self, groups: ProcessGroups, checked: tuple[int, ...]) -> str | None:
+        """'signal', 'interrupt', 'duration' or None, the same on every rank: from the post-step
+        all-reduce with the handler or a duration, else from `checked` (the step check's lanes)."""
+        if self.enabled or self.deadline is not None:
+            flag = torch.tensor([float(v) for v in self.lanes()], device=self.device)
+            comm.all_reduce(flag, groups.world, "exit_signal", op=dist.ReduceOp.MAX)
+            checked = tuple(int(v) for v in flag.tolist())
+        signalled, late, interrupted = checked
+        return "signal" if signalled else "interrupt" if interrupted else "duration" if late else None
 
     def close(self) -> None:
+        set_stop_source(None)
         for signum, previous in self.previous.items():  # None: a handler not set from Python
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self.previous = {}

@@ -154,12 +154,17 @@ def _stop_early(run: Run, why: str, saved: str | None) -> None:
         saved = save_checkpoint(run, t.save)
     if why == "signal":
         cause = f"{' or '.join(t.exit_signal)} received"
+    elif why == "interrupt":
+        cause = "interrupted by SIGINT (Ctrl-C)"
     elif why == "interval":
         cause = f"--exit-interval {t.exit_interval} reached"
     else:
         cause = f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed"
     after = f"saved {saved}; resume with --load {t.save}" if saved else "not saved (no --save)"
-    log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
+    if why == "interrupt":  # every rank says it stopped: one line each, and no traceback
+        print(f"rank {run.rank}: {cause}: stopped after iteration {run.iteration}, {after}", flush=True)
+    else:
+        log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
     run.stopped_by_signal = why == "signal"
     run.stopped_by = why
 
@@ -188,6 +193,8 @@ def train(run: Run) -> list[dict]:
         clock.add(metrics["step_time"])
         if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
             metrics["val_loss"] = evaluate(run)
+        if run.resumed_from:  # the first step after a --load says so (tools/plot_metrics.py marks it)
+            metrics["resumed_from"], run.resumed_from = run.resumed_from, None
         history.append(metrics)
         sink.write(metrics, run.iteration)
         if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
@@ -197,7 +204,7 @@ def train(run: Run) -> list[dict]:
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             log(f"saved checkpoint {saved}", rank)
-        why = stop.anywhere(run.groups)
+        why = stop.anywhere(run.groups, run.stop_request)
         if why is None and t.exit_interval and run.iteration % t.exit_interval == 0 and run.iteration < t.train_iters:
             why = "interval"
         if why:

@@ -65,7 +65,9 @@ class Run:
     consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
     pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
-    stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
+    stopped_by: str | None = None  # why train() stopped before --train-iters (signal, interrupt, interval, duration)
+    stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
+    resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
 
@@ -81,6 +83,8 @@ def setup(cfg: Config) -> Run:
     except KernelUnavailable as e:
         raise ConfigError(str(e)) from None
     memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
+    if cfg.data.tokenizer_type_inferred:
+        log(f"--tokenizer-type {cfg.data.tokenizer_type} (inferred: {cfg.data.tokenizer_type_inferred})", groups.rank)
     tokenizer = load_tokenizer(cfg, groups.tp.size)  # a bad tokenizer model is a ConfigError
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks, init = build_model(cfg, groups, tokenizer.padded_vocab_size, device)  # on meta: the engine fills them
@@ -124,6 +128,7 @@ def _load(run: Run) -> None:
         if run.load_warning:
             log(f"warning: {run.load_warning}", run.rank)
         log(f"loaded {restored}", run.rank)
+        run.resumed_from = run.last_checkpoint
     elif _same_dir(t.load, t.save):
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
     else:

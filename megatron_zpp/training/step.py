@@ -66,6 +66,7 @@ def train_step(run) -> tuple[float, float, float]:
         comm.check_collective_order(run.groups)
     empty_cache(run, 2)
     run.last_step_skipped = not check.applied
+    run.stop_request = check.stop  # agreed by every rank: ExitSignal.anywhere reads it (a Ctrl-C)
     refuse_nonfinite(run, loss, check)
     if scaler:
         scaler.update(run.last_step_skipped)

@@ -202,4 +202,9 @@ def test_metrics_file_keeps_the_steps_before_the_resume(saved, tmp_path):
     with open(metrics, "a") as f:
         f.write(json.dumps({"iteration": 99}) + "\n")  # a step the resumed run does not reach
     training.train(_setup(BASE + ["--metrics-file", metrics, "--load", saved, "--ckpt-step", str(N)]))
-    assert [json.loads(line)["iteration"] for line in open(metrics)] == list(range(1, 2 * N + 1))
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in rows] == list(range(1, 2 * N + 1))
+    # the first step after the load names its checkpoint (tools/plot_metrics.py marks the resume there)
+    assert [(r["iteration"], r["resumed_from"]) for r in rows if "resumed_from" in r] == [
+        (N + 1, os.path.join(saved, f"iter_{N:07d}"))
+    ]

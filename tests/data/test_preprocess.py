@@ -85,6 +85,30 @@ def test_output_is_byte_identical_to_reference(tmp_path, sp_model, workers, caps
     )
 
 
+def test_plain_text_files_are_one_document_each(tmp_path, sp_model, capsys):
+    """Plain text, read as tools/train_tokenizer.py reads it: each file (here one gzip-compressed, one
+    with a byte that is not UTF-8) is one document, its whole text; a JSON-lines file not named
+    .jsonl is still read as JSON lines (its first line is an object)."""
+    import gzip
+
+    texts = ["First file.\n\nA second paragraph.\n", "def f(x):\n    return x\n", "caf\ufffd ok\n"]
+    (tmp_path / "a.txt").write_text(texts[0])
+    with gzip.open(tmp_path / "b.py.gz", "wt") as f:
+        f.write(texts[1])
+    (tmp_path / "c.md").write_bytes(b"caf\xe9 ok\n")
+    json_lines = write_jsonl(tmp_path / "d.data", DOCS[:2])
+    inputs = [str(tmp_path / n) for n in ("a.txt", "b.py.gz", "c.md")] + [json_lines]
+    argv = ["--output-prefix", str(tmp_path / "out"), "--tokenizer-model", sp_model, "--append-eod", "--quiet"]
+    assert preprocess_data.main(["--input", *inputs, *argv]) == 0  # --tokenizer-type inferred from the .model
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    want = [sp.encode(t) + [sp.eos_id()] for t in texts + [d["text"] for d in DOCS[:2]]]
+    data = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [data[i].tolist() for i in range(len(data))] == want
+    assert "5 documents" in capsys.readouterr().err
+    two_keys = run_pre(inputs[0], str(tmp_path / "two"), sp_model, "--json-keys", "text", "title")
+    assert two_keys == 1 and "a.txt is plain text, which has one field: give one key" in capsys.readouterr().err
+
+
 BAD = [
     (b'{"text": "ok", ', "invalid JSON: Expecting property name enclosed in double quotes (column 16)"),
     (b'{"body": "x", "id": 1}', "missing key 'text' (has 'body', 'id')"),

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -104,3 +105,21 @@ def test_errors_are_clear(tmp_path):
             build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "hf"), None, 1, 1)
     with pytest.raises(FileNotFoundError, match="local tokenizer directory"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "missing"), None, 1, 1)
+
+
+@pytest.mark.parametrize("asked", [500, 5000])
+def test_train_tokenizer_reports_the_vocabulary_it_wrote(tmp_path, capsys, asked):
+    """The line names the pieces really written (the .vocab file's entries: one per piece), which is
+    fewer than --vocab-size when the corpus has no more, and the size training pads it to."""
+    prefix = str(tmp_path / "tok")
+    assert (
+        train_tokenizer.main(["--input", str(corpus(tmp_path)), "--model-prefix", prefix, "--vocab-size", str(asked)])
+        == 0
+    )
+    # one "piece<TAB>score<NEWLINE>" entry per piece (a piece may itself be a newline: count the scores)
+    pieces = len(re.findall(r"\t-?[0-9.]+(?:e-?[0-9]+)?\n", open(prefix + ".vocab", encoding="utf-8").read()))
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"vocab {pieces:,}" in line
+    assert ("was asked: the corpus gave no more pieces" in line) == (pieces != asked)
+    assert pieces < asked or asked == 500  # 5000 is more than this corpus holds (500: 498 here)
+    assert f"pads it to {-(-pieces // 128) * 128:,} at --make-vocab-size-divisible-by 128" in line

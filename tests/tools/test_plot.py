@@ -77,9 +77,10 @@ def test_plot_metrics_series_and_png(tmp_path):
         assert [ln.get_label() for ln in lines] == [r[0] for r in runs]
         for ln, (_, rows) in zip(lines, runs):
             assert list(ln.get_xdata()) == [r["iteration"] for r in rows]
-            assert list(ln.get_ydata()) == [r[key] for r in rows]
+            assert list(ln.get_ydata()) == [r[key] * (100 if key == "mfu" else 1) for r in rows]  # MFU in %
     val = [ln for ln in axes["loss"].get_lines() if ln.get_label() == "a (val)"][0]
-    assert list(val.get_xdata()) == [5, 10, 15, 20, 25, 30]
+    assert list(val.get_xdata()) == [5, 10, 15, 20, 25, 30] and val.get_marker() == "o"  # each point marked
+    assert axes["MFU (%)"].get_title() == "MFU (%)"
     assert list(val.get_ydata()) == [r["val_loss"] for r in a if "val_loss" in r]
 
     # smoothed, log x, consumed samples on x, through main(): the PNG
@@ -173,3 +174,26 @@ def test_plot_scaling_bad_rows_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "source 'guessed' is not one of measured" in err
     assert plot_scaling.main([str(tmp_path / "missing.jsonl")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_plot_metrics_tokens_axis_and_resume_marks(tmp_path):
+    """--x tokens: consumed samples times the sequence length (128 here: tokens_per_sec x step_time /
+    global_batch_size); a resume (a record naming its checkpoint, or an iteration that goes back)
+    is a dotted vertical line at its x in every subplot."""
+    rows = _metrics_run(12, 2)
+    for r in rows:
+        r["tokens_per_sec"] = 8 * 128 / 0.5  # 8 samples of 128 tokens in 0.5 s
+        r["step_time"] = 0.5
+    rows[6]["resumed_from"] = "ckpt/iter_0000006"  # the first step after a --load
+    again = [dict(r) for r in rows[8:10]]  # a second run appended from iteration 9: goes back to 9
+    fig = plot_metrics.plot_metrics([("a", rows + again)], ["loss", "mfu"], x_key="tokens")
+    ax_loss, ax_mfu = fig.axes
+    assert ax_loss.get_xlabel() == "tokens"
+    (line,) = [ln for ln in _lines(ax_loss, "raw") if ln.get_label() == "a"]
+    assert list(line.get_xdata()) == [8 * r["iteration"] * 128 for r in rows + again]
+    for ax in (ax_loss, ax_mfu):
+        marks = [ln.get_xdata()[0] for ln in _lines(ax, "resume")]
+        assert marks == [7 * 8 * 128, 9 * 8 * 128]
+    bad = [{"iteration": 1, "loss": 2.0}]
+    with pytest.raises(plot_metrics.PlotError, match="--x tokens: record 1 has no consumed_samples"):
+        plot_metrics.plot_metrics([("b", bad)], ["loss"], x_key="tokens")

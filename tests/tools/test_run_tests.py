@@ -1,0 +1,37 @@
+"""tools/run_tests.sh runs the paths it is given, and all of tests/ only when it is given none
+(issue 24): pytest options and their values pass through and never count as paths."""
+
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_args(*argv):
+    env = dict(os.environ, RUN_TESTS_DRY_RUN="1")
+    out = subprocess.run(["bash", "tools/run_tests.sh", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        ([], ["tests"]),
+        (["tests/data"], ["tests/data"]),
+        (["tests/data", "tests/tools/test_plot.py::test_x"], ["tests/data", "tests/tools/test_plot.py::test_x"]),
+        (["-k", "topology"], ["tests", "-k", "topology"]),
+        (["-k", "tests", "-x"], ["tests", "-k", "tests", "-x"]),
+        (["-x", "tests/data", "-k", "idx"], ["-x", "tests/data", "-k", "idx"]),
+        (["--maxfail", "2", "--tb=short"], ["tests", "--maxfail", "2", "--tb=short"]),
+    ],
+)
+def test_paths_given_are_the_paths_run(argv, expected):
+    assert pytest_args(*argv) == expected
+
+
+def test_ci_runs_the_whole_suite():
+    text = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert "exec bash tools/run_tests.sh\n" in text
