@@ -395,8 +395,9 @@ def test_refusals_by_family():
         "--use-megatron-fsdp": "--zero-stage",
         "--enable-cuda-graph": "CUDA graphs",
     }
+    group_of = {o: group for opts, _, group in MEGATRON_ARGUMENTS for o in opts}
     for flag, why in cases.items():
-        kind, reason = classify((flag,), "")
+        kind, reason = classify((flag,), group_of[flag])
         assert kind == "refused" and why in reason and "drop it" in reason, (flag, reason)
 
 
