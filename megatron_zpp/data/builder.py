@@ -22,8 +22,10 @@ def parse_split(split: str) -> list[float]:
         parts = [float(s) for s in re.findall(r"[.0-9]+", split)]
     except ValueError:
         raise ValueError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers like 969,30,1")
+    if sum(parts) <= 0:
+        raise ValueError(f"--split {split!r} gives the training set no documents: its first number must be > 0")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
 
