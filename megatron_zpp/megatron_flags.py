@@ -61,6 +61,7 @@ NOOPS = {
     ),
     "--local-rank": "the local rank is read from LOCAL_RANK, which torchrun sets",
     "--no-one-logger": "one-logger is never used here",
+    "--disable-gloo-process-groups": "no gloo groups are built beside NCCL's (on CPU gloo is the backend itself)",
 }
 
 # flag -> (values that are a no-op, why; a refused value's reason comes from REFUSED or FAMILIES)
@@ -266,6 +267,45 @@ FAMILIES = [
         _starts("--sgd-", "--muon-", "--lion-", "--use-precision-aware-optimizer", "--exp-avg", "--main-"),
     ),
     ("muP", "the muP parametrization is not built: drop it", _starts("--use-mup", "--mup-")),
+    (
+        "attention/position variants",
+        "this attention or position-embedding variant is not built (causal softmax attention or GLA, full RoPE): "
+        "drop it",
+        _any(
+            _starts("--window-", "--yarn-", "--no-yarn-", "--relative-attention-", "--rope-", "--no-rope-freq"),
+            _starts("--qk-", "--rotary-seq-len-", "--rotary-interleaved", "--use-rope-scaling", "--softmax-type"),
+            _named("--attention-output-gate", "--apply-wd-to-qk-layernorm"),
+        ),
+    ),
+    (
+        "data variants",
+        "fill-in-the-middle data, per-split data paths and data-argument files are not built: use --data-path "
+        "with --split: drop it",
+        _any(
+            _starts("--fim-", "--train-data-path", "--valid-data-path", "--test-data-path", "--per-split-data-"),
+            _named("--data-args-path", "--per-dataset-sequences-path", "--phase-transition-iterations"),
+        ),
+    ),
+    (
+        "process-group tuning",
+        "NCCL and process-group tuning is not built (the groups follow --parallel-order): drop it",
+        _any(
+            _starts("--nccl-", "--use-sharp", "--sharp-", "--flight-recorder-", "--no-flight-recorder-", "--gtp-"),
+            _starts("--use-nccl-ub", "--high-priority-stream-groups", "--hierarchical-context-parallel-sizes"),
+            _named(
+                "--disable-symmetric-registration",
+                "--create-all-gather-group",
+                "--symmetric-ar-type",
+                "--fake-process-group",
+                "--distributed-timeout-seconds-after-init",
+                "--lazy-mpu-init",
+                "--use-tp-pp-dp-mapping",
+                "--tensor-parallel-num-weight-shards",
+                "--pipeline-model-parallel-comm-backend",
+                "--cp-comm-type",
+            ),
+        ),
+    ),
 ]
 OTHER_REASON = "not built here: drop it"
 

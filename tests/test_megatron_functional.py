@@ -46,8 +46,8 @@ REFUSED = {
             **{f: GDN for f in ["--experimental-attention-variant", "--linear-attention-freq"]},
             **{f: GDN for f in ["--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim"]},
             **{f: GDN for f in ["--linear-num-key-heads", "--linear-num-value-heads"]},
-            "--attention-output-gate": "not built here",  # GDN's companion: a gated attention output
-            "--apply-wd-to-qk-layernorm": "not built here",  # no QK layer norm here to decay
+            "--attention-output-gate": "attention or position-embedding variant is not built",
+            "--apply-wd-to-qk-layernorm": "attention or position-embedding variant is not built",
             "--rotary-percent": "only 1.0 (full RoPE) is built",
         },
     ),
