@@ -223,19 +223,25 @@ def load_yaml(path: str) -> dict[str, object]:
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             flat[key] = value
-    index, out, unknown = _flag_index(), {}, []
+    index, out, unknown, errors = _flag_index(), {}, [], []
     for key, value in flat.items():
         name = key.split(".")[-1].lstrip("-").replace("-", "_")
         if name not in index:
             unknown.append(key)
             continue
         section, field_name = index[name]
-        out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
+        try:
+            out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
+        except ConfigError as e:  # every bad value of the file, one line each
+            errors.append(str(e))
     if unknown:
-        raise ConfigError(
+        errors.insert(
+            0,
             f"--config {path}: unknown {'setting' if len(unknown) == 1 else 'settings'} "
-            + ", ".join(f"{key!r}{_did_you_mean(key)}" for key in unknown)
+            + ", ".join(f"{key!r}{_did_you_mean(key)}" for key in unknown),
         )
+    if errors:
+        raise ConfigError("\n".join(errors))
     return out
 
 

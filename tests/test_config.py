@@ -343,7 +343,7 @@ def test_bad_cli_values_are_one_line_each(argv, says):
 def test_every_error_of_a_command_line_in_one_pass(tmp_path):
     """Unknown flags (with the nearest flag), bad values, refused Megatron flags, YAML errors and the
     checks' errors: all in one ConfigError, one line each, so a user reruns once."""
-    yaml_file = write(tmp_path, "hidden-size: wide\n")
+    yaml_file = write(tmp_path, "hidden-size: wide\nnum-layers: 2.5\nhiden: 3\n")
     argv = ["--mock-data", "--num-layrs", "2", "--seq-length", "x", "--moe-router-topk", "2"]
     argv += ["--fp8-format", "hybrid", "--config", yaml_file, "--num-attention-heads", "3", "--zero-stage", "9"]
     with pytest.raises(ConfigError) as info:
@@ -355,7 +355,9 @@ def test_every_error_of_a_command_line_in_one_pass(tmp_path):
         "--zero-stage: invalid choice: 9",
         "--moe-router-topk: mixture of experts is not built",
         "--fp8-format: FP8/FP4 and transformer-engine are not supported",
+        f"--config {yaml_file}: unknown setting 'hiden' (did you mean 'hidden-size'?)",
         f"--config {yaml_file}: hidden-size: invalid value 'wide'",
+        f"--config {yaml_file}: num-layers: invalid value 2.5",
         "--hidden-size 128 is not divisible by --num-attention-heads 3",  # validate(), same pass
     ]
     assert len(lines) == len(expect) and all(ln.startswith(e) for ln, e in zip(lines, expect)), lines
