@@ -421,3 +421,15 @@ def test_help_is_grouped_without_doubled_defaults_or_section_metavars():
     assert "--num-layers NUM_LAYERS" in text and "MODEL." not in text and "TRAIN." not in text
     assert not [ln for ln in text.splitlines() if ln.count("(default") > 1]
     assert text.count("(default:") > 50
+
+
+def test_start_up_log_lists_the_noops_given_in_one_line(capsys, monkeypatch):
+    import pretrain_gpt
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    tiny = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128"
+    tiny += " --make-vocab-size-divisible-by 32 --train-iters 1 --device cpu --peak-tflops 1 --num-workers 0"
+    pretrain_gpt.main(OLD_DEFAULTS + tiny.split() + ["--no-rope-fusion", "--transformer-impl", "local"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "no-ops" in ln]
+    assert len(lines) == 1 and lines[0].endswith(": --no-rope-fusion, --transformer-impl local"), lines
