@@ -23,7 +23,7 @@ def fixture_lines(name: str, **paths) -> list[list[str]]:
 
 def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
     """(fate, why) of one flag as given: 'ok' (a setting or alias), 'noop', 'pending' (another branch of
-    issue 24 builds it; TEMPORARY, see megatron_flags.PENDING_FLAGS), 'refused', or 'unknown'."""
+    issue 24 builds it; TEMPORARY, see megatron_flags.PENDING_IN_OTHER_BRANCHES), 'refused', or 'unknown'."""
     action = parser._option_string_actions.get(flag)
     if action is None:
         return "unknown", ""

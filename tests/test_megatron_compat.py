@@ -18,7 +18,7 @@ from megatron_zpp.megatron_flags import (
     MEGATRON_ARGUMENTS,
     MEGATRON_COMMIT,
     NOOPS,
-    PENDING_FLAGS,
+    PENDING_IN_OTHER_BRANCHES,
     REFUSED,
     VALUED,
     classify,
@@ -358,12 +358,13 @@ def test_every_megatron_flag_is_known_and_none_is_unrecognized():
 def test_no_table_entry_is_shadowed_by_a_setting_and_the_commit_is_recorded():
     parser = build_parser()
     megatron = {o for opts, _, _ in MEGATRON_ARGUMENTS for o in opts}
-    for table in (NOOPS, VALUED, REFUSED, PENDING_FLAGS):
+    for table in (NOOPS, VALUED, REFUSED):
         for flag in table:
             assert flag in megatron, f"{flag} is no flag of Megatron-LM {MEGATRON_COMMIT[:10]}"
             dest = parser._option_string_actions[flag].dest
             assert dest.startswith("megatron."), f"{flag} is a setting's ({dest}): its table entry is dead"
     assert MEGATRON_COMMIT == "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+    assert PENDING_IN_OTHER_BRANCHES <= megatron  # TEMPORARY: empty at the merge of issue 24
 
 
 def test_value_dependent_flags_and_the_noops_given():
