@@ -434,3 +434,23 @@ def test_start_up_log_lists_the_noops_given_in_one_line(capsys, monkeypatch):
     pretrain_gpt.main(OLD_DEFAULTS + tiny.split() + ["--no-rope-fusion", "--transformer-impl", "local"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "no-ops" in ln]
     assert len(lines) == 1 and lines[0].endswith(": --no-rope-fusion, --transformer-impl local"), lines
+
+
+def test_the_extractor_records_each_arguments_options_value_and_group():
+    """tools/extract_megatron_flags.py (run by hand on a Megatron-LM tree): the record of each argument."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extract", os.path.join(ROOT, "tools", "extract_megatron_flags.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group("moe")
+    group.add_argument("--num-experts", type=int)
+    group.add_argument("--moe-grouped-gemm", "--moe-gg", action="store_true")
+    parser.add_argument("--split", action=argparse.BooleanOptionalAction)
+    assert tool.flag_records(parser) == [
+        {"options": ["--num-experts"], "value": True, "group": "moe"},
+        {"options": ["--moe-grouped-gemm", "--moe-gg"], "value": False, "group": "moe"},
+        {"options": ["--split", "--no-split"], "value": False, "group": "options"},
+    ]
