@@ -61,6 +61,9 @@ NOOPS = {
     ),
     "--local-rank": "the local rank is read from LOCAL_RANK, which torchrun sets",
     "--no-one-logger": "one-logger is never used here",
+    "--init-model-with-meta-device": (
+        "the model is always built on the meta device; each rank then materializes only what it holds"
+    ),
     "--disable-gloo-process-groups": "no gloo groups are built beside NCCL's (on CPU gloo is the backend itself)",
 }
 
