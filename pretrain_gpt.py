@@ -52,6 +52,11 @@ def _main(argv):
     from megatron_zpp.tensor_parallel.layers import TokenIdError
 
     rank = int(os.environ.get("RANK", 0))
+    if cfg.megatron_noops:  # one line: docs/megatron_compat.md says why each is one
+        log(
+            f"Megatron-LM flags accepted as no-ops (what they ask for always happens): {', '.join(cfg.megatron_noops)}",
+            rank,
+        )
     try:
         run = training.setup(cfg)
         training.train(run)

@@ -17,7 +17,8 @@ import typing
 
 import yaml
 
-from .config import SECTIONS, Config, ConfigError
+from .config import SECTIONS, Config, ConfigError, flag_of
+from .megatron_flags import MEGATRON_ARGUMENTS, VALUED, classify, valued_outcome
 from .topology import check_node_layout
 from .validation import validate
 
@@ -28,58 +29,8 @@ ALIASES = {
     "--disable-bias-linear": ("model", "add_bias_linear", False),
     "--use-flash-attn": ("model", "attention_backend", "flash"),
     "--use-rotary-position-embeddings": ("model", "position_embedding_type", "rope"),
-}
-
-# Megatron-LM flags accepted without a setting of their own, because what they ask for is what
-# always happens here: flag -> (takes a value, why).
-NOOPS = {
-    "--use-mcore-models": (False, "deprecated in Megatron-LM, which ignores it too"),
-    "--cross-entropy-loss-fusion": (False, "the vocab-parallel cross-entropy is always fused (one pass per row)"),
-    "--log-throughput": (False, "tokens/s, TFLOP/s per rank and MFU are always logged"),
-    "--no-create-attention-mask-in-dataloader": (
-        False,
-        "the data loader never builds an attention mask (causal SDPA; packed documents travel as document ids)",
-    ),
-    "--tiktoken-pattern": (True, "read only by TikTokenizer (not built here); Megatron ignores it for the others"),
-}
-
-# Megatron-LM flags that are refused by name: flag -> (takes a value, why and what to use). A flag
-# that a config field declares is that field's, not refused (so a feature that lands wins).
-REFUSED = {
-    **{
-        f: (v, "FP8 needs transformer-engine, which is not supported here: drop it (use --bf16)")
-        for f, v in [
-            ("--fp8-format", True),
-            ("--fp8-recipe", True),
-            ("--fp8-amax-history-len", True),
-            ("--fp8-amax-compute-algo", True),
-            ("--fp8-param-gather", False),
-            ("--fp8-margin", True),
-        ]
-    },
-    "--transformer-impl": (True, "transformer-engine layers are not supported; ours are PyTorch modules: drop it"),
-    "--apply-layernorm-1p": (
-        False,
-        "zero-centred norm weights are not built: drop it (the same function at init; with norms exempt from "
-        "weight decay, as here and in Megatron, AdamW trains both alike up to round-off)",
-    ),
-    "--decoupled-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
-    "--decoupled-min-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
-    "--ckpt-format": (
-        True,
-        "checkpoints are this project's sharded safetensors (tools/convert_checkpoint.py converts them): drop it",
-    ),
-    "--no-mmap-bin-files": (False, ".bin files are always memory-mapped (pages read on demand): drop it"),
-    "--step-batch-size-schedule": (
-        True,
-        "not built: use --rampup-batch-size START INCR SAMPLES with --train-samples (Megatron's linear ramp)",
-    ),
-    "--profile": (False, "torch.profiler traces are not built yet: drop it"),
-    "--profile-step-start": (True, "torch.profiler traces are not built yet: drop it"),
-    "--profile-step-end": (True, "torch.profiler traces are not built yet: drop it"),
-    "--profile-ranks": (True, "torch.profiler traces are not built yet: drop it"),
-    "--squared-relu": (False, "not built: use --swiglu or the default gelu"),
-    "--quick-geglu": (False, "not built: use --swiglu or the default gelu"),
+    "--recompute-activations": ("model", "recompute_granularity", "selective"),
+    "--no-position-embedding": ("model", "position_embedding_type", "none"),
 }
 
 
@@ -97,84 +48,124 @@ def _base_type(tp):
     return tp
 
 
+def _metavar(meta: dict):
+    """The flag's own name (NUM_LAYERS), not argparse's dest (MODEL.NUM_LAYERS); choices show as {a,b}."""
+    if meta.get("choices") is not None:
+        return None
+    return meta.get("metavar") or meta["flag"].lstrip("-").upper().replace("-", "_")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
+        usage="%(prog)s [--config FILE.yaml] [--FLAG [VALUE ...] ...]",
         description="Pretrain a GPT with TP x PP x CP x ZeRO++ DP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # as Megatron: --hidden-s is an error, not --hidden-size
+        exit_on_error=False,  # parse_args collects every error of the command line (one line each)
     )
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of settings; command-line flags override it")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         types_of = _field_types(cls)
         for f in dataclasses.fields(cls):
-            if "flag" not in f.metadata:
-                continue
-            meta, dest = f.metadata, f"{section}.{f.name}"
-            tp = _base_type(types_of[f.name])
-            default = argparse.SUPPRESS  # absent flags do not override YAML
-            if tp is bool:
-                group.add_argument(
-                    meta["flag"],
-                    dest=dest,
-                    action=argparse.BooleanOptionalAction,
-                    default=default,
-                    help=meta["help"] + f" (default: {f.default})",
-                )
-            elif typing.get_origin(tp) is list or tp is list:
-                group.add_argument(
-                    meta["flag"],
-                    dest=dest,
-                    nargs=meta.get("nargs", "+"),
-                    type=meta.get("type", str),
-                    default=default,
-                    help=meta["help"],
-                    metavar=meta.get("metavar"),
-                )
-            else:
-                group.add_argument(
-                    meta["flag"],
-                    dest=dest,
-                    type=tp,
-                    choices=meta.get("choices"),
-                    default=default,
-                    help=meta["help"] + f" (default: {f.default})",
-                )
+            if "flag" in f.metadata:
+                _add_field(group, f"{section}.{f.name}", f, _base_type(types_of[f.name]))
+    aliases = parser.add_argument_group("Megatron-LM spellings of the settings above")
     for flag, (section, name, value) in ALIASES.items():
-        parser.add_argument(
+        aliases.add_argument(
             flag,
             dest=f"{section}.{name}",
             action="store_const",
             const=value,
             default=argparse.SUPPRESS,
-            help=f"alias of {name}={value} (Megatron-LM spelling)",
+            help=f"the same as {_spelled(flag_of(section, name), value)}",
         )
     _add_megatron_only(parser)
     return parser
 
 
+def _spelled(flag: str, value) -> str:
+    """How our own flag says `value`: --activation swiglu, --no-bf16."""
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag.lstrip("-")
+    return f"{flag} {value}"
+
+
+def _add_field(group, dest: str, f: dataclasses.Field, tp) -> None:
+    """One config field's flag (absent flags set nothing, so YAML values stand)."""
+    meta, default = f.metadata, argparse.SUPPRESS
+    shown = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    help_text = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {shown})"
+    if tp is bool:
+        group.add_argument(
+            meta["flag"], dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text
+        )
+    elif typing.get_origin(tp) is list or tp is list:
+        group.add_argument(
+            meta["flag"],
+            dest=dest,
+            nargs=meta.get("nargs", "+"),
+            type=meta.get("type", str),
+            default=default,
+            help=help_text,
+            metavar=_metavar(meta),
+        )
+    else:
+        group.add_argument(
+            meta["flag"],
+            dest=dest,
+            type=tp,
+            choices=meta.get("choices"),
+            default=default,
+            help=help_text,
+            metavar=_metavar(meta),
+        )
+
+
 def _add_megatron_only(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's flags that have no setting here: accepted no-ops and refused ones."""
+    """Every Megatron-LM argument that no setting or alias declares: a no-op or refused by reason
+    (megatron_flags.py classifies them); none reaches argparse's "unrecognized". The parser keeps
+    each one's class in parser.megatron: dest -> (kind, why, Megatron group)."""
     known = set(parser._option_string_actions)
     noops = parser.add_argument_group("Megatron-LM flags accepted as no-ops (what they ask for always happens)")
-    for flag, (takes_value, why) in NOOPS.items():
-        kind = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
-        noops.add_argument(flag, dest=f"noop.{flag}", default=argparse.SUPPRESS, help=why, **kind)
-    refused = parser.add_argument_group("Megatron-LM flags refused (each says why and what to use)")
-    for flag, (takes_value, why) in REFUSED.items():
-        if flag in known:  # implemented by a config field
+    refused = parser.add_argument_group(
+        "Megatron-LM flags refused",
+        "every other flag of Megatron-LM's parser is known and refused with one line saying why "
+        "(docs/megatron_compat.md; megatron_zpp/megatron_flags.py)",
+    )
+    parser.megatron = {}
+    for options, takes_value, group in MEGATRON_ARGUMENTS:
+        options = tuple(o for o in options if o not in known)
+        if not options:  # a setting or an alias takes it
             continue
-        kind = {"nargs": "*", "metavar": "VALUE"} if takes_value else {"nargs": "?", "const": True, "metavar": "VALUE"}
-        refused.add_argument(flag, dest=f"refused.{flag}", default=argparse.SUPPRESS, help=f"refused: {why}", **kind)
+        kind, why = classify(options, group)
+        dest = f"megatron.{options[0]}"
+        parser.megatron[dest] = (kind, why, group)
+        value = {"nargs": "*", "metavar": "VALUE"} if takes_value else {"action": "store_const", "const": True}
+        if kind == "valued":
+            values, reason = VALUED[why]
+            help_text = f"{' or '.join(values)}: a no-op ({reason}); other values are refused"
+            noops.add_argument(*options, dest=dest, default=argparse.SUPPRESS, metavar="VALUE", help=help_text)
+        elif kind == "noop":
+            noops.add_argument(*options, dest=dest, default=argparse.SUPPRESS, help=why, **value)
+        else:
+            refused.add_argument(*options, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **value)
 
 
-def refused_flags(args: dict) -> list[str]:
-    """One line per refused Megatron flag given (popped from the parsed `args`)."""
-    given = [dest.split(".", 1)[1] for dest in list(args) if dest.startswith("refused.")]
-    for dest in [d for d in args if d.startswith(("refused.", "noop."))]:
-        args.pop(dest)
-    return [f"{flag}: {REFUSED[flag][1]}" for flag in given]
+def megatron_only(args: dict, table: dict) -> tuple[list[str], list[str]]:
+    """(refused lines, no-op flags given) of the Megatron-only flags in the parsed `args` (popped
+    from it); `table` is the parser's dest -> (kind, why, group)."""
+    lines, noops = [], []
+    for dest in [d for d in args if d.startswith("megatron.")]:
+        (kind, why, group), flag, value = table[dest], dest.split(".", 1)[1], args.pop(dest)
+        if kind == "valued":
+            is_noop, why = valued_outcome(why, value, group)
+            kind, flag = ("noop" if is_noop else "refused"), f"{flag} {value}"
+        if kind == "noop":
+            noops.append(flag)
+        else:
+            lines.append(f"{flag}: {why}")
+    return lines, noops
 
 
 def _coerce(section: str, name: str, value, path: str):
@@ -232,19 +223,25 @@ def load_yaml(path: str) -> dict[str, object]:
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             flat[key] = value
-    index, out, unknown = _flag_index(), {}, []
+    index, out, unknown, errors = _flag_index(), {}, [], []
     for key, value in flat.items():
         name = key.split(".")[-1].lstrip("-").replace("-", "_")
         if name not in index:
             unknown.append(key)
             continue
         section, field_name = index[name]
-        out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
+        try:
+            out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
+        except ConfigError as e:  # every bad value of the file, one line each
+            errors.append(str(e))
     if unknown:
-        raise ConfigError(
+        errors.insert(
+            0,
             f"--config {path}: unknown {'setting' if len(unknown) == 1 else 'settings'} "
-            + ", ".join(f"{key!r}{_did_you_mean(key)}" for key in unknown)
+            + ", ".join(f"{key!r}{_did_you_mean(key)}" for key in unknown),
         )
+    if errors:
+        raise ConfigError("\n".join(errors))
     return out
 
 
@@ -262,32 +259,83 @@ def _did_you_mean(key: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _one_line_error(message: str) -> None:
-    print(f"error: {message} (pretrain_gpt.py --help lists every flag)", file=sys.stderr)
-    sys.exit(2)
+def _chunks(argv: list[str]) -> list[list[str]]:
+    """argv cut before each flag: each piece is parsed alone, so one bad flag does not hide the next."""
+    pieces: list[list[str]] = []
+    for token in argv:
+        if token.startswith("--") or not pieces:
+            pieces.append([token])
+        else:
+            pieces[-1].append(token)
+    return pieces
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse argv (and --config YAML) into an unvalidated Config."""
+def _unknown(extra: list[str], piece: list[str], flags: list[str]) -> str:
+    """The line for what argparse left over from one piece of the command line."""
+    if extra[0] == piece[0] and piece[0].startswith("-"):
+        name = piece[0].split("=", 1)[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+        return f"unrecognized arguments: {name}" + (f" (did you mean {close[0]}?)" if close else "")
+    where = f" (after {piece[0]})" if piece[0].startswith("-") and extra[0] != piece[0] else ""
+    return f"unrecognized arguments: {' '.join(extra)}{where}"
+
+
+def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
+    """argv (and --config YAML) -> (an unvalidated Config, every error line). A value that fails
+    its type or choices leaves its setting at the default and is one error line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    parser.error = _one_line_error  # not the usage of every flag: one line, then exit 2 as argparse does
-    args = vars(parser.parse_args(argv))
-    refused = refused_flags(args)
-    if refused:
-        raise ConfigError("\n".join(refused))
-    values = load_yaml(args.pop("config")) if args.get("config") else {}
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        sys.exit(0)
+    args, errors = argparse.Namespace(), []
+    flags = sorted(o for o in parser._option_string_actions if o.startswith("--"))
+    for piece in _chunks(argv):
+        try:
+            args, extra = parser.parse_known_args(piece, args)
+        except argparse.ArgumentError as e:
+            errors.append(str(e).removeprefix("argument "))
+            continue
+        if extra:
+            errors.append(_unknown(extra, piece, flags))
+    args = vars(args)
+    refused, noops = megatron_only(args, parser.megatron)
+    errors += refused
+    values = {}
+    if args.get("config"):
+        try:
+            values = load_yaml(args["config"])
+        except ConfigError as e:
+            errors += str(e).splitlines()
     args.pop("config", None)
     values.update(args)
     cfg = Config()
     for dest, value in values.items():
         section, name = dest.split(".")
         setattr(getattr(cfg, section), name, value)
+    cfg.megatron_noops = noops  # the Megatron no-op flags given, for the start-up log's one line
+    return cfg, errors
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse argv (and --config YAML) into an unvalidated Config; ConfigError lists every unknown
+    or refused flag and every bad value, one line each."""
+    cfg, errors = _parse(argv)
+    if errors:
+        raise ConfigError("\n".join(errors))
     return cfg
 
 
 def parse_config(argv: list[str] | None, world_size: int) -> Config:
     """argv -> a validated Config, node layout included: every check that needs no process
-    group, so a bad setting costs one error line before any work (raises ConfigError)."""
-    cfg = validate(parse_args(argv), world_size)
-    check_node_layout(cfg)
+    group, so a bad setting costs one error line before any work. The flags' errors and the
+    checks' come in one ConfigError, so a user reruns once."""
+    cfg, errors = _parse(argv)
+    try:
+        validate(cfg, world_size)
+        check_node_layout(cfg)
+    except ConfigError as e:
+        errors += str(e).splitlines()
+    if errors:
+        raise ConfigError("\n".join(errors))
     return cfg

@@ -483,15 +483,10 @@ def _check_schedule_units(cfg: Config) -> list[str]:
 
 def _check_data(cfg: Config, world_size: int) -> list[str]:
     d = cfg.data
-    parts = d.split.replace("/", ",").split(",")
     return _failed(
         [
             (d.num_workers >= 0, f"--num-workers must be >= 0 (got {d.num_workers})"),
             (not (d.mock_data and d.data_path), "give either --data-path or --mock-data, not both"),
-            (
-                all(s.strip().replace(".", "", 1).isdigit() for s in parts) and len(parts) <= 3,
-                f"--split {d.split!r} must be up to three non-negative numbers like 969,30,1",
-            ),
         ]
     ) + _check_split_weights(cfg)
 
@@ -526,13 +521,16 @@ def _check_run_paths(cfg: Config) -> list[str]:
 
 
 def _check_split_weights(cfg: Config) -> list[str]:
-    """A --split (of a --data-path) must give the training set a share (validation and test may have none)."""
+    """--split read as Megatron reads it (data.builder.parse_split); a --split of a --data-path must
+    give the training set a share (validation and test may have none)."""
+    from .data.builder import parse_split
+
     d = cfg.data
     try:
-        weights = [float(s) for s in d.split.replace("/", ",").split(",")]
-    except ValueError:
-        return []  # _check_data says so
-    if d.mock_data or not weights or weights[0] > 0:
+        weights = parse_split(d.split)
+    except ValueError as e:
+        return [str(e)]
+    if d.mock_data or weights[0] > 0:
         return []
     return [f"--split {d.split!r} gives the training set no documents: its first number must be > 0"]
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_zpp.arguments import load_yaml, parse_args
+from megatron_zpp.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.config import Config, ConfigError
 from megatron_zpp.validation import NOT_YET, validate
 
@@ -324,13 +324,43 @@ def test_data_path_with_weights_is_a_list():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--normalization", "BatchNorm"], ["--num-layers", "six"], ["--no-such-flag"], ["--zero-stage", "4"]]
+    "argv, says",
+    [
+        (["--normalization", "BatchNorm"], "--normalization: invalid choice: 'BatchNorm'"),
+        (["--num-layers", "six"], "--num-layers: invalid int value: 'six'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--zero-stage", "4"], "--zero-stage: invalid choice: 4"),
+        (["--num-layers"], "--num-layers: expected one argument"),
+        (["--bf16", "yes"], "unrecognized arguments: yes (after --bf16)"),
+    ],
 )
-def test_bad_cli_values_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as info:
+def test_bad_cli_values_are_one_line_each(argv, says):
+    with pytest.raises(ConfigError) as info:
         parse_args(argv)
-    assert info.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    assert str(info.value).splitlines() == [str(info.value)] and str(info.value).startswith(says)
+
+
+def test_every_error_of_a_command_line_in_one_pass(tmp_path):
+    """Unknown flags (with the nearest flag), bad values, refused Megatron flags, YAML errors and the
+    checks' errors: all in one ConfigError, one line each, so a user reruns once."""
+    yaml_file = write(tmp_path, "hidden-size: wide\nnum-layers: 2.5\nhiden: 3\n")
+    argv = ["--mock-data", "--num-layrs", "2", "--seq-length", "x", "--moe-router-topk", "2"]
+    argv += ["--fp8-format", "hybrid", "--config", yaml_file, "--num-attention-heads", "3", "--zero-stage", "9"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, 1)
+    lines = str(info.value).splitlines()
+    expect = [
+        "unrecognized arguments: --num-layrs (did you mean --num-layers?)",
+        "--seq-length: invalid int value: 'x'",
+        "--zero-stage: invalid choice: 9",
+        "--moe-router-topk: mixture of experts is not built",
+        "--fp8-format: FP8/FP4 and transformer-engine are not supported",
+        f"--config {yaml_file}: unknown setting 'hiden' (did you mean 'hidden-size'?)",
+        f"--config {yaml_file}: hidden-size: invalid value 'wide'",
+        f"--config {yaml_file}: num-layers: invalid value 2.5",
+        "--hidden-size 128 is not divisible by --num-attention-heads 3",  # validate(), same pass
+    ]
+    assert len(lines) == len(expect) and all(ln.startswith(e) for ln, e in zip(lines, expect)), lines
 
 
 # ------------------------------------------------------------------ YAML

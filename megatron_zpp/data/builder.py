@@ -4,6 +4,7 @@ the dataset, blended.py the blend)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from .blended import build_split_datasets, parse_data_path
@@ -11,13 +12,20 @@ from .token_range import index_cache_dir
 
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> normalized [train, valid, test] fractions (missing ones are 0)."""
+    """'969,30,1' -> normalized [train, valid, test] fractions (missing ones are 0).
+
+    As Megatron (re.findall of the numbers), so "99,1,0", "99/1/0" and the quoted "'99,1,0'" that
+    Megatron's own scripts pass all read 99, 1, 0; any other character (a sign, a letter) is refused."""
+    if re.search(r"[^0-9.,/\s'\"]", split):
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers like 969,30,1")
     try:
-        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+        parts = [float(s) for s in re.findall(r"[.0-9]+", split)]
     except ValueError:
         raise ValueError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers like 969,30,1")
+    if sum(parts) <= 0:
+        raise ValueError(f"--split {split!r} gives the training set no documents: its first number must be > 0")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
 

@@ -99,9 +99,11 @@ def train_samples_needed(t, consumed: int, iteration: int) -> int:
     resumed at `iteration` after `consumed` samples (perhaps at another --global-batch-size, which
     Megatron allows), those consumed plus the batches of the steps left."""
     fresh = max(t.samples_after(t.train_iters), t.train_samples or 0)
-    for _ in range(max(t.train_iters - iteration, 0)):
+    steps = max(t.train_iters - iteration, 0)
+    while steps and t.global_batch_at(consumed) != t.global_batch_size:  # the ramp-up's steps, one by one
         consumed += t.global_batch_at(consumed)
-    return max(fresh, consumed)
+        steps -= 1
+    return max(fresh, consumed + steps * t.global_batch_size)  # then full batches (the ramp never shrinks)
 
 
 def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):

@@ -1,0 +1,70 @@
+"""What the Megatron-LM fixture tests share: reading a fixture (tests/fixtures/**/*.args), the fate of
+each of its flags in our parser, and the test data its paths name."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import numpy as np
+
+from megatron_zpp.arguments import build_parser
+from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fixture_lines(name: str, **paths) -> list[list[str]]:
+    """The fixture's arguments, one flag with its values per line, the {paths} filled in."""
+    with open(os.path.join(HERE, "fixtures", name)) as f:
+        lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    return [shlex.split(ln.format(**paths)) for ln in lines]
+
+
+def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
+    """(fate, why) of one flag as given: 'ok' (a setting or alias), 'noop', 'pending' (another branch of
+    issue 24 builds it; TEMPORARY, see megatron_flags.PENDING_IN_OTHER_BRANCHES), 'refused', or 'unknown'."""
+    action = parser._option_string_actions.get(flag)
+    if action is None:
+        return "unknown", ""
+    if not action.dest.startswith("megatron."):
+        return "ok", ""
+    kind, why, group = parser.megatron[action.dest]
+    if kind == "valued":
+        from megatron_zpp.megatron_flags import valued_outcome
+
+        is_noop, why = valued_outcome(why, value[0], group)
+        return ("noop" if is_noop else "refused"), why
+    return kind, why
+
+
+def fates(lines: list[list[str]]) -> dict[str, tuple[str, str]]:
+    parser = build_parser()
+    return {ln[0]: fate_of(ln[0], ln[1:], parser) for ln in lines}
+
+
+def without_pending(lines: list[list[str]]) -> list[list[str]]:
+    """TEMPORARY (remove at the merge of issue 24): the lines whose flags another branch builds, dropped."""
+    parser = build_parser()
+    return [ln for ln in lines if fate_of(ln[0], ln[1:], parser)[0] != "pending"]
+
+
+def tiny_gpt2_files(directory):
+    """GPT-2-style vocab.json + merges.txt of a byte-level BPE trained here (`tokenizers`), and the BPE."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    text = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n"] * 20
+    bpe.train_from_iterator(text, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    vocab, merges = bpe.save_model(str(directory))
+    return vocab, merges, bpe
+
+
+def tiny_dataset(prefix: str, documents: int = 64, length: int = 100, vocab: int = 250) -> str:
+    """A Megatron .bin/.idx pair of `documents` token sequences below `vocab`; returns the prefix."""
+    writer = IndexedDatasetWriter(prefix + ".bin", np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(documents):
+        writer.add_document(rng.integers(0, vocab, length))
+    writer.finalize(prefix + ".idx")
+    return prefix

@@ -1,0 +1,140 @@
+"""A held-out test of our own: GPT configs of Megatron-LM's functional tests
+(tests/fixtures/megatron_functional/*.args, from tests/functional_tests/test_cases/gpt/*/model_config.yaml
+at d98e8a64dd, sizes shrunk only). Each is given as written: the ones whose features exist run 2
+iterations on CPU ranks (gloo) after refusing only `--transformer-impl transformer_engine`; the
+MoE/GDN/FP8 ones are refused in one pass, each flag by its reason.
+
+World size = the layout's TP x PP x CP x DP with DP shrunk (1, or 2 where the config is TP1 PP1);
+fixtures of one world size run one after the other in one set of rank processes."""
+
+import math
+
+import pytest
+
+from megatron_zpp import training
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.config import ConfigError
+from tests.dist import run_distributed
+from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files, without_pending
+
+TE = {"--transformer-impl": "transformer-engine is not supported"}
+MOE = "mixture of experts is not built"
+GDN = "gated delta net"
+FP8 = "FP8/FP4 and transformer-engine are not supported"
+
+# fixture -> (world size, the flags refused as written -> a piece of their reason); all others run
+RUNS = {
+    "gpt3_mcore_tp1_pp2_fp16": (2, {}),
+    "gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (2, {}),
+    "gpt3_mcore_te_tp1_pp1_uniform_full_recompute": (2, TE),
+    "gpt3_mcore_tp2_pp2_uninstall_te": (4, {}),
+    "gpt3_mcore_te_tp1_pp4_vp1": (4, TE),
+    "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline": (4, TE),
+    "gpt3_mcore_te_tp2_pp1_cp2_nondeterministic": (4, TE),
+    "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (4, TE),
+    "gpt3_7b_tp1_pp4_memory_speed": (4, TE),
+}
+# the ones refused in one pass (checked without processes; their world size is the layout's)
+REFUSED = {
+    "gpt3_mcore_te_tp2_pp1_gdn": (
+        2,
+        {
+            **TE,
+            **{f: MOE for f in ["--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"]},
+            **{f: MOE for f in ["--moe-shared-expert-gate", "--moe-router-load-balancing-type", "--moe-router-topk"]},
+            "--moe-router-dtype": MOE,
+            **{f: GDN for f in ["--experimental-attention-variant", "--linear-attention-freq"]},
+            **{f: GDN for f in ["--linear-conv-kernel-dim", "--linear-key-head-dim", "--linear-value-head-dim"]},
+            **{f: GDN for f in ["--linear-num-key-heads", "--linear-num-value-heads"]},
+            "--attention-output-gate": "attention or position-embedding variant is not built",
+            "--apply-wd-to-qk-layernorm": "attention or position-embedding variant is not built",
+            "--rotary-percent": "only 1.0 (full RoPE) is built",
+        },
+    ),
+    "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap": (
+        4,
+        {**TE, **{f: FP8 for f in "--tp-comm-overlap --tp-comm-overlap-cfg --fp8-format --fp8-recipe".split()}}
+        | {"--fp8-param-gather": FP8},
+    ),
+    "gpt3_15b_8t_release": (
+        8,
+        {
+            **TE,
+            "--tokenizer-type": "invalid choice: 'GPTSentencePieceTokenizer'",
+            "--step-batch-size-schedule": "use --rampup-batch-size",
+            "--squared-relu": "not built",
+            "--rotary-percent": "only 1.0 (full RoPE) is built",
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("megatron_functional")
+    vocab, merges, _ = tiny_gpt2_files(d)
+    return dict(data=tiny_dataset(str(d / "text_document"), documents=200), vocab=vocab, merges=merges, root=d)
+
+
+def paths_for(name: str, data: dict) -> dict:
+    run = data["root"] / name
+    return dict(
+        data=data["data"],
+        vocab=data["vocab"],
+        merges=data["merges"],
+        spm=run / "tokenizer.model",
+        tb=run / "tb",
+        ckpt=run / "ckpt",
+        cache=run / "cache",
+        wandb=run / "wandb",
+        wandb_name=name,
+        tp_comm_cfg=run / "tp_comm_overlap_cfg.yaml",
+    )
+
+
+def refusals(name: str, world: int, data: dict) -> tuple[list[list[str]], dict[str, str]]:
+    """The fixture's lines (pending flags dropped: TEMPORARY) and flag -> reason of every refused one,
+    from one parse_config (one pass)."""
+    lines = without_pending(fixture_lines(f"megatron_functional/{name}.args", **paths_for(name, data)))
+    try:
+        parse_config([t for ln in lines for t in ln] + ["--device", "cpu", "--peak-tflops", "1"], world)
+    except ConfigError as e:
+        got = {}
+        for line in str(e).splitlines():
+            flag = line.split(":")[0].split()[0]
+            got[flag if flag.startswith("--") else line] = line
+        return lines, got
+    return lines, {}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unbuilt_features_are_refused_in_one_pass(name, data):
+    world, expected = REFUSED[name]
+    _, got = refusals(name, world, data)
+    assert sorted(got) == sorted(expected), name
+    for flag, why in expected.items():
+        assert why in got[flag], got[flag]
+
+
+def _train_each(rank, world_size, argvs):
+    out = []
+    for argv in argvs:
+        cfg = parse_config(argv, world_size)
+        history = training.train(training.setup(cfg))
+        out.append(([h["loss"] for h in history], cfg.megatron_noops))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_functional_configs_run_two_iterations(world, data):
+    names = [n for n, (w, _) in RUNS.items() if w == world]
+    argvs = []
+    for name in names:
+        lines, got = refusals(name, world, data)
+        assert sorted(got) == sorted(RUNS[name][1]), (name, got)
+        kept = [ln for ln in lines if ln[0] not in got]
+        argvs.append([t for ln in kept for t in ln] + ["--device", "cpu", "--peak-tflops", "1"])
+    results = run_distributed(_train_each, world, argvs, timeout=400)
+    for name, (losses, noops) in zip(names, results[0]):
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, losses)
+        assert "--distributed-backend nccl" in noops, name  # every config passes it; a no-op, logged
