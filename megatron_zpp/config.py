@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from . import batch_schedule
+
 
 class ConfigError(ValueError):
     """An inconsistent or unsupported setting. The message says what to change."""
@@ -401,6 +403,13 @@ class TrainConfig:
         type=int,
         metavar=("START", "INCR", "SAMPLES"),
     )
+    step_batch_size_schedule: str | None = opt(
+        None,
+        "--step-batch-size-schedule",
+        "the global batch by tokens consumed, as Megatron: 'THRESHOLD:BATCH ...' (thresholds in tokens, with "
+        "K/M/B/T suffixes, the first 0; e.g. '0:16 2.4B:320 12B:1536'); its last batch is the global batch "
+        "(Megatron refuses --global-batch-size beside it; here it may be given if it is the same)",
+    )
     train_iters: int | None = opt(None, "--train-iters", "optimizer steps (default 100, or from --train-samples)")
     train_samples: int | None = opt(
         None,
@@ -520,40 +529,22 @@ class TrainConfig:
         choices=[0, 1, 2],
     )
 
-    # filled by validate(): --train-iters came from --train-samples
+    # filled by validate(): --train-iters came from --train-samples; --step-batch-size-schedule as
+    # (first sample, global batch) entries
     train_iters_from_samples: bool = False
+    batch_steps: list = field(default_factory=list)
 
     def global_batch_at(self, consumed_samples: int) -> int:
-        """The global batch of the step that starts after `consumed_samples` samples.
-
-        Megatron's ramp-up (RampupBatchsizeNumMicroBatchesCalculator): (GBS - START) / INCR
-        increments spread evenly over SAMPLES samples; past SAMPLES, --global-batch-size."""
-        if not self.rampup_batch_size:
-            return self.global_batch_size
-        start, incr, samples = self.rampup_batch_size
-        increments = (self.global_batch_size - start) // incr
-        if consumed_samples > samples or increments <= 0:  # the second: refused by the checks
-            return self.global_batch_size
-        return start + int(consumed_samples / (samples / increments)) * incr
+        """The global batch of the step that starts after `consumed_samples` samples."""
+        return batch_schedule.global_batch_at(self, consumed_samples)
 
     def iterations_for_samples(self) -> int:
-        """Steps that --train-samples make (Megatron's update_train_iters): the ramp-up steps
-        that start within SAMPLES (and the train samples), then whole constant batches."""
-        if not self.rampup_batch_size:
-            return self.train_samples // self.global_batch_size
-        iterations = consumed = 0
-        while consumed <= self.rampup_batch_size[2] and consumed <= self.train_samples:
-            consumed += self.global_batch_at(consumed)
-            iterations += 1
-        return iterations + max(self.train_samples - consumed, 0) // self.global_batch_size
+        """Steps that --train-samples make (Megatron's update_train_iters)."""
+        return batch_schedule.iterations_for_samples(self)
 
-    def samples_after(self, iterations: int) -> int:
-        """Samples consumed by the first `iterations` steps."""
-        consumed = done = 0
-        while done < iterations and self.global_batch_at(consumed) != self.global_batch_size:
-            consumed += self.global_batch_at(consumed)
-            done += 1
-        return consumed + (iterations - done) * self.global_batch_size
+    def samples_after(self, iterations: int, consumed: int = 0) -> int:
+        """Samples consumed after `iterations` more steps that start after `consumed` samples."""
+        return batch_schedule.samples_after(self, iterations, consumed)
 
 
 @dataclass

@@ -83,9 +83,6 @@ VALUE_REFUSED = {
 
 # refused by name: flag -> why and what to use
 REFUSED = {
-    "--step-batch-size-schedule": (
-        "not built: use --rampup-batch-size START INCR SAMPLES with --train-samples (Megatron's linear ramp)"
-    ),
     "--squared-relu": "not built: use --swiglu or the default gelu",
     "--quick-geglu": "not built: use --swiglu or the default gelu",
     "--openai-gelu": "not built: use the default gelu (exact erf) or --swiglu",

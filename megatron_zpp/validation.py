@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from .batch_schedule import parse_step_schedule
 from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
 from .data.tokenizer import infer_tokenizer_type
 
@@ -90,6 +91,13 @@ def derive(cfg: Config, world_size: int) -> None:
         m.max_position_embeddings = m.seq_length
     if m.gla_chunk_size is None:  # by the device the run will use (--device auto: CUDA when available)
         m.gla_chunk_size = default_gla_chunk_size(_device_type(t.device))
+    if t.step_batch_size_schedule and m.seq_length >= 1:
+        try:
+            t.batch_steps = parse_step_schedule(t.step_batch_size_schedule, m.seq_length)
+        except ValueError:
+            t.batch_steps = []  # _check_step_schedule says why
+        if t.batch_steps and t.global_batch_size is None:  # Megatron: the schedule's last batch
+            t.global_batch_size = t.batch_steps[-1][1]
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * p.data_parallel_size
     d = cfg.data
@@ -332,19 +340,24 @@ def _check_batch(cfg: Config, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.train
     dp, pp, cp = p.data_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     per_step = t.micro_batch_size * dp
-    errors = _failed(
-        [
-            (
-                t.global_batch_size % per_step == 0,
-                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
-                f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
-            )
-        ]
-    ) + _check_rampup(t, per_step)
+    errors = (
+        _failed(
+            [
+                (
+                    t.global_batch_size % per_step == 0,
+                    f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+                    f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
+                )
+            ]
+        )
+        + _check_rampup(t, per_step)
+        + _check_step_schedule(cfg, per_step)
+    )
     if t.train_iters_from_samples and t.train_iters < 1:
         errors.append(f"--train-samples {t.train_samples} is less than one step (--global-batch-size)")
     if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
-        sizes = sorted({t.global_batch_size, *t.rampup_batch_size[:2]})  # START, INCR: all ramp sizes follow
+        # START, INCR: all ramp sizes follow; every batch of a step schedule
+        sizes = sorted({t.global_batch_size, *t.rampup_batch_size[:2], *(b for _, b in t.batch_steps)})
         errors += _failed(
             [
                 (
@@ -366,6 +379,30 @@ def _check_batch(cfg: Config, world_size: int) -> list[str]:
             ]
         )
     return errors
+
+
+def _check_step_schedule(cfg: Config, per_step: int) -> list[str]:
+    """--step-batch-size-schedule: parsed as Megatron parses it, alone (not with a ramp-up), ending at the
+    global batch, and every batch whole micro-batches (Megatron checks each as it comes)."""
+    t, flag = cfg.train, "--step-batch-size-schedule"
+    if not t.step_batch_size_schedule:
+        return []
+    try:
+        steps = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+    except ValueError as e:
+        return [f"{flag} {t.step_batch_size_schedule!r}: {e}"]
+    odd = sorted({b for _, b in steps if b % per_step})
+    return _failed(
+        [
+            (not t.rampup_batch_size, f"{flag} and --rampup-batch-size are two batch schedules: give one"),
+            (
+                steps[-1][1] == t.global_batch_size,
+                f"{flag} ends at batch {steps[-1][1]} but --global-batch-size is {t.global_batch_size}: drop "
+                "--global-batch-size (Megatron refuses both) or make them equal",
+            ),
+            (not odd, f"{flag}: batches {odd} are not multiples of --micro-batch-size x DP = {per_step}"),
+        ]
+    )
 
 
 def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:

@@ -99,11 +99,7 @@ def train_samples_needed(t, consumed: int, iteration: int) -> int:
     resumed at `iteration` after `consumed` samples (perhaps at another --global-batch-size, which
     Megatron allows), those consumed plus the batches of the steps left."""
     fresh = max(t.samples_after(t.train_iters), t.train_samples or 0)
-    steps = max(t.train_iters - iteration, 0)
-    while steps and t.global_batch_at(consumed) != t.global_batch_size:  # the ramp-up's steps, one by one
-        consumed += t.global_batch_at(consumed)
-        steps -= 1
-    return max(fresh, consumed + steps * t.global_batch_size)  # then full batches (the ramp never shrinks)
+    return max(fresh, t.samples_after(max(t.train_iters - iteration, 0), consumed))
 
 
 def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):
