@@ -145,11 +145,16 @@ def _act_bytes(cfg: Config) -> tuple[int, int]:
 
 
 def _tp_enter(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
+    """A column-parallel product's input: under SP gathered in the forward, gathered again in the
+    backward (only the shard is kept, tensor_parallel/layers.py) and its gradient reduce-scattered."""
     if sp:
         return (
             [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")]
             if fwd
-            else [_coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")]
+            else [
+                _coll(g.tp, "sp_bwd_regather", "all_gather", nbytes, "tp"),
+                _coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp"),
+            ]
         )
     return [] if fwd else [_coll(g.tp, "tp_bwd_allreduce", "all_reduce", nbytes, "tp")]
 

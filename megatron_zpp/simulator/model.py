@@ -13,7 +13,9 @@ the forward again for fully recomputed layers.
 Overlap, per rank, with one compute stream and one communication stream per link class
 (transfers on one link queue on it; an intra-node and an inter-node one run at once):
 
-* TP collectives and the softmax K|V gather under CP are synchronous: fully exposed;
+* TP collectives and the softmax K|V gather under CP are synchronous: fully exposed (the
+  column-parallel backward runs its SP re-gather behind its input-gradient matmul and the
+  reduce-scatter behind its weight-gradient one; that overlap is not credited: an upper bound);
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
   chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
