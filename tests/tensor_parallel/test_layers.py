@@ -1,6 +1,8 @@
 """TP layers, the vocab-parallel loss and dropout RNG streams on 2 gloo ranks, against
 their single-rank equivalents."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,7 +141,9 @@ def _product_worker(rank, world):
     xs = x.chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
     comm.LEDGER.reset()
     y, d = col(xs, dp)
-    ((y * gy.chunk(tp.size, dim=-1)[tp.rank]).sum() + (d * gd).sum() / tp.size).backward()
+    loss = (y * gy.chunk(tp.size, dim=-1)[tp.rank]).sum() + (d * gd).sum() / tp.size
+    with _backward_order() as order:
+        loss.backward()
     torch.testing.assert_close(y, y_ref.chunk(tp.size, dim=-1)[tp.rank], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d, d_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(xs.grad, xr.grad.chunk(tp.size, dim=1)[tp.rank], rtol=1e-12, atol=1e-12)
@@ -147,17 +151,64 @@ def _product_worker(rank, world):
     partial = [torch.empty_like(dp.grad) for _ in range(tp.size)]  # the replicated weight: a partial sum
     torch.distributed.all_gather(partial, dp.grad, group=tp.handle)
     torch.testing.assert_close(sum(partial), dr.grad, rtol=1e-12, atol=1e-12)
-    return {(k[1], k[2]): (r.bytes, r.calls) for k, r in comm.LEDGER.records.items()}
+    return {(k[1], k[2]): (r.bytes, r.calls) for k, r in comm.LEDGER.records.items()}, order
+
+
+@contextlib.contextmanager
+def _backward_order():
+    """The matmuls and the starts and ends of comm.all_gather / reduce_scatter, in the order they ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_zpp import comm
+
+    events = []
+
+    class Ended:
+        def __init__(self, handle, phase):
+            self.handle, self.phase = handle, phase
+
+        def wait(self):
+            self.handle.wait()
+            events.append(f"end {self.phase}")
+
+    def logged(fn):
+        def call(output, input, group, phase, **kw):
+            events.append(f"start {phase}")
+            handle = fn(output, input, group, phase, **kw)
+            return Ended(handle, phase) if kw.get("async_op") else handle
+
+        return call
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "bmm", "addmm"):
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    real = comm.all_gather, comm.reduce_scatter
+    comm.all_gather, comm.reduce_scatter = logged(real[0]), logged(real[1])
+    try:
+        with Matmuls():
+            yield events
+    finally:
+        comm.all_gather, comm.reduce_scatter = real
 
 
 def test_sp_product_shares_one_input_and_gathers_it_again_in_the_backward():
     full = 2 * 8 * 16 * 8  # the gathered input [B, S, H] in fp64
-    for ledger in run_distributed(_product_worker, 2):
+    for ledger, order in run_distributed(_product_worker, 2):
         assert ledger == {
             ("sp_fwd_allgather", "all_gather"): (full / 2, 1),  # ring: (n - 1) / n of the gathered tensor
             ("sp_bwd_regather", "all_gather"): (full / 2, 1),
             ("sp_bwd_reducescatter", "reduce_scatter"): (full / 2, 1),
         }
+        # the re-gather runs behind the input gradient's two matmuls, the reduce-scatter behind the weights'
+        assert order == ["start sp_bwd_regather", "mm", "mm", "end sp_bwd_regather"] + [
+            "start sp_bwd_reducescatter",
+            "mm",
+            "mm",
+            "end sp_bwd_reducescatter",
+        ]
 
 
 def _saved(fn, skip):
