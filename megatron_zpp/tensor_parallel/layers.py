@@ -92,8 +92,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *shared: torch.Tensor):
         """shared: weights of further products of the same input (GLA's replicated low-rank gate),
-        computed in the same autograd node so that the input is kept, and under sequence parallelism
-        gathered, once for all of them; their outputs then follow y: (y, *theirs)."""
+        computed with this one (under TP in one autograd node) so that the input is kept, and under
+        sequence parallelism gathered, once for all of them; their outputs then follow y: (y, *theirs)."""
         y, *theirs = column_parallel_product(x, [self.weight, *shared], self.tp, self.sequence_parallel)
         y = gather_from_tp(y, self.tp) if self.gather_output else y
         return (y, *theirs) if shared else y

@@ -4,8 +4,9 @@ Forward and backward are conjugate: copy (identity / all-reduce), reduce (all-re
 identity), scatter and gather along the last dim, and Megatron's sequence-parallel pair
 along the sequence dim (all-gather / reduce-scatter). All go through comm.py, so the
 ledger sees them with their phase. `start_gather_seq` / `start_reduce_scatter_seq` issue the
-sequence pair asynchronously (layers.py's column-parallel product overlaps them with its
-backward matmuls).
+sequence pair asynchronously: layers.py's column-parallel product, which enters the TP region
+itself (copy / gather_from_sp fused with the matmul, so that under SP only the input's shard is
+kept for the backward), overlaps them with its backward matmuls.
 """
 
 from __future__ import annotations
