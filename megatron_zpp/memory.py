@@ -164,16 +164,22 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
 def norm_saved(x: Dims) -> int:
     """ops/norm.py reference: F.rms_norm on x.float() keeps x in fp32 (x itself for fp32: the
     block's input or mid residual, counted here), x * rstd in fp32 and rstd [rows]; the
-    output's e-byte copy is what the next linear keeps (counted there, gathered under SP)."""
+    output's e-byte copy is what the next linear keeps (counted there: `linear_input`)."""
     rows = x.b * x.s_norm
     return rows * (8 * x.h + 4)
 
 
+def linear_input(x: Dims) -> int:
+    """What a column-parallel product keeps of its input [b, s, h] (e): under sequence parallelism
+    this rank's sequence shard [b, s/TP, h], all-gathered again in the backward (as Megatron)."""
+    return x.e * x.b * x.s_norm * x.h
+
+
 def mlp_saved(x: Dims, swiglu: bool = True) -> int:
-    """fc1 keeps its input [b, s, h]; SwiGLU keeps [gate | up] (2f) and silu(gate) (f); fc2 keeps
-    its input (f). GeLU: fc1's output and fc2's input."""
+    """fc1 keeps its input (`linear_input`); SwiGLU keeps [gate | up] (2f) and silu(gate) (f); fc2
+    keeps its input (f). GeLU: fc1's output and fc2's input."""
     bs = x.b * x.s
-    return x.e * bs * (x.h + (4 * x.ffn if swiglu else 2 * x.ffn))
+    return linear_input(x) + x.e * bs * (4 * x.ffn if swiglu else 2 * x.ffn)
 
 
 def softmax_core_saved(x: Dims) -> int:
@@ -182,28 +188,29 @@ def softmax_core_saved(x: Dims) -> int:
 
 
 def softmax_layer(x: Dims, selective: bool) -> int:
-    """One softmax block: norm1, qkv's input (h) and output (heads + 2 kv heads: SDPA keeps v as a
-    view of it), the rotated q and k (new tensors), the core, proj's input (the re-laid-out
-    output), norm2, the MLP, hidden dropout masks. Selective recompute drops the core."""
+    """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
+    keeps v as a view of it), the rotated q and k (new tensors), the core, proj's input (the
+    re-laid-out output), norm2, the MLP, hidden dropout masks. Selective recompute drops the core."""
     bs = x.b * x.s
-    qkv = x.e * bs * (x.h + (x.heads + 2 * x.kv) * x.d + (x.heads + x.kv) * x.d + x.heads * x.d)
+    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + (x.heads + x.kv) * x.d + x.heads * x.d)
     core = 0 if selective else softmax_core_saved(x)
     return 2 * norm_saved(x) + qkv + core + mlp_saved(x) + dropout_saved(x)
 
 
 def gla_layer(x: Dims, selective: bool) -> int:
-    """One GLA block: norm1, proj_in's input (h) and output (5 sections, 4 with a low-rank gate),
+    """One GLA block: norm1, proj_in's input (`linear_input`; the low-rank gate's down-projection
+    shares it) and outputs (5 sections, 4 and the down-projection's r with a low-rank gate),
     proj_out's input (e), then the core (selective recompute keeps none of it: its inputs are
-    proj_in's): the low-rank gate's down-projection output (r), logsigmoid's fp32 input (a copy
-    for bf16 or a low-rank gate) and its fp32 buffer, the fp32 log decay g (ChunkGLAFunction keeps
-    q, k, v: views of proj_in's output, and g), the operator's output in fp32, rms_norm's fp32
-    x * rstd and rstd, the output gate's two factors (e); norm2, the MLP, hidden dropout masks."""
+    proj_in's outputs): logsigmoid's fp32 input (a copy for bf16 or a low-rank gate) and its fp32
+    buffer, the fp32 log decay g (ChunkGLAFunction keeps q, k, v: views of proj_in's output, and
+    g), the operator's output in fp32, rms_norm's fp32 x * rstd and rstd, the output gate's two
+    factors (e); norm2, the MLP, hidden dropout masks."""
     bs, w = x.b * x.s, x.width
-    proj = x.e * bs * (x.h + (4 if x.low_rank else 5) * w + w)
+    proj = linear_input(x) + x.e * bs * ((4 if x.low_rank else 5) * w + x.low_rank + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if (x.low_rank or x.e != 4) else 0
-        core = bs * (x.e * x.low_rank + gate_copy + 16 * w + 4 * x.heads + 2 * x.e * w)
+        core = bs * (gate_copy + 16 * w + 4 * x.heads + 2 * x.e * w)
     return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
 
 
@@ -242,10 +249,10 @@ def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
 
 
 def head_saved(x: Dims) -> int:
-    """Final norm, the output layer's input (e, gathered under SP), the logits [b, s, V/TP] (e) that
+    """Final norm, the output layer's input (`linear_input`), the logits [b, s, V/TP] (e) that
     the cross-entropy keeps, its fp32 log-sum-exp, int64 local labels and the ignore mask."""
     rows = x.b * x.s
-    return norm_saved(x) + x.e * rows * x.h + x.e * rows * x.vocab + rows * (4 + 8 + 1)
+    return norm_saved(x) + linear_input(x) + x.e * rows * x.vocab + rows * (4 + 8 + 1)
 
 
 def head_backward_transient(x: Dims) -> int:
@@ -274,7 +281,7 @@ def gla_backward_live(x: Dims) -> int:
     product forming dk (3), the entering states and their gradient (2 d / C)."""
     bs, w, C = x.b * x.s, x.width, x.chunk
     c = sub_block(C)
-    kept = norm_saved(x) + x.e * bs * (2 * x.h + (4 if x.low_rank else 5) * w + x.low_rank)
+    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + (4 if x.low_rank else 5) * w + x.low_rank)
     kept += bs * ((4 * w if (x.low_rank or x.e != 4) else 0) + 8 * w)
     units = 6 + 2 + (c - 1) / 2 + 2 + 2 * (C // c) + C / x.d + 3 + 2 * x.d / C
     return kept + int(4 * bs * w * units)

@@ -183,7 +183,7 @@ def check_ledger(kind, layers, flags, world, results):
             stage_layers = layers // pp
             first, last = c["pp"] == 0, c["pp"] == pp - 1
             if p.sequence_parallel:
-                for phase in ("sp_fwd_allgather", "sp_fwd_reducescatter", "sp_bwd_allgather", "sp_bwd_reducescatter"):
+                for phase in SP_PHASES:
                     assert _bytes(rows, "tp", phase) == pytest.approx(
                         _sp_expect(phase, first, last, micro, stage_layers, tp, act)
                     ), phase
@@ -216,14 +216,19 @@ def check_ledger(kind, layers, flags, world, results):
             assert _bytes(rows, "pp", "pp_bwd_p2p") == pytest.approx(sends_bwd * stage_act)
 
 
+SP_PHASES = ("sp_fwd_allgather", "sp_fwd_reducescatter", "sp_bwd_regather", "sp_bwd_allgather", "sp_bwd_reducescatter")
+
+
 def _sp_expect(phase, first, last, micro, stage_layers, tp, act) -> float:
     """Sequence parallel: all-gather before each column-parallel linear (2 per layer, +1
     for the output layer on the last stage), reduce-scatter after each row-parallel one
-    (2 per layer, +1 for the embedding on the first stage); the backward mirrors them."""
+    (2 per layer, +1 for the embedding on the first stage); the backward mirrors them and, as
+    Megatron's, all-gathers each column-parallel input again (only its shard was kept)."""
     gathers = 2 * stage_layers + last
     scatters = 2 * stage_layers + first
     n = {
         "sp_fwd_allgather": gathers,
+        "sp_bwd_regather": gathers,
         "sp_bwd_reducescatter": gathers,
         "sp_fwd_reducescatter": scatters,
         "sp_bwd_allgather": scatters,

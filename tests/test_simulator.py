@@ -246,3 +246,36 @@ def test_calibration_fit_recovers_known_terms(monkeypatch, tmp_path):
     for key, (_, per_call) in truth["quant"].items():
         assert refitted["quant"][key][1] == pytest.approx(per_call, rel=0.1), key
     assert "refitted" in refitted["notes"]
+
+
+def test_sp_backward_gathers_hide_behind_their_matmuls():
+    """TP2 + SP on an H100 preset (overlap efficiency 1): every TP collective is exposed, but in each
+    column-parallel backward (qkv and fc1 of each layer, the output layer) the input's re-gather hides
+    behind the input-gradient matmul and the gradient's reduce-scatter behind the weight-gradient one:
+    2 b s h w / TP FLOPs each (w: the product's full width) at the preset's sustained rate."""
+    from megatron_zpp.simulator import rank_step
+    from megatron_zpp.simulator.model import coll_time
+
+    L, h, s, b, heads, kv, ffn, vocab, world = 4, 1024, 512, 2, 16, 4, 2816, 32000, 16
+    cfg = _cfg(
+        f"--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size {b} --attention-type softmax "
+        f"--group-query-attention --num-query-groups {kv} --swiglu --ffn-hidden-size {ffn} --num-layers {L}",
+        world=world,
+    )
+    cl = preset("h100")
+    assert cl.overlap_efficiency == 1.0
+    colls = [c for _, cs in rank_step(cfg, 0).per_op for _, c in cs if c.kind == "tp"]
+    every = sum(coll_time(c, cl, cfg.parallel.ranks_per_node) for c in colls)
+    t_gather = coll_time(next(c for c in colls if c.phase == "sp_bwd_regather"), cl, cfg.parallel.ranks_per_node)
+    t_scatter = coll_time(next(c for c in colls if c.phase == "sp_bwd_reducescatter"), cl, cfg.parallel.ranks_per_node)
+    d = h // heads
+    widths = [(heads + 2 * kv) * d, 2 * ffn] * L + [vocab]  # vocab 32000 is a multiple of 128 x TP: no padding
+    hidden = 0.0
+    for w in widths:
+        matmul = 2 * b * s * h * w / 2 / (cl.sustained_tflops * 1e12)
+        hidden += min(t_gather, matmul) + min(t_scatter, matmul)
+    micro = cfg.num_micro_batches
+    assert micro * len(widths) * 2 == sum(c.phase in ("sp_bwd_regather", "sp_bwd_reducescatter") for c in colls)
+    got = simulate(cfg, cl).exposed_s["tp+cp (synchronous)"]
+    assert got == pytest.approx(every - micro * hidden, rel=1e-9)
+    assert 0 < micro * hidden < every

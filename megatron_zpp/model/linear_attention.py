@@ -25,7 +25,7 @@ from .. import recompute
 from ..config import ModelConfig, default_gla_chunk_size
 from ..context_parallel import gla_context_parallel
 from ..ops.gla import chunk_gla
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tp_region
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
 from .context import ParallelContext
 from .documents import Documents
@@ -58,26 +58,25 @@ class GatedLinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
         # no positional encoding: the decay orders tokens
-        x = enter_tp_region(x, self.ctx.tp, self.ctx.sequence_parallel)  # once for every projection
-        h = self.proj_in(x, input_in_tp_region=True)
+        # the low-rank gate's down-projection shares proj_in's input: one product keeps (and under
+        # sequence parallelism gathers) that input once for both
+        h, down = self.proj_in(x, self.gate_down) if self.low_rank else (self.proj_in(x), None)
         # selective recompute: everything between the two projections runs again in the backward
-        o = recompute.checkpoint(self._core, x, h, documents) if self.selective else self._core(x, h, documents)
+        o = recompute.checkpoint(self._core, h, down, documents) if self.selective else self._core(h, down, documents)
         return self.proj_out(o)
 
-    def _core(self, x: torch.Tensor, h: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    def _core(self, h: torch.Tensor, down: torch.Tensor | None, documents: Documents | None) -> torch.Tensor:
         """Gates, the chunked operator, head norm and output gate: [B, T, width/TP] before proj_out."""
         B, T, _ = h.shape
         parts = h.chunk(4 if self.low_rank else 5, dim=-1)
-        gate_logits = (
-            parts[4] if not self.low_rank else F.linear(F.linear(x, self.gate_down), self.gate_up, self.gate_bias)
-        )  # no comm: see the docstring
+        gate_logits = parts[4] if not self.low_rank else F.linear(down, self.gate_up, self.gate_bias)
         q, k, v, gate, g = (t.view(B, T, self.heads, self.head_dim) for t in (*parts[:4], gate_logits))
         g = F.logsigmoid(_at_least_fp32(g)) / self.normalizer
         if documents is not None and documents.separate:  # a hard reset at each document start
             g = g.masked_fill(documents.starts(T)[:, :, None, None], float("-inf"))
         o = _at_least_fp32(self._mix(q, k, v, g))
         o = F.rms_norm(o, (self.head_dim,), eps=self.eps) * self.head_norm.to(o.dtype).view(self.heads, -1)
-        o = o.to(x.dtype) * F.silu(gate)
+        o = o.to(h.dtype) * F.silu(gate)
         return o.reshape(B, T, -1)
 
     def _mix(self, q, k, v, g) -> torch.Tensor:

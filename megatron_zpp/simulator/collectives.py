@@ -3,7 +3,9 @@
 Enumerated the way the engines issue them (read alongside the code they mirror):
 
 * tensor_parallel/layers.py: per micro-batch and block, two column-parallel inputs (SP:
-  all-gather forward / reduce-scatter backward; else an all-reduce of the input gradient)
+  all-gather forward, and in the backward an all-gather again (only the shard was kept)
+  behind the input-gradient matmul, then the gradient's reduce-scatter behind the
+  weight-gradient one; else an all-reduce of the input gradient)
   and two row-parallel outputs (SP: reduce-scatter / all-gather; else a forward
   all-reduce); the embedding's output and the output layer's input likewise; the
   vocab-parallel cross-entropy's two fp32 all-reduces (tensor_parallel/cross_entropy.py);
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 from .. import comm
 from ..config import Config
+from ..data.tokenizer import pad_vocab_size
 from ..memory import stage_model
 from ..ops.quantize import wire_bytes
 from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
@@ -60,6 +63,7 @@ class Coll:
     quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
     quant_key: str = ""  # "bits/block" of its quantizer (hardware.Cluster.quant's key)
     quant_calls: int = 0  # quantizer passes it runs (quantize + dequantize(-sum): 2), each with a fixed cost
+    behind_flops: float = field(default=0.0, compare=False)  # FLOPs of the matmul it runs behind (SP backward)
     ranks: tuple[int, ...] = field(default=(), compare=False)  # the group's global ranks (node sharing)
 
     def bytes(self) -> float:
@@ -144,13 +148,16 @@ def _act_bytes(cfg: Config) -> tuple[int, int]:
     return (2 if t.bf16 else 4), t.micro_batch_size * (m.seq_length // p.context_parallel_size) * m.hidden_size
 
 
-def _tp_enter(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]:
+def _tp_enter(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool, matmul_flops: float = 0.0) -> list[Coll]:
+    """A column-parallel product's input: under SP gathered in the forward, gathered again in the
+    backward (only the shard is kept, tensor_parallel/layers.py) behind the input-gradient matmul
+    and its gradient reduce-scattered behind the weight-gradient one (each `matmul_flops`)."""
     if sp:
-        return (
-            [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")]
-            if fwd
-            else [_coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")]
-        )
+        if fwd:
+            return [_coll(g.tp, "sp_fwd_allgather", "all_gather", nbytes, "tp")]
+        again = _coll(g.tp, "sp_bwd_regather", "all_gather", nbytes, "tp")
+        scatter = _coll(g.tp, "sp_bwd_reducescatter", "reduce_scatter", nbytes, "tp")
+        return [dataclasses.replace(c, behind_flops=matmul_flops) for c in (again, scatter)]
     return [] if fwd else [_coll(g.tp, "tp_bwd_allreduce", "all_reduce", nbytes, "tp")]
 
 
@@ -172,8 +179,10 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     out: list[Coll] = []
     if tp > 1:
-        for _ in range(2):  # mixer, then MLP: enter the TP region, leave it
-            out += _tp_enter(g, p.sequence_parallel, act * e, fwd) + _tp_exit(g, p.sequence_parallel, act * e, fwd)
+        for width in _product_widths(cfg, layer):  # mixer, then MLP: enter the TP region, leave it
+            flops = 2 * act * width / tp  # one of the product's backward matmuls: [b s, h] x [h, width / TP]
+            out += _tp_enter(g, p.sequence_parallel, act * e, fwd, flops)
+            out += _tp_exit(g, p.sequence_parallel, act * e, fwd)
     if cp > 1:
         b, s_cp = cfg.train.micro_batch_size, m.seq_length // cp
         if m.layer_kind(layer) == "softmax":
@@ -188,6 +197,18 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
     if rerun:
         out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
     return out
+
+
+def _product_widths(cfg: Config, layer: int) -> tuple[int, int]:
+    """Full output widths of a block's two column-parallel products (its mixer's input projection:
+    q|k|v, or GLA's 4-5 sections (+ the replicated low-rank gate, TP times: it is not split); fc1)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if m.layer_kind(layer) == "softmax":
+        mixer = (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim
+    else:
+        low = m.gla_gate_low_rank
+        mixer = (4 if low else 5) * m.num_attention_heads * m.head_dim + tp * low
+    return mixer, m.ffn_size * (2 if m.activation == "swiglu" else 1)
 
 
 def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool) -> list[Coll]:
@@ -217,7 +238,9 @@ def _end_colls(cfg: Config, g: ProcessGroups, chunk, fwd: bool) -> list[Coll]:
     if chunk.pre_process:
         out += _tp_exit(g, sp, act * e, fwd)
     if chunk.post_process:
-        out += _tp_enter(g, sp, act * e, fwd)
+        tp, m = p.tensor_model_parallel_size, cfg.model
+        vocab = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+        out += _tp_enter(g, sp, act * e, fwd, 2 * act * vocab / tp)
         if fwd:
             rows = act // cfg.model.hidden_size
             out += [

@@ -13,7 +13,11 @@ the forward again for fully recomputed layers.
 Overlap, per rank, with one compute stream and one communication stream per link class
 (transfers on one link queue on it; an intra-node and an inter-node one run at once):
 
-* TP collectives and the softmax K|V gather under CP are synchronous: fully exposed;
+* TP collectives and the softmax K|V gather under CP are synchronous: fully exposed, but for
+  the column-parallel backward under SP (tensor_parallel/layers.py): its re-gather of the
+  input runs behind the input-gradient matmul and the gradient's reduce-scatter behind the
+  weight-gradient one, so each is exposed by what exceeds that matmul (2 b s h w/TP FLOPs at
+  the sustained rate; times the overlap efficiency, as the scan);
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
   chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
@@ -323,8 +327,10 @@ class _RankTimer:
                 )
                 hidden = min(t_scan, window * tokens)
                 scan_exposed += t_scan - cl.overlap_efficiency * hidden
-            else:
-                total_sync += self._t(c)
+            else:  # an SP backward call hides behind its matmul (tensor_parallel/layers.py), others are exposed
+                t_c = self._t(c)
+                hidden = min(t_c, c.behind_flops / (cl.sustained_tflops * 1e12))
+                total_sync += t_c - cl.overlap_efficiency * hidden
         self.exposed["tp+cp (synchronous)"] += total_sync
         self.exposed["cp state scan"] += scan_exposed
         factor = 1.0 if op.kind == "F" else 2.0

@@ -15,8 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from .. import comm
 from ..topology import Group
-from .mappings import copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp
+from .mappings import (
+    gather_from_tp,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    start_gather_seq,
+    start_reduce_scatter_seq,
+)
 
 
 def _size(group: Group | None) -> int:
@@ -60,7 +68,8 @@ class ColumnParallelLinear(nn.Module):
 
     `sections` lists the full output sizes of fused projections (q|k|v, gate|up) so
     each rank holds its share of every section. With sequence parallelism the input
-    arrives sharded along the sequence and is all-gathered here."""
+    arrives sharded along the sequence and is all-gathered here; the backward keeps only
+    the shard (see `column_parallel_product`)."""
 
     def __init__(
         self,
@@ -81,23 +90,72 @@ class ColumnParallelLinear(nn.Module):
             nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std), (0, tuple(sections))
         )
 
-    def forward(self, x: torch.Tensor, input_in_tp_region: bool = False) -> torch.Tensor:
-        """input_in_tp_region: x already went through enter_tp_region (a layer that feeds
-        several projections from one input enters the region once)."""
-        x = x if input_in_tp_region else enter_tp_region(x, self.tp, self.sequence_parallel)
-        y = F.linear(x, self.weight)
-        return gather_from_tp(y, self.tp) if self.gather_output else y
+    def forward(self, x: torch.Tensor, *shared: torch.Tensor):
+        """shared: weights of further products of the same input (GLA's replicated low-rank gate),
+        computed with this one (under TP in one autograd node) so that the input is kept, and under
+        sequence parallelism gathered, once for all of them; their outputs then follow y: (y, *theirs)."""
+        y, *theirs = column_parallel_product(x, [self.weight, *shared], self.tp, self.sequence_parallel)
+        y = gather_from_tp(y, self.tp) if self.gather_output else y
+        return (y, *theirs) if shared else y
 
 
-def enter_tp_region(x: torch.Tensor, tp: Group | None, sequence_parallel: bool) -> torch.Tensor:
-    """The input of column-parallel products: all-gathered from sequence shards, or
-    replicated (its gradient is then all-reduced over TP in backward)."""
-    return gather_from_sp(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+class _ColumnParallelProduct(torch.autograd.Function):
+    """x W^T for each weight W, x the input of the tensor-parallel region (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication, for several weights sharing x).
+
+    Sequence parallel: x is this rank's sequence shard. The forward all-gathers it and keeps
+    only the shard for the backward; the backward starts the all-gather again, computes the
+    input gradient while it runs, starts the reduce-scatter of that gradient and computes the
+    weight gradients with the gathered input while that one runs. Otherwise x is replicated
+    and its gradient is all-reduced over TP the same way, behind the weight gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, *weights):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, *weights)
+        full = gather_seq(x, group, "sp_fwd_allgather", 1) if sequence_parallel else x
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        want_w = [need and g is not None for need, g in zip(ctx.needs_input_grad[3:], grads)]
+        gathering, full = start_gather_seq(x, group, "sp_bwd_regather") if sp and any(want_w) else (None, x)
+        grad_x, reducing = None, None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    grad_x = g @ w if grad_x is None else grad_x.add_(g @ w)
+        if gathering is not None:
+            gathering.wait()
+        if grad_x is not None:
+            if sp:
+                reducing, grad_x = start_reduce_scatter_seq(grad_x, group, "sp_bwd_reducescatter")
+            else:
+                reducing = comm.all_reduce(grad_x, group, "tp_bwd_allreduce", async_op=True)
+        rows = full.reshape(-1, full.shape[-1]) if any(want_w) else None
+        grad_w = [g.reshape(-1, g.shape[-1]).t() @ rows if want else None for g, want in zip(grads, want_w)]
+        if reducing is not None:
+            reducing.wait()
+        return grad_x, None, None, *grad_w
+
+
+def column_parallel_product(
+    x: torch.Tensor, weights: list[torch.Tensor], tp: Group | None, sequence_parallel: bool
+) -> tuple[torch.Tensor, ...]:
+    """x W^T for each of `weights` (column-parallel shards, or replicated weights whose gradient
+    is a partial sum over TP), x entering the TP region: under sequence parallelism x is this
+    rank's sequence shard, all-gathered here, and only the shard is kept for the backward."""
+    if _size(tp) == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _ColumnParallelProduct.apply(x, tp, sequence_parallel, *weights)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: Group | None, sequence_parallel: bool):
     """The column-parallel product with a weight held elsewhere (the tied output layer)."""
-    return F.linear(enter_tp_region(x, tp, sequence_parallel), weight)
+    return column_parallel_product(x, [weight], tp, sequence_parallel)[0]
 
 
 class RowParallelLinear(nn.Module):

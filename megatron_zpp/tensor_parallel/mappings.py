@@ -3,7 +3,10 @@
 Forward and backward are conjugate: copy (identity / all-reduce), reduce (all-reduce /
 identity), scatter and gather along the last dim, and Megatron's sequence-parallel pair
 along the sequence dim (all-gather / reduce-scatter). All go through comm.py, so the
-ledger sees them with their phase.
+ledger sees them with their phase. `start_gather_seq` / `start_reduce_scatter_seq` issue the
+sequence pair asynchronously: layers.py's column-parallel product, which enters the TP region
+itself (copy / gather_from_sp fused with the matmul, so that under SP only the input's shard is
+kept for the backward), overlaps them with its backward matmuls.
 """
 
 from __future__ import annotations
@@ -30,18 +33,32 @@ def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x.chunk(group.size, dim=-1)[group.rank].contiguous()
 
 
-def _gather_seq(x: torch.Tensor, group: Group, phase: str, seq_dim: int) -> torch.Tensor:
+def start_gather_seq(x: torch.Tensor, group: Group, phase: str, seq_dim: int = 1):
+    """Start the all-gather of every rank's sequence shard: (handle, the gathered tensor, which
+    holds the result once handle.wait() has returned)."""
     x = x.movedim(seq_dim, 0).contiguous()
     out = x.new_empty((group.size * x.shape[0],) + x.shape[1:])
-    comm.all_gather(out, x, group, phase)
-    return out.movedim(0, seq_dim)
+    return comm.all_gather(out, x, group, phase, async_op=True), out.movedim(0, seq_dim)
+
+
+def start_reduce_scatter_seq(x: torch.Tensor, group: Group, phase: str, seq_dim: int = 1):
+    """Start the reduce-scatter of partial sums along the sequence: (handle, this rank's shard of
+    the sum, valid once handle.wait() has returned)."""
+    x = x.movedim(seq_dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // group.size,) + x.shape[1:])
+    return comm.reduce_scatter(out, x, group, phase, async_op=True), out.movedim(0, seq_dim)
+
+
+def gather_seq(x: torch.Tensor, group: Group, phase: str, seq_dim: int) -> torch.Tensor:
+    handle, out = start_gather_seq(x, group, phase, seq_dim)
+    handle.wait()
+    return out
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: Group, phase: str, seq_dim: int) -> torch.Tensor:
-    x = x.movedim(seq_dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // group.size,) + x.shape[1:])
-    comm.reduce_scatter(out, x, group, phase)
-    return out.movedim(0, seq_dim)
+    handle, out = start_reduce_scatter_seq(x, group, phase, seq_dim)
+    handle.wait()
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -82,7 +99,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, seq_dim):
         ctx.group, ctx.seq_dim = group, seq_dim
-        return _gather_seq(x, group, "sp_fwd_allgather", seq_dim)
+        return gather_seq(x, group, "sp_fwd_allgather", seq_dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -99,7 +116,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group, "sp_bwd_allgather", ctx.seq_dim), None, None
+        return gather_seq(grad, ctx.group, "sp_bwd_allgather", ctx.seq_dim), None, None
 
 
 def _trivial(group: Group | None) -> bool:

@@ -23,7 +23,7 @@ from megatron_zpp.tensor_parallel import random as tp_random
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.old_defaults import old_model
-from tests.test_parity import BASE, HIDDEN, KINDS, MBS, SEQ, train_and_collect
+from tests.test_parity import BASE, HIDDEN, KINDS, MBS, SEQ, SP_PHASES, train_and_collect
 
 FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers"]
 FULL_BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers"]
@@ -209,8 +209,8 @@ def _check_ledger(name, mode, layers, ref, got):
         again = micro * 2 * layers * act / 2 if full else 0.0  # (tp - 1) / tp of the gathered activation
         assert _rows(got, "tp", "sp_fwd_allgather:recompute") == pytest.approx(again)
         assert _rows(got, "tp", "sp_fwd_reducescatter:recompute") == pytest.approx(again)
-        for phase in ("sp_fwd_allgather", "sp_bwd_allgather", "sp_fwd_reducescatter", "sp_bwd_reducescatter"):
-            assert _rows(got, "tp", phase) == _rows(ref, "tp", phase), phase
+        for phase in SP_PHASES:  # the backward's re-gathers too: the rerun keeps shards as the first run does
+            assert _rows(got, "tp", phase) == _rows(ref, "tp", phase) > 0, phase
     if name == "zero3_hpz":  # no extra gather: the rerun uses the backward's gather (or issues it itself)
 
         def gathers(result):
