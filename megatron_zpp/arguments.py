@@ -63,8 +63,6 @@ REFUSED = {
         "zero-centred norm weights are not built: drop it (the same function at init; with norms exempt from "
         "weight decay, as here and in Megatron, AdamW trains both alike up to round-off)",
     ),
-    "--decoupled-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
-    "--decoupled-min-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
     "--ckpt-format": (
         True,
         "checkpoints are this project's sharded safetensors (tools/convert_checkpoint.py converts them): drop it",
