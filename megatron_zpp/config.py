@@ -341,10 +341,10 @@ class OptimConfig:
     decoupled_lr: float | None = opt(
         None,
         "--decoupled-lr",
-        "peak learning rate of the word embedding and the untied output layer (the same schedule; default --lr)",
+        "peak learning rate of the word embedding and the untied output layer, on the same schedule (None: --lr)",
     )
     decoupled_min_lr: float | None = opt(
-        None, "--decoupled-min-lr", "with --decoupled-lr: their learning rate at the end of decay (default --min-lr)"
+        None, "--decoupled-min-lr", "with --decoupled-lr: their learning rate at the end of decay (None: --min-lr)"
     )
     weight_decay: float = opt(
         0.01,

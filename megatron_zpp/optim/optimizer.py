@@ -99,7 +99,7 @@ def build_adamw(
 ) -> tuple[torch.optim.Optimizer, str]:
     """AdamW over fp32 `params` whose model parameters have `ndims` dimensions (`decoupled`: which
     take --decoupled-lr), and its name. The rates are the first step's until `set_rates`."""
-    groups = adamw_groups(params, ndims, decoupled)
+    groups = adamw_groups(params, ndims, decoupled if cfg.decoupled_lr is not None else None)
     wd = cfg.weight_decay_span()[0]
     for g in groups:
         decoupled_lr = g["decoupled"] and cfg.decoupled_lr is not None

@@ -81,8 +81,9 @@ class DataParallelEngine(ABC):
     def load_state_dict(self, state: dict) -> None:
         self.load_model_state_dict(state["model"])
         optimizer = state.get("optimizer")
-        if optimizer:  # a resharded state brings its moments; the param groups stay this run's
-            self.optimizer.load_state_dict({"param_groups": self.optimizer.state_dict()["param_groups"], **optimizer})
+        if optimizer:  # the moments, by AdamW's numbering (adamw_order); the param groups stay this run's:
+            # their rates are set every step, and --decoupled-lr may cut the same numbering into other groups
+            self.optimizer.load_state_dict({**optimizer, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
 
 def copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
