@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
-from .optim.schedules import schedule_for
+from .optim.schedules import schedule_errors
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
@@ -439,84 +439,34 @@ def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
 
 def _check_optim(cfg: Config, world_size: int) -> list[str]:
     o = cfg.optim
-    return (
-        _failed(
-            [
-                (math.isfinite(o.lr) and o.lr >= 0, f"--lr {o.lr} must be a finite number >= 0"),
-                (
-                    not math.isfinite(o.lr) or 0 <= o.min_lr <= o.lr,
-                    f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}",
-                ),
-                (0 <= o.adam_beta1 < 1, f"--adam-beta1 {o.adam_beta1} must be in [0, 1)"),
-                (0 <= o.adam_beta2 < 1, f"--adam-beta2 {o.adam_beta2} must be in [0, 1)"),
-                (o.adam_eps > 0, f"--adam-eps {o.adam_eps} must be > 0"),
-                (o.clip_grad >= 0, f"--clip-grad {o.clip_grad} must be >= 0 (0 turns clipping off)"),
-                (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
-                (o.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0"),
-                (
-                    o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction <= 1,
-                    f"--lr-warmup-fraction {o.lr_warmup_fraction} must be between 0 and 1",
-                ),
-                (
-                    o.lr_warmup_fraction is None or not (o.lr_warmup_iters or o.lr_warmup_samples),
-                    "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
-                ),
-                (
-                    0 <= o.lr_warmup_init <= o.lr,
-                    f"--lr-warmup-init {o.lr_warmup_init} must be between 0 and --lr {o.lr}",
-                ),
-            ]
-        )
-        + _check_schedule_units(cfg)
-        + _check_schedule_lengths(cfg)
-        + _check_decoupled(o)
-        + _check_weight_decay(o)
-    )
-
-
-def _check_schedule_lengths(cfg: Config) -> list[str]:
-    """Megatron's scheduler asserts: a decay span > 0 and longer than the warmup, WSD's decay given."""
-    o, samples = cfg.optim, cfg.train.train_samples is not None
-    unit = "samples" if samples else "iters"
-    decay, wsd = (o.lr_decay_samples, o.lr_wsd_decay_samples) if samples else (o.lr_decay_iters, o.lr_wsd_decay_iters)
-    if (decay is not None and decay <= 0) or (wsd is not None and wsd < 0):
-        return [f"--lr-decay-{unit} must be > 0 and --lr-wsd-decay-{unit} >= 0 (got {decay} and {wsd})"]
-    if o.lr_decay_style == "WSD" and wsd is None:
-        return [f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its final decay (Megatron's too)"]
-    s = schedule_for(o, cfg.train)
-    if s.warmup >= s.decay and (o.lr_warmup_iters or o.lr_warmup_samples or o.lr_warmup_fraction):
-        warmup = "--lr-warmup-fraction" if o.lr_warmup_fraction is not None else f"--lr-warmup-{unit}"
-        span = f"--lr-decay-{unit}, default the train {unit}"
-        return [f"{warmup} must leave the warmup shorter than the decay span ({span})"]
-    return []
-
-
-def _check_decoupled(o) -> list[str]:
-    """--decoupled-lr/--decoupled-min-lr: the embedding and output layer's own peak and floor."""
-    if o.decoupled_lr is None:
-        alone = o.decoupled_min_lr is not None
-        return ["--decoupled-min-lr needs --decoupled-lr (the peak it decays from)"] if alone else []
-    low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
-    floor = "--min-lr" if o.decoupled_min_lr is None else "--decoupled-min-lr"
-    return _failed(
+    checks = _failed(
         [
-            (0 <= o.decoupled_lr < math.inf, f"--decoupled-lr {o.decoupled_lr} must be a finite number >= 0"),
-            (0 <= low <= o.decoupled_lr, f"{floor} {low} must be between 0 and --decoupled-lr {o.decoupled_lr}"),
+            (math.isfinite(o.lr) and o.lr >= 0, f"--lr {o.lr} must be a finite number >= 0"),
+            (
+                not math.isfinite(o.lr) or 0 <= o.min_lr <= o.lr,
+                f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}",
+            ),
+            (0 <= o.adam_beta1 < 1, f"--adam-beta1 {o.adam_beta1} must be in [0, 1)"),
+            (0 <= o.adam_beta2 < 1, f"--adam-beta2 {o.adam_beta2} must be in [0, 1)"),
+            (o.adam_eps > 0, f"--adam-eps {o.adam_eps} must be > 0"),
+            (o.clip_grad >= 0, f"--clip-grad {o.clip_grad} must be >= 0 (0 turns clipping off)"),
+            (o.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0"),
+            (o.lr_warmup_samples >= 0, "--lr-warmup-samples must be >= 0"),
+            (
+                o.lr_warmup_fraction is None or 0 <= o.lr_warmup_fraction <= 1,
+                f"--lr-warmup-fraction {o.lr_warmup_fraction} must be between 0 and 1",
+            ),
+            (
+                o.lr_warmup_fraction is None or not (o.lr_warmup_iters or o.lr_warmup_samples),
+                "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
+            ),
+            (
+                0 <= o.lr_warmup_init <= o.lr,
+                f"--lr-warmup-init {o.lr_warmup_init} must be between 0 and --lr {o.lr}",
+            ),
         ]
     )
-
-
-def _check_weight_decay(o) -> list[str]:
-    """Megatron's rule: constant takes --weight-decay only; linear and cosine take both ends, rising."""
-    ends = "--start-weight-decay and --end-weight-decay"
-    if o.weight_decay_incr_style == "constant":
-        given = o.start_weight_decay is not None or o.end_weight_decay is not None
-        msg = f"{ends} are for --weight-decay-incr-style linear or cosine (constant: --weight-decay)"
-        return _failed([(o.weight_decay >= 0, f"--weight-decay {o.weight_decay} must be >= 0"), (not given, msg)])
-    start, end = o.start_weight_decay, o.end_weight_decay
-    if start is None or end is None:
-        return [f"--weight-decay-incr-style {o.weight_decay_incr_style} needs {ends}"]
-    return _failed([(0 <= start <= end, f"{ends} must satisfy 0 <= start <= end (got {start}, {end})")])
+    return checks + _check_schedule_units(cfg) + schedule_errors(cfg)  # the scheduler's own (optim/schedules.py)
 
 
 def _check_schedule_units(cfg: Config) -> list[str]:

@@ -134,3 +134,55 @@ def learning_rate_at_samples(o: OptimConfig, consumed_samples: int, train_sample
     """The LR of the step of a sample-based run that starts after `consumed_samples` (applied)."""
     t = TrainConfig(train_samples=train_samples, train_iters=1)
     return lr_at(o, schedule_for(o, t), consumed_samples)
+
+
+# ---- the settings' checks (validation.py reports them with the others) ---------------------------
+
+
+def schedule_errors(cfg: Config) -> list[str]:
+    """One line per schedule setting that Megatron's scheduler would assert on."""
+    return _length_errors(cfg) + _decoupled_errors(cfg.optim) + _weight_decay_errors(cfg.optim)
+
+
+def _length_errors(cfg: Config) -> list[str]:
+    """A decay span > 0 and longer than the warmup; WSD's final decay given."""
+    o, samples = cfg.optim, cfg.train.train_samples is not None
+    unit = "samples" if samples else "iters"
+    decay, wsd = (o.lr_decay_samples, o.lr_wsd_decay_samples) if samples else (o.lr_decay_iters, o.lr_wsd_decay_iters)
+    if (decay is not None and decay <= 0) or (wsd is not None and wsd < 0):
+        return [f"--lr-decay-{unit} must be > 0 and --lr-wsd-decay-{unit} >= 0 (got {decay} and {wsd})"]
+    if o.lr_decay_style == "WSD" and wsd is None:
+        return [f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its final decay (Megatron's too)"]
+    s = schedule_for(o, cfg.train)
+    if s.warmup >= s.decay and (o.lr_warmup_iters or o.lr_warmup_samples or o.lr_warmup_fraction):
+        warmup = "--lr-warmup-fraction" if o.lr_warmup_fraction is not None else f"--lr-warmup-{unit}"
+        span = f"--lr-decay-{unit}, default the train {unit}"
+        return [f"{warmup} must leave the warmup shorter than the decay span ({span})"]
+    return []
+
+
+def _decoupled_errors(o: OptimConfig) -> list[str]:
+    """--decoupled-lr/--decoupled-min-lr: the embedding and output layer's own peak and floor."""
+    if o.decoupled_lr is None:
+        alone = o.decoupled_min_lr is not None
+        return ["--decoupled-min-lr needs --decoupled-lr (the peak it decays from)"] if alone else []
+    if not 0 <= o.decoupled_lr < math.inf:
+        return [f"--decoupled-lr {o.decoupled_lr} must be a finite number >= 0"]
+    low = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+    floor = "--min-lr" if o.decoupled_min_lr is None else "--decoupled-min-lr"
+    ok = 0 <= low <= o.decoupled_lr
+    return [] if ok else [f"{floor} {low} must be between 0 and --decoupled-lr {o.decoupled_lr}"]
+
+
+def _weight_decay_errors(o: OptimConfig) -> list[str]:
+    """Megatron's rule: constant takes --weight-decay only; linear and cosine take both ends, rising."""
+    ends = "--start-weight-decay and --end-weight-decay"
+    if o.weight_decay_incr_style == "constant":
+        errors = [f"--weight-decay {o.weight_decay} must be >= 0"] if o.weight_decay < 0 else []
+        if o.start_weight_decay is not None or o.end_weight_decay is not None:
+            errors.append(f"{ends} are for --weight-decay-incr-style linear or cosine (constant: --weight-decay)")
+        return errors
+    start, end = o.start_weight_decay, o.end_weight_decay
+    if start is None or end is None:
+        return [f"--weight-decay-incr-style {o.weight_decay_incr_style} needs {ends}"]
+    return [] if 0 <= start <= end else [f"{ends} must satisfy 0 <= start <= end (got {start}, {end})"]
