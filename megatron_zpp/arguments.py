@@ -28,6 +28,8 @@ ALIASES = {
     "--disable-bias-linear": ("model", "add_bias_linear", False),
     "--use-flash-attn": ("model", "attention_backend", "flash"),
     "--use-rotary-position-embeddings": ("model", "position_embedding_type", "rope"),
+    "--use-checkpoint-opt-param-scheduler": ("optim", "use_checkpoint_opt_param_scheduler", True),
+    "--override-opt-param-scheduler": ("optim", "override_opt_param_scheduler", True),
 }
 
 # Megatron-LM flags accepted without a setting of their own, because what they ask for is what

@@ -364,6 +364,18 @@ class OptimConfig:
         "--end-weight-decay over the train iterations or samples",
         choices=["constant", "linear", "cosine"],
     )
+    use_checkpoint_opt_param_scheduler: bool = opt(
+        False,
+        "--use-checkpoint-opt_param-scheduler",
+        "a resumed run takes the schedule of its checkpoint (as Megatron: --lr, --min-lr, the warmup and decay "
+        "lengths, --lr-decay-style, the weight decay ends, increment length and style), not this command line's",
+    )
+    override_opt_param_scheduler: bool = opt(
+        False,
+        "--override-opt_param-scheduler",
+        "a resumed run takes the schedule of this command line, not its checkpoint's: what happens here without "
+        "--use-checkpoint-opt_param-scheduler (Megatron would refuse a resume whose schedule differs)",
+    )
     adam_beta1: float = opt(0.9, "--adam-beta1", "AdamW beta1")
     adam_beta2: float = opt(0.999, "--adam-beta2", "AdamW beta2")
     adam_eps: float = opt(1e-8, "--adam-eps", "AdamW epsilon")

@@ -27,6 +27,7 @@ e past T; constant is --weight-decay throughout. Norm weights and biases keep 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -113,11 +114,43 @@ def weight_decay_at(o: OptimConfig, s: Schedule, n: float) -> float:
     return start + coeff * (end - start)
 
 
-def rates_at(cfg: Config, n: float) -> Rates:
-    """Every rate of the step at scheduler count `n` of a run of `cfg`."""
-    o, s = cfg.optim, schedule_for(cfg.optim, cfg.train)
+def rates_at(cfg: Config, n: float, checkpoint: tuple[OptimConfig, Schedule] | None = None) -> Rates:
+    """Every rate of the step at scheduler count `n` of a run of `cfg`; `checkpoint`: the settings
+    and lengths that --use-checkpoint-opt_param-scheduler took from the loaded checkpoint."""
+    o, s = checkpoint or (cfg.optim, schedule_for(cfg.optim, cfg.train))
     decoupled = None if o.decoupled_lr is None else lr_at(o, s, n, o.decoupled_lr, _decoupled_min(o))
     return Rates(lr_at(o, s, n), decoupled, weight_decay_at(o, s, n))
+
+
+# what Megatron's scheduler keeps in a checkpoint (besides the count)
+CHECKPOINT_SETTINGS = (
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "weight_decay",
+    "start_weight_decay",
+    "end_weight_decay",
+    "weight_decay_incr_style",
+)
+
+
+def checkpoint_schedule(cfg: Config, saved: dict) -> tuple[OptimConfig, Schedule]:
+    """--use-checkpoint-opt_param-scheduler: the settings and lengths a resumed run of `cfg` takes
+    from its checkpoint's config dict `saved` (meta.json), as Megatron's load_state_dict: the peak and
+    minimum lr, warmup and decay lengths, decay style, weight decay ends, increment length and style;
+    the warmup init, WSD's settings and --decoupled-lr stay this run's."""
+    saved_optim = _section(OptimConfig, saved.get("optim", {}))
+    lengths = schedule_for(saved_optim, _section(TrainConfig, saved.get("train", {})))
+    o = dataclasses.replace(cfg.optim, **{k: getattr(saved_optim, k) for k in CHECKPOINT_SETTINGS})
+    s = dataclasses.replace(
+        schedule_for(cfg.optim, cfg.train), warmup=lengths.warmup, decay=lengths.decay, wd_incr=lengths.wd_incr
+    )
+    return o, s
+
+
+def _section(cls, saved: dict):
+    """A config section from its saved dict: the fields it has (an older checkpoint lacks newer ones)."""
+    return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.init and f.name in saved})
 
 
 def _decoupled_min(o: OptimConfig) -> float:
@@ -141,7 +174,10 @@ def learning_rate_at_samples(o: OptimConfig, consumed_samples: int, train_sample
 
 def schedule_errors(cfg: Config) -> list[str]:
     """One line per schedule setting that Megatron's scheduler would assert on."""
-    return _length_errors(cfg) + _decoupled_errors(cfg.optim) + _weight_decay_errors(cfg.optim)
+    o = cfg.optim
+    both = o.use_checkpoint_opt_param_scheduler and o.override_opt_param_scheduler
+    errors = ["give one of --use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler"] if both else []
+    return errors + _length_errors(cfg) + _decoupled_errors(o) + _weight_decay_errors(o)
 
 
 def _length_errors(cfg: Config) -> list[str]:

@@ -59,7 +59,8 @@ def train_step(run) -> tuple[float, float, float]:
     # the loss is reduced before the step: a collective after it would queue behind the weight
     # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
     loss = report_loss(run, losses)
-    rates = rates_at(run.cfg, run.consumed_samples - run.skipped_samples)  # Megatron's count: applied samples
+    # Megatron's count: the applied samples; --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
+    rates = rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule)
     empty_cache(run, 1)
     check = run.dp.step(rates, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
     if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it

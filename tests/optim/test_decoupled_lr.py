@@ -86,20 +86,3 @@ def test_the_loop_applies_megatrons_rates_at_each_step():
             assert g["lr"] == pytest.approx(dlr if g["decoupled"] else lr), (i, g)
             assert g["weight_decay"] == pytest.approx(0.3 * n / 6 * g["wd_mult"]), (i, g)
     assert len(seen) == 3
-
-
-def test_a_checkpoint_saved_without_decoupled_lr_resumes_with_it(tmp_path):
-    # the same AdamW numbering, cut into more groups: the moments load, the groups are this run's
-    ck = str(tmp_path / "ck")
-    argv = TINY + f"--lr {LR} --lr-decay-style constant --weight-decay 0 --save {ck}".split()
-    training.train(training.setup(validate(parse_args(argv + ["--train-iters", "1"]), 1)))
-    run = training.setup(validate(parse_args(argv + f"--train-iters 2 --load {ck} --decoupled-lr {DLR}".split()), 1))
-    adamw = run.dp.optimizer.opt
-    assert [int(s["step"]) for s in adamw.state.values()] == [1] * len(adamw.state)  # restored
-    assert len(training.train(run)) == 1
-    assert sorted((g["decoupled"], g["lr"]) for g in adamw.param_groups if g["params"]) == [
-        (False, LR),
-        (False, LR),
-        (True, DLR),
-        (True, DLR),
-    ]

@@ -191,6 +191,10 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_span():
         ("--lr 1e-3 --lr-warmup-init 1e-2", "--lr-warmup-init 0.01 must be between 0 and --lr"),
         ("--train-iters 10 --lr-warmup-iters 10", "--lr-warmup-iters must leave the warmup shorter"),
         ("--lr-decay-iters 0", "--lr-decay-iters must be > 0"),
+        (
+            "--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler",
+            "give one of --use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler",
+        ),
     ],
 )
 def test_bad_schedule_settings_are_one_line_each(argv, line):
