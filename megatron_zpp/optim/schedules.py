@@ -181,20 +181,27 @@ def schedule_errors(cfg: Config) -> list[str]:
 
 
 def _length_errors(cfg: Config) -> list[str]:
-    """A decay span > 0 and longer than the warmup; WSD's final decay given."""
+    """A decay span > 0 and longer than the warmup; WSD's final decay given (every line that applies)."""
     o, samples = cfg.optim, cfg.train.train_samples is not None
     unit = "samples" if samples else "iters"
     decay, wsd = (o.lr_decay_samples, o.lr_wsd_decay_samples) if samples else (o.lr_decay_iters, o.lr_wsd_decay_iters)
-    if (decay is not None and decay <= 0) or (wsd is not None and wsd < 0):
-        return [f"--lr-decay-{unit} must be > 0 and --lr-wsd-decay-{unit} >= 0 (got {decay} and {wsd})"]
+    errors = []
     if o.lr_decay_style == "WSD" and wsd is None:
-        return [f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its final decay (Megatron's too)"]
+        errors.append(
+            f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}: the length of its final decay (Megatron's too)"
+        )
+    if (decay is not None and decay <= 0) or (wsd is not None and wsd < 0):
+        return errors + [f"--lr-decay-{unit} must be > 0 and --lr-wsd-decay-{unit} >= 0 (got {decay} and {wsd})"]
     s = schedule_for(o, cfg.train)
     if s.warmup >= s.decay and (o.lr_warmup_iters or o.lr_warmup_samples or o.lr_warmup_fraction):
-        warmup = "--lr-warmup-fraction" if o.lr_warmup_fraction is not None else f"--lr-warmup-{unit}"
-        span = f"--lr-decay-{unit}, default the train {unit}"
-        return [f"{warmup} must leave the warmup shorter than the decay span ({span})"]
-    return []
+        given = o.lr_warmup_samples if samples else o.lr_warmup_iters
+        warmup = (
+            f"--lr-warmup-fraction {o.lr_warmup_fraction}" if o.lr_warmup_fraction else f"--lr-warmup-{unit} {given}"
+        )
+        per = 1 if samples else cfg.train.global_batch_size
+        span = f"{s.decay / per:g} {unit}: --lr-decay-{unit}, default the train {unit}"
+        errors.append(f"{warmup} must leave the warmup shorter than the decay span ({span}), as Megatron asserts")
+    return errors
 
 
 def _decoupled_errors(o: OptimConfig) -> list[str]:

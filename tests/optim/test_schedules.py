@@ -189,7 +189,10 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_span():
         ("--decoupled-min-lr 1e-5", "--decoupled-min-lr needs --decoupled-lr"),
         ("--decoupled-lr 1e-5 --min-lr 1e-4", "--min-lr 0.0001 must be between 0 and --decoupled-lr"),
         ("--lr 1e-3 --lr-warmup-init 1e-2", "--lr-warmup-init 0.01 must be between 0 and --lr"),
-        ("--train-iters 10 --lr-warmup-iters 10", "--lr-warmup-iters must leave the warmup shorter"),
+        (
+            "--train-iters 10 --lr-warmup-iters 10",
+            "--lr-warmup-iters 10 must leave the warmup shorter than the decay span (10 iters",
+        ),
         ("--lr-decay-iters 0", "--lr-decay-iters must be > 0"),
         (
             "--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler",
