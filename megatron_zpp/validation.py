@@ -461,7 +461,7 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
                 "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
             ),
             (
-                0 <= o.lr_warmup_init <= o.lr,
+                not math.isfinite(o.lr) or 0 <= o.lr_warmup_init <= o.lr,
                 f"--lr-warmup-init {o.lr_warmup_init} must be between 0 and --lr {o.lr}",
             ),
         ]

@@ -221,11 +221,14 @@ def _weight_decay_errors(o: OptimConfig) -> list[str]:
     """Megatron's rule: constant takes --weight-decay only; linear and cosine take both ends, rising."""
     ends = "--start-weight-decay and --end-weight-decay"
     if o.weight_decay_incr_style == "constant":
-        errors = [f"--weight-decay {o.weight_decay} must be >= 0"] if o.weight_decay < 0 else []
+        errors = (
+            [] if 0 <= o.weight_decay < math.inf else [f"--weight-decay {o.weight_decay} must be a finite number >= 0"]
+        )
         if o.start_weight_decay is not None or o.end_weight_decay is not None:
             errors.append(f"{ends} are for --weight-decay-incr-style linear or cosine (constant: --weight-decay)")
         return errors
     start, end = o.start_weight_decay, o.end_weight_decay
     if start is None or end is None:
         return [f"--weight-decay-incr-style {o.weight_decay_incr_style} needs {ends}"]
-    return [] if 0 <= start <= end else [f"{ends} must satisfy 0 <= start <= end (got {start}, {end})"]
+    ok = 0 <= start <= end < math.inf
+    return [] if ok else [f"{ends} must be finite and satisfy 0 <= start <= end (got {start}, {end})"]
