@@ -4,7 +4,7 @@
 # All-Scan (one state per rank whatever CP is), the softmax layers (every 4th) all-gather
 # K/V. TP 2 inside a node splits heads. On one 8-GPU node: TP 2 x CP 4.
 #   bash examples/long_context_gla.sh            (GPUs, NCCL)
-#   NPROC=4 TP=1 CP=4 SEQ=1024 LAYERS=4 HIDDEN=128 HEADS=4 bash examples/long_context_gla.sh --mock-data --train-iters 20
+#   NPROC=4 TP=1 CP=4 SEQ=1024 LAYERS=4 HIDDEN=128 HEADS=4 bash examples/long_context_gla.sh --mock-data --train-iters 20 --lr-warmup-iters 2
 #                                                (a CPU-sized smoke run on mock data)
 set -euo pipefail
 cd "$(dirname "$0")/.."

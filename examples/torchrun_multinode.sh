@@ -3,7 +3,7 @@
 # scheduler: run this same command on every node (ssh, pdsh, a cluster's own launcher):
 #
 #   NNODES=4 MASTER_ADDR=node0 DATA_PATH=... TOKENIZER=... bash examples/torchrun_multinode.sh
-#   NNODES=4 MASTER_ADDR=node0 MOCK_DATA=1 bash examples/torchrun_multinode.sh --train-iters 50
+#   NNODES=4 MASTER_ADDR=node0 MOCK_DATA=1 bash examples/torchrun_multinode.sh --train-iters 50 --lr-warmup-iters 5
 #
 # torchrun's c10d rendezvous meets the nodes at MASTER_ADDR:MASTER_PORT (the node whose address
 # that is serves it) and numbers the ranks; no node rank is needed, and the nodes may start in any

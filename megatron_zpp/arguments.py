@@ -31,6 +31,8 @@ ALIASES = {
     "--use-rotary-position-embeddings": ("model", "position_embedding_type", "rope"),
     "--recompute-activations": ("model", "recompute_granularity", "selective"),
     "--no-position-embedding": ("model", "position_embedding_type", "none"),
+    "--use-checkpoint-opt-param-scheduler": ("optim", "use_checkpoint_opt_param_scheduler", True),
+    "--override-opt-param-scheduler": ("optim", "override_opt_param_scheduler", True),
 }
 
 

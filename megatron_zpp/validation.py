@@ -11,6 +11,7 @@ import math
 from .batch_schedule import parse_step_schedule
 from .config import SECTIONS, Config, ConfigError, TrainConfig, default_gla_chunk_size, flag_of
 from .data.tokenizer import infer_tokenizer_type
+from .optim.schedules import schedule_errors
 
 # Features whose flags exist but whose implementation has not landed. Each is refused
 # with its reason until it works (a flag that is accepted must work).
@@ -476,7 +477,7 @@ def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
 
 def _check_optim(cfg: Config, world_size: int) -> list[str]:
     o = cfg.optim
-    return _failed(
+    checks = _failed(
         [
             (math.isfinite(o.lr) and o.lr >= 0, f"--lr {o.lr} must be a finite number >= 0"),
             (
@@ -497,8 +498,13 @@ def _check_optim(cfg: Config, world_size: int) -> list[str]:
                 o.lr_warmup_fraction is None or not (o.lr_warmup_iters or o.lr_warmup_samples),
                 "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples",
             ),
+            (
+                not math.isfinite(o.lr) or 0 <= o.lr_warmup_init <= o.lr,
+                f"--lr-warmup-init {o.lr_warmup_init} must be between 0 and --lr {o.lr}",
+            ),
         ]
-    ) + _check_schedule_units(cfg)
+    )
+    return checks + _check_schedule_units(cfg) + schedule_errors(cfg)  # the scheduler's own (optim/schedules.py)
 
 
 def _check_schedule_units(cfg: Config) -> list[str]:

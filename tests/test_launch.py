@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the recipes' GPT-1.3B shrunk through the size flags only (flags after the script win over its config)
 TINY = (
     "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --vocab-size 128 "
-    "--make-vocab-size-divisible-by 32 --micro-batch-size 1 --global-batch-size 2 --lr-warmup-iters 2 "
+    "--make-vocab-size-divisible-by 32 --micro-batch-size 1 --global-batch-size 2 --lr-warmup-iters 1 "
     "--log-interval 1 --eval-interval 0 --num-workers 0 --device cpu --peak-tflops 1"
 ).split()
 

@@ -71,7 +71,8 @@ def test_lr_schedule_metrics_file_tensorboard_and_wandb(tmp_path, monkeypatch):
     for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "tflops_per_rank", "mfu", "memory_gib", "data_wait_time"):
         assert isinstance(rows[0][key], float), key
     assert [r["global_batch_size"] for r in rows] == [1] * 5  # micro x DP by default
-    assert rows[0]["lr"] == pytest.approx(1.5e-3) and rows[1]["lr"] == pytest.approx(3e-3)
+    # Megatron's warmup: the first step at --lr-warmup-init (0), lr at step 2 of 2, then linear decay over 3
+    assert [r["lr"] for r in rows[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])
     assert rows[-1]["lr"] == pytest.approx(3e-3 - (3e-3 - 1e-4) * 2 / 3)
     assert "val_loss" in rows[-1]
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
@@ -92,7 +93,8 @@ def test_rampup_resumes_mid_ramp_as_the_uninterrupted_run(tmp_path):
     assert [h["consumed_samples"] for h in whole] == [2, 4, 6, 8, 12, 16, 20]
     keys = ("iteration", "global_batch_size", "consumed_samples", "loss", "grad_norm", "lr")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in whole[3:]]  # bitwise
-    assert whole[0]["lr"] == pytest.approx(3e-3 * 2 / 4) and whole[1]["lr"] == pytest.approx(3e-3)
+    # the schedule counts the samples before each step (0, 2, 4): warmup over 4 samples from 0
+    assert [h["lr"] for h in whole[:3]] == pytest.approx([0.0, 3e-3 * 2 / 4, 3e-3])
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -250,7 +250,7 @@ def adamw_kwargs(cfg) -> dict:
 def lr_at(cfg, iteration: int) -> float:
     from megatron_zpp.optim.schedules import learning_rate
 
-    return learning_rate(cfg.optim, iteration, cfg.train.train_iters)
+    return learning_rate(cfg.optim, iteration, cfg.train.train_iters, cfg.train.global_batch_size)
 
 
 # ---------------------------------------------------------------- peers: gloo's reduce-scatter, and a trace

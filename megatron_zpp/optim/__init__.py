@@ -4,13 +4,14 @@ engine, and AdamW on fp32 masters."""
 from .clipping import clip_, clip_by_global_norm, counted_once, global_grad_norm
 from .finalize import finalize_model_grads
 from .nonfinite import StepCheck, check_step
-from .optimizer import MixedPrecisionAdamW, adamw_order, build_adamw, set_lr
-from .schedules import learning_rate, learning_rate_at_samples, step_learning_rate
+from .optimizer import MixedPrecisionAdamW, adamw_order, build_adamw, set_lr, set_rates
+from .schedules import Rates, learning_rate, learning_rate_at_samples, rates_at
 
 __all__ = [
     "learning_rate",
     "learning_rate_at_samples",
-    "step_learning_rate",
+    "rates_at",
+    "Rates",
     "global_grad_norm",
     "clip_",
     "clip_by_global_norm",
@@ -19,6 +20,7 @@ __all__ = [
     "adamw_order",
     "build_adamw",
     "set_lr",
+    "set_rates",
     "finalize_model_grads",
     "StepCheck",
     "check_step",

@@ -1,8 +1,14 @@
 """AdamW on fp32 master weights, and the one rule for its parameter groups.
 
 Weight decay applies to matrices (>= 2-D) only, not to norm weights and biases; AdamW
-numbers its parameters group by group, decayed first (`adamw_order`), which is also how
-a checkpoint's optimizer state is indexed (checkpoint/layout.py reads it from here).
+numbers its parameters decayed first (`adamw_order`), which is also how a checkpoint's
+optimizer state is indexed (checkpoint/layout.py reads it from here). The groups are the
+runs of that numbering with one (decayed, decoupled) class: two groups (decayed, not)
+without --decoupled-lr; with it the word embedding and the untied output layer
+(`decoupled_lr_params`, Megatron's is_embedding_or_output_parameter) get groups of their own,
+so the numbering, and every checkpoint, stays the same. Each group says which rates it takes
+(`set_rates`): "decoupled" (the decoupled learning rate) and "wd_mult" (1 or 0 times the
+scheduled weight decay), as Megatron's param groups do.
 
 For an fp32 model the master weights are the parameters themselves. For bf16 the
 optimizer keeps an fp32 copy of each parameter, steps it with the fp32 main gradient,
@@ -19,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..config import OptimConfig
+from .schedules import Rates
 
 try:  # optional GPU dependency (present in NGC images)
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -58,16 +65,45 @@ def new_adamw(groups: list[dict], kind: str | None = None, **hyper) -> tuple[tor
     return opt, ADAMW_NAMES[kind]
 
 
+def decoupled_lr_params(chunk) -> set[int]:
+    """ids of the parameters of a model chunk that --decoupled-lr applies to (Megatron's
+    is_embedding_or_output_parameter): the word embedding (also a tied copy on the last stage)
+    and the untied output layer's weight."""
+    mods = [getattr(chunk, name, None) for name in ("embedding", "output")]
+    return {id(m.weight) for m in mods if m is not None}
+
+
+def adamw_groups(params: list, ndims: list[int], decoupled: list[bool] | None = None) -> list[dict]:
+    """`params` (with their model parameters' `ndims`, whether each is `decoupled`) in AdamW's
+    numbering, cut into runs of one class: {"params", "wd_mult", "decoupled"} each."""
+    decoupled = decoupled or [False] * len(params)
+    groups: list[dict] = []
+    for i in adamw_order(ndims):
+        kind = (1.0 if ndims[i] >= 2 else 0.0, bool(decoupled[i]))
+        if not groups or (groups[-1]["wd_mult"], groups[-1]["decoupled"]) != kind:
+            groups.append({"params": [], "wd_mult": kind[0], "decoupled": kind[1]})
+        groups[-1]["params"].append(params[i])
+    if not any(g["wd_mult"] for g in groups):  # the two groups of old (an empty one kept): same param_groups
+        groups.insert(0, {"params": [], "wd_mult": 1.0, "decoupled": False})
+    if all(g["wd_mult"] for g in groups):
+        groups.append({"params": [], "wd_mult": 0.0, "decoupled": False})
+    return groups
+
+
 def build_adamw(
-    params: list[torch.Tensor], ndims: list[int], cfg: OptimConfig, kind: str | None = None
+    params: list[torch.Tensor],
+    ndims: list[int],
+    cfg: OptimConfig,
+    kind: str | None = None,
+    decoupled: list[bool] | None = None,
 ) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW over fp32 `params` whose model parameters have `ndims` dimensions, and its name."""
-    order = adamw_order(ndims)
-    decayed = sum(1 for n in ndims if n >= 2)
-    groups = [
-        {"params": [params[i] for i in order[:decayed]], "weight_decay": cfg.weight_decay},
-        {"params": [params[i] for i in order[decayed:]], "weight_decay": 0.0},
-    ]
+    """AdamW over fp32 `params` whose model parameters have `ndims` dimensions (`decoupled`: which
+    take --decoupled-lr), and its name. The rates are the first step's until `set_rates`."""
+    groups = adamw_groups(params, ndims, decoupled if cfg.decoupled_lr is not None else None)
+    wd = cfg.weight_decay_span()[0]
+    for g in groups:
+        decoupled_lr = g["decoupled"] and cfg.decoupled_lr is not None
+        g.update(lr=cfg.decoupled_lr if decoupled_lr else cfg.lr, weight_decay=wd * g["wd_mult"])
     return new_adamw(groups, kind, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
 
 
@@ -97,22 +133,35 @@ def apex_adamw_class(fused_adam: type) -> type:
     return ApexAdamW
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_rates(optimizer: torch.optim.Optimizer, rates: Rates | float) -> None:
+    """Each group's lr and weight decay for the next step: `rates.lr`, or `rates.decoupled_lr` for a
+    decoupled group when given; `rates.weight_decay` times the group's wd_mult when given. A bare
+    float sets every group's lr and leaves the weight decay."""
+    if not isinstance(rates, Rates):
+        rates = Rates(float(rates))
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        decoupled = group.get("decoupled") and rates.decoupled_lr is not None
+        group["lr"] = rates.decoupled_lr if decoupled else rates.lr
+        if rates.weight_decay is not None:
+            group["weight_decay"] = rates.weight_decay * group.get("wd_mult", 1.0)
+
+
+set_lr = set_rates  # the old name (a float: every group's lr)
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig):
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, decoupled: set[int] = frozenset()):
+        """`decoupled`: ids of the parameters that take --decoupled-lr (`decoupled_lr_params`)."""
         self.params = [p for p in params if p.requires_grad]
         self.masters = [
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
-        self.opt, self.name = build_adamw(self.masters, [p.ndim for p in self.params], cfg)
+        flags = [id(p) in decoupled for p in self.params]
+        self.opt, self.name = build_adamw(self.masters, [p.ndim for p in self.params], cfg, decoupled=flags)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        set_lr(self.opt, lr)
+    def step(self, rates: Rates | float) -> None:
+        set_rates(self.opt, rates)
         for p, m in zip(self.params, self.masters):
             m.grad = p.main_grad
         self.opt.step()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint import CheckpointError, load_checkpoint
-from ..checkpoint.files import saved_iterations
+from ..checkpoint.files import locate_checkpoint, saved_iterations
 from ..checkpoint.guard import guard_save_dir
 from ..config import Config, ConfigError
 from ..data.inputs import load_tokenizer
@@ -28,6 +28,7 @@ from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
 from ..ops.quantize import quantizer_backend
 from ..optim.loss_scaler import LossScaler
+from ..optim.schedules import checkpoint_schedule
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
@@ -61,6 +62,9 @@ class Run:
     loss_scaler: LossScaler | None = None
     skipped_iterations: int = 0
     skipped_samples: int = 0
+    checkpoint_schedule: tuple | None = (
+        None  # --use-checkpoint-opt_param-scheduler: optim.schedules.checkpoint_schedule
+    )
     last_step_skipped: bool = False
     consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
     pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
@@ -129,6 +133,7 @@ def _load(run: Run) -> None:
             log(f"warning: {run.load_warning}", run.rank)
         log(f"loaded {restored}", run.rank)
         run.resumed_from = run.last_checkpoint
+        _schedule_from_checkpoint(run)
     elif _same_dir(t.load, t.save):
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
     else:
@@ -137,6 +142,20 @@ def _load(run: Run) -> None:
             f"--load {t.load}: {what}; give a checkpoint root or an iteration directory in it, "
             "or drop --load to start from scratch"
         )
+
+
+def _schedule_from_checkpoint(run: Run) -> None:
+    """--use-checkpoint-opt_param-scheduler: the loaded checkpoint's schedule, logged (Megatron's values)."""
+    if not run.cfg.optim.use_checkpoint_opt_param_scheduler:
+        return
+    _, meta = locate_checkpoint(run.last_checkpoint)
+    run.checkpoint_schedule = o, s = checkpoint_schedule(run.cfg, meta["config"])
+    log(
+        f"schedule from the checkpoint (--use-checkpoint-opt_param-scheduler): lr {o.lr:g} to {o.min_lr:g}, "
+        f"{o.lr_decay_style}, warmup {s.warmup:g} and decay {s.decay:g} samples, weight decay "
+        f"{o.weight_decay_incr_style} {o.weight_decay_span()[0]:g} to {o.weight_decay_span()[1]:g} over {s.wd_incr:g}",
+        run.rank,
+    )
 
 
 def _guard_save(run: Run) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from .. import comm
 from ..checkpoint.rng import set_rng_state
-from ..optim import step_learning_rate
+from ..optim import rates_at
 from ..pipeline_parallel import run_schedule
 
 
@@ -59,9 +59,10 @@ def train_step(run) -> tuple[float, float, float]:
     # the loss is reduced before the step: a collective after it would queue behind the weight
     # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
     loss = report_loss(run, losses)
-    lr = step_learning_rate(run.cfg, run.iteration - run.skipped_iterations, run.consumed_samples - run.skipped_samples)
+    # Megatron's count: the applied samples; --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
+    rates = rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule)
     empty_cache(run, 1)
-    check = run.dp.step(lr, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
+    check = run.dp.step(rates, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
     if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it
         comm.check_collective_order(run.groups)
     empty_cache(run, 2)
@@ -73,7 +74,7 @@ def train_step(run) -> tuple[float, float, float]:
     if run.last_step_skipped:
         run.skipped_iterations += 1
         run.skipped_samples += run.cfg.train.global_batch_at(run.consumed_samples)
-    return loss, check.grad_norm, lr
+    return loss, check.grad_norm, rates.lr
 
 
 class NonFiniteStepError(RuntimeError):

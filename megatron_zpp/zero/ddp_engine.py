@@ -17,6 +17,7 @@ import torch
 
 from ..model.init import materialize
 from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
+from ..optim.optimizer import decoupled_lr_params
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_buffer import GradBuffer
@@ -45,7 +46,8 @@ class DDPEngine(DataParallelEngine):
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
             for c, chunk in enumerate(chunks):
                 chunk.register_full_backward_pre_hook(self._backward_hook(c))
-        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg)
+        decoupled = set().union(*(decoupled_lr_params(c) for c in chunks))
+        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg, decoupled)
         self.optimizer_name = self.optimizer.name
         self.clip = optim_cfg.clip_grad
 
@@ -75,7 +77,7 @@ class DDPEngine(DataParallelEngine):
         if self.overlap:
             self.grads.set_last_micro_batch(chunk, last)
 
-    def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
+    def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         g = self.groups
         self.grads.finish()
         tied = [

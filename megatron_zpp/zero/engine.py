@@ -4,7 +4,8 @@ An engine owns the gradients (their buffers, the data-parallel reduction, the fi
 syncs), the fp32 master weights and AdamW, and the state dict of both, as torchtitan's
 ModelWrapper / OptimizersContainer own theirs:
 
-    engine.zero_grad();  <forward/backward>;  check = engine.step(lr, loss=loss)
+    engine.zero_grad();  <forward/backward>;  check = engine.step(rates, loss=loss)
+    (rates: optim.Rates, the step's learning rates and weight decay, or one float lr)
     (the schedule calls engine.set_last_micro_batch(chunk, last) before each backward)
     state = engine.state_dict()          # {"model": {key: tensor}, "optimizer": AdamW state}
     engine.load_state_dict(state)        # "optimizer" may be absent/empty (weights only) or
@@ -42,11 +43,12 @@ class DataParallelEngine(ABC):
         this call everything is reduced in `step`."""
 
     @abstractmethod
-    def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
+    def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         """Reduce and finalize the gradients, clip by the global norm, check the step
-        (optim.check_step: `loss` and the norm, agreed by every rank), step AdamW when the check
-        allows; returns the optim.StepCheck (the norm before clipping, what was finite, whether
-        AdamW stepped). With `loss_scale` (--fp16) the gradients are first divided by it."""
+        (optim.check_step: `loss` and the norm, agreed by every rank), step AdamW at `lr` (optim.Rates,
+        or a float for every group) when the check allows; returns the optim.StepCheck (the norm
+        before clipping, what was finite, whether AdamW stepped). With `loss_scale` (--fp16) the
+        gradients are first divided by it."""
 
     @abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:
@@ -79,8 +81,9 @@ class DataParallelEngine(ABC):
     def load_state_dict(self, state: dict) -> None:
         self.load_model_state_dict(state["model"])
         optimizer = state.get("optimizer")
-        if optimizer:  # a resharded state brings its moments; the param groups stay this run's
-            self.optimizer.load_state_dict({"param_groups": self.optimizer.state_dict()["param_groups"], **optimizer})
+        if optimizer:  # the moments, by AdamW's numbering (adamw_order); the param groups stay this run's:
+            # their rates are set every step, and --decoupled-lr may cut the same numbering into other groups
+            self.optimizer.load_state_dict({**optimizer, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
 
 def copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -64,7 +64,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.init import materialize
-from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_lr
+from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_rates
+from ..optim.optimizer import decoupled_lr_params
 from ..recompute import recomputing
 from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, check_keys, copy_checked
@@ -189,13 +190,17 @@ class ZeroEngine(DataParallelEngine):
             unit.gather_stream = self.gather_stream
 
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
-        ndims = []
+        ndims, decoupled = [], []  # per segment: its parameter's ndim, whether it takes --decoupled-lr
+        decoupled_ids = set().union(*(decoupled_lr_params(c) for c in chunks))
         for unit in self.units:
             for p, a, b, _ in unit.segments():
                 if p.requires_grad:
                     self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
                     ndims.append(unit.ndims[id(p)])
-        self.optimizer, self.optimizer_name = build_adamw([v for *_, v in self.opt_segments], ndims, optim_cfg)
+                    decoupled.append(id(p) in decoupled_ids)
+        self.optimizer, self.optimizer_name = build_adamw(
+            [v for *_, v in self.opt_segments], ndims, optim_cfg, decoupled=decoupled
+        )
 
     def describe(self) -> str:
         mib = 2**-20
@@ -525,7 +530,7 @@ class ZeroEngine(DataParallelEngine):
         for unit in self.units:
             unit.grad_shard.div_(self.group.size)
 
-    def step(self, lr: float, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
+    def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         self._finish_grads()
         g = self.groups
         counted = [
@@ -536,7 +541,7 @@ class ZeroEngine(DataParallelEngine):
         ]
         shards = [u.grad_shard for u in self.units]
         norm = clip_by_global_norm(counted, shards, [self.group, g.mp], self.clip, loss_scale)
-        set_lr(self.optimizer, lr)
+        set_rates(self.optimizer, lr)  # optim.Rates (or one float lr)
         for unit, a, b, view in self.opt_segments:
             view.grad = unit.grad_shard[a:b]
         check = check_step(loss, norm, g.world, shards[0].device, loss_scale, skip_nonfinite)
