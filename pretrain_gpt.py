@@ -45,7 +45,7 @@ def main(argv=None):
     rank = int(os.environ.get("RANK", 0))
     try:
         run = training.setup(cfg)
-        training.train(run)
+        training.train(run, final_evaluation=True)  # then the validation and test sets, as Megatron
         if (
             cfg.train.generate_tokens and not run.stopped_by_signal
         ):  # every rank decodes: TP ranks must take part in each forward

@@ -3,6 +3,9 @@ pipeline link. The data-parallel engine comes from zero.build_engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from .. import comm
@@ -14,6 +17,7 @@ from ..model import GPT, ParallelContext
 from ..model.init import RankInit
 from ..pipeline_parallel import StageLink, build_stage_model
 from ..topology import ProcessGroups
+from .evaluation import valid_samples_needed
 
 
 def training_dtype(cfg: Config) -> torch.dtype:
@@ -104,14 +108,21 @@ def train_samples_needed(t, consumed: int, iteration: int) -> int:
     return max(fresh, consumed)
 
 
+@dataclass
+class EvalData:
+    """Factories of the evaluation iterators: valid(from sample) and test(from sample); None where the
+    split (or --eval-iters 0) leaves no such set."""
+
+    valid: Callable[[int], BatchIterator] | None
+    test: Callable[[int], BatchIterator] | None
+
+
 def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):
-    """(train iterator resumed at `consumed` samples after `iteration` steps, a factory of validation
-    iterators or None)."""
+    """(train iterator resumed at `consumed` samples after `iteration` steps, EvalData)."""
     t = cfg.train
-    eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
     num_samples = (
         train_samples_needed(t, consumed, iteration),
-        eval_rounds * t.global_batch_size,
+        valid_samples_needed(t),
         t.eval_iters * t.global_batch_size,
     )
     seq, d = cfg.model.seq_length, cfg.data
@@ -122,8 +133,9 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
         eod = packing.eod if packing is not None else None  # mock samples pack EOD-ended documents then
         train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed, eod)
         valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1, eod)
+        test = MockGPTDataset(max(num_samples[2], 1), seq, tokenizer.vocab_size, t.seed + 2, eod)
     else:
-        train, valid, _ = build_gpt_datasets(
+        train, valid, test = build_gpt_datasets(
             cfg.data.data_path,
             cfg.data.split,
             seq,
@@ -138,5 +150,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
     def batches(dataset, consumed):
         return BatchIterator(dataset, consumed, mbs, groups, device, packing, num_workers=workers)
 
-    valid_it = (lambda: batches(valid, 0)) if valid is not None and eval_rounds else None
-    return batches(train, consumed), valid_it
+    def factory(dataset):
+        return (lambda start: batches(dataset, start)) if dataset is not None and t.eval_iters else None
+
+    return batches(train, consumed), EvalData(factory(valid), factory(test))
