@@ -416,6 +416,12 @@ class TrainConfig:
     skip_train: bool = opt(
         False, "--skip-train", "no training: evaluate the validation and test sets (of --load's weights) and exit"
     )
+    eval_global_batch_size: int | None = opt(
+        None, "--eval-global-batch-size", "sequences per evaluation batch (default: --global-batch-size)"
+    )
+    eval_micro_batch_size: int | None = opt(
+        None, "--eval-micro-batch-size", "sequences per evaluation micro-batch (default: --micro-batch-size)"
+    )
     seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
     deterministic_mode: bool = opt(
         False,
@@ -595,6 +601,15 @@ class LogConfig:
         "--timing-log-option",
         "timers across ranks: max, min and max, or all",
         choices=["max", "minmax", "all"],
+    )
+    barrier_with_l1_time: bool = opt(
+        True,
+        "--barrier-with-level-1-timing",
+        "--timing-log-level >= 1: a barrier over all ranks before each level-1 phase, so that its min and max "
+        "are the phase's and not a wait for the slowest rank (--no-barrier-with-level-1-timing, as Megatron)",
+    )
+    log_device_memory_used: bool = opt(
+        False, "--log-device-memory-used", "--log-memory-interval: add the device memory in use (as nvidia-smi sees it)"
     )
     logging_level: int | None = opt(None, "--logging-level", "level of Python's logging (10 DEBUG .. 50 CRITICAL)")
     log_memory_interval: int | None = opt(

@@ -112,3 +112,21 @@ def memory_stats(device: torch.device) -> dict[str, float]:
         "mem-allocated-count": "allocation.all.current",
     }
     return {name: float(s.get(key, 0)) for name, key in keys.items()}
+
+
+def memory_report(device: torch.device, device_used: bool = False) -> str:
+    """Megatron's memory line (MB): allocated, max allocated, reserved, max reserved, and with
+    `device_used` (--log-device-memory-used) the device's memory in use as nvidia-smi sees it; on CPU
+    the peak RSS."""
+    mb = 2.0**20
+    if device.type == "cpu":
+        return f"max RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0 / mb:.2f}"
+    m = torch.get_device_module(device)
+    text = (
+        f"allocated: {m.memory_allocated(device) / mb:.2f} | "
+        f"max allocated: {m.max_memory_allocated(device) / mb:.2f} | "
+        f"reserved: {m.memory_reserved(device) / mb:.2f} | max reserved: {m.max_memory_reserved(device) / mb:.2f}"
+    )
+    if device_used:
+        text += f" | total device memory used: {m.device_memory_used(device) / mb:.2f}"
+    return text

@@ -617,7 +617,27 @@ def _check_log(cfg: Config, world_size: int) -> list[str]:
             f"--start-eval-at-iter {t.start_eval_at_iter}: must be >= 0",
         ),
     ]
-    return _failed(checks) + _check_profiling(cfg, world_size)
+    return _failed(checks + _eval_batch_checks(cfg)) + _check_profiling(cfg, world_size)
+
+
+def _eval_batch_checks(cfg: Config) -> list:
+    t, p = cfg.train, cfg.parallel
+    micro = t.eval_micro_batch_size or t.micro_batch_size
+    batch = t.eval_global_batch_size or t.global_batch_size
+    per_round = micro * p.data_parallel_size
+    return [
+        (micro >= 1 and batch >= 1, "--eval-global-batch-size and --eval-micro-batch-size must be >= 1"),
+        (
+            micro < 1 or batch % per_round == 0,
+            f"--eval-global-batch-size {batch} must be a multiple of the evaluation micro-batch {micro} x DP "
+            f"{p.data_parallel_size} = {per_round}",
+        ),
+        (
+            t.eval_micro_batch_size in (None, t.micro_batch_size) or p.pipeline_model_parallel_size == 1,
+            f"--eval-micro-batch-size {t.eval_micro_batch_size} with pipeline parallelism is not built (the stages "
+            f"exchange micro-batches of --micro-batch-size {t.micro_batch_size}): leave it out",
+        ),
+    ]
 
 
 def _check_profiling(cfg: Config, world_size: int) -> list[str]:

@@ -193,3 +193,26 @@ def test_logging_flags_are_checked():
     assert all(flag in text for flag in flags), text
     cfg = _cfg("--timing-log-level 1 --timing-log-option max --no-log-loss-scale-to-tensorboard".split())
     assert cfg.log.timing_log_level == 1 and not cfg.log.log_loss_scale_to_tensorboard
+
+
+def test_eval_batch_sizes_memory_line_and_level_1_barriers(capsys, monkeypatch):
+    from megatron_zpp.training import timers
+
+    barriers = []
+    monkeypatch.setattr(timers.comm, "barrier", lambda group=None: barriers.append(group.role))
+    base = "--global-batch-size 2 --train-iters 2 --eval-interval 2 --eval-iters 1 --eval-global-batch-size 4"
+    argv = (base + " --log-interval 2 --log-memory-interval 1 --timing-log-level 1 --timing-log-option all").split()
+    run = _setup(argv + ["--eval-micro-batch-size", "2"])
+    two = training.train(run)[-1]["val_loss"]
+    out = capsys.readouterr().out
+    assert run.consumed_valid_samples == 4 and barriers == ["world"] * 4  # 2 level-1 phases x 2 steps
+    assert "[Rank 0] (after 1 iterations) memory (MB) | max RSS: " in out and "(after 2 iterations)" in out
+    assert "times across ranks (ms):" in out and "    optimizer" in out
+    # micro-batches of 1 over the same 4 samples: the same mean loss (each sample has as many tokens)
+    one = training.train(_setup(argv + ["--eval-micro-batch-size", "1", "--no-barrier-with-level-1-timing"]))
+    assert one[-1]["val_loss"] == pytest.approx(two, rel=1e-6) and len(barriers) == 4
+    with pytest.raises(ConfigError) as e:
+        _cfg("--eval-global-batch-size 3 --eval-micro-batch-size 2".split())
+    assert "--eval-global-batch-size 3 must be a multiple of the evaluation micro-batch 2 x DP 1 = 2" in str(e.value)
+    with pytest.raises(ConfigError, match="--eval-micro-batch-size 2 with pipeline parallelism is not built"):
+        _cfg("--pipeline-model-parallel-size 2 --global-batch-size 2 --eval-micro-batch-size 2".split(), 2)

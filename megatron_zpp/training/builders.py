@@ -17,7 +17,7 @@ from ..model import GPT, ParallelContext
 from ..model.init import RankInit
 from ..pipeline_parallel import StageLink, build_stage_model
 from ..topology import ProcessGroups
-from .evaluation import valid_samples_needed
+from .evaluation import eval_batch, eval_micro_batch, valid_samples_needed
 
 
 def training_dtype(cfg: Config) -> torch.dtype:
@@ -123,7 +123,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
     num_samples = (
         train_samples_needed(t, consumed, iteration),
         valid_samples_needed(t),
-        t.eval_iters * t.global_batch_size,
+        t.eval_iters * eval_batch(t),
     )
     seq, d = cfg.model.seq_length, cfg.data
     packing = None
@@ -147,10 +147,11 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
         )
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 
-    def batches(dataset, consumed):
-        return BatchIterator(dataset, consumed, mbs, groups, device, packing, num_workers=workers)
+    def batches(dataset, consumed, micro=mbs):
+        return BatchIterator(dataset, consumed, micro, groups, device, packing, num_workers=workers)
 
     def factory(dataset):
-        return (lambda start: batches(dataset, start)) if dataset is not None and t.eval_iters else None
+        micro = eval_micro_batch(t)
+        return (lambda start: batches(dataset, start, micro)) if dataset is not None and t.eval_iters else None
 
     return batches(train, consumed), EvalData(factory(valid), factory(test))

@@ -17,6 +17,15 @@ from ..logging_utils import log
 from ..pipeline_parallel import run_schedule
 
 
+def eval_batch(t) -> int:
+    """Sequences per evaluation batch: --eval-global-batch-size, else --global-batch-size."""
+    return t.eval_global_batch_size or t.global_batch_size
+
+
+def eval_micro_batch(t) -> int:
+    return t.eval_micro_batch_size or t.micro_batch_size
+
+
 def evaluations_done(t, iteration: int) -> int:
     """Evaluations during training up to `iteration`: the multiples of --eval-interval from
     --start-eval-at-iter on."""
@@ -36,7 +45,7 @@ def valid_samples_needed(t) -> int:
     if not t.eval_iters:
         return 0
     rounds = 1 if t.skip_train else evaluations_done(t, t.train_iters) + 1
-    return rounds * t.eval_iters * t.global_batch_size
+    return rounds * t.eval_iters * eval_batch(t)
 
 
 def resume_valid_position(run) -> None:
@@ -47,7 +56,7 @@ def resume_valid_position(run) -> None:
         run.consumed_valid_samples = 0
     elif run.consumed_valid_samples is None:
         t = run.cfg.train
-        run.consumed_valid_samples = evaluations_done(t, run.iteration) * t.eval_iters * t.global_batch_size
+        run.consumed_valid_samples = evaluations_done(t, run.iteration) * t.eval_iters * eval_batch(t)
 
 
 @torch.no_grad()
@@ -59,20 +68,19 @@ def evaluate(run, which: str = "valid") -> float | None:
     make = getattr(run.valid_data, which, None) if run.valid_data is not None else None
     if make is None or not run.cfg.train.eval_iters:
         return None
-    iters = run.cfg.train.eval_iters
+    t = run.cfg.train
+    iters, micro_batches = t.eval_iters, eval_batch(t) // (eval_micro_batch(t) * run.cfg.parallel.data_parallel_size)
     data = make(run.consumed_valid_samples if which == "valid" else 0)
     for chunk in run.chunks:
         chunk.eval()
     losses = []
     for _ in range(iters):
-        losses += run_schedule(
-            run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run), forward_only=True
-        )
+        losses += run_schedule(run.chunks, data, micro_batches, run.link, position_offset(run), forward_only=True)
     data.close()  # its loader threads
     for chunk in run.chunks:
         chunk.train()
     if which == "valid":
-        run.consumed_valid_samples += iters * run.cfg.train.global_batch_size
+        run.consumed_valid_samples += iters * eval_batch(t)
     return report_loss(run, losses)
 
 

@@ -18,7 +18,7 @@ from .. import comm
 from ..checkpoint import save_checkpoint
 from ..logging_utils import MetricsSink, log
 from ..optim import global_grad_norm, step_learning_rate
-from ..perf import flops_per_token, memory_gib, memory_stats, peak_tflops
+from ..perf import flops_per_token, memory_gib, memory_report, memory_stats, peak_tflops
 from .builders import training_dtype
 from .evaluation import eval_due, evaluate_and_print
 from .profiling import StepProfiler
@@ -234,11 +234,7 @@ def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterv
 def _report_memory(run: Run) -> None:
     """--log-memory-interval: this rank's memory, on the first data-parallel rank of each model replica."""
     if run.groups.dp_rank == 0:
-        stats = " | ".join(
-            f"{k.removeprefix('mem-').removesuffix('-bytes')}: {v / 2**20:.1f}"
-            for k, v in memory_stats(run.device).items()
-            if k.endswith("-bytes")
-        )
+        stats = memory_report(run.device, run.cfg.log.log_device_memory_used)
         print(f"[Rank {run.rank}] (after {run.iteration} iterations) memory (MB) | {stats}", flush=True)
 
 
@@ -310,7 +306,8 @@ def train(run: Run, final_evaluation: bool = False) -> list[dict]:
 def _steps(run: Run, sink: MetricsSink, stop) -> list[dict]:
     cfg, rank, t = run.cfg, run.rank, run.cfg.train
     throughput = Throughput.of(run)
-    timers = Timers(cfg.log.timing_log_level, cfg.log.timing_log_option, run.device)
+    barrier = run.groups.world if cfg.log.barrier_with_l1_time else None
+    timers = Timers(cfg.log.timing_log_level, cfg.log.timing_log_option, run.device, barrier)
     history = []
     comm.LEDGER.reset()
     profiler = StepProfiler(cfg, rank, run.device, run.iteration)

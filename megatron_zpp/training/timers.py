@@ -2,7 +2,8 @@
 
 Level 0 times nothing but the iteration (the log line's own figure); level 1 adds the phases that
 run once per step (forward-backward, optimizer: the gradient reduction, clipping and AdamW), level
-2 those that run per micro-batch (batch-generator: the time blocked on the data loader). A timed
+2 those that run per micro-batch (batch-generator: the time blocked on the data loader). A level-1
+phase starts after a barrier over all ranks (unless --no-barrier-with-level-1-timing); a timed
 phase ends with a device synchronize, so that its time is the device's and not the launch's (this
 costs some overlap: Megatron says the same of levels 1 and 2). At each log line the times summed
 over the interval are divided by --log-interval and reduced over every rank: the max (option max),
@@ -26,15 +27,18 @@ def timer_names(level: int) -> list[str]:
 
 
 class Timers:
-    def __init__(self, level: int, option: str, device: torch.device):
+    def __init__(self, level: int, option: str, device: torch.device, barrier=None):
+        """`barrier` (--barrier-with-level-1-timing): the group to barrier over before each level-1 phase."""
         self.names = timer_names(level)
-        self.option, self.device = option, device
+        self.option, self.device, self.barrier = option, device, barrier
         self.total = dict.fromkeys(self.names, 0.0)
         self.started: dict[str, float] = {}
 
     def start(self, name: str) -> None:
         if name in self.total:
             self._sync()
+            if self.barrier is not None and name in LEVELS[1]:
+                comm.barrier(self.barrier)
             self.started[name] = time.perf_counter()
 
     def stop(self, name: str) -> None:
