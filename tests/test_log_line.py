@@ -216,3 +216,17 @@ def test_eval_batch_sizes_memory_line_and_level_1_barriers(capsys, monkeypatch):
     assert "--eval-global-batch-size 3 must be a multiple of the evaluation micro-batch 2 x DP 1 = 2" in str(e.value)
     with pytest.raises(ConfigError, match="--eval-micro-batch-size 2 with pipeline parallelism is not built"):
         _cfg("--pipeline-model-parallel-size 2 --global-batch-size 2 --eval-micro-batch-size 2".split(), 2)
+
+
+def test_fp16_skipped_steps_are_left_out_of_lm_loss(capsys):
+    # from 2^17 with --hysteresis 1 one step overflows here (at 65536 none does): skipped, scale halved
+    argv = "--fp16 --initial-loss-scale 131072 --hysteresis 1 --train-iters 4 --log-interval 4 --eval-iters 0"
+    history = training.train(_setup(argv.split()))
+    counts = [0] + [h["skipped_iterations"] for h in history]
+    skipped = [counts[i + 1] > counts[i] for i in range(len(history))]
+    assert sum(skipped) == 1, counts
+    line = next(line for line in capsys.readouterr().out.splitlines() if "| lm loss: " in line)
+    applied = [h["loss"] for h, s in zip(history, skipped) if not s]
+    assert float(re.search(r"lm loss: (\S+) \|", line)[1]) == pytest.approx(np.mean(applied), rel=1e-6)
+    assert "| loss scale: 65536.0 |" in line and "number of skipped iterations:   1 |" in line
+    assert "| skipped samples:            1 |" in line
