@@ -19,7 +19,7 @@ from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, TrainConfig
 from megatron_zpp.perf import peak_tflops
 from megatron_zpp.training.determinism import apply_deterministic_mode
-from megatron_zpp.training.evaluation import evaluations_done
+from megatron_zpp.training.evaluation import evaluations_done, valid_samples_needed
 from megatron_zpp.training.loop import LogInterval
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
@@ -131,6 +131,12 @@ def test_evaluations_done_counts_the_due_iterations():
         for it in range(0, 20):
             due = [i for i in range(1, it + 1) if i % interval == 0 and (start is None or i >= start)]
             assert evaluations_done(t, it) == len(due), (interval, start, it)
+    # the validation samples a run needs: 4 evaluations of 2 batches of 4 and the final one; resumed at
+    # iteration 10 after 5 evaluations (made at --eval-interval 2), 2 more and the final one
+    t = TrainConfig(eval_interval=5, eval_iters=2, train_iters=20, global_batch_size=4)
+    assert valid_samples_needed(t) == 5 * 2 * 4
+    assert valid_samples_needed(t, 5 * 2 * 4, 10) == (5 + 3) * 2 * 4
+    assert valid_samples_needed(t, 2 * 2 * 4, 10) == 5 * 2 * 4  # the same cadence: the same size
 
 
 def test_mfu_peak_is_the_dtypes(monkeypatch):

@@ -117,12 +117,21 @@ class EvalData:
     test: Callable[[int], BatchIterator] | None
 
 
-def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):
-    """(train iterator resumed at `consumed` samples after `iteration` steps, EvalData)."""
+def build_data(
+    cfg: Config,
+    groups: ProcessGroups,
+    tokenizer,
+    device: torch.device,
+    consumed: int,
+    iteration: int = 0,
+    consumed_valid: int = 0,
+):
+    """(train iterator resumed at `consumed` samples after `iteration` steps, EvalData; the validation
+    set holds the `consumed_valid` samples read before and those of the evaluations to come)."""
     t = cfg.train
     num_samples = (
         train_samples_needed(t, consumed, iteration),
-        valid_samples_needed(t),
+        valid_samples_needed(t, consumed_valid, iteration),
         t.eval_iters * eval_batch(t),
     )
     seq, d = cfg.model.seq_length, cfg.data

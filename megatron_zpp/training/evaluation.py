@@ -40,12 +40,17 @@ def eval_due(t, iteration: int) -> bool:
     return bool(t.eval_interval) and iteration % t.eval_interval == 0 and (start is None or iteration >= start)
 
 
-def valid_samples_needed(t) -> int:
-    """Samples the validation set must hold: every evaluation of the run and the final one."""
+def valid_samples_needed(t, consumed_valid: int = 0, iteration: int = 0) -> int:
+    """Samples the validation set must hold: every evaluation of the run and the final one; resumed at
+    `iteration` with `consumed_valid` read (perhaps at another --eval-interval), those and the rest."""
     if not t.eval_iters:
         return 0
-    rounds = 1 if t.skip_train else evaluations_done(t, t.train_iters) + 1
-    return rounds * t.eval_iters * eval_batch(t)
+    per_round = t.eval_iters * eval_batch(t)
+    if t.skip_train:
+        return per_round
+    fresh = (evaluations_done(t, t.train_iters) + 1) * per_round
+    rest = evaluations_done(t, t.train_iters) - evaluations_done(t, iteration) + 1
+    return max(fresh, consumed_valid + rest * per_round)
 
 
 def resume_valid_position(run) -> None:

@@ -113,7 +113,13 @@ def setup(cfg: Config) -> Run:
         _guard_save(run)
     resume_valid_position(run)
     run.train_data, run.valid_data = build_data(
-        cfg, groups, tokenizer, device, consumed=run.consumed_samples, iteration=run.iteration
+        cfg,
+        groups,
+        tokenizer,
+        device,
+        consumed=run.consumed_samples,
+        iteration=run.iteration,
+        consumed_valid=run.consumed_valid_samples,
     )
     _log_setup(run, n_params)
     if deterministic:
