@@ -292,14 +292,14 @@ def train(run: Run, final_evaluation: bool = False) -> list[dict]:
         log(f"skipping training (--skip-train): evaluating the weights of iteration {run.iteration}", run.rank)
     else:
         history = _steps(run, sink, stop)
+    run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
+    if cfg.log.comm_report:  # of the training steps: before the final evaluation's traffic
+        comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, run.rank)
+        log(f"communication report written to {cfg.log.comm_report}", run.rank)
     if (final_evaluation or t.skip_train) and not run.stopped_by:
         _final_evaluation(run, sink)
     stop.close()
     sink.close()
-    run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
-    if cfg.log.comm_report:
-        comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, run.rank)
-        log(f"communication report written to {cfg.log.comm_report}", run.rank)
     return history
 
 
