@@ -162,8 +162,15 @@ def _norms(rank, world, argv):
     return [(h["params_norm"], h["num_zeros"], h["loss"]) for h in training.train(run)]
 
 
-@pytest.mark.parametrize("layout", ["--tensor-model-parallel-size 2", "--zero-stage 3"])
-def test_params_norm_and_zeros_count_each_element_once(layout):
+# each with the timers' collectives of one --timing-log-option over the 2 ranks too
+LAYOUTS = [
+    "--tensor-model-parallel-size 2 --timing-log-level 1 --timing-log-option all",
+    "--zero-stage 3 --timing-log-level 2",
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_params_norm_and_zeros_count_each_element_once(layout, capfd):
     argv = "--untie-embeddings-and-output-weights --global-batch-size 2 --train-iters 2".split()
     argv += ["--log-params-norm", "--log-num-zeros-in-grad"]
     one = _norms(0, 1, argv)
@@ -171,6 +178,9 @@ def test_params_norm_and_zeros_count_each_element_once(layout):
     assert two[0] == two[1]  # known on every rank
     assert [n for n, _, _ in two[0]] == pytest.approx([n for n, _, _ in one], rel=1e-5)
     assert [z for _, z, _ in two[0]] == [z for _, z, _ in one]
+    out = capfd.readouterr().out
+    timer = r"forward-backward" if "all" in layout else r"batch-generator"  # every rank's or (min, max)
+    assert re.search(timer + r"\.+: \(\d+\.\d+, \d+\.\d+\)\n", out), out[-2000:]
 
 
 def test_deterministic_mode_sets_what_megatron_sets_and_repeats(monkeypatch):
