@@ -76,6 +76,11 @@ class MetricsSink:
         if self.wandb:
             self.wandb.log(scalars, step=step)
 
+    def wandb_log(self, scalars: dict, step: int) -> None:
+        """Numbers outside a step's record (the final evaluation) to W&B, at the last step."""
+        if self.enabled and self.wandb:
+            self.wandb.log(scalars, step=step)
+
     def tensorboard(self, scalars: dict, step: int, samples: int) -> None:
         """Megatron-LM's tensorboard scalars: each NAME at `step` and "NAME vs samples" at `samples`."""
         if not (self.enabled and self.tb):

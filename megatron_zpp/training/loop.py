@@ -360,4 +360,5 @@ def _final_evaluation(run: Run, sink: MetricsSink) -> dict:
     for which, where in (("valid", "validation"), ("test", "test")):
         out.update(evaluate_and_print(run, sink, which, f"iteration {run.iteration} on {where} set"))
     run.final_evaluation = out
+    sink.wandb_log({f"final_{k}": v for k, v in out.items()}, run.iteration)
     return out
