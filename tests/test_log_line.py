@@ -53,18 +53,20 @@ def test_log_line_validation_resume_final_and_skip_train(tmp_path, capsys):
     out = capsys.readouterr().out
     losses = [h["loss"] for h in whole]
 
-    # the log line: lm loss = the mean of the interval's losses, the LR of the next step, consumed samples
+    # the log line: lm loss = the mean of the interval's losses, the LR of the next step, consumed samples;
+    # as Megatron, also after the run's first step (the interval then goes on to iteration 2)
     lines = [LINE.search(line) for line in out.splitlines() if "| lm loss: " in line]
-    assert all(lines) and len(lines) == 2, out
-    for m, last in zip(lines, (2, 4)):
+    assert all(lines) and len(lines) == 3, out
+    for m, last, steps in zip(lines, (1, 2, 4), (1, 2, 2)):
         assert int(m[1]) == last and int(m[2]) == 2 * last and int(m[4]) == 2
-        assert float(m[5]) == pytest.approx(np.mean(losses[last - 2 : last]), rel=1e-6)
+        assert float(m[5]) == pytest.approx(np.mean(losses[last - steps : last]), rel=1e-6)
         assert int(m[8]) == 0 and int(m[9]) == 0
         assert int(m[6]) == whole[last - 1]["num_zeros"]
         assert float(m[7]) == pytest.approx(whole[last - 1]["params_norm"], abs=1e-3)
         assert m[11] == "fp32" and float(m[10]) > 0  # fp32 run: the measured fp32 matmul peak
-    assert float(lines[0][3]) == pytest.approx(whole[2]["lr"], rel=1e-6)  # what step 3 then used
-    assert float(lines[1][3]) == pytest.approx(3e-5, rel=1e-6)  # after the last step: cosine at its end, --min-lr
+    assert float(lines[0][3]) == pytest.approx(whole[1]["lr"], rel=1e-6)  # what step 2 then used
+    assert float(lines[1][3]) == pytest.approx(whole[2]["lr"], rel=1e-6)
+    assert float(lines[2][3]) == pytest.approx(3e-5, rel=1e-6)  # after the last step: cosine at its end, --min-lr
     assert "(min, max) time across ranks (ms):" in out and "forward-backward" in out and "batch-generator" in out
 
     # --log-params-norm: the fp32 weights after the step, in fp64 (1 rank, ZeRO-0: all of them)
@@ -241,7 +243,7 @@ def test_fp16_skipped_steps_are_left_out_of_lm_loss(capsys):
     counts = [0] + [h["skipped_iterations"] for h in history]
     skipped = [counts[i + 1] > counts[i] for i in range(len(history))]
     assert sum(skipped) == 1, counts
-    line = next(line for line in capsys.readouterr().out.splitlines() if "| lm loss: " in line)
+    line = [line for line in capsys.readouterr().out.splitlines() if "| lm loss: " in line][-1]  # iteration 4
     applied = [h["loss"] for h, s in zip(history, skipped) if not s]
     assert float(re.search(r"lm loss: (\S+) \|", line)[1]) == pytest.approx(np.mean(applied), rel=1e-6)
     assert "| loss scale: 65536.0 |" in line and "number of skipped iterations:   1 |" in line

@@ -217,14 +217,14 @@ def _tensorboard(run: Run, sink: MetricsSink, m: dict) -> None:
         sink.tensorboard(memory_stats(run.device), run.iteration, run.consumed_samples)
 
 
-def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterval, m: dict) -> None:
+def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterval, m: dict, reset: bool) -> None:
     """After the log line: the timers (--timing-log-level), and to tensorboard with --log-timers-to-tensorboard
     the iteration time, throughput and each timer's max over ranks, as Megatron."""
     g = run.cfg.log
-    times = timers.report(run.groups.world, g.log_interval)  # a collective on every rank when level >= 1
+    times = timers.report(run.groups.world, interval.iterations, reset)  # a collective on every rank (level >= 1)
     if times:
         log(format_timers(times, g.timing_log_option), run.rank)
-    if g.log_timers_to_tensorboard:
+    if g.log_timers_to_tensorboard and reset:  # not the first step's early line, as Megatron
         per_it = interval.seconds / max(1, interval.iterations)
         scalars = {"iteration-time": per_it, "throughput": m["tflops_per_rank"]}
         scalars.update({f"{name}-time": max(v) for name, v in times.items()})
@@ -324,13 +324,15 @@ def _steps(run: Run, sink: MetricsSink, stop) -> list[dict]:
         interval.add(metrics, run.last_step_skipped)
         clock.add(metrics["step_time"])
         _tensorboard(run, sink, metrics)
-        if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
+        due = run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters
+        first = clock.count == 1 and not due  # this run's first step, logged as Megatron does; the interval goes on
+        if due or first:
             metrics.update(lm_loss=interval.lm_loss, advanced_iterations=interval.advanced)
             metrics.update(nan_iterations=interval.nan)
             _log_line(run, metrics, interval, throughput, clock.eta(t.train_iters - run.iteration))
-            _log_timers(run, sink, timers, interval, metrics)
+            _log_timers(run, sink, timers, interval, metrics, reset=due)
             run.memory_snapshots.dump()
-            interval = LogInterval()
+            interval = LogInterval() if due else interval
         if cfg.log.log_memory_interval and run.iteration % cfg.log.log_memory_interval == 0:
             _report_memory(run)
         if eval_due(t, run.iteration):

@@ -6,7 +6,7 @@ run once per step (forward-backward, optimizer: the gradient reduction, clipping
 phase starts after a barrier over all ranks (unless --no-barrier-with-level-1-timing); a timed
 phase ends with a device synchronize, so that its time is the device's and not the launch's (this
 costs some overlap: Megatron says the same of levels 1 and 2). At each log line the times summed
-over the interval are divided by --log-interval and reduced over every rank: the max (option max),
+over the interval are divided by its iterations and reduced over every rank: the max (option max),
 the min and the max (minmax), or every rank's (all); a collective on every rank at every log line
 while the level is >= 1, never depending on the data."""
 
@@ -55,14 +55,16 @@ class Timers:
         if self.device.type != "cpu":
             torch.get_device_module(self.device).synchronize(self.device)
 
-    def report(self, world, normalizer: int) -> dict[str, list[float]]:
+    def report(self, world, normalizer: int, reset: bool = True) -> dict[str, list[float]]:
         """Collective over `world` (every rank calls it): each timer's milliseconds per iteration
-        (the interval's sum / `normalizer`), [max], [min, max] or every rank's; the sums restart."""
+        (the interval's sum / `normalizer`, its iterations), [max], [min, max] or every rank's; the
+        sums restart unless not `reset` (the early line after a run's first step)."""
         if not self.names:
             return {}
         mine = torch.tensor([self.total[n] for n in self.names], dtype=torch.float64, device=self.device)
-        mine *= 1e3 / normalizer
-        self.total = dict.fromkeys(self.names, 0.0)
+        mine *= 1e3 / max(normalizer, 1)
+        if reset:
+            self.total = dict.fromkeys(self.names, 0.0)
         if self.option == "all":
             out = torch.zeros(world.size * len(self.names), dtype=torch.float64, device=self.device)
             comm.all_gather(out, mine, world, "timers")
