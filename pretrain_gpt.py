@@ -59,7 +59,7 @@ def _main(argv):
         )
     try:
         run = training.setup(cfg)
-        training.train(run)
+        training.train(run, final_evaluation=True)  # then the validation and test sets, as Megatron
         if run.stopped_by == "interrupt":  # Ctrl-C: the step finished, saved when --save; the one line said so
             training.shutdown()
             sys.exit(130)

@@ -465,8 +465,32 @@ class TrainConfig:
         "train on this many samples instead of --train-iters (the LR schedule then counts samples)",
     )
     eval_interval: int = opt(0, "--eval-interval", "evaluate every N steps (0 = never)")
-    eval_iters: int = opt(100, "--eval-iters", "validation batches per evaluation")
+    eval_iters: int = opt(
+        100,
+        "--eval-iters",
+        "global batches per evaluation; also the final validation and test evaluations after training "
+        "(0 = none), as Megatron",
+    )
+    start_eval_at_iter: int | None = opt(
+        None, "--start-eval-at-iter", "evaluate every --eval-interval only from this iteration on"
+    )
+    skip_train: bool = opt(
+        False, "--skip-train", "no training: evaluate the validation and test sets (of --load's weights) and exit"
+    )
+    eval_global_batch_size: int | None = opt(
+        None, "--eval-global-batch-size", "sequences per evaluation batch (default: --global-batch-size)"
+    )
+    eval_micro_batch_size: int | None = opt(
+        None, "--eval-micro-batch-size", "sequences per evaluation micro-batch (default: --micro-batch-size)"
+    )
     seed: int = opt(1234, "--seed", "seed of weights, data order and dropout")
+    deterministic_mode: bool = opt(
+        False,
+        "--deterministic-mode",
+        "bitwise-reproducible kernels, as Megatron: torch.use_deterministic_algorithms(True), cuDNN deterministic "
+        "and not benchmarking; sets CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL_ALGO=Ring and "
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 where unset (a set value must be a deterministic one); the log says what",
+    )
     bf16: bool = opt(False, "--bf16", "bf16 compute with fp32 master weights")
     # fp16 with loss scaling (Megatron's flags and defaults; issue 16)
     fp16: bool = opt(
@@ -604,6 +628,58 @@ class LogConfig:
     peak_tflops: float | None = opt(
         None, "--peak-tflops", "dense peak TFLOP/s per rank for MFU (default: known GPU peak, or measured CPU matmul)"
     )
+    # -- Megatron-LM's logging flags (its names and defaults) --
+    log_params_norm: bool = opt(
+        False, "--log-params-norm", "log the L2 norm of all parameters (fp32 masters, each counted once) per step"
+    )
+    log_num_zeros_in_grad: bool = opt(
+        False, "--log-num-zeros-in-grad", "log the number of zero gradient elements (all ranks, each counted once)"
+    )
+    timing_log_level: int = opt(
+        0,
+        "--timing-log-level",
+        "0: only the iteration time; 1: + forward-backward and optimizer times; 2: + batch-generator (data wait); "
+        "levels 1-2 synchronize the device around each timed phase",
+        choices=[0, 1, 2],
+    )
+    timing_log_option: str = opt(
+        "minmax",
+        "--timing-log-option",
+        "timers across ranks: max, min and max, or all",
+        choices=["max", "minmax", "all"],
+    )
+    barrier_with_l1_time: bool = opt(
+        True,
+        "--barrier-with-level-1-timing",
+        "--timing-log-level >= 1: a barrier over all ranks before each level-1 phase, so that its min and max "
+        "are the phase's and not a wait for the slowest rank (--no-barrier-with-level-1-timing, as Megatron)",
+    )
+    log_device_memory_used: bool = opt(
+        False, "--log-device-memory-used", "--log-memory-interval: add the device memory in use (as nvidia-smi sees it)"
+    )
+    logging_level: int | None = opt(None, "--logging-level", "level of Python's logging (10 DEBUG .. 50 CRITICAL)")
+    log_memory_interval: int | None = opt(
+        None, "--log-memory-interval", "print this rank's memory (allocated, peak, reserved; CPU: RSS) every N steps"
+    )
+    tensorboard_log_interval: int = opt(1, "--tensorboard-log-interval", "write tensorboard scalars every N steps")
+    tensorboard_queue_size: int = opt(
+        1000, "--tensorboard-queue-size", "tensorboard events queued before a write to disk"
+    )
+    log_timers_to_tensorboard: bool = opt(
+        False,
+        "--log-timers-to-tensorboard",
+        "tensorboard: iteration-time, throughput and the --timing-log-level timers",
+    )
+    log_loss_scale_to_tensorboard: bool = opt(
+        True, "--log-loss-scale-to-tensorboard", "tensorboard: loss-scale (1 without --fp16)"
+    )
+    log_validation_ppl_to_tensorboard: bool = opt(
+        False, "--log-validation-ppl-to-tensorboard", "tensorboard: validation perplexity beside the validation loss"
+    )
+    log_memory_to_tensorboard: bool = opt(
+        False, "--log-memory-to-tensorboard", "tensorboard: the accelerator's memory statistics (CPU: peak RSS)"
+    )
+    log_world_size_to_tensorboard: bool = opt(False, "--log-world-size-to-tensorboard", "tensorboard: world-size")
     # -- experiment tracking and profiling (Megatron-LM's names and defaults) --
     wandb_project: str | None = opt(None, "--wandb-project", "log to Weights & Biases under this project")
     wandb_exp_name: str | None = opt(None, "--wandb-exp-name", "W&B run name (default: a name W&B chooses)")

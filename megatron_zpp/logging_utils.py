@@ -4,9 +4,17 @@ user asks otherwise). One rank logs; the others are silent."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
+
+
+def set_logging_level(level: int | None) -> None:
+    """--logging-level: the level of Python's logging (the libraries' loggers; our lines are printed)."""
+    if level is not None:
+        logging.basicConfig(level=level)
+        logging.getLogger().setLevel(level)
 
 
 def log(msg: str, rank: int = 0) -> None:
@@ -29,6 +37,7 @@ class MetricsSink:
         events after it (purge_step), and W&B continues the run `wandb_run_id` (the one the
         checkpoint names). `wandb_run_id` afterwards: this run's W&B id (None without W&B)."""
         self.enabled, self.wandb_run_id = enabled, wandb_run_id
+        self.tb_interval = log_cfg.tensorboard_log_interval
         self.jsonl = self.tb = self.wandb = None
         if not enabled:
             return
@@ -42,7 +51,9 @@ class MetricsSink:
 
             # the next step logged is start_iteration + 1: events of the previous run from there on are void
             self.tb = SummaryWriter(
-                log_cfg.tensorboard_dir, purge_step=start_iteration + 1 if start_iteration else None
+                log_cfg.tensorboard_dir,
+                purge_step=start_iteration + 1 if start_iteration else None,
+                max_queue=log_cfg.tensorboard_queue_size,
             )
         mode = log_cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
         if log_cfg.wandb_project and mode != "disabled":
@@ -50,17 +61,33 @@ class MetricsSink:
             self.wandb_run_id = self.wandb.id
 
     def write(self, metrics: dict, step: int) -> None:
+        """A step's JSONL record; its numbers also to tensorboard (every --tensorboard-log-interval
+        steps) and W&B under the same names."""
         if not self.enabled:
             return
         if self.jsonl:
             self.jsonl.write(json.dumps(metrics) + "\n")
             self.jsonl.flush()
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "iteration"}
-        if self.tb:
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {k: v for k, v in numbers.items() if k != "iteration"}
+        if self.tb and step % self.tb_interval == 0:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log(scalars, step=step)
+
+    def wandb_log(self, scalars: dict, step: int) -> None:
+        """Numbers outside a step's record (the final evaluation) to W&B, at the last step."""
+        if self.enabled and self.wandb:
+            self.wandb.log(scalars, step=step)
+
+    def tensorboard(self, scalars: dict, step: int, samples: int) -> None:
+        """Megatron-LM's tensorboard scalars: each NAME at `step` and "NAME vs samples" at `samples`."""
+        if not (self.enabled and self.tb):
+            return
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+            self.tb.add_scalar(f"{k} vs samples", v, samples)
 
     def close(self) -> None:
         if self.jsonl:

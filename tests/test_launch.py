@@ -133,7 +133,7 @@ def test_torchrun_multinode_recipe_on_two_nodes(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     out = "".join(outs)
     assert "world 2 = TP 1 x CP 1 x DP 2 x PP 1" in out and "2 node(s) of 1 ranks" in out
-    assert "iter     2/2" in out
+    assert "iteration        2/       2" in out
     assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "iter_0000002"
 
 

@@ -124,14 +124,15 @@ def test_pretrain_gpt_under_torchrun(tmp_path):
         ).split()
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "iter    15/15" in out.stdout
-    assert "| global batch 8 |" in out.stdout and "| data wait " in out.stdout
+    assert "iteration       15/      15 | consumed samples:          120 |" in out.stdout
+    assert "| global batch size:     8 |" in out.stdout and "| data wait " in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == 15 and np.mean(losses[-3:]) < np.mean(losses[:3])
     # the ETA of each log line: remaining iterations x the mean step time (the first step left out)
-    lines = [line for line in out.stdout.splitlines() if "| loss " in line]
-    for line, it in zip(lines, (5, 10, 15)):
+    lines = [line for line in out.stdout.splitlines() if "| lm loss: " in line]
+    assert "iteration        1/      15 |" in lines[0] and len(lines) == 4  # after the first step too, as Megatron
+    for line, it in zip(lines[1:], (5, 10, 15)):
         times = [r["step_time"] for r in records[1:it]]
         assert line.endswith(f"| ETA {format_eta((15 - it) * sum(times) / len(times))}"), line
 

@@ -234,17 +234,26 @@ def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: li
 
 
 def _train_state(run) -> dict:
-    """--fp16: the loss scaler and the skipped steps (the same on every rank), kept in meta.json."""
+    """--fp16: the loss scaler and the skipped steps (the same on every rank), and the validation
+    samples evaluated so far (where the validation iterator continues), kept in meta.json."""
+    state = {"consumed_valid_samples": run.consumed_valid_samples} if run.consumed_valid_samples else {}
     if run.loss_scaler is None and not run.skipped_iterations:
-        return {}
+        return state
     scaler = run.loss_scaler.state_dict() if run.loss_scaler else None
-    return {"loss_scaler": scaler, "skipped_iterations": run.skipped_iterations, "skipped_samples": run.skipped_samples}
+    return {
+        **state,
+        "loss_scaler": scaler,
+        "skipped_iterations": run.skipped_iterations,
+        "skipped_samples": run.skipped_samples,
+    }
 
 
 def _restore_train_state(run, meta: dict) -> None:
     state = meta.get("train_state") or {}
     run.skipped_iterations = int(state.get("skipped_iterations", 0))
     run.skipped_samples = int(state.get("skipped_samples", 0))
+    valid = state.get("consumed_valid_samples")  # absent: derived from the iteration (training/evaluation.py)
+    run.consumed_valid_samples = int(valid) if valid is not None else None
     if run.loss_scaler is not None and state.get("loss_scaler"):
         run.loss_scaler.load_state_dict(state["loss_scaler"])
 

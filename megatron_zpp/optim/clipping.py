@@ -20,14 +20,15 @@ def counted_once(param, tp_rank: int, is_first_stage: bool) -> bool:
     return True
 
 
-def global_grad_norm(grads: list[torch.Tensor], groups_to_sum) -> float:
-    """sqrt of the sum of squares of `grads` (this rank's share), summed over groups."""
+def global_grad_norm(grads: list[torch.Tensor], groups_to_sum, phase: str = "grad_norm") -> float:
+    """sqrt of the sum of squares of `grads` (this rank's share), summed over groups (--log-params-norm
+    passes the master weights, phase "params_norm")."""
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         sq += g.double().pow(2).sum()
     for group in groups_to_sum:
-        comm.all_reduce(sq, group, "grad_norm")
+        comm.all_reduce(sq, group, phase)
     return sq.sqrt().item()
 
 

@@ -6,10 +6,11 @@ shutdown()           # distributed.py
 """
 
 from .distributed import init_distributed, shutdown
+from .evaluation import evaluate
 from .generation import greedy_generate
 from .loop import train
 from .run import Run, setup
-from .step import NonFiniteStepError, evaluate, train_step
+from .step import NonFiniteStepError, train_step
 
 __all__ = [
     "Run",

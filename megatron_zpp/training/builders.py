@@ -3,6 +3,9 @@ pipeline link. The data-parallel engine comes from zero.build_engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from .. import comm
@@ -14,6 +17,7 @@ from ..model import GPT, ParallelContext
 from ..model.init import RankInit
 from ..pipeline_parallel import StageLink, build_stage_model
 from ..topology import ProcessGroups
+from .evaluation import eval_batch, eval_micro_batch, valid_samples_needed
 
 
 def training_dtype(cfg: Config) -> torch.dtype:
@@ -102,15 +106,31 @@ def train_samples_needed(t, consumed: int, iteration: int) -> int:
     return max(fresh, t.samples_after(max(t.train_iters - iteration, 0), consumed))
 
 
-def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.device, consumed: int, iteration: int = 0):
-    """(train iterator resumed at `consumed` samples after `iteration` steps, a factory of validation
-    iterators or None)."""
+@dataclass
+class EvalData:
+    """Factories of the evaluation iterators: valid(from sample) and test(from sample); None where the
+    split (or --eval-iters 0) leaves no such set."""
+
+    valid: Callable[[int], BatchIterator] | None
+    test: Callable[[int], BatchIterator] | None
+
+
+def build_data(
+    cfg: Config,
+    groups: ProcessGroups,
+    tokenizer,
+    device: torch.device,
+    consumed: int,
+    iteration: int = 0,
+    consumed_valid: int = 0,
+):
+    """(train iterator resumed at `consumed` samples after `iteration` steps, EvalData; the validation
+    set holds the `consumed_valid` samples read before and those of the evaluations to come)."""
     t = cfg.train
-    eval_rounds = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_interval else 0
     num_samples = (
         train_samples_needed(t, consumed, iteration),
-        eval_rounds * t.global_batch_size,
-        t.eval_iters * t.global_batch_size,
+        valid_samples_needed(t, consumed_valid, iteration),
+        t.eval_iters * eval_batch(t),
     )
     seq, d = cfg.model.seq_length, cfg.data
     packing = None
@@ -120,8 +140,9 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
         eod = packing.eod if packing is not None else None  # mock samples pack EOD-ended documents then
         train = MockGPTDataset(num_samples[0], seq, tokenizer.vocab_size, t.seed, eod)
         valid = MockGPTDataset(max(num_samples[1], 1), seq, tokenizer.vocab_size, t.seed + 1, eod)
+        test = MockGPTDataset(max(num_samples[2], 1), seq, tokenizer.vocab_size, t.seed + 2, eod)
     else:
-        train, valid, _ = build_gpt_datasets(
+        train, valid, test = build_gpt_datasets(
             cfg.data.data_path,
             cfg.data.split,
             seq,
@@ -133,8 +154,11 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
         )
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 
-    def batches(dataset, consumed):
-        return BatchIterator(dataset, consumed, mbs, groups, device, packing, num_workers=workers)
+    def batches(dataset, consumed, micro=mbs):
+        return BatchIterator(dataset, consumed, micro, groups, device, packing, num_workers=workers)
 
-    valid_it = (lambda: batches(valid, 0)) if valid is not None and eval_rounds else None
-    return batches(train, consumed), valid_it
+    def factory(dataset):
+        micro = eval_micro_batch(t)
+        return (lambda start: batches(dataset, start, micro)) if dataset is not None and t.eval_iters else None
+
+    return batches(train, consumed), EvalData(factory(valid), factory(test))

@@ -1,31 +1,42 @@
-"""The training loop: steps, evaluation cadence, metrics and the console line, checkpoint
-cadence, profiling windows, and the early stops: a signal (--exit-signal-handler), --exit-interval
-and --exit-duration-in-mins, each after a checkpoint when --save is given."""
+"""The training loop: steps, evaluation cadence, metrics and the console line (Megatron-LM's log
+line: the loss averaged over the log interval as `lm loss`, the consumed samples, the learning rate
+of the next step; then ours: tokens/s, TFLOP/s, MFU against the peak of the dtype used, ETA), the
+timers, tensorboard, checkpoint cadence, profiling windows, and the early stops: a signal
+(--exit-signal-handler), --exit-interval and --exit-duration-in-mins, each after a checkpoint when
+--save is given."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import time
+
+import torch
 
 from .. import comm
 from ..checkpoint import save_checkpoint
 from ..logging_utils import MetricsSink, log
-from ..perf import flops_per_token, memory_gib, peak_tflops
+from ..optim import global_grad_norm, rates_at
+from ..perf import flops_per_token, memory_gib, memory_report, memory_stats, peak_tflops
 from .builders import training_dtype
+from .evaluation import eval_due, evaluate_and_print
 from .profiling import StepProfiler
 from .run import Run
-from .step import evaluate, train_step
+from .step import train_step
+from .timers import Timers, format_timers
 
 
 @dataclasses.dataclass
 class Throughput:
-    """What one step's time means: tokens and model FLOPs per sample, the peak for MFU."""
+    """What one step's time means: tokens and model FLOPs per sample, the peak for MFU (in the dtype
+    the matmuls run in) and what that peak is ("989.4 bf16 TFLOP/s (dense peak of ...)")."""
 
     seq_length: int
     flops_per_sample: float
     peak: float
     world: int
+    peak_desc: str = ""
 
     @classmethod
     def of(cls, run: Run) -> Throughput:
@@ -33,8 +44,8 @@ class Throughput:
         per_sample = flops_per_token(cfg.model, run.tokenizer.padded_vocab_size) * cfg.model.seq_length
         peak, peak_desc = peak_tflops(run.device, training_dtype(cfg), cfg.log.peak_tflops)
         flops = per_sample * cfg.train.global_batch_size
-        log(f"MFU is measured against {peak_desc}: {peak:.3f}; model FLOPs per step {flops / 1e9:.2f} G", run.rank)
-        return cls(cfg.model.seq_length, per_sample, peak, cfg.parallel.world_size)
+        log(f"MFU is measured against {peak_desc}; model FLOPs per step {flops / 1e9:.2f} G", run.rank)
+        return cls(cfg.model.seq_length, per_sample, peak, cfg.parallel.world_size, peak_desc.split(" (")[0])
 
     def metrics(self, elapsed: float, batch: int) -> dict:
         """Rates of a step of `batch` samples (the global batch, which a ramp-up grows)."""
@@ -74,29 +85,67 @@ def format_eta(seconds: float) -> str:
     return f"{days}d {clock}" if days else clock
 
 
-def _log_line(run: Run, m: dict, data_wait: float, eta: float) -> None:
-    """The console line of the last step; `data_wait`: seconds the steps since the last line waited for data;
-    `eta`: seconds to --train-iters (or the iterations --train-samples makes) at the mean step time."""
-    mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
-    val = f" | val loss {m['val_loss']:.4f}" if "val_loss" in m else ""
-    if "loss_scale" in m:  # --fp16
-        val += f" | loss scale {m['loss_scale']:g} | skipped {m['skipped_iterations']}"
+@dataclasses.dataclass
+class LogInterval:
+    """The steps since the last log line, as Megatron's training_log sums them: `lm loss` is the mean
+    loss of the steps that were applied (an fp16 step skipped on overflow is left out and counted as
+    skipped, and as nan when its loss was not finite)."""
+
+    loss_sum: float = 0.0
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    seconds: float = 0.0
+    data_wait: float = 0.0
+
+    def add(self, m: dict, skipped: bool) -> None:
+        self.seconds += m["step_time"]
+        self.data_wait += m["data_wait_time"]
+        if skipped:
+            self.skipped += 1
+            self.nan += not math.isfinite(m["loss"])
+        else:
+            self.advanced += 1
+            self.loss_sum += m["loss"]
+
+    @property
+    def iterations(self) -> int:
+        return self.advanced + self.skipped
+
+    @property
+    def lm_loss(self) -> float:
+        return self.loss_sum / max(1, self.advanced)
+
+
+def _log_line(run: Run, m: dict, interval: LogInterval, throughput: Throughput, eta: float) -> None:
+    """Megatron's log line (its fields and names) for the interval ending at this step, then ours:
+    tokens/s, TFLOP/s per rank, MFU and its peak, data wait, memory, ETA (at the mean step time)."""
+    t = run.cfg.train
+    per_it = interval.seconds / max(1, interval.iterations)
+    mfu = f"{100 * m['mfu']:.1f}% of {throughput.peak_desc}" if m["mfu"] is not None else "n/a"
+    extra = f" num zeros: {m['num_zeros']} |" if "num_zeros" in m else ""
+    extra += f" params norm: {m['params_norm']:.3f} |" if "params_norm" in m else ""
+    skipped = f" skipped samples: {run.skipped_samples:12d} |" if run.skipped_samples else ""
     log(
-        f"iter {run.iteration:5d}/{run.cfg.train.train_iters} | loss {m['loss']:.4f}{val} | lr {m['lr']:.3e} | "
-        f"global batch {m['global_batch_size']} | grad norm {m['grad_norm']:.3f} | {m['tokens_per_sec']:.0f} tok/s | "
-        f"{m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | data wait {1e3 * data_wait:.1f} ms | "
-        f"mem {m['memory_gib']:.2f} GiB | ETA {format_eta(eta)}",
+        f"iteration {run.iteration:8d}/{t.train_iters:8d} | consumed samples: {run.consumed_samples:12d} |{skipped} "
+        f"elapsed time per iteration (ms): {1e3 * per_it:.1f} | learning rate: {m['next_lr']:.6E} | "
+        f"global batch size: {m['global_batch_size']:5d} | lm loss: {interval.lm_loss:.6E} | "
+        f"loss scale: {m.get('loss_scale', 1.0):.1f} | grad norm: {m['grad_norm']:.3f} |{extra} "
+        f"number of skipped iterations: {interval.skipped:3d} | number of nan iterations: {interval.nan:3d} | "
+        f"{m['tokens_per_sec']:.0f} tok/s | {m['tflops_per_rank']:.3f} TFLOP/s/rank | MFU {mfu} | "
+        f"data wait {1e3 * interval.data_wait:.1f} ms | mem {m['memory_gib']:.2f} GiB | ETA {format_eta(eta)}",
         run.rank,
     )
 
 
-def _timed_step(run: Run, throughput: Throughput) -> dict:
+def _timed_step(run: Run, throughput: Throughput, timers: Timers) -> dict:
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # what train_step takes
     waited = run.train_data.wait_seconds
     start = time.perf_counter()
-    loss, grad_norm, lr = train_step(run)
+    loss, grad_norm, lr = train_step(run, timers)
     elapsed = time.perf_counter() - start
     waited = run.train_data.wait_seconds - waited
+    timers.add("batch-generator", waited)
     run.iteration += 1
     run.consumed_samples += batch
     comm.LEDGER.step()
@@ -120,7 +169,72 @@ def _timed_step(run: Run, throughput: Throughput) -> dict:
         "data_wait_time": waited,  # seconds this step blocked on its micro-batches
         "consumed_samples": run.consumed_samples,
         "memory_gib": memory_gib(run.device),
+        "next_lr": _next_lr(run),
+        **_norms(run),
     }
+
+
+def _next_lr(run: Run) -> float:
+    """The learning rate of the next step: what Megatron logs (its scheduler has stepped by then)."""
+    return rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule).lr
+
+
+def _norms(run: Run) -> dict:
+    """--log-params-norm, --log-num-zeros-in-grad: collectives on every rank at every step they are on."""
+    out = {}
+    if run.cfg.log.log_params_norm:
+        out["params_norm"] = global_grad_norm(*run.dp.counted_tensors("params"), phase="params_norm")
+    if run.cfg.log.log_num_zeros_in_grad:
+        grads, groups = run.dp.counted_tensors("grads")
+        zeros = torch.zeros(1, dtype=torch.float64, device=run.device)
+        for g in grads:
+            zeros += (g == 0).sum()
+        for group in groups:
+            comm.all_reduce(zeros, group, "num_zeros")
+        out["num_zeros"] = int(zeros.item())
+    return out
+
+
+def _tensorboard(run: Run, sink: MetricsSink, m: dict) -> None:
+    """Megatron-LM's tensorboard scalars of a step (every --tensorboard-log-interval steps), beside ours."""
+    g = run.cfg.log
+    if run.iteration % g.tensorboard_log_interval:
+        return
+    scalars = {"learning-rate": m["next_lr"], "batch-size": m["global_batch_size"], "lm loss": m["loss"]}
+    if run.skipped_samples:
+        scalars["skipped-train-samples"] = run.skipped_samples
+    if g.log_loss_scale_to_tensorboard:
+        scalars["loss-scale"] = m.get("loss_scale", 1.0)
+    if g.log_world_size_to_tensorboard:
+        scalars["world-size"] = run.cfg.parallel.world_size
+    scalars["grad-norm"] = m["grad_norm"]
+    for ours, theirs in (("num_zeros", "num-zeros"), ("params_norm", "params-norm")):
+        if ours in m:
+            scalars[theirs] = m[ours]
+    sink.tensorboard(scalars, run.iteration, run.consumed_samples)
+    if g.log_memory_to_tensorboard:
+        sink.tensorboard(memory_stats(run.device), run.iteration, run.consumed_samples)
+
+
+def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterval, m: dict, reset: bool) -> None:
+    """After the log line: the timers (--timing-log-level), and to tensorboard with --log-timers-to-tensorboard
+    the iteration time, throughput and each timer's max over ranks, as Megatron."""
+    g = run.cfg.log
+    times = timers.report(run.groups.world, interval.iterations, reset)  # a collective on every rank (level >= 1)
+    if times:
+        log(format_timers(times, g.timing_log_option), run.rank)
+    if g.log_timers_to_tensorboard and reset:  # not the first step's early line, as Megatron
+        per_it = interval.seconds / max(1, interval.iterations)
+        scalars = {"iteration-time": per_it, "throughput": m["tflops_per_rank"]}
+        scalars.update({f"{name}-time": max(v) for name, v in times.items()})
+        sink.tensorboard(scalars, run.iteration, run.consumed_samples)
+
+
+def _report_memory(run: Run) -> None:
+    """--log-memory-interval: this rank's memory, on the first data-parallel rank of each model replica."""
+    if run.groups.dp_rank == 0:
+        stats = memory_report(run.device, run.cfg.log.log_device_memory_used)
+        print(f"[Rank {run.rank}] (after {run.iteration} iterations) memory (MB) | {stats}", flush=True)
 
 
 def _save_due(run: Run) -> bool:
@@ -169,38 +283,68 @@ def _stop_early(run: Run, why: str, saved: str | None) -> None:
     run.stopped_by = why
 
 
-def train(run: Run) -> list[dict]:
-    """Train to --train-iters (or the --exit-signal); the metrics of every step."""
-    cfg, rank, t = run.cfg, run.rank, run.cfg.train
+def train(run: Run, final_evaluation: bool = False) -> list[dict]:
+    """Train to --train-iters (or the --exit-signal); the metrics of every step. With
+    `final_evaluation` (pretrain_gpt.py, as Megatron's pretrain): after a run that was not stopped
+    early, evaluate the validation and the test sets; --skip-train does only that."""
+    cfg, t = run.cfg, run.cfg.train
     sink = _metrics_sink(run)
+    history = []
+    run.stopped_by = None
+    stop = run.exit_signal.install()  # again after a previous train() closed it
+    if t.skip_train:
+        log(f"skipping training (--skip-train): evaluating the weights of iteration {run.iteration}", run.rank)
+    else:
+        history = _steps(run, sink, stop)
+    run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
+    if cfg.log.comm_report:  # of the training steps: before the final evaluation's traffic
+        comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, run.rank)
+        log(f"communication report written to {cfg.log.comm_report}", run.rank)
+    if (final_evaluation or t.skip_train) and not run.stopped_by:
+        _final_evaluation(run, sink)
+    stop.close()
+    sink.close()
+    return history
+
+
+def _steps(run: Run, sink: MetricsSink, stop) -> list[dict]:
+    cfg, rank, t = run.cfg, run.rank, run.cfg.train
     throughput = Throughput.of(run)
+    barrier = run.groups.world if cfg.log.barrier_with_l1_time else None
+    timers = Timers(cfg.log.timing_log_level, cfg.log.timing_log_option, run.device, barrier)
     history = []
     comm.LEDGER.reset()
-    stop = run.exit_signal.install()  # again after a previous train() closed it
     profiler = StepProfiler(cfg, rank, run.device, run.iteration)
     if t.manual_gc:  # Megatron's --manual-gc: collect at chosen steps only, alike on every rank
         gc.disable()
         gc.collect()
-    data_wait = 0.0  # since the last log line
-    clock = StepClock()
+    interval, clock = LogInterval(), StepClock()
     while run.iteration < t.train_iters:
         profiler.before_step(run.iteration + 1)
-        metrics = _timed_step(run, throughput)
+        metrics = _timed_step(run, throughput, timers)
         profiler.after_step(run.iteration)
         if t.manual_gc and t.manual_gc_interval and run.iteration % t.manual_gc_interval == 0:
             gc.collect()
-        data_wait += metrics["data_wait_time"]
+        interval.add(metrics, run.last_step_skipped)
         clock.add(metrics["step_time"])
-        if t.eval_interval and run.iteration % t.eval_interval == 0 and run.valid_data:
-            metrics["val_loss"] = evaluate(run)
+        _tensorboard(run, sink, metrics)
+        due = run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters
+        first = clock.count == 1 and not due  # this run's first step, logged as Megatron does; the interval goes on
+        if due or first:
+            metrics.update(lm_loss=interval.lm_loss, advanced_iterations=interval.advanced)
+            metrics.update(nan_iterations=interval.nan)
+            _log_line(run, metrics, interval, throughput, clock.eta(t.train_iters - run.iteration))
+            _log_timers(run, sink, timers, interval, metrics, reset=due)
+            run.memory_snapshots.dump()
+            interval = LogInterval() if due else interval
+        if cfg.log.log_memory_interval and run.iteration % cfg.log.log_memory_interval == 0:
+            _report_memory(run)
+        if eval_due(t, run.iteration):
+            metrics.update(evaluate_and_print(run, sink, "valid", f"iteration {run.iteration}"))
         if run.resumed_from:  # the first step after a --load says so (tools/plot_metrics.py marks it)
             metrics["resumed_from"], run.resumed_from = run.resumed_from, None
         history.append(metrics)
         sink.write(metrics, run.iteration)
-        if run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters:
-            _log_line(run, metrics, data_wait, clock.eta(t.train_iters - run.iteration))
-            run.memory_snapshots.dump()
-            data_wait = 0.0
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             log(f"saved checkpoint {saved}", rank)
@@ -212,12 +356,17 @@ def train(run: Run) -> list[dict]:
             break
     profiler.close()
     run.memory_snapshots.dump()
-    stop.close()
     if t.manual_gc:
         gc.enable()
-    sink.close()
-    run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
-    if cfg.log.comm_report:
-        comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, rank)
-        log(f"communication report written to {cfg.log.comm_report}", rank)
     return history
+
+
+def _final_evaluation(run: Run, sink: MetricsSink) -> dict:
+    """The validation and test sets after training, as Megatron (the console and tensorboard: the
+    metrics file keeps one record per step); {"val_loss", "val_ppl", "test_loss", "test_ppl"}."""
+    out = {}
+    for which, where in (("valid", "validation"), ("test", "test")):
+        out.update(evaluate_and_print(run, sink, which, f"iteration {run.iteration} on {where} set"))
+    run.final_evaluation = out
+    sink.wandb_log({f"final_{k}": v for k, v in out.items()}, run.iteration)
+    return out

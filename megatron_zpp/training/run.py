@@ -21,7 +21,7 @@ from ..checkpoint.guard import guard_save_dir
 from ..config import Config, ConfigError
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
-from ..logging_utils import log
+from ..logging_utils import log, set_logging_level
 from ..model import GPT, count_parameters
 from ..model.attention import describe_attention_backend
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
@@ -34,7 +34,9 @@ from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
 from ..zero import DataParallelEngine, build_engine
 from .builders import build_data, build_model, build_stage_link
+from .determinism import apply_deterministic_mode
 from .distributed import ExitSignal, init_distributed
+from .evaluation import resume_valid_position
 from .profiling import MemorySnapshots, check_device
 
 
@@ -73,10 +75,14 @@ class Run:
     stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
     resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
+    consumed_valid_samples: int | None = None  # where the validation iterator continues (None: not known yet)
+    final_evaluation: dict = field(default_factory=dict)  # train(final_evaluation=True): val/test loss and ppl
 
 
 def setup(cfg: Config) -> Run:
     started_at = time.time()
+    set_logging_level(cfg.log.logging_level)
+    deterministic = apply_deterministic_mode() if cfg.train.deterministic_mode else None  # before NCCL, cuBLAS
     groups, device = init_distributed(cfg)
     t = cfg.train
     exit_signal = ExitSignal(t.exit_signal_handler, t.exit_signal, device, t.exit_duration_in_mins, started_at)
@@ -113,10 +119,19 @@ def setup(cfg: Config) -> Run:
         _load(run)
     if cfg.train.save:
         _guard_save(run)
+    resume_valid_position(run)
     run.train_data, run.valid_data = build_data(
-        cfg, groups, tokenizer, device, consumed=run.consumed_samples, iteration=run.iteration
+        cfg,
+        groups,
+        tokenizer,
+        device,
+        consumed=run.consumed_samples,
+        iteration=run.iteration,
+        consumed_valid=run.consumed_valid_samples,
     )
     _log_setup(run, n_params)
+    if deterministic:
+        log(deterministic, run.rank)
     return run
 
 

@@ -1,4 +1,4 @@
-"""One optimizer step and one evaluation, over the micro-batches of the global batch.
+"""One optimizer step over the micro-batches of the global batch (evaluation.py: the evaluations).
 
 A step: forward/backward of every micro-batch (the pipeline schedule, which tells the
 engine which backward is each chunk's last, so that it can reduce during it), then the
@@ -33,13 +33,14 @@ def position_offset(run) -> int:
     return run.groups.cp_rank * (run.cfg.model.seq_length // run.groups.cp.size)
 
 
-def train_step(run) -> tuple[float, float, float]:
+def train_step(run, timers=None) -> tuple[float, float, float]:
     """One optimizer step over the global batch due after `run.consumed_samples` (it grows
     during a ramp-up). Returns (mean loss over the global batch, grad norm, lr).
 
     --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
     overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
-    Megatron, does not advance the learning-rate schedule."""
+    Megatron, does not advance the learning-rate schedule. `timers` (--timing-log-level): times the
+    forward-backward and the optimizer (reduction, clipping, AdamW)."""
     if run.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
         set_rng_state(run.pending_rng_state)
         run.pending_rng_state = None
@@ -47,6 +48,8 @@ def train_step(run) -> tuple[float, float, float]:
     run.dp.zero_grad()
     micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
     scaler = run.loss_scaler
+    timers = timers or _NO_TIMERS
+    timers.start("forward-backward")
     losses = run_schedule(
         run.chunks,
         run.train_data,
@@ -59,12 +62,15 @@ def train_step(run) -> tuple[float, float, float]:
     # the loss is reduced before the step: a collective after it would queue behind the weight
     # gathers that --overlap-param-gather leaves in flight for the next forward, and wait for them
     loss = report_loss(run, losses)
+    timers.stop("forward-backward")
     # Megatron's count: the applied samples; --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
     rates = rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule)
     empty_cache(run, 1)
+    timers.start("optimizer")
     check = run.dp.step(rates, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
     if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it
         comm.check_collective_order(run.groups)
+    timers.stop("optimizer")
     empty_cache(run, 2)
     run.last_step_skipped = not check.applied
     run.stop_request = check.stop  # agreed by every rank: ExitSignal.anywhere reads it (a Ctrl-C)
@@ -75,6 +81,15 @@ def train_step(run) -> tuple[float, float, float]:
         run.skipped_iterations += 1
         run.skipped_samples += run.cfg.train.global_batch_at(run.consumed_samples)
     return loss, check.grad_norm, rates.lr
+
+
+class _NoTimers:
+    def start(self, name: str) -> None: ...
+
+    def stop(self, name: str) -> None: ...
+
+
+_NO_TIMERS = _NoTimers()
 
 
 class NonFiniteStepError(RuntimeError):
@@ -110,19 +125,3 @@ def empty_cache(run, level: int) -> None:
     """--empty-unused-memory-level: hand the accelerator's cached free blocks back (none on CPU)."""
     if run.cfg.train.empty_unused_memory_level >= level and run.device.type != "cpu":
         torch.accelerator.empty_cache()
-
-
-@torch.no_grad()
-def evaluate(run) -> float:
-    for chunk in run.chunks:
-        chunk.eval()
-    data = run.valid_data()
-    losses = []
-    for _ in range(run.cfg.train.eval_iters):
-        losses += run_schedule(
-            run.chunks, data, run.cfg.num_micro_batches, run.link, position_offset(run), forward_only=True
-        )
-    data.close()  # its loader threads
-    for chunk in run.chunks:
-        chunk.train()
-    return report_loss(run, losses)

@@ -93,6 +93,12 @@ class DDPEngine(DataParallelEngine):
             self.optimizer.step(lr)
         return check
 
+    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+        g = self.groups
+        pairs = zip(self.optimizer.params, self.optimizer.masters)
+        once = [(p, m) for p, m in pairs if counted_once(p, g.tp_rank, g.is_first_stage)]
+        return [m if kind == "params" else p.main_grad for p, m in once], [g.mp]
+
     # ---- state -------------------------------------------------------------------------
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {f"chunk{c}.{n}": p for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}

@@ -50,6 +50,12 @@ class DataParallelEngine(ABC):
         before clipping, what was finite, whether AdamW stepped). With `loss_scale` (--fp16) the
         gradients are first divided by it."""
 
+    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+        """("params" | "grads"): this rank's fp32 master weights or gradients (after `step`, before the
+        next `zero_grad`), each parameter counted once over TP/PP and DP shards as the gradient norm
+        counts it, and the groups to sum over (--log-params-norm, --log-num-zeros-in-grad)."""
+        raise NotImplementedError(type(self).__name__)
+
     @abstractmethod
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights as saved: live tensors, keyed as the checkpoint format says."""

@@ -553,6 +553,16 @@ class ZeroEngine(DataParallelEngine):
             unit.set_shard(unit.master, wait=not self.overlap_gather)
         return check
 
+    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+        g = self.groups
+        tensors = [
+            (u.master if kind == "params" else u.grad_shard)[a:b]
+            for u in self.units
+            for p, a, b, _ in u.segments()
+            if counted_once(p, g.tp_rank, g.is_first_stage)
+        ]
+        return tensors, [self.group, g.mp]
+
     # ---- state -------------------------------------------------------------------------
     def _masters(self) -> dict[str, FlatUnit]:
         return {f"unit{i}.{u.name}.master": u for i, u in enumerate(self.units)}

@@ -272,8 +272,8 @@ def _sigterm_at_step_3(rank, world_size, argv):
     if rank == 1:
         step = loop.train_step  # what the loop calls
 
-        def step_then_signal(run):
-            out = step(run)
+        def step_then_signal(run, *timers):
+            out = step(run, *timers)
             if run.iteration == 2:  # the third step (the counter moves after it returns)
                 os.kill(os.getpid(), signal.SIGTERM)
             return out
