@@ -401,10 +401,9 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     if backend == "gloo" and group > 1 and not (z.zero_quantized_gradients or z.zero_hierarchy):
         transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: in_flight - 1])
     if stage == 3:
-        ends = [pad for (name, _), pad in zip(units, padded) if name in ("embedding", "head")]
-        blocks = sorted(
-            (pad for (name, _), pad in zip(units, padded) if name not in ("embedding", "head")), reverse=True
-        )
+        held = ("embedding", "position_embeddings", "head")
+        ends = [pad for (name, _), pad in zip(units, padded) if name in held]
+        blocks = sorted((pad for (name, _), pad in zip(units, padded) if name not in held), reverse=True)
         gathered = sum(ends) + sum(blocks[:2])  # end units held through the micro-batch; a block + its prefetch
         terms["ZeRO-3 gathered units"] = e * gathered
         notes["ZeRO-3 gathered units"] = "embedding/head kept through the micro-batch, one block + one prefetched"

@@ -43,7 +43,7 @@ LLAMA3 = {
     "--normalization": "ok",
     "--init-method-std": "ok",
     "--attention-backend": "ok",
-    "--apply-layernorm-1p": "zero-centred norm weights are not built",
+    "--apply-layernorm-1p": "ok",
     "--untie-embeddings-and-output-weights": "ok",
     "--disable-bias-linear": "ok",
     "--micro-batch-size": "ok",
@@ -327,10 +327,10 @@ def test_gqa_and_unbuilt_values_are_refused_by_name():
 
     assert "needs --group-query-attention" in errors(["--num-query-groups", "2"])
     assert parse_config(["--mock-data", "--group-query-attention"], 1).model.kv_heads == 1  # Megatron: 1 group
-    assert "only rope is built" in errors(["--position-embedding-type", "learned_absolute"])
+    for kind, why in [("yarn", "YaRN"), ("mrope", "multimodal RoPE"), ("relative", "T5-style relative")]:
+        assert f"--position-embedding-type {kind}: {why}" in errors(["--position-embedding-type", kind])
     assert "--kv-channels 8" in errors(["--kv-channels", "8"])
     assert "--rotary-percent 0.5" in errors(["--rotary-percent", "0.5"])
-    assert "--add-bias-linear" in errors(["--add-bias-linear"])
     assert "either --fp16 or --bf16" in errors(["--fp16", "--bf16"])
     assert "give --ffn-hidden-size" in errors(["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"])
     assert "needs --vocab-file" in errors(["--tokenizer-type", "GPT2BPETokenizer"])

@@ -6,6 +6,11 @@ Each sharded parameter records how it splits the full (single-rank) weight:
 the TP ranks. `init.py` uses this to build every shard from the full weight of the same
 seed (so any layout starts from the single-rank model), and checkpoints use it to
 reassemble full weights. With a TP group of size 1 the layers are plain linears.
+
+Biases (`bias=True`, initialised to zero as Megatron's): a column-parallel bias is split like
+the output rows (every fused section too) and added to this rank's slice; a row-parallel bias
+is replicated and added once, after the all-reduce (or reduce-scatter): under sequence
+parallelism each rank adds it to its own rows, so its gradient is a partial sum per TP rank.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         init_std: float,
         sequence_parallel: bool = False,
         gather_output: bool = False,
+        bias: bool = False,
     ):
         super().__init__()
         sections = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
@@ -80,12 +86,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark(
             nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std), (0, tuple(sections))
         )
+        self.bias = (
+            mark(nn.Parameter(torch.empty(sum(sections) // n)), ("zeros",), (0, tuple(sections))) if bias else None
+        )
 
     def forward(self, x: torch.Tensor, input_in_tp_region: bool = False) -> torch.Tensor:
         """input_in_tp_region: x already went through enter_tp_region (a layer that feeds
         several projections from one input enters the region once)."""
         x = x if input_in_tp_region else enter_tp_region(x, self.tp, self.sequence_parallel)
         y = F.linear(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -105,7 +116,13 @@ class RowParallelLinear(nn.Module):
     reduce-scattered along the sequence with sequence parallelism)."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: Group | None, init_std: float, sequence_parallel: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Group | None,
+        init_std: float,
+        sequence_parallel: bool = False,
+        bias: bool = False,
     ):
         super().__init__()
         n = _size(tp)
@@ -115,10 +132,16 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // n)), ("normal", init_std), (1, (in_features,))
         )
+        self.bias = (
+            mark(nn.Parameter(torch.empty(out_features)), ("zeros",), tp_partial_grad=sequence_parallel)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
 
 
 class TokenIdError(ValueError):
