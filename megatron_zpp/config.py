@@ -125,7 +125,7 @@ class ModelConfig:
         None, "--kv-channels", "head dim (default and only supported value: --hidden-size / --num-attention-heads)"
     )
     position_embedding_type: str = opt(
-        "rope",
+        "learned_absolute",
         "--position-embedding-type",
         "position embedding: learned_absolute (Megatron's default: a learned [max-position-embeddings, hidden] table "
         "added to the word embedding), rope, or none; yarn, mrope and relative are not built",
@@ -133,7 +133,7 @@ class ModelConfig:
     )
     rotary_percent: float = opt(1.0, "--rotary-percent", "fraction of the head dim RoPE rotates (only 1.0 is built)")
     add_bias_linear: bool = opt(
-        False,
+        True,
         "--add-bias-linear",
         "biases in the linear layers (qkv, attention output, fc1, fc2; never the output layer), as Megatron's "
         "default; --disable-bias-linear (Megatron's flag) turns them off. GLA's projections take none either way",

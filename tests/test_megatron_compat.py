@@ -267,8 +267,11 @@ MEGATRON_DEFAULTS = {
     "--reset-position-ids": False,
     "--reset-attention-mask": False,
     "--eod-mask-loss": False,
-    # deliberate differences (the README's table): Megatron's value, ours
     "--position-embedding-type": "learned_absolute",
+    "--add-bias-linear": True,
+    "--apply-layernorm-1p": False,
+    "--add-qkv-bias": False,
+    # deliberate differences (the README's table): Megatron's value, ours
     "--overlap-grad-reduce": False,
     "--num-layers": None,
     "--hidden-size": None,
@@ -280,7 +283,6 @@ MEGATRON_DEFAULTS = {
     "--tokenizer-type": None,  # here: NullTokenizer, or GPT2BPETokenizer with --vocab-file/--merge-file
 }
 DIFFERENT = {
-    "--position-embedding-type": "rope",
     "--overlap-grad-reduce": True,
     "--num-layers": 4,
     "--hidden-size": 128,
@@ -302,14 +304,16 @@ def test_defaults_are_megatrons_but_the_listed_differences():
         section, name = defaults[flag].split(".")
         ours = getattr(getattr(cfg, section), name)
         assert ours == DIFFERENT.get(flag, megatron), (flag, ours, megatron)
-    # Megatron: no linear biases needs --disable-bias-linear, SwiGLU --swiglu, GQA --group-query-attention
+    # Megatron: biases in every linear layer (--disable-bias-linear turns them off), SwiGLU needs --swiglu,
+    # GQA --group-query-attention
     m = cfg.model
-    assert not m.add_bias_linear and m.activation == "gelu" and m.kv_heads == m.num_attention_heads
+    assert m.add_bias_linear and m.activation == "gelu" and m.kv_heads == m.num_attention_heads
+    assert not parse_args(["--disable-bias-linear"]).model.add_bias_linear
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     table = readme[readme.index("| flag | Megatron-LM | here |") :]
     table = table[: table.index("\n\n")]
-    for flag in [*DIFFERENT, "--add-bias-linear", "--num-query-groups"]:
+    for flag in [*DIFFERENT, "--num-query-groups"]:
         assert f"`{flag}`" in table, f"README's table of deliberate differences lacks {flag}"
 
 
