@@ -450,7 +450,9 @@ def estimate_rank(
     for c, n in zip(placements, in_flight):  # the schedule keeps each chunk's received input and sent output
         pipe += n * x.e * rows * x.h * ((not c.pre_process and x.e != 4) + (not c.post_process))
     inputs = sum(in_flight) * x.b * x.s * 16  # token ids and labels (int64) of each micro-batch in flight
-    terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs
+    # --hidden-dropout on the embedding output (the first stage): its bool mask per micro-batch
+    embedding = sum(n * rows * x.h for c, n in zip(placements, in_flight) if c.pre_process and x.dropout)
+    terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs + embedding
     post = [n for c, n in zip(placements, in_flight) if c.post_process]  # micro-batches past the output layer
     head = head_saved(x) * post[0] if post else 0
     terms[f"logits + cross-entropy (saved, {post[0] if post else 0} micro-batch(es))"] = head

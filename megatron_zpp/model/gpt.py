@@ -54,6 +54,15 @@ class Block(nn.Module):
         return x
 
 
+def describe_block(cfg: ModelConfig) -> str:
+    """The start-up log's words for the block Megatron's model flags build (its defaults: LayerNorm, gelu,
+    learned absolute positions, linear biases)."""
+    positions = {"learned_absolute": "learned absolute positions", "rope": "RoPE", "none": "no positions"}
+    bias = "linear biases" if cfg.add_bias_linear else "qkv bias only" if cfg.add_qkv_bias else "no linear biases"
+    one_p = " (1p)" if cfg.apply_layernorm_1p else ""
+    return f"{cfg.normalization}{one_p}, {cfg.activation}, {positions[cfg.position_embedding_type]}, {bias}"
+
+
 class PositionEmbedding(nn.Module):
     """Megatron's learned absolute positions: a [max positions, hidden] table, normal(init std), replicated
     over TP; under sequence parallelism each rank adds the rows of its own tokens (a partial gradient)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_zpp.config import ModelConfig
-from megatron_zpp.model import GPT, init_weights
+from megatron_zpp.model import GPT, describe_block, init_weights
 from megatron_zpp.model.documents import Documents
 
 VOCAB, SEQ = 64, 12
@@ -107,6 +107,11 @@ def test_which_parameters_exist_and_their_init():
     assert abs(p["position_embeddings.weight"].std().item() - 0.02) < 0.001  # Megatron: normal(init std)
     assert torch.all(p["layers.0.mixer.qkv.bias"] == 0) and torch.all(p["layers.1.mlp.fc2.bias"] == 0)
     assert torch.all(p["layers.0.norm1.weight"] == 0) and torch.all(p["final_norm.weight"] == 0)  # applied as 1 + 0
+    # the start-up log names the block, so a Megatron script's model is visible at run time
+    assert describe_block(megatron_gpt()) == "LayerNorm, gelu, learned absolute positions, linear biases"
+    assert describe_block(megatron_gpt(position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=True)) == (
+        "LayerNorm, gelu, RoPE, qkv bias only"
+    )
 
 
 def test_layernorm_1p_rmsnorm_is_one_plus_w():
