@@ -11,7 +11,7 @@ uniform, full block or selective), which must change nothing: each has a sibling
 
 Megatron's GPT defaults (learned absolute positions, biases in every linear layer, LayerNorm, gelu)
 run through TP (hidden dropout on: the residual stream's masks are the single rank's), TP x SP x CP
-with packed documents (--reset-position-ids: the positions restart) and TP x PP x DP.
+with packed documents (--reset-position-ids: the positions restart) and TP x PP (tests/zero adds DP).
 """
 
 import functools
@@ -246,7 +246,7 @@ MEGATRON_LAYOUTS = {  # name: (world size, model and data flags (the reference's
         ["--reset-position-ids", "--reset-attention-mask", "--apply-layernorm-1p"],
         "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2".split(),
     ),
-    "tp2_pp2_dp2": (8, [], "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2".split()),
+    "tp2_pp2": (4, [], "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2".split()),
 }
 
 
