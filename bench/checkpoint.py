@@ -230,7 +230,10 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     from megatron_zpp.zero import DDPEngine
 
     label, _, extra = LAYOUTS[name]
-    OLD_BLOCK = "--normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0"  # the figures' block
+    OLD_BLOCK = (  # the figures' block
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        "--hidden-dropout 0 --attention-dropout 0"
+    )
     argv = (
         f"--mock-data --device cpu --num-layers {a['layers']} --hidden-size {a['hidden']} "
         f"--num-attention-heads {a['heads']} --seq-length {a['seq']} --vocab-size {a['vocab']} "

@@ -27,6 +27,7 @@ SEQ, HIDDEN, MBS = 128, 64, 4
 BASE = (
     f"--mock-data --hidden-size {HIDDEN} --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
     f"--seq-length {SEQ} --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 "
+    "--position-embedding-type rope --disable-bias-linear "
     "--ffn-hidden-size 192 "  # the README figures' model (the SwiGLU width rounded up, as it was)
     f"--vocab-size 512 --make-vocab-size-divisible-by 32 --gla-chunk-size 32 --micro-batch-size {MBS} "
     "--train-iters 2 --lr 1e-3 --seed 3 --log-interval 100"

@@ -69,7 +69,8 @@ def our_config(a: dict, world: int, extra: list[str]):
         f"{a['heads']} --seq-length {a['seq']} --vocab-size {a['vocab']} --micro-batch-size "
         f"{a['mbs']} --train-iters {a['warmup'] + a['steps']} --device cpu --log-interval 1000000 "
         # the block the peer mirrors (this project's former defaults; Megatron's are LayerNorm, GeLU, dropout 0.1)
-        f"--normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 --weight-decay 0.1 "
+        f"--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+        f"--hidden-dropout 0 --attention-dropout 0 --weight-decay 0.1 "
         f"--adam-beta2 0.95 --ffn-hidden-size {64 * ((int(8 * a['hidden'] / 3) + 63) // 64)}"
     ).split() + extra
     return validate(parse_args(argv), world)

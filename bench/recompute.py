@@ -41,7 +41,8 @@ sys.path.insert(0, ROOT)
 MODEL = (
     "--mock-data --hidden-size {hidden} --num-layers {layers} --num-attention-heads 8 --seq-length {seq} "
     "--vocab-size 4096 --micro-batch-size 1 --train-iters 1 --gla-chunk-size 64 --seed 1 "
-    "--normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0"  # the figures' block
+    "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+    "--hidden-dropout 0 --attention-dropout 0"  # the figures' block
 )
 LAYOUTS = {  # name: (ranks, flags)
     "softmax": (1, "--attention-type softmax"),

@@ -265,6 +265,8 @@ def main() -> None:
         # the figures' block (this project's former defaults), the SwiGLU width rounded up as it was
         normalization="RMSNorm",
         activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         ffn_hidden_size=64 * ((int(8 * a.hidden_size / 3) + 63) // 64),

@@ -307,7 +307,8 @@ def model_args(a, iters: int, dtype: str) -> list[str]:
         f"--num-attention-heads {a.num_attention_heads} --seq-length {a.seq_length} --vocab-size "
         f"{a.vocab_size} --micro-batch-size {a.micro_batch_size} --global-batch-size "
         f"{a.micro_batch_size * WORLD} --train-iters {iters} --seed {a.seed} --lr 3e-4 "
-        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --ranks-per-node {PER_NODE}"
+        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --ranks-per-node {PER_NODE} "
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear"  # the peers' block
     ).split()
 
 
@@ -944,6 +945,10 @@ def model_config(a):
         num_attention_heads=a.num_attention_heads,
         seq_length=a.seq_length,
         vocab_size=a.vocab_size,
+        normalization="RMSNorm",  # the peers' block (bench/single_rank.py's PeerGPT)
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
     )
     return mcfg, pad_vocab_size(a.vocab_size, mcfg.make_vocab_size_divisible_by, 1)
 

@@ -32,7 +32,7 @@ rm -rf "$OUT"
 echo "=== 1. train a softmax-attention model and save it ==="
 # tiny_cpu.yaml is the demo's hybrid (GLA + softmax); Llama has only softmax attention, so:
 # --attention-type softmax --softmax-attention-every 0. Its block is the Llama one
-# (--normalization RMSNorm, --activation swiglu, RoPE); add --untie-embeddings-and-output-weights
+# (--normalization RMSNorm, --activation swiglu, RoPE, no linear biases); add --untie-embeddings-and-output-weights
 # for a separate output layer (exported as lm_head.weight).
 "$TORCHRUN" --standalone --nproc-per-node 4 pretrain_gpt.py \
   --config examples/configs/tiny_cpu.yaml \

@@ -21,5 +21,6 @@ exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
   --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" \
   --seq-length "$SEQ" --micro-batch-size 1 --global-batch-size 8 --train-iters 1000 \
   --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --lr-decay-style cosine --log-interval 1 \
-  --normalization RMSNorm --swiglu --hidden-dropout 0 --attention-dropout 0 --weight-decay 0.1 --adam-beta2 0.95 \
+  --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+  --hidden-dropout 0 --attention-dropout 0 --weight-decay 0.1 --adam-beta2 0.95 \
   --metrics-file runs/long_context/metrics.jsonl --comm-report runs/long_context/comm.json "$@"

@@ -91,7 +91,9 @@ class ModelConfig:
         "0 = full rank (one more head-split section of the input projection)",
     )
     gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
-    hidden_dropout: float = opt(0.1, "--hidden-dropout", "dropout after attention and MLP outputs")
+    hidden_dropout: float = opt(
+        0.1, "--hidden-dropout", "dropout on the embedding output and after the attention and MLP outputs"
+    )
     attention_dropout: float = opt(0.1, "--attention-dropout", "dropout on softmax attention probabilities")
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
     recompute_granularity: str | None = opt(
@@ -125,17 +127,27 @@ class ModelConfig:
         None, "--kv-channels", "head dim (default and only supported value: --hidden-size / --num-attention-heads)"
     )
     position_embedding_type: str = opt(
-        "rope",
+        "learned_absolute",
         "--position-embedding-type",
-        "position embedding: only rope is built (Megatron's default is learned_absolute: see the README table)",
+        "position embedding: learned_absolute (Megatron's default: a learned [max-position-embeddings, hidden] table "
+        "added to the word embedding), rope, or none; yarn, mrope and relative are not built",
         choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
     )
     rotary_percent: float = opt(1.0, "--rotary-percent", "fraction of the head dim RoPE rotates (only 1.0 is built)")
     add_bias_linear: bool = opt(
-        False,
+        True,
         "--add-bias-linear",
-        "biases in the linear layers: not built, so off by default (Megatron's default is on; --disable-bias-linear, "
-        "Megatron's flag, says what happens here anyway)",
+        "biases in the linear layers (qkv, attention output, fc1, fc2; never the output layer), as Megatron's "
+        "default; --disable-bias-linear (Megatron's flag) turns them off. GLA's projections take none either way",
+    )
+    add_qkv_bias: bool = opt(
+        False, "--add-qkv-bias", "a bias on the qkv projection only (implied by --add-bias-linear), as Megatron"
+    )
+    apply_layernorm_1p: bool = opt(
+        False,
+        "--apply-layernorm-1p",
+        "zero-centred norm weights: stored w, initialised 0, applied as 1 + w (LayerNorm and RMSNorm, as Megatron's "
+        "transformer-engine norms)",
     )
     attention_backend: str = opt(
         "auto",
@@ -163,6 +175,11 @@ class ModelConfig:
         if self.activation == "swiglu":  # Megatron's rounding: down to a multiple of 64 (5440 at hidden 2048)
             return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether softmax attention's qkv projection has a bias (Megatron: either flag)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     def layer_kind(self, layer: int) -> str:
         """'softmax' or 'gla' for global layer index `layer` (0-based)."""

@@ -408,10 +408,9 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     if backend == "gloo" and group > 1 and not (z.zero_quantized_gradients or z.zero_hierarchy):
         transient["gloo reduce-scatter receive buffers"] = 4 * sum(biggest[: in_flight - 1])
     if stage == 3:
-        ends = [pad for (name, _), pad in zip(units, padded) if name in ("embedding", "head")]
-        blocks = sorted(
-            (pad for (name, _), pad in zip(units, padded) if name not in ("embedding", "head")), reverse=True
-        )
+        held = ("embedding", "position_embeddings", "head")
+        ends = [pad for (name, _), pad in zip(units, padded) if name in held]
+        blocks = sorted((pad for (name, _), pad in zip(units, padded) if name not in held), reverse=True)
         gathered = sum(ends) + sum(blocks[:2])  # end units held through the micro-batch; a block + its prefetch
         terms["ZeRO-3 gathered units"] = e * gathered
         notes["ZeRO-3 gathered units"] = "embedding/head kept through the micro-batch, one block + one prefetched"
@@ -458,7 +457,9 @@ def estimate_rank(
     for c, n in zip(placements, in_flight):  # the schedule keeps each chunk's received input and sent output
         pipe += n * x.e * rows * x.h * ((not c.pre_process and x.e != 4) + (not c.post_process))
     inputs = sum(in_flight) * x.b * x.s * 16  # token ids and labels (int64) of each micro-batch in flight
-    terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs
+    # --hidden-dropout on the embedding output (the first stage): its bool mask per micro-batch
+    embedding = sum(n * rows * x.h for c, n in zip(placements, in_flight) if c.pre_process and x.dropout)
+    terms[f"activations ({rank.in_flight} micro-batch(es) in flight)"] = acts + pipe + inputs + embedding
     post = [n for c, n in zip(placements, in_flight) if c.post_process]  # micro-batches past the output layer
     head = head_saved(x) * post[0] if post else 0
     terms[f"logits + cross-entropy (saved, {post[0] if post else 0} micro-batch(es))"] = head

@@ -719,15 +719,23 @@ def _check_profiling(cfg: Config, world_size: int) -> list[str]:
     )
 
 
+_UNBUILT_POSITIONS = {
+    "yarn": "YaRN's RoPE scaling (for context extension) is not built",
+    "mrope": "multimodal RoPE (sections per image axis) is not built: this is a text-only GPT",
+    "relative": "T5-style relative position buckets are not built (a GPT-2/Llama codebase)",
+}
+
+
 def _check_megatron_model(cfg: Config, world_size: int) -> list[str]:
     """Megatron-LM model flags whose other values are not built here (issue 16)."""
     m = cfg.model
     return _failed(
         [
             (
-                m.position_embedding_type == "rope",
-                f"--position-embedding-type {m.position_embedding_type}: only rope is built here; use "
-                "--position-embedding-type rope",
+                m.position_embedding_type in ("learned_absolute", "rope", "none"),
+                f"--position-embedding-type {m.position_embedding_type}: "
+                f"{_UNBUILT_POSITIONS.get(m.position_embedding_type)}; use learned_absolute (Megatron's default), "
+                "rope or none",
             ),
             (
                 m.kv_channels is None or m.kv_channels * m.num_attention_heads == m.hidden_size,
@@ -735,7 +743,6 @@ def _check_megatron_model(cfg: Config, world_size: int) -> list[str]:
                 "(the head dim); drop it",
             ),
             (m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: only 1.0 (full RoPE) is built; drop it"),
-            (not m.add_bias_linear, "--add-bias-linear: biases in the linear layers are not built; drop it"),
             (
                 m.attention_backend not in ("flash", "fused")
                 or cfg.train.bf16

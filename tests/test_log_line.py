@@ -218,7 +218,8 @@ def test_eval_batch_sizes_memory_line_and_level_1_barriers(capsys, monkeypatch):
 
     barriers = []
     monkeypatch.setattr(timers.comm, "barrier", lambda group=None: barriers.append(group.role))
-    base = "--global-batch-size 2 --train-iters 2 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --eval-global-batch-size 4"
+    base = "--global-batch-size 2 --train-iters 2 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1"
+    base += " --eval-global-batch-size 4"
     argv = (base + " --log-interval 2 --log-memory-interval 1 --timing-log-level 1 --timing-log-option all").split()
     run = _setup(argv + ["--eval-micro-batch-size", "2"])
     two = training.train(run)[-1]["val_loss"]

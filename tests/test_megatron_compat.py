@@ -54,7 +54,7 @@ LLAMA3 = {
     "--normalization": "ok",
     "--init-method-std": "ok",
     "--attention-backend": "ok",
-    "--apply-layernorm-1p": "pending",
+    "--apply-layernorm-1p": "ok",
     "--untie-embeddings-and-output-weights": "ok",
     "--disable-bias-linear": "ok",
     "--micro-batch-size": "ok",
@@ -264,8 +264,11 @@ MEGATRON_DEFAULTS = {
     "--reset-position-ids": False,
     "--reset-attention-mask": False,
     "--eod-mask-loss": False,
-    # deliberate differences (the README's table): Megatron's value, ours
     "--position-embedding-type": "learned_absolute",
+    "--add-bias-linear": True,
+    "--apply-layernorm-1p": False,
+    "--add-qkv-bias": False,
+    # deliberate differences (the README's table): Megatron's value, ours
     "--overlap-grad-reduce": False,
     "--num-layers": None,
     "--hidden-size": None,
@@ -277,7 +280,6 @@ MEGATRON_DEFAULTS = {
     "--tokenizer-type": None,  # here: NullTokenizer, or GPT2BPETokenizer with --vocab-file/--merge-file
 }
 DIFFERENT = {
-    "--position-embedding-type": "rope",
     "--overlap-grad-reduce": True,
     "--num-layers": 4,
     "--hidden-size": 128,
@@ -299,14 +301,16 @@ def test_defaults_are_megatrons_but_the_listed_differences():
         section, name = defaults[flag].split(".")
         ours = getattr(getattr(cfg, section), name)
         assert ours == DIFFERENT.get(flag, megatron), (flag, ours, megatron)
-    # Megatron: no linear biases needs --disable-bias-linear, SwiGLU --swiglu, GQA --group-query-attention
+    # Megatron: biases in every linear layer (--disable-bias-linear turns them off), SwiGLU needs --swiglu,
+    # GQA --group-query-attention
     m = cfg.model
-    assert not m.add_bias_linear and m.activation == "gelu" and m.kv_heads == m.num_attention_heads
+    assert m.add_bias_linear and m.activation == "gelu" and m.kv_heads == m.num_attention_heads
+    assert not parse_args(["--disable-bias-linear"]).model.add_bias_linear
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     table = readme[readme.index("| flag | Megatron-LM | here |") :]
     table = table[: table.index("\n\n")]
-    for flag in [*DIFFERENT, "--add-bias-linear", "--num-query-groups"]:
+    for flag in [*DIFFERENT, "--num-query-groups"]:
         assert f"`{flag}`" in table, f"README's table of deliberate differences lacks {flag}"
 
 
@@ -324,10 +328,10 @@ def test_gqa_and_unbuilt_values_are_refused_by_name():
 
     assert "needs --group-query-attention" in errors(["--num-query-groups", "2"])
     assert parse_config(["--mock-data", "--group-query-attention"], 1).model.kv_heads == 1  # Megatron: 1 group
-    assert "only rope is built" in errors(["--position-embedding-type", "learned_absolute"])
+    for kind, why in [("yarn", "YaRN"), ("mrope", "multimodal RoPE"), ("relative", "T5-style relative")]:
+        assert f"--position-embedding-type {kind}: {why}" in errors(["--position-embedding-type", kind])
     assert "--kv-channels 8" in errors(["--kv-channels", "8"])
     assert "--rotary-percent 0.5" in errors(["--rotary-percent", "0.5"])
-    assert "--add-bias-linear" in errors(["--add-bias-linear"])
     assert "either --fp16 or --bf16" in errors(["--fp16", "--bf16"])
     assert "give --ffn-hidden-size" in errors(["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"])
     assert "needs --vocab-file" in errors(["--tokenizer-type", "GPT2BPETokenizer"])

@@ -91,7 +91,7 @@ def _run_tools(tmp_path):
     args = ["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "pre")]
     assert preprocess_data.main(args + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]) == 0
     build_blending_indices([0.3, 0.7], 1000)
-    llama = "--normalization RMSNorm --swiglu"  # what --to hf exports as Llama
+    llama = "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear"  # exported as Llama
     argv = f"--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 {llama}".split()
     cfg = validate(parse_args(argv), 1)
     from megatron_zpp.model import GPT

@@ -4,14 +4,16 @@
         one file {"config": the run's config dict, "model": {name: fp32 tensor}}, loadable
         with torch.load(..., weights_only=True); the names are those of a single-rank GPT
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
-        softmax-attention models with RMSNorm, SwiGLU and RoPE: a LlamaForCausalLM directory,
+        Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
+        biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/hf_gpt2.py);
+        softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
         config.json + model.safetensors (+ tokenizer.model); every other model (GLA, hybrid,
-        LayerNorm, GeLU): the same files plus our remote code (megatron_zpp/hf_remote/:
+        LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
         AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF directory of either kind (model.safetensors or its sharded index) -> a weights-only
+        a HF directory of any of these kinds (model.safetensors or its sharded index) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_zpp import hf_remote  # noqa: E402
-from megatron_zpp.checkpoint import CheckpointError, hf_gla  # noqa: E402
+from megatron_zpp.checkpoint import CheckpointError, hf_gla, hf_gpt2  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
@@ -56,7 +58,30 @@ def hf_unsupported(cfg) -> list[str]:
         why.append(f"it uses {m.normalization}; Llama uses RMSNorm")
     if m.activation != "swiglu":
         why.append(f"its MLP uses {m.activation}; Llama uses SwiGLU")
+    if m.position_embedding_type != "rope":
+        why.append(f"its positions are {m.position_embedding_type}; Llama uses RoPE")
+    if m.add_bias_linear or m.add_qkv_bias:
+        why.append("it has linear biases; the Llama export holds none")
     return why
+
+
+def export_kind(cfg) -> str:
+    """gpt2, llama or remote (our remote code): the first that holds the model; refuses by name when none does."""
+    if not hf_gpt2.gpt2_unsupported(cfg):
+        return "gpt2"
+    if not hf_unsupported(cfg):
+        return "llama"
+    why = hf_gla.remote_unsupported(cfg)
+    if why:
+        raise ConversionError(
+            "cannot export to HF: as GPT-2 "
+            + "; ".join(hf_gpt2.gpt2_unsupported(cfg))
+            + "; as Llama "
+            + "; ".join(hf_unsupported(cfg))
+            + "; with our remote code "
+            + "; ".join(why)
+        )
+    return "remote"
 
 
 def hf_config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -168,6 +193,7 @@ def config_from_hf(hf: dict, hf_dir: str):
     m.norm_epsilon, m.rotary_base = hf.get("rms_norm_eps", 1e-6), float(hf.get("rope_theta", 10000.0))
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.attention_type = "RMSNorm", "swiglu", "softmax"
+    m.position_embedding_type, m.add_bias_linear = "rope", False
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
     return _with_tokenizer(cfg, hf_dir)
 
@@ -189,10 +215,15 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_cfg = json.load(f)
-    remote = hf_cfg.get("model_type") == hf_remote.MODEL_TYPE  # our GLA/hybrid export, else a Llama
+    kind = {hf_remote.MODEL_TYPE: "remote", "gpt2": "gpt2"}.get(hf_cfg.get("model_type"), "llama")
     try:
-        cfg = _with_tokenizer(hf_gla.config_from_remote(hf_cfg), hf_dir) if remote else config_from_hf(hf_cfg, hf_dir)
-    except hf_gla.RemoteConversionError as e:
+        if kind == "remote":  # our GLA/hybrid export
+            cfg = _with_tokenizer(hf_gla.config_from_remote(hf_cfg), hf_dir)
+        elif kind == "gpt2":
+            cfg = _with_tokenizer(hf_gpt2.config_from_gpt2(hf_cfg), hf_dir)
+        else:
+            cfg = config_from_hf(hf_cfg, hf_dir)
+    except (hf_gla.RemoteConversionError, hf_gpt2.GPT2ConversionError) as e:
         raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):  # a sharded HF checkpoint: the index names each tensor's file
@@ -204,7 +235,8 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     for name in progress(files, "reading HF files", unit=" files"):
         hf.update(load_file(os.path.join(hf_dir, name)))
     try:
-        state = hf_gla.from_remote_state(hf, cfg) if remote else from_hf_state(hf, cfg)
+        convert = {"remote": hf_gla.from_remote_state, "gpt2": hf_gpt2.from_gpt2_state}.get(kind, from_hf_state)
+        state = convert(hf, cfg)
     except KeyError as e:
         raise ConversionError(f"cannot import {hf_dir}: tensor {e} is missing") from None
     except hf_gla.RemoteConversionError as e:
@@ -213,10 +245,11 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
 
 
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
-    """Write the HF directory `output`; returns its architecture (LlamaForCausalLM when Llama can
-    hold the model, else our remote-code MegatronZppGLAForCausalLM)."""
-    cfg = config_from_dict(config)
-    remote = bool(hf_unsupported(cfg))  # GLA, hybrid, LayerNorm or GeLU: not a Llama
+    """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel or LlamaForCausalLM
+    when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM)."""
+    state, cfg = hf_gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
+    kind = export_kind(cfg)
+    remote = kind == "remote"
     from safetensors.torch import save_file
 
     tokenizer = None
@@ -227,10 +260,14 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
         tokenizer = SentencePieceTokenizer(tok_model)
     vocab = state["embedding.weight"].shape[0]
     try:
-        weights = hf_gla.to_remote_state(state, cfg) if remote else to_hf_state(state, cfg)
+        convert = {"remote": hf_gla.to_remote_state, "gpt2": hf_gpt2.to_gpt2_state}.get(kind, to_hf_state)
+        weights = convert(state, cfg)
     except hf_gla.RemoteConversionError as e:
         raise ConversionError(f"cannot export to HF: {e}") from None
-    hf = hf_gla.remote_config(cfg, vocab, tokenizer) if remote else hf_config(cfg, vocab, tokenizer)
+    if kind == "gpt2":
+        hf = hf_gpt2.gpt2_config(cfg, vocab, hf_gla.special_token_ids(tokenizer))
+    else:
+        hf = hf_gla.remote_config(cfg, vocab, tokenizer) if remote else hf_config(cfg, vocab, tokenizer)
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
@@ -241,7 +278,7 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
         raise ConversionError(f"--tokenizer-model {tokenizer_model}: no such file")
     if tokenizer is not None:  # the run's sentencepiece model (or the one passed) goes along
         shutil.copyfile(tok_model, os.path.join(output, "tokenizer.model"))
-        if remote:
+        if kind != "llama":  # Llama's own tokenizer class reads tokenizer.model; the others name it
             hf_gla.write_tokenizer_config(output)
     return hf["architectures"][0]
 

@@ -30,6 +30,19 @@ class RemoteConversionError(ValueError):
     """A tensor or setting the conversion cannot map; the message names it."""
 
 
+def remote_unsupported(cfg) -> list[str]:
+    """Why a model cannot be exported with our remote code (empty when it can): it holds no linear
+    biases and no learned positions, and rotates its softmax layers' q, k with RoPE."""
+    m = cfg.model
+    softmax = any(m.layer_kind(i) == "softmax" for i in range(m.num_layers))
+    checks = [
+        (not (m.add_bias_linear or m.add_qkv_bias), "it has linear biases (--add-bias-linear or --add-qkv-bias)"),
+        (m.position_embedding_type != "learned_absolute", "it learns absolute positions"),
+        (m.position_embedding_type == "rope" or not softmax, "its softmax layers use no RoPE"),
+    ]
+    return [why for ok, why in checks if not ok]
+
+
 def layer_types(cfg) -> list[str]:
     m = cfg.model
     return [LINEAR if m.layer_kind(i) == "gla" else FULL for i in range(m.num_layers)]
@@ -214,6 +227,7 @@ def _config_from_remote(hf: dict):
     m.attention_type, m.softmax_attention_every = period
     m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
     m.rotary_base = float(hf.get("rope_theta", 10000.0))
+    m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (remote_unsupported)
     m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
     m.gla_chunk_size = hf["gla_chunk_size"]
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)

@@ -1,4 +1,5 @@
-"""Causal softmax self-attention with grouped-query heads (GQA) and RoPE, on PyTorch
+"""Causal softmax self-attention with grouped-query heads (GQA) and RoPE (or no rotation:
+learned absolute positions are added to the embedding), on PyTorch
 SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
 over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads.
 
@@ -70,17 +71,24 @@ class SelfAttention(nn.Module):
             tp,
             cfg.init_method_std,
             sequence_parallel,
+            bias=cfg.qkv_bias,
         )
-        self.proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel)
+        self.proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel, bias=cfg.add_bias_linear
+        )
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: Documents | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, documents: Documents | None = None
     ) -> torch.Tensor:
+        """rope: the cos/sin tables, or None (learned absolute positions, already in x, or none at all)."""
         qkv = self.qkv(x)
         B, T, _ = qkv.shape
         d = self.head_dim
         qk_width = (self.heads + self.kv_heads) * d  # q then k heads: one slice, rotated in place by the kernel
-        q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
+        if rope is None:
+            q, k = qkv[..., : self.heads * d].view(B, T, -1, d), qkv[..., self.heads * d : qk_width].view(B, T, -1, d)
+        else:
+            q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
         v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         o = self._core_attention(q, k, v, documents)

@@ -1,6 +1,7 @@
 """The GPT model, top to bottom.
 
-A stack of pre-norm blocks: token embedding -> [norm -> mixer -> residual, norm -> MLP
+A stack of pre-norm blocks: token embedding (+ learned absolute positions, Megatron's default;
+or RoPE inside attention; or no positions) -> dropout -> [norm -> mixer -> residual, norm -> MLP
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
 attention (config.layer_kind). Parallelism enters only through the layers and one
@@ -8,7 +9,8 @@ ParallelContext (the TP group and sequence-parallel flag, the context-parallel g
 algorithm: each CP rank holds a contiguous slice of the sequence, at `position_offset`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
 owns (`pre_process`: embedding, `post_process`: output). Packed documents (model/documents.py)
-come as one `documents` object: positions for RoPE, document ids for the mixers.
+come as one `documents` object: positions (RoPE's or the learned table's: they restart at each
+document with --reset-position-ids), document ids for the mixers.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .. import recompute
 from ..config import ModelConfig
 from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear
+from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear, mark
 from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
 from .context import ParallelContext
@@ -37,18 +40,54 @@ class Block(nn.Module):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
         mixer = SelfAttention if cfg.layer_kind(layer) == "softmax" else GatedLinearAttention
-        sp = ctx.sequence_parallel
-        self.norm1 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        norm = _norm_builder(cfg, ctx.sequence_parallel)
+        self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)
-        self.norm2 = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+        self.norm2 = norm()
         self.mlp = MLP(cfg, ctx, out_std)
         # sequence-parallel activations differ per TP rank: their dropout masks must too
-        self.dropout = (ShardedDropout if sp else nn.Dropout)(cfg.hidden_dropout)
+        self.dropout = _dropout(cfg, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope, documents: Documents | None = None) -> torch.Tensor:
         x = x + self.dropout(self.mixer(self.norm1(x), rope, documents))
         x = x + self.dropout(self.mlp(self.norm2(x)))
         return x
+
+
+def describe_block(cfg: ModelConfig) -> str:
+    """The start-up log's words for the block Megatron's model flags build (its defaults: LayerNorm, gelu,
+    learned absolute positions, linear biases)."""
+    positions = {"learned_absolute": "learned absolute positions", "rope": "RoPE", "none": "no positions"}
+    bias = "linear biases" if cfg.add_bias_linear else "qkv bias only" if cfg.add_qkv_bias else "no linear biases"
+    one_p = " (1p)" if cfg.apply_layernorm_1p else ""
+    return f"{cfg.normalization}{one_p}, {cfg.activation}, {positions[cfg.position_embedding_type]}, {bias}"
+
+
+class PositionEmbedding(nn.Module):
+    """Megatron's learned absolute positions: a [max positions, hidden] table, normal(init std), replicated
+    over TP; under sequence parallelism each rank adds the rows of its own tokens (a partial gradient)."""
+
+    def __init__(self, max_positions: int, cfg: ModelConfig, sequence_parallel: bool):
+        super().__init__()
+        self.weight = mark(
+            nn.Parameter(torch.empty(max_positions, cfg.hidden_size)),
+            ("normal", cfg.init_method_std),
+            tp_partial_grad=sequence_parallel,
+        )
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions, self.weight)
+
+
+def _norm_builder(cfg: ModelConfig, sequence_parallel: bool):
+    return lambda: build_norm(
+        cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sequence_parallel, cfg.apply_layernorm_1p
+    )
+
+
+def _dropout(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """--hidden-dropout; sequence-parallel activations differ per TP rank: their masks must too."""
+    return (ShardedDropout if sequence_parallel else nn.Dropout)(cfg.hidden_dropout)
 
 
 class GPT(nn.Module):
@@ -71,10 +110,16 @@ class GPT(nn.Module):
         if pre_process or (post_process and self.tied):  # the last stage keeps a copy of a tied embedding
             self.embedding = VocabParallelEmbedding(vocab_size, cfg.hidden_size, ctx.tp, std, sp)
             self.embedding.weight.pipeline_duplicate = not pre_process  # the first stage's copy is the one counted
+        self.position_embeddings = None
+        if pre_process and cfg.position_embedding_type == "learned_absolute":
+            # replicated over TP; under SP each rank adds the rows of its own tokens: a partial gradient
+            self.position_embeddings = PositionEmbedding(cfg.max_position_embeddings or cfg.seq_length, cfg, sp)
+        if pre_process:
+            self.embedding_dropout = _dropout(cfg, sp)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, ctx) for i in layer_ids})
         self.block_groups = recompute.layer_groups(cfg, len(self.layers))  # --recompute-granularity full
         if post_process:
-            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp)
+            self.final_norm = _norm_builder(cfg, sp)()
             if not self.tied:
                 self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, ctx.tp, std, sp)
 
@@ -89,17 +134,20 @@ class GPT(nn.Module):
         """tokens [B, T] (first stage) or hidden [B, T', H] (later stages; T' = T/TP under
         sequence parallelism). Returns per-token losses [B, T] when labels are given,
         logits (vocab-sharded over TP) on the last stage otherwise, else hidden states."""
-        x = self.embedding(tokens) if self.pre_process else hidden
         seq_len = (
             tokens.shape[1]
             if tokens is not None
-            else x.shape[1] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+            else hidden.shape[1] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
         )
+        device = (tokens if tokens is not None else hidden).device
         if documents is not None and documents.positions is not None:
             positions = documents.positions  # [B, T]: restarting at each document
         else:
-            positions = torch.arange(position_offset, position_offset + seq_len, device=x.device)
-        rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
+            positions = torch.arange(position_offset, position_offset + seq_len, device=device)
+        x = self.embed(tokens, positions) if self.pre_process else hidden
+        rope = None
+        if self.cfg.position_embedding_type == "rope":
+            rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
 
         blocks = list(self.layers.values())
         for start, stop, again in self.block_groups:  # a recomputed group keeps only its input for the backward
@@ -107,6 +155,18 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         return self.head(x, labels)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Word embedding (+ the learned positions' rows) -> hidden dropout: [B, T, H], or this TP rank's
+        sequence shard [B, T/TP, H] under sequence parallelism (positions [T] or [B, T] of the whole
+        local sequence: the shard adds its own slice of them)."""
+        x = self.embedding(tokens)
+        if self.position_embeddings is not None:
+            if self.ctx.sequence_parallel and self.ctx.tp_size > 1:
+                n = x.shape[1]
+                positions = positions[..., self.ctx.tp.rank * n : (self.ctx.tp.rank + 1) * n]
+            x = x + self.position_embeddings(positions)
+        return self.embedding_dropout(x)
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm -> output layer -> per-token losses (logits, vocab-sharded over TP, without labels)."""

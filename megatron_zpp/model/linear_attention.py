@@ -8,7 +8,10 @@ come from a full-rank projection (--gla-gate-low-rank 0: a fifth head-split sect
 the input projection) or, as in the GLA paper, from a low-rank one x W_down W_up + b
 (rank 16 there). Output: per-head RMSNorm, times a SiLU output gate, then the output
 projection. Every projection is split by heads over TP; W_down is replicated, and its
-gradient, computed from this rank's heads only, is a partial sum over TP.
+gradient, computed from this rank's heads only, is a partial sum over TP. The projections take
+no bias whatever --add-bias-linear says (Megatron's flag names softmax attention's and the MLP's
+linears; the GLA paper's and flash-linear-attention's projections have none, and the remote-code
+HF export holds none); the block's MLP follows the flag.
 
 Packed documents (--reset-attention-mask): the log decay of each document's first token is
 -inf, so exp(g) = 0 erases all earlier state there; the chunked form, the kernels and the CP

@@ -1,4 +1,5 @@
-"""Feed-forward block: SwiGLU (default) or GeLU, column- then row-parallel."""
+"""Feed-forward block: SwiGLU or GeLU (the default), column- then row-parallel, with biases under
+--add-bias-linear (fc1's split like its output rows, gate and up sections alike)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         ffn = cfg.ffn_size
+        bias, sp = cfg.add_bias_linear, ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp, cfg.init_method_std, ctx.sequence_parallel
+            cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp, cfg.init_method_std, sp, bias=bias
         )
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx.tp, out_std, sp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -1,6 +1,10 @@
 """RMSNorm and LayerNorm. Their weights are replicated over TP; under sequence
 parallelism each rank sees a different part of the sequence, so the weight grads are
-partial sums per TP rank (`tp_partial_grad`: the optimizer's finalize sums them)."""
+partial sums per TP rank (`tp_partial_grad`: the optimizer's finalize sums them).
+
+--apply-layernorm-1p (`one_plus`): the stored weight w is zero-centred (initialised 0) and
+the norm scales by 1 + w, as Megatron's zero_centered_gamma, for LayerNorm and RMSNorm alike
+(its transformer-engine norms take it for both)."""
 
 from __future__ import annotations
 
@@ -11,26 +15,31 @@ from ..ops import norm as norm_ops
 from ..tensor_parallel.layers import mark
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",), tp_partial_grad=sequence_parallel)
+        self.eps, self.one_plus = eps, one_plus
+        init = ("zeros",) if one_plus else ("ones",)
+        self.weight = mark(nn.Parameter(torch.empty(dim)), init, tp_partial_grad=sequence_parallel)
 
+    def scale(self) -> torch.Tensor:
+        """The weight the norm multiplies by: w, or 1 + w with --apply-layernorm-1p."""
+        return self.weight + 1 if self.one_plus else self.weight
+
+
+class RMSNorm(_Norm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_ops.rms_norm(x, self.weight, self.eps)
+        return norm_ops.rms_norm(x, self.scale(), self.eps)
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False):
-        super().__init__()
-        self.eps = eps
-        self.weight = mark(nn.Parameter(torch.empty(dim)), ("ones",), tp_partial_grad=sequence_parallel)
+class LayerNorm(_Norm):
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False):
+        super().__init__(dim, eps, sequence_parallel, one_plus)
         self.bias = mark(nn.Parameter(torch.empty(dim)), ("zeros",), tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return norm_ops.layer_norm(x, self.scale(), self.bias, self.eps)
 
 
-def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False) -> nn.Module:
-    return {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[kind](dim, eps, sequence_parallel)
+def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False) -> nn.Module:
+    return {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[kind](dim, eps, sequence_parallel, one_plus)

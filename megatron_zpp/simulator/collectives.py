@@ -43,7 +43,7 @@ from ..ops.quantize import wire_bytes
 from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
 from ..zero.ddp_engine import default_bucket_numel
 from ..zero.grad_buffer import bucket_bounds
-from ..zero.sharded_params import flat_geometry, model_units, pad_block, shard_segments
+from ..zero.sharded_params import START_UNITS, flat_geometry, model_units, pad_block, shard_segments
 from .schedule import Op, StageSchedule, stage_ops
 
 QWZ_BITS, QGZ_BITS = 8, 4  # zero/gather.py, zero/zero_engine.py
@@ -336,7 +336,7 @@ def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
 
 def _zero_forward(st: _ZeroState, chunk, units: list[UnitInfo]) -> list[tuple[str, Coll]]:
     blocks = [u for u in units if u.is_block]
-    start = [u for u in units if u.name == "embedding"] if chunk.pre_process else []
+    start = [u for u in units if u.name in START_UNITS] if chunk.pre_process else []
     end = [u for u in units if u.name in ("head", "embedding")] if chunk.post_process else []
     out = []
     for u in start:
@@ -351,13 +351,13 @@ def _zero_forward(st: _ZeroState, chunk, units: list[UnitInfo]) -> list[tuple[st
 
 def _zero_backward(st: _ZeroState, cfg: Config, g: ProcessGroups, chunk, units) -> list[tuple[str, Coll]]:
     blocks = [u for u in units if u.is_block]
-    start = [u for u in units if u.name == "embedding"] if chunk.pre_process else []
+    start = [u for u in units if u.name in START_UNITS] if chunk.pre_process else []
     end = [u for u in units if u.name in ("head", "embedding")] if chunk.post_process else []
     out = []
     for u in start + [u for u in end if u not in start]:  # chunk_backward: 1F1B may have freed them
         out += st.gather(u, True)
     # gradients complete in backward order: the head, the blocks last to first, the embedding
-    order = [u for u in end if u.name == "head"] + list(reversed(blocks)) + [u for u in units if u.name == "embedding"]
+    order = [u for u in end if u.name == "head"] + list(reversed(blocks)) + [u for u in units if u.name in START_UNITS]
     for u in order:
         if u.is_block:
             out += st.gather(u, True)

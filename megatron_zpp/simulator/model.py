@@ -65,6 +65,7 @@ from ..context_parallel import auto_blocks
 from ..data.tokenizer import pad_vocab_size
 from ..perf import flops_per_token
 from ..topology import Group, topology_from_config
+from ..zero.sharded_params import START_UNITS
 from ..zero.zero_engine import reductions_in_flight
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks
 from .hardware import Cluster
@@ -335,15 +336,12 @@ class _RankTimer:
         self.exposed["cp state scan"] += scan_exposed
         factor = 1.0 if op.kind == "F" else 2.0
         order = list(units) if op.kind == "F" else list(reversed(list(units)))
-        if op.kind == "F" and "embedding" in zero:
-            order = ["embedding"] + order
+        starts = [n for n in START_UNITS if n in zero or (op.kind == "B" and n in grads)]
+        if op.kind == "F":
+            order = starts + order
         elif op.kind == "B":
             order = [u for u in order if u != "head"]
-            order = (
-                (["head"] if "head" in units else [])
-                + order
-                + (["embedding"] if "embedding" in zero or "embedding" in grads else [])
-            )
+            order = (["head"] if "head" in units else []) + order + starts
         extra = (total_sync + scan_exposed) / max(len(layer_names), 1)
         t = start
         gather_done: dict[str, float] = {}

@@ -6,6 +6,11 @@ Each sharded parameter records how it splits the full (single-rank) weight:
 the TP ranks. `init.py` uses this to build every shard from the full weight of the same
 seed (so any layout starts from the single-rank model), and checkpoints use it to
 reassemble full weights. With a TP group of size 1 the layers are plain linears.
+
+Biases (`bias=True`, initialised to zero as Megatron's): a column-parallel bias is split like
+the output rows (every fused section too) and added to this rank's slice; a row-parallel bias
+is replicated and added once, after the all-reduce (or reduce-scatter): under sequence
+parallelism each rank adds it to its own rows, so its gradient is a partial sum per TP rank.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class ColumnParallelLinear(nn.Module):
         init_std: float,
         sequence_parallel: bool = False,
         gather_output: bool = False,
+        bias: bool = False,
     ):
         super().__init__()
         sections = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
@@ -89,12 +95,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark(
             nn.Parameter(torch.empty(sum(sections) // n, in_features)), ("normal", init_std), (0, tuple(sections))
         )
+        self.bias = (
+            mark(nn.Parameter(torch.empty(sum(sections) // n)), ("zeros",), (0, tuple(sections))) if bias else None
+        )
 
     def forward(self, x: torch.Tensor, *shared: torch.Tensor):
         """shared: weights of further products of the same input (GLA's replicated low-rank gate),
         computed with this one (under TP in one autograd node) so that the input is kept, and under
         sequence parallelism gathered, once for all of them; their outputs then follow y: (y, *theirs)."""
         y, *theirs = column_parallel_product(x, [self.weight, *shared], self.tp, self.sequence_parallel)
+        if self.bias is not None:
+            y = y + self.bias
         y = gather_from_tp(y, self.tp) if self.gather_output else y
         return (y, *theirs) if shared else y
 
@@ -163,7 +174,13 @@ class RowParallelLinear(nn.Module):
     reduce-scattered along the sequence with sequence parallelism)."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: Group | None, init_std: float, sequence_parallel: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Group | None,
+        init_std: float,
+        sequence_parallel: bool = False,
+        bias: bool = False,
     ):
         super().__init__()
         n = _size(tp)
@@ -173,10 +190,16 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(
             nn.Parameter(torch.empty(out_features, in_features // n)), ("normal", init_std), (1, (in_features,))
         )
+        self.bias = (
+            mark(nn.Parameter(torch.empty(out_features)), ("zeros",), tp_partial_grad=sequence_parallel)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        return reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        y = reduce_scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
 
 
 class TokenIdError(ValueError):

@@ -22,7 +22,7 @@ from ..config import Config, ConfigError
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
 from ..logging_utils import log, set_logging_level
-from ..model import GPT, count_parameters
+from ..model import GPT, count_parameters, describe_block
 from ..model.attention import describe_attention_backend
 from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
@@ -199,7 +199,8 @@ def _log_setup(run: Run, n_params: int) -> None:
     kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
     log(
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
-        f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA), vocab "
+        f"{''.join('S' if k == 'softmax' else 'G' for k in kinds)} (S softmax, G GLA; "
+        f"{describe_block(cfg.model)}), vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
         f"{_precision(cfg)}"
         f"{', blocks compiled (--torch-compile, inductor)' if cfg.train.torch_compile else ''}",

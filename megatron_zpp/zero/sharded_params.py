@@ -54,12 +54,19 @@ def shard_segments(offsets: list[int], lo: int, hi: int):
             yield i, a - lo, b - lo, a - off
 
 
+# the units the first stage's forward reads before its blocks (the word embedding and learned positions)
+START_UNITS = ("embedding", "position_embeddings")
+
+
 def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
-    """(name, params, module) per unit of a model chunk: the embedding, each block, the
+    """(name, params, module) per unit of a model chunk: the embedding (and the learned positions, see
+    START_UNITS), each block, the
     head (final norm, untied output layer). Blocks carry their module (stage 3 hooks it)."""
     units = []
     if hasattr(chunk, "embedding"):
         units.append(("embedding", list(chunk.embedding.parameters()), None))
+    if getattr(chunk, "position_embeddings", None) is not None:  # a unit of its own: the tied twin has none
+        units.append(("position_embeddings", list(chunk.position_embeddings.parameters()), None))
     for idx, block in chunk.layers.items():
         units.append((f"layer{idx}", list(block.parameters()), block))
     head = [p for n, p in chunk.named_parameters() if n.startswith(("final_norm.", "output."))]

@@ -70,7 +70,7 @@ from ..recompute import recomputing
 from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
-from .sharded_params import FlatUnit, model_units, pad_block
+from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block
 
 
 def _gather(units: list[FlatUnit], backward: bool = False) -> None:
@@ -255,7 +255,7 @@ class ZeroEngine(DataParallelEngine):
         gathered again at the chunk's backward if the backward of another micro-batch (1F1B)
         freed them in between."""
         blocks = [u for u in units.values() if u.module is not None]
-        start = [units["embedding"]] if chunk.pre_process else []
+        start = [units[n] for n in START_UNITS if n in units] if chunk.pre_process else []
         end = [units[n] for n in ("head", "embedding") if n in units and chunk.post_process]
         order = start + blocks + [end]  # the end units are gathered together
         c = next(iter(units.values())).chunk
@@ -354,7 +354,7 @@ class ZeroEngine(DataParallelEngine):
         flight; a unit's weights are waited for just before their first reader: the chunk's
         forward (the embedding lookup), each block's forward, the final norm (the head, and a
         tied embedding used as the output layer)."""
-        start = [units["embedding"]] if "embedding" in units and chunk.pre_process else []
+        start = [units[n] for n in START_UNITS if n in units] if chunk.pre_process else []
         end = [units[n] for n in ("head", "embedding") if n in units and n not in [u.name for u in start]]
 
         def wait(now: list[FlatUnit]) -> None:

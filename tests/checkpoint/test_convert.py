@@ -48,6 +48,13 @@ LAYOUTS = {
 UNTIE = {"tp2": [], "zero3_untied": ["--untie-embeddings-and-output-weights"], "pp2": []}
 
 
+def rope_config() -> Config:
+    """Config() with RoPE and no linear biases (the defaults before issue 24): what Llama and our remote code hold."""
+    cfg = Config()
+    cfg.model.position_embedding_type, cfg.model.add_bias_linear = "rope", False
+    return cfg
+
+
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -201,7 +208,7 @@ def test_hf_export_writes_remote_code_for_what_llama_cannot_hold(tmp_path):
             ({"activation": "gelu"}, "gelu; Llama uses SwiGLU", ["full", "full"]),
         ]
     ):
-        cfg = Config()
+        cfg = rope_config()
         cfg.model.num_layers, cfg.model.hidden_size = 2, 32
         for k, v in setting.items():
             setattr(cfg.model, k, v)
@@ -333,7 +340,7 @@ def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
     hf["layer_types"] = ["linear_attention"] * 3
     with pytest.raises(hf_gla.RemoteConversionError, match="config.json has no 'intermediate_size'"):
         hf_gla.config_from_remote(hf)
-    cfg = Config()
+    cfg = rope_config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
     state = {n: p.detach() for n, p in GPT(cfg.model, 64).named_parameters()}
     theirs = hf_gla.to_remote_state(state, cfg)
@@ -357,7 +364,7 @@ def test_hf_remote_export_carries_the_tokenizer(tmp_path):
     spm.SentencePieceTrainer.train(
         input=str(text), model_prefix=prefix, vocab_size=120, model_type="bpe", minloglevel=2
     )
-    cfg = Config()
+    cfg = rope_config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
     cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", prefix + ".model"
     state = {n: p.detach() for n, p in GPT(cfg.model, 128).named_parameters()}

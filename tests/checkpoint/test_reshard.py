@@ -9,7 +9,8 @@ count been lost, the first update would differ by about lr per weight.
 
 Targets: TP1 x PP4 x DP2 (ZeRO-3), DP4 (plain DP), CP2 x DP2 (ZeRO-1); and the other
 direction, plain TP2 x DP2 -> ZeRO-2 over DP4 with a change of the vocabulary padding,
-whose weights must arrive bitwise.
+whose weights must arrive bitwise. Megatron's defaults (learned positions, biases split over TP in
+fused sections: q|k|v with GQA, gate|up) resume from TP2 x SP x PP2 at DP4 with ZeRO-3.
 """
 
 import os
@@ -107,6 +108,24 @@ def test_plain_tp_to_zero2_with_vocab_padding_change(tmp_path):
     assert before["embedding.weight"].shape[0] == 288 and after["embedding.weight"].shape[0] == 240
     for name, w in before.items():
         torch.testing.assert_close(after[name], w[:240] if name == "embedding.weight" else w, rtol=0, atol=0, msg=name)
+
+
+def test_biases_and_positions_reshard(tmp_path):
+    """TP2 x SP x PP2 -> DP4 ZeRO-3 of a softmax model with learned positions and every bias (SwiGLU and GQA:
+    fc1's and qkv's biases are split per section): the resumed losses are the source's own."""
+    megatron = (
+        "--attention-type softmax --softmax-attention-every 0 --position-embedding-type learned_absolute "
+        "--add-bias-linear --num-layers 2"
+    ).split()
+    ckpt = str(tmp_path / "ckpt")
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2"]
+    src = run_distributed(_train, 4, BASE + megatron + layout + ["--save", ckpt, "--save-interval", str(N)])[0]
+    point_latest_at(ckpt, N)
+    out = run_distributed(_train, 4, BASE + megatron + ["--zero-stage", "3", "--load", ckpt])[0]
+    assert out["start"] == N and out["resharded"]
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(src["losses"][N:]), rtol=RTOL, atol=0)
+    names = set(consolidate(ckpt)[0])
+    assert {"position_embeddings.weight", "layers.0.mixer.qkv.bias", "layers.1.mlp.fc2.bias"} <= names
 
 
 def test_other_model_is_refused_with_its_differences(source, tmp_path):

@@ -17,7 +17,8 @@ spec.loader.exec_module(estimate_memory)
 LLAMA_70B = (
     "--world-size 64 --mock-data --num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention "
     "--num-query-groups 8 --ffn-hidden-size 28672 --vocab-size 32000 --seq-length 4096 --swiglu "
-    "--normalization RMSNorm --untie-embeddings-and-output-weights --bf16 --zero-stage 3 "
+    "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --bf16 --zero-stage 3 "
     "--micro-batch-size 1 --global-batch-size 64 --attention-type softmax "
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 ).split()
