@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 
 import torch
 from safetensors import safe_open
@@ -30,6 +31,31 @@ def iter_name(iteration: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process's umask (read without changing it
+    where /proc says it, so that a writer thread never sees a umask of 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, which creates its files 0600, then the usual mode (0644 under umask 022)."""
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, new_file_mode())
 
 
 def fsync_write(path: str, data: bytes) -> None:
@@ -96,7 +122,7 @@ def write_rank_file(tmp: str, rank: int, state: dict) -> str:
     """Write one rank's file (fsynced, renamed into place); its sha256."""
     path = os.path.join(tmp, rank_file(rank))
     tensors, skeleton = _flatten(state)
-    save_file(tensors, path + ".tmp", metadata={"megatron_zpp": json.dumps(skeleton)})
+    save_safetensors(tensors, path + ".tmp", {"megatron_zpp": json.dumps(skeleton)})
     fsync_path(path + ".tmp")
     os.replace(path + ".tmp", path)
     return sha256_of(path)  # read back from the page cache

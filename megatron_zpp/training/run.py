@@ -65,6 +65,7 @@ class Run:
     consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
     pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
+    pending_save: object | None = None  # an --async-save in flight (checkpoint/async_save.SaveJob), sealed later
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, exit interval, duration)
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
