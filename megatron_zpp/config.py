@@ -361,7 +361,8 @@ class DataConfig:
     mmap_bin_files: bool = opt(
         True,
         "--mmap-bin-files",
-        "memory-map the .bin token files (pages read on demand); --no-mmap-bin-files reads each into memory whole",
+        "memory-map the .bin token files (pages read on demand); --no-mmap-bin-files reads each sample's tokens "
+        "from the file instead, as Megatron's file reader (for file systems where mapping is slow or refused)",
     )
     reset_position_ids: bool = opt(
         False, "--reset-position-ids", "packed documents: positions restart at 0 after each EOD token"

@@ -132,6 +132,7 @@ def build_data(cfg: Config, groups: ProcessGroups, tokenizer, device: torch.devi
             cfg.data.data_cache_path,
             is_builder=groups.rank == 0,
             barrier=lambda: comm.barrier(),
+            mmap_bin=cfg.data.mmap_bin_files,
         )
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 
