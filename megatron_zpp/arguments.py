@@ -65,11 +65,6 @@ REFUSED = {
     ),
     "--decoupled-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
     "--decoupled-min-lr": (True, "a separate learning rate for the embedding and output layer is not built: drop it"),
-    "--ckpt-format": (
-        True,
-        "checkpoints are this project's sharded safetensors (tools/convert_checkpoint.py converts them): drop it",
-    ),
-    "--no-mmap-bin-files": (False, ".bin files are always memory-mapped (pages read on demand): drop it"),
     "--step-batch-size-schedule": (
         True,
         "not built: use --rampup-batch-size START INCR SAMPLES with --train-samples (Megatron's linear ramp)",
