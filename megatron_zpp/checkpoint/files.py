@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "megatron_zpp.sharded.v3"  # v2: ZeRO files hold the fp32 masters only; v3: safetensors
+DCP_FORMAT = "megatron_zpp.torch_dist.v1"  # --ckpt-format torch_dist: torch.distributed.checkpoint files (dcp.py)
 
 
 class CheckpointError(RuntimeError):
@@ -262,8 +263,8 @@ def meta_problem(meta) -> str | None:
     """Why `meta` is not a meta.json this code wrote (None when its shape and types are right)."""
     if not isinstance(meta, dict):
         return f"is {_type_name(type(meta))}, not an object"
-    if meta.get("format") != FORMAT:
-        return f"unknown format {meta.get('format')!r} (expected {FORMAT})"
+    if meta.get("format") not in (FORMAT, DCP_FORMAT):
+        return f"unknown format {meta.get('format')!r} (expected {FORMAT} or {DCP_FORMAT})"
     for name, tp in META_FIELDS.items():
         if name not in meta:
             return f"field {name!r} is missing"
@@ -277,7 +278,10 @@ def meta_problem(meta) -> str | None:
     bad = [k for k, v in meta["files"].items() if not isinstance(v, str)]
     if bad:
         return f"field 'files.{bad[0]}' is {_type_name(type(meta['files'][bad[0]]))}, expected a string"
-    if sorted(meta["files"]) != [rank_file(r) for r in range(meta["world_size"])]:
+    if meta["format"] == DCP_FORMAT:
+        if ".metadata" not in meta["files"]:
+            return "field 'files' does not list DCP's .metadata"
+    elif sorted(meta["files"]) != [rank_file(r) for r in range(meta["world_size"])]:
         return f"field 'files' does not list the {meta['world_size']} rank files of 'world_size'"
     return _config_problem(meta["config"])
 

@@ -45,8 +45,11 @@ import torch
 from .. import comm
 from ..logging_utils import log
 from ..zero.sharded_params import pad_block
+from . import dcp
 from .async_save import SaveJob, host_snapshot
+from .dcp import DCP_FORMATS
 from .files import (
+    DCP_FORMAT,
     FORMAT,
     CheckpointError,
     fsync_path,
@@ -60,6 +63,7 @@ from .files import (
     write_meta,
     write_rank_file,
 )
+from .layout import rank_layout
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state
 
@@ -133,16 +137,16 @@ def _seal(
     iteration: int,
     consumed: int,
     padded_vocab: int,
-    digests: list[str],
+    files: dict[str, str],
     tracking: dict | None = None,
     train_state: dict | None = None,
+    fmt: str = FORMAT,
 ) -> None:
-    """Write meta.json (with every rank file's sha256, the run's `tracking` metadata and its
+    """Write meta.json (with every file's sha256, the run's `tracking` metadata and its
     `train_state`: the loss scaler and skipped steps), rename tmp to final, then point `latest` at it."""
-    files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
     meta = {
-        "format": FORMAT,
+        "format": fmt,
         "iteration": iteration,
         "consumed_samples": consumed,
         "padded_vocab_size": padded_vocab,
@@ -179,6 +183,9 @@ def save_checkpoint(run, directory: str) -> str:
         directory, final, tmp, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
         dict(getattr(run, "tracking", None) or {}), _train_state(run), bad=nonfinite_tensors(state),
     )  # fmt: skip
+    if run.cfg.train.ckpt_format in DCP_FORMATS:
+        _save_dcp(run, job, state)
+        return final
     if job.bad:  # such a file is not written, and no rank seals the save
         pass
     elif background:
@@ -223,21 +230,46 @@ def _complete(run, job: SaveJob) -> None:
     problem = None
     if run.rank == 0:
         digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
-        problem = _os_problem(lambda: _seal_run(run, job, digests_hex), job.iteration, job.directory)
+        files = {rank_file(r): d for r, d in enumerate(digests_hex)}
+        problem = _os_problem(lambda: _seal_run(run, job, files), job.iteration, job.directory)
     _agree_saved(run, problem, job.directory, job.tmp)
     run.last_checkpoint = job.final
 
 
-def _seal_run(run, job: SaveJob, digests: list[str]) -> None:
+def _seal_run(run, job: SaveJob, files: dict[str, str], fmt: str = FORMAT) -> None:
     d, cfg = job.directory, run.cfg
     previous = _latest_iteration(d)
     at = (job.iteration, job.consumed, job.padded_vocab)
-    _seal(d, job.final, job.tmp, cfg, *at, digests, job.tracking, job.train_state)
+    _seal(d, job.final, job.tmp, cfg, *at, files, job.tracking, job.train_state, fmt)
     retain = cfg.train.save_retain_interval
     if retain and previous and previous != job.iteration and previous % retain:
         # Megatron's --save-retain-interval: the checkpoint `latest` named before goes once a newer one is complete
         shutil.rmtree(os.path.join(d, iter_name(previous)), ignore_errors=True)
         log(f"--save-retain-interval {retain}: deleted {os.path.join(d, iter_name(previous))}", run.rank)
+
+
+def _save_dcp(run, job: SaveJob, state: dict) -> None:
+    """--ckpt-format torch_dist: every rank's boxes through DCP into tmp (a collective, so every rank
+    first learns whether any holds a non-finite tensor); rank 0 hashes DCP's files and seals."""
+    problem = None
+    if job.bad:
+        problem = (
+            f"refused to save iteration {job.iteration}: {len(job.bad)} non-finite tensors, the first {job.bad[0]}"
+        )
+    _agree_saved(run, problem, job.directory, job.tmp)
+    lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
+    moments = state["optimizer"].get("state") if state["optimizer"] else None
+    sd = dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
+    try:
+        dcp.save(sd, job.tmp)
+    except Exception as e:  # noqa: BLE001  (DCP raises on every rank alike: a full disk, an unwritable dir)
+        problem = f"cannot save iteration {job.iteration} to {job.directory}: {type(e).__name__}: {e}"
+    _agree_saved(run, problem, job.directory, job.tmp)
+    if run.rank == 0:
+        seal = lambda: _seal_run(run, job, dcp.dcp_files(job.tmp), DCP_FORMAT)  # noqa: E731
+        problem = _os_problem(seal, job.iteration, job.directory)
+    _agree_saved(run, problem, job.directory, job.tmp)
+    run.last_checkpoint = job.final
 
 
 def _latest_iteration(directory: str) -> int | None:
@@ -328,7 +360,7 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
             "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
         },
     )
-    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], [digest])
+    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], {rank_file(0): digest})
     return final
 
 
@@ -401,6 +433,55 @@ def _read_state(run, path: str, meta: dict, weights_only: bool) -> tuple[dict, s
     return state, "same layout", has_optimizer
 
 
+def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
+    """A torch_dist checkpoint: checked (sha256s, every tensor's saved shape), and the buffers DCP
+    will fill; returns (the collective load to run once every rank agreed, how, has AdamW state)."""
+    vocab, rank = run.tokenizer.padded_vocab_size, run.rank
+    check_same_model(path, meta, run.cfg, vocab)
+    dcp.check_files(path, meta)
+    saved = dcp.saved_keys(path)
+    lay = rank_layout(run.cfg, vocab, rank)
+    for s in lay.slots:
+        got = getattr(saved.get(f"model.{s.name}"), "size", None)
+        if got is None or tuple(got) != tuple(s.full_shape):
+            raise CheckpointError(
+                f"{path}: model.{s.name} is saved as {tuple(got) if got else 'nothing'}, this run's is "
+                f"{tuple(s.full_shape)} (a torch_dist checkpoint reshards at the same padded vocabulary: "
+                "--make-vocab-size-divisible-by x TP)"
+            )
+    has_optimizer = "optimizer.step" in saved
+    changes = layout_changes(meta, run.cfg)
+    dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+    model = {k: torch.zeros(shape, dtype=torch.float32 if m else dtype) for k, (shape, m) in lay.tensors.items()}
+    moments = None
+    if has_optimizer and not weights_only:
+        moments = {j: {"step": torch.zeros(()), "exp_avg": torch.zeros(sh), "exp_avg_sq": torch.zeros(sh)}
+                   for j, sh in enumerate(lay.opt_shapes)}  # fmt: skip
+    rng_saved = any(k.startswith(f"rng.rank{rank}.") for k in saved)
+    rng = get_rng_state() if rng_saved and not changes else None  # the structure DCP fills
+    sd = dcp.state_dict_of(lay, model, moments, rng, rank)
+
+    def finish() -> dict:
+        dcp.load(sd, path)
+        for s in lay.slots:  # plain DP in 16 bits: the training-dtype weight from its fp32 master
+            if s.master_key:
+                model[s.key].copy_(model[s.master_key])
+        for state in (moments or {}).values():
+            state["step"] = sd["optimizer"]["step"].clone()
+        return {
+            "model": model,
+            "optimizer": {"state": moments} if moments else {},
+            "rng": sd.get("rng", {}).get(f"rank{rank}"),
+        }
+
+    if changes:
+        run.resharded_from = changes
+        how = f"torch_dist, resharded by DCP ({', '.join(changes)}); RNG streams start from this layout's seeds"
+    else:
+        how = "torch_dist, same layout"
+    return finish, how, has_optimizer
+
+
 def _what_loaded(t, has_optimizer: bool, has_rng: bool) -> str:
     """The load's words for the optimizer, the RNG and the position, after the flags that skip them."""
     if t.finetune:
@@ -426,13 +507,16 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
     try:
         found = locate_checkpoint(directory, iteration)
         if found:
-            state, how, has_optimizer = _read_state(run, *found, weights_only=t.finetune or not t.load_optim)
+            read = _prepare_dcp if found[1]["format"] == DCP_FORMAT else _read_state
+            state, how, has_optimizer = read(run, *found, weights_only=t.finetune or not t.load_optim)
     except CheckpointError as e:
         error = e
     _agree(run, error)
     if found is None:
         return None
     path, meta = found
+    if callable(state):  # torch_dist: DCP's collective read, every rank having checked its part
+        state = state()
     _restore(run, path, state)
     rng = state.get("rng") or None
     # set just before the first step (training/step.py), so that nothing the set-up draws after this
