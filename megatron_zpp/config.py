@@ -498,6 +498,18 @@ class TrainConfig:
         "--finetune",
         "load weights only (no AdamW state, no RNG) and start at iteration 0 with 0 samples consumed",
     )
+    pretrained_checkpoint: str | None = opt(
+        None,
+        "--pretrained-checkpoint",
+        "when --load holds no checkpoint (or is not given): start from this one as --finetune does (weights only, "
+        "iteration 0); a requeued job then resumes from its own --load",
+    )
+    exit_on_missing_checkpoint: bool = opt(
+        False,
+        "--exit-on-missing-checkpoint",
+        "a --load that holds no checkpoint is an error even where it is also --save (by default that is the "
+        "first start of a requeued job, from scratch)",
+    )
     save_retain_interval: int | None = opt(
         None,
         "--save-retain-interval",

@@ -447,7 +447,10 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
             retain is None or not t.save_interval or retain <= 0 or retain % t.save_interval == 0,
             f"--save-retain-interval {retain} must be a multiple of --save-interval {t.save_interval}",
         ),
-        (not (t.finetune and t.load is None), "--finetune needs --load DIR (the weights to start from)"),
+        (
+            not (t.finetune and t.load is None and t.pretrained_checkpoint is None),
+            "--finetune needs --load DIR (the weights to start from)",
+        ),
         (
             t.ckpt_format != "torch",
             "--ckpt-format torch (Megatron's legacy per-rank torch.save pickles) is not built: use zpp (the default, "

@@ -482,10 +482,10 @@ def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
     return finish, how, has_optimizer
 
 
-def _what_loaded(t, has_optimizer: bool, has_rng: bool) -> str:
+def _what_loaded(t, finetune: bool, has_optimizer: bool, has_rng: bool) -> str:
     """The load's words for the optimizer, the RNG and the position, after the flags that skip them."""
-    if t.finetune:
-        return "weights only (--finetune: AdamW starts fresh from them, iteration and samples consumed reset to 0)"
+    if finetune:
+        return "weights only (finetune: AdamW starts fresh from them, iteration and samples consumed reset to 0)"
     if not t.load_optim:
         what = "weights only (--no-load-optim: AdamW starts fresh from them)"
     else:
@@ -495,20 +495,22 @@ def _what_loaded(t, has_optimizer: bool, has_rng: bool) -> str:
     return what
 
 
-def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
+def load_checkpoint(run, directory: str, iteration: int | None = None, finetune: bool | None = None) -> str | None:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
     checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
     or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
     what was restored, in words; None (and nothing changed) when there is no checkpoint.
     Every rank reads and checks its part first; if any cannot, all raise CheckpointError.
-    --no-load-optim, --no-load-rng and --finetune (neither, and iteration 0) skip their parts."""
+    --no-load-optim, --no-load-rng and --finetune (neither, and iteration 0; `finetune` overrides it:
+    --pretrained-checkpoint) skip their parts."""
     t = run.cfg.train
+    finetune = t.finetune if finetune is None else finetune
     found, error = None, None
     try:
         found = locate_checkpoint(directory, iteration)
         if found:
             read = _prepare_dcp if found[1]["format"] == DCP_FORMAT else _read_state
-            state, how, has_optimizer = read(run, *found, weights_only=t.finetune or not t.load_optim)
+            state, how, has_optimizer = read(run, *found, weights_only=finetune or not t.load_optim)
     except CheckpointError as e:
         error = e
     _agree(run, error)
@@ -521,14 +523,14 @@ def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | 
     rng = state.get("rng") or None
     # set just before the first step (training/step.py), so that nothing the set-up draws after this
     # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
-    run.pending_rng_state = rng if t.load_rng and not t.finetune else None
+    run.pending_rng_state = rng if t.load_rng and not finetune else None
     run.last_checkpoint = path
     run.load_warning = legacy_warning(meta)  # a checkpoint saved before meta.json.sha256: loaded, unverified
-    if not t.finetune:  # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale
+    if not finetune:  # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale
         run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
         run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
         _restore_train_state(run, meta, scaler=t.load_optim)  # the loss scaler is the optimizer's, as Megatron's
-    what = _what_loaded(t, has_optimizer, rng is not None)
+    what = _what_loaded(t, finetune, has_optimizer, rng is not None)
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
     return (
         f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed (next global batch {batch}); "

@@ -143,3 +143,22 @@ def test_refusals(tmp_path, flags, message):
         argv += ["--save", str(tmp_path)]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(parse_args(argv), 1)
+
+
+def _pretrained(rank, world, root, fresh):
+    _train(["--save", root, "--train-iters", "2"])
+    first, _ = _setup(["--load", fresh, "--save", fresh, "--pretrained-checkpoint", root, "--train-iters", "3"])
+    _, log = _setup(["--load", fresh, "--save", fresh, "--train-iters", "3", "--override-checkpoint"])
+    try:
+        _setup(["--load", fresh, "--save", fresh, "--train-iters", "3", "--exit-on-missing-checkpoint"])
+    except Exception as e:  # noqa: BLE001
+        return first.iteration, log, str(e)
+    return first.iteration, log, None
+
+
+def test_pretrained_checkpoint_and_exit_on_missing(tmp_path):
+    root, fresh = str(tmp_path / "root"), str(tmp_path / "fresh")
+    iteration, log, error = run_distributed(_pretrained, 1, root, fresh)[0]
+    assert iteration == 0  # --load held nothing: a finetune from --pretrained-checkpoint
+    assert "starting from scratch" in log  # --load is --save, empty: a requeued job's first start
+    assert error and "holds no checkpoint (no 'latest', no meta.json) (--exit-on-missing-checkpoint)" in error
