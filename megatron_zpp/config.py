@@ -510,6 +510,12 @@ class TrainConfig:
         "a --load that holds no checkpoint is an error even where it is also --save (by default that is the "
         "first start of a requeued job, from scratch)",
     )
+    override_ckpt_iteration: int | None = opt(
+        None,
+        "--override-ckpt-iteration",
+        "after --load: continue as at iteration N, with N x --global-batch-size samples consumed (so the data "
+        "replays from there), whatever the checkpoint says",
+    )
     save_retain_interval: int | None = opt(
         None,
         "--save-retain-interval",

@@ -448,6 +448,19 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
             f"--save-retain-interval {retain} must be a multiple of --save-interval {t.save_interval}",
         ),
         (
+            t.override_ckpt_iteration is None or t.override_ckpt_iteration >= 0,
+            f"--override-ckpt-iteration must be >= 0 (got {t.override_ckpt_iteration})",
+        ),
+        (
+            t.override_ckpt_iteration is None or not t.rampup_batch_size,
+            "--override-ckpt-iteration takes N x --global-batch-size samples as consumed (Megatron's rule), which "
+            "a --rampup-batch-size run did not consume: drop one of them",
+        ),
+        (
+            t.override_ckpt_iteration is None or t.load is not None or t.pretrained_checkpoint is not None,
+            "--override-ckpt-iteration needs --load DIR (the checkpoint whose iteration it replaces)",
+        ),
+        (
             not (t.finetune and t.load is None and t.pretrained_checkpoint is None),
             "--finetune needs --load DIR (the weights to start from)",
         ),

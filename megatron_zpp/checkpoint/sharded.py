@@ -197,7 +197,7 @@ def save_checkpoint(run, directory: str) -> str:
         write = lambda: written.append(write_rank_file(tmp, run.rank, state))  # noqa: E731
         job.problem = _os_problem(write, job.iteration, directory)
         job.digest = written[0] if written else job.digest
-    _complete(run, job)
+    _complete_save(run, job)
     return final
 
 
@@ -209,12 +209,12 @@ def finish_async_save(run) -> str | None:
         return None
     run.pending_save = None
     job.wait()
-    _complete(run, job)
+    _complete_save(run, job)
     log(f"saved checkpoint {job.final} (written in the background, --async-save)", run.rank)
     return job.final
 
 
-def _complete(run, job: SaveJob) -> None:
+def _complete_save(run, job: SaveJob) -> None:
     """Every rank's digest and status to every rank; rank 0 seals the save if every file was written."""
     world = run.groups.world
     digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
@@ -531,6 +531,10 @@ def load_checkpoint(run, directory: str, iteration: int | None = None, finetune:
         run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
         _restore_train_state(run, meta, scaler=t.load_optim)  # the loss scaler is the optimizer's, as Megatron's
     what = _what_loaded(t, finetune, has_optimizer, rng is not None)
+    if t.override_ckpt_iteration is not None:  # Megatron's: the data replays from that iteration on
+        run.iteration, run.skipped_samples = t.override_ckpt_iteration, 0
+        run.consumed_samples = t.override_ckpt_iteration * t.global_batch_size
+        what += f"; --override-ckpt-iteration {run.iteration}: {run.consumed_samples} samples consumed"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
     return (
         f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed (next global batch {batch}); "

@@ -253,7 +253,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
     err = capfd.readouterr().err
     # gloo says "Connection closed by peer" or "Read error [...]: Connection reset by peer"
     assert re.search(
-        r"^error: rank 0: lost a peer in save_checkpoint \(.*\): .*Connection (closed|reset) by peer.*"
+        r"^error: rank 0: lost a peer in (save_checkpoint|_complete_save) \(.*\): .*Connection (closed|reset) by peer.*"
         rf"resume from the last checkpoint with --load {re.escape(ckpt)}$",
         err,
         re.M,

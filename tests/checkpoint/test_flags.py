@@ -52,6 +52,7 @@ def _load_flags(rank, world, root, weights_dir):
         "no_optim": ["--no-load-optim"],
         "no_rng": ["--no-load-rng"],
         "finetune": ["--finetune"],
+        "override": ["--override-ckpt-iteration", "1"],
     }.items():
         run, log = _setup(["--load", root, "--train-iters", "4", *flags])
         moments = len(run.dp.optimizer.state_dict()["state"])
@@ -74,6 +75,7 @@ def test_no_load_optim_rng_and_finetune(tmp_path):
     assert out["no_rng"] == (2, 4, n_params, True)
     assert "RNG states not loaded (--no-load-rng" in out["no_rng_log"]
     assert out["finetune"] == (0, 0, 0, True)
+    assert out["override"] == (1, 1 * 2, n_params, False)  # Megatron's rule: N x the global batch (2)
     assert "iteration 0, 0 samples consumed" in out["finetune_log"]
     # a finetune is a fresh run from the checkpoint's weights: as a weights-only checkpoint of them
     assert out["finetune_losses"] == out["weights_losses"]
@@ -134,6 +136,7 @@ def test_save_retain_interval(tmp_path):
         ("--save-retain-interval 3 --save-interval 2", "--save-retain-interval 3 must be a multiple of --save-inte"),
         ("--save-retain-interval 2", "--save-retain-interval needs --save DIR"),
         ("--finetune", "--finetune needs --load DIR"),
+        ("--override-ckpt-iteration 3", "--override-ckpt-iteration needs --load DIR"),
         ("--ckpt-format torch", "--ckpt-format torch (Megatron's legacy per-rank torch.save pickles) is not built"),
     ],
 )
