@@ -181,17 +181,18 @@ def save_checkpoint(run, directory: str) -> str:
     state = _rank_state(run, host=background)
     job = SaveJob(
         directory, final, tmp, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
-        dict(getattr(run, "tracking", None) or {}), _train_state(run), bad=nonfinite_tensors(state),
+        dict(getattr(run, "tracking", None) or {}), _train_state(run),
     )  # fmt: skip
+    if background:  # the check for non-finite tensors too runs behind the training, on the host copy
+        job.write_in_background(lambda: _check_and_write(job, state))
+        run.pending_save = job
+        return final
+    job.bad = nonfinite_tensors(state)
     if run.cfg.train.ckpt_format in DCP_FORMATS:
         _save_dcp(run, job, state)
         return final
     if job.bad:  # such a file is not written, and no rank seals the save
         pass
-    elif background:
-        job.write_in_background(lambda: write_rank_file(tmp, run.rank, state))
-        run.pending_save = job
-        return final
     else:
         written = []
         write = lambda: written.append(write_rank_file(tmp, run.rank, state))  # noqa: E731
@@ -199,6 +200,12 @@ def save_checkpoint(run, directory: str) -> str:
         job.digest = written[0] if written else job.digest
     _complete_save(run, job)
     return final
+
+
+def _check_and_write(job: SaveJob, state: dict) -> str:
+    """--async-save's thread: this rank's file, unless a tensor is non-finite (then no rank seals the save)."""
+    job.bad = nonfinite_tensors(state)
+    return job.digest if job.bad else write_rank_file(job.tmp, state["rank"], state)
 
 
 def finish_async_save(run) -> str | None:

@@ -165,3 +165,22 @@ def test_pretrained_checkpoint_and_exit_on_missing(tmp_path):
     assert iteration == 0  # --load held nothing: a finetune from --pretrained-checkpoint
     assert "starting from scratch" in log  # --load is --save, empty: a requeued job's first start
     assert error and "holds no checkpoint (no 'latest', no meta.json) (--exit-on-missing-checkpoint)" in error
+
+
+def _async_nonfinite(rank, world, root):
+    from megatron_zpp.checkpoint.sharded import finish_async_save, save_checkpoint
+
+    run, _ = _setup(["--save", root, "--train-iters", "1", "--async-save"])
+    next(iter(run.dp.model_state_dict().values())).view(-1)[0] = float("nan")
+    save_checkpoint(run, root)  # returns at once: the check runs in the writer thread
+    try:
+        finish_async_save(run)
+    except Exception as e:  # noqa: BLE001
+        return str(e), os.path.exists(os.path.join(root, "latest"))
+    return None, None
+
+
+def test_async_save_refuses_a_nonfinite_state_when_sealing(tmp_path):
+    error, sealed = run_distributed(_async_nonfinite, 1, str(tmp_path / "root"))[0]
+    assert error.startswith(f"refused to save iteration 0 to {tmp_path / 'root'}: 1 non-finite tensors here"), error
+    assert sealed is False
