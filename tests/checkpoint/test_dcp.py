@@ -132,3 +132,19 @@ def _load_error(rank, world, root):
     except CheckpointError as e:
         return str(e)
     return None
+
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+
+
+def _pipeline_runs(rank, world, root):
+    """PP2 x DP2 with ZeRO-1 and the embedding tied to the output (both stages hold it) -> ZeRO-2 over DP4."""
+    for fmt, d in (("torch_dist", "dist"), ("zpp", "ours")):
+        _losses(_setup(PP2 + ["--train-iters", "2", "--save", os.path.join(root, d), "--ckpt-format", fmt], world))
+    load = ["--zero-stage", "2", "--train-iters", "4", "--load"]
+    return [_losses(_setup(load + [os.path.join(root, d)], world)) for d in ("dist", "ours")]
+
+
+def test_torch_dist_reshards_pipeline_stages_with_a_tied_embedding(tmp_path):
+    via_dcp, via_ours = run_distributed(_pipeline_runs, 4, str(tmp_path), timeout=300)[0]
+    assert via_dcp == via_ours and len(via_dcp) == 2
