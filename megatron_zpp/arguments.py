@@ -33,6 +33,7 @@ ALIASES = {
     "--no-position-embedding": ("model", "position_embedding_type", "none"),
     "--use-checkpoint-opt-param-scheduler": ("optim", "use_checkpoint_opt_param_scheduler", True),
     "--override-opt-param-scheduler": ("optim", "override_opt_param_scheduler", True),
+    "--use-dist-ckpt": ("train", "ckpt_format", "torch_dist"),  # deprecated in Megatron-LM for --ckpt-format
 }
 
 

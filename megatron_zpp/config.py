@@ -426,6 +426,12 @@ class DataConfig:
     vocab_file: str | None = opt(None, "--vocab-file", "GPT2BPETokenizer: the vocabulary (GPT-2's vocab.json)")
     merge_file: str | None = opt(None, "--merge-file", "GPT2BPETokenizer: the BPE merges (GPT-2's merges.txt)")
     data_cache_path: str | None = opt(None, "--data-cache-path", "where dataset indices are cached (.npy)")
+    mmap_bin_files: bool = opt(
+        True,
+        "--mmap-bin-files",
+        "memory-map the .bin token files (pages read on demand); --no-mmap-bin-files reads each sample's tokens "
+        "from the file instead, as Megatron's file reader (for file systems where mapping is slow or refused)",
+    )
     reset_position_ids: bool = opt(
         False, "--reset-position-ids", "packed documents: positions restart at 0 after each EOD token"
     )
@@ -567,6 +573,63 @@ class TrainConfig:
     save_interval: int = opt(0, "--save-interval", "save every N steps (0 = at the end only, when --save)")
     ckpt_step: int | None = opt(
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
+    )
+    # Megatron-LM's checkpointing flags (issue 24); sharded.py and async_save.py use them
+    ckpt_format: str = opt(
+        "zpp",
+        "--ckpt-format",
+        "checkpoint format: zpp (this project's: one safetensors file per rank, sha256s in meta.json, resharded "
+        "by our reader), torch_dist or torch_dcp (both torch.distributed.checkpoint, keys the single-rank model's "
+        "names, resharded by DCP); Megatron's torch and fsdp_dtensor are refused",
+        choices=["zpp", "torch_dist", "torch_dcp", "torch", "fsdp_dtensor"],
+    )
+    save_optim: bool = opt(
+        True, "--save-optim", "save the AdamW state (--no-save-optim: weights and fp32 masters only)"
+    )
+    save_rng: bool = opt(True, "--save-rng", "save the RNG states (--no-save-rng: a resume draws from fresh seeds)")
+    load_optim: bool = opt(
+        True,
+        "--load-optim",
+        "load the AdamW state (--no-load-optim: weights and fp32 masters only, AdamW starts fresh from them)",
+    )
+    load_rng: bool = opt(
+        True, "--load-rng", "load the RNG states (--no-load-rng: dropout and the rest draw from this run's seeds)"
+    )
+    finetune: bool = opt(
+        False,
+        "--finetune",
+        "load weights only (no AdamW state, no RNG) and start at iteration 0 with 0 samples consumed",
+    )
+    pretrained_checkpoint: str | None = opt(
+        None,
+        "--pretrained-checkpoint",
+        "when --load holds no checkpoint (or is not given): start from this one as --finetune does (weights only, "
+        "iteration 0); a requeued job then resumes from its own --load",
+    )
+    exit_on_missing_checkpoint: bool = opt(
+        False,
+        "--exit-on-missing-checkpoint",
+        "a --load that holds no checkpoint is an error even where it is also --save (by default that is the "
+        "first start of a requeued job, from scratch)",
+    )
+    override_ckpt_iteration: int | None = opt(
+        None,
+        "--override-ckpt-iteration",
+        "after --load: continue as at iteration N, with N x --global-batch-size samples consumed (so the data "
+        "replays from there), whatever the checkpoint says",
+    )
+    save_retain_interval: int | None = opt(
+        None,
+        "--save-retain-interval",
+        "keep only the checkpoints whose iteration is a multiple of N, and the latest: the previous one is "
+        "deleted once a newer save is complete (a multiple of --save-interval)",
+    )
+    async_save: bool = opt(
+        False,
+        "--async-save",
+        "each rank copies its state to host memory (pinned on CUDA), then writes its file from a background "
+        "thread while training goes on; 'latest' moves when every rank's write is done (checked at the next save "
+        "and at exit)",
     )
     exit_signal_handler: bool = opt(
         False,

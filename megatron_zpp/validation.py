@@ -471,8 +471,54 @@ def _check_checkpointing(cfg: Config, world_size: int) -> list[str]:
                 not unknown,
                 f"--exit-signal {' '.join(unknown)}: not one of {' '.join(EXIT_SIGNALS)}",
             ),
+            *_checkpoint_flag_checks(t),
         ]
     )
+
+
+def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
+    """Megatron's checkpoint flags (issue 24): --save-retain-interval, --finetune, --ckpt-format."""
+    retain = t.save_retain_interval
+    return [
+        (retain is None or retain > 0, f"--save-retain-interval must be > 0 (got {retain})"),
+        (retain is None or t.save is not None, "--save-retain-interval needs --save DIR (whose checkpoints it thins)"),
+        (
+            retain is None or not t.save_interval or retain <= 0 or retain % t.save_interval == 0,
+            f"--save-retain-interval {retain} must be a multiple of --save-interval {t.save_interval}",
+        ),
+        (
+            t.override_ckpt_iteration is None or t.override_ckpt_iteration >= 0,
+            f"--override-ckpt-iteration must be >= 0 (got {t.override_ckpt_iteration})",
+        ),
+        (
+            t.override_ckpt_iteration is None or not t.rampup_batch_size,
+            "--override-ckpt-iteration takes N x --global-batch-size samples as consumed (Megatron's rule), which "
+            "a --rampup-batch-size run did not consume: drop one of them",
+        ),
+        (
+            t.override_ckpt_iteration is None or t.load is not None or t.pretrained_checkpoint is not None,
+            "--override-ckpt-iteration needs --load DIR (the checkpoint whose iteration it replaces)",
+        ),
+        (
+            not (t.finetune and t.load is None and t.pretrained_checkpoint is None),
+            "--finetune needs --load DIR (the weights to start from)",
+        ),
+        (
+            t.ckpt_format != "torch",
+            "--ckpt-format torch (Megatron's legacy per-rank torch.save pickles) is not built: use zpp (the default, "
+            "sharded safetensors) or torch_dist (torch.distributed.checkpoint)",
+        ),
+        (
+            not (t.async_save and t.ckpt_format in ("torch_dist", "torch_dcp")),
+            f"--async-save with --ckpt-format {t.ckpt_format} is not built (DCP's own async save would run "
+            "collectives from its writer thread): drop --async-save, or save --ckpt-format zpp asynchronously",
+        ),
+        (
+            t.ckpt_format != "fsdp_dtensor",
+            "--ckpt-format fsdp_dtensor is Megatron-FSDP's own DCP layout, not built: use torch_dist "
+            "(torch.distributed.checkpoint, keyed by the single-rank model's names) or zpp (the default)",
+        ),
+    ]
 
 
 def _check_optim(cfg: Config, world_size: int) -> list[str]:

@@ -250,7 +250,7 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     state, cfg = hf_gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
     kind = export_kind(cfg)
     remote = kind == "remote"
-    from safetensors.torch import save_file
+    from megatron_zpp.checkpoint.files import save_safetensors
 
     tokenizer = None
     tok_model = tokenizer_model or cfg.data.tokenizer_model
@@ -271,7 +271,7 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     os.makedirs(output, exist_ok=True)
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    save_file(weights, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(weights, os.path.join(output, "model.safetensors"), {"format": "pt"})
     if remote:
         hf_gla.write_remote_code(output)
     if tokenizer_model and not os.path.isfile(tokenizer_model):

@@ -4,7 +4,8 @@
 
 Every rank file is checked against meta.json's sha256 and read as safetensors (nothing unpickled);
 the parameters are reassembled by `reshard.SavedCheckpoint` (the same reader that
-reshards a checkpoint into another layout on load), from the fp32 master weights.
+reshards a checkpoint into another layout on load), from the fp32 master weights. A torch_dist
+checkpoint (dcp.py) is checked the same way and assembled by DCP.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 import torch
 
 from ..progress import progress
-from .files import find_checkpoint, legacy_warning
+from .dcp import full_weights
+from .files import DCP_FORMAT, find_checkpoint, legacy_warning
 from .layout import config_from_dict
 from .reshard import SavedCheckpoint
 
@@ -25,6 +27,8 @@ def consolidate(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     path, meta = find_checkpoint(ckpt_dir)
     if legacy_warning(meta):  # saved before meta.json.sha256: read, meta.json unverified
         print(f"warning: {legacy_warning(meta)}", file=sys.stderr)
+    if meta["format"] == DCP_FORMAT:  # --ckpt-format torch_dist: DCP assembles the full tensors
+        return dict(sorted(full_weights(path, meta).items())), meta["config"]
     saved = SavedCheckpoint(path, meta)
     names = progress(saved.names(), "consolidating", unit=" tensors")
     return {name: saved.full(name, moments=False)["param"] for name in names}, meta["config"]

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT = "megatron_zpp.sharded.v3"  # v2: ZeRO files hold the fp32 masters only; v3: safetensors
+DCP_FORMAT = "megatron_zpp.torch_dist.v1"  # --ckpt-format torch_dist: torch.distributed.checkpoint files (dcp.py)
 
 
 class CheckpointError(RuntimeError):
@@ -30,6 +32,31 @@ def iter_name(iteration: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process's umask (read without changing it
+    where /proc says it, so that a writer thread never sees a umask of 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, which creates its files 0600, then the usual mode (0644 under umask 022)."""
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, new_file_mode())
 
 
 def fsync_write(path: str, data: bytes) -> None:
@@ -96,7 +123,7 @@ def write_rank_file(tmp: str, rank: int, state: dict) -> str:
     """Write one rank's file (fsynced, renamed into place); its sha256."""
     path = os.path.join(tmp, rank_file(rank))
     tensors, skeleton = _flatten(state)
-    save_file(tensors, path + ".tmp", metadata={"megatron_zpp": json.dumps(skeleton)})
+    save_safetensors(tensors, path + ".tmp", {"megatron_zpp": json.dumps(skeleton)})
     fsync_path(path + ".tmp")
     os.replace(path + ".tmp", path)
     return sha256_of(path)  # read back from the page cache
@@ -236,8 +263,8 @@ def meta_problem(meta) -> str | None:
     """Why `meta` is not a meta.json this code wrote (None when its shape and types are right)."""
     if not isinstance(meta, dict):
         return f"is {_type_name(type(meta))}, not an object"
-    if meta.get("format") != FORMAT:
-        return f"unknown format {meta.get('format')!r} (expected {FORMAT})"
+    if meta.get("format") not in (FORMAT, DCP_FORMAT):
+        return f"unknown format {meta.get('format')!r} (expected {FORMAT} or {DCP_FORMAT})"
     for name, tp in META_FIELDS.items():
         if name not in meta:
             return f"field {name!r} is missing"
@@ -251,7 +278,10 @@ def meta_problem(meta) -> str | None:
     bad = [k for k, v in meta["files"].items() if not isinstance(v, str)]
     if bad:
         return f"field 'files.{bad[0]}' is {_type_name(type(meta['files'][bad[0]]))}, expected a string"
-    if sorted(meta["files"]) != [rank_file(r) for r in range(meta["world_size"])]:
+    if meta["format"] == DCP_FORMAT:
+        if ".metadata" not in meta["files"]:
+            return "field 'files' does not list DCP's .metadata"
+    elif sorted(meta["files"]) != [rank_file(r) for r in range(meta["world_size"])]:
         return f"field 'files' does not list the {meta['world_size']} rank files of 'world_size'"
     return _config_problem(meta["config"])
 

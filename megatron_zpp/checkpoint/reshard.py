@@ -26,7 +26,7 @@ import torch
 
 from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
-from .files import CheckpointError, RankFile, open_rank_file
+from .files import DCP_FORMAT, CheckpointError, RankFile, open_rank_file
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
@@ -37,6 +37,11 @@ class SavedCheckpoint:
     """One checkpoint directory of any layout, readable parameter by parameter."""
 
     def __init__(self, path: str, meta: dict):
+        if meta["format"] == DCP_FORMAT:
+            raise CheckpointError(
+                f"{path} is a --ckpt-format torch_dist checkpoint: load it with --load (DCP reshards it to any "
+                "layout), or read it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+            )
         self.path, self.meta = path, meta
         self.cfg = config_from_dict(meta["config"])
         self.vocab = meta["padded_vocab_size"]

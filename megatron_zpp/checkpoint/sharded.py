@@ -43,8 +43,13 @@ import shutil
 import torch
 
 from .. import comm
+from ..logging_utils import log
 from ..zero.sharded_params import pad_block
+from . import dcp
+from .async_save import SaveJob, host_snapshot
+from .dcp import DCP_FORMATS
 from .files import (
+    DCP_FORMAT,
     FORMAT,
     CheckpointError,
     fsync_path,
@@ -58,6 +63,7 @@ from .files import (
     write_meta,
     write_rank_file,
 )
+from .layout import rank_layout
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state
 
@@ -91,18 +97,25 @@ def layout_changes(meta: dict, cfg) -> list[str]:
 
 
 # ---- save ---------------------------------------------------------------------------------
-def _rank_state(run) -> dict:
-    """What this rank saves: a snapshot (the live tensors go on changing)."""
-    state = run.dp.state_dict()
+def _rank_state(run, host: bool) -> dict:
+    """What this rank saves: a snapshot of the weights (the live tensors go on changing), and of
+    everything in host memory when `host` (--async-save: written later, from a thread).
+    --no-save-optim and --no-save-rng leave their entries empty, as in a weights-only save."""
+    state, t = run.dp.state_dict(), run.cfg.train
+    optimizer = state["optimizer"] if t.save_optim else {}
     return {
         "rank": run.rank,  # these three are cross-checked against meta.json on every read (files.py)
         "iteration": run.iteration,
         "consumed_samples": run.consumed_samples,
         "layout": layout_of(run.cfg),
-        "model": {k: t.detach().clone() for k, t in state["model"].items()},
-        "optimizer": state["optimizer"],
-        "rng": get_rng_state(),
+        "model": host_snapshot(state["model"], run.device) if host else _clone(state["model"]),
+        "optimizer": host_snapshot(optimizer, run.device) if host else optimizer,
+        "rng": get_rng_state() if t.save_rng else {},
     }
+
+
+def _clone(tensors: dict) -> dict:
+    return {k: t.detach().clone() for k, t in tensors.items()}
 
 
 def _start(directory: str, iteration: int) -> tuple[str, str]:
@@ -124,16 +137,16 @@ def _seal(
     iteration: int,
     consumed: int,
     padded_vocab: int,
-    digests: list[str],
+    files: dict[str, str],
     tracking: dict | None = None,
     train_state: dict | None = None,
+    fmt: str = FORMAT,
 ) -> None:
-    """Write meta.json (with every rank file's sha256, the run's `tracking` metadata and its
+    """Write meta.json (with every file's sha256, the run's `tracking` metadata and its
     `train_state`: the loss scaler and skipped steps), rename tmp to final, then point `latest` at it."""
-    files = {rank_file(r): d for r, d in enumerate(digests)}
     world = cfg.parallel.world_size
     meta = {
-        "format": FORMAT,
+        "format": fmt,
         "iteration": iteration,
         "consumed_samples": consumed,
         "padded_vocab_size": padded_vocab,
@@ -158,51 +171,132 @@ def _seal(
 def save_checkpoint(run, directory: str) -> str:
     """Collective: every rank writes its file; rank 0 seals the directory and `latest`. A save that
     fails anywhere (a non-finite tensor, an OSError such as a full disk) fails on every rank with
-    one line, `latest` left where it was."""
+    one line, `latest` left where it was. With --async-save the files are written by a thread from
+    a host copy and the save is sealed by finish_async_save (at the next save, or at exit)."""
+    finish_async_save(run)  # the previous one first: every rank, in the same order
     final, tmp = _start(directory, run.iteration)
-    problem = _os_problem(lambda: _fresh_dir(tmp), run, directory) if run.rank == 0 else None
+    problem = _os_problem(lambda: _fresh_dir(tmp), run.iteration, directory) if run.rank == 0 else None
     _agree_saved(run, problem, directory, tmp)  # also: tmp exists before any rank writes into it
-    state = _rank_state(run)
-    bad = nonfinite_tensors(state)  # such a file is not written, and no rank seals the save
-    digest = "00" * 32
-    if not bad:
+    background = run.cfg.train.async_save
+    state = _rank_state(run, host=background)
+    job = SaveJob(
+        directory, final, tmp, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
+        dict(getattr(run, "tracking", None) or {}), _train_state(run),
+    )  # fmt: skip
+    if background:  # the check for non-finite tensors too runs behind the training, on the host copy
+        job.write_in_background(lambda: _check_and_write(job, state))
+        run.pending_save = job
+        return final
+    job.bad = nonfinite_tensors(state)
+    if run.cfg.train.ckpt_format in DCP_FORMATS:
+        _save_dcp(run, job, state)
+        return final
+    if job.bad:  # such a file is not written, and no rank seals the save
+        pass
+    else:
         written = []
-        problem = _os_problem(lambda: written.append(write_rank_file(tmp, run.rank, state)), run, directory)
-        digest = written[0] if written else digest
-    # each rank hashed its own file; every rank gets the digests and each rank's status (byte 32)
-    world = run.groups.world
-    digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
-    status = 1 if bad else 2 if problem else 0
-    mine = torch.tensor([*bytes.fromhex(digest), status], dtype=torch.uint8, device=run.device).view(1, 33)
-    comm.all_gather(digests, mine, world, "checkpoint_digests")
-    statuses = [int(d[32]) for d in digests.cpu()]
-    if 1 in statuses:
-        _refuse_nonfinite(run, directory, tmp, [r for r, v in enumerate(statuses) if v == 1], bad)
-    if 2 in statuses:
-        failed = [r for r, v in enumerate(statuses) if v == 2]
-        _agree_saved(run, problem or f"rank(s) {failed} could not write their files", directory, tmp)
-    if run.rank == 0:
-        digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
-        problem = _os_problem(lambda: _seal_run(run, directory, final, tmp, digests_hex), run, directory)
-    _agree_saved(run, problem, directory, tmp)
-    run.last_checkpoint = final
+        write = lambda: written.append(write_rank_file(tmp, run.rank, state))  # noqa: E731
+        job.problem = _os_problem(write, job.iteration, directory)
+        job.digest = written[0] if written else job.digest
+    _complete_save(run, job)
     return final
 
 
-def _seal_run(run, directory: str, final: str, tmp: str, digests: list[str]) -> None:
-    tracking = getattr(run, "tracking", None)  # rank 0's: the rank that logs
-    cfg, vocab = run.cfg, run.tokenizer.padded_vocab_size
-    _seal(directory, final, tmp, cfg, run.iteration, run.consumed_samples, vocab, digests, tracking, _train_state(run))
+def _check_and_write(job: SaveJob, state: dict) -> str:
+    """--async-save's thread: this rank's file, unless a tensor is non-finite (then no rank seals the save)."""
+    job.bad = nonfinite_tensors(state)
+    return job.digest if job.bad else write_rank_file(job.tmp, state["rank"], state)
 
 
-def _os_problem(action, run, directory: str) -> str | None:
+def finish_async_save(run) -> str | None:
+    """Collective (every rank, at the same points): wait for this rank's --async-save write in flight,
+    then seal that save as a synchronous one is sealed. Its iteration dir, or None when none was in flight."""
+    job = getattr(run, "pending_save", None)
+    if job is None:
+        return None
+    run.pending_save = None
+    job.wait()
+    _complete_save(run, job)
+    log(f"saved checkpoint {job.final} (written in the background, --async-save)", run.rank)
+    return job.final
+
+
+def _complete_save(run, job: SaveJob) -> None:
+    """Every rank's digest and status to every rank; rank 0 seals the save if every file was written."""
+    world = run.groups.world
+    digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
+    status = 1 if job.bad else 2 if job.problem else 0
+    mine = torch.tensor([*bytes.fromhex(job.digest), status], dtype=torch.uint8, device=run.device).view(1, 33)
+    comm.all_gather(digests, mine, world, "checkpoint_digests")
+    statuses = [int(d[32]) for d in digests.cpu()]
+    if 1 in statuses:
+        _refuse_nonfinite(run, job, [r for r, v in enumerate(statuses) if v == 1])
+    if 2 in statuses:
+        failed = [r for r, v in enumerate(statuses) if v == 2]
+        _agree_saved(run, job.problem or f"rank(s) {failed} could not write their files", job.directory, job.tmp)
+    problem = None
+    if run.rank == 0:
+        digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
+        files = {rank_file(r): d for r, d in enumerate(digests_hex)}
+        problem = _os_problem(lambda: _seal_run(run, job, files), job.iteration, job.directory)
+    _agree_saved(run, problem, job.directory, job.tmp)
+    run.last_checkpoint = job.final
+
+
+def _seal_run(run, job: SaveJob, files: dict[str, str], fmt: str = FORMAT) -> None:
+    d, cfg = job.directory, run.cfg
+    previous = _latest_iteration(d)
+    at = (job.iteration, job.consumed, job.padded_vocab)
+    _seal(d, job.final, job.tmp, cfg, *at, files, job.tracking, job.train_state, fmt)
+    retain = cfg.train.save_retain_interval
+    if retain and previous and previous != job.iteration and previous % retain:
+        # Megatron's --save-retain-interval: the checkpoint `latest` named before goes once a newer one is complete
+        shutil.rmtree(os.path.join(d, iter_name(previous)), ignore_errors=True)
+        log(f"--save-retain-interval {retain}: deleted {os.path.join(d, iter_name(previous))}", run.rank)
+
+
+def _save_dcp(run, job: SaveJob, state: dict) -> None:
+    """--ckpt-format torch_dist: every rank's boxes through DCP into tmp (a collective, so every rank
+    first learns whether any holds a non-finite tensor); rank 0 hashes DCP's files and seals."""
+    problem = None
+    if job.bad:
+        problem = (
+            f"refused to save iteration {job.iteration}: {len(job.bad)} non-finite tensors, the first {job.bad[0]}"
+        )
+    _agree_saved(run, problem, job.directory, job.tmp)
+    lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
+    moments = state["optimizer"].get("state") if state["optimizer"] else None
+    sd = dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
+    try:
+        dcp.save(sd, job.tmp)
+    except Exception as e:  # noqa: BLE001  (DCP raises on every rank alike: a full disk, an unwritable dir)
+        problem = f"cannot save iteration {job.iteration} to {job.directory}: {type(e).__name__}: {e}"
+    _agree_saved(run, problem, job.directory, job.tmp)
+    if run.rank == 0:
+        seal = lambda: _seal_run(run, job, dcp.dcp_files(job.tmp), DCP_FORMAT)  # noqa: E731
+        problem = _os_problem(seal, job.iteration, job.directory)
+    _agree_saved(run, problem, job.directory, job.tmp)
+    run.last_checkpoint = job.final
+
+
+def _latest_iteration(directory: str) -> int | None:
+    """The iteration `latest` names now (None when there is none or it is not ours)."""
+    try:
+        with open(os.path.join(directory, "latest")) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+def _os_problem(action, iteration: int, directory: str) -> str | None:
     """Run `action`; an OSError (full disk, read-only file system) as one line, else None."""
     try:
         action()
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         why = f"{e.strerror or e}{where}; free space or give another --save"
-        return f"cannot save iteration {run.iteration} to {directory}: {why}"
+        return f"cannot save iteration {iteration} to {directory}: {why}"
     return None
 
 
@@ -224,13 +318,16 @@ def _agree_saved(run, problem: str | None, directory: str, tmp: str) -> None:
     raise CheckpointError(f"{problem or 'another rank could not save (its line says why)'}; {_kept(directory)}")
 
 
-def _refuse_nonfinite(run, directory: str, tmp: str, flagged: list[int], bad: list[str]) -> None:
+def _refuse_nonfinite(run, job: SaveJob, flagged: list[int]) -> None:
     """No rank seals a save in which any rank holds a non-finite tensor: `latest` stays where it was."""
     comm.barrier()  # every rank is done with tmp
     if run.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(job.tmp, ignore_errors=True)
+    bad = job.bad
     mine = f"{len(bad)} non-finite tensors here, the first {bad[0]}" if bad else f"non-finite on ranks {flagged}"
-    raise CheckpointError(f"refused to save iteration {run.iteration} to {directory}: {mine}; {_kept(directory)}")
+    raise CheckpointError(
+        f"refused to save iteration {job.iteration} to {job.directory}: {mine}; {_kept(job.directory)}"
+    )
 
 
 def _train_state(run) -> dict:
@@ -248,13 +345,13 @@ def _train_state(run) -> dict:
     }
 
 
-def _restore_train_state(run, meta: dict) -> None:
+def _restore_train_state(run, meta: dict, scaler: bool = True) -> None:
     state = meta.get("train_state") or {}
     run.skipped_iterations = int(state.get("skipped_iterations", 0))
     run.skipped_samples = int(state.get("skipped_samples", 0))
     valid = state.get("consumed_valid_samples")  # absent: derived from the iteration (training/evaluation.py)
     run.consumed_valid_samples = int(valid) if valid is not None else None
-    if run.loss_scaler is not None and state.get("loss_scaler"):
+    if scaler and run.loss_scaler is not None and state.get("loss_scaler"):
         run.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
@@ -279,7 +376,7 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
             "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
         },
     )
-    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], [digest])
+    _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], {rank_file(0): digest})
     return final
 
 
@@ -327,50 +424,133 @@ def _restore(run, path: str, state: dict) -> None:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _read_state(run, path: str, meta: dict) -> tuple[dict, str, bool]:
-    """(this rank's state to restore, how it was read, whether it has AdamW state), checked."""
+def _read_state(run, path: str, meta: dict, weights_only: bool) -> tuple[dict, str, bool]:
+    """(this rank's state to restore, how it was read, whether it has AdamW state), checked; with
+    `weights_only` (--no-load-optim, --finetune) the AdamW state is not read (moments) or dropped."""
     vocab = run.tokenizer.padded_vocab_size
     check_same_model(path, meta, run.cfg, vocab)
     changes = layout_changes(meta, run.cfg)
     if changes:
         saved = SavedCheckpoint(path, meta)
+        has_optimizer = saved.step is not None
+        if weights_only:
+            saved.step = None  # the fp32 masters only
         dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
         state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
         run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
         how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
-        return {"model": state["model"], "optimizer": {"state": state["optimizer_state"]}}, how, saved.step is not None
+        optimizer = {} if weights_only else {"state": state["optimizer_state"]}
+        return {"model": state["model"], "optimizer": optimizer}, how, has_optimizer
     state = read_rank_file(path, meta, run.rank, map_location=run.device)
     _check_tensors(run, path, meta, state["model"])
-    return state, "same layout", bool(state["optimizer"])  # a weights-only checkpoint (save_weights) has none
+    has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
+    if weights_only:
+        state["optimizer"] = {}
+    return state, "same layout", has_optimizer
 
 
-def load_checkpoint(run, directory: str, iteration: int | None = None) -> str | None:
+def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
+    """A torch_dist checkpoint: checked (sha256s, every tensor's saved shape), and the buffers DCP
+    will fill; returns (the collective load to run once every rank agreed, how, has AdamW state)."""
+    vocab, rank = run.tokenizer.padded_vocab_size, run.rank
+    check_same_model(path, meta, run.cfg, vocab)
+    dcp.check_files(path, meta)
+    saved = dcp.saved_keys(path)
+    lay = rank_layout(run.cfg, vocab, rank)
+    for s in lay.slots:
+        got = getattr(saved.get(f"model.{s.name}"), "size", None)
+        if got is None or tuple(got) != tuple(s.full_shape):
+            raise CheckpointError(
+                f"{path}: model.{s.name} is saved as {tuple(got) if got else 'nothing'}, this run's is "
+                f"{tuple(s.full_shape)} (a torch_dist checkpoint reshards at the same padded vocabulary: "
+                "--make-vocab-size-divisible-by x TP)"
+            )
+    has_optimizer = "optimizer.step" in saved
+    changes = layout_changes(meta, run.cfg)
+    dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+    model = {k: torch.zeros(shape, dtype=torch.float32 if m else dtype) for k, (shape, m) in lay.tensors.items()}
+    moments = None
+    if has_optimizer and not weights_only:
+        moments = {j: {"step": torch.zeros(()), "exp_avg": torch.zeros(sh), "exp_avg_sq": torch.zeros(sh)}
+                   for j, sh in enumerate(lay.opt_shapes)}  # fmt: skip
+    rng_saved = any(k.startswith(f"rng.rank{rank}.") for k in saved)
+    rng = get_rng_state() if rng_saved and not changes else None  # the structure DCP fills
+    sd = dcp.state_dict_of(lay, model, moments, rng, rank)
+
+    def finish() -> dict:
+        dcp.load(sd, path)
+        for s in lay.slots:  # plain DP in 16 bits: the training-dtype weight from its fp32 master
+            if s.master_key:
+                model[s.key].copy_(model[s.master_key])
+        for state in (moments or {}).values():
+            state["step"] = sd["optimizer"]["step"].clone()
+        return {
+            "model": model,
+            "optimizer": {"state": moments} if moments else {},
+            "rng": sd.get("rng", {}).get(f"rank{rank}"),
+        }
+
+    if changes:
+        run.resharded_from = changes
+        how = f"torch_dist, resharded by DCP ({', '.join(changes)}); RNG streams start from this layout's seeds"
+    else:
+        how = "torch_dist, same layout"
+    return finish, how, has_optimizer
+
+
+def _what_loaded(t, finetune: bool, has_optimizer: bool, has_rng: bool) -> str:
+    """The load's words for the optimizer, the RNG and the position, after the flags that skip them."""
+    if finetune:
+        return "weights only (finetune: AdamW starts fresh from them, iteration and samples consumed reset to 0)"
+    if not t.load_optim:
+        what = "weights only (--no-load-optim: AdamW starts fresh from them)"
+    else:
+        what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
+    if has_rng and not t.load_rng:
+        what += "; RNG states not loaded (--no-load-rng: this run's seeds)"
+    return what
+
+
+def load_checkpoint(run, directory: str, iteration: int | None = None, finetune: bool | None = None) -> str | None:
     """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
     checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
     or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
     what was restored, in words; None (and nothing changed) when there is no checkpoint.
-    Every rank reads and checks its part first; if any cannot, all raise CheckpointError."""
+    Every rank reads and checks its part first; if any cannot, all raise CheckpointError.
+    --no-load-optim, --no-load-rng and --finetune (neither, and iteration 0; `finetune` overrides it:
+    --pretrained-checkpoint) skip their parts."""
+    t = run.cfg.train
+    finetune = t.finetune if finetune is None else finetune
     found, error = None, None
     try:
         found = locate_checkpoint(directory, iteration)
         if found:
-            state, how, has_optimizer = _read_state(run, *found)
+            read = _prepare_dcp if found[1]["format"] == DCP_FORMAT else _read_state
+            state, how, has_optimizer = read(run, *found, weights_only=finetune or not t.load_optim)
     except CheckpointError as e:
         error = e
     _agree(run, error)
     if found is None:
         return None
     path, meta = found
+    if callable(state):  # torch_dist: DCP's collective read, every rank having checked its part
+        state = state()
     _restore(run, path, state)
+    rng = state.get("rng") or None
     # set just before the first step (training/step.py), so that nothing the set-up draws after this
     # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
-    run.pending_rng_state = state.get("rng") or None
-    run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
-    run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
+    run.pending_rng_state = rng if t.load_rng and not finetune else None
     run.last_checkpoint = path
     run.load_warning = legacy_warning(meta)  # a checkpoint saved before meta.json.sha256: loaded, unverified
-    _restore_train_state(run, meta)
-    what = "weights and AdamW state" if has_optimizer else "weights only (the checkpoint has no optimizer state)"
+    if not finetune:  # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale
+        run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
+        run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
+        _restore_train_state(run, meta, scaler=t.load_optim)  # the loss scaler is the optimizer's, as Megatron's
+    what = _what_loaded(t, finetune, has_optimizer, rng is not None)
+    if t.override_ckpt_iteration is not None:  # Megatron's: the data replays from that iteration on
+        run.iteration, run.skipped_samples = t.override_ckpt_iteration, 0
+        run.consumed_samples = t.override_ckpt_iteration * t.global_batch_size
+        what += f"; --override-ckpt-iteration {run.iteration}: {run.consumed_samples} samples consumed"
     batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
     return (
         f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed (next global batch {batch}); "

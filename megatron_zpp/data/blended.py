@@ -126,8 +126,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
 
-def _split_dataset(prefix: str, split_id: int, fractions, num_samples, seq_length, seed, cache_dir, build):
-    indexed = open_indexed(prefix)
+def _split_dataset(prefix: str, split_id: int, fractions, num_samples, seq_length, seed, cache_dir, build, mmap_bin):
+    indexed = open_indexed(prefix, mmap_bin)
     rng = split_ranges(fractions, len(indexed))[split_id]
     if rng is None:
         return None
@@ -143,8 +143,9 @@ def split_tokens(prefix: str, split_id: int, fractions) -> int:
     return 0 if rng is None else int(indexed.sequence_lengths[rng[0] : rng[1]].sum(dtype=np.int64))
 
 
-def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build):
-    """[train, valid, test] for one prefix or a blend; a split is None when no dataset has documents in it."""
+def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build, mmap_bin=True):
+    """[train, valid, test] for one prefix or a blend; a split is None when no dataset has documents in it
+    (`mmap_bin`: whether the .bin files are memory-mapped, IndexedDataset)."""
     for p in prefixes:
         for ext in (".idx", ".bin"):
             if not os.path.isfile(p + ext):
@@ -155,7 +156,7 @@ def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_sam
     for s in range(3):
         want = num_samples[s]
         if len(prefixes) == 1:
-            out.append(_split_dataset(prefixes[0], s, fractions, want, seq_length, seed, cache_dir, build))
+            out.append(_split_dataset(prefixes[0], s, fractions, want, seq_length, seed, cache_dir, build, mmap_bin))
             continue
         # Megatron's unweighted rule: proportional to size (tokens of this split).
         w = weights if weights is not None else [split_tokens(p, s, fractions) for p in prefixes]
@@ -168,7 +169,8 @@ def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_sam
         shares = [wi / total for _, wi in members]
         per = [max(math.ceil(sh * want * (1 + SURPLUS)), math.floor(sh * want) + 2) if want else 0 for sh in shares]
         datasets = [
-            _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build) for (p, _), n in zip(members, per)
+            _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build, mmap_bin)
+            for (p, _), n in zip(members, per)
         ]
         # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
         size = want if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))

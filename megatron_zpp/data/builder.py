@@ -39,8 +39,10 @@ def build_gpt_datasets(
     cache_path: str | None,
     is_builder: bool,
     barrier: Callable[[], None],
+    mmap_bin: bool = True,
 ):
-    """(train, valid, test) datasets, each None when its split has no documents.
+    """(train, valid, test) datasets, each None when its split has no documents (their .bin files
+    memory-mapped, or read sample by sample without `mmap_bin`: --no-mmap-bin-files).
 
     The builder rank builds (or finds) every cached index, then calls barrier(); the other ranks
     call barrier() and then load. Every rank calls barrier() exactly once, even on error, so a
@@ -53,12 +55,12 @@ def build_gpt_datasets(
     result, error = None, None
     if is_builder:
         try:
-            result = build_split_datasets(*args, build=True)
+            result = build_split_datasets(*args, build=True, mmap_bin=mmap_bin)
         except Exception as e:  # re-raised after the barrier so no rank waits forever
             error = e
     barrier()
     if error is not None:
         raise error
     if not is_builder:
-        result = build_split_datasets(*args, build=False)
+        result = build_split_datasets(*args, build=False, mmap_bin=mmap_bin)
     return result

@@ -199,5 +199,5 @@ def split_ranges(fractions: list[float], num_documents: int) -> list[tuple[int, 
     return out
 
 
-def open_indexed(prefix: str) -> IndexedDataset:
-    return IndexedDataset(prefix)
+def open_indexed(prefix: str, mmap_bin: bool = True) -> IndexedDataset:
+    return IndexedDataset(prefix, mmap_bin)

@@ -61,14 +61,16 @@ def encode_header(dtype, num_sequences: int, num_documents: int) -> bytes:
 
 
 class IndexedDataset:
-    """Read-only view of a `.bin/.idx` pair through np.memmap; nothing is loaded eagerly.
+    """Read-only view of a `.bin/.idx` pair through np.memmap; nothing is loaded eagerly. With
+    `mmap_bin=False` (--no-mmap-bin-files, as Megatron's file reader) the `.bin` is not mapped: each
+    `get` reads its tokens from the file (for file systems where mapping is slow or not allowed).
 
     Construction checks magic, version, dtype code, the `.idx` length against its header, and
     the `.bin` length against the last pointer and length (O(1)); `verify()` checks every entry.
     """
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, mmap_bin: bool = True):
+        self.prefix, self.mmap_bin = prefix, mmap_bin
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
@@ -115,7 +117,8 @@ class IndexedDataset:
                 f"got {self.document_indices[0]}..{self.document_indices[-1]}"
             )
         # np.memmap refuses empty files; an empty corpus is still a valid pair.
-        self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if bin_bytes else np.zeros(0, np.uint8)
+        mapped = mmap_bin and bin_bytes
+        self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if mapped else np.zeros(0, np.uint8)
 
     def verify(self) -> None:
         """Full O(N) check: positive-ordered pointers match the lengths, boundaries increase."""
@@ -151,7 +154,23 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"sequence {i} has {size} tokens; asked for [{offset}, {offset + length})")
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        if self.mmap_bin:
+            return np.frombuffer(self._bin, self.dtype, length, start)
+        return self._read(start, length)
+
+    def _read(self, start: int, length: int) -> np.ndarray:
+        """`length` tokens from byte `start` of the `.bin`, read from the file (no memory map)."""
+        out = np.empty(length, self.dtype)
+        if length == 0:
+            out.flags.writeable = False
+            return out
+        with open(bin_path(self.prefix), "rb", buffering=0) as f:
+            f.seek(start)
+            got = f.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:
+            raise IndexedDatasetError(f"{bin_path(self.prefix)}: short read at byte {start} (truncated since opened?)")
+        out.flags.writeable = False  # as the mapped view
+        return out
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(int(i))

@@ -151,6 +151,7 @@ def build_data(
             cfg.data.data_cache_path,
             is_builder=groups.rank == 0,
             barrier=lambda: comm.barrier(),
+            mmap_bin=cfg.data.mmap_bin_files,
         )
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import comm
 from ..checkpoint import save_checkpoint
+from ..checkpoint.sharded import finish_async_save
 from ..logging_utils import MetricsSink, log
 from ..optim import global_grad_norm, rates_at
 from ..perf import flops_per_token, memory_gib, memory_report, memory_stats, peak_tflops
@@ -266,6 +267,7 @@ def _stop_early(run: Run, why: str, saved: str | None) -> None:
     t = run.cfg.train
     if t.save and not saved:
         saved = save_checkpoint(run, t.save)
+    finish_async_save(run)  # an --async-save in flight is sealed before the run stops
     if why == "signal":
         cause = f"{' or '.join(t.exit_signal)} received"
     elif why == "interrupt":
@@ -347,13 +349,15 @@ def _steps(run: Run, sink: MetricsSink, stop) -> list[dict]:
         sink.write(metrics, run.iteration)
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
-            log(f"saved checkpoint {saved}", rank)
+            how = " (writing in the background: sealed at the next save or at exit)" if t.async_save else ""
+            log(f"{'saving' if t.async_save else 'saved'} checkpoint {saved}{how}", rank)
         why = stop.anywhere(run.groups, run.stop_request)
         if why is None and t.exit_interval and run.iteration % t.exit_interval == 0 and run.iteration < t.train_iters:
             why = "interval"
         if why:
             _stop_early(run, why, saved)
             break
+    finish_async_save(run)  # every rank, before anything else follows the loop
     profiler.close()
     run.memory_snapshots.dump()
     if t.manual_gc:

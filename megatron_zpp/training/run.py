@@ -71,6 +71,7 @@ class Run:
     consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
     pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
+    pending_save: object | None = None  # an --async-save in flight (checkpoint/async_save.SaveJob), sealed later
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, interrupt, interval, duration)
     stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
     resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it
@@ -115,7 +116,7 @@ def setup(cfg: Config) -> Run:
         loss_scaler=LossScaler.from_config(cfg.train),
         started_at=started_at,
     )
-    if cfg.train.load:  # model, optimizer, RNG, position
+    if cfg.train.load or cfg.train.pretrained_checkpoint:  # model, optimizer, RNG, position
         _load(run)
     if cfg.train.save:
         _guard_save(run)
@@ -142,19 +143,27 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 def _load(run: Run) -> None:
     """--load: a checkpoint, or nothing only where --load is --save (the first start of a requeued job)."""
     t = run.cfg.train
-    restored = load_checkpoint(run, t.load, t.ckpt_step)
+    restored = load_checkpoint(run, t.load, t.ckpt_step) if t.load else None
+    if not restored and t.pretrained_checkpoint:  # Megatron's: finetune from it while --load holds nothing
+        restored = load_checkpoint(run, t.pretrained_checkpoint, finetune=True)
+        if not restored:
+            raise CheckpointError(
+                f"--pretrained-checkpoint {t.pretrained_checkpoint}: holds no checkpoint (no 'latest', no meta.json)"
+            )
+        log(f"--load {t.load} holds no checkpoint: finetuning from --pretrained-checkpoint", run.rank)
     if restored:
         if run.load_warning:
             log(f"warning: {run.load_warning}", run.rank)
         log(f"loaded {restored}", run.rank)
         run.resumed_from = run.last_checkpoint
         _schedule_from_checkpoint(run)
-    elif _same_dir(t.load, t.save):
+    elif _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
     else:
         what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
+        why = " (--exit-on-missing-checkpoint)" if t.exit_on_missing_checkpoint else ""
         raise CheckpointError(
-            f"--load {t.load}: {what}; give a checkpoint root or an iteration directory in it, "
+            f"--load {t.load}: {what}{why}; give a checkpoint root or an iteration directory in it, "
             "or drop --load to start from scratch"
         )
 

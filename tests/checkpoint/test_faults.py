@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -252,7 +253,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, capfd):
     err = capfd.readouterr().err
     # gloo says "Connection closed by peer" or "Read error [...]: Connection reset by peer"
     assert re.search(
-        r"^error: rank 0: lost a peer in save_checkpoint \(.*\): .*Connection (closed|reset) by peer.*"
+        r"^error: rank 0: lost a peer in (save_checkpoint|_complete_save) \(.*\): .*Connection (closed|reset) by peer.*"
         rf"resume from the last checkpoint with --load {re.escape(ckpt)}$",
         err,
         re.M,
@@ -329,3 +330,84 @@ def test_hung_peer_times_out(tmp_path, capfd):
         err,
         re.M,
     ), err[-3000:]
+
+
+# ---- --async-save: the write runs behind the training, and a kill during it loses nothing sealed ----
+def _async_behind_training(rank, world_size, argv):
+    """The writes of the save at iteration 2 wait until step 3 has run: training went on meanwhile."""
+    stepped, waited = threading.Event(), []
+    write, step = sharded.write_rank_file, loop.train_step
+
+    def write_after_next_step(tmp, rank_, state):
+        if files.iter_name(2) in tmp:
+            waited.append(stepped.wait(timeout=NO_HANG_S))  # a synchronous save would time out here
+        return write(tmp, rank_, state)
+
+    def step_and_tell(run):
+        out = step(run)
+        if run.iteration == 3:
+            stepped.set()
+        return out
+
+    sharded.write_rank_file, loop.train_step = write_after_next_step, step_and_tell
+    try:
+        run = training.setup(validate(parse_args(argv), world_size))
+        losses = [h["loss"] for h in training.train(run)]
+    finally:
+        sharded.write_rank_file, loop.train_step = write, step
+    return waited, losses
+
+
+def _plain(rank, world_size, argv):
+    return [h["loss"] for h in training.train(training.setup(validate(parse_args(argv), world_size)))]
+
+
+def test_async_save_writes_behind_training_and_saves_the_same(tmp_path):
+    sync, background = str(tmp_path / "sync"), str(tmp_path / "async")
+    argv = TINY + ["--train-iters", "4", "--save-interval", "2"]
+    waited, losses = run_distributed(_async_behind_training, 1, argv + ["--save", background, "--async-save"])[0]
+    assert waited == [True]
+    assert losses == run_distributed(_plain, 1, argv + ["--save", sync])[0]
+    assert open(os.path.join(background, "latest")).read().strip() == "iter_0000004"
+    for it in ("iter_0000002", "iter_0000004"):
+        got, want = (files.RankFile(os.path.join(d, it, files.rank_file(0))).state() for d in (background, sync))
+        assert_same_state(got, want, it)
+
+
+def _die_in_second_async_write(rank, world_size, argv):
+    """Rank 1's writer thread writes half of its file of the second save (iteration 4), then SIGKILLs
+    the process, training having gone on meanwhile."""
+    if rank == 1:
+        write = sharded.write_rank_file
+
+        def write_half_then_die(tmp, rank_, state):
+            if files.iter_name(4) in tmp:
+                with open(os.path.join(tmp, files.rank_file(rank_)), "wb") as f:
+                    f.write(b"\0" * 1000)
+                    f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(tmp, rank_, state)
+
+        sharded.write_rank_file = write_half_then_die
+    pretrain_gpt.main(argv)
+
+
+def test_kill_during_async_write_keeps_previous_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = TINY + ["--train-iters", str(SAVE_ITERS)]
+    survivor, dead = run_distributed(
+        _die_in_second_async_write,
+        2,
+        argv + ["--save", ckpt, "--save-interval", "2", "--async-save"],
+        init_group=False,
+        keep_failures=True,
+        timeout=NO_HANG_S,
+    )
+    assert isinstance(dead, RankFailure) and "exited with code -9" in dead.message
+    assert isinstance(survivor, RankFailure) and "SystemExit: 1" in survivor.message
+    # the save of iteration 2 was sealed when the next one began; that of iteration 4 never was
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "iter_0000002"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
+    for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
+        assert start == (2, 2 * 4)
+        assert resumed == plain[2:]

@@ -183,3 +183,30 @@ def test_merge_matches_concatenation(tmp_path):
     ref_write(str(d / "c"), [[1, 2]], np.int32)  # mixed dtypes: refused, nothing written
     assert merge_datasets.main(["--input", str(d), "--output-prefix", str(tmp_path / "bad")]) == 1
     assert not list(tmp_path.glob("bad*"))
+
+
+def test_no_mmap_bin_files_reads_the_file(tmp_path):
+    """--no-mmap-bin-files: the .bin is never mapped; every read gives the tokens written."""
+    docs = [[7, 8, 9], [], [1, 2, 3, 4, 5], [6]]
+    ref_write(str(tmp_path / "x"), docs, np.uint16)
+    ds = IndexedDataset(str(tmp_path / "x"), mmap_bin=False)
+    assert not isinstance(ds._bin, np.memmap) and ds._bin.nbytes == 0  # nothing of the .bin held
+    for i, d in enumerate(docs):
+        got = ds[i]
+        assert got.dtype == np.uint16 and got.tolist() == d and not got.flags.writeable
+    assert ds.get(2, 1, 3).tolist() == [2, 3, 4]
+    assert IndexedDataset(str(tmp_path / "x")).get(2, 1, 3).tolist() == [2, 3, 4]  # the mapped reader agrees
+
+
+def test_no_mmap_bin_files_flag_reaches_the_datasets(tmp_path):
+    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.data.builder import build_gpt_datasets
+
+    assert parse_args(["--no-mmap-bin-files"]).data.mmap_bin_files is False
+    assert parse_args([]).data.mmap_bin_files is True
+    ref_write(str(tmp_path / "c"), [list(range(1 + i, 20 + i)) for i in range(12)], np.uint16)
+    args = ([str(tmp_path / "c")], "10,1,1", 8, 3, (6, 2, 0), str(tmp_path / "cache"))
+    built = {m: build_gpt_datasets(*args, is_builder=True, barrier=lambda: None, mmap_bin=m)[0] for m in (True, False)}
+    assert not built[False].indexed.mmap_bin and built[True].indexed.mmap_bin
+    for i in range(6):
+        np.testing.assert_array_equal(built[False][i], built[True][i])
