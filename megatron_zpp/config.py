@@ -66,6 +66,13 @@ class ModelConfig:
         "MLP activation (--swiglu, Megatron's flag, is --activation swiglu)",
         choices=["gelu", "swiglu"],
     )
+    bias_gelu_fusion: bool = opt(
+        True,
+        "--bias-gelu-fusion",
+        "as Megatron: with biases, gelu is its fused bias-gelu, the tanh approximation; --no-bias-gelu-fusion (or "
+        "no biases: --disable-bias-linear) computes the exact erf gelu instead",
+    )
+    openai_gelu: bool = opt(False, "--openai-gelu", "as Megatron: gelu is the tanh approximation (OpenAI's) always")
     rotary_base: float = opt(10000.0, "--rotary-base", "RoPE base frequency")
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
@@ -163,6 +170,12 @@ class ModelConfig:
         if self.group_query_attention:
             return self.num_query_groups or 1
         return self.num_attention_heads
+
+    @property
+    def gelu_approximate(self) -> str:
+        """F.gelu's `approximate` for Megatron's flags: its fused bias-gelu and openai_gelu are the tanh form,
+        its plain F.gelu (no biases, or --no-bias-gelu-fusion) the exact erf form."""
+        return "tanh" if self.openai_gelu or (self.add_bias_linear and self.bias_gelu_fusion) else "none"
 
     @property
     def head_dim(self) -> int:

@@ -43,7 +43,6 @@ NOOPS = {
     "--tiktoken-pattern": "read only by TikTokenizer (not built here); Megatron ignores it for the others",
     "--no-gradient-accumulation-fusion": "weight gradients are accumulated by autograd: " + _FUSED,
     "--no-masked-softmax-fusion": "softmax attention is PyTorch SDPA: " + _FUSED,
-    "--no-bias-gelu-fusion": _FUSED,
     "--no-bias-swiglu-fusion": _FUSED,
     "--no-bias-dropout-fusion": _FUSED,
     "--no-rope-fusion": _FUSED,
@@ -65,10 +64,58 @@ NOOPS = {
         "the model is always built on the meta device; each rank then materializes only what it holds"
     ),
     "--disable-gloo-process-groups": "no gloo groups are built beside NCCL's (on CPU gloo is the backend itself)",
+    "--auto-detect-ckpt-format": "a load always reads the checkpoint's own format (meta.json says which)",
+    **dict.fromkeys(
+        [
+            "--ckpt-fully-parallel-save",
+            "--no-ckpt-fully-parallel-save",
+            "--ckpt-fully-parallel-load",
+            "--ckpt-fully-parallel-load-exchange-algo",
+            "--ckpt-fully-parallel-load-per-rank-objects",
+            "--ckpt-fully-parallel-save-process-group",
+            "--ckpt-fully-parallel-load-process-group",
+            "--dist-ckpt-workers",
+        ],
+        "every rank always writes and reads only its own pieces of a checkpoint, in parallel; nothing is exchanged",
+    ),
+    **dict.fromkeys(
+        ["--ckpt-assume-constant-structure", "--ckpt-pg-tensors-cache-path", "--ckpt-pg-tensors-cache-create"],
+        "no checkpoint structure is gathered, so there is nothing to cache",
+    ),
+    "--no-ckpt-load-validate-sharding-integrity": "the checks of a load always run (they are cheap here)",
+    "--verify-integrity": "the sha256 of every checkpoint file is always written and checked on load",
+    **dict.fromkeys(
+        ["--dist-ckpt-optim-fully-reshardable", "--distrib-optim-fully-reshardable-mem-efficient"],
+        "optimizer state always reshards across TP, PP, DP and the ZeRO stage",
+    ),
+    "--load-main-params-from-ckpt": "the fp32 master weights always come from the checkpoint",
+    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer never comes from the checkpoint",
+    "--no-save-tokenizer-assets": "tokenizer files are never saved into checkpoints",
+    "--ckpt-drop-redundant-extra-state": "there is no transformer-engine extra state to drop",
+    **dict.fromkeys(
+        ["--use-persistent-ckpt-worker", "--async-ckpt-cpu-priority", "--async-ckpt-io-priority"],
+        "--async-save writes from a thread of the training process (no worker process to keep or tune)",
+    ),
+    "--async-ckpt-use-cpu-shm": "--async-save's host copy is made in the training process (no shared memory)",
 }
 
 # flag -> (values that are a no-op, why; a refused value's reason comes from REFUSED or FAMILIES)
 VALUED = {
+    "--async-strategy": (("nvrx", "mcore"), "--async-save has one strategy here: a writer thread"),
+    "--dist-ckpt-strictness": (
+        (
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ),
+        "a load always checks every tensor and refuses a missing or unexpected one by name (raise_all, whatever "
+        "the value: a checkpoint of this run's model never has either)",
+    ),
     "--transformer-impl": (("local",), "our layers are PyTorch modules, as Megatron's local implementation"),
     "--distributed-backend": (("nccl", "gloo"), "the backend follows the device: NCCL on CUDA, gloo on CPU"),
     "--optimizer": (("adam",), "the optimizer is AdamW, as Megatron's adam (decoupled weight decay)"),
@@ -85,42 +132,52 @@ VALUE_REFUSED = {
 REFUSED = {
     "--squared-relu": "not built: use --swiglu or the default gelu",
     "--quick-geglu": "not built: use --swiglu or the default gelu",
-    "--openai-gelu": "not built: use the default gelu (exact erf) or --swiglu",
     "--batch-size": "deprecated in Megatron-LM: use --micro-batch-size",
-    "--warmup": "deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction",
+    "--warmup": "no longer valid in Megatron-LM either: use --lr-warmup-iters/-samples or --lr-warmup-fraction",
     "--model-parallel-size": "deprecated in Megatron-LM: use --tensor-model-parallel-size",
     "--checkpoint-activations": "deprecated in Megatron-LM: use --recompute-granularity full",
     "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 here: drop it",
+    "--save-tokens-per-expert-interval": "mixture of experts is not built (dense MLPs only): drop it",
+    "--dist-ckpt-format": "deprecated in Megatron-LM: use --ckpt-format",
+    **dict.fromkeys(
+        [
+            "--non-persistent-save-interval",
+            "--non-persistent-ckpt-type",
+            "--non-persistent-global-ckpt-dir",
+            "--non-persistent-local-ckpt-dir",
+            "--non-persistent-local-ckpt-algo",
+            "--replication",
+            "--replication-jump",
+            "--replication-factor",
+        ],
+        "non-persistent and local checkpoints are not built: use --save-interval (with --save-retain-interval)",
+    ),
+    **dict.fromkeys(
+        ["--use-checkpoint-args", "--use-mp-args-from-checkpoint-args"],
+        "a checkpoint's settings are not read as flags: give the model and parallel flags (a mismatch is named)",
+    ),
+    **dict.fromkeys(
+        ["--ckpt-convert-format", "--ckpt-convert-save", "--ckpt-convert-update-legacy-dist-opt-format"],
+        "use tools/convert_checkpoint.py to convert checkpoints",
+    ),
+    "--dist-ckpt-save-pre-mcore-014": "Megatron-core's own checkpoint layouts are not written: drop it",
+    "--no-strict-fsdp-dtensor-load": "the fsdp_dtensor checkpoint format is not built: drop it",
+    **dict.fromkeys(
+        ["--save-params-interval", "--save-activations-interval", "--save-wgrads-interval", "--save-dgrads-interval"],
+        "debug dumps of tensors are not built: drop it",
+    ),
+    "--log-progress": "not built (progress.txt needs the FLOPs done so far in the checkpoint): --metrics-file has "
+    "tokens and TFLOP/s per step",
+    "--log-max-attention-logit": "needs transformer-engine attention (SDPA exposes no logits): drop it",
+    "--log-energy": "NVML energy counters are not read here: drop it",
+    "--test-mode": "Megatron's in-model self-tests are not built: drop it",
+    "--full-validation": "not built: raise --eval-iters to cover the validation set",
+    **dict.fromkeys(
+        ["--multiple-validation-sets", "--validation-set-names"],
+        "the validation split is evaluated as one set: drop it",
+    ),
 }
-
-# TEMPORARY, remove at the merge of issue 24: the flags that other branches of the issue are building
-# right now (once merged, their config fields take them and this set goes). Known here, refused with
-# "being built"; tests/megatron_fixtures.without_pending drops them before a fixture runs. All of
-# Megatron's logging, validation and checkpointing groups (LoggerConfig, ValidationConfig and
-# CheckpointConfig's flags among them; not the MoE routing traces of its logging group), and these:
-_PENDING_NAMES = {
-    "--no-mmap-bin-files",
-    "--decoupled-lr",
-    "--decoupled-min-lr",
-    "--weight-decay-incr-style",
-    "--start-weight-decay",
-    "--end-weight-decay",
-    "--lr-warmup-init",
-    "--override-opt_param-scheduler",
-    "--use-checkpoint-opt_param-scheduler",
-    "--apply-layernorm-1p",
-    "--add-qkv-bias",
-    "--deterministic-mode",
-}
-PENDING_IN_OTHER_BRANCHES = frozenset(
-    o
-    for options, _, group in MEGATRON_ARGUMENTS
-    if (group in ("logging", "validation", "checkpointing") and not options[0].startswith("--moe-"))
-    or _PENDING_NAMES & set(options)
-    for o in options
-)
-PENDING_REASON = "being built in another branch of issue 24 (accepted once it lands): drop it for now"
 
 
 def _starts(*prefixes: str):
@@ -336,8 +393,6 @@ def classify(options: tuple[str, ...], group: str) -> tuple[str, str]:
         return "valued", next(o for o in options if o in VALUED)
     if any(o in NOOPS for o in options):
         return "noop", NOOPS[next(o for o in options if o in NOOPS)]
-    if PENDING_IN_OTHER_BRANCHES & set(options):  # TEMPORARY: remove at the merge of issue 24
-        return "pending", PENDING_REASON
     return "refused", family_of(flag, group)[1]
 
 

@@ -509,11 +509,6 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
             "sharded safetensors) or torch_dist (torch.distributed.checkpoint)",
         ),
         (
-            not (t.async_save and t.ckpt_format in ("torch_dist", "torch_dcp")),
-            f"--async-save with --ckpt-format {t.ckpt_format} is not built (DCP's own async save would run "
-            "collectives from its writer thread): drop --async-save, or save --ckpt-format zpp asynchronously",
-        ),
-        (
             t.ckpt_format != "fsdp_dtensor",
             "--ckpt-format fsdp_dtensor is Megatron-FSDP's own DCP layout, not built: use torch_dist "
             "(torch.distributed.checkpoint, keyed by the single-rank model's names) or zpp (the default)",

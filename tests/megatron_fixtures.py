@@ -22,8 +22,7 @@ def fixture_lines(name: str, **paths) -> list[list[str]]:
 
 
 def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
-    """(fate, why) of one flag as given: 'ok' (a setting or alias), 'noop', 'pending' (another branch of
-    issue 24 builds it; TEMPORARY, see megatron_flags.PENDING_IN_OTHER_BRANCHES), 'refused', or 'unknown'."""
+    """(fate, why) of one flag as given: 'ok' (a setting or alias), 'noop', 'refused', or 'unknown'."""
     action = parser._option_string_actions.get(flag)
     if action is None:
         return "unknown", ""
@@ -41,12 +40,6 @@ def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
 def fates(lines: list[list[str]]) -> dict[str, tuple[str, str]]:
     parser = build_parser()
     return {ln[0]: fate_of(ln[0], ln[1:], parser) for ln in lines}
-
-
-def without_pending(lines: list[list[str]]) -> list[list[str]]:
-    """TEMPORARY (remove at the merge of issue 24): the lines whose flags another branch builds, dropped."""
-    parser = build_parser()
-    return [ln for ln in lines if fate_of(ln[0], ln[1:], parser)[0] != "pending"]
 
 
 def tiny_gpt2_files(directory):

@@ -142,8 +142,8 @@ def _sigint_after_step(step: int, times: int = 1):
     that step's check, so the run stops after the next step. Returns what to put back."""
     train_step = loop.train_step
 
-    def step_then_interrupt(run):
-        out = train_step(run)
+    def step_then_interrupt(run, *timers):
+        out = train_step(run, *timers)
         if run.iteration == step - 1:  # the counter moves after the step returns
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGINT)

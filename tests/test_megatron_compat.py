@@ -18,7 +18,6 @@ from megatron_zpp.megatron_flags import (
     MEGATRON_ARGUMENTS,
     MEGATRON_COMMIT,
     NOOPS,
-    PENDING_IN_OTHER_BRANCHES,
     REFUSED,
     VALUED,
     classify,
@@ -128,18 +127,16 @@ GPT3 = {
 
 def check_flag_by_flag(lines: list[list[str]], expected: dict[str, str]) -> list[list[str]]:
     """Assert each fixture flag's fate and that every refusal comes in one pass, one line each;
-    return the lines that are neither refused nor pending (TEMPORARY: see without_pending)."""
+    return the lines that are not refused."""
     assert [ln[0] for ln in lines] == list(expected), "the fixture and the table list the same flags, in order"
     got = fates(lines)
     for flag, fate in expected.items():
         have, why = got[flag]
-        if fate == "pending":  # becomes "ok" when the branch that builds it is merged
-            assert have in ("pending", "ok"), (flag, have)
-        elif fate in ("ok", "noop"):
+        if fate in ("ok", "noop"):
             assert have == fate, (flag, have, why)
         else:
             assert have == "refused" and fate in why and ("drop it" in why or "use " in why), (flag, have, why)
-    refused = [flag for flag, (have, _) in got.items() if have in ("refused", "pending")]
+    refused = [flag for flag, (have, _) in got.items() if have == "refused"]
     if not refused:
         parse_args([tok for ln in lines for tok in ln])
         return lines
@@ -384,7 +381,6 @@ def test_no_table_entry_is_shadowed_by_a_setting_and_the_commit_is_recorded():
             dest = parser._option_string_actions[flag].dest
             assert dest.startswith("megatron."), f"{flag} is a setting's ({dest}): its table entry is dead"
     assert MEGATRON_COMMIT == "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
-    assert PENDING_IN_OTHER_BRANCHES <= megatron  # TEMPORARY: empty at the merge of issue 24
 
 
 def test_value_dependent_flags_and_the_noops_given():

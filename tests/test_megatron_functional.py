@@ -15,7 +15,7 @@ from megatron_zpp import training
 from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
 from tests.dist import run_distributed
-from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files, without_pending
+from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files
 
 TE = {"--transformer-impl": "transformer-engine is not supported"}
 MOE = "mixture of experts is not built"
@@ -61,7 +61,6 @@ REFUSED = {
         {
             **TE,
             "--tokenizer-type": "invalid choice: 'GPTSentencePieceTokenizer'",
-            "--step-batch-size-schedule": "use --rampup-batch-size",
             "--squared-relu": "not built",
             "--rotary-percent": "only 1.0 (full RoPE) is built",
         },
@@ -93,9 +92,8 @@ def paths_for(name: str, data: dict) -> dict:
 
 
 def refusals(name: str, world: int, data: dict) -> tuple[list[list[str]], dict[str, str]]:
-    """The fixture's lines (pending flags dropped: TEMPORARY) and flag -> reason of every refused one,
-    from one parse_config (one pass)."""
-    lines = without_pending(fixture_lines(f"megatron_functional/{name}.args", **paths_for(name, data)))
+    """The fixture's lines and flag -> reason of every refused one, from one parse_config (one pass)."""
+    lines = fixture_lines(f"megatron_functional/{name}.args", **paths_for(name, data))
     try:
         parse_config([t for ln in lines for t in ln] + ["--device", "cpu", "--peak-tflops", "1"], world)
     except ConfigError as e:

@@ -174,11 +174,22 @@ def check_files(path: str, meta: dict) -> None:
             )
 
 
-def save(state: dict, tmp: str) -> None:
-    """Collective (DCP plans the write over the default process group): every rank's boxes into `tmp`."""
+def save(state: dict, tmp: str, group=None) -> None:
+    """Collective (DCP plans the write over `group`, default the world's): every rank's boxes into `tmp`."""
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quiet():
-        dcp.save(state, storage_writer=writer, no_dist=not torch.distributed.is_initialized())
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not torch.distributed.is_initialized())
+
+
+def writer_group(run):
+    """Collective the first time (every rank saves at the same steps): a gloo group of the whole world for
+    --async-save's DCP writes, whose collectives then run in the writer thread beside the training's own
+    on other groups (as torchtitan's async checkpointing does); None without a process group."""
+    if not torch.distributed.is_initialized():
+        return None
+    if run.dcp_writer_group is None:
+        run.dcp_writer_group = torch.distributed.new_group(backend="gloo")
+    return run.dcp_writer_group
 
 
 def saved_keys(path: str) -> dict[str, object]:

@@ -66,6 +66,7 @@ def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
         "normalization": m.normalization,
         "norm_eps": m.norm_epsilon,
         "activation": m.activation,
+        "gelu_approximate": m.gelu_approximate,
         "rope_theta": m.rotary_base,
         "max_position_embeddings": m.max_position_embeddings or m.seq_length,
         "gla_gate_low_rank": m.gla_gate_low_rank,
@@ -228,6 +229,7 @@ def _config_from_remote(hf: dict):
     m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
     m.rotary_base = float(hf.get("rope_theta", 10000.0))
     m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (remote_unsupported)
+    m.openai_gelu = hf.get("gelu_approximate", "tanh") == "tanh"  # without biases, Megatron's tanh gelu is this one
     m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
     m.gla_chunk_size = hf["gla_chunk_size"]
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)

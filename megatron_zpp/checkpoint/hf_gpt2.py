@@ -1,9 +1,9 @@
 """HF GPT-2 (`GPT2LMHeadModel`) export and import: Megatron's default GPT maps onto it one to one.
 
 A model maps when every layer is softmax attention with one key/value head per query head,
-LayerNorm, the gelu MLP, learned absolute positions and biases in every linear layer. Our gelu is
-the tanh approximation (Megatron's fused bias-gelu computes the same), which is HF's `gelu_new`
-(GPT-2's own); HF's exact `gelu` differs by up to ~1e-3 and is refused on import. HF's Conv1D keeps
+LayerNorm, the gelu MLP, learned absolute positions and biases in every linear layer. Megatron's
+gelu with biases is its fused bias-gelu, the tanh approximation: HF's `gelu_new` (GPT-2's own);
+with --no-bias-gelu-fusion it is the exact erf form, HF's `gelu` (ModelConfig.gelu_approximate). HF's Conv1D keeps
 its weights as [in, out]: ours are transposed on the way; qkv's rows (q | k | v, each head-major)
 are c_attn's columns as they are. --apply-layernorm-1p is folded in (1 + w is written), so an
 import comes back as plain LayerNorm weights."""
@@ -14,7 +14,8 @@ import copy
 
 import torch
 
-HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation
+# HF's activation_function -> F.gelu's approximate
+HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 class GPT2ConversionError(ValueError):
@@ -49,7 +50,7 @@ def gpt2_config(cfg, vocab: int, special: dict) -> dict:
         "n_layer": m.num_layers,
         "n_head": m.num_attention_heads,
         "n_inner": m.ffn_size,
-        "activation_function": "gelu_new",
+        "activation_function": "gelu_new" if m.gelu_approximate == "tanh" else "gelu",
         "layer_norm_epsilon": m.norm_epsilon,
         "resid_pdrop": m.hidden_dropout,
         "embd_pdrop": m.hidden_dropout,
@@ -127,7 +128,7 @@ def config_from_gpt2(hf: dict):
     why = [
         w
         for w, bad in [
-            (f"activation_function {act!r} is not gelu_new (the tanh gelu ours computes)", act not in HF_ACTIVATIONS),
+            (f"activation_function {act!r} is not one of {sorted(HF_ACTIVATIONS)}", act not in HF_ACTIVATIONS),
             ("it scales attention by the inverse layer index", hf.get("scale_attn_by_inverse_layer_idx")),
             ("it reorders and upcasts attention", hf.get("reorder_and_upcast_attn")),
             ("it does not scale attention weights", not hf.get("scale_attn_weights", True)),
@@ -149,4 +150,5 @@ def config_from_gpt2(hf: dict):
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
     m.normalization, m.activation, m.attention_type = "LayerNorm", "gelu", "softmax"
     m.position_embedding_type, m.add_bias_linear, m.apply_layernorm_1p = "learned_absolute", True, False
+    m.bias_gelu_fusion = HF_ACTIVATIONS[act] == "tanh"  # Megatron's fused bias-gelu is the tanh form
     return cfg

@@ -184,7 +184,11 @@ def save_checkpoint(run, directory: str) -> str:
         dict(getattr(run, "tracking", None) or {}), _train_state(run),
     )  # fmt: skip
     if background:  # the check for non-finite tensors too runs behind the training, on the host copy
-        job.write_in_background(lambda: _check_and_write(job, state))
+        if run.cfg.train.ckpt_format in DCP_FORMATS:  # DCP's collectives on a group of their own
+            sd, group = _dcp_state(run, job, state), dcp.writer_group(run)
+            job.write_in_background(lambda: _check_and_save_dcp(job, state, sd, group))
+        else:
+            job.write_in_background(lambda: _check_and_write(job, state))
         run.pending_save = job
         return final
     job.bad = nonfinite_tensors(state)
@@ -208,6 +212,14 @@ def _check_and_write(job: SaveJob, state: dict) -> str:
     return job.digest if job.bad else write_rank_file(job.tmp, state["rank"], state)
 
 
+def _check_and_save_dcp(job: SaveJob, state: dict, sd: dict, group) -> str:
+    """--async-save's thread, torch_dist: DCP writes every rank's boxes (a collective over `group`, so every
+    rank writes, whatever it holds); a non-finite tensor anywhere keeps the save unsealed (_complete_save)."""
+    job.bad = nonfinite_tensors(state)
+    dcp.save(sd, job.tmp, group)
+    return job.digest
+
+
 def finish_async_save(run) -> str | None:
     """Collective (every rank, at the same points): wait for this rank's --async-save write in flight,
     then seal that save as a synchronous one is sealed. Its iteration dir, or None when none was in flight."""
@@ -216,13 +228,14 @@ def finish_async_save(run) -> str | None:
         return None
     run.pending_save = None
     job.wait()
-    _complete_save(run, job)
+    _complete_save(run, job, run.cfg.train.ckpt_format in DCP_FORMATS)
     log(f"saved checkpoint {job.final} (written in the background, --async-save)", run.rank)
     return job.final
 
 
-def _complete_save(run, job: SaveJob) -> None:
-    """Every rank's digest and status to every rank; rank 0 seals the save if every file was written."""
+def _complete_save(run, job: SaveJob, by_dcp: bool = False) -> None:
+    """Every rank's digest and status to every rank; rank 0 seals the save if every file was written
+    (`by_dcp`: an --async-save of --ckpt-format torch_dist, sealed with DCP's files)."""
     world = run.groups.world
     digests = torch.zeros(world.size, 33, dtype=torch.uint8, device=run.device)
     status = 1 if job.bad else 2 if job.problem else 0
@@ -237,8 +250,9 @@ def _complete_save(run, job: SaveJob) -> None:
     problem = None
     if run.rank == 0:
         digests_hex = [bytes(d[:32].tolist()).hex() for d in digests.cpu()]
-        files = {rank_file(r): d for r, d in enumerate(digests_hex)}
-        problem = _os_problem(lambda: _seal_run(run, job, files), job.iteration, job.directory)
+        files = dcp.dcp_files(job.tmp) if by_dcp else {rank_file(r): d for r, d in enumerate(digests_hex)}
+        seal = lambda: _seal_run(run, job, files, DCP_FORMAT if by_dcp else FORMAT)  # noqa: E731
+        problem = _os_problem(seal, job.iteration, job.directory)
     _agree_saved(run, problem, job.directory, job.tmp)
     run.last_checkpoint = job.final
 
@@ -264,9 +278,7 @@ def _save_dcp(run, job: SaveJob, state: dict) -> None:
             f"refused to save iteration {job.iteration}: {len(job.bad)} non-finite tensors, the first {job.bad[0]}"
         )
     _agree_saved(run, problem, job.directory, job.tmp)
-    lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
-    moments = state["optimizer"].get("state") if state["optimizer"] else None
-    sd = dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
+    sd = _dcp_state(run, job, state)
     try:
         dcp.save(sd, job.tmp)
     except Exception as e:  # noqa: BLE001  (DCP raises on every rank alike: a full disk, an unwritable dir)
@@ -277,6 +289,13 @@ def _save_dcp(run, job: SaveJob, state: dict) -> None:
         problem = _os_problem(seal, job.iteration, job.directory)
     _agree_saved(run, problem, job.directory, job.tmp)
     run.last_checkpoint = job.final
+
+
+def _dcp_state(run, job: SaveJob, state: dict) -> dict:
+    """This rank's state as DCP's state dict: boxes of the single-rank model's tensors."""
+    lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
+    moments = state["optimizer"].get("state") if state["optimizer"] else None
+    return dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
 
 
 def _latest_iteration(directory: str) -> int | None:

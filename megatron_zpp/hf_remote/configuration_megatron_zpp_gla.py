@@ -32,6 +32,7 @@ class MegatronZppGLAConfig(PretrainedConfig):
         normalization: str = "RMSNorm",
         norm_eps: float = 1e-5,
         activation: str = "swiglu",
+        gelu_approximate: str = "tanh",
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 256,
         gla_gate_low_rank: int = 0,
@@ -48,6 +49,7 @@ class MegatronZppGLAConfig(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.layer_types = list(layer_types) if layer_types is not None else ["linear_attention"] * num_hidden_layers
         self.normalization, self.norm_eps, self.activation = normalization, norm_eps, activation
+        self.gelu_approximate = gelu_approximate  # F.gelu's: "tanh" or "none" (exact erf)
         self.rope_theta, self.max_position_embeddings = rope_theta, max_position_embeddings
         self.gla_gate_low_rank, self.gla_gate_normalizer = gla_gate_low_rank, gla_gate_normalizer
         self.gla_chunk_size, self.initializer_range, self.use_cache = gla_chunk_size, initializer_range, use_cache
@@ -68,6 +70,10 @@ class MegatronZppGLAConfig(PretrainedConfig):
                     self.normalization not in ("RMSNorm", "LayerNorm"),
                 ),
                 (f"activation {self.activation!r} is not swiglu or gelu", self.activation not in ("swiglu", "gelu")),
+                (
+                    f"gelu_approximate {self.gelu_approximate!r} is not tanh or none",
+                    self.gelu_approximate not in ("tanh", "none"),
+                ),
                 (
                     "num_attention_heads is not a multiple of num_key_value_heads",
                     self.num_attention_heads % self.num_key_value_heads != 0,

@@ -194,7 +194,7 @@ class MegatronZppAttention(nn.Module):
 class MegatronZppMLP(nn.Module):
     def __init__(self, config: MegatronZppGLAConfig):
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu, self.gelu_approximate = config.activation == "swiglu", config.gelu_approximate
         hidden, ffn = config.hidden_size, config.intermediate_size
         if self.swiglu:
             self.gate_proj = nn.Linear(hidden, ffn, bias=False)
@@ -204,7 +204,7 @@ class MegatronZppMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.gelu_approximate))
 
 
 class MegatronZppDecoderLayer(nn.Module):

@@ -16,7 +16,7 @@ from .context import ParallelContext
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
+        self.swiglu, self.gelu_approximate = cfg.activation == "swiglu", cfg.gelu_approximate
         ffn = cfg.ffn_size
         bias, sp = cfg.add_bias_linear, ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
@@ -29,5 +29,5 @@ class MLP(nn.Module):
         if self.swiglu:
             h = swiglu_ops.swiglu(h)  # h is [gate | up] per rank: silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.fc2(h)

@@ -72,6 +72,7 @@ class Run:
     pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
     last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
     pending_save: object | None = None  # an --async-save in flight (checkpoint/async_save.SaveJob), sealed later
+    dcp_writer_group: object | None = None  # --async-save --ckpt-format torch_dist: DCP's own gloo group
     stopped_by: str | None = None  # why train() stopped before --train-iters (signal, interrupt, interval, duration)
     stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
     resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it

@@ -86,7 +86,7 @@ def _dcp_runs(rank, world, root):
     tp_ours = _losses(_setup(TP2 + ["--train-iters", "4", "--load", ours], world))
     # and back: TP2 saves torch_dist, ZeRO-3 loads it (weights only, at iteration 0 of a finetune)
     _losses(_setup(TP2 + ["--train-iters", "2", "--save", ref, "--ckpt-format", "torch_dist"], world))
-    back = _setup(ZERO3 + ["--train-iters", "1", "--load", ref, "--finetune"], world)
+    back = _setup(ZERO3 + ["--train-iters", "1", "--lr-warmup-iters", "0", "--load", ref, "--finetune"], world)
     return plain, at, resumed, tp_dist, tp_ours, back.iteration
 
 
@@ -122,8 +122,23 @@ def test_torch_dist_checkpoint_consolidates_and_refuses_corruption(tmp_path):
     assert f"checkpoint file {os.path.join(path, data)} is corrupted or truncated" in error
 
 
-def _save_one(rank, world, root):
-    _losses(_setup(["--train-iters", "1", "--save", root, "--ckpt-format", "torch_dist"], world))
+def _save_one(rank, world, root, *extra):
+    argv = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", root, "--ckpt-format", "torch_dist"]
+    _losses(_setup(argv + list(extra), world))
+
+
+def test_async_torch_dist_save_is_the_synchronous_one(tmp_path):
+    """--async-save --ckpt-format torch_dist: DCP writes from the writer thread on its own gloo group;
+    every save is sealed (the first at the second, the second at the end) and holds what a synchronous
+    save of the same run holds, bitwise."""
+    sync, background = str(tmp_path / "sync"), str(tmp_path / "async")
+    more = ["--train-iters", "2", "--save-interval", "1"]
+    run_distributed(_save_one, 2, sync, *more)
+    run_distributed(_save_one, 2, background, *more, "--async-save")
+    for it in ("iter_0000001", "iter_0000002"):
+        assert files.find_checkpoint(os.path.join(background, it))[1]["format"] == files.DCP_FORMAT
+    want, got = consolidate(sync)[0], consolidate(background)[0]
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def _load_error(rank, world, root):

@@ -343,8 +343,8 @@ def _async_behind_training(rank, world_size, argv):
             waited.append(stepped.wait(timeout=NO_HANG_S))  # a synchronous save would time out here
         return write(tmp, rank_, state)
 
-    def step_and_tell(run):
-        out = step(run)
+    def step_and_tell(run, *timers):
+        out = step(run, *timers)
         if run.iteration == 3:
             stepped.set()
         return out

@@ -44,7 +44,9 @@ def _model(extra: str = ""):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("extra", ["", "--untie-embeddings-and-output-weights --apply-layernorm-1p"])
+@pytest.mark.parametrize(
+    "extra", ["", "--untie-embeddings-and-output-weights --apply-layernorm-1p", "--no-bias-gelu-fusion"]
+)
 def test_gpt2_export_matches_logits_and_imports_back(extra, tmp_path):
     conv = _convert()
     cfg, model = _model(extra)
@@ -52,7 +54,8 @@ def test_gpt2_export_matches_logits_and_imports_back(extra, tmp_path):
     out = str(tmp_path / "hf")
     assert conv.export_hf(state, cfg.to_dict(), out) == "GPT2LMHeadModel"
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f)["activation_function"] == "gelu_new"  # the tanh gelu: ours
+        # Megatron's fused bias-gelu is the tanh form; without the fusion it is the exact erf one
+        assert json.load(f)["activation_function"] == ("gelu" if "gelu-fusion" in extra else "gelu_new")
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -68,6 +71,7 @@ def test_gpt2_export_matches_logits_and_imports_back(extra, tmp_path):
     weights, config = consolidate(ckpt)
     m = config["model"]
     assert m["position_embedding_type"] == "learned_absolute" and m["add_bias_linear"] and not m["apply_layernorm_1p"]
+    assert m["bias_gelu_fusion"] == ("gelu-fusion" not in extra)
 
 
 def test_what_gpt2_cannot_hold_takes_another_path_or_is_refused(tmp_path):
@@ -86,6 +90,6 @@ def test_what_gpt2_cannot_hold_takes_another_path_or_is_refused(tmp_path):
     hf = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 16}
     os.makedirs(tmp_path / "exact")
     with open(tmp_path / "exact" / "config.json", "w") as f:
-        json.dump({**hf, "activation_function": "gelu"}, f)
-    with pytest.raises(conv.ConversionError, match="'gelu' is not gelu_new"):
+        json.dump({**hf, "activation_function": "gelu_fast"}, f)
+    with pytest.raises(conv.ConversionError, match="'gelu_fast' is not one of"):
         conv.import_hf(str(tmp_path / "exact"), str(tmp_path / "ckpt"))

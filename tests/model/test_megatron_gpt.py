@@ -146,3 +146,27 @@ def test_hidden_dropout_on_embedding_output():
     kept = dropped != 0
     assert 0.3 < kept.double().mean() < 0.7
     torch.testing.assert_close(dropped[kept], 2 * clean[kept])
+
+
+@pytest.mark.parametrize(
+    "bias, fusion, openai, tanh",
+    [(True, True, False, True), (True, False, False, False), (False, True, False, False), (False, True, True, True)],
+)
+def test_gelu_form_follows_megatrons_flags(bias, fusion, openai, tanh):
+    """Megatron's MLP: with biases and --bias-gelu-fusion (its defaults) the fused bias-gelu, the tanh
+    form; --no-bias-gelu-fusion or no biases (arguments.py turns the fusion off then) plain F.gelu,
+    exact erf; --openai-gelu the tanh form always."""
+    from megatron_zpp.model.context import ParallelContext
+    from megatron_zpp.model.mlp import MLP
+
+    cfg = megatron_gpt(add_bias_linear=bias, bias_gelu_fusion=fusion, openai_gelu=openai)
+    mlp = MLP(cfg, ParallelContext(), 0.02).double()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    h = x @ mlp.fc1.weight.T + (mlp.fc1.bias if bias else 0)
+    erf = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+    tanh_form = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    want = (tanh_form if tanh else erf) @ mlp.fc2.weight.T + (mlp.fc2.bias if bias else 0)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(tanh_form, erf, atol=1e-6)  # the two forms differ at these inputs
