@@ -25,6 +25,7 @@ from .validation import validate
 # Megatron-LM spellings accepted as aliases: flag -> (section, field, value).
 ALIASES = {
     "--swiglu": ("model", "activation", "swiglu"),
+    "--squared-relu": ("model", "activation", "squared_relu"),
     "--fp32": ("train", "bf16", False),
     "--disable-bias-linear": ("model", "add_bias_linear", False),
     "--use-flash-attn": ("model", "attention_backend", "flash"),

@@ -63,8 +63,8 @@ class ModelConfig:
     activation: str = opt(
         "gelu",
         "--activation",
-        "MLP activation (--swiglu, Megatron's flag, is --activation swiglu)",
-        choices=["gelu", "swiglu"],
+        "MLP activation (Megatron's --swiglu is --activation swiglu, --squared-relu is squared_relu: relu(x)^2)",
+        choices=["gelu", "swiglu", "squared_relu"],
     )
     bias_gelu_fusion: bool = opt(
         True,
@@ -140,7 +140,12 @@ class ModelConfig:
         "added to the word embedding), rope, or none; yarn, mrope and relative are not built",
         choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
     )
-    rotary_percent: float = opt(1.0, "--rotary-percent", "fraction of the head dim RoPE rotates (only 1.0 is built)")
+    rotary_percent: float = opt(
+        1.0,
+        "--rotary-percent",
+        "fraction of the head dim RoPE rotates, as Megatron: the first int(head dim x fraction) channels of each "
+        "q/k head, with frequencies over that width; the rest pass unrotated",
+    )
     add_bias_linear: bool = opt(
         True,
         "--add-bias-linear",
@@ -176,6 +181,11 @@ class ModelConfig:
         """F.gelu's `approximate` for Megatron's flags: its fused bias-gelu and openai_gelu are the tanh form,
         its plain F.gelu (no biases, or --no-bias-gelu-fusion) the exact erf form."""
         return "tanh" if self.openai_gelu or (self.add_bias_linear and self.bias_gelu_fusion) else "none"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each q/k head that RoPE rotates (Megatron: kv_channels x rotary_percent)."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def head_dim(self) -> int:

@@ -130,7 +130,6 @@ VALUE_REFUSED = {
 
 # refused by name: flag -> why and what to use
 REFUSED = {
-    "--squared-relu": "not built: use --swiglu or the default gelu",
     "--quick-geglu": "not built: use --swiglu or the default gelu",
     "--batch-size": "deprecated in Megatron-LM: use --micro-batch-size",
     "--warmup": "no longer valid in Megatron-LM either: use --lr-warmup-iters/-samples or --lr-warmup-fraction",

@@ -783,7 +783,11 @@ def _check_megatron_model(cfg: Config, world_size: int) -> list[str]:
                 f"--kv-channels {m.kv_channels}: only --hidden-size / --num-attention-heads = {m.head_dim} is built "
                 "(the head dim); drop it",
             ),
-            (m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: only 1.0 (full RoPE) is built; drop it"),
+            (
+                0 < m.rotary_percent <= 1 and m.rotary_dim >= 2 and m.rotary_dim % 2 == 0,
+                f"--rotary-percent {m.rotary_percent}: rotates {m.rotary_dim} of the {m.head_dim} channels of a head; "
+                "give a fraction in (0, 1] that makes an even number of at least 2",
+            ),
             (
                 m.attention_backend not in ("flash", "fused")
                 or cfg.train.bf16

@@ -48,7 +48,6 @@ REFUSED = {
             **{f: GDN for f in ["--linear-num-key-heads", "--linear-num-value-heads"]},
             "--attention-output-gate": "attention or position-embedding variant is not built",
             "--apply-wd-to-qk-layernorm": "attention or position-embedding variant is not built",
-            "--rotary-percent": "only 1.0 (full RoPE) is built",
         },
     ),
     "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap": (
@@ -61,8 +60,6 @@ REFUSED = {
         {
             **TE,
             "--tokenizer-type": "invalid choice: 'GPTSentencePieceTokenizer'",
-            "--squared-relu": "not built",
-            "--rotary-percent": "only 1.0 (full RoPE) is built",
         },
     ),
 }

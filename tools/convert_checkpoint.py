@@ -62,6 +62,8 @@ def hf_unsupported(cfg) -> list[str]:
         why.append(f"its positions are {m.position_embedding_type}; Llama uses RoPE")
     if m.add_bias_linear or m.add_qkv_bias:
         why.append("it has linear biases; the Llama export holds none")
+    if m.rotary_percent != 1.0:
+        why.append(f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels; the Llama export rotates all")
     return why
 
 

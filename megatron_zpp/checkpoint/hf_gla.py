@@ -39,6 +39,8 @@ def remote_unsupported(cfg) -> list[str]:
         (not (m.add_bias_linear or m.add_qkv_bias), "it has linear biases (--add-bias-linear or --add-qkv-bias)"),
         (m.position_embedding_type != "learned_absolute", "it learns absolute positions"),
         (m.position_embedding_type == "rope" or not softmax, "its softmax layers use no RoPE"),
+        (m.rotary_percent == 1.0 or not softmax, f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels"),
+        (m.activation in ("swiglu", "gelu"), f"its MLP uses {m.activation}; the remote code holds swiglu or gelu"),
     ]
     return [why for ok, why in checks if not ok]
 

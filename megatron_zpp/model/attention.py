@@ -61,6 +61,7 @@ class SelfAttention(nn.Module):
         self.cp = ctx.cp
         n, tp, sequence_parallel = ctx.tp_size, ctx.tp, ctx.sequence_parallel
         self.head_dim = d = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim  # --rotary-percent: the first channels of each head rotate
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
         self.dropout = cfg.attention_dropout
         self.backend = cfg.attention_backend
@@ -87,8 +88,13 @@ class SelfAttention(nn.Module):
         qk_width = (self.heads + self.kv_heads) * d  # q then k heads: one slice, rotated in place by the kernel
         if rope is None:
             q, k = qkv[..., : self.heads * d].view(B, T, -1, d), qkv[..., self.heads * d : qk_width].view(B, T, -1, d)
-        else:
+        elif self.rotary_dim == d:
             q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
+        else:  # partial RoPE, as Megatron: rotate the first channels, pass the rest
+            qk = qkv[..., :qk_width].view(B, T, -1, d)
+            q, k = rope_ops.apply_rope_qk(qk[..., : self.rotary_dim].contiguous(), *rope, q_heads=self.heads)
+            q = torch.cat([q, qk[:, :, : self.heads, self.rotary_dim :]], dim=-1)
+            k = torch.cat([k, qk[:, :, self.heads :, self.rotary_dim :]], dim=-1)
         v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         o = self._core_attention(q, k, v, documents)

@@ -147,7 +147,7 @@ class GPT(nn.Module):
         x = self.embed(tokens, positions) if self.pre_process else hidden
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rope_tables(self.cfg.head_dim, positions, self.cfg.rotary_base)
+            rope = rope_tables(self.cfg.rotary_dim, positions, self.cfg.rotary_base)
 
         blocks = list(self.layers.values())
         for start, stop, again in self.block_groups:  # a recomputed group keeps only its input for the backward

@@ -17,6 +17,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
         self.swiglu, self.gelu_approximate = cfg.activation == "swiglu", cfg.gelu_approximate
+        self.squared_relu = cfg.activation == "squared_relu"
         ffn = cfg.ffn_size
         bias, sp = cfg.add_bias_linear, ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
@@ -28,6 +29,8 @@ class MLP(nn.Module):
         h = self.fc1(x)
         if self.swiglu:
             h = swiglu_ops.swiglu(h)  # h is [gate | up] per rank: silu(gate) * up
+        elif self.squared_relu:  # Megatron's squared_relu
+            h = torch.square(F.relu(h))
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.fc2(h)

@@ -36,7 +36,7 @@ def build(cfg: ModelConfig, seed: int = 0, perturb: bool = True) -> GPT:
 def reference_logits(cfg: ModelConfig, w: dict, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """GPT-2 as Megatron builds it, from the formulas (fp64; our norms compute in fp32, hence the
     tolerance): x = E[t] + P[pos]; per layer
-    x += proj(attn(LN1(x))) and x += fc2(gelu_tanh(fc1(LN2(x)))); logits = LN_f(x) E^T."""
+    x += proj(attn(LN1(x))) and x += fc2(gelu(fc1(LN2(x)))); logits = LN_f(x) E^T."""
     H, n = cfg.hidden_size, cfg.num_attention_heads
     d = H // n
     one = 1.0 if cfg.apply_layernorm_1p else 0.0
@@ -64,7 +64,10 @@ def reference_logits(cfg: ModelConfig, w: dict, tokens: torch.Tensor, positions:
         o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H)
         x = x + linear(o, p + "mixer.proj")
         h = linear(norm(x, p + "norm2"), p + "mlp.fc1")
-        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        if cfg.add_bias_linear:  # Megatron's fused bias-gelu (tanh); without biases its F.gelu (erf)
+            h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        else:
+            h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
         x = x + linear(h, p + "mlp.fc2")
     return norm(x, "final_norm") @ w["embedding.weight"].T
 
@@ -170,3 +173,49 @@ def test_gelu_form_follows_megatrons_flags(bias, fusion, openai, tanh):
     want = (tanh_form if tanh else erf) @ mlp.fc2.weight.T + (mlp.fc2.bias if bias else 0)
     torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(tanh_form, erf, atol=1e-6)  # the two forms differ at these inputs
+
+
+def test_squared_relu_mlp_is_relu_squared():
+    from megatron_zpp.model.context import ParallelContext
+    from megatron_zpp.model.mlp import MLP
+
+    cfg = megatron_gpt(activation="squared_relu")
+    mlp = MLP(cfg, ParallelContext(), 0.02).double()
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    h = x @ mlp.fc1.weight.T + mlp.fc1.bias
+    want = torch.where(h > 0, h * h, torch.zeros_like(h)) @ mlp.fc2.weight.T + mlp.fc2.bias
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_partial_rope_rotates_the_first_channels_of_each_head():
+    """--rotary-percent 0.5, as Megatron: each q/k head's first d/2 channels rotate as pairs (i, i + d/4)
+    at frequencies base^(-2i / (d/2)); the other half passes; then causal softmax attention (fp64 here).
+    Rotating the whole head instead moves the output by 1.7 here."""
+    from megatron_zpp.model.attention import SelfAttention
+    from megatron_zpp.model.context import ParallelContext
+    from megatron_zpp.model.rope import rope_tables
+
+    cfg = megatron_gpt(position_embedding_type="rope", rotary_percent=0.5, num_attention_heads=2, hidden_size=16)
+    attn = SelfAttention(cfg, ParallelContext(), 0.02).double()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(5))
+    B, T, H, d, r = 2, 6, 2, 8, 4
+    x = torch.randn(B, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    out = attn(x, rope_tables(cfg.rotary_dim, torch.arange(T), cfg.rotary_base))
+    qkv = x @ attn.qkv.weight.T + attn.qkv.bias
+    q, k, v = (t.reshape(B, T, H, d) for t in qkv.split(H * d, dim=-1))
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * cfg.rotary_base ** (-torch.arange(0, r, 2) / r)
+
+    def rotate(t):  # pairs (i, i + r/2) of the first r channels
+        a, b, rest = t[..., : r // 2], t[..., r // 2 : r], t[..., r:]
+        c, s = angle.cos()[None, :, None], angle.sin()[None, :, None]
+        return torch.cat([a * c - b * s, b * c + a * s, rest], dim=-1)
+
+    q, k = rotate(q), rotate(k)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(B, T, H * d)
+    # the cos/sin tables are fp32 (as in training): round-off of fp32, not of fp64
+    torch.testing.assert_close(out, o @ attn.proj.weight.T + attn.proj.bias, rtol=1e-5, atol=1e-6)
