@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 from . import batch_schedule
 
+# --tokenizer-type's values (data/tokenizer.py builds them; GPTSentencePieceTokenizer: Megatron's GPT variant)
+TOKENIZER_TYPES = (
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+)
+
 
 class ConfigError(ValueError):
     """An inconsistent or unsupported setting. The message says what to change."""
@@ -443,7 +452,7 @@ class DataConfig:
         "tokenizer (default: inferred from the files given and logged: --vocab-file and --merge-file "
         "GPT2BPETokenizer, as Megatron's GPT-3 example expects; a --tokenizer-model .model file "
         "SentencePieceTokenizer, a directory HuggingFaceTokenizer; none NullTokenizer)",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+        choices=list(TOKENIZER_TYPES),
     )
     tokenizer_model: str | None = opt(None, "--tokenizer-model", "sentencepiece .model file or local HF tokenizer dir")
     vocab_file: str | None = opt(None, "--vocab-file", "GPT2BPETokenizer: the vocabulary (GPT-2's vocab.json)")

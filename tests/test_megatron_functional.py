@@ -59,7 +59,6 @@ REFUSED = {
         8,
         {
             **TE,
-            "--tokenizer-type": "invalid choice: 'GPTSentencePieceTokenizer'",
         },
     ),
 }

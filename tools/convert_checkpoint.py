@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from megatron_zpp import hf_remote  # noqa: E402
 from megatron_zpp.checkpoint import CheckpointError, hf_gla, hf_gpt2  # noqa: E402
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
+from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES  # noqa: E402
 from megatron_zpp.progress import progress  # noqa: E402
 
 
@@ -256,7 +257,7 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 
     tokenizer = None
     tok_model = tokenizer_model or cfg.data.tokenizer_model
-    if cfg.data.tokenizer_type == "SentencePieceTokenizer" and tok_model and os.path.isfile(tok_model):
+    if cfg.data.tokenizer_type in SENTENCEPIECE_TYPES and tok_model and os.path.isfile(tok_model):
         from megatron_zpp.data.tokenizer import SentencePieceTokenizer
 
         tokenizer = SentencePieceTokenizer(tok_model)

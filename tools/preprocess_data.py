@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.config import ConfigError  # noqa: E402
+from megatron_zpp.config import TOKENIZER_TYPES, ConfigError  # noqa: E402
 from megatron_zpp.data.compressed import (  # noqa: E402
     CompressedInputError,
     is_json_lines,
@@ -427,7 +427,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--tokenizer-type",
         default=None,
-        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"],
+        choices=TOKENIZER_TYPES,
         help="default: inferred as pretrain_gpt.py does (--vocab-file and --merge-file: GPT2BPETokenizer; "
         "a --tokenizer-model .model file: SentencePieceTokenizer, a directory: HuggingFaceTokenizer)",
     )

@@ -27,7 +27,7 @@ import numpy as np
 from ..config import Config, ConfigError, ModelConfig
 from .indexed_dataset import IndexedDataset, IndexedDatasetError, bin_path, idx_path
 from .token_range import index_cache_dir, token_range
-from .tokenizer import build_tokenizer
+from .tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
 
 VERIFY_SEQUENCES = 1 << 20  # indices up to this many sequences are verified entry by entry (O(N))
 # what a tokenizer's save_pretrained may write; a directory with none of them holds no tokenizer
@@ -80,6 +80,7 @@ def checked_tokenizer(
 def _tokenizer_model_problem(kind: str, path: str | None) -> str | None:
     """Why `path` cannot be a model of tokenizer `kind` (None when it may be): missing, unreadable,
     a file where a directory is needed or the other way round."""
+    kind = "SentencePieceTokenizer" if kind in SENTENCEPIECE_TYPES else kind  # the GPT variant reads the same file
     if kind not in ("SentencePieceTokenizer", "HuggingFaceTokenizer") or not path:
         return None  # NullTokenizer needs no file; other kinds check their own files
     flag = f"--tokenizer-model {path}"

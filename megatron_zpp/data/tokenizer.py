@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..config import TOKENIZER_TYPES
+
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
     """Megatron's padding: round up to a multiple of divisible_by * TP so every TP shard is equal."""
@@ -41,10 +43,15 @@ class NullTokenizer(_Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-class SentencePieceTokenizer(_Tokenizer):
-    """A sentencepiece `.model`. EOD is the model's `</s>` (eos) piece, or an `<EOD>` piece if it has one."""
+# --tokenizer-type values read by SentencePieceTokenizer; Megatron's GPT variant's EOD is always eos
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
-    def __init__(self, model_file: str):
+
+class SentencePieceTokenizer(_Tokenizer):
+    """A sentencepiece `.model`. EOD is the model's `</s>` (eos) piece, or an `<EOD>` piece if it has one
+    (`eod_is_eos`: always eos, as Megatron's GPTSentencePieceTokenizer)."""
+
+    def __init__(self, model_file: str, eod_is_eos: bool = False):
         import sentencepiece as spm
 
         if not os.path.isfile(model_file):
@@ -53,7 +60,7 @@ class SentencePieceTokenizer(_Tokenizer):
         self.sp = spm.SentencePieceProcessor(model_file=model_file)
         self.vocab_size = self.sp.get_piece_size()
         eod_piece = self.sp.piece_to_id("<EOD>")
-        if eod_piece != self.sp.unk_id() and self.sp.id_to_piece(eod_piece) == "<EOD>":
+        if not eod_is_eos and eod_piece != self.sp.unk_id() and self.sp.id_to_piece(eod_piece) == "<EOD>":
             self.eod = eod_piece
         elif self.sp.eos_id() >= 0:
             self.eod = self.sp.eos_id()
@@ -168,15 +175,14 @@ def build_tokenizer(
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         tok = NullTokenizer(vocab_size)
-    elif tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+    elif tokenizer_type in (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer"):
         if not tokenizer_model:
             raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
-        cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else HuggingFaceTokenizer
-        tok = cls(tokenizer_model)
+        if tokenizer_type == "HuggingFaceTokenizer":
+            tok = HuggingFaceTokenizer(tokenizer_model)
+        else:
+            tok = SentencePieceTokenizer(tokenizer_model, eod_is_eos=tokenizer_type == "GPTSentencePieceTokenizer")
     else:
-        raise ValueError(
-            f"unknown --tokenizer-type {tokenizer_type!r}; "
-            "choose NullTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or GPT2BPETokenizer"
-        )
+        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     tok.padded_vocab_size = pad_vocab_size(tok.vocab_size, make_vocab_size_divisible_by, tp_size)
     return tok

@@ -123,3 +123,21 @@ def test_train_tokenizer_reports_the_vocabulary_it_wrote(tmp_path, capsys, asked
     assert ("was asked: the corpus gave no more pieces" in line) == (pieces != asked)
     assert pieces < asked or asked == 500  # 5000 is more than this corpus holds (500: 498 here)
     assert f"pads it to {-(-pieces // 128) * 128:,} at --make-vocab-size-divisible-by 128" in line
+
+
+def test_gpt_sentencepiece_tokenizer_ends_documents_with_eos(tmp_path):
+    """Megatron's GPTSentencePieceTokenizer: EOD is the model's eos, even where an <EOD> piece exists
+    (our SentencePieceTokenizer takes that piece); the pieces are the same."""
+    import sentencepiece as spm
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(f"{TEXT} {i}" for i in range(200)))
+    prefix = str(tmp_path / "eod")
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=prefix, vocab_size=60, user_defined_symbols=["<EOD>"], minloglevel=2
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    ours = build_tokenizer("SentencePieceTokenizer", prefix + ".model", None, 128, 1)
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", prefix + ".model", None, 128, 1)
+    assert ours.eod == sp.piece_to_id("<EOD>") != sp.eos_id() == gpt.eod
+    assert gpt.tokenize(TEXT) == ours.tokenize(TEXT) and gpt.padded_vocab_size == ours.padded_vocab_size
