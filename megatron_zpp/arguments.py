@@ -330,13 +330,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def parse_config(argv: list[str] | None, world_size: int) -> Config:
+def parse_config(argv: list[str] | None, world_size: int, run: bool = True) -> Config:
     """argv -> a validated Config, node layout included: every check that needs no process
     group, so a bad setting costs one error line before any work. The flags' errors and the
-    checks' come in one ConfigError, so a user reruns once."""
+    checks' come in one ConfigError, so a user reruns once. run=False: the planning tools'
+    checks (validate's, without what only a run reads or writes)."""
     cfg, errors = _parse(argv)
     try:
-        validate(cfg, world_size)
+        validate(cfg, world_size, run=run)
         check_node_layout(cfg)
     except ConfigError as e:
         errors += str(e).splitlines()

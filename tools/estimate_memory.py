@@ -25,9 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zpp import memory  # noqa: E402
-from megatron_zpp.arguments import parse_args  # noqa: E402
+from megatron_zpp.arguments import parse_config  # noqa: E402
 from megatron_zpp.config import ConfigError  # noqa: E402
-from megatron_zpp.validation import validate
 
 ASSUMPTIONS = (
     "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
         print(__doc__)
     ours, rest = tool_args(argv)
     try:
-        cfg = validate(parse_args(rest), ours.world_size, run=False)
+        cfg = parse_config(rest, ours.world_size, run=False)
     except ConfigError as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2

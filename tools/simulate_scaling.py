@@ -35,10 +35,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_zpp.arguments import parse_args  # noqa: E402
+from megatron_zpp.arguments import parse_config  # noqa: E402
 from megatron_zpp.config import ConfigError  # noqa: E402
 from megatron_zpp.simulator import preset, simulate, throughput  # noqa: E402
-from megatron_zpp.validation import validate  # noqa: E402
 
 
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
             cluster = cluster.with_inter_node(ours.link_gbps)
         if "--ranks-per-node" not in rest:
             rest += ["--ranks-per-node", str(min(cluster.ranks_per_node, ours.world_size))]
-        cfg = validate(parse_args(rest), ours.world_size, run=False)
+        cfg = parse_config(rest, ours.world_size, run=False)
         bd = simulate(cfg, cluster)
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
