@@ -46,9 +46,6 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
-    def global_rank(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
-
 
 class Topology:
     """Arithmetic of the grid; no torch.distributed here."""

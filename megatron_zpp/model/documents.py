@@ -36,10 +36,6 @@ class Documents:
         """Whether tokens see only their own document (--reset-attention-mask)."""
         return self.doc_ids is not None
 
-    def local_doc_ids(self, length: int) -> torch.Tensor:
-        """[B, length]: the document of each of this rank's tokens."""
-        return self.doc_ids[:, self.offset : self.offset + length]
-
     def starts(self, length: int) -> torch.Tensor:
         """[B, length] bool: this rank's tokens that begin a document after another one (the sequence's
         first token is not marked: nothing comes before it). A start on a CP slice's first token is

@@ -80,10 +80,6 @@ def set_kernels(mode: str, device: torch.device) -> None:
     _mode = mode
 
 
-def kernels_mode() -> str:
-    return _mode
-
-
 def use_triton(x: torch.Tensor) -> bool:
     """Whether an op on tensor `x` runs its Triton kernel under the current mode."""
     if _mode == "torch":

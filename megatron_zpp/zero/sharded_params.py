@@ -223,6 +223,3 @@ class FlatUnit:
         that falls into this rank's shard."""
         for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
             yield self.params[i], a, b, start
-
-    def full_param_numel(self) -> int:
-        return self.numel
