@@ -1,6 +1,6 @@
 """Megatron-LM's own example scripts (tests/fixtures/megatron_*.args): every flag is accepted with
 Megatron's meaning or refused by name with its reason; our defaults are Megatron's except the
-deliberate differences the README's table lists; allow_abbrev is off; Megatron's FFN rounding.
+deliberate differences docs/megatron_compat.md's table lists; allow_abbrev is off; Megatron's FFN rounding.
 
 Megatron's values below were read from NVIDIA/Megatron-LM d98e8a64dd (megatron/training/arguments.py
 and the config dataclasses it builds its parser from), not from our code."""
@@ -265,7 +265,7 @@ MEGATRON_DEFAULTS = {
     "--add-bias-linear": True,
     "--apply-layernorm-1p": False,
     "--add-qkv-bias": False,
-    # deliberate differences (the README's table): Megatron's value, ours
+    # deliberate differences (docs/megatron_compat.md's table): Megatron's value, ours
     "--overlap-grad-reduce": False,
     "--num-layers": None,
     "--hidden-size": None,
@@ -303,12 +303,12 @@ def test_defaults_are_megatrons_but_the_listed_differences():
     m = cfg.model
     assert m.add_bias_linear and m.activation == "gelu" and m.kv_heads == m.num_attention_heads
     assert not parse_args(["--disable-bias-linear"]).model.add_bias_linear
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    table = readme[readme.index("| flag | Megatron-LM | here |") :]
+    with open(os.path.join(ROOT, "docs", "megatron_compat.md")) as f:
+        page = f.read()
+    table = page[page.index("| flag | Megatron-LM | here |") :]
     table = table[: table.index("\n\n")]
     for flag in [*DIFFERENT, "--num-query-groups"]:
-        assert f"`{flag}`" in table, f"README's table of deliberate differences lacks {flag}"
+        assert f"`{flag}`" in table, f"docs/megatron_compat.md's table of deliberate differences lacks {flag}"
 
 
 def test_abbreviations_are_refused_with_the_nearest_flag():
