@@ -1,45 +1,26 @@
-"""Calibrate the simulator's `emulated` preset on this machine's emulated cluster
-(bench/cluster.py: two network namespaces joined by a tc-shaped veth; root needed).
-
-    python tools/calibrate_cluster.py [--rate 1gbit] [--ranks 4] [--out bench/results/emulated_cluster.json]
-    python tools/calibrate_cluster.py --refit PRESET.json --out PRESET.json   # terms only, no cluster
-
-Measures, with 4 gloo ranks (2 per namespace) running at once as in training:
-
-* the p2p alpha and bandwidth inside a namespace (loopback) and across the veth shaped at
-  --rate (the inter-node bandwidth is stored as a fraction of the shaped rate, so the
-  simulator can take any other rate: --link-gbps, bench/simulator_validation.py);
-* the model FLOP/s per rank of forward + backward of three small GPTs (all ranks computing at
-  once, so the shared cores are counted), fitted as seconds = FLOPs / rate + layers x overhead,
-  and the extra seconds of a GLA layer over a softmax one at the CP runs' local length;
-* the int8 quantize + dequantize throughput (ops/quantize.py), and per (bits, block) of the
-  runs (int4 / int8 at 256) the quantizer's per-element and per-call cost;
-* then six calibration-only training runs (other model sizes than the validation's), each
-  launched 3 times interleaved (measure_runs), for the terms no microbenchmark sees: per-step
-  and per-ZeRO-unit overhead, the overlap efficiency, the quantizer's per-call cost in a real
-  step, the CP chain's per-message cost (fit_runs).
-
-Only one emulated-cluster bench may run at a time (a lock): this tool waits for it (up to
---wait-minutes). Without root or iproute2 it says so and stops.
-"""
+"""The measurements and fits behind the simulator's `emulated` preset (tools/calibrate_cluster.py
+writes it, bench/simulator_validation.py checks the simulator against more runs): launch a script
+on the emulated cluster (megatron_zpp/testing/cluster.py), time pretrain_gpt.py runs interleaved
+over rounds, and fit the preset's terms. See tools/calibrate_cluster.py for what is measured."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from cluster import ADDRS, VETHS, Cluster, _kill, parse_rate, take_lock  # noqa: E402
-
-from megatron_zpp.simulator.hardware import EMULATED_JSON  # noqa: E402
+from megatron_zpp.testing.cluster import (
+    PRETRAIN_GPT,
+    REPO_ROOT,
+    Cluster,
+    launched_nodes,
+    parse_rate,
+    start_nodes,
+    stop_nodes,
+    take_lock,
+)
 
 PER_NODE = 2
 CALIBRATION_MODELS = [  # tiny GPTs, other sizes than the validation's (bench/simulator_validation.py)
@@ -99,40 +80,23 @@ def launch(cluster: Cluster, argv: list[str], world: int, timeout: float, env: d
     """Run `argv` (python script + args) on `world` ranks, PER_NODE per namespace, one
     torchrun per namespace; (worst exit code, both nodes' output)."""
     launch.port += 1
-    nodes = world // PER_NODE
-    procs, logs = [], []
-    for node in range(nodes):
-        log = tempfile.TemporaryFile(mode="w+")
-        node_env = {
-            **os.environ,
-            **(env or {}),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": ROOT,
-            "GLOO_SOCKET_IFNAME": VETHS[node],
-            "PYTHONWARNINGS": "ignore",
-        }
-        cmd = cluster.prefix(node) + [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *f"--nnodes {nodes} --nproc-per-node {PER_NODE} --node-rank {node} --master-addr {ADDRS[0]}".split(),
-            "--master-port",
-            str(launch.port),
-            *argv,
-        ]
-        p = subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        cluster.children.append(p)
-        procs.append(p)
-        logs.append(log)
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(launched_nodes(cluster, world // PER_NODE))]
+    # PYTHONPATH: the ranks import this checkout's megatron_zpp, whichever one the venv has installed
+    rank_env = {
+        **os.environ,
+        **(env or {}),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO_ROOT,
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [sys.executable, *argv]
+    procs = start_nodes(cluster, cmd, rank_env, logs, world // PER_NODE, PER_NODE, launch.port, cwd=REPO_ROOT)
     deadline = time.time() + timeout
     while any(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.2)
-    codes = []
-    for p in procs:
-        if p.poll() is None:
-            _kill(p)
-        codes.append(p.returncode if p.returncode is not None else 124)
-        cluster.children.remove(p)
+    running = [p.poll() is None for p in procs]
+    stop_nodes(cluster, procs)
+    codes = [124 if still else p.returncode for p, still in zip(procs, running)]
     text = ""
     for log in logs:
         log.seek(0)
@@ -187,8 +151,7 @@ def measure_steps(cluster: Cluster, argv: list[str], rate: str, world: int) -> l
     cluster.shape(parse_rate(rate))
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        script = os.path.join(ROOT, "pretrain_gpt.py")
-        code, text = launch(cluster, [script, *argv, "--metrics-file", metrics], world, 600)
+        code, text = launch(cluster, [PRETRAIN_GPT, *argv, "--metrics-file", metrics], world, 600)
         if code or not os.path.exists(metrics):
             raise RuntimeError(f"{' '.join(argv)} at {rate}: exit {code}\n{text[-2000:]}")
         with open(metrics) as fh:
@@ -329,7 +292,7 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
         models = {"compute": CALIBRATION_MODELS, "gla": GLA_MODELS}
-        probe = [os.path.join(ROOT, "tools", "_cluster_probe.py"), out, json.dumps(models)]
+        probe = [os.path.join(os.path.dirname(__file__), "cluster_probe.py"), out, json.dumps(models)]
         code, text = launch(cluster, probe, world, timeout=900)
         if code or not os.path.exists(out):
             raise SystemExit(f"error: the probe failed (exit {code}):\n{text[-3000:]}")
@@ -366,43 +329,3 @@ def calibrate(cluster: Cluster, rate: str, world: int) -> dict:
     preset["measured"]["calibration_runs"] = runs.pop("calibration_runs")
     preset.update(runs)
     return preset
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", default="1gbit", help="veth rate while measuring (e.g. 1gbit, 200mbit)")
-    ap.add_argument("--ranks", type=int, default=4, help="gloo ranks, 2 per namespace")
-    ap.add_argument("--out", default=os.path.normpath(EMULATED_JSON))
-    ap.add_argument("--wait-minutes", type=float, default=30.0, help="how long to wait for another bench's lock")
-    ap.add_argument(
-        "--refit",
-        metavar="PRESET",
-        help="no measuring: refit PRESET's terms from its stored calibration runs (after a simulator change)",
-    )
-    a = ap.parse_args(argv)
-    if a.refit:
-        if not os.path.exists(a.refit):
-            raise SystemExit(f"error: --refit {a.refit}: no such file")
-        preset = refit(a.refit, a.ranks)
-    else:
-        cluster = wait_for_cluster(a.wait_minutes)
-        try:
-            preset = calibrate(cluster, a.rate, a.ranks)
-        finally:
-            cluster.cleanup()
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(preset, fh, indent=1)
-    links, eff = preset["links"], preset["measured"]["inter_node_efficiency"]
-    intra, inter = links["intra_node"], links["inter_node"]
-    print(
-        f"wrote {a.out}: {preset['sustained_tflops'] * 1e3:.2f} GFLOP/s per rank "
-        f"(+{preset['per_layer_s'] * 1e3:.2f} ms per layer), intra {intra['bandwidth'] / 1e6:.0f} MB/s "
-        f"alpha {intra['alpha'] * 1e6:.0f} us, inter {inter['bandwidth'] / 1e6:.1f} MB/s ({eff:.2f} of {a.rate}) "
-        f"alpha {inter['alpha'] * 1e6:.0f} us, quantizer {preset['quant_elems_per_s'] / 1e6:.0f} M elements/s"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
