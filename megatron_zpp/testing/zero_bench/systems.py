@@ -210,7 +210,8 @@ def model_args(a, iters: int, dtype: str) -> list[str]:
         f"--num-attention-heads {a.num_attention_heads} --seq-length {a.seq_length} --vocab-size "
         f"{a.vocab_size} --micro-batch-size {a.micro_batch_size} --global-batch-size "
         f"{a.micro_batch_size * a.world} --train-iters {iters} --seed {a.seed} --lr 3e-4 "
-        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --ranks-per-node {a.per_node}"
+        f"--lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --ranks-per-node {a.per_node} "
+        "--eval-iters 0"  # the peers do not evaluate; Megatron's default (100 batches at the end) is no step's work
     ).split() + LLAMA_FLAGS  # said explicitly: the peers' block, not Megatron's defaults
 
 
