@@ -177,8 +177,9 @@ EMULATED_JSON = str(EMULATED_PRESET)
 def preset(name: str, path: str | None = None) -> Cluster:
     """A preset by name; "emulated" reads the calibration JSON (tools/calibrate_cluster.py)."""
     if name == "emulated":
-        if path is None:
+        if path is None and EMULATED_PRESET.is_file():
             return Cluster.from_json(json.loads(EMULATED_PRESET.read_text()))
+        path = path or EMULATED_JSON
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: run tools/calibrate_cluster.py first (it writes the emulated preset)")
         with open(path) as fh:

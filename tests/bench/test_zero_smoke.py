@@ -78,3 +78,17 @@ def test_peer_model_is_ours_and_refuses_megatron_defaults():
     with pytest.raises(SystemExit, match="error: the peers implement a Llama-like block only"):
         build_peer_model(megatron)
     assert vocab == pad_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
+
+
+def test_deepspeed_missing_is_one_line(monkeypatch):
+    """Without deepspeed in the venv the ds systems are refused in one line that says how to install it."""
+    from importlib import metadata
+
+    from megatron_zpp.testing.zero_bench import systems
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    why = systems.deepspeed_refusal()
+    assert why.startswith("deepspeed is not installed") and "pip install" in why and "\n" not in why
