@@ -124,7 +124,7 @@ import sys
 import tempfile
 import time
 
-from megatron_zpp.testing.cluster import Cluster, parse_rate, take_lock
+from megatron_zpp.testing.cluster import Cluster, parse_rate, wait_for_lock
 from megatron_zpp.testing.zero_bench.launch import run_all
 from megatron_zpp.testing.zero_bench.report import print_header, print_report
 from megatron_zpp.testing.zero_bench.systems import (
@@ -174,6 +174,7 @@ def parse_cli() -> argparse.Namespace:
         "not the all-to-all + local sum every system uses by default (for comparison only)",
     )
     ap.add_argument("--no-netns", action="store_true", help="run on loopback without namespaces or shaping")
+    ap.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another bench's cluster lock")
     ap.add_argument("--no-path-check", action="store_true", help="skip the socket check of the two paths")
     ap.add_argument("--work-dir", default=None, help="keep logs, metrics and probes here (default: a temp dir)")
     a = ap.parse_args()
@@ -232,7 +233,7 @@ def main() -> int:
     work = a.work_dir or tempfile.mkdtemp(prefix="zpp_zero_bench_")
     os.makedirs(work, exist_ok=True)
     t0, load0 = time.time(), os.getloadavg()[0]
-    m = measure(a, work, take_lock())
+    m = measure(a, work, wait_for_lock(a.lock_wait))
     cluster, results, estimate = m["cluster"], m["results"], m["estimate"]
     print_header(a, cluster, m["params"], m["paths"], estimate, m["compute"])
     report = print_report(a, results, cluster.netns, m["params"])

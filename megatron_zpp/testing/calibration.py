@@ -19,7 +19,7 @@ from megatron_zpp.testing.cluster import (
     parse_rate,
     start_nodes,
     stop_nodes,
-    take_lock,
+    wait_for_lock,
 )
 
 PER_NODE = 2
@@ -58,19 +58,7 @@ RUN_LAYOUTS = {
 
 def wait_for_cluster(minutes: float) -> Cluster:
     """The emulated cluster, once the lock is ours (another bench may hold it: retry)."""
-    deadline = time.time() + minutes * 60
-    while True:
-        try:
-            fd = take_lock()
-            break
-        except SystemExit as e:
-            if time.time() > deadline:
-                raise
-            if not getattr(wait_for_cluster, "told", False):
-                print(f"[calibrate] {e}; waiting for it", file=sys.stderr, flush=True)
-                wait_for_cluster.told = True
-            time.sleep(1)
-    cluster = Cluster(True, fd)
+    cluster = Cluster(True, wait_for_lock(minutes * 60))
     if not cluster.netns:
         raise SystemExit(f"error: no emulated cluster here ({cluster.reason}); calibration needs it")
     return cluster

@@ -217,6 +217,21 @@ def take_lock() -> int:
     return fd
 
 
+def wait_for_lock(seconds: float, every_s: float = 1.0) -> int:
+    """take_lock, retried every `every_s` while another bench holds it, for up to `seconds`."""
+    deadline, said = time.time() + seconds, False
+    while True:
+        try:
+            return take_lock()
+        except SystemExit as e:
+            if time.time() > deadline:
+                raise SystemExit(f"{e} (waited {seconds:.0f} s)") from None
+            if not said:
+                log(f"waiting for the cluster lock: {e}")
+                said = True
+            time.sleep(every_s)
+
+
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 

@@ -16,7 +16,19 @@ TINY = "--num-layers 1 --hidden-size 64 --num-attention-heads 2 --seq-length 32 
 
 def test_zero_bench_runs_every_system_on_the_same_model(tmp_path):
     systems = ["ours-z3", "fsdp2", "ds-z3"]
-    argv = ["--no-netns", "--rates", "unshaped", "--systems", *systems, "--dtype", "fp32", "--ranks", "2"]
+    argv = [
+        "--no-netns",
+        "--rates",
+        "unshaped",
+        "--systems",
+        *systems,
+        "--dtype",
+        "fp32",
+        "--ranks",
+        "2",
+        "--lock-wait",
+        "120",
+    ]
     argv += ["--steps", "1", "--warmup", "1", "--repeats", "1", "--work-dir", str(tmp_path), *TINY]
     env = {**os.environ, "PYTHONPATH": ROOT}  # the ranks import this checkout's package
     res = subprocess.run(
