@@ -18,6 +18,7 @@ PORTS = itertools.count(29600)
 
 
 def rank_env(a, out_dir: str) -> dict:
+    """The environment of every rank: one thread, the probe's folder, DeepSpeed on CPU."""
     return {
         **os.environ,
         **({"MALLOC_MMAP_THRESHOLD_": str(a.malloc_mmap_threshold)} if a.malloc_mmap_threshold else {}),
@@ -27,6 +28,8 @@ def rank_env(a, out_dir: str) -> dict:
         "DS_ACCELERATOR": "cpu",
         "PYTHONWARNINGS": "ignore::FutureWarning",
         **({"ZPP_GLOO_NATIVE_RS": "1"} if a.gloo_native_reduce_scatter else {}),
+        # the ranks import the checkout the bench runs from, whichever one the venv has installed
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
     }
 
 
