@@ -41,7 +41,7 @@ noise it cannot show. The ledger (megatron_zpp.comm.LEDGER) gives the bytes the 
 sends per forward + backward, in states: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
 Settings: "loopback": tests/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
-2-node cluster of bench/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
+2-node cluster of megatron_zpp/testing/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
 --rate on both veth ends), P/2 ranks per namespace, MASTER_ADDR = node 0's veth address, GLOO_SOCKET_IFNAME
 = the namespace's veth; only the hop between ranks P/2-1 and P/2 crosses the shaped link (the all-gather
 ring crosses it twice). Needs root and iproute2, else it is skipped with the reason. Every rank runs at 1
@@ -69,7 +69,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
+from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
 from tests.dist import run_distributed  # noqa: E402
 
 AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
@@ -505,7 +505,9 @@ def main() -> int:
     parse_rate(a.rate)  # a bad rate fails before the loopback runs, not after
     cfg, t0, load0 = make_cfg(a), time.time(), os.getloadavg()[0]
     skipped, qdisc, lock_fd = "--quick" if a.quick else "--no-netns" if a.no_netns else "", "", None
-    if not skipped:  # bench/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
+    if (
+        not skipped
+    ):  # megatron_zpp/testing/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
         try:
             lock_fd = take_lock()
         except SystemExit as e:

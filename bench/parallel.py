@@ -27,7 +27,7 @@ model is our softmax GPT (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embedding, fp
 Step time = barrier, step, barrier; median over the timed steps after warmup. A peer that
 fails in this torch version is reported with its exception instead of a time.
 4. Plain DP with and without --overlap-grad-reduce on the emulated 2-node cluster of
-   bench/cluster.py (root: 2 network namespaces x 2 ranks, the cross-node veth shaped with
+   megatron_zpp/testing/cluster.py (root: 2 network namespaces x 2 ranks, the cross-node veth shaped with
    tc tbf; without root the ranks run on loopback, unshaped, and the table says so), through
    bench/zero.py's launcher and probe (pretrain_gpt.py unchanged, step time around each
    train_step): DP 4, one micro-batch per rank, fp32, --ddp-bucket-size elements per bucket,
@@ -345,7 +345,7 @@ def dp_overlap(args) -> dict:
     import tempfile
 
     from bench import zero as zb
-    from bench.cluster import Cluster, parse_rate, take_lock
+    from megatron_zpp.testing.cluster import Cluster, parse_rate, take_lock
 
     a = argparse.Namespace(
         rates=args.dp_overlap_rates,

@@ -11,7 +11,7 @@ Runs: ZeRO-3 and ZeRO++ (qwZ + hpZ + qgZ) on two model sizes at 1 Gbit/s and 200
 hpZ and qgZ alone; CP All-Scan vs all-gather (GLA layers, CP over all 4 ranks). The measured
 step time is the median step (--metrics-file, the first step dropped) over --rounds launches of
 each run, the runs interleaved and their order reversed every other round: the statistic of the
-calibration (calibrate_cluster.measure_runs, whose docstring says why). Target: within 15%.
+calibration (megatron_zpp.testing.calibration.measure_runs, whose docstring says why). Target: within 15%.
 Takes the emulated cluster's lock (waits for another bench up to --wait-minutes).
 """
 
@@ -23,16 +23,12 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from calibrate_cluster import calibrate, measure_runs, wait_for_cluster  # noqa: E402
-
-from megatron_zpp.arguments import parse_args  # noqa: E402
-from megatron_zpp.simulator import preset, simulate  # noqa: E402
-from megatron_zpp.simulator.hardware import EMULATED_JSON  # noqa: E402
-from megatron_zpp.validation import validate  # noqa: E402
+from megatron_zpp.arguments import parse_args
+from megatron_zpp.simulator import preset, simulate
+from megatron_zpp.simulator.hardware import EMULATED_JSON
+from megatron_zpp.testing.calibration import calibrate, measure_runs, wait_for_cluster
+from megatron_zpp.testing.cluster import parse_rate
+from megatron_zpp.validation import validate
 
 WORLD = 4
 SIZES = {
@@ -68,8 +64,6 @@ def flags(layout: str, size: str, iters: int) -> list[str]:
 
 
 def predict(layout: str, size: str, rate: str, cluster_json: str | None) -> float:
-    from cluster import parse_rate
-
     emulated = preset("emulated", cluster_json)
     eff = emulated.measured.get("inter_node_efficiency", 1.0)
     cl = emulated.with_inter_node(parse_rate(rate) / 1e9 * eff)

@@ -1,9 +1,10 @@
 """Single-rank throughput: our GPT against a plain-PyTorch nanoGPT-style GPT of the same config.
 
-`PeerGPT` below is a straightforward model of the identical architecture (pre-norm RMSNorm,
-RoPE rotating (x[i], x[i+d/2]), causal SDPA, SwiGLU, tied embeddings, no biases) built from
-separate nn.Linear modules. It is loaded with OUR initialized weights (fused qkv = [q;k;v] and
-fc1 = [gate;up] are split), and before any timing both must give the same loss and gradients
+`PeerGPT` (megatron_zpp/testing/peers/model.py, also bench/zero.py's peers' model) is a
+straightforward model of the identical architecture (pre-norm RMSNorm, RoPE rotating (x[i],
+x[i+d/2]), causal SDPA, SwiGLU, tied embeddings, no biases) built from separate nn.Linear
+modules. It is loaded with OUR initialized weights (fused qkv = [q;k;v] and fc1 = [gate;up] are
+split), and before any timing both must give the same loss and gradients
 on the same batch in fp32 (1e-4 relative): identical config and init. Both are then cast to
 --dtype (the whole model, as pretrain_gpt.py does with --bf16) and timed on forward + backward
 + torch.optim.AdamW(foreach) step, alternating ours/peer after warmup; the median step counts.
@@ -37,100 +38,14 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_zpp.config import ModelConfig  # noqa: E402
 from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
 from megatron_zpp.ops import dispatch  # noqa: E402
 from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
+from megatron_zpp.testing.peers.model import PeerGPT, to_peer_names  # noqa: E402
 from megatron_zpp.training.builders import compile_model  # noqa: E402
-
-
-class PeerAttention(nn.Module):
-    def __init__(self, h: int, heads: int, seq: int, base: float):
-        super().__init__()
-        self.heads, self.d = heads, h // heads
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
-        inv_freq = 1.0 / base ** (torch.arange(0, self.d, 2).float() / self.d)
-        angles = torch.arange(seq).float()[:, None] * inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def rope(self, x):  # x [B, heads, T, d]
-        T, half = x.shape[2], self.d // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * self.cos[:T].to(x.dtype) + rotated * self.sin[:T].to(x.dtype)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = (p(x).view(B, T, self.heads, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, C))
-
-
-class PeerMLP(nn.Module):
-    def __init__(self, h: int, ffn: int):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(h, ffn, False), nn.Linear(h, ffn, False), nn.Linear(ffn, h, False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class PeerBlock(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.ln_1 = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
-        self.attn = PeerAttention(c.hidden_size, c.num_attention_heads, c.seq_length, c.rotary_base)
-        self.ln_2 = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
-        self.mlp = PeerMLP(c.hidden_size, c.ffn_size)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class PeerGPT(nn.Module):
-    def __init__(self, c: ModelConfig, vocab: int):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, c.hidden_size)
-        self.h = nn.ModuleList(PeerBlock(c) for _ in range(c.num_layers))
-        self.ln_f = nn.RMSNorm(c.hidden_size, eps=c.norm_epsilon)
-        self.lm_head = nn.Linear(c.hidden_size, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-
-    def forward(self, idx, targets):
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.reshape(-1))
-
-
-def to_peer_names(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Our parameter names/layouts -> the peer's (fused weights split in order); for weights or grads."""
-    out = {"wte.weight": sd["embedding.weight"], "ln_f.weight": sd["final_norm.weight"]}
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        q, k, v = sd[p + "mixer.qkv.weight"].chunk(3, dim=0)
-        gate, up = sd[p + "mlp.fc1.weight"].chunk(2, dim=0)
-        out.update(
-            {
-                f"h.{i}.ln_1.weight": sd[p + "norm1.weight"],
-                f"h.{i}.ln_2.weight": sd[p + "norm2.weight"],
-                f"h.{i}.attn.q.weight": q,
-                f"h.{i}.attn.k.weight": k,
-                f"h.{i}.attn.v.weight": v,
-                f"h.{i}.attn.o.weight": sd[p + "mixer.proj.weight"],
-                f"h.{i}.mlp.gate.weight": gate,
-                f"h.{i}.mlp.up.weight": up,
-                f"h.{i}.mlp.down.weight": sd[p + "mlp.fc2.weight"],
-            }
-        )
-    return out
 
 
 def check_equal(ours: GPT, peer: PeerGPT, x, y, tol: float) -> dict:

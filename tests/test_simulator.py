@@ -192,16 +192,13 @@ def test_cli_table_and_json(capsys):
 
 
 def test_calibration_fit_recovers_known_terms(monkeypatch, tmp_path):
-    """tools/calibrate_cluster.fit_runs on "runs" that are the simulator itself with known
-    overhead, overlap, per-call quantizer and chain-message terms gets those terms back (the
+    """megatron_zpp.testing.calibration.fit_runs (tools/calibrate_cluster.py's) on "runs" that are the
+    simulator itself with known overhead, overlap, per-call quantizer and chain-message terms gets those terms back (the
     fit is a linear solve on the simulator's own columns: exact up to its max(0, .) kinks,
     here within 1% for the linear ones, 10% for the per-call and per-message ones); --refit of
     a preset that stores those runs, with stale terms in it, gets the known terms back too."""
-    spec = importlib.util.spec_from_file_location(
-        "calibrate_cluster", os.path.join(ROOT, "tools", "calibrate_cluster.py")
-    )
-    cc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cc)
+    from megatron_zpp.testing import calibration as cc
+
     link = {"alpha": 1.5e-4, "bandwidth": 2e9, "shared": "rank"}
     base = {  # an emulated preset as the probe writes it (figures of a 2026-12-01 calibration)
         "name": "emulated",
@@ -279,3 +276,16 @@ def test_sp_backward_gathers_hide_behind_their_matmuls():
     got = simulate(cfg, cl).exposed_s["tp+cp (synchronous)"]
     assert got == pytest.approx(every - micro * hidden, rel=1e-9)
     assert 0 < micro * hidden < every
+
+
+def test_emulated_preset_ships_as_package_data():
+    """The emulated preset is read from the installed package (importlib.resources), not from bench/."""
+    from importlib import resources
+
+    from megatron_zpp.simulator.hardware import EMULATED_JSON
+
+    data = resources.files("megatron_zpp.simulator").joinpath("presets", "emulated_cluster.json")
+    assert data.is_file() and os.path.samefile(str(data), EMULATED_JSON)
+    emulated = preset("emulated")
+    assert emulated.name == "emulated" and emulated.ranks_per_node == 2
+    assert preset("emulated", EMULATED_JSON).sustained_tflops == emulated.sustained_tflops

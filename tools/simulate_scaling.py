@@ -3,7 +3,7 @@ pretrain_gpt.py, plus
 
     --world-size N          ranks (default: $WORLD_SIZE or 1)
     --system NAME           cluster preset: v100-ib100, v100-ib400, v100-ib800, frontier, a100,
-                            h100, h200, emulated (bench/results/emulated_cluster.json, written
+                            h100, h200, emulated (megatron_zpp/simulator/presets/emulated_cluster.json, written
                             by tools/calibrate_cluster.py)    [default: h100]
     --system-file PATH      the JSON of an emulated preset other than the checked-in one
     --link-gbps G           override the inter-node bandwidth per node (Gbit/s)

@@ -1,5 +1,5 @@
 """The shared driver of the sweep scripts in examples/reproduce/: real pretrain_gpt.py runs
-on the emulated 2-node cluster of bench/cluster.py (two network namespaces joined by a veth
+on the emulated 2-node cluster of megatron_zpp/testing/cluster.py (two network namespaces joined by a veth
 pair shaped with tc tbf; root needed, else every rank runs on loopback, unshaped, and the
 rows say so), each with --metrics-file and --comm-report, summarized as JSONL rows
 
@@ -7,7 +7,7 @@ rows say so), each with --metrics-file and --comm-report, summarized as JSONL ro
      tflops_per_gpu, source: "measured", ...extra: spread, cross_node_mb_per_rank, loss, load}
 
 One launch covers several link rates: the ranks run pretrain_gpt.py unchanged under
-bench/zero_peers/ours.py's probe, which stops every rank at a gate before the first step of
+megatron_zpp/testing/peers/ours.py's probe, which stops every rank at a gate before the first step of
 each later rate; the driver reshapes the link with no traffic in flight and opens the gate.
 Per rate the first step (which holds the gate wait in its step_time) is dropped, and before
 the first rate --warmup steps; the figure is the median of the rest (`step_time` of rank 0's
@@ -34,7 +34,9 @@ for _p in (ROOT, os.path.join(ROOT, "tools")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-PROBE = os.path.join(ROOT, "bench", "zero_peers", "ours.py")
+from megatron_zpp.testing.peers import RUNNERS  # noqa: E402
+
+PROBE = os.path.join(RUNNERS, "ours.py")  # pretrain_gpt.py under the probe
 LOOPBACK = "127.0.0.1"
 TAIL_STEPS = 3  # untimed steps after the concurrent copies' timed block
 
@@ -62,7 +64,7 @@ class Job:
 
 
 def gbps(rate: str) -> float | None:
-    from bench.cluster import parse_rate
+    from megatron_zpp.testing.cluster import parse_rate
 
     bits = parse_rate(rate)
     return None if bits is None else bits / 1e9
@@ -171,7 +173,7 @@ class Sweep:
     """Holds the cluster (and its lock) for a script's launches."""
 
     def __init__(self, a):
-        from bench.cluster import Cluster
+        from megatron_zpp.testing.cluster import Cluster
 
         self.a = a
         self.lock_fd = None if a.no_netns else wait_for_lock(a.lock_wait)
@@ -228,7 +230,7 @@ class Sweep:
         steps timed together (the first, holding the gate wait, dropped), then a few untimed steps so a
         copy lagging behind still shares the cores to its last timed step. A row with the copies' summed
         tokens/s (each one's median) and their median step time."""
-        from bench.cluster import _kill
+        from megatron_zpp.testing.cluster import stop_process
 
         assert len(job.rates) == 1 and job.ranks == 1
         gated = dataclasses.replace(job, rates=job.rates * 2)  # block 0: start-up; block 1: timed together
@@ -254,7 +256,7 @@ class Sweep:
         while not error and any(p.poll() is None for p, _ in procs) and time.perf_counter() < deadline:
             time.sleep(0.2)
         for p, f in procs:
-            _kill(p)
+            stop_process(p)
             f.close()
         if error or any(p.returncode for p, _ in procs):
             raise RuntimeError(f"a concurrent run failed: {error or last_error(outs[0], 1)}")
@@ -286,7 +288,7 @@ class Sweep:
                 "source": "measured", "rate": rate, "error": error, **job.extra}  # fmt: skip
 
     def _launch(self, job: Job, args: list[str], out: str) -> str | None:
-        from bench.cluster import ADDRS, VETHS, _kill, parse_rate
+        from megatron_zpp.testing.cluster import ADDRS, VETHS, parse_rate, stop_process
 
         c = self.cluster
         if job.nodes > 2 or job.ranks % job.per_node:
@@ -316,14 +318,14 @@ class Sweep:
             return self._drive(job, procs, out, time.perf_counter() + self.a.run_timeout)
         finally:
             for p in procs:
-                _kill(p)
+                stop_process(p)
                 c.children.remove(p)
             for f in logs:
                 f.close()
 
     def _drive(self, job: Job, procs: list, out: str, deadline: float) -> str | None:
         """Open each later rate's gate once every rank waits at it (after reshaping); wait for the end."""
-        from bench.cluster import parse_rate
+        from megatron_zpp.testing.cluster import parse_rate
 
         for k in range(1, len(job.rates) + 1):
             while True:
@@ -389,8 +391,8 @@ def last_error(out: str, nodes: int) -> str:
 
 
 def wait_for_lock(seconds: float) -> int:
-    """The cluster's lock (bench/cluster.py), retried every 10 s while another bench holds it."""
-    from bench.cluster import take_lock
+    """The cluster's lock (megatron_zpp/testing/cluster.py), retried every 10 s while another bench holds it."""
+    from megatron_zpp.testing.cluster import take_lock
 
     deadline, said = time.time() + seconds, False
     while True:

@@ -10,7 +10,8 @@ or a shaped veth; each rank then gets bandwidth / ranks_per_node).
 The sustained compute rate is stated, not measured, for the GPU presets: the fraction
 of the dense bf16/fp16 peak that a well-tuned GPT step reaches (MFU), given per preset
 with where it comes from. The `emulated` preset is written by tools/calibrate_cluster.py
-from measurements on this machine's emulated cluster (bench/cluster.py).
+from measurements on this machine's emulated cluster (megatron_zpp/testing/cluster.py); it ships
+as package data (presets/emulated_cluster.json).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 
@@ -167,12 +169,16 @@ PRESETS = {
     # H200: H100's interconnect and peak, 4.8 TB/s HBM3e (NVIDIA H200 data sheet).
     "h200": lambda: _nvidia("h200-dgx", 989.4, 450e9, 400, 4.8e12, 0.40),
 }
-EMULATED_JSON = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "emulated_cluster.json")
+# package data: read with importlib.resources; the path is where tools/calibrate_cluster.py writes it
+EMULATED_PRESET = resources.files("megatron_zpp.simulator").joinpath("presets", "emulated_cluster.json")
+EMULATED_JSON = str(EMULATED_PRESET)
 
 
 def preset(name: str, path: str | None = None) -> Cluster:
     """A preset by name; "emulated" reads the calibration JSON (tools/calibrate_cluster.py)."""
     if name == "emulated":
+        if path is None and EMULATED_PRESET.is_file():
+            return Cluster.from_json(json.loads(EMULATED_PRESET.read_text()))
         path = path or EMULATED_JSON
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: run tools/calibrate_cluster.py first (it writes the emulated preset)")

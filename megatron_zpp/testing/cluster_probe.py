@@ -1,4 +1,4 @@
-"""One rank of tools/calibrate_cluster.py's measurements (run by torchrun in the emulated
+"""One rank of the calibration's measurements (megatron_zpp/testing/calibration.py) (run by torchrun in the emulated
 cluster's namespaces; writes rank 0's figures as JSON to argv[1]; argv[2]: {"compute": [flags], "gla": [flags]}).
 
 * p2p ping-pong rank 0 <-> 1 (same namespace: loopback) and rank 0 <-> P/2 (across the
@@ -14,19 +14,16 @@ cluster's namespaces; writes rank 0's figures as JSON to argv[1]; argv[2]: {"com
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_zpp.arguments import parse_args  # noqa: E402
-from megatron_zpp.model import GPT  # noqa: E402
-from megatron_zpp.ops.quantize import dequantize_sum_wire, dequantize_wire, quantize_wire  # noqa: E402
-from megatron_zpp.perf import flops_per_token  # noqa: E402
+from megatron_zpp.arguments import parse_args
+from megatron_zpp.model import GPT
+from megatron_zpp.ops.quantize import dequantize_sum_wire, dequantize_wire, quantize_wire
+from megatron_zpp.perf import flops_per_token
 
 SMALL, LARGE = 1024, 4 << 20
 

@@ -1,8 +1,8 @@
 """Peer: PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard` on every block and the root) on
-gloo/CPU, training the model of common.py with our weights, data order, AdamW settings, LR
+gloo/CPU, training the model of model.py with our weights, data order, AdamW settings, LR
 schedule and global-norm clipping.
 
-    torchrun ... bench/zero_peers/fsdp2.py --warmup 1 --reshard-after-forward {true,2} -- <model flags>
+    torchrun ... megatron_zpp/testing/peers/fsdp2.py --warmup 1 --reshard-after-forward {true,2} -- <model flags>
 
 --reshard-after-forward 2 (an int) keeps the parameters sharded over 2 ranks between forward
 and backward, so the backward all-gather stays in the node: FSDP2's analogue of hpZ.
@@ -17,20 +17,17 @@ init rounded to bf16, as ours rounds it), so every system's masters start equal.
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (
+from megatron_zpp.testing.peers.gloo_collectives import install_gloo_collectives
+from megatron_zpp.testing.peers.model import (
     PeerBatches,
-    Probe,
     adamw_kwargs,
     adamw_param_groups,
     build_peer_model,
-    install_gloo_collectives,
     lr_at,
-    parse_model_args,  # noqa: E402
-    peer_args,
+    parse_model_args,
 )
+from megatron_zpp.testing.peers.probe import Probe, peer_args
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    install_gloo_collectives()  # its reduce_scatter_single: the real-fabric volume on gloo (common.py)
+    install_gloo_collectives()  # its reduce_scatter_single: the real-fabric volume on gloo (gloo_collectives.py)
     probe = Probe(a.warmup, a.gate_every)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")

@@ -1,8 +1,9 @@
-"""The emulated 2-node cluster of bench/zero.py and bench/cp.py: two network namespaces
-joined by a veth pair whose both ends are shaped with `tc qdisc ... tbf` (root and
-iproute2 needed; without them the benches say so and run on loopback, unshaped). Ranks
-inside one namespace talk over its loopback (unshaped), ranks across over the veth.
-A lock keeps one bench at a time: a second would remove the first one's namespaces."""
+"""The emulated 2-node cluster of the benches (bench/zero.py, bench/cp.py, bench/parallel.py),
+tools/calibrate_cluster.py and examples/reproduce: two network namespaces joined by a veth pair
+whose both ends are shaped with `tc qdisc ... tbf` (root and iproute2 needed; without them the
+benches say so and run on loopback, unshaped). Ranks inside one namespace talk over its loopback
+(unshaped), ranks across over the veth. A lock keeps one bench at a time: a second would remove
+the first one's namespaces. `start_nodes` launches one torchrun per node in its namespace."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+
+# the checkout this package is in (installed editable): the ranks run its pretrain_gpt.py
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRETRAIN_GPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 
 NAMESPACES = ("zpp_n0", "zpp_n1")
 VETHS = ("zppv0", "zppv1")
@@ -179,7 +184,7 @@ class Cluster:
 
     def cleanup(self) -> None:
         for p in self.children:
-            _kill(p)
+            stop_process(p)
         self.children.clear()
         if shutil.which("ip") and os.geteuid() == 0:
             for ns in NAMESPACES:
@@ -212,11 +217,27 @@ def take_lock() -> int:
     return fd
 
 
+def wait_for_lock(seconds: float, every_s: float = 1.0) -> int:
+    """take_lock, retried every `every_s` while another bench holds it, for up to `seconds`."""
+    deadline, said = time.time() + seconds, False
+    while True:
+        try:
+            return take_lock()
+        except SystemExit as e:
+            if time.time() > deadline:
+                raise SystemExit(f"{e} (waited {seconds:.0f} s)") from None
+            if not said:
+                log(f"waiting for the cluster lock: {e}")
+                said = True
+            time.sleep(every_s)
+
+
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _kill(p: subprocess.Popen) -> None:
+def stop_process(p: subprocess.Popen) -> None:
+    """End a process started with start_new_session (its whole group): SIGTERM, then SIGKILL after 5 s."""
     if p.poll() is None:
         try:
             os.killpg(p.pid, signal.SIGTERM)
@@ -227,3 +248,62 @@ def _kill(p: subprocess.Popen) -> None:
             except OSError:
                 pass
             p.wait()
+
+
+# ---------------------------------------------------------------- launching ranks on the cluster
+
+
+def torchrun_args(cluster: Cluster, node: int, nodes: int, per_node: int, port: int) -> list[str]:
+    """torchrun's flags for `node`: one torchrun per namespace, or all ranks on one loopback host."""
+    if cluster.netns:
+        where = f"--nnodes {nodes} --nproc-per-node {per_node} --node-rank {node} --master-addr {ADDRS[0]}"
+    else:
+        where = f"--nnodes 1 --nproc-per-node {nodes * per_node} --master-addr 127.0.0.1"
+    return ["-m", "torch.distributed.run", *where.split(), "--master-port", str(port)]
+
+
+def node_env(cluster: Cluster, env: dict, node: int) -> dict:
+    """A node's environment: gloo on its veth (in a namespace), and which veth and node it is."""
+    if not cluster.netns:
+        return env
+    return {**env, "GLOO_SOCKET_IFNAME": VETHS[node], "ZPP_VETH": VETHS[node], "ZPP_NODE": str(node)}
+
+
+def launched_nodes(cluster: Cluster, nodes: int) -> int:
+    """How many torchruns a launch of `nodes` emulated nodes starts: one per namespace, or one."""
+    return nodes if cluster.netns else 1
+
+
+def start_nodes(
+    cluster: Cluster,
+    cmd: list[str],
+    env: dict,
+    logs: list,
+    nodes: int,
+    per_node: int,
+    port: int,
+    cwd: str | None = None,
+) -> list[subprocess.Popen]:
+    """One torchrun per node (in its namespace; one for all ranks without namespaces: see
+    launched_nodes) running `cmd` (python, script, flags), the i-th writing to logs[i]; the
+    processes, also kept in cluster.children (cleanup ends them)."""
+    procs = []
+    for node in range(launched_nodes(cluster, nodes)):
+        run_cmd = cluster.prefix(node) + [cmd[0], *torchrun_args(cluster, node, nodes, per_node, port), *cmd[1:]]
+        p = subprocess.Popen(
+            run_cmd,
+            env=node_env(cluster, env, node),
+            stdout=logs[node],
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        procs.append(p)
+        cluster.children.append(p)
+    return procs
+
+
+def stop_nodes(cluster: Cluster, procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        stop_process(p)
+        cluster.children.remove(p)

@@ -1,7 +1,7 @@
 """Peer: DeepSpeed ZeRO-3 (optionally + hpZ) on CPU (DS_ACCELERATOR=cpu, gloo), training the
-model of common.py with our weights, data order, AdamW settings (torch.optim.AdamW as the
-client optimizer), LR schedule and gradient clipping. Runs in .venv-bench-ds/ (DeepSpeed is
-a bench-only dependency). DeepSpeed's own ZeRO-3 defaults are kept (buckets, prefetch,
+model of model.py with our weights, data order, AdamW settings (torch.optim.AdamW as the
+client optimizer), LR schedule and gradient clipping. DeepSpeed is a bench-only dependency
+(the [bench] extra, installed with DS_BUILD_OPS=0). DeepSpeed's own ZeRO-3 defaults are kept (buckets, prefetch,
 persistence threshold); only the settings below are ours.
 
 With --bf16 among the model flags: DeepSpeed's `bf16: {enabled: true}` and nothing else, as
@@ -10,27 +10,24 @@ and (its defaults: communication_data_type and grad_accum_dtype follow the model
 gradients reduce-scattered and accumulated in bf16, half the bytes of ours and FSDP2's fp32
 reduction.
 
-    torchrun ... bench/zero_peers/deepspeed_zero.py --warmup 1 --hpz 2 -- <model flags>
+    torchrun ... megatron_zpp/testing/peers/deepspeed_zero.py --warmup 1 --hpz 2 -- <model flags>
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (
+from megatron_zpp.testing.peers.gloo_collectives import install_gloo_collectives
+from megatron_zpp.testing.peers.model import (
     PeerBatches,
-    Probe,
     adamw_kwargs,
     adamw_param_groups,
     build_peer_model,
-    install_gloo_collectives,
     lr_at,
-    parse_model_args,  # noqa: E402
-    peer_args,
+    parse_model_args,
 )
+from megatron_zpp.testing.peers.probe import Probe, peer_args
 
 
 def main() -> None:
@@ -45,7 +42,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    # before init_distributed, which binds torch.distributed.reduce_scatter_tensor (common.py)
+    # before init_distributed, which binds torch.distributed.reduce_scatter_tensor (gloo_collectives.py)
     install_gloo_collectives()
     probe = Probe(a.warmup, a.gate_every)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
