@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.indexed_dataset import IndexedDataset
+from tools import make_demo_corpus
 
 from .test_indexed_dataset import ref_write
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import make_demo_corpus  # noqa: E402
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 DOCS = [
     {"text": f"Document {i}: " + "words and more words, " * (i % 7) + "end.\n", "title": f"T{i}"} for i in range(300)
