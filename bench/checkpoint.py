@@ -66,12 +66,12 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests.dist import run_distributed  # noqa: E402
+from megatron_zpp.testing.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORK = os.path.join(ROOT, "runs", "bench_checkpoint")  # /runs/ is gitignored; / is disk-backed (/tmp may be tmpfs)
 LAYOUTS = {  # name -> (label, world size, flags)

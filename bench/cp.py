@@ -64,13 +64,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from bench.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
+from bench.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock
+from megatron_zpp.testing.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
 NO_COMM = "none"

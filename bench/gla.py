@@ -46,8 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops.gla import _check_shapes, _compute_dtype, chunk_gla, recurrent_gla  # noqa: E402
+from megatron_zpp.ops.gla import _check_shapes, _compute_dtype, chunk_gla, recurrent_gla
 
 B, H, D, CHUNK = 1, 8, 64, 16
 PROBE_LENS = (512, 1024)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,14 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops import dispatch  # noqa: E402
-from megatron_zpp.ops.gla import chunk_gla  # noqa: E402
-from megatron_zpp.ops.norm import layer_norm, rms_norm  # noqa: E402
-from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire, wire_bytes  # noqa: E402
-from megatron_zpp.ops.rope import apply_rope  # noqa: E402
-from megatron_zpp.ops.swiglu import swiglu  # noqa: E402
-from megatron_zpp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megatron_zpp.ops import dispatch
+from megatron_zpp.ops.gla import chunk_gla
+from megatron_zpp.ops.norm import layer_norm, rms_norm
+from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire, wire_bytes
+from megatron_zpp.ops.rope import apply_rope
+from megatron_zpp.ops.swiglu import swiglu
+from megatron_zpp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 @dataclass

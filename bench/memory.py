@@ -100,7 +100,7 @@ def _worker(rank, world_size, argvs):
 
 def run_layout(layout: str, cases: list[tuple[str, str]]) -> list[list[dict]]:
     """Per case, every rank's result (one spawn per layout)."""
-    from tests.dist import run_distributed
+    from megatron_zpp.testing.dist import run_distributed
 
     argvs = [argv_for(layout, kind, mode)[0] for kind, mode in cases]
     world = LAYOUTS[layout][0]

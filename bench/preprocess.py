@@ -25,19 +25,18 @@ import sysconfig
 import tempfile
 import time
 
+from megatron_zpp.data.indexed_dataset import IndexedDataset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megatron_zpp.data.indexed_dataset import IndexedDataset  # noqa: E402
 
 BENCH_VENV = os.path.join(ROOT, ".venv-bench")
 BENCH_PY = os.path.join(BENCH_VENV, "bin", "python")
 
 OURS = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[1] + "/tools")
-import preprocess_data
+from megatron_zpp.data.preprocess import main
 t = time.perf_counter()
-preprocess_data.main(["--input", sys.argv[2], "--output-prefix", sys.argv[3], "--tokenizer-type",
+main(["--input", sys.argv[2], "--output-prefix", sys.argv[3], "--tokenizer-type",
     "SentencePieceTokenizer", "--tokenizer-model", sys.argv[4], "--append-eod", "--workers", sys.argv[5], "--quiet"])
 print(json.dumps({"seconds": time.perf_counter() - t}))
 """

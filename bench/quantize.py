@@ -31,13 +31,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops.quantize import (  # noqa: E402
+from megatron_zpp.ops.quantize import (
     dequantize_sum_wire,
     dequantize_wire,
     quantize_wire,

@@ -36,7 +36,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODEL = (
     "--mock-data --hidden-size {hidden} --num-layers {layers} --num-attention-heads 8 --seq-length {seq} "

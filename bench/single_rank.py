@@ -33,19 +33,17 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.config import ModelConfig  # noqa: E402
-from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
-from megatron_zpp.ops import dispatch  # noqa: E402
-from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
-from megatron_zpp.training.builders import compile_model  # noqa: E402
+from megatron_zpp.config import ModelConfig
+from megatron_zpp.model import GPT, count_parameters, init_weights
+from megatron_zpp.ops import dispatch
+from megatron_zpp.perf import flops_per_token, peak_tflops
+from megatron_zpp.training.builders import compile_model
 
 
 class PeerAttention(nn.Module):

@@ -1,4 +1,4 @@
-"""The one harness for multi-rank tests: run a function on N gloo ranks as processes.
+"""The one harness for multi-rank tests and benches: run a function on N gloo ranks as processes.
 
     results = run_distributed(fn, 4, arg1, arg2)   # fn(rank, world_size, arg1, arg2)
 
@@ -47,7 +47,13 @@ class RankFailure:
 
 
 # Imported once by the forkserver, before any rank forks from it: none of them starts threads on import.
-PRELOAD = ["torch", "torch.distributed", "megatron_zpp.training", "megatron_zpp.checkpoint", "tests.dist"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron_zpp.training",
+    "megatron_zpp.checkpoint",
+    "megatron_zpp.testing.dist",
+]
 
 
 def _context():
