@@ -1,4 +1,4 @@
-"""The shared driver of the sweep scripts in examples/reproduce/: real pretrain_gpt.py runs
+"""The driver of the sweep scripts in examples/reproduce/ (shared by them, so in the package): real pretrain_gpt.py runs
 on the emulated 2-node cluster of bench/cluster.py (two network namespaces joined by a veth
 pair shaped with tc tbf; root needed, else every rank runs on loopback, unshaped, and the
 rows say so), each with --metrics-file and --comm-report, summarized as JSONL rows
@@ -30,9 +30,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "examples", "reproduce", "results")
-for _p in (ROOT, os.path.join(ROOT, "tools")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 PROBE = os.path.join(ROOT, "bench", "zero_peers", "ours.py")
 LOOPBACK = "127.0.0.1"
@@ -407,7 +404,7 @@ def wait_for_lock(seconds: float) -> int:
 
 def save_plot(rows: list[dict], png: str, decorate=None, **kw) -> None:
     """plot_scaling's figure of `rows`, `decorate(fig)` applied, saved as `png`."""
-    from plot_scaling import plot_scaling
+    from megatron_zpp.plotting import plot_scaling
 
     fig = plot_scaling(rows, **kw)
     if decorate:
