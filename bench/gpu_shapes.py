@@ -23,7 +23,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.compile_gpu import all_cases
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops import quantize as q_ops
 from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
@@ -31,6 +30,7 @@ from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.ops.norm import layer_norm, rms_norm
 from megatron_zpp.ops.rope import apply_rope
 from megatron_zpp.ops.swiglu import swiglu
+from megatron_zpp.testing.kernel_cases import all_cases
 
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
