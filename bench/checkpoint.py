@@ -397,16 +397,20 @@ def row_fmt(name, ours, peer, limit, peer_limit, nbytes, peer_bytes):
     )
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model, 2 repeats")
     ap.add_argument("--repeats", type=int, help="timed repeats per row (default 5, --quick 2)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds: a toy model, ZeRO-3 DP2 only, 1 repeat")
+    args = ap.parse_args(argv)
     a = (
-        dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2)
+        dict(layers=2, hidden=64, heads=2, seq=32, vocab=256, repeats=1)
+        if args.smoke
+        else dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2)
         if args.quick
         else dict(layers=8, hidden=512, heads=8, seq=256, vocab=8192, repeats=5)
     )
+    layouts = {RESHARD[0]: LAYOUTS[RESHARD[0]]} if args.smoke else LAYOUTS
     a["repeats"] = args.repeats or a["repeats"]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -414,7 +418,7 @@ def main() -> None:
     os.makedirs(WORK)
     fs = filesystem_of(WORK)
     results = {}
-    for name, (_label, world, _) in LAYOUTS.items():
+    for name, (_label, world, _) in layouts.items():
         src = RESHARD[0] if name == RESHARD[1] else None
         per_rank = run_distributed(bench_layout, world, a, name, src, timeout=900)
         results[name] = per_rank[0]

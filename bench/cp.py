@@ -405,7 +405,7 @@ def print_ledger(res: dict, cfg: dict) -> None:
 # ---------------------------------------------------------------- main
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="See the module docstring.")
     ap.add_argument("--quick", action="store_true", help="smoke test: P = 2, 4 on loopback, T_local 1024, 2 iters")
     ap.add_argument("--ps", type=int, nargs="+", default=None, help="CP sizes (even; default 2 4 8, quick 2 4)")
@@ -424,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--comm-reps", type=int, default=5, help="comm-only repetitions per iteration")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     ap.add_argument("--worker", nargs=2, metavar=("OUT", "CFG"), help=argparse.SUPPRESS)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def make_cfg(a: argparse.Namespace) -> dict:
@@ -494,8 +494,8 @@ def print_header(a: argparse.Namespace, cfg: dict, skipped: str, qdisc: str, loa
     print(f"shaped setting not run: {skipped}" if skipped else f"shaped: 2 namespaces x P/2 ranks, tc tbf ({qdisc})")
 
 
-def main() -> int:
-    a = parse_args()
+def main(argv=None) -> int:
+    a = parse_args(argv)
     if a.worker:
         worker_main(*a.worker)
         return 0

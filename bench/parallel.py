@@ -481,22 +481,26 @@ def pair(ours: dict, peer: dict) -> dict:
     return out | {f"{k}_error": r["error"] for k, r in (("ours", ours), ("peer", peer)) if "error" in r}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small model, few steps")
+    ap.add_argument("--smoke", action="store_true", help="seconds: a toy model, 2 ranks only, no section 4")
     ap.add_argument("--only-dp-overlap", action="store_true", help="run section 4 alone (plain DP overlap on/off)")
     ap.add_argument("--no-dp-overlap", action="store_true", help="skip section 4")
     ap.add_argument("--dp-overlap-rates", nargs="+", default=["unshaped", "1gbit", "200mbit"])
     ap.add_argument("--dp-overlap-steps", type=int, default=5, help="timed steps per rate (section 4)")
     ap.add_argument("--dp-overlap-repeats", type=int, default=2, help="rounds of both variants (section 4)")
     ap.add_argument("--ddp-bucket-size", type=int, default=1_000_000, help="section 4's buckets (elements)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.only_dp_overlap:
         d = dp_overlap(args)
         print_dp_overlap(d)
         print(json.dumps({"bench": "parallel", "dp_overlap": d}))
         return
-    if args.quick:
+    if args.smoke:
+        a = dict(layers=8, hidden=32, heads=2, seq=16, vocab=128, mbs=1, warmup=0, steps=1, m=[4], emulate=0.001)
+        args.no_dp_overlap = True
+    elif args.quick:
         a = dict(layers=8, hidden=128, heads=4, seq=64, vocab=512, mbs=1, warmup=1, steps=2, m=[4], emulate=0.01)
     else:
         a = dict(layers=8, hidden=256, heads=4, seq=128, vocab=512, mbs=1, warmup=2, steps=4, m=[4, 8], emulate=0.04)
@@ -505,7 +509,7 @@ def main() -> None:
     two = run_distributed(ranks, 2, a, timeout=600)
     rows = bubble_rows(two, 2)
     try:
-        rows += bubble_rows(run_distributed(ranks, 4, a, timeout=600), 4)
+        rows += [] if args.smoke else bubble_rows(run_distributed(ranks, 4, a, timeout=600), 4)
     except Exception as e:  # noqa: BLE001
         rows.append({"p": 4, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     tp, pp = pair(two[0]["tp_ours"], two[0]["tp_peer"]), pair(two[0]["pp_ours"], two[0]["pp_peer"])

@@ -216,7 +216,7 @@ def make_step(model, loss_fn, sync):
     return step
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in [
         ("--hidden-size", 256),
@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--attention-type", choices=["softmax", "gla"], default="softmax")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device(a.device)
