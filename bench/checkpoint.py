@@ -4,7 +4,7 @@
     .venv/bin/python bench/checkpoint.py --quick    (smoke run: smaller model, 2 repeats)
 
 A real run at each layout (training.setup on --mock-data, fp32, CPU, gloo ranks through
-tests/dist.py), one training step so the AdamW state exists, then, per layout, timed with a
+megatron_zpp/testing/dist.py), one training step so the AdamW state exists, then, per layout, timed with a
 barrier before and after (the slowest rank's time), median of the repeats (5); each repeat
 runs every kind in turn (ours, DCP, ...: drift and the page cache's state hit them alike),
 after one untimed round; every save goes to a fresh directory:

@@ -40,7 +40,7 @@ The overlap shows where exposed is below comm-only by more than that noise; wher
 noise it cannot show. The ledger (megatron_zpp.comm.LEDGER) gives the bytes the busiest rank
 sends per forward + backward, in states: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
-Settings: "loopback": tests/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
+Settings: "loopback": megatron_zpp/testing/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
 2-node cluster of bench/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
 --rate on both veth ends), P/2 ranks per namespace, MASTER_ADDR = node 0's veth address, GLOO_SOCKET_IFNAME
 = the namespace's veth; only the hop between ranks P/2-1 and P/2 crosses the shaped link (the all-gather

@@ -6,7 +6,7 @@ second step, per rank. The estimate is megatron_zpp.memory.estimate_rank for the
 pipeline stage and CP slice. Printed per layout: the rank with the largest measured peak, its
 estimate and the ratio, and the worst ratio over all ranks.
 
-    PYTHONPATH=$PWD python bench/memory.py [--quick] [--only LAYOUT ...]
+    .venv/bin/python bench/memory.py [--quick] [--only LAYOUT ...]
 """
 
 from __future__ import annotations

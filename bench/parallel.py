@@ -4,7 +4,7 @@
     .venv/bin/python bench/parallel.py --quick    (smoke run, smaller model and fewer steps)
 
 Three comparisons, each printed side by side with ratios; the last stdout line is one JSON
-object with every figure. All ranks are gloo processes (tests/dist.py), 1 thread each; the
+object with every figure. All ranks are gloo processes (megatron_zpp/testing/dist.py), 1 thread each; the
 model is our softmax GPT (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embedding, fp32, no GQA).
 
 1. Pipeline bubble. Our training (setup/train_step, --pipeline-model-parallel-size p) with
