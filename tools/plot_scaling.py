@@ -21,6 +21,7 @@ import sys
 # the figure lives in the package: the sweeps of examples/reproduce/ draw it too
 from megatron_zpp.plotting import X_KEYS, Y_KEYS, PlotError, check_rows, load_jsonl, plot_scaling, render
 
+
 def parse_cli(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", metavar="JSONL", help="sweep, simulator or paper rows (concatenated)")

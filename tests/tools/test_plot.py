@@ -4,7 +4,6 @@ smoothing equals a closed-form EMA (1e-12 relative), the PNG is written with the
 and a bad input is one error line."""
 
 import json
-import os
 import struct
 
 import numpy as np
@@ -12,9 +11,6 @@ import pytest
 
 from megatron_zpp.plotting import X_LABELS
 from tools import plot_metrics, plot_scaling
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 
 def _write_jsonl(path, rows):
