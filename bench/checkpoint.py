@@ -4,7 +4,7 @@
     .venv/bin/python bench/checkpoint.py --quick    (smoke run: smaller model, 2 repeats)
 
 A real run at each layout (training.setup on --mock-data, fp32, CPU, gloo ranks through
-tests/dist.py), one training step so the AdamW state exists, then, per layout, timed with a
+megatron_zpp/testing/dist.py), one training step so the AdamW state exists, then, per layout, timed with a
 barrier before and after (the slowest rank's time), median of the repeats (5); each repeat
 runs every kind in turn (ours, DCP, ...: drift and the page cache's state hit them alike),
 after one untimed round; every save goes to a fresh directory:
@@ -66,12 +66,12 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests.dist import run_distributed  # noqa: E402
+from megatron_zpp.testing.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORK = os.path.join(ROOT, "runs", "bench_checkpoint")  # /runs/ is gitignored; / is disk-backed (/tmp may be tmpfs)
 LAYOUTS = {  # name -> (label, world size, flags)
@@ -397,16 +397,20 @@ def row_fmt(name, ours, peer, limit, peer_limit, nbytes, peer_bytes):
     )
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: smaller model, 2 repeats")
     ap.add_argument("--repeats", type=int, help="timed repeats per row (default 5, --quick 2)")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds: a toy model, ZeRO-3 DP2 only, 1 repeat")
+    args = ap.parse_args(argv)
     a = (
-        dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2)
+        dict(layers=2, hidden=64, heads=2, seq=32, vocab=256, repeats=1)
+        if args.smoke
+        else dict(layers=4, hidden=256, heads=4, seq=128, vocab=4096, repeats=2)
         if args.quick
         else dict(layers=8, hidden=512, heads=8, seq=256, vocab=8192, repeats=5)
     )
+    layouts = {RESHARD[0]: LAYOUTS[RESHARD[0]]} if args.smoke else LAYOUTS
     a["repeats"] = args.repeats or a["repeats"]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -414,7 +418,7 @@ def main() -> None:
     os.makedirs(WORK)
     fs = filesystem_of(WORK)
     results = {}
-    for name, (_label, world, _) in LAYOUTS.items():
+    for name, (_label, world, _) in layouts.items():
         src = RESHARD[0] if name == RESHARD[1] else None
         per_rank = run_distributed(bench_layout, world, a, name, src, timeout=900)
         results[name] = per_rank[0]

@@ -40,7 +40,7 @@ The overlap shows where exposed is below comm-only by more than that noise; wher
 noise it cannot show. The ledger (megatron_zpp.comm.LEDGER) gives the bytes the busiest rank
 sends per forward + backward, in states: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
-Settings: "loopback": tests/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
+Settings: "loopback": megatron_zpp/testing/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
 2-node cluster of megatron_zpp/testing/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
 --rate on both veth ends), P/2 ranks per namespace, MASTER_ADDR = node 0's veth address, GLOO_SOCKET_IFNAME
 = the namespace's veth; only the hop between ranks P/2-1 and P/2 crosses the shaped link (the all-gather
@@ -64,13 +64,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock  # noqa: E402
-from tests.dist import run_distributed  # noqa: E402
+from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock
+from megatron_zpp.testing.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
 NO_COMM = "none"
@@ -405,7 +405,7 @@ def print_ledger(res: dict, cfg: dict) -> None:
 # ---------------------------------------------------------------- main
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="See the module docstring.")
     ap.add_argument("--quick", action="store_true", help="smoke test: P = 2, 4 on loopback, T_local 1024, 2 iters")
     ap.add_argument("--ps", type=int, nargs="+", default=None, help="CP sizes (even; default 2 4 8, quick 2 4)")
@@ -424,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--comm-reps", type=int, default=5, help="comm-only repetitions per iteration")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     ap.add_argument("--worker", nargs=2, metavar=("OUT", "CFG"), help=argparse.SUPPRESS)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def make_cfg(a: argparse.Namespace) -> dict:
@@ -494,8 +494,8 @@ def print_header(a: argparse.Namespace, cfg: dict, skipped: str, qdisc: str, loa
     print(f"shaped setting not run: {skipped}" if skipped else f"shaped: 2 namespaces x P/2 ranks, tc tbf ({qdisc})")
 
 
-def main() -> int:
-    a = parse_args()
+def main(argv=None) -> int:
+    a = parse_args(argv)
     if a.worker:
         worker_main(*a.worker)
         return 0

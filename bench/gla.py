@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops.gla import _check_shapes, _compute_dtype, chunk_gla, recurrent_gla  # noqa: E402
+from megatron_zpp.ops.gla import chunk_gla, recurrent_gla
+from megatron_zpp.ops.gla_chunked import check_shapes, compute_dtype
 
 B, H, D, CHUNK = 1, 8, 64, 16
 PROBE_LENS = (512, 1024)
@@ -99,7 +99,7 @@ def _chunk_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, initial_state: Tensor | None, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
     """Chunked GLA in the compute dtype. Returns (o [B,T,H,V] compute dtype, S_T)."""
-    _check_shapes(q, k, v, g, initial_state)
+    check_shapes(q, k, v, g, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -107,7 +107,7 @@ def _chunk_forward(
         raise ValueError(f"sequence length T={T} must be a multiple of chunk_size={C}")
     N = T // C
     scale = K**-0.5 if scale is None else scale
-    dt = _compute_dtype(q, k, v, g, initial_state)
+    dt = compute_dtype(q, k, v, g, initial_state)
 
     # [B, T, H, D] -> [B, H, N, C, D]: one matmul-friendly block per chunk.
     def blocks(x: Tensor) -> Tensor:
@@ -424,7 +424,7 @@ def print_targets(targets: dict) -> None:
         print(f"  {labels[key]}: {value} (target {t['target']:g}) -> {verdict}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
@@ -436,7 +436,7 @@ def main() -> None:
     ap.add_argument("--ref-grad-max-t", type=int, default=2048)
     ap.add_argument("--ref-fwd-max-t", type=int, default=8192)
     ap.add_argument("--no-regimes", action="store_true", help="skip the gate-regime error table")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     load0, start = os.getloadavg()[0], time.perf_counter()
 

@@ -23,7 +23,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.compile_gpu import all_cases
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops import quantize as q_ops
 from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
@@ -31,6 +30,7 @@ from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.ops.norm import layer_norm, rms_norm
 from megatron_zpp.ops.rope import apply_rope
 from megatron_zpp.ops.swiglu import swiglu
+from megatron_zpp.testing.kernel_cases import all_cases
 
 TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 
@@ -181,14 +181,16 @@ def scaled(family: str, p: dict, s: int) -> dict:
     return p
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--all", action="store_true", help="the full sweep's shapes, not only the CI subset's")
     ap.add_argument("--family", nargs="+", default=None)
     ap.add_argument("--scale", type=int, default=1, help="divide the large dims by this (CPU dry run)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_shapes: needs a CUDA GPU, and none is here (a CPU dry run: --device cpu --scale 1024)")
     if dispatch.why_not_triton(device):
         sys.exit(f"gpu_shapes: the kernels cannot run on {device}: {dispatch.why_not_triton(device)}")
     cases = [c for c in all_cases() if (a.all or c.ci) and (a.family is None or c.family in a.family)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,14 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops import dispatch  # noqa: E402
-from megatron_zpp.ops.gla import chunk_gla  # noqa: E402
-from megatron_zpp.ops.norm import layer_norm, rms_norm  # noqa: E402
-from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire, wire_bytes  # noqa: E402
-from megatron_zpp.ops.rope import apply_rope  # noqa: E402
-from megatron_zpp.ops.swiglu import swiglu  # noqa: E402
-from megatron_zpp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megatron_zpp.ops import dispatch
+from megatron_zpp.ops.gla import chunk_gla
+from megatron_zpp.ops.norm import layer_norm, rms_norm
+from megatron_zpp.ops.quantize import dequantize_wire, quantize_wire, wire_bytes
+from megatron_zpp.ops.rope import apply_rope
+from megatron_zpp.ops.swiglu import swiglu
+from megatron_zpp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -245,6 +243,17 @@ OPS = {
 }
 
 
+# --smoke: every op once at a toy shape, no torch.compile (its compile alone takes minutes on CPU)
+SMOKE_SHAPES = {
+    "rms_norm": (64, 128),
+    "layer_norm": (64, 128),
+    "rope": (1, 32, 2, 16),
+    "swiglu": (64, 128),
+    "cross_entropy": (32, 256),
+    "gla": (1, 128, 2, 16),
+    "quantize_int4": (1 << 14,),
+}
+
 # ---------------------------------------------------------------- running
 
 
@@ -265,9 +274,10 @@ def with_mode(mode: str, device: torch.device, fn):
     return run
 
 
-def systems_for(name: str, op: Op, device: torch.device, native: bool) -> dict[str, Callable]:
+def systems_for(name: str, op: Op, device: torch.device, native: bool, compile: bool = True) -> dict[str, Callable]:
     systems = {"reference": with_mode("torch", device, op.ours)}
-    systems["compiled ref"] = with_mode("torch", device, torch.compile(op.ours, dynamic=False))
+    if compile:
+        systems["compiled ref"] = with_mode("torch", device, torch.compile(op.ours, dynamic=False))
     if native:
         systems["ours"] = with_mode("triton", device, op.ours)
         if op.peer and device.type == "cuda":
@@ -307,19 +317,22 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / best
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
-    a = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="seconds: toy shapes, one repeat, no torch.compile")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.warmup, a.repeats = 0, 1
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("fp32" if device.type == "cpu" else "bf16")]
     native = device.type == "cuda" and dispatch.why_not_triton(device) is None
     where = "gpu" if device.type == "cuda" else "cpu"
-    copy_bw = copy_bandwidth(device, 1 << (30 if where == "gpu" else 28))
+    copy_bw = copy_bandwidth(device, 1 << (20 if a.smoke else 30 if where == "gpu" else 28))
     peers = {m: importlib.util.find_spec(m) is not None for m in ("fla", "liger_kernel")}
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {dtype}, ")
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s; peers importable: {peers}")
@@ -332,9 +345,9 @@ def main() -> int:
     print(f"\n{'op':<14} {'shape':<22} {'system':<20} {'ms':>9} {'GB/s':>8} {'% copy':>7} {'TFLOP/s':>8} {'err':>9}")
     for name in a.ops:
         op = OPS[name]
-        shape = op.shapes[where]
+        shape = SMOKE_SHAPES[name] if a.smoke else op.shapes[where]
         inputs = op.make(shape, device, dtype)
-        systems = systems_for(name, op, device, native)
+        systems = systems_for(name, op, device, native, compile=not a.smoke)
         ref = call(op, systems["reference"], inputs)
         errs = {s: max_rel_err(call(op, fn, inputs), ref) for s, fn in systems.items() if s != "reference"}
         if "ours" in errs and errs["ours"] > op.tol:

@@ -6,7 +6,7 @@ second step, per rank. The estimate is megatron_zpp.memory.estimate_rank for the
 pipeline stage and CP slice. Printed per layout: the rank with the largest measured peak, its
 estimate and the ratio, and the worst ratio over all ranks.
 
-    PYTHONPATH=$PWD python bench/memory.py [--quick] [--only LAYOUT ...]
+    .venv/bin/python bench/memory.py [--quick] [--only LAYOUT ...]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _worker(rank, world_size, argvs):
 
 def run_layout(layout: str, cases: list[tuple[str, str]]) -> list[list[dict]]:
     """Per case, every rank's result (one spawn per layout)."""
-    from tests.dist import run_distributed
+    from megatron_zpp.testing.dist import run_distributed
 
     argvs = [argv_for(layout, kind, mode)[0] for kind, mode in cases]
     world = LAYOUTS[layout][0]

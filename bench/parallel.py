@@ -4,7 +4,7 @@
     .venv/bin/python bench/parallel.py --quick    (smoke run, smaller model and fewer steps)
 
 Three comparisons, each printed side by side with ratios; the last stdout line is one JSON
-object with every figure. All ranks are gloo processes (tests/dist.py), 1 thread each; the
+object with every figure. All ranks are gloo processes (megatron_zpp/testing/dist.py), 1 thread each; the
 model is our softmax GPT (RMSNorm, RoPE, causal SDPA, SwiGLU, tied embedding, fp32, no GQA).
 
 1. Pipeline bubble. Our training (setup/train_step, --pipeline-model-parallel-size p) with
@@ -48,14 +48,14 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
-from tests.dist import run_distributed  # noqa: E402
+from megatron_zpp.testing.dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ------------------------------------------------------------------ ours
 
@@ -344,8 +344,10 @@ def dp_overlap(args) -> dict:
     """Both variants over every rate, --dp-overlap-repeats rounds: {rate: row}, and the setup."""
     import tempfile
 
-    from bench import zero as zb
     from megatron_zpp.testing.cluster import Cluster, parse_rate, take_lock
+    from megatron_zpp.testing.zero_bench.launch import launch, round_order
+    from megatron_zpp.testing.zero_bench.results import combine
+    from megatron_zpp.testing.zero_bench.systems import NODES, SYSTEMS
 
     a = argparse.Namespace(
         rates=args.dp_overlap_rates,
@@ -360,10 +362,12 @@ def dp_overlap(args) -> dict:
         seed=1234,
         malloc_mmap_threshold=2**20,
         gloo_native_reduce_scatter=False,
+        world=2 * NODES,
+        per_node=2,
     )
     for name, (label, kind, flags) in DP_OVERLAP.items():
         extra = ["--ddp-bucket-size", str(args.ddp_bucket_size)] if name == "ours-dp-overlap" else []
-        zb.SYSTEMS[name] = (label, kind, flags + extra)
+        SYSTEMS[name] = (label, kind, flags + extra)
     lock = take_lock()
     cluster = Cluster(True, lock)
     work = tempfile.mkdtemp(prefix="zpp_dp_overlap_")
@@ -372,14 +376,14 @@ def dp_overlap(args) -> dict:
         if cluster.netns:
             paths = cluster.check_paths(parse_rate(a.rates[0]) or 1e9)
         for rep in range(args.dp_overlap_repeats):
-            for name in zb.round_order(list(DP_OVERLAP), rep):
+            for name in round_order(list(DP_OVERLAP), rep):
                 out = os.path.join(work, f"r{rep}", name)
-                runs[name].append(zb.launch(cluster, name, a, "fp32", out, None, timeout=900))
+                runs[name].append(launch(cluster, name, a, "fp32", out, None, timeout=900))
                 print(f"[dp-overlap] round {rep + 1} {name}: {runs[name][-1]['status']}", file=sys.stderr)
         qdisc = cluster.qdisc()
     finally:
         cluster.cleanup()
-    results = {n: zb.combine(rs, a.rates) for n, rs in runs.items()}
+    results = {n: combine(rs, a.rates, a.per_node) for n, rs in runs.items()}
     rows = {}
     for rate in a.rates:
         row = {}
@@ -481,22 +485,26 @@ def pair(ours: dict, peer: dict) -> dict:
     return out | {f"{k}_error": r["error"] for k, r in (("ours", ours), ("peer", peer)) if "error" in r}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small model, few steps")
+    ap.add_argument("--smoke", action="store_true", help="seconds: a toy model, 2 ranks only, no section 4")
     ap.add_argument("--only-dp-overlap", action="store_true", help="run section 4 alone (plain DP overlap on/off)")
     ap.add_argument("--no-dp-overlap", action="store_true", help="skip section 4")
     ap.add_argument("--dp-overlap-rates", nargs="+", default=["unshaped", "1gbit", "200mbit"])
     ap.add_argument("--dp-overlap-steps", type=int, default=5, help="timed steps per rate (section 4)")
     ap.add_argument("--dp-overlap-repeats", type=int, default=2, help="rounds of both variants (section 4)")
     ap.add_argument("--ddp-bucket-size", type=int, default=1_000_000, help="section 4's buckets (elements)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.only_dp_overlap:
         d = dp_overlap(args)
         print_dp_overlap(d)
         print(json.dumps({"bench": "parallel", "dp_overlap": d}))
         return
-    if args.quick:
+    if args.smoke:
+        a = dict(layers=8, hidden=32, heads=2, seq=16, vocab=128, mbs=1, warmup=0, steps=1, m=[4], emulate=0.001)
+        args.no_dp_overlap = True
+    elif args.quick:
         a = dict(layers=8, hidden=128, heads=4, seq=64, vocab=512, mbs=1, warmup=1, steps=2, m=[4], emulate=0.01)
     else:
         a = dict(layers=8, hidden=256, heads=4, seq=128, vocab=512, mbs=1, warmup=2, steps=4, m=[4, 8], emulate=0.04)
@@ -505,7 +513,7 @@ def main() -> None:
     two = run_distributed(ranks, 2, a, timeout=600)
     rows = bubble_rows(two, 2)
     try:
-        rows += bubble_rows(run_distributed(ranks, 4, a, timeout=600), 4)
+        rows += [] if args.smoke else bubble_rows(run_distributed(ranks, 4, a, timeout=600), 4)
     except Exception as e:  # noqa: BLE001
         rows.append({"p": 4, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     tp, pp = pair(two[0]["tp_ours"], two[0]["tp_peer"]), pair(two[0]["pp_ours"], two[0]["pp_peer"])

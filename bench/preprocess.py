@@ -25,19 +25,18 @@ import sysconfig
 import tempfile
 import time
 
+from megatron_zpp.data.indexed_dataset import IndexedDataset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from megatron_zpp.data.indexed_dataset import IndexedDataset  # noqa: E402
 
 BENCH_VENV = os.path.join(ROOT, ".venv-bench")
 BENCH_PY = os.path.join(BENCH_VENV, "bin", "python")
 
 OURS = r"""
 import json, sys, time
-sys.path.insert(0, sys.argv[1] + "/tools")
-import preprocess_data
+from megatron_zpp.data.preprocess import main
 t = time.perf_counter()
-preprocess_data.main(["--input", sys.argv[2], "--output-prefix", sys.argv[3], "--tokenizer-type",
+main(["--input", sys.argv[2], "--output-prefix", sys.argv[3], "--tokenizer-type",
     "SentencePieceTokenizer", "--tokenizer-model", sys.argv[4], "--append-eod", "--workers", sys.argv[5], "--quiet"])
 print(json.dumps({"seconds": time.perf_counter() - t}))
 """
@@ -77,8 +76,7 @@ if __name__ == "__main__":
 
 
 def ensure_bench_venv() -> None:
-    check = [BENCH_PY, "-c", "import megatron.core.datasets.indexed_dataset"]
-    if os.path.exists(BENCH_PY) and subprocess.run(check, capture_output=True).returncode == 0:
+    if peer_installed():
         return
     print(f"creating {BENCH_VENV} with megatron-core 0.19.2 (once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
@@ -105,7 +103,8 @@ def ensure_bench_venv() -> None:
         ],
         check=True,
     )
-    subprocess.run(check, check=True)
+    if not peer_installed():
+        raise SystemExit(f"{BENCH_VENV}: megatron-core installed but does not import")
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -143,6 +142,25 @@ def measure(cmd: list[str]) -> dict:
     return {"seconds": json.loads(out.strip().splitlines()[-1])["seconds"], "peak_rss_mb": peak / 2**20}
 
 
+def peer_installed() -> bool:
+    """Whether the bench venv imports megatron-core's dataset builder (the peer)."""
+    check = [BENCH_PY, "-c", "import megatron.core.datasets.indexed_dataset"]
+    return os.path.exists(BENCH_PY) and subprocess.run(check, capture_output=True).returncode == 0
+
+
+def toy_corpus(work: str) -> tuple[str, str]:
+    """--smoke: 300 short documents and a 400-piece BPE model trained on them, in `work`."""
+    from megatron_zpp.data import tokenizer_training
+
+    corpus = os.path.join(work, "corpus.jsonl")
+    with open(corpus, "w") as f:
+        for i in range(300):
+            f.write(json.dumps({"text": f"Document {i}: " + "words and more words, " * (i % 7) + "end."}) + "\n")
+    prefix = os.path.join(work, "toy")
+    tokenizer_training.train(tokenizer_training.iter_texts([corpus], ["text"]), prefix, 400, "bpe")
+    return corpus, prefix + ".model"
+
+
 def prepare_corpus(work: str, repeat: int) -> tuple[str, str]:
     demo = os.path.join(ROOT, "data_cache", "demo")
     subprocess.run(
@@ -158,15 +176,22 @@ def prepare_corpus(work: str, repeat: int) -> tuple[str, str]:
     return corpus, os.path.join(demo, "tokenizer.model")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeat-corpus", type=int, default=2, help="concatenate the demo corpus this many times")
     p.add_argument("--trials", type=int, default=3, help="runs per configuration; the fastest is reported")
-    args = p.parse_args()
-    ensure_bench_venv()
+    p.add_argument("--smoke", action="store_true", help="seconds: a toy corpus, 1 worker, 1 trial; no peer install")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.workers, args.trials = [1], 1
+    peer = not args.smoke or peer_installed()
+    if not args.smoke:
+        ensure_bench_venv()
+    elif not peer:
+        print(f"megatron-core peer not run: {BENCH_VENV} does not have it (a run without --smoke installs it)")
     work = tempfile.mkdtemp(prefix="zpp_bench_")
-    corpus, model = prepare_corpus(work, args.repeat_corpus)
+    corpus, model = toy_corpus(work) if args.smoke else prepare_corpus(work, args.repeat_corpus)
     runs, rows = [], []
     load = round(os.getloadavg()[0], 2)  # other jobs on the machine skew the figures: say so
     for w in args.workers:
@@ -192,6 +217,8 @@ def main() -> int:
                 str(w),
             ],
         }
+        if not peer:
+            del cmds["megatron_core"]
         for _ in range(args.trials):  # interleaved, so that load from elsewhere hits both sides alike
             for impl, cmd in cmds.items():
                 trials[impl].append(measure(cmd))
@@ -209,7 +236,7 @@ def main() -> int:
                 peak_rss_mb=round(max(t["peak_rss_mb"] for t in trials[impl]), 1),
                 idx=idx,
             )
-        same = all(
+        same = peer and all(
             open(res["megatron_zpp"]["idx"][:-4] + ext, "rb").read()
             == open(res["megatron_core"]["idx"][:-4] + ext, "rb").read()
             for ext in (".bin", ".idx")
@@ -217,7 +244,7 @@ def main() -> int:
         for r in res.values():
             r.pop("idx")
             runs.append(r)
-        rows.append((w, res["megatron_zpp"], res["megatron_core"], same))
+        rows.append((w, res["megatron_zpp"], res.get("megatron_core"), same))
     print(
         f"corpus: {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {rows[0][1]['tokens']:,} tokens, "
         f"sentencepiece BPE {model}"
@@ -228,6 +255,9 @@ def main() -> int:
     )
     summary = {}
     for w, ours, peer, same in rows:
+        if peer is None:
+            print(f"{w:>7} | {ours['tokens_per_s']:>11,} {'-':>11} {'-':>6} | {ours['peak_rss_mb']:>8.0f} {'-':>8}")
+            continue
         speed, mem = ours["tokens_per_s"] / peer["tokens_per_s"], ours["peak_rss_mb"] / peer["peak_rss_mb"]
         summary[str(w)] = {"tokens_per_s_ratio": round(speed, 3), "peak_rss_ratio": round(mem, 3), "identical": same}
         print(

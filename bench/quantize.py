@@ -31,13 +31,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.ops.quantize import (  # noqa: E402
+from megatron_zpp.ops.quantize import (
     dequantize_sum_wire,
     dequantize_wire,
     quantize_wire,
@@ -267,14 +265,14 @@ def recommend_block(rows: list[dict], bits: int = 4) -> tuple[int, str]:
 # ---------------------------------------------------------------- main
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=16 << 20, help="elements per timed operation")
     ap.add_argument("--block", type=int, default=2048, help="block of the timed operations")
     ap.add_argument("--error-numel", type=int, default=4 << 20, help="elements per error measurement")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     load0 = os.getloadavg()[0]
     print(

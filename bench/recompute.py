@@ -36,7 +36,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODEL = (
     "--mock-data --hidden-size {hidden} --num-layers {layers} --num-attention-heads 8 --seq-length {seq} "
@@ -177,14 +176,14 @@ def measure(layout: str, modes: list[str], model_flags: str) -> dict:
     return {m: {k: max(r[m][k] for r in per_rank) for k in per_rank[0][m]} for m in modes}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=1024)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model_flags = MODEL.format(hidden=args.hidden_size, layers=args.num_layers, seq=args.seq_length)
     print(f"model: {model_flags}; load average {os.getloadavg()[0]:.1f}", flush=True)
     head = [("layout", 22), ("mode", 16), ("saved MiB", 10), ("vs none", 9), ("peak MiB", 10), ("vs none", 9)]

@@ -34,18 +34,16 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.config import ModelConfig  # noqa: E402
-from megatron_zpp.model import GPT, count_parameters, init_weights  # noqa: E402
-from megatron_zpp.ops import dispatch  # noqa: E402
-from megatron_zpp.perf import flops_per_token, peak_tflops  # noqa: E402
-from megatron_zpp.testing.peers.model import PeerGPT, to_peer_names  # noqa: E402
-from megatron_zpp.training.builders import compile_model  # noqa: E402
+from megatron_zpp.config import ModelConfig
+from megatron_zpp.model import GPT, count_parameters, init_weights
+from megatron_zpp.ops import dispatch
+from megatron_zpp.perf import flops_per_token, peak_tflops
+from megatron_zpp.testing.peers.model import PeerGPT, to_peer_names
+from megatron_zpp.training.builders import compile_model
 
 
 def check_equal(ours: GPT, peer: PeerGPT, x, y, tol: float) -> dict:
@@ -133,7 +131,7 @@ def make_step(model, loss_fn, sync):
     return step
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for flag, default in [
         ("--hidden-size", 256),
@@ -160,7 +158,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--attention-type", choices=["softmax", "gla"], default="softmax")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device(a.device)

@@ -17,17 +17,13 @@ import numpy as np
 import pytest
 import zstandard
 
+import pretrain_gpt
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
+from tools import convert_checkpoint, merge_datasets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, ROOT)
-import convert_checkpoint  # noqa: E402
-import merge_datasets  # noqa: E402
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
-
-import pretrain_gpt  # noqa: E402
 
 TINY = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --train-iters 2".split()
 HEAD = 1 << 20  # tokens

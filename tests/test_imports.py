@@ -1,23 +1,50 @@
 """The package's layering, read from the source with `ast`: every import statement counts,
 function-local ones included, and importing a.b.c also runs the package a.b (its
-__init__), so that edge counts too."""
+__init__), so that edge counts too. The scripts (bench/, tools/, examples/, pretrain_gpt.py)
+and the tests are read too: no file touches sys.path, and a script imports only the package,
+the standard library and third-party packages (`python tools/x.py` puts tools/, not the
+repository root, on sys.path: a sibling or `bench.x` would not be found)."""
 
 import ast
+import functools
 import os
+import re
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zpp")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.join(REPO, "megatron_zpp")
+TREE = ("megatron_zpp", "bench", "tools", "examples", "tests")  # and the .py files at the top
+SCRIPT_DIRS = ("bench", "tools", "examples")
+
+
+def _python_files(top: str):
+    for folder, dirs, files in os.walk(top):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        yield from (os.path.join(folder, f) for f in sorted(files) if f.endswith(".py"))
+
+
+def _module_name(path: str) -> str:
+    return os.path.relpath(path[:-3], REPO).replace(os.sep, ".").removesuffix(".__init__")
 
 
 def package_sources() -> dict[str, tuple[str, bool]]:
     """'megatron_zpp.zero.engine' -> (its source, is it a package's __init__)."""
     mods = {}
-    for folder, _, files in os.walk(ROOT):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                name = os.path.relpath(path[:-3], os.path.dirname(ROOT)).replace(os.sep, ".")
-                with open(path) as fh:
-                    mods[name.removesuffix(".__init__")] = (fh.read(), f == "__init__.py")
+    for path in _python_files(ROOT):
+        with open(path) as fh:
+            mods[_module_name(path)] = (fh.read(), path.endswith("__init__.py"))
+    return mods
+
+
+@functools.cache
+def tree_sources() -> dict[str, tuple[str, bool]]:
+    """package_sources() for every Python file of the repository: the package, the scripts and the tests
+    ('tools.preprocess_data', 'examples.reproduce.cp_scan', 'pretrain_gpt', ...)."""
+    paths = [os.path.join(REPO, f) for f in sorted(os.listdir(REPO)) if f.endswith(".py")]
+    paths += [p for top in TREE for p in _python_files(os.path.join(REPO, top))]
+    mods = {}
+    for path in paths:
+        with open(path) as fh:
+            mods[_module_name(path)] = (fh.read(), path.endswith("__init__.py"))
     return mods
 
 
@@ -43,12 +70,58 @@ def import_graph(mods: dict[str, tuple[str, bool]] | None = None) -> dict[str, s
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported(node, mod, is_package):
+                if is_script(mod, is_package) and not _is_relative(node) and name.split(".")[0] not in mods:
+                    sibling = ".".join(mod.split(".")[:-1] + [name])  # `python dir/x.py` puts dir/ on sys.path
+                    name = sibling if sibling in mods else name
                 parts = name.split(".")
+                if len(parts) == 1 and name in mods and not mods[name][1] and name != mod:
+                    graph[mod].add(name)  # a top-level module (pretrain_gpt)
                 for i in range(2, len(parts) + 1):  # the module and every package above it
                     target = ".".join(parts[:i])
                     if target in mods and target != mod and not mod.startswith(target + "."):
                         graph[mod].add(target)
     return graph
+
+
+def _is_relative(node: ast.AST) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.level > 0
+
+
+def is_script(mod: str, is_package: bool) -> bool:
+    """A file run as `python path/to/it.py`: under bench/, tools/, examples/, or at the top (pretrain_gpt)."""
+    return mod.split(".")[0] in SCRIPT_DIRS or ("." not in mod and not is_package)
+
+
+PATH_EDIT = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend)\s*\(|\+=|=(?!=)|\[[^\]]*\]\s*=)")
+
+
+def path_edits(source: str) -> list[int]:
+    """Lines that change sys.path, read as text so that a `python -c` program in a string counts too."""
+    return [n for n, line in enumerate(source.splitlines(), 1) if PATH_EDIT.search(line)]
+
+
+def foreign_imports(mod: str, mods: dict[str, tuple[str, bool]]) -> list[str]:
+    """What a script or a package module imports besides the package, the standard library and third-party
+    packages: bench/, tools/, examples/, tests/ or pretrain_gpt; for a script also a sibling file of its
+    folder or a relative import (neither resolves both as `python dir/x.py` and as `python -m dir.x`)."""
+    source, is_package = mods[mod]
+    ours = {m.split(".")[0] for m in mods} - {"megatron_zpp"}
+    folder = mod.split(".")[:-1] if not is_package else mod.split(".")
+    siblings = {m.split(".")[-1] for m in mods if m.split(".")[:-1] == folder} - {"megatron_zpp"}
+    found = []
+    for node in ast.walk(ast.parse(source, mod)):
+        if _is_relative(node) and is_script(mod, is_package):
+            found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and not node.level):
+            for name in [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]:
+                top = name.split(".")[0]
+                if top in ours or (is_script(mod, is_package) and top in siblings):
+                    found.append(top)
+    return found
+
+
+def _path_of(mod: str, is_package: bool) -> str:
+    return mod.replace(".", "/") + ("/__init__.py" if is_package else ".py")
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -125,3 +198,46 @@ def test_kernels_are_reached_only_through_the_ops_dispatch():
             assert module.startswith(("megatron_zpp.ops", "megatron_zpp.testing")), (
                 f"{module} imports {sorted(kernel_imports)}"
             )
+
+
+def test_no_import_cycles_across_the_tree():
+    assert _cycle(import_graph(tree_sources())) is None
+
+
+def test_no_file_changes_sys_path():
+    mods = tree_sources()
+    found = {_path_of(m, pkg): path_edits(src) for m, (src, pkg) in mods.items() if path_edits(src)}
+    assert not found, f"sys.path changed at (file: lines) {found}"
+
+
+def test_scripts_and_the_package_import_no_script():
+    mods = tree_sources()
+    found = set()
+    for mod, (_, is_package) in mods.items():
+        if mod.split(".")[0] != "tests":  # the tests may import scripts (tests/tools/ tests tools/)
+            found |= {(_path_of(mod, is_package), name) for name in foreign_imports(mod, mods)}
+    assert not found, f"import these from megatron_zpp instead (move what they share): {sorted(found)}"
+
+
+def test_the_tree_checks_catch_planted_violations():
+    path = "sys" + ".path"  # split, so that this file itself changes no sys.path, even as text
+    insert, append, assign = f"{path}.insert(0, '..')", f"{path}.append(x)", f"{path} = []"
+    mods = {
+        "megatron_zpp": ("", True),
+        "megatron_zpp.a": ("import bench.b\n", False),
+        "bench": ("", True),
+        "bench.b": (f"import sys\n{insert}\nimport c\nfrom megatron_zpp import a\n", False),
+        "bench.c": ("def f():\n    import bench.b\n", False),
+        "tools": ("", True),
+        "tools.t": ("from tools import u\nimport json, torch\nfrom . import u\n", False),
+        "tools.u": (f"PROGRAM = 'import sys; {append}'\n{assign}\nok = {path} == []\n", False),
+        "tests": ("", True),
+        "tests.x": ("from tools import t\nfrom . import y\n", False),
+    }
+    assert path_edits(mods["bench.b"][0]) == [2]
+    assert path_edits(mods["tools.u"][0]) == [1, 2]  # a `python -c` program in a string counts; `==` does not
+    assert foreign_imports("bench.b", mods) == ["c"]  # the sibling bench/c.py
+    assert foreign_imports("tools.t", mods) == ["tools", "."]
+    assert foreign_imports("megatron_zpp.a", mods) == ["bench"]  # the package imports a script
+    assert foreign_imports("bench.c", mods) == ["bench"]
+    assert _cycle(import_graph(mods)) == ["bench.b", "bench.c", "bench.b"]  # through the sibling import

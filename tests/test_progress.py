@@ -3,24 +3,21 @@
 import contextlib
 import io
 import os
-import sys
 
 import numpy as np
 import torch
 
 from megatron_zpp.arguments import parse_args
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.blended import build_blending_indices
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
 from megatron_zpp.progress import progress
 from megatron_zpp.training.loop import StepClock, format_eta
 from megatron_zpp.validation import validate
+from tools import convert_checkpoint, merge_datasets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import convert_checkpoint  # noqa: E402
-import merge_datasets  # noqa: E402
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 
 class FakeTTY(io.StringIO):

@@ -30,15 +30,13 @@ import os
 import shutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_zpp import hf_remote  # noqa: E402
-from megatron_zpp.checkpoint import CheckpointError, hf_gla, hf_gpt2  # noqa: E402
-from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
-from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES  # noqa: E402
-from megatron_zpp.progress import progress  # noqa: E402
+from megatron_zpp import hf_remote
+from megatron_zpp.checkpoint import CheckpointError, hf_gla, hf_gpt2
+from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
+from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES
+from megatron_zpp.progress import progress
 
 
 class ConversionError(ValueError):

@@ -22,11 +22,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_zpp import memory  # noqa: E402
-from megatron_zpp.arguments import parse_config  # noqa: E402
-from megatron_zpp.config import ConfigError  # noqa: E402
+from megatron_zpp import memory
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.config import ConfigError
 
 ASSUMPTIONS = (
     "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "

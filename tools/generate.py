@@ -13,17 +13,14 @@ never sampled.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_zpp import generation  # noqa: E402
-from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate  # noqa: E402
-from megatron_zpp.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron_zpp.model import GPT  # noqa: E402
+from megatron_zpp import generation
+from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
+from megatron_zpp.data.tokenizer import build_tokenizer
+from megatron_zpp.model import GPT
 
 
 def load_model(state: dict, config: dict) -> tuple[GPT, object]:

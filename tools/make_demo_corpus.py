@@ -18,7 +18,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # test suites, vendored wheels, and codec/help tables (hex and generated text that would dominate a small model)
 SKIP_DIRS = {
     "site-packages",
@@ -99,15 +98,15 @@ def main(argv=None) -> int:
     if not args.build:
         return 0
 
-    import train_tokenizer
+    from megatron_zpp.data import tokenizer_training
 
     if model.exists():
         print(f"exists: {model}")
     else:
         t = time.time()
         tmp_prefix = str(out / f"tokenizer.tmp{os.getpid()}")
-        texts = train_tokenizer.iter_texts([str(corpus)], ["text"])
-        train_tokenizer.train(texts, tmp_prefix, args.vocab_size, "bpe", input_sentence_size=200_000)
+        texts = tokenizer_training.iter_texts([str(corpus)], ["text"])
+        tokenizer_training.train(texts, tmp_prefix, args.vocab_size, "bpe", input_sentence_size=200_000)
         os.replace(tmp_prefix + ".vocab", out / "tokenizer.vocab")
         os.replace(tmp_prefix + ".model", model)  # last: its presence means the step finished
         print(f"wrote {model} (BPE, vocab {args.vocab_size}) in {time.time() - t:.1f}s")
@@ -116,9 +115,9 @@ def main(argv=None) -> int:
     if bin_.exists() and idx.exists():
         print(f"exists: {bin_} and {idx}")
     else:
-        import preprocess_data
+        from megatron_zpp.data import preprocess
 
-        rc = preprocess_data.main(
+        rc = preprocess.main(
             [
                 "--input",
                 str(corpus),

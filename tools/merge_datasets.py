@@ -14,9 +14,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter  # noqa: E402
-from megatron_zpp.progress import progress  # noqa: E402
+from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
+from megatron_zpp.progress import progress
 
 
 def find_prefixes(inputs: list[str]) -> list[str]:

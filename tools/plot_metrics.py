@@ -19,10 +19,11 @@ first after a --load (resumed_from), or an iteration that does not follow the on
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
+
+from megatron_zpp.plotting import PlotError, load_jsonl, render
 
 # (record key in the metrics file, subplot title); logging_utils.MetricsSink writes the records
 METRICS = {
@@ -36,31 +37,6 @@ METRICS = {
 NOISY = ("loss", "grad_norm", "tokens_per_sec", "mfu")  # --smooth applies to these; lr and memory are drawn raw
 X_KEYS = ("iteration", "consumed_samples", "tokens")
 SCALE = {"mfu": 100.0}  # drawn as a percent of the peak; the file holds the fraction
-
-
-class PlotError(Exception):
-    """A problem with the input, reported as one line."""
-
-
-def load_jsonl(path: str) -> list[dict]:
-    """The records of a JSONL file; PlotError naming the file (and line) if it is missing or malformed."""
-    if not os.path.isfile(path):
-        raise PlotError(f"{path}: no such file")
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PlotError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise PlotError(f"{path}:{n}: a record must be a JSON object")
-            rows.append(row)
-    if not rows:
-        raise PlotError(f"{path}: no records")
-    return rows
 
 
 def default_label(path: str) -> str:
@@ -184,23 +160,6 @@ def parse_cli(argv=None) -> argparse.Namespace:
     p.add_argument("--log-x", action="store_true", help="logarithmic x axis")
     p.add_argument("--x", dest="x_key", default="iteration", choices=X_KEYS, help="x axis (default iteration)")
     return p.parse_args(argv)
-
-
-def render(build, output: str) -> int:
-    """Build the figure and save it to `output`; a PlotError or a missing matplotlib is one line, exit 2
-    (shared with plot_scaling.py)."""
-    try:
-        fig = build()
-    except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"error: {e.name or e}: not installed; pip install -e .[plot]", file=sys.stderr)
-        return 2
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=100)
-    print(f"wrote {output}")
-    return 0
 
 
 def figure_of(a: argparse.Namespace):

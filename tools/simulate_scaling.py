@@ -33,11 +33,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_zpp.arguments import parse_config  # noqa: E402
-from megatron_zpp.config import ConfigError  # noqa: E402
-from megatron_zpp.simulator import preset, simulate, throughput  # noqa: E402
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.config import ConfigError
+from megatron_zpp.simulator import preset, simulate, throughput
 
 
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -15,11 +15,9 @@ Writes examples/reproduce/results/cp_scan.jsonl and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sweep  # noqa: E402
+from megatron_zpp.testing import reproduce
 
 EXPERIMENT = "cp_scan"
 ALGOS = {"All-Scan": "all-scan", "all-gather": "all-gather", "ring": "ring"}
@@ -36,20 +34,20 @@ def parse_cli(argv=None):
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-attention-heads", type=int, default=2, help="GLA heads (state per head: d x d, fp32)")
     p.add_argument("--vocab-size", type=int, default=512)
-    _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
+    reproduce.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
+    with reproduce.Sweep(a) as sweep:  # the cluster (and its lock) for the launches
         jobs = []
         for P in a.ps:
             for seq in a.seq_lengths:
-                flags = _sweep.model_flags(a, seq, micro_batch=1, dp=1)
+                flags = reproduce.model_flags(a, seq, micro_batch=1, dp=1)
                 flags += f"--attention-type gla --gla-chunk-size 64 --context-parallel-size {P}".split()
                 for name in a.algos:
-                    job = _sweep.Job(EXPERIMENT, name, ["--cp-algo", ALGOS[name]], P, P // 2, [a.rate], seq)
+                    job = reproduce.Job(EXPERIMENT, name, ["--cp-algo", ALGOS[name]], P, P // 2, [a.rate], seq)
                     jobs.append((job, flags))
         rows = sweep.run_jobs(jobs)
     t = {(r["system"], r["ranks"], r["seq_length"]): r for r in rows if r["step_time_s"]}
@@ -63,7 +61,7 @@ def main(argv=None) -> int:
             mb = " / ".join(f"{t[(n, P, seq)]['cp_mb_per_rank']:.2f}" for n in a.algos if (n, P, seq) in t)
             print(f"{P:>3} {seq:>6} {cells}   {ratio}          {mb}")
     print(f"(ZeCO paper: All-Scan {PAPER_SPEEDUP}x faster than all-gather in communication at 256 GPUs)")
-    _sweep.save_plot(rows, _sweep.png_of(a.out), x="seq_length", y="tokens_per_s", log_x=True,
+    reproduce.save_plot(rows, reproduce.png_of(a.out), x="seq_length", y="tokens_per_s", log_x=True,
                      title=f"GLA context parallelism at {a.rate}: All-Scan, all-gather, ring; {a.dtype}")  # fmt: skip
     return 0
 

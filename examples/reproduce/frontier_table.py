@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from _paper import run, table
+from megatron_zpp.testing.paper_tables import run, table
 
 MODEL = (
     "--mock-data --num-layers 44 --hidden-size 6144 --num-attention-heads 48 --seq-length 2048 --micro-batch-size 1 "

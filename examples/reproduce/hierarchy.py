@@ -19,11 +19,9 @@ Writes examples/reproduce/results/hierarchy.jsonl and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sweep  # noqa: E402
+from megatron_zpp.testing import reproduce
 
 EXPERIMENT = "hierarchy"
 ZPP = "--zero-stage 3 --zero-quantized-weights --zero-quantized-gradients"
@@ -44,15 +42,17 @@ def parse_cli(argv=None):
     p.add_argument("--num-attention-heads", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--seq-length", type=int, default=64)
-    _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
+    reproduce.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
-        flags = _sweep.model_flags(a, a.seq_length, micro_batch=1, dp=8)
-        jobs = [(_sweep.Job(EXPERIMENT, n, SYSTEMS[n].split(), 8, 4, a.rates, a.seq_length), flags) for n in a.systems]
+    with reproduce.Sweep(a) as sweep:  # the cluster (and its lock) for the launches
+        flags = reproduce.model_flags(a, a.seq_length, micro_batch=1, dp=8)
+        jobs = [
+            (reproduce.Job(EXPERIMENT, n, SYSTEMS[n].split(), 8, 4, a.rates, a.seq_length), flags) for n in a.systems
+        ]
         rows = sweep.run_jobs(jobs)
     print(f"\n{'system':<16}" + "".join(f"{r:>10}" for r in a.rates) + "   (tokens/s; cross-node MB/rank/step)")
     for s in a.systems:
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             print(
                 f"3-level / 2-level at {rate}: {three / two:.2f}x (Frontier: {PAPER_RATIO}x, with a faster pair tier)"
             )
-    _sweep.save_plot(rows, _sweep.png_of(a.out), x="link_gbps", y="tokens_per_s",
+    reproduce.save_plot(rows, reproduce.png_of(a.out), x="link_gbps", y="tokens_per_s",
                      title=f"2- vs 3-level ZeRO++, 2 nodes x 4 ranks, {a.dtype}")  # fmt: skip
     return 0
 

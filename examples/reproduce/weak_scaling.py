@@ -25,8 +25,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sweep  # noqa: E402
+from megatron_zpp.testing import reproduce
 
 EXPERIMENT = "weak_scaling"
 PAPER = [("ZeRO++ 3-level (Frontier, 20B)", 384, 0.94)]  # (system, ranks, efficiency), arXiv 2501.04266
@@ -50,23 +49,23 @@ def parse_cli(argv=None):
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--reference-steps", type=int, default=10, help="timed steps of the 1-rank reference (default 10)")
-    _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
+    reproduce.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_cli(argv)
-    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
-        one = _sweep.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
-        alone = sweep.run_concurrent(one, _sweep.model_flags(a, a.seq_length, 1, 1), 1, os.cpu_count() or 1,
+    with reproduce.Sweep(a) as sweep:  # the cluster (and its lock) for the launches
+        one = reproduce.Job(EXPERIMENT, "1 rank", ["--zero-stage", "0"], 1, 1, [a.rate], a.seq_length)
+        alone = sweep.run_concurrent(one, reproduce.model_flags(a, a.seq_length, 1, 1), 1, os.cpu_count() or 1,
                                      a.reference_steps)  # fmt: skip
         jobs = []
         for n in [n for n in a.ranks if n > 1]:
             per_node = max(1, n // 2)
             for name in a.systems:
-                job = _sweep.Job(EXPERIMENT, name, system_flags(name, per_node).split(), n, per_node, [a.rate],
+                job = reproduce.Job(EXPERIMENT, name, system_flags(name, per_node).split(), n, per_node, [a.rate],
                                  a.seq_length)  # fmt: skip
-                jobs.append((job, _sweep.model_flags(a, a.seq_length, 1, n)))
+                jobs.append((job, reproduce.model_flags(a, a.seq_length, 1, n)))
         rows = [dict(alone, system="1 rank")] + sweep.run_jobs(jobs)
     return report(a, rows)
 
@@ -86,8 +85,8 @@ def report(a, rows: list[dict]) -> int:
     paper = [{"experiment": EXPERIMENT, "system": s, "ranks": n, "link_gbps": None, "seq_length": None,
               "step_time_s": None, "tokens_per_s": None, "tflops_per_gpu": None, "efficiency": eff, "source": "paper"}
              for s, n, eff in PAPER]  # fmt: skip
-    _sweep.write_rows(a.out, [r for r in rows if "efficiency" in r] + paper, append=False)
-    _sweep.save_plot(plot_rows + paper, _sweep.png_of(a.out), x="ranks", y="efficiency",
+    reproduce.write_rows(a.out, [r for r in rows if "efficiency" in r] + paper, append=False)
+    reproduce.save_plot(plot_rows + paper, reproduce.png_of(a.out), x="ranks", y="efficiency",
                      title=f"weak scaling at {a.rate}, micro-batch 1 per rank, {a.dtype}")  # fmt: skip
     return 0
 

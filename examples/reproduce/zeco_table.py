@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import sys
 
-from _paper import config, run, table
-
 from megatron_zpp.simulator import preset
 from megatron_zpp.simulator.collectives import rank_groups
 from megatron_zpp.simulator.model import scan_time
+from megatron_zpp.testing.paper_tables import config, run, table
 
 MODEL = (
     "--mock-data --num-layers 24 --hidden-size 2048 --num-attention-heads 4 --attention-type gla "

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _sweep  # noqa: E402
+from megatron_zpp.testing import reproduce
 
 EXPERIMENT = "zeropp_bandwidth"
 SYSTEMS = {
@@ -44,7 +42,7 @@ def parse_cli(argv=None):
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--replot", action="store_true", help="no runs: the table and PNG again from --out")
-    _sweep.add_common_args(p, f"{EXPERIMENT}.jsonl")
+    reproduce.add_common_args(p, f"{EXPERIMENT}.jsonl")
     return p.parse_args(argv)
 
 
@@ -65,21 +63,23 @@ def crossing(rows: list[dict], target: float) -> float | None:
 def main(argv=None) -> int:
     a = parse_cli(argv)
     if a.replot:  # the table, the crossings and the PNG again from --out's measured rows
-        rows = [r for r in _sweep.read_rows(a.out) if r["source"] == "measured"]
+        rows = [r for r in reproduce.read_rows(a.out) if r["source"] == "measured"]
         a.rates = list(dict.fromkeys(r["rate"] for r in rows))
         a.systems = list(dict.fromkeys(r["system"] for r in rows))
         report(rows, a)
         return 0
-    with _sweep.Sweep(a) as sweep:  # the cluster (and its lock) for these launches
-        flags = _sweep.model_flags(a, a.seq_length, micro_batch=1, dp=4)
-        jobs = [(_sweep.Job(EXPERIMENT, n, SYSTEMS[n].split(), 4, 2, a.rates, a.seq_length), flags) for n in a.systems]
+    with reproduce.Sweep(a) as sweep:  # the cluster (and its lock) for the launches
+        flags = reproduce.model_flags(a, a.seq_length, micro_batch=1, dp=4)
+        jobs = [
+            (reproduce.Job(EXPERIMENT, n, SYSTEMS[n].split(), 4, 2, a.rates, a.seq_length), flags) for n in a.systems
+        ]
         rows = sweep.run_jobs(jobs)
     report(rows, a)
     return 0
 
 
 def report(rows: list[dict], a) -> None:
-    full = _sweep.gbps(a.rates[0])
+    full = reproduce.gbps(a.rates[0])
     by = {s: [r for r in rows if r["system"] == s] for s in a.systems}
     base = next((r["tokens_per_s"] for r in by.get("ZeRO-3", []) if r["link_gbps"] == full), None)
     print(f"\n{'system':<14}" + "".join(f"{r:>10}" for r in a.rates) + "   (tokens/s; cross-node MB/rank/step)")
@@ -107,8 +107,8 @@ def report(rows: list[dict], a) -> None:
             if y:
                 more = " or lower" if y == lowest else ""
                 print(f"  ZeRO-3 at {r} ({ref:.0f} tokens/s): ZeRO++ matches it down to {y:.3f} Gbit/s{more}, "
-                      f"{_sweep.gbps(r) / y:.1f}x less bandwidth")  # fmt: skip
-    _sweep.write_rows(a.out, rows + paper, append=False)
+                      f"{reproduce.gbps(r) / y:.1f}x less bandwidth")  # fmt: skip
+    reproduce.write_rows(a.out, rows + paper, append=False)
 
     def decorate(fig):
         if base:
@@ -118,7 +118,7 @@ def report(rows: list[dict], a) -> None:
                         color="gray", va="bottom")  # fmt: skip
             ax.legend(loc="lower right", fontsize="small")  # clear of the line and its label
 
-    _sweep.save_plot(rows + paper, _sweep.png_of(a.out), decorate, x="link_gbps", y="tokens_per_s",
+    reproduce.save_plot(rows + paper, reproduce.png_of(a.out), decorate, x="link_gbps", y="tokens_per_s",
                      title=f"ZeRO-3 vs ZeRO++ over the cross-node rate, 2 nodes x 2 ranks, {a.dtype}")  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from _paper import cross_node_bytes, run, table
+from megatron_zpp.testing.paper_tables import cross_node_bytes, run, table
 
 MODEL = (
     "--mock-data --num-layers 40 --hidden-size 6144 --num-attention-heads 48 --seq-length 512 --micro-batch-size 2 "

@@ -2,7 +2,6 @@
 
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
@@ -14,9 +13,7 @@ from megatron_zpp.data.indexed_dataset import (
     IndexedDatasetWriter,
     token_dtype,
 )
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import merge_datasets  # noqa: E402
+from tools import merge_datasets
 
 # --- reference implementation, straight from Megatron's documented layout -------------------
 SPEC_CODES = {

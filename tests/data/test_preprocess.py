@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.indexed_dataset import IndexedDataset
+from tools import make_demo_corpus
 
 from .test_indexed_dataset import ref_write
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import make_demo_corpus  # noqa: E402
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
+THIS_CHECKOUT = {**os.environ, "PYTHONPATH": ROOT}  # the tools' subprocesses import this checkout's package
 
 DOCS = [
     {"text": f"Document {i}: " + "words and more words, " * (i % 7) + "end.\n", "title": f"T{i}"} for i in range(300)
@@ -148,6 +148,7 @@ def test_bad_input_with_workers_and_cli_exit_code(tmp_path, sp_model):
         capture_output=True,
         text=True,
         timeout=60,
+        env=THIS_CHECKOUT,
     )
     assert r.returncode != 0
     assert f"error: {inp}:3001: invalid JSON" in r.stderr
@@ -186,7 +187,7 @@ def test_interrupted_run_leaves_no_valid_pair(tmp_path, sig):
         "2",
         "--quiet",
     ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=THIS_CHECKOUT)
     deadline = time.time() + 30
     while time.time() < deadline:  # wait until tokens are being written
         tmp = [p for p in tmp_path.iterdir() if ".bin.tmp" in p.name]
@@ -245,7 +246,9 @@ print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()
 
 def peak_rss_kb(args):
     """High-water RSS of this run only (VmHWM of the process after exec, not its parent's at fork)."""
-    r = subprocess.run([sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, timeout=120, env=THIS_CHECKOUT
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return int(r.stdout.split()[-1])
 

@@ -4,14 +4,11 @@ import importlib.util
 import json
 import os
 import re
-import sys
 
 import pytest
 
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.tokenizer import build_tokenizer, pad_vocab_size
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import train_tokenizer  # noqa: E402
 
 TEXT = (
     'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n\n'

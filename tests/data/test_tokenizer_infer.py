@@ -4,20 +4,16 @@ tools/preprocess_data.py: a .model file is sentencepiece, a directory HF, --voca
 used to fail the run's token check against NullTokenizer's vocabulary; it now trains."""
 
 import json
-import os
-import sys
 
 import pytest
 
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.inputs import check_inputs
 from megatron_zpp.data.tokenizer import infer_tokenizer_type
 from megatron_zpp.validation import validate
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 DOCS = [f"Document {i}: " + "words and more words, " * (i % 7) + "the end." for i in range(200)]
 

@@ -1,20 +1,29 @@
-"""examples/reproduce/_sweep.py on a fake finished launch (a real one takes minutes): the rows
+"""megatron_zpp/testing/reproduce.py (the sweeps' driver) on a fake finished launch (a real one takes minutes): the rows
 are the medians of each rate's timed steps (warmup and each rate's first, gated step dropped),
 computed here by hand; the ledger's cross-node bytes are summed from the report; the JSONL
 round-trips and plots. zeropp_bandwidth.crossing against a hand-interpolated rate."""
 
+import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples", "reproduce"))  # the scripts import _sweep so
+from megatron_zpp.testing import reproduce as sweep
 
-import _sweep as sweep  # noqa: E402
-import zeropp_bandwidth as zeropp  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _example(name: str):
+    """An example script as a module (examples/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", "reproduce", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+zeropp = _example("zeropp_bandwidth")
 
 
 def test_summarize_rows_and_jsonl(tmp_path):

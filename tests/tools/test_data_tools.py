@@ -9,16 +9,14 @@ import errno
 import io
 import json
 import os
-import sys
 
 import pytest
 
+from megatron_zpp.data import preprocess as preprocess_data
+from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 WORDS = 'alpha beta  gamma delta\nwords. more\n\nx 12345 \t é has "q"'.split(" ")
 TEXTS = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(40)) for i in range(30)]

@@ -3,26 +3,14 @@ figure's Line2D artists equal the input data (exactly: they are the file's numbe
 smoothing equals a closed-form EMA (1e-12 relative), the PNG is written with the figure's size,
 and a bad input is one error line."""
 
-import importlib.util
 import json
-import os
 import struct
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-plot_metrics = _tool("plot_metrics")
-plot_scaling = _tool("plot_scaling")
+from megatron_zpp.plotting import X_LABELS
+from tools import plot_metrics, plot_scaling
 
 
 def _write_jsonl(path, rows):
@@ -140,7 +128,7 @@ def test_plot_scaling_series_and_png(tmp_path):
 
     fig = plot_scaling.plot_scaling(bw + cp)
     ax_bw, ax_cp = fig.axes
-    assert ax_bw.get_xlabel() == plot_scaling.X_LABELS["link_gbps"] and ax_bw.get_xscale() == "log"
+    assert ax_bw.get_xlabel() == X_LABELS["link_gbps"] and ax_bw.get_xscale() == "log"
     lines = {ln.get_gid(): ln for ln in ax_bw.get_lines()}
     assert set(lines) == {"measured:zero3", "measured:zero++", "simulated:zero3"}  # paper rows had no tokens/s
     assert list(lines["measured:zero++"].get_xdata()) == [0.2, 0.5, 1.0]  # sorted by x
@@ -148,7 +136,7 @@ def test_plot_scaling_series_and_png(tmp_path):
     assert list(lines["simulated:zero3"].get_ydata()) == pytest.approx([98.0, 125.0, 170.0], rel=1e-12)
     assert lines["simulated:zero3"].get_linestyle() == "--" and lines["measured:zero3"].get_linestyle() == "-"
     # cp: seq_length takes 4 values, ranks 2: x = seq_length, a series per (system, ranks)
-    assert ax_cp.get_xlabel() == plot_scaling.X_LABELS["seq_length"]
+    assert ax_cp.get_xlabel() == X_LABELS["seq_length"]
     by_label = {ln.get_label(): ln for ln in ax_cp.get_lines()}
     ring4 = by_label["ring, ranks 4 (measured)"]
     assert list(ring4.get_xdata()) == [256, 512, 1024] and list(ring4.get_ydata()) == [

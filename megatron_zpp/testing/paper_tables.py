@@ -1,18 +1,13 @@
-"""Shared by the paper-table scripts: simulate a layout on a preset, print paper vs ours."""
+"""Shared by the paper-table scripts of examples/reproduce/: simulate a layout on a preset, print paper vs ours."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from megatron_zpp.arguments import parse_args  # noqa: E402
-from megatron_zpp.simulator import preset, simulate, throughput  # noqa: E402
-from megatron_zpp.simulator.collectives import rank_step  # noqa: E402
-from megatron_zpp.simulator.model import node_egress  # noqa: E402
-from megatron_zpp.topology import topology_from_config  # noqa: E402
-from megatron_zpp.validation import validate  # noqa: E402
+from megatron_zpp.arguments import parse_args
+from megatron_zpp.simulator import preset, simulate, throughput
+from megatron_zpp.simulator.collectives import rank_step
+from megatron_zpp.simulator.model import node_egress
+from megatron_zpp.topology import topology_from_config
+from megatron_zpp.validation import validate
 
 TOLERANCE = 0.15
 

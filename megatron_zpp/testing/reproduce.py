@@ -1,4 +1,4 @@
-"""The shared driver of the sweep scripts in examples/reproduce/: real pretrain_gpt.py runs
+"""The driver of the sweep scripts in examples/reproduce/ (shared by them, so in the package): real pretrain_gpt.py runs
 on the emulated 2-node cluster of megatron_zpp/testing/cluster.py (two network namespaces joined by a veth
 pair shaped with tc tbf; root needed, else every rank runs on loopback, unshaped, and the
 rows say so), each with --metrics-file and --comm-report, summarized as JSONL rows
@@ -28,13 +28,12 @@ import sys
 import tempfile
 import time
 
+from megatron_zpp.testing.cluster import wait_for_lock
+from megatron_zpp.testing.peers import RUNNERS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "examples", "reproduce", "results")
-for _p in (ROOT, os.path.join(ROOT, "tools")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-from megatron_zpp.testing.peers import RUNNERS  # noqa: E402
 
 PROBE = os.path.join(RUNNERS, "ours.py")  # pretrain_gpt.py under the probe
 LOOPBACK = "127.0.0.1"
@@ -390,26 +389,9 @@ def last_error(out: str, nodes: int) -> str:
     return (errors or lines or ["no output"])[-1][:300]
 
 
-def wait_for_lock(seconds: float) -> int:
-    """The cluster's lock (megatron_zpp/testing/cluster.py), retried every 10 s while another bench holds it."""
-    from megatron_zpp.testing.cluster import take_lock
-
-    deadline, said = time.time() + seconds, False
-    while True:
-        try:
-            return take_lock()
-        except SystemExit as e:
-            if time.time() > deadline:
-                raise SystemExit(f"{e} (waited {seconds:.0f} s, --lock-wait)") from None
-            if not said:
-                log(f"waiting for the cluster lock: {e}")
-                said = True
-            time.sleep(10)
-
-
 def save_plot(rows: list[dict], png: str, decorate=None, **kw) -> None:
     """plot_scaling's figure of `rows`, `decorate(fig)` applied, saved as `png`."""
-    from plot_scaling import plot_scaling
+    from megatron_zpp.plotting import plot_scaling
 
     fig = plot_scaling(rows, **kw)
     if decorate:

@@ -1,0 +1,1 @@
+"""Benchmark scripts, not a library; a package only so that the tests can import them."""

@@ -1,0 +1,175 @@
+"""The kernel shapes that the ahead-of-time compile check (bench/compile_gpu.py) compiles and the GPU
+check (bench/gpu_shapes.py) runs: one `Case` per call of the launch wrappers at one shape, on meta
+tensors, and `all_cases()`, the full sweep with its CI subset marked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_zpp.kernels import cross_entropy, gla, norm, quantize, rope, swiglu
+from megatron_zpp.ops.quantize import wire_bytes
+
+META = torch.device("meta")
+BF16, FP32 = torch.bfloat16, torch.float32
+DTYPES = {"bf16": BF16, "fp32": FP32}
+
+
+def empty(*shape, dtype=BF16):
+    return torch.empty(*shape, device=META, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of the wrappers at one shape (`params` of its family's runner; bench/gpu_shapes.py runs the
+    same shapes on a GPU). `strict`: a default configuration or a shape at risk, where spills fail the check
+    (everywhere else they are reported)."""
+
+    family: str
+    name: str
+    params: dict
+    ci: bool = False
+    strict: bool = False
+
+    def run(self) -> None:
+        RUNNERS[self.family](**self.params)()
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def gla_case(B, T, H, D, C, dtype, h0):
+    def run():
+        q, g = empty(B, T, H, D, dtype=dtype), empty(B, T, H, D, dtype=FP32)
+        state = empty(B, H, D, D, dtype=FP32) if h0 else None
+        states, final = gla.fwd_states(q, q, g, state, C)
+        gla.fwd_output(q, q, q, g, states, D**-0.5, C)
+        gla.bwd(q, q, q, g, state, q, final if h0 else None, D**-0.5, C)  # recomputes the states, as training
+
+    return run
+
+
+def quant_case(bits, block, r, m, x_dtype, op, seed=None, accumulate=False, rows=8):
+    def run():
+        W = wire_bytes(m, block, bits)
+        wire = empty(r, W, dtype=torch.uint8)
+        if op == "quantize":
+            x = empty(r, m, dtype=x_dtype)
+            quantize.quantize(x, x.stride(0), m, m, r, m, wire, block, bits, seed)
+        elif op == "dequantize":
+            quantize.dequantize(wire, empty(r, m, dtype=x_dtype), m, block, bits)
+        elif op == "dequantize_sum":
+            quantize.dequantize_sum(wire, empty(m, dtype=FP32), m, block, bits, accumulate)
+        else:  # qgZ's middle hop: the sum viewed [G, rows, chunk], out row j = [:, j, :]
+            chunk = m // (rows * 8)
+            out = empty(rows, wire_bytes(m // rows, block, bits), dtype=torch.uint8)
+            quantize.dequantize_sum_quantize(wire, out, m, rows, chunk, block, bits, seed)
+
+    return run
+
+
+def norm_case(rows, n, dtype, rms):
+    def run():
+        x, w = empty(rows, n, dtype=dtype), empty(n, dtype=dtype)
+        y, mean, rstd = norm.norm_fwd(x, w, None if rms else empty(n, dtype=dtype), 1e-5)
+        norm.norm_bwd(x, x, w, mean, rstd)
+
+    return run
+
+
+def rope_case(B, T, H, D, dtype):
+    def run():
+        x, table = empty(B, T, H, D, dtype=dtype), empty(T, D, dtype=FP32)
+        rope.rope(x, table, table, x)
+        rope.rope(x, table, table, x, transpose=True)
+
+    return run
+
+
+def swiglu_case(rows, F, dtype):
+    def run():
+        h = empty(rows, 2 * F, dtype=dtype)
+        swiglu.swiglu_bwd(swiglu.swiglu_fwd(h), h)
+
+    return run
+
+
+def ce_case(rows, V, dtype):
+    def run():
+        x, labels, stats = empty(rows, V, dtype=dtype), empty(rows, dtype=torch.int64), empty(rows, dtype=FP32)
+        cross_entropy.ce_fwd_stats(x, labels)
+        cross_entropy.ce_bwd(x, labels, stats, stats)
+        cross_entropy.ce_bwd(x, labels, stats, stats, inplace=True)  # what the GPT's loss runs
+
+    return run
+
+
+RUNNERS = {"gla": gla_case, "quantize": quant_case, "norm": norm_case, "rope": rope_case, "swiglu": swiglu_case}
+RUNNERS["cross_entropy"] = ce_case
+
+
+def all_cases() -> list[Case]:
+    """The full sweep; `ci` marks the CI subset: each kernel's default configuration (bf16, GLA chunk 64 at
+    head dims 64/128/256, the ZeRO++ blocks int8/2048 and int4/64) and the shapes most at risk (the widest
+    rows, more than 2^31 elements, more than 65535 chunks)."""
+    cases = []
+    # GLA: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid)
+    for C in (16, 64, 128):
+        for D in (64, 128, 256):
+            for dt in ("bf16", "fp32"):
+                for h0 in (False, True):
+                    default = C == 64 and dt == "bf16"
+                    name = f"gla C={C} K=V={D} {dt}{' h0' if h0 else ''} [2,4096,16]"
+                    cases.append(
+                        Case("gla", name, dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0), default, default)
+                    )
+    # at risk: > 2^31 state elements (8*16*2048 chunks*128*128 = 2^32) and > 65535 chunks in one sequence
+    big = [("[8,32768,16] 2^32 state elements", 8, 32768), ("[1,1048576,16] 65536 chunks", 1, 1 << 20)]
+    for what, B, T in big:
+        params = dict(B=B, T=T, H=16, D=128, C=16, dtype=BF16, h0=True)
+        cases.append(Case("gla", f"gla C=16 K=V=128 bf16 h0 {what}", params, True, True))
+    # ZeRO++ quantizers: qwZ int8 weights (block 2048), qgZ int4 gradients (block 64); 8 rows
+    for bits, block in ((8, 2048), (4, 64)):
+        for m, at_risk in ((1 << 24, False), (1 << 28, True)):  # 8 x 2^28 = 2^31 elements: at risk
+            for dt in ("bf16", "fp32"):
+                ci = dt == "bf16"
+                tag = f"int{bits} block {block} [8,{m}] {dt}"
+                ops = [("quantize", {}), ("dequantize", {})]
+                ops += [("dequantize_sum", {"accumulate": False}), ("dequantize_sum", {"accumulate": True})]
+                if bits == 4:
+                    ops += [("quantize", {"seed": 1234}), ("dequantize_sum_quantize", {})]
+                    ops += [("dequantize_sum_quantize", {"seed": 1234})]
+                for op, kw in ops:
+                    extra = "".join(f" {k}={v}" for k, v in kw.items())
+                    params = dict(bits=bits, block=block, r=8, m=m, x_dtype=DTYPES[dt], op=op, **kw)
+                    cases.append(Case("quantize", f"{op}{extra} {tag}", params, ci and at_risk, ci))
+    # norms: widths up to 32768; 131072 rows x 32768 = 2^32 elements
+    for n in (1024, 2048, 4096, 8192, 16384, 32768):
+        for dt in ("bf16", "fp32"):
+            for rms in (True, False):
+                rows = 131072 if n == 32768 else 16384
+                ci = (dt == "bf16" and n == 4096) or n == 32768  # the widest rows in both dtypes
+                name = f"{'rms' if rms else 'layer'}_norm [{rows},{n}] {dt}"
+                cases.append(Case("norm", name, dict(rows=rows, n=n, dtype=DTYPES[dt], rms=rms), ci, ci))
+    # RoPE [B, T, H, D]: 8 x 32768 x 128 x 128 = 2^32 elements
+    for B, T, H, D in ((2, 4096, 32, 128), (2, 4096, 16, 64), (2, 4096, 8, 256), (8, 32768, 128, 128)):
+        for dt in ("bf16", "fp32"):
+            ci = dt == "bf16" and D == 128
+            cases.append(
+                Case("rope", f"rope [{B},{T},{H},{D}] {dt}", dict(B=B, T=T, H=H, D=D, dtype=DTYPES[dt]), ci, ci)
+            )
+    # SwiGLU [rows, 2F]: 131072 x 28672 = 3.8e9 elements
+    for rows, F in ((16384, 2816), (16384, 11008), (131072, 14336), (16384, 28672)):
+        for dt in ("bf16", "fp32"):
+            ci = dt == "bf16" and rows == 131072
+            cases.append(
+                Case("swiglu", f"swiglu [{rows},{2 * F}] {dt}", dict(rows=rows, F=F, dtype=DTYPES[dt]), ci, ci)
+            )
+    # cross-entropy: vocab 50k-256k; 16384 x 256000 = 4.2e9 elements
+    for rows, V in ((8192, 50304), (8192, 128256), (16384, 256000)):
+        for dt in ("bf16", "fp32"):
+            ci = (dt == "bf16" and V == 50304) or V == 256000  # the widest vocabulary in both dtypes
+            params = dict(rows=rows, V=V, dtype=DTYPES[dt])
+            cases.append(Case("cross_entropy", f"cross_entropy [{rows},{V}] {dt}", params, ci, ci))
+    return cases
