@@ -38,17 +38,14 @@ from torch.utils._pytree import tree_flatten
 from . import recompute
 from .config import Config
 from .data.tokenizer import pad_vocab_size
-from .model import ParallelContext
 from .model.init import full_shape
+from .ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from .ops.gla_chunked import sub_block
-from .pipeline_parallel.stages import stage_chunks
-from .topology import Group
-from .training.builders import meta_model
+from .pipeline_parallel.stages import build_rank_chunks, stage_chunks, stand_in_context
 from .zero.sharded_params import flat_geometry, model_units, pad_block
 from .zero.zero_engine import reductions_in_flight
 
 GiB = 2**30
-CE_CHUNK_ELEMENTS = 1 << 22  # ops/cross_entropy.py: fp32 values per row chunk
 
 
 # ---------------------------------------------------------------- measuring (CPU)
@@ -321,22 +318,11 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
 # ---------------------------------------------------------------- parameters, gradients, optimizer
 
 
-def _stand_in(role: str, size: int) -> Group | None:
-    return Group(role, tuple(range(size)), 0, "intra_node") if size > 1 else None
-
-
 def stage_model(cfg: Config, pp_rank: int):
-    """This stage's chunks on the meta device (exact parameter shapes, no memory)."""
+    """This stage's chunks (TP rank 0) on the meta device: exact parameter shapes, no memory."""
     p = cfg.parallel
     vocab = pad_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tensor_model_parallel_size)
-    ctx = ParallelContext(
-        tp=_stand_in("tp", p.tensor_model_parallel_size),
-        sequence_parallel=p.sequence_parallel,
-        cp=_stand_in("cp", p.context_parallel_size),
-        cp_algo=p.cp_algo,
-        all_scan_blocks=p.all_scan_blocks or 1,
-    )
-    return meta_model(cfg, vocab, ctx, pp_rank)  # the builder training starts from
+    return build_rank_chunks(cfg, vocab, pp_rank, stand_in_context(cfg))  # the builder training starts from
 
 
 @dataclass

@@ -127,9 +127,9 @@ def slot_boxes(s: Slot, span: torch.Tensor) -> dict[tuple, torch.Tensor]:
     return out
 
 
-def master_key(lay: RankLayout, s: Slot) -> str:
+def master_key(s: Slot) -> str:
     """The "model" tensor whose span [lo, hi) holds the slot's fp32 weight."""
-    return s.master_key or (s.key + ".master" if lay.zero else s.key)
+    return s.master_key or s.key
 
 
 def state_dict_of(lay: RankLayout, model: dict, optimizer: dict | None, rng: dict | None, rank: int) -> dict:
@@ -138,7 +138,7 @@ def state_dict_of(lay: RankLayout, model: dict, optimizer: dict | None, rng: dic
     weights: dict[str, tuple[tuple, dict]] = {}
     moments: dict[tuple[str, str], tuple[tuple, dict]] = {}
     for s in lay.slots:
-        span = model[master_key(lay, s)].reshape(-1)[s.lo : s.hi]
+        span = model[master_key(s)].reshape(-1)[s.lo : s.hi]
         weights.setdefault(s.name, (s.full_shape, {}))[1].update(slot_boxes(s, span))
         for k in ("exp_avg", "exp_avg_sq") if optimizer else ():
             boxes = slot_boxes(s, optimizer[s.opt][k].reshape(-1))

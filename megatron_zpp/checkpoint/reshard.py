@@ -26,6 +26,7 @@ import torch
 
 from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
+from ..zero import engine_class
 from .files import DCP_FORMAT, CheckpointError, RankFile, open_rank_file
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 
@@ -46,9 +47,11 @@ class SavedCheckpoint:
         self.cfg = config_from_dict(meta["config"])
         self.vocab = meta["padded_vocab_size"]
         topo = topology_of(self.cfg)
-        zero = self.cfg.zero.zero_stage > 0
-        # one replica of every parameter: ZeRO shards span DP x CP; plain DP ranks hold it whole
-        sources = [r for r in range(meta["world_size"]) if zero or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0]
+        # one replica of every parameter: a replicating engine's DP = CP = 0 ranks, else the whole DP x CP group
+        whole = engine_class(self.cfg).replicated
+        sources = [
+            r for r in range(meta["world_size"]) if not whole or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0
+        ]
         chunks: dict = {}
         self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo, chunks) for r in sources}
         self.index: dict[str, list[tuple[int, object]]] = {}  # name -> [(rank, slot)] of its first stage
@@ -87,7 +90,7 @@ class SavedCheckpoint:
             if s.tp_rank not in pieces:
                 pieces[s.tp_rank] = {k: torch.zeros(s.shape).view(-1) for k in fields}
             split = s.tp_split
-            src = f.tensor("/model/" + (s.master_key or (s.key + ".master" if self.layouts[rank].zero else s.key)))
+            src = f.tensor("/model/" + (s.master_key or s.key))  # the fp32 weight
             dst = pieces[s.tp_rank]
             dst["param"][s.start : s.start + s.hi - s.lo] = src.reshape(-1)[s.lo : s.hi]
             for k in fields[1:]:
@@ -169,12 +172,8 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
                 k: shard(t, s.tp_split, s.tp_rank, s.tp_size).reshape(-1)[s.start : s.start + n]
                 for k, t in full.items()
             }
-            if lay.zero:
-                model[s.key + ".master"][s.lo : s.hi] = piece["param"]
-            else:
-                model[s.key].view(-1).copy_(piece["param"])
-                if s.master_key:
-                    model[s.master_key].view(-1).copy_(piece["param"])
+            for key in (s.key, s.master_key) if s.master_key else (s.key,):
+                model[key].view(-1)[s.lo : s.hi] = piece["param"]
             if moments:
                 state[s.opt]["exp_avg"].view(-1).copy_(piece["exp_avg"])
                 state[s.opt]["exp_avg_sq"].view(-1).copy_(piece["exp_avg_sq"])

@@ -44,7 +44,7 @@ import torch
 
 from .. import comm
 from ..logging_utils import log
-from ..zero.sharded_params import pad_block
+from ..zero import engine_class
 from . import dcp
 from .async_save import SaveJob, host_snapshot
 from .dcp import DCP_FORMATS
@@ -70,21 +70,22 @@ from .rng import get_rng_state
 
 def layout_of(cfg) -> dict:
     """Everything that decides which tensor lives on which rank with which shape."""
-    p, z = cfg.parallel, cfg.zero
-    return {
+    p = cfg.parallel
+    layout = {
         "world_size": p.world_size,
         "tp": p.tensor_model_parallel_size,
         "pp": p.pipeline_model_parallel_size,
         "cp": p.context_parallel_size,
         "dp": p.data_parallel_size,
         "order": p.order,
-        "zero_stage": z.zero_stage,
+        "zero_stage": None,  # these two are the engine's (layout_key); here for their place in meta.json
         "vpp": p.num_layers_per_virtual_pipeline_stage,
         "first_stage_layers": p.decoder_first_pipeline_num_layers,
         "last_stage_layers": p.decoder_last_pipeline_num_layers,
-        # the block ZeRO's flat buffers are padded to (lcm of the qwZ and qgZ blocks; the key predates qgZ's own)
-        "zero_quantization_block_size": pad_block(z) if z.zero_stage else None,
+        "zero_quantization_block_size": None,
     }
+    layout.update(engine_class(cfg).layout_key(cfg))
+    return layout
 
 
 def layout_changes(meta: dict, cfg) -> list[str]:

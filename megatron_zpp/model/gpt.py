@@ -16,6 +16,7 @@ document with --reset-position-ids), document ids for the mixers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -90,6 +91,26 @@ def _dropout(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
     return (ShardedDropout if sequence_parallel else nn.Dropout)(cfg.hidden_dropout)
 
 
+@dataclass(frozen=True)
+class GPTParts:
+    """What one model chunk is made of, in forward order (`GPT.parts`): the engines, the estimator
+    and the simulator walk this instead of probing the chunk's attributes."""
+
+    embedding: nn.Module | None  # the word embedding: the first stage's, or the last stage's tied copy
+    position_embeddings: nn.Module | None  # learned absolute positions (first stage only)
+    layers: list[tuple[str, Block]]  # (layer id, block), in order
+    final_norm: nn.Module | None  # the last stage's
+    output: nn.Module | None  # the untied output layer (a tied one is `embedding`)
+    tied: bool  # the output layer is the word embedding
+    pre_process: bool
+    post_process: bool
+
+    @property
+    def tied_embedding(self) -> nn.Module | None:
+        """The embedding whose gradient the first and last stages sum (a tied embedding), or None."""
+        return self.embedding if self.tied else None
+
+
 class GPT(nn.Module):
     def __init__(
         self,
@@ -122,6 +143,20 @@ class GPT(nn.Module):
             self.final_norm = _norm_builder(cfg, sp)()
             if not self.tied:
                 self.output = ColumnParallelLinear(cfg.hidden_size, vocab_size, ctx.tp, std, sp)
+
+    def parts(self) -> GPTParts:
+        """This chunk's parts, by the rule `__init__` builds them with (the one place that knows it)."""
+        has_embedding = self.pre_process or (self.post_process and self.tied)
+        return GPTParts(
+            embedding=self.embedding if has_embedding else None,
+            position_embeddings=self.position_embeddings,
+            layers=list(self.layers.items()),
+            final_norm=self.final_norm if self.post_process else None,
+            output=self.output if self.post_process and not self.tied else None,
+            tied=self.tied,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
+        )
 
     def forward(
         self,

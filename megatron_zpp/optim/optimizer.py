@@ -69,7 +69,8 @@ def decoupled_lr_params(chunk) -> set[int]:
     """ids of the parameters of a model chunk that --decoupled-lr applies to (Megatron's
     is_embedding_or_output_parameter): the word embedding (also a tied copy on the last stage)
     and the untied output layer's weight."""
-    mods = [getattr(chunk, name, None) for name in ("embedding", "output")]
+    parts = chunk.parts()
+    mods = [parts.embedding, parts.output]
     return {id(m.weight) for m in mods if m is not None}
 
 

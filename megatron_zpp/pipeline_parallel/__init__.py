@@ -3,13 +3,23 @@
 
 from .p2p import StageLink
 from .schedules import run_schedule
-from .stages import ChunkPlacement, build_stage_model, stage_chunks, stage_layers, virtual_stage_layers
+from .stages import (
+    ChunkPlacement,
+    build_rank_chunks,
+    build_stage_model,
+    stage_chunks,
+    stage_layers,
+    stand_in_context,
+    virtual_stage_layers,
+)
 
 __all__ = [
     "StageLink",
     "run_schedule",
     "ChunkPlacement",
+    "build_rank_chunks",
     "build_stage_model",
+    "stand_in_context",
     "stage_chunks",
     "stage_layers",
     "virtual_stage_layers",

@@ -5,15 +5,20 @@ hold fewer layers (they also carry the embedding and the output layer), and the 
 stages split the rest evenly. With V virtual stages, the model is cut into PP x V chunks
 of equal size and stage p holds chunks p, p + PP, p + 2 PP, ... (Megatron's interleaving).
 
-`build_stage_model` builds a stage's chunks from a config: training and the checkpoint
-layout (which rebuilds any rank's chunks on the meta device) both place layers here."""
+`build_rank_chunks` is the one builder of a rank's model: its (TP, PP) slice's chunks on the
+meta device, for training (with its real groups) and for everything that needs any rank's
+shapes without its processes (the checkpoint layout, the memory estimator, the simulator, a dry
+run: with `stand_in_context`'s groups)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..config import Config, ParallelConfig
 from ..model import GPT, ParallelContext
+from ..topology import Group
 
 
 def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None, last: int | None = None) -> list[int]:
@@ -79,3 +84,31 @@ def build_stage_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_ran
         GPT(cfg.model, vocab_size, ctx, c.layer_ids, c.pre_process, c.post_process)
         for c in stage_chunks(cfg.parallel, cfg.model.num_layers, pp_rank)
     ]
+
+
+def stand_in_context(cfg: Config, tp_rank: int = 0, cp_rank: int = 0) -> ParallelContext:
+    """The ParallelContext of TP rank `tp_rank` / CP rank `cp_rank` of `cfg`, with stand-in groups
+    (the config's sizes, no process group): all that building the model reads of its groups."""
+    p = cfg.parallel
+
+    def stand_in(role: str, size: int, rank: int) -> Group | None:
+        return Group(role, tuple(range(size)), rank, "intra_node") if size > 1 else None
+
+    return ParallelContext(
+        tp=stand_in("tp", p.tensor_model_parallel_size, tp_rank),
+        sequence_parallel=p.sequence_parallel,
+        cp=stand_in("cp", p.context_parallel_size, cp_rank),
+        cp_algo=p.cp_algo,
+        all_scan_blocks=p.all_scan_blocks or 1,
+    )
+
+
+def build_rank_chunks(
+    cfg: Config, vocab_size: int, pp_rank: int, ctx: ParallelContext, dtype: torch.dtype = torch.float32
+) -> list[GPT]:
+    """The one builder of a rank's model: pipeline stage `pp_rank`'s chunks for the TP rank of `ctx`
+    (training's real groups, or `stand_in_context(cfg, tp_rank)`), on the meta device in `dtype`:
+    shapes, names, TP splits and init rules, no memory. `vocab_size` is the padded vocabulary."""
+    with torch.device("meta"):
+        chunks = build_stage_model(cfg, vocab_size, ctx, pp_rank)
+    return [chunk.to(dtype=dtype) for chunk in chunks]  # meta to meta: the same parameter objects

@@ -42,11 +42,11 @@ from ..memory import stage_model
 from ..ops.quantize import wire_bytes
 from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
 from ..zero.ddp_engine import default_bucket_numel
+from ..zero.gather import QWZ_BITS
 from ..zero.grad_buffer import bucket_bounds
+from ..zero.grad_reduce import QGZ_BITS
 from ..zero.sharded_params import START_UNITS, flat_geometry, model_units, pad_block, shard_segments
 from .schedule import Op, StageSchedule, stage_ops
-
-QWZ_BITS, QGZ_BITS = 8, 4  # zero/gather.py, zero/zero_engine.py
 
 
 @dataclass(frozen=True)
@@ -442,7 +442,7 @@ def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> l
                 for n in ddp_buckets(cfg, chunks)
             ]
         partial = sum(q.numel() for c in chunks for q in c.parameters() if getattr(q, "tp_partial_grad", False))
-        tied = [c.embedding.weight.numel() for c in chunks if hasattr(c, "embedding") and c.tied]
+        tied = [e.weight.numel() for e in (c.parts().tied_embedding for c in chunks) if e is not None]
     else:
         if z.zero_stage == 1 and not z.overlap_grad_reduce:
             for u in reversed(units):

@@ -15,7 +15,7 @@ from ..data.loader import BatchIterator, Packing
 from ..data.mock import MockGPTDataset
 from ..model import GPT, ParallelContext
 from ..model.init import RankInit
-from ..pipeline_parallel import StageLink, build_stage_model
+from ..pipeline_parallel import StageLink, build_rank_chunks
 from ..topology import ProcessGroups
 from .evaluation import eval_batch, eval_micro_batch, valid_samples_needed
 
@@ -37,15 +37,6 @@ def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
     )
 
 
-def meta_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_rank: int) -> list[GPT]:
-    """The one builder of a rank's model: its (TP, PP) slice's chunks on the meta device, in the
-    training dtype (shapes, names, TP splits and init rules; no memory). `ctx` may carry stand-in
-    groups of the right sizes (the estimator, a dry run): only their sizes and ranks are read."""
-    with torch.device("meta"):
-        chunks = build_stage_model(cfg, vocab_size, ctx, pp_rank)
-    return [chunk.to(dtype=training_dtype(cfg)) for chunk in chunks]  # meta to meta: the same parameters
-
-
 def rank_init(cfg: Config, groups: ProcessGroups, chunks: list[GPT], device: torch.device) -> RankInit:
     """What fills this rank's parameters on `device`: the single-rank weights of the seed, cut to its
     TP rank (model/init.py)."""
@@ -59,7 +50,7 @@ def build_model(
     weights: `zero.build_engine(cfg, chunks, groups, init)` materializes what the rank holds
     (the whole slice for ZeRO-0, the flat buffers for ZeRO-1/2, the shards for ZeRO-3), one
     parameter at a time, straight on `device`."""
-    chunks = meta_model(cfg, vocab_size, parallel_context(cfg, groups), groups.pp_rank)
+    chunks = build_rank_chunks(cfg, vocab_size, groups.pp_rank, parallel_context(cfg, groups), training_dtype(cfg))
     if cfg.train.torch_compile:
         compile_model(chunks, cfg.model.seq_length)
     return chunks, rank_init(cfg, groups, chunks, device)

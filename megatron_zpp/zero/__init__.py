@@ -9,16 +9,19 @@ import torch
 from ..config import Config
 from ..topology import ProcessGroups
 from .ddp_engine import DDPEngine
-from .engine import DataParallelEngine
+from .engine import DataParallelEngine, RankLayout, Slot
 from .zero_engine import ZeroEngine
 
-__all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "build_engine"]
+__all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "RankLayout", "Slot", "build_engine", "engine_class"]
+
+
+def engine_class(cfg: Config) -> type[DataParallelEngine]:
+    """The engine a run of `cfg` uses: what its ranks hold (`slots`) is asked of it."""
+    return DDPEngine if cfg.zero.zero_stage == 0 else ZeroEngine
 
 
 def build_engine(cfg: Config, chunks: list[torch.nn.Module], groups: ProcessGroups, init=None) -> DataParallelEngine:
     """The engine over `chunks`; chunks built on the meta device come with `init` (model/init.RankInit),
     and the engine materializes what its rank holds: the whole slice (stage 0), the flat buffers
     (stages 1-2), the shards (stage 3)."""
-    if cfg.zero.zero_stage == 0:
-        return DDPEngine(chunks, groups, cfg.optim, cfg.zero, init)
-    return ZeroEngine(chunks, groups, cfg.optim, cfg.zero, init)
+    return engine_class(cfg)(chunks, groups, cfg.optim, cfg.zero, init)

@@ -7,7 +7,8 @@ run after the data-parallel mean, on either path, so overlap on and off compute 
 same sums in the same order.
 
 State dict ("model"): {"chunk{c}.{param name}": weight} and, for bf16, {"master.{i}":
-fp32 master} (i: the parameter's index in this rank's chunks, in order)."""
+fp32 master} (i: the parameter's index in this rank's chunks, in order): the keys of
+`chunk_key` and `master_key`, which `DDPEngine.slots` describes too."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..model.init import materialize
 from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
 from ..optim.optimizer import decoupled_lr_params
 from ..topology import ProcessGroups
-from .engine import DataParallelEngine, check_keys, copy_checked
+from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked, numbered_layout, param_slot
 from .grad_buffer import GradBuffer
 
 
@@ -29,7 +30,19 @@ def default_bucket_numel(group_size: int) -> int:
     return max(40_000_000, 1_000_000 * group_size)
 
 
+def chunk_key(chunk: int, name: str) -> str:
+    """The state dict key of parameter `name` of model chunk `chunk` (its training-dtype weight)."""
+    return f"chunk{chunk}.{name}"
+
+
+def master_key(index: int) -> str:
+    """The state dict key of the fp32 master of this rank's parameter number `index` (16-bit training)."""
+    return f"master.{index}"
+
+
 class DDPEngine(DataParallelEngine):
+    replicated = True  # every rank of DP x CP holds the whole (TP, PP) slice
+
     def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
         """`chunks` built on the meta device come with `init` (model/init.RankInit): this rank holds
         them whole, so every parameter is allocated and filled here, one at a time."""
@@ -80,11 +93,8 @@ class DDPEngine(DataParallelEngine):
     def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         g = self.groups
         self.grads.finish()
-        tied = [
-            c.embedding.weight.main_grad
-            for c in self.chunks
-            if hasattr(c, "embedding") and c.tied and c.embedding.weight.requires_grad
-        ]
+        tied_embeddings = [part.tied_embedding for part in (c.parts() for c in self.chunks)]
+        tied = [e.weight.main_grad for e in tied_embeddings if e is not None and e.weight.requires_grad]
         finalize_model_grads([p.main_grad for p in self.params if getattr(p, "tp_partial_grad", False)], tied, g)
         counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
         norm = clip_by_global_norm(counted, [p.main_grad for p in self.params], [g.mp], self.clip, loss_scale)
@@ -100,11 +110,30 @@ class DDPEngine(DataParallelEngine):
         return [m if kind == "params" else p.main_grad for p, m in once], [g.mp]
 
     # ---- state -------------------------------------------------------------------------
+    @staticmethod
+    def layout_key(cfg) -> dict:
+        return {"zero_stage": 0, "zero_quantization_block_size": None}
+
+    @classmethod
+    def slots(cls, cfg, chunks, group_rank: int, group_size: int) -> RankLayout:
+        """Every parameter whole (whatever the rank of the group); with 16-bit weights each has its
+        fp32 master; AdamW over the chunks' parameters in order."""
+        sixteen_bit = cfg.train.bf16 or cfg.train.fp16
+        tensors, spans = {}, []
+        params = [(c, chunk, n, p) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]
+        for i, (c, chunk, name, p) in enumerate(params):
+            key, master = chunk_key(c, name), (master_key(i) if sixteen_bit else None)
+            tensors[key] = (tuple(p.shape), False)
+            if master:
+                tensors[master] = (tuple(p.shape), True)
+            spans.append((param_slot(chunk, key, 0, p.numel(), name, p, 0, master), tuple(p.shape), p.ndim))
+        return numbered_layout(tensors, spans)
+
     def _tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"chunk{c}.{n}": p for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
+        out = {chunk_key(c, n): p for c, chunk in enumerate(self.chunks) for n, p in chunk.named_parameters()}
         for i, (p, m) in enumerate(zip(self.optimizer.params, self.optimizer.masters)):
             if m is not p:  # bf16: the fp32 master is the real weight
-                out[f"master.{i}"] = m
+                out[master_key(i)] = m
         return out
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:

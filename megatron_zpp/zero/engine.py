@@ -13,6 +13,11 @@ ModelWrapper / OptimizersContainer own theirs:
     with engine.full_parameters():       # every weight readable in full (ZeRO-3 gathers)
         ...
 
+What a rank holds is known without building the engine: `Engine.slots(cfg, chunks, group_rank,
+group_size)` describes the "model" tensors of any rank of the DP x CP group (RankLayout), from
+its model chunks on the meta device; the checkpoint code reshards and writes DCP boxes from it.
+Each engine writes its key strings once, in the functions its state dict and its slots share.
+
 `build_engine` picks plain data parallelism (ZeRO stage 0, ddp_engine.py) or ZeRO-1/2/3
 with ZeRO++ (zero_engine.py) from the config.
 """
@@ -21,13 +26,96 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from ..model.init import full_shape
+from ..optim import adamw_order
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A flat span of one tensor of a rank's "model" dict that holds a flat range of one
+    parameter's TP piece, and where its AdamW moments are."""
+
+    key: str  # the "model" tensor whose flat span [lo, hi) holds the weight (16-bit when master_key is set)
+    lo: int
+    hi: int
+    opt: int  # the optimizer parameter whose AdamW state is the span's (same length)
+    name: str  # the single-rank parameter name
+    tp_split: tuple | None  # how the full parameter is cut over TP (tensor_parallel.layers.shard)
+    tp_rank: int
+    tp_size: int
+    full_shape: tuple  # the single-rank parameter's shape
+    shape: tuple  # this TP rank's piece of it
+    start: int  # flat offset of the span in this rank's TP piece
+    master_key: str | None = None  # plain DP in 16 bits: the tensor holding `key`'s fp32 master (same shape)
+
+
+@dataclass
+class RankLayout:
+    """Every tensor of one rank's "model" dict, its optimizer state shapes, and its slots."""
+
+    tensors: dict[str, tuple[tuple, bool]] = field(default_factory=dict)  # key -> (shape, fp32 master?)
+    opt_shapes: list[tuple] = field(default_factory=list)  # by AdamW's numbering
+    slots: list[Slot] = field(default_factory=list)
+
+
+def param_slot(chunk, key: str, lo: int, hi: int, name: str, p, start: int, master_key: str | None = None) -> Slot:
+    """The slot of parameter `p` (named `name` in its model chunk), its AdamW index still unset."""
+    tp = chunk.ctx.tp
+    tp_size = 1 if tp is None else tp.size
+    return Slot(
+        key=key,
+        lo=lo,
+        hi=hi,
+        opt=-1,
+        name=name,
+        tp_split=p.tp_split,
+        tp_rank=0 if tp is None else tp.rank,
+        tp_size=tp_size,
+        full_shape=tuple(full_shape(p, tp_size)),
+        shape=tuple(p.shape),
+        start=start,
+        master_key=master_key,
+    )
+
+
+def numbered_layout(tensors: dict[str, tuple[tuple, bool]], spans: list[tuple[Slot, tuple, int]]) -> RankLayout:
+    """The RankLayout of `tensors` and `spans` ((slot, its optimizer state's shape, its parameter's
+    ndim), in the engine's parameter order), each span given its index in AdamW's state (the one
+    numbering rule, optim.adamw_order)."""
+    out = RankLayout(tensors=tensors, opt_shapes=[()] * len(spans))
+    order = adamw_order([ndim for *_, ndim in spans])
+    index = [0] * len(spans)
+    for j, i in enumerate(order):
+        index[i] = j
+    for (slot, shape, _), j in zip(spans, index):
+        out.slots.append(replace(slot, opt=j))
+        out.opt_shapes[j] = shape
+    return out
 
 
 class DataParallelEngine(ABC):
     optimizer: torch.optim.Optimizer  # or anything with state_dict / load_state_dict
     optimizer_name: str = "AdamW"  # which AdamW steps the masters (optim.new_adamw), for the log
+    # True: every rank of the DP x CP group holds the same tensors (one rank's file is a whole replica);
+    # False: the group's files together are one replica
+    replicated: bool = False
+
+    @classmethod
+    @abstractmethod
+    def slots(cls, cfg, chunks: list[torch.nn.Module], group_rank: int, group_size: int) -> RankLayout:
+        """What rank `group_rank` of a DP x CP group of `group_size` holds in a run of `cfg` whose
+        (TP, PP) slice is `chunks` (on the meta device: shapes and names only): the keys and shapes
+        of its model_state_dict and where each parameter's pieces are in it."""
+
+    @staticmethod
+    @abstractmethod
+    def layout_key(cfg) -> dict:
+        """The engine's entries of a checkpoint's "layout" (what decides which tensor a rank
+        holds with which shape): a load at another value of them reshards."""
 
     @abstractmethod
     def describe(self) -> str:

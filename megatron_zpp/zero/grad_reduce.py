@@ -41,6 +41,8 @@ from .. import comm
 from ..ops.quantize import dequantize_sum_quantize_wire, dequantize_sum_wire, quantize_wire
 from ..topology import Group
 
+QGZ_BITS = 4  # qgZ: gradients travel as int4 (ZeRO++)
+
 
 def padded_numel(n: int, dp: int, block: int) -> int:
     """Smallest multiple of dp*block >= n: the flat gradient size qgZ accepts."""

@@ -27,6 +27,7 @@ import torch
 
 from ..model.init import swap_in
 from ..topology import Group
+from .engine import RankLayout, numbered_layout, param_slot
 from .gather import PendingGather, all_gather_weights
 
 
@@ -59,20 +60,39 @@ START_UNITS = ("embedding", "position_embeddings")
 
 
 def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
-    """(name, params, module) per unit of a model chunk: the embedding (and the learned positions, see
-    START_UNITS), each block, the
-    head (final norm, untied output layer). Blocks carry their module (stage 3 hooks it)."""
+    """(name, params, module) per unit of a model chunk (a GPT, walked by its `parts()`): the
+    embedding (and the learned positions, see START_UNITS), each block, the head (final norm,
+    untied output layer). Blocks carry their module (stage 3 hooks it)."""
+    parts = chunk.parts()
     units = []
-    if hasattr(chunk, "embedding"):
-        units.append(("embedding", list(chunk.embedding.parameters()), None))
-    if getattr(chunk, "position_embeddings", None) is not None:  # a unit of its own: the tied twin has none
-        units.append(("position_embeddings", list(chunk.position_embeddings.parameters()), None))
-    for idx, block in chunk.layers.items():
+    if parts.embedding is not None:
+        units.append(("embedding", list(parts.embedding.parameters()), None))
+    if parts.position_embeddings is not None:  # a unit of its own: the tied twin has none
+        units.append(("position_embeddings", list(parts.position_embeddings.parameters()), None))
+    for idx, block in parts.layers:
         units.append((f"layer{idx}", list(block.parameters()), block))
-    head = [p for n, p in chunk.named_parameters() if n.startswith(("final_norm.", "output."))]
+    head = [p for m in (parts.final_norm, parts.output) if m is not None for p in m.parameters()]
     if head:
         units.append(("head", head, None))
     return units
+
+
+def shard_layout(chunks, group_rank: int, group_size: int, block: int, key_of) -> RankLayout:
+    """What rank `group_rank` of a ZeRO group of `group_size` holds of `chunks` (ZeroEngine.slots):
+    each unit's fp32 master shard (`key_of(unit index, unit name)`), cut as FlatUnit cuts it; a
+    parameter's AdamW segment is its part inside the shard."""
+    tensors, spans, u = {}, [], 0
+    for chunk in chunks:
+        names = {id(p): n for n, p in chunk.named_parameters()}
+        for name, params, _ in model_units(chunk):
+            key = key_of(u, name)
+            offsets, _, shard = flat_geometry([p.numel() for p in params], group_size, block)
+            tensors[key] = ((shard,), True)
+            for i, a, b, start in shard_segments(offsets, group_rank * shard, (group_rank + 1) * shard):
+                p = params[i]
+                spans.append((param_slot(chunk, key, a, b, names[id(p)], p, start), (b - a,), p.ndim))
+            u += 1
+    return numbered_layout(tensors, spans)
 
 
 class FlatUnit:

@@ -68,9 +68,14 @@ from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, 
 from ..optim.optimizer import decoupled_lr_params
 from ..recompute import recomputing
 from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
-from .engine import DataParallelEngine, check_keys, copy_checked
-from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
-from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block
+from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked
+from .grad_reduce import QGZ_BITS, HierarchicalReduceScatter, ReduceScatter
+from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block, shard_layout
+
+
+def unit_key(index: int, name: str) -> str:
+    """The state dict key of unit number `index` (named `name`) of this rank: its fp32 master shard."""
+    return f"unit{index}.{name}.master"
 
 
 def _gather(units: list[FlatUnit], backward: bool = False) -> None:
@@ -143,7 +148,7 @@ class ZeroEngine(DataParallelEngine):
         self.gather_stream = self.dev.Stream()
         self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
         self.enqueue_whole_chain = device.type != "cpu"
-        self.grad_bits = 4 if zero_cfg.zero_quantized_gradients else None
+        self.grad_bits = QGZ_BITS if zero_cfg.zero_quantized_gradients else None
         self.grad_block = zero_cfg.zero_gradient_quantization_block_size
         self.stochastic = zero_cfg.zero_gradient_stochastic_rounding
         self.wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32  # unquantized paths
@@ -564,8 +569,17 @@ class ZeroEngine(DataParallelEngine):
         return tensors, [self.group, g.mp]
 
     # ---- state -------------------------------------------------------------------------
+    @staticmethod
+    def layout_key(cfg) -> dict:
+        # the block the flat buffers are padded to (lcm of the qwZ and qgZ blocks; the key predates qgZ's own)
+        return {"zero_stage": cfg.zero.zero_stage, "zero_quantization_block_size": pad_block(cfg.zero)}
+
+    @classmethod
+    def slots(cls, cfg, chunks, group_rank: int, group_size: int) -> RankLayout:
+        return shard_layout(chunks, group_rank, group_size, pad_block(cfg.zero), unit_key)
+
     def _masters(self) -> dict[str, FlatUnit]:
-        return {f"unit{i}.{u.name}.master": u for i, u in enumerate(self.units)}
+        return {unit_key(i, u.name): u for i, u in enumerate(self.units)}
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return {key: u.master for key, u in self._masters().items()}

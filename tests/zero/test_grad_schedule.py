@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from megatron_zpp import comm
 from megatron_zpp.config import OptimConfig, ZeroConfig
+from megatron_zpp.model import GPTParts
 from megatron_zpp.topology import Topology, build_groups
 from megatron_zpp.zero import DDPEngine, ZeroEngine
 from tests.dist import run_distributed
@@ -45,6 +46,11 @@ class Toy(torch.nn.Module):
         self.output = torch.nn.Linear(H, V, bias=False)
         self.pre_process = self.post_process = True
         self.tied = False
+
+    def parts(self) -> GPTParts:  # what the engines walk, as of a GPT chunk
+        return GPTParts(
+            self.embedding, None, list(self.layers.items()), self.final_norm, self.output, False, True, True
+        )
 
     def forward(self, tokens, skip=()):
         h = self.embedding(tokens)
