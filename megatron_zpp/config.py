@@ -2,7 +2,7 @@
 
 Each field carries its command-line flag (Megatron-LM's name where Megatron has the
 concept, DeepSpeed's for ZeRO) and its help text; `arguments.py` builds the parser from
-these dataclasses, so a setting is declared exactly once. validation.py derives the values
+these dataclasses, so a setting is declared exactly once. validation/ derives the values
 that follow from others and checks every section against the world size before any
 process group exists. ModelConfig (config_model.py), TrainConfig and LogConfig (config_train.py)
 live in modules of their own and are re-exported here: import every config name from this module.
