@@ -260,7 +260,9 @@ class OptimConfig:
         """(first, last) weight decay of the schedule: --weight-decay for both when constant (Megatron's rule)."""
         if self.weight_decay_incr_style == "constant":
             return self.weight_decay, self.weight_decay
-        return self.start_weight_decay, self.end_weight_decay
+        start, end = self.start_weight_decay, self.end_weight_decay
+        assert start is not None and end is not None, "validation requires both with a weight-decay schedule"
+        return start, end
 
 
 @dataclass
@@ -331,7 +333,9 @@ class Config:
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches of a full global batch (after any ramp-up; evaluation always uses it)."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+        batch = self.train.global_batch_size
+        assert batch is not None, "read before validation.derive filled it"
+        return batch // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
     def micro_batches_at(self, consumed_samples: int) -> int:
         """Micro-batches per DP rank of the step that starts after `consumed_samples` samples."""

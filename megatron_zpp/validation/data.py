@@ -38,13 +38,13 @@ def check_run_paths(cfg: Config) -> list[str]:
     d, t = cfg.data, cfg.train
     return failed(
         [
-            (d.mock_data or d.data_path, "give --data-path PREFIX [...] or --mock-data"),
+            (bool(d.mock_data or d.data_path), "give --data-path PREFIX [...] or --mock-data"),
             (
                 d.tokenizer_type in ("NullTokenizer", "GPT2BPETokenizer") or d.tokenizer_model is not None,
                 f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model",
             ),
             (
-                d.tokenizer_type != "GPT2BPETokenizer" or (d.vocab_file and d.merge_file),
+                d.tokenizer_type != "GPT2BPETokenizer" or bool(d.vocab_file and d.merge_file),
                 "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)",
             ),
             (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import Config
-from .common import failed
+from .common import derived, failed
 
 
 def check_log(cfg: Config, world_size: int) -> list[str]:
@@ -37,7 +37,7 @@ def check_log(cfg: Config, world_size: int) -> list[str]:
 def _eval_batch_checks(cfg: Config) -> list:
     t, p = cfg.train, cfg.parallel
     micro = t.eval_micro_batch_size or t.micro_batch_size
-    batch = t.eval_global_batch_size or t.global_batch_size
+    batch = t.eval_global_batch_size or derived(t.global_batch_size)
     per_round = micro * p.data_parallel_size
     return [
         (micro >= 1 and batch >= 1, "--eval-global-batch-size and --eval-micro-batch-size must be >= 1"),

@@ -4,7 +4,7 @@ are not built here."""
 from __future__ import annotations
 
 from ..config import Config
-from .common import failed
+from .common import derived, failed
 from .parallel import chunk_layer_counts
 
 
@@ -44,7 +44,7 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             ),
             (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
             (
-                m.seq_length <= m.max_position_embeddings,
+                m.seq_length <= derived(m.max_position_embeddings),
                 f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}",
             ),
             (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
@@ -53,7 +53,7 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
             ),
             (
-                m.attention_type != "gla" or (m.seq_length // cp) % m.gla_chunk_size == 0,
+                m.attention_type != "gla" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
                 f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
             ),
             (

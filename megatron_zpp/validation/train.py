@@ -8,18 +8,18 @@ import math
 from ..batch_schedule import parse_step_schedule
 from ..config import Config, TrainConfig
 from ..optim.schedules import schedule_errors
-from .common import failed
+from .common import derived, failed
 
 
 def check_batch(cfg: Config, world_size: int) -> list[str]:
     p, t = cfg.parallel, cfg.train
     dp, pp, cp = p.data_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    per_step = t.micro_batch_size * dp
+    per_step, batch = t.micro_batch_size * dp, derived(t.global_batch_size)
     errors = (
         failed(
             [
                 (
-                    t.global_batch_size % per_step == 0,
+                    batch % per_step == 0,
                     f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
                     f"{t.micro_batch_size} x {dp}; use a multiple of {per_step}",
                 )
@@ -28,11 +28,11 @@ def check_batch(cfg: Config, world_size: int) -> list[str]:
         + _check_rampup(t, per_step)
         + _check_step_schedule(cfg, per_step)
     )
-    if t.train_iters_from_samples and t.train_iters < 1:
+    if t.train_iters_from_samples and derived(t.train_iters) < 1:
         errors.append(f"--train-samples {t.train_samples} is less than one step (--global-batch-size)")
     if p.num_layers_per_virtual_pipeline_stage is not None and not errors:
         # START, INCR: all ramp sizes follow; every batch of a step schedule
-        sizes = sorted({t.global_batch_size, *t.rampup_batch_size[:2], *(b for _, b in t.batch_steps)})
+        sizes = sorted({batch, *t.rampup_batch_size[:2], *(b for _, b in t.batch_steps)})
         errors += failed(
             [
                 (
@@ -87,7 +87,7 @@ def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:
     if not t.rampup_batch_size:
         return []
     start, incr, _ = t.rampup_batch_size
-    flag = "--rampup-batch-size"
+    flag, batch = "--rampup-batch-size", derived(t.global_batch_size)
     return failed(
         [
             (t.train_samples is not None, f"{flag} needs --train-samples (sample-based training, as in Megatron)"),
@@ -96,7 +96,7 @@ def _check_rampup(t: TrainConfig, per_step: int) -> list[str]:
                 f"{flag}: START {start} and INCR {incr} must be multiples of --micro-batch-size x DP = {per_step}",
             ),
             (
-                start < t.global_batch_size and (t.global_batch_size - start) % incr == 0,
+                start < batch and (batch - start) % incr == 0,
                 f"{flag}: START {start} must be below --global-batch-size {t.global_batch_size} and reach it in "
                 f"steps of INCR {incr}",
             ),
