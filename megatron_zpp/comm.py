@@ -129,7 +129,7 @@ def check_collective_order(groups) -> None:
     ProcessGroups), in the order of their roles, which every rank shares; not recorded."""
     import hashlib
 
-    for role, group in sorted(groups._groups.items()):
+    for role, group in sorted(groups.by_role().items()):
         seq = ORDER.seq.pop((role, group.ranks), [])
         if _skip(group):
             continue

@@ -14,6 +14,7 @@ holds all its members ("intra_node" for a node), else "inter_node". Sub-node tie
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -208,29 +209,63 @@ class Topology:
         return kinds
 
 
+@dataclass
 class ProcessGroups:
-    """This rank's Group for every kind, created collectively on all ranks."""
+    """This rank's Group of every kind, created collectively on all ranks (build_groups). One field per
+    kind: the four axes, the composites of COMPOSITE, the world; the kinds not every rank or layout has
+    are None (embedding: the first and last pipeline stages; dp_intra/dp_inter: the ZeRO group spread
+    evenly over nodes; dp_hpz: --zero-hpz-partition-size > 1) or empty (dp_tiers: qgZ's hops)."""
 
-    def __init__(self, topo: Topology, rank: int, groups: dict[str, Group]):
-        self.topo, self.rank, self._groups = topo, rank, groups
-        c = topo.coords(rank)
+    topo: Topology
+    rank: int
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    dp_cp: Group  # COMPOSITE's, as Megatron names them
+    tp_cp: Group
+    mp: Group
+    tp_pp_cp: Group
+    world: Group  # control plane: checkpoint digests
+    embedding: Group | None = None
+    dp_intra: Group | None = None
+    dp_inter: Group | None = None
+    dp_hpz: Group | None = None
+    dp_tiers: tuple[Group, ...] = ()  # the hierarchical reduce's hops, innermost first (roles dp_tier0, ...)
+    tp_rank: int = field(init=False)
+    cp_rank: int = field(init=False)
+    dp_rank: int = field(init=False)
+    pp_rank: int = field(init=False)
+
+    def __post_init__(self):
+        c = self.topo.coords(self.rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
 
-    def __getattr__(self, kind: str) -> Group:
-        groups = self.__dict__.get("_groups", {})
-        if kind in groups:
-            return groups[kind]
-        raise AttributeError(kind)
+    @classmethod
+    def from_kinds(cls, topo: Topology, rank: int, groups: dict[str, Group]) -> ProcessGroups:
+        """From kind -> Group (Topology.all_group_kinds' names; dp_tier0, dp_tier1, ... become dp_tiers)."""
+        hops: list[Group] = []
+        while f"dp_tier{len(hops)}" in groups:
+            hops.append(groups[f"dp_tier{len(hops)}"])
+        roles = {f.name for f in dataclasses.fields(cls) if f.init} - {"topo", "rank", "dp_tiers"}
+        named = {k: v for k, v in groups.items() if k in roles}
+        unknown = set(groups) - set(named) - {f"dp_tier{i}" for i in range(len(hops))}
+        if unknown:
+            raise ValueError(f"no field of ProcessGroups for the group kinds {sorted(unknown)}")
+        return cls(topo, rank, dp_tiers=tuple(hops), **named)
+
+    def by_role(self) -> dict[str, Group]:
+        """Every group this rank is in, by role (the dp_tiers as dp_tier0, dp_tier1, ...)."""
+        out = {f.name: g for f in dataclasses.fields(self) if isinstance(g := getattr(self, f.name), Group)}
+        out.update({f"dp_tier{i}": g for i, g in enumerate(self.dp_tiers)})
+        return out
 
     def __contains__(self, kind: str) -> bool:
-        return kind in self._groups
+        return kind in self.by_role()
 
     def dp_tier_hops(self) -> list[Group]:
         """This rank's qgZ hop groups, innermost first (dp_tier0, dp_tier1, ...)."""
-        hops = []
-        while f"dp_tier{len(hops)}" in self._groups:
-            hops.append(self._groups[f"dp_tier{len(hops)}"])
-        return hops
+        return list(self.dp_tiers)
 
     @property
     def is_first_stage(self) -> bool:
@@ -264,7 +299,7 @@ def build_groups(
                     tuple(topo.link_class([rank, r]) for r in key),
                     created.get(key),
                 )
-    return ProcessGroups(topo, rank, mine)
+    return ProcessGroups.from_kinds(topo, rank, mine)
 
 
 # ---------------------------------------------------------------- from a config

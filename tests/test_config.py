@@ -9,7 +9,7 @@ import pytest
 
 from megatron_zpp.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.config import Config, ConfigError
-from megatron_zpp.validation import NOT_YET, validate
+from megatron_zpp.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,8 +164,7 @@ ERROR_CASES = [
     "settings,world,flags", ERROR_CASES, ids=[f"{i}:{'+'.join(sorted(c[0]))}" for i, c in enumerate(ERROR_CASES)]
 )
 def test_error_names_flags(settings, world, flags):
-    # the layout check itself, not the "not implemented yet" line of the same flag
-    lines = [ln for ln in errors_of(make(**settings), world) if "not implemented yet" not in ln]
+    lines = errors_of(make(**settings), world)
     for flag in flags:
         assert any(flag in ln for ln in lines), (flag, lines)
 
@@ -221,29 +220,6 @@ def test_data_source_both_or_neither(with_data_path):
     assert "--mock-data" in line
 
 
-NOT_YET_CASES: dict = {}  # the flags still refused (none now); a case leaves when its feature lands
-
-
-def test_not_yet_cases_cover_every_refused_flag():
-    # NOT_YET shrinks as features land; every flag it still refuses needs a case here
-    assert set(NOT_YET) <= set(NOT_YET_CASES)
-
-
-@pytest.fixture
-def refused_feature(monkeypatch):
-    """A stand-in entry of NOT_YET (the mechanism is kept for features whose flags land before them)."""
-    monkeypatch.setitem(NOT_YET, "eod_mask_loss", (lambda c: c.data.eod_mask_loss, "is not implemented yet: why"))
-    return dict(data__eod_mask_loss=True), "--eod-mask-loss"
-
-
-def test_not_yet_implemented_flags_refused(refused_feature):
-    settings, flag = refused_feature
-    lines = errors_of(make(**settings), 1)
-    line = line_with(lines, "not implemented yet")
-    assert line.startswith(flag + ":"), line
-    assert len([ln for ln in lines if "not implemented yet" in ln]) == 1
-
-
 def test_multiple_problems_reported_together():
     cfg = make(
         model__num_attention_heads=3,
@@ -256,14 +232,6 @@ def test_multiple_problems_reported_together():
     for flag in ("--num-attention-heads", "--global-batch-size", "--parallel-order", "--data-path", "--min-lr"):
         line_with(lines, flag)
     assert len(lines) >= 5
-
-
-def test_not_yet_flag_does_not_hide_other_problems(refused_feature):
-    # a refused feature and a bad head count: both must be reported in one go
-    settings, flag = refused_feature
-    lines = errors_of(make(model__num_attention_heads=3, **settings), 1)
-    line_with(lines, flag)
-    line_with(lines, "--num-attention-heads")
 
 
 def test_save_interval_needs_save():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_zpp import comm
-from megatron_zpp.topology import Group, Topology, build_groups
+from megatron_zpp.topology import Group, ProcessGroups, Topology, build_groups
 from tests.dist import run_distributed
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -245,6 +245,20 @@ def test_group_link_classes_via_build_groups_without_processes():
     assert "dp_intra" in g and "dp_tier0" not in g
     with pytest.raises(AttributeError):
         _ = g.no_such_group
+
+
+@pytest.mark.parametrize("rank", [0, 3, 6])
+def test_every_group_kind_is_a_field(rank):
+    # the rank's groups by role are exactly the kinds the topology makes that hold it, each a static field
+    t = Topology(8, tp=2, pp=2, ranks_per_node=4)
+    g = build_groups(t, rank, dp_tiers=[2], hpz=2)
+    kinds = {k: v for k, v in t.all_group_kinds([2], 2).items() if any(rank in m for m in v)}
+    assert set(g.by_role()) == set(kinds) and {"dp_tier0", "dp_hpz", "world"} <= set(kinds)
+    assert all(list(grp.ranks) in kinds[role] for role, grp in g.by_role().items())
+    assert g.dp_tiers == tuple(g.by_role()[f"dp_tier{i}"] for i in range(len(g.dp_tiers)))
+    assert g.embedding is not None  # pp 2: every stage is the first or the last
+    with pytest.raises(ValueError, match="no_such_kind"):
+        ProcessGroups.from_kinds(t, rank, {**g.by_role(), "no_such_kind": g.tp})
 
 
 def test_dp_node_groups_dp8():

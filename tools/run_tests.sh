@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv (idempotent), check lint and format, and run the tests on CPU.
+# Set up .venv (idempotent), check lint, format, types and the pre-commit hooks, and run the tests on CPU.
 #   bash tools/run_tests.sh                 the whole suite (CI runs exactly this)
 #   bash tools/run_tests.sh tests/data      only that path (any number of paths or node ids)
 #   bash tools/run_tests.sh -k topology     pytest options pass through; no path given: all of tests/
@@ -29,4 +29,7 @@ fi
 bash tools/setup_env.sh
 .venv/bin/python -m ruff check --quiet .
 .venv/bin/python -m ruff format --check --quiet .
+.venv/bin/python -m mypy  # the files of [tool.mypy] in pyproject.toml
+# the other hooks of .pre-commit-config.yaml (ruff ran above, as a check): large files, whitespace, end of file
+SKIP=ruff-check,ruff-format .venv/bin/pre-commit run --all-files --show-diff-on-failure
 exec .venv/bin/python -m pytest -q "${args[@]}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from typing import IO
 
 import torch
 
@@ -20,7 +21,7 @@ from .. import comm
 from .files import CheckpointError, saved_iterations
 
 LOCK_FILE = ".lock"
-_held: dict[str, object] = {}  # directory -> its open lock file, kept for the process's life
+_held: dict[str, IO[str]] = {}  # directory -> its open lock file, kept for the process's life
 
 
 def lock_save_dir(directory: str) -> str | None:

@@ -227,6 +227,7 @@ def _config_from_remote(hf: dict):
     m.hidden_dropout = m.attention_dropout = 0.0  # the exported model has none (Megatron's default is 0.1)
     m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
     m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
+    assert period is not None  # refused above otherwise
     m.attention_type, m.softmax_attention_every = period
     m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
     m.rotary_base = float(hf.get("rope_theta", 10000.0))

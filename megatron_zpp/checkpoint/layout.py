@@ -37,9 +37,9 @@ def config_from_dict(d: dict) -> Config:
 
 
 def _upgrade_old_config(d: dict, cfg: Config) -> None:
-    """Checkpoints saved before the Megatron defaults (issue 16) have no model.group_query_attention:
+    """Checkpoints saved before the Megatron defaults have no model.group_query_attention:
     there --num-query-groups alone meant GQA and a SwiGLU MLP width rounded up to 64; those saved before
-    Megatron's gelu rule (issue 24) have no model.openai_gelu: their gelu was the tanh form."""
+    Megatron's gelu rule have no model.openai_gelu: their gelu was the tanh form."""
     m, saved = cfg.model, d.get("model", {})
     if "openai_gelu" not in saved:  # saved before Megatron's gelu rule: gelu was always the tanh form
         m.openai_gelu = True

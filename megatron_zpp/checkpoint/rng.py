@@ -5,6 +5,7 @@ dropout stream (tensor_parallel.random._STATE), numpy's and Python's global gene
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ def _accelerator():
 def get_rng_state() -> dict:
     """Every random stream of this process, as tensors, lists and numbers."""
     st = tp_random._STATE
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # legacy=True (the default): the tuple form
     py_state = random.getstate()
     out = {
         "torch_cpu": torch.get_rng_state(),

@@ -169,7 +169,7 @@ def learning_rate_at_samples(o: OptimConfig, consumed_samples: int, train_sample
     return lr_at(o, schedule_for(o, t), consumed_samples)
 
 
-# ---- the settings' checks (validation.py reports them with the others) ---------------------------
+# ---- the settings' checks (validation/ reports them with the others) ---------------------------
 
 
 def schedule_errors(cfg: Config) -> list[str]:

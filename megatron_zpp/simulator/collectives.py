@@ -123,7 +123,7 @@ def rank_groups(cfg: Config, rank: int) -> ProcessGroups:
                 key = tuple(members)
                 peers = tuple(topo.link_class([rank, r]) for r in key)
                 mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key), peers)
-    return ProcessGroups(topo, rank, mine)
+    return ProcessGroups.from_kinds(topo, rank, mine)
 
 
 _CHUNKS: dict[tuple[str, int], list] = {}

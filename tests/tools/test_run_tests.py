@@ -35,3 +35,19 @@ def test_paths_given_are_the_paths_run(argv, expected):
 def test_ci_runs_the_whole_suite():
     text = open(os.path.join(ROOT, ".ci", "run")).read()
     assert "exec bash tools/run_tests.sh\n" in text
+
+
+def test_lint_phase_runs_the_type_checker_and_the_local_hooks():
+    import yaml
+
+    script = open(os.path.join(ROOT, "tools", "run_tests.sh")).read()
+    lint = script[script.index("bash tools/setup_env.sh") : script.index("exec ")]
+    assert ".venv/bin/python -m mypy" in lint and "pre-commit run --all-files" in lint
+    with open(os.path.join(ROOT, ".pre-commit-config.yaml")) as f:
+        repos = yaml.safe_load(f)["repos"]
+    assert [r["repo"] for r in repos] == ["local"]  # nothing fetched: CI has no network
+    hooks = {h["id"]: h for r in repos for h in r["hooks"]}
+    assert {"ruff-check", "ruff-format", "check-added-large-files", "trailing-whitespace", "end-of-file-fixer"} <= set(
+        hooks
+    )
+    assert all(h["language"] == "system" and h["entry"].startswith(".venv/bin/") for h in hooks.values())

@@ -49,7 +49,8 @@ def _snap():
 
 def _run(rank, world, topo_kwargs, dp_tiers):
     g = build_groups(Topology(world, **topo_kwargs), rank, dp_tiers=dp_tiers)
-    hops = [getattr(g, f"dp_tier{i}") for i in range(len(dp_tiers) + 1)]
+    hops = g.dp_tier_hops()
+    assert len(hops) == len(dp_tiers) + 1
     res = {
         "digits": [h.rank for h in hops],
         "sizes": [h.size for h in hops],

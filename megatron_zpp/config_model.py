@@ -1,0 +1,193 @@
+"""ModelConfig: the GPT's shape, attention, norm, activations, recompute and Megatron's model
+flags. Re-exported by config.py (import it from there); imports nothing of ours but config_fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config_fields import opt
+
+
+def default_gla_chunk_size(device_type: str) -> int:
+    """--gla-chunk-size when not given: 64 on CUDA (the Triton kernels), 16 on CPU (see its help)."""
+    return 64 if device_type == "cuda" else 16
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(4, "--num-layers", "number of transformer layers")
+    hidden_size: int = opt(128, "--hidden-size", "model width")
+    num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads (query heads)")
+    num_query_groups: int | None = opt(
+        None,
+        "--num-query-groups",
+        "key/value heads with --group-query-attention (default 1, as Megatron; refused without it, which Megatron "
+        "would ignore)",
+    )
+    ffn_hidden_size: int | None = opt(
+        None,
+        "--ffn-hidden-size",
+        "MLP inner width (default, as Megatron: 4*hidden for gelu, int(8/3*hidden / 64)*64 for swiglu)",
+    )
+    seq_length: int = opt(256, "--seq-length", "training sequence length in tokens")
+    max_position_embeddings: int | None = opt(
+        None, "--max-position-embeddings", "longest position the model supports (default: seq length)"
+    )
+    vocab_size: int = opt(
+        512, "--vocab-size", "vocabulary size when no tokenizer model gives one (mock data, NullTokenizer)"
+    )
+    make_vocab_size_divisible_by: int = opt(
+        128, "--make-vocab-size-divisible-by", "pad the vocabulary to a multiple of this times TP"
+    )
+    normalization: str = opt("LayerNorm", "--normalization", "norm layer", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = opt(1e-5, "--norm-epsilon", "epsilon of the norm layers")
+    activation: str = opt(
+        "gelu",
+        "--activation",
+        "MLP activation (Megatron's --swiglu is --activation swiglu, --squared-relu is squared_relu: relu(x)^2)",
+        choices=["gelu", "swiglu", "squared_relu"],
+    )
+    bias_gelu_fusion: bool = opt(
+        True,
+        "--bias-gelu-fusion",
+        "as Megatron: with biases, gelu is its fused bias-gelu, the tanh approximation; --no-bias-gelu-fusion (or "
+        "no biases: --disable-bias-linear) computes the exact erf gelu instead",
+    )
+    openai_gelu: bool = opt(False, "--openai-gelu", "as Megatron: gelu is the tanh approximation (OpenAI's) always")
+    rotary_base: float = opt(10000.0, "--rotary-base", "RoPE base frequency")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
+    )
+    attention_type: str = opt("softmax", "--attention-type", "token mixer of every layer", choices=["softmax", "gla"])
+    softmax_attention_every: int = opt(
+        0,
+        "--softmax-attention-every",
+        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none",
+    )
+    gla_chunk_size: int | None = opt(
+        None,
+        "--gla-chunk-size",
+        "chunk length of the chunked GLA form; default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token and "
+        "head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
+        "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
+        "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference",
+    )
+    gla_gate_low_rank: int = opt(
+        0,
+        "--gla-gate-low-rank",
+        "rank of the GLA decay-gate projection x W_down W_up + b (the GLA paper uses 16); "
+        "0 = full rank (one more head-split section of the input projection)",
+    )
+    gla_gate_normalizer: float = opt(16.0, "--gla-gate-normalizer", "GLA log-decay = logsigmoid(.) / normalizer")
+    hidden_dropout: float = opt(
+        0.1, "--hidden-dropout", "dropout on the embedding output and after the attention and MLP outputs"
+    )
+    attention_dropout: float = opt(0.1, "--attention-dropout", "dropout on softmax attention probabilities")
+    init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
+    recompute_granularity: str | None = opt(
+        None,
+        "--recompute-granularity",
+        "activation recompute: full = whole transformer layers (with --recompute-method and "
+        "--recompute-num-layers); selective = the core of each token mixer (softmax attention's scores, softmax and "
+        "weighted sum; GLA's gates, chunked operator, head norm and output gate)",
+        choices=["full", "selective"],
+    )
+    recompute_method: str | None = opt(
+        None,
+        "--recompute-method",
+        "with --recompute-granularity full: uniform = every group of --recompute-num-layers consecutive layers of a "
+        "(virtual) pipeline stage is recomputed as one unit; block = the first --recompute-num-layers layers of each "
+        "(virtual) pipeline stage are recomputed, the rest are not",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int | None = opt(
+        None,
+        "--recompute-num-layers",
+        "with --recompute-granularity full: layers per recomputed unit (uniform) or recomputed layers per (virtual) "
+        "pipeline stage (block)",
+    )
+
+    # Megatron-LM compatibility: its flags with its defaults; what is not built is refused by validation
+    group_query_attention: bool = opt(
+        False, "--group-query-attention", "grouped-query attention with --num-query-groups key/value heads"
+    )
+    kv_channels: int | None = opt(
+        None, "--kv-channels", "head dim (default and only supported value: --hidden-size / --num-attention-heads)"
+    )
+    position_embedding_type: str = opt(
+        "learned_absolute",
+        "--position-embedding-type",
+        "position embedding: learned_absolute (Megatron's default: a learned [max-position-embeddings, hidden] table "
+        "added to the word embedding), rope, or none; yarn, mrope and relative are not built",
+        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+    )
+    rotary_percent: float = opt(
+        1.0,
+        "--rotary-percent",
+        "fraction of the head dim RoPE rotates, as Megatron: the first int(head dim x fraction) channels of each "
+        "q/k head, with frequencies over that width; the rest pass unrotated",
+    )
+    add_bias_linear: bool = opt(
+        True,
+        "--add-bias-linear",
+        "biases in the linear layers (qkv, attention output, fc1, fc2; never the output layer), as Megatron's "
+        "default; --disable-bias-linear (Megatron's flag) turns them off. GLA's projections take none either way",
+    )
+    add_qkv_bias: bool = opt(
+        False, "--add-qkv-bias", "a bias on the qkv projection only (implied by --add-bias-linear), as Megatron"
+    )
+    apply_layernorm_1p: bool = opt(
+        False,
+        "--apply-layernorm-1p",
+        "zero-centred norm weights: stored w, initialised 0, applied as 1 + w (LayerNorm and RMSNorm, as Megatron's "
+        "transformer-engine norms)",
+    )
+    attention_backend: str = opt(
+        "auto",
+        "--attention-backend",
+        "softmax attention kernel, mapped to PyTorch SDPA's backends on CUDA: flash = flash attention, fused = "
+        "cuDNN/memory-efficient, unfused/local = the math path, auto = SDPA's own choice (--use-flash-attn = flash); "
+        "on CPU SDPA's CPU kernel runs whatever the choice (the log says which)",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+    )
+
+    @property
+    def kv_heads(self) -> int:
+        if self.group_query_attention:
+            return self.num_query_groups or 1
+        return self.num_attention_heads
+
+    @property
+    def gelu_approximate(self) -> str:
+        """F.gelu's `approximate` for Megatron's flags: its fused bias-gelu and openai_gelu are the tanh form,
+        its plain F.gelu (no biases, or --no-bias-gelu-fusion) the exact erf form."""
+        return "tanh" if self.openai_gelu or (self.add_bias_linear and self.bias_gelu_fusion) else "none"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each q/k head that RoPE rotates (Megatron: kv_channels x rotary_percent)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":  # Megatron's rounding: down to a multiple of 64 (5440 at hidden 2048)
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether softmax attention's qkv projection has a bias (Megatron: either flag)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    def layer_kind(self, layer: int) -> str:
+        """'softmax' or 'gla' for global layer index `layer` (0-based)."""
+        if self.attention_type == "softmax":
+            return "softmax"
+        k = self.softmax_attention_every
+        return "softmax" if k and (layer + 1) % k == 0 else "gla"

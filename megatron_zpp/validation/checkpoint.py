@@ -1,0 +1,67 @@
+"""Checkpointing: save intervals, exit signals and Megatron's checkpoint flags."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .common import failed
+
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")  # what --exit-signal-handler may catch
+
+
+def check_checkpointing(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.train
+    unknown = [s for s in t.exit_signal if s not in EXIT_SIGNALS]
+    return failed(
+        [
+            (t.save_interval >= 0, f"--save-interval must be >= 0 (got {t.save_interval})"),
+            (
+                t.exit_signal_handler or t.exit_signal == ["SIGTERM"],
+                f"--exit-signal {' '.join(t.exit_signal)} needs --exit-signal-handler (which catches it)",
+            ),
+            (
+                not unknown,
+                f"--exit-signal {' '.join(unknown)}: not one of {' '.join(EXIT_SIGNALS)}",
+            ),
+            *_checkpoint_flag_checks(t),
+        ]
+    )
+
+
+def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
+    """Megatron's checkpoint flags: --save-retain-interval, --finetune, --ckpt-format."""
+    retain = t.save_retain_interval
+    return [
+        (retain is None or retain > 0, f"--save-retain-interval must be > 0 (got {retain})"),
+        (retain is None or t.save is not None, "--save-retain-interval needs --save DIR (whose checkpoints it thins)"),
+        (
+            retain is None or not t.save_interval or retain <= 0 or retain % t.save_interval == 0,
+            f"--save-retain-interval {retain} must be a multiple of --save-interval {t.save_interval}",
+        ),
+        (
+            t.override_ckpt_iteration is None or t.override_ckpt_iteration >= 0,
+            f"--override-ckpt-iteration must be >= 0 (got {t.override_ckpt_iteration})",
+        ),
+        (
+            t.override_ckpt_iteration is None or not t.rampup_batch_size,
+            "--override-ckpt-iteration takes N x --global-batch-size samples as consumed (Megatron's rule), which "
+            "a --rampup-batch-size run did not consume: drop one of them",
+        ),
+        (
+            t.override_ckpt_iteration is None or t.load is not None or t.pretrained_checkpoint is not None,
+            "--override-ckpt-iteration needs --load DIR (the checkpoint whose iteration it replaces)",
+        ),
+        (
+            not (t.finetune and t.load is None and t.pretrained_checkpoint is None),
+            "--finetune needs --load DIR (the weights to start from)",
+        ),
+        (
+            t.ckpt_format != "torch",
+            "--ckpt-format torch (Megatron's legacy per-rank torch.save pickles) is not built: use zpp (the default, "
+            "sharded safetensors) or torch_dist (torch.distributed.checkpoint)",
+        ),
+        (
+            t.ckpt_format != "fsdp_dtensor",
+            "--ckpt-format fsdp_dtensor is Megatron-FSDP's own DCP layout, not built: use torch_dist "
+            "(torch.distributed.checkpoint, keyed by the single-rank model's names) or zpp (the default)",
+        ),
+    ]

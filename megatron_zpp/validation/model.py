@@ -1,0 +1,146 @@
+"""The model: shapes against TP/CP, recompute, and Megatron-LM model flags whose other values
+are not built here."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .common import derived, failed
+from .parallel import chunk_layer_counts
+
+
+def check_model(cfg: Config, world_size: int) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    return failed(
+        [
+            (
+                m.hidden_size % m.num_attention_heads == 0,
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",
+            ),
+            (
+                m.num_attention_heads % m.kv_heads == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}",
+            ),
+            (
+                m.num_attention_heads % tp == 0,
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.kv_heads % tp == 0,
+                f"--num-query-groups {m.kv_heads} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (
+                m.head_dim % 2 == 0,
+                f"head dim {m.head_dim} (--hidden-size / --num-attention-heads) must be even for RoPE",
+            ),
+            (
+                m.ffn_size % tp == 0,
+                f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+            ),
+            (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
+            (
+                not (m.softmax_attention_every and m.attention_type == "softmax"),
+                "--softmax-attention-every needs --attention-type gla (the other layers are GLA)",
+            ),
+            (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
+            (
+                m.seq_length <= derived(m.max_position_embeddings),
+                f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}",
+            ),
+            (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
+            (
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
+            ),
+            (
+                m.attention_type != "gla" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
+                f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
+            ),
+            (
+                not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+                f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}",
+            ),
+        ]
+    )
+
+
+def check_recompute(cfg: Config, world_size: int) -> list[str]:
+    m = cfg.model
+    gran, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    if gran != "full":
+        return failed(
+            [
+                (method is None, "--recompute-method needs --recompute-granularity full"),
+                (n is None, "--recompute-num-layers needs --recompute-granularity full"),
+            ]
+        )
+    if method is None or n is None:
+        return [
+            "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+            "(or use --recompute-granularity selective)"
+        ]
+    most = max(chunk_layer_counts(cfg), default=m.num_layers)
+    return failed(
+        [
+            (n >= 1, f"--recompute-num-layers must be >= 1 (got {n})"),
+            (
+                method != "block" or n <= most,
+                f"--recompute-num-layers {n} exceeds the {most} layers of a (virtual) pipeline stage: with "
+                f"--recompute-method block use at most {most}",
+            ),
+        ]
+    )
+
+
+_UNBUILT_POSITIONS = {
+    "yarn": "YaRN's RoPE scaling (for context extension) is not built",
+    "mrope": "multimodal RoPE (sections per image axis) is not built: this is a text-only GPT",
+    "relative": "T5-style relative position buckets are not built (a GPT-2/Llama codebase)",
+}
+
+
+def check_megatron_model(cfg: Config, world_size: int) -> list[str]:
+    """Megatron-LM model flags whose other values are not built here."""
+    m = cfg.model
+    return failed(
+        [
+            (
+                m.position_embedding_type in ("learned_absolute", "rope", "none"),
+                f"--position-embedding-type {m.position_embedding_type}: "
+                f"{_UNBUILT_POSITIONS.get(m.position_embedding_type)}; use learned_absolute (Megatron's default), "
+                "rope or none",
+            ),
+            (
+                m.kv_channels is None or m.kv_channels * m.num_attention_heads == m.hidden_size,
+                f"--kv-channels {m.kv_channels}: only --hidden-size / --num-attention-heads = {m.head_dim} is built "
+                "(the head dim); drop it",
+            ),
+            (
+                0 < m.rotary_percent <= 1 and m.rotary_dim >= 2 and m.rotary_dim % 2 == 0,
+                f"--rotary-percent {m.rotary_percent}: rotates {m.rotary_dim} of the {m.head_dim} channels of a head; "
+                "give a fraction in (0, 1] that makes an even number of at least 2",
+            ),
+            (
+                m.attention_backend not in ("flash", "fused")
+                or cfg.train.bf16
+                or cfg.train.fp16
+                or cfg.train.device == "cpu",
+                f"--attention-backend {m.attention_backend}: SDPA's flash and fused kernels take 16-bit inputs: add "
+                "--bf16 or --fp16, or use --attention-backend auto/unfused",
+            ),
+            (
+                m.num_query_groups is None or m.group_query_attention,
+                f"--num-query-groups {m.num_query_groups} needs --group-query-attention (Megatron ignores it "
+                "without, and uses one key/value head per query head): add it, or drop --num-query-groups",
+            ),
+            (
+                m.num_query_groups is None or m.num_query_groups >= 1,
+                f"--num-query-groups must be >= 1 (got {m.num_query_groups})",
+            ),
+            (
+                m.ffn_size >= 1,
+                f"--swiglu: Megatron's default MLP width int(8/3 x {m.hidden_size} / 64) x 64 is 0 at --hidden-size "
+                f"{m.hidden_size}: give --ffn-hidden-size",
+            ),
+        ]
+    )
