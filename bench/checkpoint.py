@@ -232,8 +232,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
 
     from megatron_zpp import training
     from megatron_zpp.arguments import parse_args
-    from megatron_zpp.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_zpp.checkpoint.sharded import LoadTarget
+    from megatron_zpp.checkpoint import LoadTarget, load_checkpoint, save_checkpoint
     from megatron_zpp.validation import validate
     from megatron_zpp.zero import DDPEngine
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,6 +70,11 @@ from .files import (
 from .layout import rank_layout
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..config import Config
+    from ..topology import ProcessGroups
+    from ..zero import DataParallelEngine
 
 
 def layout_of(cfg) -> dict:
@@ -384,10 +390,10 @@ class LoadTarget:
     """What a load restores into and checks against: this rank's engine (it takes the model and optimizer
     state), the config, the groups (every rank agrees), the device and the padded vocabulary."""
 
-    cfg: object
-    groups: object
+    cfg: Config
+    groups: ProcessGroups
     device: torch.device
-    dp: object  # zero.DataParallelEngine
+    dp: DataParallelEngine
     padded_vocab_size: int
 
     @property

@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import CheckpointError, load_checkpoint
-from ..checkpoint.async_save import SaveState
+from ..checkpoint import CheckpointError, LoadTarget, Restored, SaveState, load_checkpoint
 from ..checkpoint.files import locate_checkpoint, saved_iterations
 from ..checkpoint.guard import guard_save_dir
-from ..checkpoint.sharded import LoadTarget, Restored
 from ..config import Config, ConfigError
 from ..context_parallel.slices import sequence_slice
 from ..data.inputs import load_tokenizer
@@ -101,6 +99,7 @@ def setup(cfg: Config) -> Run:
     if restored:
         state.load_state_dict(restored.train_state)
         state.pending_rng_state, state.resumed_from = restored.rng_state, restored.path
+    schedule = _schedule_from_checkpoint(cfg, restored, groups.rank)
     if cfg.train.save:
         _guard_save(cfg, groups, device, restored, state.iteration)
     resume_valid_position(cfg.train, state)
@@ -130,7 +129,7 @@ def setup(cfg: Config) -> Run:
         resharded_from=restored.resharded_from if restored else None,
         exit_signal=exit_signal,
         memory_snapshots=memory_snapshots,
-        checkpoint_schedule=_schedule_from_checkpoint(cfg, restored, groups.rank),
+        checkpoint_schedule=schedule,
         started_at=started_at,
     )
     _log_setup(run, n_params)
