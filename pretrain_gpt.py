@@ -60,11 +60,11 @@ def _main(argv):
     try:
         run = training.setup(cfg)
         training.train(run, final_evaluation=True)  # then the validation and test sets, as Megatron
-        if run.stopped_by == "interrupt":  # Ctrl-C: the step finished, saved when --save; the one line said so
+        if run.state.stopped_by == "interrupt":  # Ctrl-C: the step finished, saved when --save; the one line said so
             training.shutdown()
             sys.exit(130)
         if (
-            cfg.train.generate_tokens and not run.stopped_by_signal
+            cfg.train.generate_tokens and not run.state.stopped_by_signal
         ):  # every rank decodes: TP ranks must take part in each forward
             prompt = run.tokenizer.tokenize(cfg.train.generate_prompt)
             out = training.greedy_generate(run, prompt, cfg.train.generate_tokens)

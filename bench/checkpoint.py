@@ -14,7 +14,7 @@ after one untimed round; every save goes to a fresh directory:
            all-gathered; rank 0 writes meta.json and renames the directory)
            DCP:  torch.distributed.checkpoint.save(state, checkpoint_id=dir) with its default
            FileSystemWriter (one file per rank, sync_files=True: fsync) and DefaultSavePlanner
-  load     ours: checkpoint.load_checkpoint(run, dir) (sha256 check, safetensors read, copy into
+  load     ours: checkpoint.load_checkpoint(target, dir) (sha256 check, safetensors read, copy into
            the model, optimizer.load_state_dict, RNG)
            DCP:  dcp.load(state, checkpoint_id=dir) in place into the live tensors, then
            optimizer.load_state_dict and the RNG states, as ours
@@ -108,7 +108,11 @@ def dcp_state(run, dedup: bool) -> dict:
     shared, mine = dcp_keys(run, dedup)
     return {
         shared: run.dp.state_dict(),
-        mine: {"rng": get_rng_state(), "iteration": run.iteration, "consumed_samples": run.consumed_samples},
+        mine: {
+            "rng": get_rng_state(),
+            "iteration": run.state.iteration,
+            "consumed_samples": run.state.consumed_samples,
+        },
     }
 
 
@@ -125,7 +129,10 @@ def dcp_apply(run, state: dict, dedup: bool) -> None:
     shared, mine = dcp_keys(run, dedup)
     run.dp.load_state_dict(state[shared])  # its tensors are in place: ZeRO re-derives its shards, as ours
     set_rng_state(state[mine]["rng"])
-    run.iteration, run.consumed_samples = int(state[mine]["iteration"]), int(state[mine]["consumed_samples"])
+    run.state.iteration, run.state.consumed_samples = (
+        int(state[mine]["iteration"]),
+        int(state[mine]["consumed_samples"]),
+    )
 
 
 # ------------------------------------------------------------------ timing
@@ -225,7 +232,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
 
     from megatron_zpp import training
     from megatron_zpp.arguments import parse_args
-    from megatron_zpp.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_zpp.checkpoint import LoadTarget, load_checkpoint, save_checkpoint
     from megatron_zpp.validation import validate
     from megatron_zpp.zero import DDPEngine
 
@@ -242,7 +249,7 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     ).split() + extra
     run = training.setup(validate(parse_args(argv), world))
     training.train_step(run)
-    run.iteration, run.consumed_samples = 1, 2
+    run.state.iteration, run.state.consumed_samples = 1, 2
     want = fingerprint(run)
     base = os.path.join(WORK, name)
     R = a["repeats"]
@@ -297,14 +304,15 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
 
         return load
 
-    loaders = {"ours": (last["ours"], lambda: load_checkpoint(run, last["ours"]))}
+    target, restored = LoadTarget(run.cfg, run.groups, run.device, run.dp, run.tokenizer.padded_vocab_size), {}
+    loaders = {"ours": (last["ours"], lambda: load_checkpoint(target, last["ours"]))}
     loaders.update({k: (last[k], dcp_loader(last[k], k == "dcp_dedup")) for k in savers if k != "ours"})
     if reshard_src:
         src = os.path.join(WORK, reshard_src, "ours_keep")
         out["reshard_from"] = reshard_src
         if rank == 0:
             out["bytes_reshard_src"], out["files_reshard_src"] = dir_bytes(src)
-        loaders["reshard"] = (src, lambda: load_checkpoint(run, src))
+        loaders["reshard"] = (src, lambda: restored.update(reshard=load_checkpoint(target, src)))
     loaders["limit"] = (limit_file, lambda: read_all(limit_file) if rank == 0 else None)
     if rank == 0:
         write_fsync(limit_file, nbytes[0])
@@ -323,13 +331,13 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
                 if i:
                     samples[kind].append(sample)
                 if kind == "reshard":
-                    assert run.resharded_from, "the source checkpoint was not resharded"
+                    resharded = restored.pop("reshard").resharded_from
+                    assert resharded, "the source checkpoint was not resharded"
                     # the source trained the same step on the same global batch at another layout: equal to
                     # fp32 round-off (this layout's own state is restored by the next "ours" load)
                     got = fingerprint(run)
-                    out["resharded"] = run.resharded_from
+                    out["resharded"] = resharded
                     out["reshard_max_rel_diff"] = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(got, want))
-                    run.resharded_from = None
                 elif kind != "limit":
                     check(f"{kind} load")
         for kind in loaders:

@@ -81,7 +81,7 @@ def measure(argv: list[str], world_size: int) -> dict:
     with memory.LiveBytes() as live:
         run = training.setup(cfg)
         train_step(run)
-        run.iteration = 1
+        run.state.iteration = 1
         live.reset_peak()
         train_step(run)
     g = run.groups

@@ -107,6 +107,7 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
 
     from megatron_zpp import training
     from megatron_zpp.arguments import parse_config
+    from megatron_zpp.context_parallel.slices import sequence_slice
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -115,12 +116,11 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
     g = run.groups
     chunk = run.chunks[0]
     chunk.train()
-    local = cfg.model.seq_length // g.cp.size
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length), generator=gen)
-    tokens = tokens[:, g.cp_rank * local : (g.cp_rank + 1) * local].contiguous()
+    tokens = tokens[:, sequence_slice(cfg.model.seq_length, g.cp_rank, g.cp.size)].contiguous()
     set_mode(chunk, _mode_cfg(cfg.model, "selective"))  # warm-up: lazy imports (checkpoint's), thread pools
-    _fwd_bwd(chunk, tokens, g.cp_rank * local)
+    _fwd_bwd(chunk, tokens, run.position_offset)
     rows = {}
     for mode in modes:
         set_mode(chunk, _mode_cfg(cfg.model, mode))
@@ -129,7 +129,7 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
             fh.write("5")  # VmHWM := VmRSS
         base = _status_kib("VmRSS")
         t0, c0 = time.perf_counter(), time.process_time()
-        _fwd_bwd(chunk, tokens, g.cp_rank * local, saved)
+        _fwd_bwd(chunk, tokens, run.position_offset, saved)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         peak = _status_kib("VmHWM") - base
         rows[mode] = {"saved_mib": sum(saved.values()) / 2**20, "peak_mib": peak / 1024}

@@ -144,7 +144,7 @@ def _sigint_after_step(step: int, times: int = 1):
 
     def step_then_interrupt(run, *timers):
         out = train_step(run, *timers)
-        if run.iteration == step - 1:  # the counter moves after the step returns
+        if run.state.iteration == step - 1:  # the counter moves after the step returns
             for _ in range(times):
                 os.kill(os.getpid(), signal.SIGINT)
         return out

@@ -80,11 +80,11 @@ def test_log_line_validation_resume_final_and_skip_train(tmp_path, capsys):
     evals = [(int(m[1]), m[2], float(m[3])) for m in map(VALID.search, out.splitlines()) if m]
     assert [e[:2] for e in evals] == [(2, None), (4, None), (4, " on validation set"), (4, " on test set")]
     assert [whole[1]["val_loss"], whole[3]["val_loss"]] == pytest.approx([evals[0][2], evals[1][2]], rel=1e-6)
-    assert run.consumed_valid_samples == 3 * 2  # three validation batches of 2 read so far
-    final = run.final_evaluation
-    run.consumed_valid_samples = 2  # the batch the evaluation at iteration 4 read: it was the second one
+    assert run.state.consumed_valid_samples == 3 * 2  # three validation batches of 2 read so far
+    final = run.state.final_evaluation
+    run.state.consumed_valid_samples = 2  # the batch the evaluation at iteration 4 read: it was the second one
     assert training.evaluate(run) == whole[3]["val_loss"]
-    run.consumed_valid_samples = 0
+    run.state.consumed_valid_samples = 0
     first_batch = training.evaluate(run)
     assert training.evaluate(run, "test") == final["test_loss"]  # the test set is read from its start
     assert final["val_loss"] != whole[3]["val_loss"]  # the final validation read the third batch
@@ -107,14 +107,14 @@ def test_log_line_validation_resume_final_and_skip_train(tmp_path, capsys):
     resumed_run = _setup(argv[:-4] + ["--load", str(ck), "--ckpt-step", "2"])
     resumed = training.train(resumed_run, final_evaluation=True)
     assert [h["val_loss"] for h in resumed if "val_loss" in h] == [whole[3]["val_loss"]]
-    assert resumed_run.final_evaluation == final
+    assert resumed_run.state.final_evaluation == final
 
     # --skip-train: the checkpoint's weights, no step, the validation set from its start (as Megatron)
     capsys.readouterr()
     skip_run = _setup(argv[:-4] + ["--load", str(ck), "--skip-train"])
-    assert training.train(skip_run) == [] and skip_run.iteration == 4
-    assert skip_run.final_evaluation["test_loss"] == final["test_loss"]
-    assert skip_run.final_evaluation["val_loss"] == first_batch != final["val_loss"]
+    assert training.train(skip_run) == [] and skip_run.state.iteration == 4
+    assert skip_run.state.final_evaluation["test_loss"] == final["test_loss"]
+    assert skip_run.state.final_evaluation["val_loss"] == first_batch != final["val_loss"]
     assert "| lm loss: " not in capsys.readouterr().out
 
 
@@ -224,7 +224,7 @@ def test_eval_batch_sizes_memory_line_and_level_1_barriers(capsys, monkeypatch):
     run = _setup(argv + ["--eval-micro-batch-size", "2"])
     two = training.train(run)[-1]["val_loss"]
     out = capsys.readouterr().out
-    assert run.consumed_valid_samples == 4 and barriers == ["world"] * 4  # 2 level-1 phases x 2 steps
+    assert run.state.consumed_valid_samples == 4 and barriers == ["world"] * 4  # 2 level-1 phases x 2 steps
     assert "[Rank 0] (after 1 iterations) memory (MB) | max RSS: " in out and "(after 2 iterations)" in out
     assert "times across ranks (ms):" in out and "    optimizer" in out
     # micro-batches of 1 over the same 4 samples: the same mean loss (each sample has as many tokens)

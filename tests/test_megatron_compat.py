@@ -167,7 +167,7 @@ def test_llama3_8b_fixture_every_flag_and_run(tmp_path):
     # the script runs: two steps, then --exit-interval 2 stops it after a checkpoint
     run = training.setup(cfg)
     history = training.train(run)
-    assert len(history) == 2 and run.stopped_by == "interval"
+    assert len(history) == 2 and run.state.stopped_by == "interval"
     assert os.path.isfile(tmp_path / "ckpt" / "latest")
     assert all(np.isfinite(h["loss"]) for h in history)
 
@@ -353,7 +353,7 @@ def test_exit_duration_stops_after_the_step_that_passes_it(tmp_path):
     )
     run = training.setup(parse_config(argv + ["--save", str(tmp_path / "ckpt")], 1))
     history = training.train(run)
-    assert len(history) == 1 and run.stopped_by == "duration"
+    assert len(history) == 1 and run.state.stopped_by == "duration"
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000001"
 
 

@@ -31,7 +31,7 @@ def _nan_grads_at(run, iterations: set[int]) -> None:
     if run.rank != run.cfg.parallel.world_size - 1:
         return
     p = next(run.chunks[0].parameters())
-    p.register_hook(lambda g: g * math.nan if run.iteration in iterations else g)
+    p.register_hook(lambda g: g * math.nan if run.state.iteration in iterations else g)
 
 
 def _train(rank, world, argv, nan_after):
@@ -44,7 +44,7 @@ def _train(rank, world, argv, nan_after):
     except (training.NonFiniteStepError, CheckpointError) as e:
         error = f"{type(e).__name__}: {e}"
     weights = {k: t.detach().clone() for k, t in run.dp.model_state_dict().items()}
-    return error, run.iteration, weights
+    return error, run.state.iteration, weights
 
 
 def _saved(directory, iteration, rank=0):

@@ -84,3 +84,14 @@ class SaveJob:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
+
+
+@dataclass
+class SaveState:
+    """The one part of a run the checkpoint code changes: the last checkpoint saved or loaded (where a
+    stopped run resumes), the --async-save in flight (sealed later) and, for --async-save --ckpt-format
+    torch_dist, DCP's own gloo group (dcp.writer_group)."""
+
+    last: str | None = None
+    pending: SaveJob | None = None
+    dcp_writer_group: object | None = None

@@ -187,9 +187,9 @@ def writer_group(run):
     on other groups (as torchtitan's async checkpointing does); None without a process group."""
     if not torch.distributed.is_initialized():
         return None
-    if run.dcp_writer_group is None:
-        run.dcp_writer_group = torch.distributed.new_group(backend="gloo")
-    return run.dcp_writer_group
+    if run.saves.dcp_writer_group is None:
+        run.saves.dcp_writer_group = torch.distributed.new_group(backend="gloo")
+    return run.saves.dcp_writer_group
 
 
 def saved_keys(path: str) -> dict[str, object]:

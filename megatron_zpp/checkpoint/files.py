@@ -204,6 +204,40 @@ META_FIELDS = {
 OPTIONAL_META_FIELDS = {"tracking": dict, "train_state": dict}
 
 
+def meta_train_fields(train_state: dict) -> dict:
+    """The run's train state (training/state.py's TrainState.state_dict()) as meta.json's fields:
+    "iteration", "consumed_samples", "tracking" at the top, the rest under "train_state" (the
+    validation samples when any were read; the loss scaler and skipped steps with --fp16 or after
+    a skipped step), as checkpoints have always held them."""
+    rest = {"consumed_valid_samples": train_state["consumed_valid_samples"]}
+    rest = rest if rest["consumed_valid_samples"] else {}
+    if train_state.get("loss_scaler") is not None or train_state.get("skipped_iterations"):
+        rest["loss_scaler"] = train_state.get("loss_scaler")
+        rest.update({k: train_state.get(k, 0) for k in ("skipped_iterations", "skipped_samples")})
+    return {
+        "iteration": int(train_state["iteration"]),
+        "consumed_samples": int(train_state["consumed_samples"]),
+        "tracking": dict(train_state.get("tracking") or {}),
+        **({"train_state": rest} if rest else {}),
+    }
+
+
+def train_state_of(meta: dict, with_loss_scaler: bool = True) -> dict:
+    """meta.json's fields as the train state they were saved from (meta_train_fields' inverse);
+    without `with_loss_scaler` (--no-load-optim: the scaler is the optimizer's, as Megatron's) the
+    run keeps its fresh scale."""
+    rest = meta.get("train_state") or {}
+    return {
+        "iteration": int(meta["iteration"]),
+        "consumed_samples": int(meta["consumed_samples"]),
+        "consumed_valid_samples": rest.get("consumed_valid_samples"),  # absent: derived from the iteration
+        "loss_scaler": rest.get("loss_scaler") if with_loss_scaler else None,
+        "skipped_iterations": int(rest.get("skipped_iterations", 0)),
+        "skipped_samples": int(rest.get("skipped_samples", 0)),
+        "tracking": dict(meta.get("tracking") or {}),
+    }
+
+
 META_DIGEST = "meta.json.sha256"
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,15 +59,22 @@ from .files import (
     iter_name,
     legacy_warning,
     locate_checkpoint,
+    meta_train_fields,
     nonfinite_tensors,
     rank_file,
     read_rank_file,
+    train_state_of,
     write_meta,
     write_rank_file,
 )
 from .layout import rank_layout
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state
+
+if TYPE_CHECKING:  # for the annotations only
+    from ..config import Config
+    from ..topology import ProcessGroups
+    from ..zero import DataParallelEngine
 
 
 def layout_of(cfg) -> dict:
@@ -106,8 +115,8 @@ def _rank_state(run, host: bool) -> dict:
     optimizer = state["optimizer"] if t.save_optim else {}
     return {
         "rank": run.rank,  # these three are cross-checked against meta.json on every read (files.py)
-        "iteration": run.iteration,
-        "consumed_samples": run.consumed_samples,
+        "iteration": run.state.iteration,
+        "consumed_samples": run.state.consumed_samples,
         "layout": layout_of(run.cfg),
         "model": host_snapshot(state["model"], run.device) if host else _clone(state["model"]),
         "optimizer": host_snapshot(optimizer, run.device) if host else optimizer,
@@ -175,14 +184,15 @@ def save_checkpoint(run, directory: str) -> str:
     one line, `latest` left where it was. With --async-save the files are written by a thread from
     a host copy and the save is sealed by finish_async_save (at the next save, or at exit)."""
     finish_async_save(run)  # the previous one first: every rank, in the same order
-    final, tmp = _start(directory, run.iteration)
-    problem = _os_problem(lambda: _fresh_dir(tmp), run.iteration, directory) if run.rank == 0 else None
+    final, tmp = _start(directory, run.state.iteration)
+    problem = _os_problem(lambda: _fresh_dir(tmp), run.state.iteration, directory) if run.rank == 0 else None
     _agree_saved(run, problem, directory, tmp)  # also: tmp exists before any rank writes into it
     background = run.cfg.train.async_save
     state = _rank_state(run, host=background)
+    at = meta_train_fields(run.state.state_dict())  # taken now: the run moves on while a background save writes
     job = SaveJob(
-        directory, final, tmp, run.iteration, run.consumed_samples, run.tokenizer.padded_vocab_size,
-        dict(getattr(run, "tracking", None) or {}), _train_state(run),
+        directory, final, tmp, at["iteration"], at["consumed_samples"], run.tokenizer.padded_vocab_size,
+        at["tracking"], at.get("train_state", {}),
     )  # fmt: skip
     if background:  # the check for non-finite tensors too runs behind the training, on the host copy
         if run.cfg.train.ckpt_format in DCP_FORMATS:  # DCP's collectives on a group of their own
@@ -190,7 +200,7 @@ def save_checkpoint(run, directory: str) -> str:
             job.write_in_background(lambda: _check_and_save_dcp(job, state, sd, group))
         else:
             job.write_in_background(lambda: _check_and_write(job, state))
-        run.pending_save = job
+        run.saves.pending = job
         return final
     job.bad = nonfinite_tensors(state)
     if run.cfg.train.ckpt_format in DCP_FORMATS:
@@ -224,10 +234,10 @@ def _check_and_save_dcp(job: SaveJob, state: dict, sd: dict, group) -> str:
 def finish_async_save(run) -> str | None:
     """Collective (every rank, at the same points): wait for this rank's --async-save write in flight,
     then seal that save as a synchronous one is sealed. Its iteration dir, or None when none was in flight."""
-    job = getattr(run, "pending_save", None)
+    job = run.saves.pending
     if job is None:
         return None
-    run.pending_save = None
+    run.saves.pending = None
     job.wait()
     _complete_save(run, job, run.cfg.train.ckpt_format in DCP_FORMATS)
     log(f"saved checkpoint {job.final} (written in the background, --async-save)", run.rank)
@@ -255,7 +265,7 @@ def _complete_save(run, job: SaveJob, by_dcp: bool = False) -> None:
         seal = lambda: _seal_run(run, job, files, DCP_FORMAT if by_dcp else FORMAT)  # noqa: E731
         problem = _os_problem(seal, job.iteration, job.directory)
     _agree_saved(run, problem, job.directory, job.tmp)
-    run.last_checkpoint = job.final
+    run.saves.last = job.final
 
 
 def _seal_run(run, job: SaveJob, files: dict[str, str], fmt: str = FORMAT) -> None:
@@ -289,7 +299,7 @@ def _save_dcp(run, job: SaveJob, state: dict) -> None:
         seal = lambda: _seal_run(run, job, dcp.dcp_files(job.tmp), DCP_FORMAT)  # noqa: E731
         problem = _os_problem(seal, job.iteration, job.directory)
     _agree_saved(run, problem, job.directory, job.tmp)
-    run.last_checkpoint = job.final
+    run.saves.last = job.final
 
 
 def _dcp_state(run, job: SaveJob, state: dict) -> dict:
@@ -350,31 +360,6 @@ def _refuse_nonfinite(run, job: SaveJob, flagged: list[int]) -> None:
     )
 
 
-def _train_state(run) -> dict:
-    """--fp16: the loss scaler and the skipped steps (the same on every rank), and the validation
-    samples evaluated so far (where the validation iterator continues), kept in meta.json."""
-    state = {"consumed_valid_samples": run.consumed_valid_samples} if run.consumed_valid_samples else {}
-    if run.loss_scaler is None and not run.skipped_iterations:
-        return state
-    scaler = run.loss_scaler.state_dict() if run.loss_scaler else None
-    return {
-        **state,
-        "loss_scaler": scaler,
-        "skipped_iterations": run.skipped_iterations,
-        "skipped_samples": run.skipped_samples,
-    }
-
-
-def _restore_train_state(run, meta: dict, scaler: bool = True) -> None:
-    state = meta.get("train_state") or {}
-    run.skipped_iterations = int(state.get("skipped_iterations", 0))
-    run.skipped_samples = int(state.get("skipped_samples", 0))
-    valid = state.get("consumed_valid_samples")  # absent: derived from the iteration (training/evaluation.py)
-    run.consumed_valid_samples = int(valid) if valid is not None else None
-    if scaler and run.loss_scaler is not None and state.get("loss_scaler"):
-        run.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
 def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
     """A weights-only checkpoint (iteration 0, no optimizer state, no RNG) of single-rank fp32
     `weights`, as a 1-rank plain-DP layout of `cfg`; `--load` reshards it to any layout and
@@ -401,16 +386,46 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
 
 
 # ---- load ---------------------------------------------------------------------------------
-def _check_tensors(run, path: str, meta: dict, model: dict) -> None:
+@dataclass(frozen=True)
+class LoadTarget:
+    """What a load restores into and checks against: this rank's engine (it takes the model and optimizer
+    state), the config, the groups (every rank agrees), the device and the padded vocabulary."""
+
+    cfg: Config
+    groups: ProcessGroups
+    device: torch.device
+    dp: DataParallelEngine
+    padded_vocab_size: int
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What load_checkpoint restored beyond the engine's state: the train state (training/state.py's
+    TrainState.state_dict(); {} after a finetune load: a fresh one), the RNG streams to set right before
+    the first step (None: this run's seeds), and what the run says about the load."""
+
+    path: str  # the iteration dir
+    description: str  # in words, for the log
+    train_state: dict
+    rng_state: dict | None
+    resharded_from: list[str] | None  # the layout changes a resharded load went through
+    warning: str | None  # a load that worked but is worth one line (a legacy, unverified meta.json)
+
+
+def _check_tensors(target: LoadTarget, path: str, meta: dict, model: dict) -> None:
     """A same-layout load takes the tensors as saved: their keys and shapes must be this layout's,
     and their dtype too when the checkpoint trained in this run's dtype (never silently upcast)."""
-    live = run.dp.model_state_dict()
-    fpath = f"{path}/{rank_file(run.rank)}"
+    live = target.dp.model_state_dict()
+    fpath = f"{path}/{rank_file(target.rank)}"
     if set(model) != set(live):
         missing, extra = sorted(set(live) - set(model)), sorted(set(model) - set(live))
         raise CheckpointError(f"{fpath}: tensors do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
     saved_train = meta["config"].get("train", {})
-    same_dtype = (saved_train.get("bf16"), saved_train.get("fp16")) == (run.cfg.train.bf16, run.cfg.train.fp16)
+    same_dtype = (saved_train.get("bf16"), saved_train.get("fp16")) == (target.cfg.train.bf16, target.cfg.train.fp16)
     for key, t in model.items():
         if tuple(t.shape) != tuple(live[key].shape):
             raise CheckpointError(
@@ -423,60 +438,59 @@ def _check_tensors(run, path: str, meta: dict, model: dict) -> None:
             )
 
 
-def _agree(run, error: CheckpointError | None) -> None:
+def _agree(target: LoadTarget, error: CheckpointError | None) -> None:
     """Every rank learns whether any rank could not read its part (one all-reduce every rank issues,
     before any collective of the restore), so all of them stop, each with a line, none waiting."""
-    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=run.device)
-    comm.all_reduce(flag, run.groups.world, "checkpoint_load", op=torch.distributed.ReduceOp.MAX)
+    flag = torch.tensor([int(error is not None)], dtype=torch.int32, device=target.device)
+    comm.all_reduce(flag, target.groups.world, "checkpoint_load", op=torch.distributed.ReduceOp.MAX)
     if error is not None:
         raise error
     if flag.item():
         raise CheckpointError("another rank could not load the checkpoint (its line says why)")
 
 
-def _restore(run, path: str, state: dict) -> None:
+def _restore(target: LoadTarget, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
-        run.dp.load_state_dict(
-            {"model": {k: v.to(run.device) for k, v in state["model"].items()}, "optimizer": state.get("optimizer")}
+        target.dp.load_state_dict(
+            {"model": {k: v.to(target.device) for k, v in state["model"].items()}, "optimizer": state.get("optimizer")}
         )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _read_state(run, path: str, meta: dict, weights_only: bool) -> tuple[dict, str, bool]:
+def _read_state(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> tuple[dict, str, bool]:
     """(this rank's state to restore, how it was read, whether it has AdamW state), checked; with
     `weights_only` (--no-load-optim, --finetune) the AdamW state is not read (moments) or dropped."""
-    vocab = run.tokenizer.padded_vocab_size
-    check_same_model(path, meta, run.cfg, vocab)
-    changes = layout_changes(meta, run.cfg)
+    vocab = target.padded_vocab_size
+    check_same_model(path, meta, target.cfg, vocab)
+    changes = layout_changes(meta, target.cfg)
     if changes:
         saved = SavedCheckpoint(path, meta)
         has_optimizer = saved.step is not None
         if weights_only:
             saved.step = None  # the fp32 masters only
-        dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
-        state = rank_state_for(saved, run.cfg, vocab, run.rank, dtype)
-        run.resharded_from = changes  # RNG states stay this run's fresh seeds: they belong to ranks
+        dtype = torch.float16 if target.cfg.train.fp16 else torch.bfloat16 if target.cfg.train.bf16 else torch.float32
+        state = rank_state_for(saved, target.cfg, vocab, target.rank, dtype)
         how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
         optimizer = {} if weights_only else {"state": state["optimizer_state"]}
         return {"model": state["model"], "optimizer": optimizer}, how, has_optimizer
-    state = read_rank_file(path, meta, run.rank, map_location=run.device)
-    _check_tensors(run, path, meta, state["model"])
+    state = read_rank_file(path, meta, target.rank, map_location=target.device)
+    _check_tensors(target, path, meta, state["model"])
     has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
     if weights_only:
         state["optimizer"] = {}
     return state, "same layout", has_optimizer
 
 
-def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
+def _prepare_dcp(target: LoadTarget, path: str, meta: dict, weights_only: bool):
     """A torch_dist checkpoint: checked (sha256s, every tensor's saved shape), and the buffers DCP
     will fill; returns (the collective load to run once every rank agreed, how, has AdamW state)."""
-    vocab, rank = run.tokenizer.padded_vocab_size, run.rank
-    check_same_model(path, meta, run.cfg, vocab)
+    vocab, rank = target.padded_vocab_size, target.rank
+    check_same_model(path, meta, target.cfg, vocab)
     dcp.check_files(path, meta)
     saved = dcp.saved_keys(path)
-    lay = rank_layout(run.cfg, vocab, rank)
+    lay = rank_layout(target.cfg, vocab, rank)
     for s in lay.slots:
         got = getattr(saved.get(f"model.{s.name}"), "size", None)
         if got is None or tuple(got) != tuple(s.full_shape):
@@ -486,8 +500,8 @@ def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
                 "--make-vocab-size-divisible-by x TP)"
             )
     has_optimizer = "optimizer.step" in saved
-    changes = layout_changes(meta, run.cfg)
-    dtype = torch.float16 if run.cfg.train.fp16 else torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+    changes = layout_changes(meta, target.cfg)
+    dtype = torch.float16 if target.cfg.train.fp16 else torch.bfloat16 if target.cfg.train.bf16 else torch.float32
     model = {k: torch.zeros(shape, dtype=torch.float32 if m else dtype) for k, (shape, m) in lay.tensors.items()}
     moments = None
     if has_optimizer and not weights_only:
@@ -511,7 +525,6 @@ def _prepare_dcp(run, path: str, meta: dict, weights_only: bool):
         }
 
     if changes:
-        run.resharded_from = changes
         how = f"torch_dist, resharded by DCP ({', '.join(changes)}); RNG streams start from this layout's seeds"
     else:
         how = "torch_dist, same layout"
@@ -531,48 +544,51 @@ def _what_loaded(t, finetune: bool, has_optimizer: bool, has_rng: bool) -> str:
     return what
 
 
-def load_checkpoint(run, directory: str, iteration: int | None = None, finetune: bool | None = None) -> str | None:
-    """Restore this rank's model, optimizer, RNG, iteration and consumed samples from the
-    checkpoint `directory` names (files.locate_checkpoint: an iteration dir, or the one `latest`
-    or `iteration` names in a root), saved at this layout or (resharded) at any other. Returns
-    what was restored, in words; None (and nothing changed) when there is no checkpoint.
-    Every rank reads and checks its part first; if any cannot, all raise CheckpointError.
-    --no-load-optim, --no-load-rng and --finetune (neither, and iteration 0; `finetune` overrides it:
-    --pretrained-checkpoint) skip their parts."""
-    t = run.cfg.train
+def load_checkpoint(
+    target: LoadTarget, directory: str, iteration: int | None = None, finetune: bool | None = None
+) -> Restored | None:
+    """Restore this rank's model and optimizer (into `target.dp`) from the checkpoint `directory`
+    names (files.locate_checkpoint: an iteration dir, or the one `latest` or `iteration` names in a
+    root), saved at this layout or (resharded) at any other, and return the rest of what it restored:
+    the train state (iteration, samples consumed, loss scaler, ...) and the RNG streams; None (and
+    nothing changed) when there is no checkpoint. Every rank reads and checks its part first; if any
+    cannot, all raise CheckpointError. --no-load-optim, --no-load-rng and --finetune (neither, and
+    iteration 0; `finetune` overrides it: --pretrained-checkpoint) skip their parts."""
+    t = target.cfg.train
     finetune = t.finetune if finetune is None else finetune
     found, error = None, None
     try:
         found = locate_checkpoint(directory, iteration)
         if found:
             read = _prepare_dcp if found[1]["format"] == DCP_FORMAT else _read_state
-            state, how, has_optimizer = read(run, *found, weights_only=finetune or not t.load_optim)
+            state, how, has_optimizer = read(target, *found, weights_only=finetune or not t.load_optim)
     except CheckpointError as e:
         error = e
-    _agree(run, error)
+    _agree(target, error)
     if found is None:
         return None
     path, meta = found
     if callable(state):  # torch_dist: DCP's collective read, every rank having checked its part
         state = state()
-    _restore(run, path, state)
+    _restore(target, path, state)
     rng = state.get("rng") or None
-    # set just before the first step (training/step.py), so that nothing the set-up draws after this
-    # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
-    run.pending_rng_state = rng if t.load_rng and not finetune else None
-    run.last_checkpoint = path
-    run.load_warning = legacy_warning(meta)  # a checkpoint saved before meta.json.sha256: loaded, unverified
-    if not finetune:  # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale
-        run.iteration, run.consumed_samples = int(meta["iteration"]), int(meta["consumed_samples"])
-        run.tracking = dict(meta.get("tracking", {}))  # the W&B run to continue
-        _restore_train_state(run, meta, scaler=t.load_optim)  # the loss scaler is the optimizer's, as Megatron's
+    # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale; the loss scaler
+    # is the optimizer's (--no-load-optim: a fresh one)
+    train_state = {} if finetune else train_state_of(meta, with_loss_scaler=t.load_optim)
     what = _what_loaded(t, finetune, has_optimizer, rng is not None)
     if t.override_ckpt_iteration is not None:  # Megatron's: the data replays from that iteration on
-        run.iteration, run.skipped_samples = t.override_ckpt_iteration, 0
-        run.consumed_samples = t.override_ckpt_iteration * t.global_batch_size
-        what += f"; --override-ckpt-iteration {run.iteration}: {run.consumed_samples} samples consumed"
-    batch = run.cfg.train.global_batch_at(run.consumed_samples)  # a ramp-up resumes at its batch size
-    return (
-        f"{path}: iteration {run.iteration}, {run.consumed_samples} samples consumed (next global batch {batch}); "
-        f"{how}; {what}"
+        at = t.override_ckpt_iteration
+        train_state.update(iteration=at, skipped_samples=0, consumed_samples=at * t.global_batch_size)
+        what += f"; --override-ckpt-iteration {at}: {train_state['consumed_samples']} samples consumed"
+    at, consumed = train_state.get("iteration", 0), train_state.get("consumed_samples", 0)
+    batch = t.global_batch_at(consumed)  # a ramp-up resumes at its batch size
+    return Restored(
+        path,
+        f"{path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {how}; {what}",
+        train_state,
+        # set just before the first step (training/step.py), so that nothing the set-up draws after this
+        # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
+        rng if t.load_rng and not finetune else None,
+        layout_changes(meta, target.cfg) or None,  # resharded: RNG states stay this run's fresh seeds
+        legacy_warning(meta),  # a checkpoint saved before meta.json.sha256: loaded, unverified
     )

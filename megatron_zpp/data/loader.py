@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..context_parallel.slices import sequence_slice
 from ..model.documents import Documents
 from .documents import build_documents, eod_loss_mask
 
@@ -82,15 +83,13 @@ def make_batch(
 ) -> dict[str, torch.Tensor | None]:
     data = torch.from_numpy(np.stack(samples).astype(np.int64))
     tokens, labels = data[:, :-1], data[:, 1:]
-    T = tokens.shape[1] // cp_size
-    sl = slice(cp_rank * T, (cp_rank + 1) * T)
+    sl = sequence_slice(tokens.shape[1], cp_rank, cp_size)
     batch = {
         "tokens": tokens[:, sl].contiguous().to(device) if keep_tokens else None,
         "labels": labels[:, sl].contiguous().to(device) if keep_labels else None,
-        "position_offset": cp_rank * T,
     }
     if packing is not None:
-        batch.update(packed_fields(tokens.to(device), packing, cp_rank * T, T, keep_labels))
+        batch.update(packed_fields(tokens.to(device), packing, sl.start, sl.stop - sl.start, keep_labels))
     return batch
 
 
@@ -242,7 +241,7 @@ class BatchIterator:
             if self.consumed + (self.delivered + 1) * self.mbs * g.dp.size > len(self.dataset):
                 raise StopIteration
             self.delivered += 1
-            return {"tokens": None, "labels": None, "position_offset": 0}
+            return {"tokens": None, "labels": None}
         start = time.perf_counter()
         if self._source is None:
             self._source = self._start()

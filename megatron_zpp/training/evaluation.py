@@ -2,9 +2,9 @@
 steps (from --start-eval-at-iter) on the validation set, and after training once more on the
 validation set and once on the test set (the third number of --split; mock data has its own).
 
-The validation iterator continues from one evaluation to the next (run.consumed_valid_samples, kept in
-checkpoints: a resumed run evaluates the samples the uninterrupted one would); the test set is read
-from its first sample. Each evaluation prints Megatron's block (loss and perplexity) and writes
+The validation iterator continues from one evaluation to the next (TrainState.consumed_valid_samples,
+kept in checkpoints: a resumed run evaluates the samples the uninterrupted one would); the test set
+is read from its first sample. Each evaluation prints Megatron's block (loss and perplexity) and writes
 tensorboard's "lm loss validation" (with --log-validation-ppl-to-tensorboard its perplexity)."""
 
 from __future__ import annotations
@@ -53,39 +53,38 @@ def valid_samples_needed(t, consumed_valid: int = 0, iteration: int = 0) -> int:
     return max(fresh, consumed_valid + rest * per_round)
 
 
-def resume_valid_position(run) -> None:
-    """Where the validation iterator stands: the checkpoint's count, else (a fresh run, or a checkpoint
-    saved before it was kept) the evaluations up to the iteration, as Megatron derives it; with
-    --skip-train the first sample, as Megatron's."""
-    if run.cfg.train.skip_train:
-        run.consumed_valid_samples = 0
-    elif run.consumed_valid_samples is None:
-        t = run.cfg.train
-        run.consumed_valid_samples = evaluations_done(t, run.iteration) * t.eval_iters * eval_batch(t)
+def resume_valid_position(t, state) -> None:
+    """Where the validation iterator stands (in the TrainState `state`): the checkpoint's count, else
+    (a fresh run, or a checkpoint saved before it was kept) the evaluations up to the iteration, as
+    Megatron derives it; with --skip-train the first sample, as Megatron's."""
+    if t.skip_train:
+        state.consumed_valid_samples = 0
+    elif state.consumed_valid_samples is None:
+        state.consumed_valid_samples = evaluations_done(t, state.iteration) * t.eval_iters * eval_batch(t)
 
 
 @torch.no_grad()
 def evaluate(run, which: str = "valid") -> float | None:
     """Mean loss over --eval-iters global batches of the validation set (where the last evaluation
     stopped) or of the test set (from its start); None without that set."""
-    from .step import position_offset, report_loss  # step imports nothing of this module
+    from .step import report_loss  # step imports nothing of this module
 
     make = getattr(run.valid_data, which, None) if run.valid_data is not None else None
     if make is None or not run.cfg.train.eval_iters:
         return None
     t = run.cfg.train
     iters, micro_batches = t.eval_iters, eval_batch(t) // (eval_micro_batch(t) * run.cfg.parallel.data_parallel_size)
-    data = make(run.consumed_valid_samples if which == "valid" else 0)
+    data = make(run.state.consumed_valid_samples if which == "valid" else 0)
     for chunk in run.chunks:
         chunk.eval()
     losses = []
     for _ in range(iters):
-        losses += run_schedule(run.chunks, data, micro_batches, run.link, position_offset(run), forward_only=True)
+        losses += run_schedule(run.chunks, data, micro_batches, run.link, run.position_offset, forward_only=True)
     data.close()  # its loader threads
     for chunk in run.chunks:
         chunk.train()
     if which == "valid":
-        run.consumed_valid_samples += iters * eval_batch(t)
+        run.state.consumed_valid_samples += iters * eval_batch(t)
     return report_loss(run, losses)
 
 
@@ -102,6 +101,6 @@ def evaluate_and_print(run, sink, which: str, prefix: str) -> dict:
     key = "lm loss validation" if which == "valid" else "lm loss test"
     g = run.cfg.log
     scalars = {key: loss, **({f"{key} ppl": ppl} if g.log_validation_ppl_to_tensorboard else {})}
-    sink.tensorboard(scalars, run.iteration, run.consumed_samples)
+    sink.tensorboard(scalars, run.state.iteration, run.state.consumed_samples)
     name = "val" if which == "valid" else "test"
     return {f"{name}_loss": loss, f"{name}_ppl": ppl}

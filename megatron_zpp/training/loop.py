@@ -121,14 +121,15 @@ class LogInterval:
 def _log_line(run: Run, m: dict, interval: LogInterval, throughput: Throughput, eta: float) -> None:
     """Megatron's log line (its fields and names) for the interval ending at this step, then ours:
     tokens/s, TFLOP/s per rank, MFU and its peak, data wait, memory, ETA (at the mean step time)."""
-    t = run.cfg.train
+    t, state = run.cfg.train, run.state
     per_it = interval.seconds / max(1, interval.iterations)
     mfu = f"{100 * m['mfu']:.1f}% of {throughput.peak_desc}" if m["mfu"] is not None else "n/a"
     extra = f" num zeros: {m['num_zeros']} |" if "num_zeros" in m else ""
     extra += f" params norm: {m['params_norm']:.3f} |" if "params_norm" in m else ""
-    skipped = f" skipped samples: {run.skipped_samples:12d} |" if run.skipped_samples else ""
+    skipped = f" skipped samples: {state.skipped_samples:12d} |" if state.skipped_samples else ""
     log(
-        f"iteration {run.iteration:8d}/{t.train_iters:8d} | consumed samples: {run.consumed_samples:12d} |{skipped} "
+        f"iteration {state.iteration:8d}/{t.train_iters:8d} | "
+        f"consumed samples: {state.consumed_samples:12d} |{skipped} "
         f"elapsed time per iteration (ms): {1e3 * per_it:.1f} | learning rate: {m['next_lr']:.6E} | "
         f"global batch size: {m['global_batch_size']:5d} | lm loss: {interval.lm_loss:.6E} | "
         f"loss scale: {m.get('loss_scale', 1.0):.1f} | grad norm: {m['grad_norm']:.3f} |{extra} "
@@ -140,35 +141,36 @@ def _log_line(run: Run, m: dict, interval: LogInterval, throughput: Throughput, 
 
 
 def _timed_step(run: Run, throughput: Throughput, timers: Timers) -> dict:
-    batch = run.cfg.train.global_batch_at(run.consumed_samples)  # what train_step takes
+    state = run.state
+    batch = run.cfg.train.global_batch_at(state.consumed_samples)  # what train_step takes
     waited = run.train_data.wait_seconds
     start = time.perf_counter()
     loss, grad_norm, lr = train_step(run, timers)
     elapsed = time.perf_counter() - start
     waited = run.train_data.wait_seconds - waited
     timers.add("batch-generator", waited)
-    run.iteration += 1
-    run.consumed_samples += batch
+    state.iteration += 1
+    state.consumed_samples += batch
     comm.LEDGER.step()
     scaling = {}
-    if run.loss_scaler is not None:
-        scaling = {"loss_scale": run.loss_scaler.scale, "skipped_iterations": run.skipped_iterations}
-        if run.last_step_skipped:
+    if state.loss_scaler is not None:
+        scaling = {"loss_scale": state.loss_scaler.scale, "skipped_iterations": state.skipped_iterations}
+        if state.last_step_skipped:
             log(
-                f"iteration {run.iteration}: gradients overflowed in fp16, step skipped; loss scale now "
-                f"{run.loss_scaler.scale:g} ({run.skipped_iterations} skipped so far)",
+                f"iteration {state.iteration}: gradients overflowed in fp16, step skipped; loss scale now "
+                f"{state.loss_scaler.scale:g} ({state.skipped_iterations} skipped so far)",
                 run.rank,
             )
     return {
         **scaling,
-        "iteration": run.iteration,
+        "iteration": state.iteration,
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": lr,
         **throughput.metrics(elapsed, batch),
         "global_batch_size": batch,
         "data_wait_time": waited,  # seconds this step blocked on its micro-batches
-        "consumed_samples": run.consumed_samples,
+        "consumed_samples": state.consumed_samples,
         "memory_gib": memory_gib(run.device),
         "next_lr": _next_lr(run),
         **_norms(run),
@@ -177,7 +179,7 @@ def _timed_step(run: Run, throughput: Throughput, timers: Timers) -> dict:
 
 def _next_lr(run: Run) -> float:
     """The learning rate of the next step: what Megatron logs (its scheduler has stepped by then)."""
-    return rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule).lr
+    return rates_at(run.cfg, run.state.consumed_samples - run.state.skipped_samples, run.checkpoint_schedule).lr
 
 
 def _norms(run: Run) -> dict:
@@ -199,11 +201,11 @@ def _norms(run: Run) -> dict:
 def _tensorboard(run: Run, sink: MetricsSink, m: dict) -> None:
     """Megatron-LM's tensorboard scalars of a step (every --tensorboard-log-interval steps), beside ours."""
     g = run.cfg.log
-    if run.iteration % g.tensorboard_log_interval:
+    if run.state.iteration % g.tensorboard_log_interval:
         return
     scalars = {"learning-rate": m["next_lr"], "batch-size": m["global_batch_size"], "lm loss": m["loss"]}
-    if run.skipped_samples:
-        scalars["skipped-train-samples"] = run.skipped_samples
+    if run.state.skipped_samples:
+        scalars["skipped-train-samples"] = run.state.skipped_samples
     if g.log_loss_scale_to_tensorboard:
         scalars["loss-scale"] = m.get("loss_scale", 1.0)
     if g.log_world_size_to_tensorboard:
@@ -212,9 +214,9 @@ def _tensorboard(run: Run, sink: MetricsSink, m: dict) -> None:
     for ours, theirs in (("num_zeros", "num-zeros"), ("params_norm", "params-norm")):
         if ours in m:
             scalars[theirs] = m[ours]
-    sink.tensorboard(scalars, run.iteration, run.consumed_samples)
+    sink.tensorboard(scalars, run.state.iteration, run.state.consumed_samples)
     if g.log_memory_to_tensorboard:
-        sink.tensorboard(memory_stats(run.device), run.iteration, run.consumed_samples)
+        sink.tensorboard(memory_stats(run.device), run.state.iteration, run.state.consumed_samples)
 
 
 def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterval, m: dict, reset: bool) -> None:
@@ -228,20 +230,20 @@ def _log_timers(run: Run, sink: MetricsSink, timers: Timers, interval: LogInterv
         per_it = interval.seconds / max(1, interval.iterations)
         scalars = {"iteration-time": per_it, "throughput": m["tflops_per_rank"]}
         scalars.update({f"{name}-time": max(v) for name, v in times.items()})
-        sink.tensorboard(scalars, run.iteration, run.consumed_samples)
+        sink.tensorboard(scalars, run.state.iteration, run.state.consumed_samples)
 
 
 def _report_memory(run: Run) -> None:
     """--log-memory-interval: this rank's memory, on the first data-parallel rank of each model replica."""
     if run.groups.dp_rank == 0:
         stats = memory_report(run.device, run.cfg.log.log_device_memory_used)
-        print(f"[Rank {run.rank}] (after {run.iteration} iterations) memory (MB) | {stats}", flush=True)
+        print(f"[Rank {run.rank}] (after {run.state.iteration} iterations) memory (MB) | {stats}", flush=True)
 
 
 def _save_due(run: Run) -> bool:
     t = run.cfg.train
     return bool(t.save) and (
-        run.iteration == t.train_iters or (t.save_interval and run.iteration % t.save_interval == 0)
+        run.state.iteration == t.train_iters or (t.save_interval and run.state.iteration % t.save_interval == 0)
     )
 
 
@@ -253,12 +255,12 @@ def _metrics_sink(run: Run) -> MetricsSink:
         cfg.log,
         dataclasses.asdict(cfg),
         enabled=run.rank == 0,
-        start_iteration=run.iteration,
+        start_iteration=run.state.iteration,
         save_dir=cfg.train.save,
-        wandb_run_id=run.tracking.get("wandb_run_id"),
+        wandb_run_id=run.state.tracking.get("wandb_run_id"),
     )
     if sink.wandb_run_id:
-        run.tracking["wandb_run_id"] = sink.wandb_run_id
+        run.state.tracking["wandb_run_id"] = sink.wandb_run_id
     return sink
 
 
@@ -278,11 +280,10 @@ def _stop_early(run: Run, why: str, saved: str | None) -> None:
         cause = f"--exit-duration-in-mins {t.exit_duration_in_mins:g} passed"
     after = f"saved {saved}; resume with --load {t.save}" if saved else "not saved (no --save)"
     if why == "interrupt":  # every rank says it stopped: one line each, and no traceback
-        print(f"rank {run.rank}: {cause}: stopped after iteration {run.iteration}, {after}", flush=True)
+        print(f"rank {run.rank}: {cause}: stopped after iteration {run.state.iteration}, {after}", flush=True)
     else:
-        log(f"{cause}: stopped after iteration {run.iteration}, {after}", run.rank)
-    run.stopped_by_signal = why == "signal"
-    run.stopped_by = why
+        log(f"{cause}: stopped after iteration {run.state.iteration}, {after}", run.rank)
+    run.state.stopped_by = why
 
 
 def train(run: Run, final_evaluation: bool = False) -> list[dict]:
@@ -292,17 +293,17 @@ def train(run: Run, final_evaluation: bool = False) -> list[dict]:
     cfg, t = run.cfg, run.cfg.train
     sink = _metrics_sink(run)
     history = []
-    run.stopped_by = None
+    run.state.stopped_by = None
     stop = run.exit_signal.install()  # again after a previous train() closed it
     if t.skip_train:
-        log(f"skipping training (--skip-train): evaluating the weights of iteration {run.iteration}", run.rank)
+        log(f"skipping training (--skip-train): evaluating the weights of iteration {run.state.iteration}", run.rank)
     else:
         history = _steps(run, sink, stop)
     run.train_data.close()  # its loader threads; a later train() restarts them where the data stands
     if cfg.log.comm_report:  # of the training steps: before the final evaluation's traffic
         comm.write_report(cfg.log.comm_report, cfg.parallel.world_size, run.rank)
         log(f"communication report written to {cfg.log.comm_report}", run.rank)
-    if (final_evaluation or t.skip_train) and not run.stopped_by:
+    if (final_evaluation or t.skip_train) and not run.state.stopped_by:
         _final_evaluation(run, sink)
     stop.close()
     sink.close()
@@ -310,49 +311,54 @@ def train(run: Run, final_evaluation: bool = False) -> list[dict]:
 
 
 def _steps(run: Run, sink: MetricsSink, stop) -> list[dict]:
-    cfg, rank, t = run.cfg, run.rank, run.cfg.train
+    cfg, rank, t, state = run.cfg, run.rank, run.cfg.train, run.state
     throughput = Throughput.of(run)
     barrier = run.groups.world if cfg.log.barrier_with_l1_time else None
     timers = Timers(cfg.log.timing_log_level, cfg.log.timing_log_option, run.device, barrier)
     history = []
     comm.LEDGER.reset()
-    profiler = StepProfiler(cfg, rank, run.device, run.iteration)
+    profiler = StepProfiler(cfg, rank, run.device, state.iteration)
     if t.manual_gc:  # Megatron's --manual-gc: collect at chosen steps only, alike on every rank
         gc.disable()
         gc.collect()
     interval, clock = LogInterval(), StepClock()
-    while run.iteration < t.train_iters:
-        profiler.before_step(run.iteration + 1)
+    while state.iteration < t.train_iters:
+        profiler.before_step(state.iteration + 1)
         metrics = _timed_step(run, throughput, timers)
-        profiler.after_step(run.iteration)
-        if t.manual_gc and t.manual_gc_interval and run.iteration % t.manual_gc_interval == 0:
+        profiler.after_step(state.iteration)
+        if t.manual_gc and t.manual_gc_interval and state.iteration % t.manual_gc_interval == 0:
             gc.collect()
-        interval.add(metrics, run.last_step_skipped)
+        interval.add(metrics, state.last_step_skipped)
         clock.add(metrics["step_time"])
         _tensorboard(run, sink, metrics)
-        due = run.iteration % cfg.log.log_interval == 0 or run.iteration == t.train_iters
+        due = state.iteration % cfg.log.log_interval == 0 or state.iteration == t.train_iters
         first = clock.count == 1 and not due  # this run's first step, logged as Megatron does; the interval goes on
         if due or first:
             metrics.update(lm_loss=interval.lm_loss, advanced_iterations=interval.advanced)
             metrics.update(nan_iterations=interval.nan)
-            _log_line(run, metrics, interval, throughput, clock.eta(t.train_iters - run.iteration))
+            _log_line(run, metrics, interval, throughput, clock.eta(t.train_iters - state.iteration))
             _log_timers(run, sink, timers, interval, metrics, reset=due)
             run.memory_snapshots.dump()
             interval = LogInterval() if due else interval
-        if cfg.log.log_memory_interval and run.iteration % cfg.log.log_memory_interval == 0:
+        if cfg.log.log_memory_interval and state.iteration % cfg.log.log_memory_interval == 0:
             _report_memory(run)
-        if eval_due(t, run.iteration):
-            metrics.update(evaluate_and_print(run, sink, "valid", f"iteration {run.iteration}"))
-        if run.resumed_from:  # the first step after a --load says so (tools/plot_metrics.py marks it)
-            metrics["resumed_from"], run.resumed_from = run.resumed_from, None
+        if eval_due(t, state.iteration):
+            metrics.update(evaluate_and_print(run, sink, "valid", f"iteration {state.iteration}"))
+        if state.resumed_from:  # the first step after a --load says so (tools/plot_metrics.py marks it)
+            metrics["resumed_from"], state.resumed_from = state.resumed_from, None
         history.append(metrics)
-        sink.write(metrics, run.iteration)
+        sink.write(metrics, state.iteration)
         saved = save_checkpoint(run, t.save) if _save_due(run) else None
         if saved:
             how = " (writing in the background: sealed at the next save or at exit)" if t.async_save else ""
             log(f"{'saving' if t.async_save else 'saved'} checkpoint {saved}{how}", rank)
-        why = stop.anywhere(run.groups, run.stop_request)
-        if why is None and t.exit_interval and run.iteration % t.exit_interval == 0 and run.iteration < t.train_iters:
+        why = stop.anywhere(run.groups, state.stop_request)
+        if (
+            why is None
+            and t.exit_interval
+            and state.iteration % t.exit_interval == 0
+            and state.iteration < t.train_iters
+        ):
             why = "interval"
         if why:
             _stop_early(run, why, saved)
@@ -370,7 +376,7 @@ def _final_evaluation(run: Run, sink: MetricsSink) -> dict:
     metrics file keeps one record per step); {"val_loss", "val_ppl", "test_loss", "test_ppl"}."""
     out = {}
     for which, where in (("valid", "validation"), ("test", "test")):
-        out.update(evaluate_and_print(run, sink, which, f"iteration {run.iteration} on {where} set"))
-    run.final_evaluation = out
-    sink.wandb_log({f"final_{k}": v for k, v in out.items()}, run.iteration)
+        out.update(evaluate_and_print(run, sink, which, f"iteration {run.state.iteration} on {where} set"))
+    run.state.final_evaluation = out
+    sink.wandb_log({f"final_{k}": v for k, v in out.items()}, run.state.iteration)
     return out

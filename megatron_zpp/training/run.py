@@ -3,8 +3,10 @@
     cfg -> distributed init -> groups -> tokenizer -> model (init from the single-rank
     weights) -> data-parallel engine -> checkpoint (--load) -> data iterators
 
-With --load, setup restores the checkpoint (model, optimizer, RNG, iteration, data
-position) before the data iterator is built, so the data continues where it stopped."""
+With --load, setup restores the checkpoint (model and optimizer into the engine; the RNG
+streams, iteration and data position into a TrainState) before the data iterator is built,
+so the data continues where it stopped; the Run is built last, complete, and not changed
+after (the loop changes its TrainState)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint import CheckpointError, load_checkpoint
+from ..checkpoint import CheckpointError, LoadTarget, Restored, SaveState, load_checkpoint
 from ..checkpoint.files import locate_checkpoint, saved_iterations
 from ..checkpoint.guard import guard_save_dir
 from ..config import Config, ConfigError
+from ..context_parallel.slices import sequence_slice
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
 from ..logging_utils import log, set_logging_level
@@ -38,10 +41,14 @@ from .determinism import apply_deterministic_mode
 from .distributed import ExitSignal, init_distributed
 from .evaluation import resume_valid_position
 from .profiling import MemorySnapshots, check_device
+from .state import TrainState
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
+    """Built once, complete, after the checkpoint restore. What changes as the run trains lives in
+    `state` (the loop's counters, saved in checkpoints) and `saves` (the checkpoint code's own)."""
+
     cfg: Config
     groups: ProcessGroups
     device: torch.device
@@ -52,33 +59,15 @@ class Run:
     dp: DataParallelEngine  # gradient reduction, clipping, the optimizer step, their state
     train_data: BatchIterator
     valid_data: object
-    iteration: int = 0
-    consumed_samples: int = 0
+    state: TrainState  # iteration, consumed samples, loss scaler, ...: what the loop changes
+    saves: SaveState = field(default_factory=SaveState)  # the last checkpoint, an --async-save in flight
+    position_offset: int = 0  # position of this CP rank's first token (its slice is contiguous)
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
-    load_warning: str | None = None  # a --load that worked but is worth one line (a legacy, unverified meta.json)
-    stopped_by_signal: bool = False  # --exit-signal-handler: the signal ended train() early
     exit_signal: ExitSignal | None = None  # installed at set-up, so a signal while loading is kept
     memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
-    tracking: dict = field(default_factory=dict)  # run metadata kept in checkpoints: {"wandb_run_id": ...}
-    # --fp16: the loss scaler; steps skipped on overflow (they do not advance the LR schedule)
-    loss_scaler: LossScaler | None = None
-    skipped_iterations: int = 0
-    skipped_samples: int = 0
-    checkpoint_schedule: tuple | None = (
-        None  # --use-checkpoint-opt_param-scheduler: optim.schedules.checkpoint_schedule
-    )
-    last_step_skipped: bool = False
-    consecutive_skips: int = 0  # --fp16: overflowing steps in a row (more than --max-skipped-steps stops the run)
-    pending_rng_state: dict | None = None  # a same-layout --load's RNG streams, set right before the first step
-    last_checkpoint: str | None = None  # the iteration dir last saved or loaded: where a stopped run resumes
-    pending_save: object | None = None  # an --async-save in flight (checkpoint/async_save.SaveJob), sealed later
-    dcp_writer_group: object | None = None  # --async-save --ckpt-format torch_dist: DCP's own gloo group
-    stopped_by: str | None = None  # why train() stopped before --train-iters (signal, interrupt, interval, duration)
-    stop_request: tuple = (0, 0, 0)  # the last step's agreed stop lanes (ExitSignal.lanes)
-    resumed_from: str | None = None  # the checkpoint --load restored, until the first step's record names it
+    # --use-checkpoint-opt_param-scheduler: optim.schedules.checkpoint_schedule
+    checkpoint_schedule: tuple | None = None
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
-    consumed_valid_samples: int | None = None  # where the validation iterator continues (None: not known yet)
-    final_evaluation: dict = field(default_factory=dict)  # train(final_evaluation=True): val/test loss and ppl
 
 
 def setup(cfg: Config) -> Run:
@@ -101,6 +90,28 @@ def setup(cfg: Config) -> Run:
     seed_parallel_rng(cfg.train.seed, groups.tp_rank, groups.pp_rank, groups.cp_rank, device)
     chunks, init = build_model(cfg, groups, tokenizer.padded_vocab_size, device)  # on meta: the engine fills them
     n_params = sum(count_parameters(c, groups.tp.size) for c in chunks)
+    link = build_stage_link(cfg, groups, device)
+    dp = build_engine(cfg, chunks, groups, init)
+    state = TrainState(loss_scaler=LossScaler.from_config(cfg.train))
+    restored = None
+    if cfg.train.load or cfg.train.pretrained_checkpoint:  # model, optimizer, RNG, position
+        restored = _load(LoadTarget(cfg, groups, device, dp, tokenizer.padded_vocab_size))
+    if restored:
+        state.load_state_dict(restored.train_state)
+        state.pending_rng_state, state.resumed_from = restored.rng_state, restored.path
+    schedule = _schedule_from_checkpoint(cfg, restored, groups.rank)
+    if cfg.train.save:
+        _guard_save(cfg, groups, device, restored, state.iteration)
+    resume_valid_position(cfg.train, state)
+    train_data, valid_data = build_data(
+        cfg,
+        groups,
+        tokenizer,
+        device,
+        consumed=state.consumed_samples,
+        iteration=state.iteration,
+        consumed_valid=state.consumed_valid_samples,
+    )
     run = Run(
         cfg,
         groups,
@@ -108,28 +119,18 @@ def setup(cfg: Config) -> Run:
         groups.rank,
         tokenizer,
         chunks,
-        build_stage_link(cfg, groups, device),
-        build_engine(cfg, chunks, groups, init),
-        None,
-        None,
+        link,
+        dp,
+        train_data,
+        valid_data,
+        state,
+        SaveState(last=restored.path if restored else None),
+        position_offset=sequence_slice(cfg.model.seq_length, groups.cp_rank, groups.cp.size).start,
+        resharded_from=restored.resharded_from if restored else None,
         exit_signal=exit_signal,
         memory_snapshots=memory_snapshots,
-        loss_scaler=LossScaler.from_config(cfg.train),
+        checkpoint_schedule=schedule,
         started_at=started_at,
-    )
-    if cfg.train.load or cfg.train.pretrained_checkpoint:  # model, optimizer, RNG, position
-        _load(run)
-    if cfg.train.save:
-        _guard_save(run)
-    resume_valid_position(run)
-    run.train_data, run.valid_data = build_data(
-        cfg,
-        groups,
-        tokenizer,
-        device,
-        consumed=run.consumed_samples,
-        iteration=run.iteration,
-        consumed_valid=run.consumed_valid_samples,
     )
     _log_setup(run, n_params)
     if deterministic:
@@ -141,25 +142,23 @@ def _same_dir(a: str | None, b: str | None) -> bool:
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def _load(run: Run) -> None:
+def _load(target: LoadTarget) -> Restored | None:
     """--load: a checkpoint, or nothing only where --load is --save (the first start of a requeued job)."""
-    t = run.cfg.train
-    restored = load_checkpoint(run, t.load, t.ckpt_step) if t.load else None
+    t, rank = target.cfg.train, target.rank
+    restored = load_checkpoint(target, t.load, t.ckpt_step) if t.load else None
     if not restored and t.pretrained_checkpoint:  # Megatron's: finetune from it while --load holds nothing
-        restored = load_checkpoint(run, t.pretrained_checkpoint, finetune=True)
+        restored = load_checkpoint(target, t.pretrained_checkpoint, finetune=True)
         if not restored:
             raise CheckpointError(
                 f"--pretrained-checkpoint {t.pretrained_checkpoint}: holds no checkpoint (no 'latest', no meta.json)"
             )
-        log(f"--load {t.load} holds no checkpoint: finetuning from --pretrained-checkpoint", run.rank)
+        log(f"--load {t.load} holds no checkpoint: finetuning from --pretrained-checkpoint", rank)
     if restored:
-        if run.load_warning:
-            log(f"warning: {run.load_warning}", run.rank)
-        log(f"loaded {restored}", run.rank)
-        run.resumed_from = run.last_checkpoint
-        _schedule_from_checkpoint(run)
+        if restored.warning:
+            log(f"warning: {restored.warning}", rank)
+        log(f"loaded {restored.description}", rank)
     elif _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
-        log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", run.rank)
+        log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", rank)
     else:
         what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
         why = " (--exit-on-missing-checkpoint)" if t.exit_on_missing_checkpoint else ""
@@ -167,33 +166,35 @@ def _load(run: Run) -> None:
             f"--load {t.load}: {what}{why}; give a checkpoint root or an iteration directory in it, "
             "or drop --load to start from scratch"
         )
+    return restored
 
 
-def _schedule_from_checkpoint(run: Run) -> None:
+def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int) -> tuple | None:
     """--use-checkpoint-opt_param-scheduler: the loaded checkpoint's schedule, logged (Megatron's values)."""
-    if not run.cfg.optim.use_checkpoint_opt_param_scheduler:
-        return
-    _, meta = locate_checkpoint(run.last_checkpoint)
-    run.checkpoint_schedule = o, s = checkpoint_schedule(run.cfg, meta["config"])
+    if restored is None or not cfg.optim.use_checkpoint_opt_param_scheduler:
+        return None
+    _, meta = locate_checkpoint(restored.path)
+    o, s = schedule = checkpoint_schedule(cfg, meta["config"])
     log(
         f"schedule from the checkpoint (--use-checkpoint-opt_param-scheduler): lr {o.lr:g} to {o.min_lr:g}, "
         f"{o.lr_decay_style}, warmup {s.warmup:g} and decay {s.decay:g} samples, weight decay "
         f"{o.weight_decay_incr_style} {o.weight_decay_span()[0]:g} to {o.weight_decay_span()[1]:g} over {s.wd_incr:g}",
-        run.rank,
+        rank,
     )
+    return schedule
 
 
-def _guard_save(run: Run) -> None:
+def _guard_save(cfg: Config, groups: ProcessGroups, device, restored: Restored | None, iteration: int) -> None:
     """--save: this run's lock, and no overwriting a directory it did not load from (checkpoint/guard.py)."""
-    t = run.cfg.train
-    loaded_root = os.path.dirname(run.last_checkpoint) if run.last_checkpoint else None
-    guard_save_dir(t.save, loaded_root, t.override_checkpoint, run.rank, run.groups, run.device)
+    t = cfg.train
+    loaded_root = os.path.dirname(restored.path) if restored else None
+    guard_save_dir(t.save, loaded_root, t.override_checkpoint, groups.rank, groups, device)
     have = saved_iterations(t.save)
     if have and t.override_checkpoint and not _same_dir(loaded_root, t.save):
         log(
             f"--override-checkpoint: {os.path.abspath(t.save)} holds checkpoints up to iteration {have[-1]}; "
-            f"this run saves over them from iteration {run.iteration + 1} on and moves 'latest' to its own",
-            run.rank,
+            f"this run saves over them from iteration {iteration + 1} on and moves 'latest' to its own",
+            groups.rank,
         )
 
 

@@ -28,26 +28,22 @@ def report_loss(run, losses: list[torch.Tensor]) -> float:
     return loss.item() / g.dp_cp.size
 
 
-def position_offset(run) -> int:
-    """Position of this CP rank's first token in the sequence (its slice is contiguous)."""
-    return run.groups.cp_rank * (run.cfg.model.seq_length // run.groups.cp.size)
-
-
 def train_step(run, timers=None) -> tuple[float, float, float]:
-    """One optimizer step over the global batch due after `run.consumed_samples` (it grows
+    """One optimizer step over the global batch due after `run.state.consumed_samples` (it grows
     during a ramp-up). Returns (mean loss over the global batch, grad norm, lr).
 
     --fp16: the backward starts from the loss times the scaler's scale; a step whose gradients
-    overflow is skipped (run.last_step_skipped, counted in run.skipped_iterations) and, as in
-    Megatron, does not advance the learning-rate schedule. `timers` (--timing-log-level): times the
+    overflow is skipped (state.last_step_skipped, counted in state.skipped_iterations) and, as
+    in Megatron, does not advance the learning-rate schedule. `timers` (--timing-log-level): times the
     forward-backward and the optimizer (reduction, clipping, AdamW)."""
-    if run.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
-        set_rng_state(run.pending_rng_state)
-        run.pending_rng_state = None
+    state = run.state  # what the step changes
+    if state.pending_rng_state:  # a resumed run's RNG streams, after everything the set-up drew
+        set_rng_state(state.pending_rng_state)
+        state.pending_rng_state = None
     comm.ORDER.enabled = run.cfg.zero.check_collective_order
     run.dp.zero_grad()
-    micro_batches = run.cfg.micro_batches_at(run.consumed_samples)
-    scaler = run.loss_scaler
+    micro_batches = run.cfg.micro_batches_at(state.consumed_samples)
+    scaler = state.loss_scaler
     timers = timers or _NO_TIMERS
     timers.start("forward-backward")
     losses = run_schedule(
@@ -55,7 +51,7 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
         run.train_data,
         micro_batches,
         run.link,
-        position_offset(run),
+        run.position_offset,
         on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
         loss_scale=scaler.scale if scaler else 1.0,
     )
@@ -64,7 +60,7 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
     loss = report_loss(run, losses)
     timers.stop("forward-backward")
     # Megatron's count: the applied samples; --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
-    rates = rates_at(run.cfg, run.consumed_samples - run.skipped_samples, run.checkpoint_schedule)
+    rates = rates_at(run.cfg, state.consumed_samples - state.skipped_samples, run.checkpoint_schedule)
     empty_cache(run, 1)
     timers.start("optimizer")
     check = run.dp.step(rates, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
@@ -72,14 +68,14 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
         comm.check_collective_order(run.groups)
     timers.stop("optimizer")
     empty_cache(run, 2)
-    run.last_step_skipped = not check.applied
-    run.stop_request = check.stop  # agreed by every rank: ExitSignal.anywhere reads it (a Ctrl-C)
+    state.last_step_skipped = not check.applied
+    state.stop_request = check.stop  # agreed by every rank: ExitSignal.anywhere reads it (a Ctrl-C)
     refuse_nonfinite(run, loss, check)
     if scaler:
-        scaler.update(run.last_step_skipped)
-    if run.last_step_skipped:
-        run.skipped_iterations += 1
-        run.skipped_samples += run.cfg.train.global_batch_at(run.consumed_samples)
+        scaler.update(state.last_step_skipped)
+    if state.last_step_skipped:
+        state.skipped_iterations += 1
+        state.skipped_samples += run.cfg.train.global_batch_at(state.consumed_samples)
     return loss, check.grad_norm, rates.lr
 
 
@@ -100,24 +96,24 @@ class NonFiniteStepError(RuntimeError):
 def refuse_nonfinite(run, loss: float, check) -> None:
     """Raise NonFiniteStepError for a step the check refused: a non-finite loss (any dtype), non-finite
     fp32/bf16 gradients, or (--fp16) more than --max-skipped-steps overflowing steps in a row."""
-    t = run.cfg.train
+    t, state = run.cfg.train, run.state
     if not t.check_for_nan_in_loss_and_grad:
         return
-    run.consecutive_skips = 0 if check.finite else run.consecutive_skips + 1
-    fp16_overflow = run.loss_scaler is not None and check.loss_finite
-    if check.finite or (fp16_overflow and run.consecutive_skips <= t.max_skipped_steps):
+    state.consecutive_skips = 0 if check.finite else state.consecutive_skips + 1
+    fp16_overflow = state.loss_scaler is not None and check.loss_finite
+    if check.finite or (fp16_overflow and state.consecutive_skips <= t.max_skipped_steps):
         return
     what = "the loss is" if not check.loss_finite else "the gradients are"
     why = f"{what} not finite (loss {loss:g}, grad norm {check.grad_norm:g})"
     if fp16_overflow:
-        why = f"{run.consecutive_skips} steps in a row overflowed in fp16 (--max-skipped-steps {t.max_skipped_steps})"
-    raise NonFiniteStepError(f"iteration {run.iteration + 1}: {why}; the step was not applied. {_resume_hint(run)}")
+        why = f"{state.consecutive_skips} steps in a row overflowed in fp16 (--max-skipped-steps {t.max_skipped_steps})"
+    raise NonFiniteStepError(f"iteration {state.iteration + 1}: {why}; the step was not applied. {_resume_hint(run)}")
 
 
 def _resume_hint(run) -> str:
-    if run.last_checkpoint:
-        root = os.path.dirname(run.last_checkpoint)
-        return f"The last good checkpoint is {run.last_checkpoint}: resume with --load {root} (e.g. with a lower --lr)"
+    if run.saves.last:
+        root = os.path.dirname(run.saves.last)
+        return f"The last good checkpoint is {run.saves.last}: resume with --load {root} (e.g. with a lower --lr)"
     return "No checkpoint was saved or loaded by this run: nothing to resume from (e.g. lower --lr and rerun)"
 
 

@@ -175,7 +175,7 @@ def test_hf_import_round_trip(trained, layout, tmp_path):
     for extra in ([], ["--zero-stage", "3"]):
         run = training.setup(validate(parse_args(argv + extra), 1))
         run.dp.gather_parameters()  # ZeRO-3: read the full weights
-        assert run.iteration == 0 and bool(run.resharded_from) == bool(extra)
+        assert run.state.iteration == 0 and bool(run.resharded_from) == bool(extra)
         for name, p in run.chunks[0].named_parameters():
             assert torch.equal(p.detach(), original[name]), name
         first_losses.append([training.train_step(run)[0] for _ in range(2)])
@@ -316,7 +316,7 @@ def test_hf_remote_import_round_trip(remote, kind, tmp_path):
         assert getattr(b, field) == getattr(m, field), field
     assert (b.ffn_size, b.kv_heads, b.head_dim) == (m.ffn_size, m.kv_heads, m.head_dim)
     run = training.setup(validate(parse_args(REMOTE_BASE + REMOTE[kind] + ["--load", back]), 1))
-    assert run.iteration == 0
+    assert run.state.iteration == 0
     for name, p in run.chunks[0].named_parameters():
         assert torch.equal(p.detach(), original[name]), name
 

@@ -80,14 +80,14 @@ def _dcp_runs(rank, world, root):
     _losses(_setup(ZERO3 + ["--train-iters", "2", "--save", dist, "--ckpt-format", "torch_dist"], world))
     _losses(_setup(ZERO3 + ["--train-iters", "2", "--save", ours], world))
     same = _setup(ZERO3 + ["--train-iters", "4", "--load", dist], world)
-    at = (same.iteration, same.consumed_samples)
+    at = (same.state.iteration, same.state.consumed_samples)
     resumed = _losses(same)
     tp_dist = _losses(_setup(TP2 + ["--train-iters", "4", "--load", dist, "--no-load-rng"], world))
     tp_ours = _losses(_setup(TP2 + ["--train-iters", "4", "--load", ours], world))
     # and back: TP2 saves torch_dist, ZeRO-3 loads it (weights only, at iteration 0 of a finetune)
     _losses(_setup(TP2 + ["--train-iters", "2", "--save", ref, "--ckpt-format", "torch_dist"], world))
     back = _setup(ZERO3 + ["--train-iters", "1", "--lr-warmup-iters", "0", "--load", ref, "--finetune"], world)
-    return plain, at, resumed, tp_dist, tp_ours, back.iteration
+    return plain, at, resumed, tp_dist, tp_ours, back.state.iteration
 
 
 def test_torch_dist_resumes_exactly_and_reshards(tmp_path):

@@ -231,7 +231,7 @@ def _die_in_second_save(rank, world_size, argv):
 
 def _resume_and_plain(rank, world_size, argv, ckpt):
     run = training.setup(validate(parse_args(argv + ["--load", ckpt]), world_size))
-    start = (run.iteration, run.consumed_samples)
+    start = (run.state.iteration, run.state.consumed_samples)
     resumed = [h["loss"] for h in training.train(run)]
     plain = [h["loss"] for h in training.train(training.setup(validate(parse_args(argv), world_size)))]
     return start, resumed, plain
@@ -275,13 +275,13 @@ def _sigterm_at_step_3(rank, world_size, argv):
 
         def step_then_signal(run, *timers):
             out = step(run, *timers)
-            if run.iteration == 2:  # the third step (the counter moves after it returns)
+            if run.state.iteration == 2:  # the third step (the counter moves after it returns)
                 os.kill(os.getpid(), signal.SIGTERM)
             return out
 
         loop.train_step = step_then_signal
     run = training.setup(validate(parse_args(argv), world_size))
-    return len(training.train(run)), run.stopped_by_signal
+    return len(training.train(run)), run.state.stopped_by_signal
 
 
 def test_sigterm_saves_at_the_step_boundary_and_stops(tmp_path):
@@ -345,7 +345,7 @@ def _async_behind_training(rank, world_size, argv):
 
     def step_and_tell(run, *timers):
         out = step(run, *timers)
-        if run.iteration == 3:
+        if run.state.iteration == 3:
             stepped.set()
         return out
 

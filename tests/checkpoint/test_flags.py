@@ -56,7 +56,7 @@ def _load_flags(rank, world, root, weights_dir):
     }.items():
         run, log = _setup(["--load", root, "--train-iters", "4", *flags])
         moments = len(run.dp.optimizer.state_dict()["state"])
-        out[name] = (run.iteration, run.consumed_samples, moments, run.pending_rng_state is None)
+        out[name] = (run.state.iteration, run.state.consumed_samples, moments, run.state.pending_rng_state is None)
         out[name + "_log"] = log
     weights = files.RankFile(os.path.join(root, "iter_0000002", files.rank_file(0))).state()["model"]
     cfg = validate(parse_args(TINY + ["--train-iters", "2"]), 1)
@@ -86,7 +86,7 @@ def _no_save_and_modes(rank, world, root):
     _train(["--save", root, "--train-iters", "2", "--no-save-optim", "--no-save-rng"])
     state = files.RankFile(os.path.join(root, "iter_0000002", files.rank_file(0))).state()
     run, log = _setup(["--load", root, "--train-iters", "3"])
-    return state["optimizer"], state["rng"], run.iteration, len(run.dp.optimizer.state_dict()["state"]), log
+    return state["optimizer"], state["rng"], run.state.iteration, len(run.dp.optimizer.state_dict()["state"]), log
 
 
 def test_no_save_optim_rng_and_file_modes(tmp_path):
@@ -155,8 +155,8 @@ def _pretrained(rank, world, root, fresh):
     try:
         _setup(["--load", fresh, "--save", fresh, "--train-iters", "3", "--exit-on-missing-checkpoint"])
     except Exception as e:  # noqa: BLE001
-        return first.iteration, log, str(e)
-    return first.iteration, log, None
+        return first.state.iteration, log, str(e)
+    return first.state.iteration, log, None
 
 
 def test_pretrained_checkpoint_and_exit_on_missing(tmp_path):

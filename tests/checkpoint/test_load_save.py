@@ -29,11 +29,11 @@ def _run(rank, world, argv):
     with contextlib.redirect_stdout(out):
         try:
             run = training.setup(validate(parse_args(TINY + argv), world))
-            first = run.iteration
+            first = run.state.iteration
             training.train(run)
         except CheckpointError as e:
             return f"error: {e}", None, out.getvalue()
-    return None, (first, run.iteration), out.getvalue()
+    return None, (first, run.state.iteration), out.getvalue()
 
 
 def run(*argv):

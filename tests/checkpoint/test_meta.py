@@ -156,7 +156,7 @@ def test_legacy_checkpoint_loads_with_one_warning_and_resumes_exactly(tmp_path, 
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and "legacy format" in warnings[0] and "unverified" in warnings[0], out
-    assert run.iteration == 3 and len(losses) == 1
+    assert run.state.iteration == 3 and len(losses) == 1
     assert abs(losses[0] - 4.1278) < 1e-4  # what the code of ae388d2 logged at iteration 3 without stopping
     _, plain_losses, plain_weights = _legacy_run([])  # this code, 3 iterations without stopping
     assert losses[0] == plain_losses[-1]

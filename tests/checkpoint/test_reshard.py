@@ -49,7 +49,7 @@ RTOL = 2e-5  # fp32 round-off: other reduction orders over TP, DP and micro-batc
 
 def _train(rank, world_size, argv):
     run = training.setup(validate(parse_args(argv), world_size))
-    start = run.iteration
+    start = run.state.iteration
     losses = [h["loss"] for h in training.train(run)]
     return {"start": start, "losses": losses, "resharded": run.resharded_from}
 

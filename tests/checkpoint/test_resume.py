@@ -61,7 +61,12 @@ def run_once(argv: list[str], world_size: int) -> dict:
             for c, chunk in enumerate(run.chunks)
             for n, p in chunk.named_parameters()
         }
-    return {"losses": losses, "weights": weights, "iteration": run.iteration, "consumed": run.consumed_samples}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "iteration": run.state.iteration,
+        "consumed": run.state.consumed_samples,
+    }
 
 
 def _first_leg(rank, world_size, argv, ckpt):
@@ -136,7 +141,7 @@ def test_interrupted_save_keeps_previous(saved, tmp_path):
     with open(os.path.join(ckpt, "iter_0000006.tmp", files.rank_file(0)), "wb") as f:
         f.write(b"partial")
     run = _setup(BASE + ["--load", ckpt])
-    assert run.iteration == N and run.consumed_samples == 4 * N
+    assert run.state.iteration == N and run.state.consumed_samples == 4 * N
     # and the next save of that step replaces the leftovers
     run.cfg.train.save = ckpt
     training.train(run)
@@ -166,7 +171,7 @@ def test_other_model_shape_says_what_differs(saved, tmp_path):
 def test_missing_checkpoint_starts_from_scratch_when_load_is_save(tmp_path):
     """A requeued job's first start (an empty --load elsewhere is an error: tests/checkpoint/test_load_save.py)."""
     run = _setup(BASE + ["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "nothing")])
-    assert run.iteration == 0 and run.consumed_samples == 0
+    assert run.state.iteration == 0 and run.state.consumed_samples == 0
 
 
 def test_rank_file_is_safetensors_with_nothing_pickled(saved):
@@ -187,7 +192,7 @@ def test_rank_file_is_safetensors_with_nothing_pickled(saved):
 
 def test_ckpt_step_loads_that_iteration(saved):
     run = _setup(BASE + ["--load", saved, "--ckpt-step", str(N)])
-    assert run.iteration == N and run.consumed_samples == 4 * N
+    assert run.state.iteration == N and run.state.consumed_samples == 4 * N
     with pytest.raises(
         CheckpointError,
         match=r"--ckpt-step 5: .*iter_0000005 does not exist \(saved iterations in "

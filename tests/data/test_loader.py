@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from megatron_zpp.context_parallel.slices import sequence_slice
 from megatron_zpp.data.loader import BatchIterator, MicroBatchSampler
 from megatron_zpp.data.mock import MockGPTDataset
 
@@ -42,7 +43,7 @@ def test_context_parallel_ranks_get_contiguous_slices_in_rank_order():
     parts = [next(BatchIterator(data, 0, 2, groups(cp_rank=c, cp=4), torch.device("cpu"))) for c in range(4)]
     assert torch.equal(torch.cat([p["tokens"] for p in parts], dim=1), full["tokens"])
     assert torch.equal(torch.cat([p["labels"] for p in parts], dim=1), full["labels"])
-    assert [p["position_offset"] for p in parts] == [0, 8, 16, 24]
+    assert [sequence_slice(32, c, 4).start for c in range(4)] == [0, 8, 16, 24]  # the model's positions
     assert torch.equal(full["labels"][:, :-1], full["tokens"][:, 1:])
 
 

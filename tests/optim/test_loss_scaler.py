@@ -70,8 +70,8 @@ def run_steps(extra: list[str], inject_at: int | None = None):
     run.dp.step = stepped
     for _ in range(run.cfg.train.train_iters):
         loss, _, lr = training.train_step(run)
-        run.iteration += 1
-        run.consumed_samples += run.cfg.train.global_batch_size
+        run.state.iteration += 1
+        run.state.consumed_samples += run.cfg.train.global_batch_size
         losses.append(loss)
         lrs.append(lr)
         weights.append([p.detach().clone() for p in run.dp.params])
@@ -90,19 +90,19 @@ def test_fp16_scaling_matches_fp32_and_overflow_skips(fp32_compute, tmp_path):
     run, losses, lrs, w = run_steps(["--fp16", "--initial-loss-scale", "65536"])
     assert losses == ref_losses and lrs == ref_lrs
     assert all(torch.equal(a, b) for a, b in zip(w[-1], ref_w[-1]))
-    assert run.loss_scaler.scale == 65536 and run.skipped_iterations == 0
+    assert run.state.loss_scaler.scale == 65536 and run.state.skipped_iterations == 0
     # an inf gradient at step 2 with --hysteresis 1: the step is skipped (weights unchanged), the scale
     # halves, and the LR schedule does not advance (step 3 takes the LR step 2 would have had)
     run, losses, lrs, w = run_steps(["--fp16", "--initial-loss-scale", "65536", "--hysteresis", "1"], inject_at=2)
     assert losses[:2] == ref_losses[:2]
     assert all(torch.equal(a, b) for a, b in zip(w[1], ref_w[0]))
-    assert run.skipped_iterations == 1 and run.last_step_skipped is False
-    assert run.loss_scaler.scale == 32768
+    assert run.state.skipped_iterations == 1 and run.state.last_step_skipped is False
+    assert run.state.loss_scaler.scale == 32768
     assert lrs == [ref_lrs[0], ref_lrs[1], ref_lrs[1]]
-    assert run.skipped_samples == 2
+    assert run.state.skipped_samples == 2
     # the checkpoint keeps the scaler and the skipped steps
     save_checkpoint(run, str(tmp_path))
     resumed = training.setup(validate(parse_args(TINY + ["--fp16", "--load", str(tmp_path)]), 1))
-    assert resumed.loss_scaler.state_dict() == run.loss_scaler.state_dict()
-    assert (resumed.skipped_iterations, resumed.skipped_samples) == (1, 2)
+    assert resumed.state.loss_scaler.state_dict() == run.state.loss_scaler.state_dict()
+    assert (resumed.state.skipped_iterations, resumed.state.skipped_samples) == (1, 2)
     resumed.train_data.close()
