@@ -53,5 +53,5 @@ def test_old_zero3_checkpoint_resumes_on_one_rank(tmp_path):
     shutil.copytree(FIXTURE, ck)
     run = training.setup(validate(parse_args(ARGV + ["--load", ck]), 1))  # ZeRO-3 over 2 -> plain DP on 1
     losses = [h["loss"] for h in training.train(run)]
-    assert run.iteration == 3 and len(losses) == 1
+    assert run.state.iteration == 3 and len(losses) == 1
     assert abs(losses[0] - 4.124788) < 2e-6  # what the code of 00a0f35 logged at iteration 3 without stopping
