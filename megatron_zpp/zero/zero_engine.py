@@ -71,6 +71,7 @@ from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
 from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block
+from .stage_policy import stage_policy
 
 
 def _gather(units: list[FlatUnit], backward: bool = False) -> None:
@@ -123,11 +124,14 @@ class ZeroEngine(DataParallelEngine):
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
         """`chunks` built on the meta device come with `init` (model/init.RankInit): each unit then
         allocates and fills only what this rank keeps (sharded_params.FlatUnit)."""
-        self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
+        self.chunks, self.groups = chunks, groups
+        self.policy = policy = stage_policy(zero_cfg.zero_stage)  # what the stage shards, when it reduces
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
-        self.overlap_grads = self.stage == 1 and zero_cfg.overlap_grad_reduce  # stages 2-3 always overlap
-        self.overlap_gather = zero_cfg.overlap_param_gather and self.stage < 3
+        # whether gradients are reduced during the backward: stage 1 only with --overlap-grad-reduce
+        # (then the schedule announces each chunk's last micro-batch), stages 2-3 always
+        self.overlap_grads = policy.grads.reducing(False) or zero_cfg.overlap_grad_reduce
+        self.overlap_gather = zero_cfg.overlap_param_gather and not policy.sharded_weights
         self.last = [False] * len(chunks)  # stage 1: is this the chunk's last micro-batch of the step
         self.reduced_in_backward = 0  # units whose reduction the backward started (this step)
         self.clip = optim_cfg.clip_grad
@@ -154,10 +158,20 @@ class ZeroEngine(DataParallelEngine):
             units = {}
             for name, params, module in model_units(chunk):
                 unit = FlatUnit(
-                    name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz, init=init
+                    name,
+                    params,
+                    self.group,
+                    policy.sharded_weights,
+                    pad_block(zero_cfg),
+                    hpz=hpz,
+                    qwz_block=qwz,
+                    init=init,
+                    module=module,
+                    chunk=c,
+                    tied=name == "embedding" and chunk.tied,  # its twin on the other end stage
+                    gather_stream=self.gather_stream,
                 )
-                unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
-                unit.module, unit.chunk = module, c
+                policy.grads.prepare(unit)
                 units[name] = unit
                 self.units.append(unit)
             self._install_hooks(chunk, units)
@@ -165,13 +179,7 @@ class ZeroEngine(DataParallelEngine):
                 self._install_gather_waits(chunk, units)
         if init is not None:  # buffers, and any parameter outside the units (none today), whole
             materialize(chunks, init)
-        for unit in self.units:  # fp32 master shard, fp32 gradient shard
-            unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
-            unit.flat_grad, unit.ready, unit.reduced = None, 0, False
-            unit.trainable = sum(p.requires_grad for p in unit.params)  # frozen ones: no hook, no reduce, no step
-            if self.stage == 1:
-                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+        for unit in self.units:  # frozen parameters: no hook, no reduce, no step
             for p in unit.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_hook(unit))
@@ -180,14 +188,11 @@ class ZeroEngine(DataParallelEngine):
         self.schedule, self.sched_before = [], {}  # sched_before: scheduled units before it in the backward
         for c, chunk in enumerate(chunks):
             order = backward_order(chunk, [u for u in self.units if u.chunk == c])
-            self.schedule.append([u for u in order if u.trainable])
+            self.schedule.append([u for u in order if u.grads.trainable])
             for u in order:
-                self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.trainable)
+                self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.grads.trainable)
         self.next = [0] * len(chunks)
         self._pending: list[PendingReduce] = []
-
-        for unit in self.units:
-            unit.gather_stream = self.gather_stream
 
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
         ndims, decoupled = [], []  # per segment: its parameter's ndim, whether it takes --decoupled-lr
@@ -207,8 +212,9 @@ class ZeroEngine(DataParallelEngine):
         numel = sum(u.numel for u in self.units)
         padded = sum(u.padded for u in self.units)
         size = self.units[0].full.element_size() if self.units else 4
+        kept = " (weights kept gathered until the step)" if self.per_step else ""
         parts = [
-            f"ZeRO-{self.stage}{' (weights kept gathered until the step)' if self.per_step else ''} over DP x CP "
+            f"ZeRO-{self.policy.stage}{kept} over DP x CP "
             f"({self.group.size} ranks, {self.group.link}): {len(self.units)} "
             f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
             f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"
@@ -226,10 +232,10 @@ class ZeroEngine(DataParallelEngine):
             sr = " stochastic" if self.stochastic else ""
             what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else str(self.wire)[6:]
             parts.append(f"hierarchical gradient all-to-all ({what}), hops: {hops}")
-        when = "during the backward" if self.stage >= 2 or self.overlap_grads else "after the backward"
+        when = "during the backward" if self.overlap_grads else "after the backward"
         parts.append(
             f"gradients accumulated in fp32, reduced in {str(self.wire)[6:] if not self.grad_bits else 'int4'} "
-            f"{when}, up to {self.max_in_flight} reductions in flight"
+            f"{self.policy.grads.when} {when}, up to {self.max_in_flight} reductions in flight"
         )
         if self.overlap_gather:
             parts.append("updated weights all-gathered during the next step's forward (--overlap-param-gather)")
@@ -281,7 +287,7 @@ class ZeroEngine(DataParallelEngine):
                 blocks[i].gather(backward=True)
                 if i > 0:
                     blocks[i - 1].start_gather(backward=True)
-                self._issue_before(c, self.sched_before[id(blocks[i])] + bool(blocks[i].trainable))
+                self._issue_before(c, self.sched_before[id(blocks[i])] + bool(blocks[i].grads.trainable))
                 if not self.per_step:
                     blocks[i].release()
 
@@ -296,7 +302,7 @@ class ZeroEngine(DataParallelEngine):
             pos["bwd"] = 0
             if self._reducing(c):  # at the end of this backward, issue what it did not (no gradient: zeros)
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(c))
-            if self.stage == 3:  # under 1F1B another micro-batch's backward may have freed them
+            if self.policy.sharded_weights:  # under 1F1B another micro-batch's backward may have freed them
                 _gather(start + [u for u in end if u not in start], backward=True)
                 if blocks:
                     blocks[-1].start_gather(backward=True)
@@ -331,7 +337,7 @@ class ZeroEngine(DataParallelEngine):
             "respect to module outputs since no inputs require gradients",
         )
         chunk.register_full_backward_pre_hook(chunk_backward)
-        if self.stage < 3:
+        if not self.policy.sharded_weights:  # stages 1-2: the weights stay whole, nothing to gather
             return
         chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
         chunk.register_forward_hook(end_forward)  # a middle stage's skipped last blocks
@@ -393,23 +399,18 @@ class ZeroEngine(DataParallelEngine):
         def hook(p):
             i = index[id(p)]
             off, n = unit.offsets[i], unit.numels[i]
-            if unit.flat_grad is None:  # fp32 whatever the parameter dtype: micro-batches sum without rounding
-                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-            if unit.reduced:  # the wire reads flat_grad (stage 1), or this micro-batch's sum is on its way
+            g = unit.grads
+            if g.reduced:  # the wire reads the accumulator (stage 1), or this micro-batch's sum is on its way
                 raise RuntimeError(
-                    f"ZeRO-{self.stage} unit {unit.name}: a gradient arrived after its reduction started: "
-                    + (
-                        "a backward ran after the one the schedule announced as the last micro-batch "
-                        "(set_last_micro_batch)"
-                        if self.stage == 1
-                        else "the backward reached a later block first (the schedule assumes the blocks' order)"
-                    )
+                    f"ZeRO-{self.policy.stage} unit {unit.name}: a gradient arrived after its reduction started: "
+                    + self.policy.grads.late_gradient
                 )
-            unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
+            # fp32 whatever the parameter dtype: micro-batches sum without rounding
+            self.policy.grads.accumulator(unit)[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
             if self._reducing(unit.chunk):
-                unit.ready += 1
-                if unit.ready == unit.trainable:
+                g.ready += 1
+                if g.ready == g.trainable:
                     self._issue(unit.chunk, upto=None)
 
         return hook
@@ -417,7 +418,7 @@ class ZeroEngine(DataParallelEngine):
     def _reducing(self, chunk: int) -> bool:
         """Whether this backward of `chunk` reduces (stages 2-3: every micro-batch; stage 1: the
         last, when the schedule announced it)."""
-        return self.stage >= 2 or self.last[chunk]
+        return self.policy.grads.reducing(self.last[chunk])
 
     def _issue(self, c: int, upto: int | None) -> None:
         """Issue chunk c's reductions in schedule order: those whose gradients are all in
@@ -426,7 +427,7 @@ class ZeroEngine(DataParallelEngine):
         sched = self.schedule[c]
         while self.next[c] < len(sched):
             unit = sched[self.next[c]]
-            if upto is None and unit.ready < unit.trainable:
+            if upto is None and unit.grads.ready < unit.grads.trainable:
                 break
             self._reduce(unit)
             self.reduced_in_backward += 1
@@ -443,20 +444,17 @@ class ZeroEngine(DataParallelEngine):
         """The end of a reducing backward of chunk c (autograd's final callback): issue the rest,
         then count the next micro-batch afresh. A unit that got no gradient sends zeros."""
         self._issue(c, upto=len(self.schedule[c]))
-        if self.stage >= 2:
+        if self.policy.grads.restarts_schedule:
             self.next[c] = 0
         for u in self.schedule[c]:
-            u.ready = 0
-            u.reduced = self.stage == 1
+            self.policy.grads.after_backward(u)
 
     def _reduce(self, unit: FlatUnit) -> None:
         """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
         and advance the reductions already in flight."""
-        flat = unit.flat_grad
-        if flat is None:  # stages 2-3: no parameter of the unit got a gradient in this micro-batch
-            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-        unit.flat_grad, unit.ready = (None if self.stage >= 2 else flat), 0
-        unit.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
+        flat = self.policy.grads.hand_over(unit)  # no gradient this micro-batch: zeros
+        unit.grads.ready = 0
+        unit.grads.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
@@ -470,7 +468,8 @@ class ZeroEngine(DataParallelEngine):
                 self.reduce_streams,
             )
         else:
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, self.reduce_streams[0])
+            stream = self.reduce_streams[0]
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, stream)
         pending = PendingReduce(unit, reduction)
         if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
             pending.done = reduction.finish(unit.grad_shard)
@@ -500,11 +499,7 @@ class ZeroEngine(DataParallelEngine):
         self._drain()
         for unit in self.units:
             unit.grad_shard.zero_()
-            if self.stage == 1:
-                unit.flat_grad.zero_()
-            else:
-                unit.flat_grad = None
-            unit.ready, unit.reduced = 0, False
+            self.policy.grads.clear(unit)
         self.last = [False] * len(self.last)
         self.next = [0] * len(self.next)
         self.reduced_in_backward = 0
@@ -516,13 +511,13 @@ class ZeroEngine(DataParallelEngine):
     def _finish_grads(self) -> None:
         for c, sched in enumerate(self.schedule):  # in schedule order: what no backward issued
             for unit in sched[self.next[c] :]:
-                if self.stage == 1 or unit.ready or unit.flat_grad is not None:
+                if self.policy.grads.at_step(unit):
                     self._reduce(unit)  # stage 1 without overlap: all; 2-3: a backward with no end callback
             self.next[c] = 0
         self._drain()
         self.last = [False] * len(self.last)
         for unit in self.units:
-            unit.ready, unit.reduced = 0, False
+            unit.grads.ready, unit.grads.reduced = 0, False
         partial = [
             u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments() if getattr(p, "tp_partial_grad", False)
         ]
