@@ -83,7 +83,8 @@ class UnitGrads:
     trainable: its parameters with requires_grad (frozen ones get no hook; a unit with none is never
         reduced); ready: how many of them delivered this backward's gradient; reduced: its reduction
         started (stage 1: once per step; 2-3: once per micro-batch); flat: the fp32 accumulator of the
-        unit's padded flat gradient (stage 1: persistent, else made for one micro-batch)."""
+        unit's padded flat gradient (stage 1: persistent, else taken from the engine's buffer pool for
+        one micro-batch)."""
 
     trainable: int
     ready: int = 0

@@ -11,8 +11,8 @@
     step's last micro-batch with --overlap-grad-reduce (the schedule says which is last), else at the
     step.
   - `ReducePerMicroBatch` (ZeRO-2/3): every backward reduce-scatters each unit's gradient into its
-    fp32 shard as soon as it is complete; the accumulator is allocated at the micro-batch's first
-    gradient and handed to the reduction, which drops it once it has landed.
+    fp32 shard as soon as it is complete; the accumulator is a pool buffer (zero/reduce_buffers.py)
+    held for one micro-batch and handed to the reduction, which gives it back once it has landed.
 
 Optimizer state is sharded at every stage (each rank steps only its shard of the fp32 masters).
 """
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .reduce_buffers import Lease, ReduceBuffers
 from .sharded_params import FlatUnit
 
 
@@ -42,11 +43,11 @@ class ReduceOncePerStep:
         return last
 
     @staticmethod
-    def accumulator(unit: FlatUnit) -> torch.Tensor:
+    def accumulator(unit: FlatUnit, pool: ReduceBuffers) -> torch.Tensor:
         return unit.grads.flat
 
     @staticmethod
-    def hand_over(unit: FlatUnit) -> torch.Tensor:
+    def hand_over(unit: FlatUnit, lease: Lease) -> torch.Tensor:
         """The buffer the unit's reduction reads: the accumulator itself, which the unit keeps (zero_grad
         clears it once the reduction has landed)."""
         return unit.grads.flat
@@ -64,7 +65,7 @@ class ReduceOncePerStep:
         return True
 
     @staticmethod
-    def clear(unit: FlatUnit) -> None:
+    def clear(unit: FlatUnit, pool: ReduceBuffers) -> None:
         unit.grads.flat.zero_()
         unit.grads.ready, unit.grads.reduced = 0, False
 
@@ -77,25 +78,26 @@ class ReducePerMicroBatch:
 
     @staticmethod
     def prepare(unit: FlatUnit) -> None:
-        """Nothing persistent per unit: an accumulator lives for one micro-batch."""
+        """Nothing persistent per unit: an accumulator comes from the pool for one micro-batch."""
 
     @staticmethod
     def reducing(last: bool) -> bool:
         return True
 
     @staticmethod
-    def accumulator(unit: FlatUnit) -> torch.Tensor:
+    def accumulator(unit: FlatUnit, pool: ReduceBuffers) -> torch.Tensor:
         if unit.grads.flat is None:  # fp32 whatever the parameter dtype
-            unit.grads.flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+            unit.grads.flat = pool.take(unit.padded, torch.float32).zero_()
         return unit.grads.flat
 
     @staticmethod
-    def hand_over(unit: FlatUnit) -> torch.Tensor:
+    def hand_over(unit: FlatUnit, lease: Lease) -> torch.Tensor:
         """The unit's accumulator, or zeros when no parameter of it got a gradient this micro-batch; the
-        reduction holds it until it has landed."""
+        reduction's lease holds it until it has landed and then gives it back to the pool."""
         flat, unit.grads.flat = unit.grads.flat, None
         if flat is None:
-            return torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+            return lease.zeros((unit.padded,), torch.float32)
+        lease.adopt(flat)
         return flat
 
     @staticmethod
@@ -111,7 +113,9 @@ class ReducePerMicroBatch:
         return bool(unit.grads.ready) or unit.grads.flat is not None
 
     @staticmethod
-    def clear(unit: FlatUnit) -> None:
+    def clear(unit: FlatUnit, pool: ReduceBuffers) -> None:
+        if unit.grads.flat is not None:  # a backward the step never reduced: dropped, back to the pool
+            pool.give(unit.grads.flat)
         unit.grads.flat, unit.grads.ready, unit.grads.reduced = None, 0, False
 
 

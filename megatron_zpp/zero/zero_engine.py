@@ -43,9 +43,12 @@ Streams (torch.get_device_module(device): no-ops on CPU, so one code path runs t
   (-> requantize) on its stream, and the last adds the result into the unit's fp32 shard
   there. On an accelerator the whole chain is enqueued when the unit's gradients are
   ready (enqueue_whole_chain); on CPU gloo's waits block the host, so hops advance one per
-  later unit as before. The unit's gradient and the buffers that cross streams stay
-  referenced (PendingReduce) until the compute stream has waited for the chain's last
-  event, so both TORCH_NCCL_AVOID_RECORD_STREAMS=1 and the default are safe.
+  later unit as before. The unit's gradient and every buffer of the chain come from one
+  pool (zero/reduce_buffers.py) and stay held by the reduction's lease (PendingReduce)
+  until the compute stream has waited for the chain's last event; they then go back with
+  that event, which any later taker's stream waits for: both TORCH_NCCL_AVOID_RECORD_STREAMS=1
+  and the default are safe, and after the first step no reduction allocates anything (the
+  same buffers, in the same order, every step).
 * the compute stream never waits on the host: beyond max_in_flight reductions
   (--zero-reduce-in-flight, never fewer than the hops) it waits for the oldest one's
   event (backpressure); the finalize (and so the clip and the step) waits for every
@@ -70,6 +73,7 @@ from ..recompute import recomputing
 from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, check_keys, copy_checked
 from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
+from .reduce_buffers import Lease, ReduceBuffers
 from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block
 from .stage_policy import stage_policy
 
@@ -98,10 +102,12 @@ def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
 class PendingReduce:
     """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard on
     the reduce stream, and `done` (once the chain is enqueued) is the event that says so. The
-    object keeps every buffer of the chain alive until the compute stream has waited for it."""
+    lease keeps every buffer of the chain alive until the compute stream has waited for it, then
+    gives them back to the engine's pool for the next reduction."""
 
     unit: FlatUnit
     reduction: ReduceScatter | HierarchicalReduceScatter
+    lease: Lease
     done: object = None
 
 
@@ -146,6 +152,7 @@ class ZeroEngine(DataParallelEngine):
         self.dev = torch.get_device_module(device)
         self.gather_stream = self.dev.Stream()
         self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
+        self.buffers = ReduceBuffers(device)  # every reduction's buffers, reused step after step
         self.enqueue_whole_chain = device.type != "cpu"
         self.grad_bits = 4 if zero_cfg.zero_quantized_gradients else None
         self.grad_block = zero_cfg.zero_gradient_quantization_block_size
@@ -235,7 +242,8 @@ class ZeroEngine(DataParallelEngine):
         when = "during the backward" if self.overlap_grads else "after the backward"
         parts.append(
             f"gradients accumulated in fp32, reduced in {str(self.wire)[6:] if not self.grad_bits else 'int4'} "
-            f"{self.policy.grads.when} {when}, up to {self.max_in_flight} reductions in flight"
+            f"{self.policy.grads.when} {when}, up to {self.max_in_flight} reductions in flight, "
+            "from buffers reused every step"
         )
         if self.overlap_gather:
             parts.append("updated weights all-gathered during the next step's forward (--overlap-param-gather)")
@@ -406,7 +414,7 @@ class ZeroEngine(DataParallelEngine):
                     + self.policy.grads.late_gradient
                 )
             # fp32 whatever the parameter dtype: micro-batches sum without rounding
-            self.policy.grads.accumulator(unit)[off : off + n].add_(p.grad.reshape(-1))
+            self.policy.grads.accumulator(unit, self.buffers)[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
             if self._reducing(unit.chunk):
                 g.ready += 1
@@ -451,8 +459,9 @@ class ZeroEngine(DataParallelEngine):
 
     def _reduce(self, unit: FlatUnit) -> None:
         """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
-        and advance the reductions already in flight."""
-        flat = self.policy.grads.hand_over(unit)  # no gradient this micro-batch: zeros
+        and advance the reductions already in flight. Its buffers come from the pool (a lease)."""
+        lease = self.buffers.lease()
+        flat = self.policy.grads.hand_over(unit, lease)  # no gradient this micro-batch: zeros
         unit.grads.ready = 0
         unit.grads.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
         if self.reduce_hops is not None:
@@ -466,11 +475,12 @@ class ZeroEngine(DataParallelEngine):
                 self.stochastic,
                 self.wire,
                 self.reduce_streams,
+                lease,
             )
         else:
             stream = self.reduce_streams[0]
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, stream)
-        pending = PendingReduce(unit, reduction)
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, stream, lease)
+        pending = PendingReduce(unit, reduction, lease)
         if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
             pending.done = reduction.finish(unit.grad_shard)
         else:
@@ -484,11 +494,12 @@ class ZeroEngine(DataParallelEngine):
 
     def _finish_oldest(self) -> None:
         """The compute stream waits (an event, not the host) for the oldest reduction; its
-        buffers (the unit's gradient among them) are dropped only then."""
+        buffers (the unit's gradient among them) go back to the pool only then."""
         oldest = self._pending.pop(0)
         if oldest.done is None:
             oldest.done = oldest.reduction.finish(oldest.unit.grad_shard)
         self.dev.current_stream().wait_event(oldest.done)
+        oldest.lease.give_back(oldest.done)
 
     def _drain(self) -> None:
         while self._pending:
@@ -499,7 +510,7 @@ class ZeroEngine(DataParallelEngine):
         self._drain()
         for unit in self.units:
             unit.grad_shard.zero_()
-            self.policy.grads.clear(unit)
+            self.policy.grads.clear(unit, self.buffers)
         self.last = [False] * len(self.last)
         self.next = [0] * len(self.next)
         self.reduced_in_backward = 0
