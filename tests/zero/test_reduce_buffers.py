@@ -5,7 +5,8 @@ step how many buffers the engine's pool has ever allocated and the data_ptr of e
 step's reductions took: ZeRO-1 (persistent accumulators), ZeRO-2 with --grad-reduce-in-bf16 (the
 bf16 wire copies), ZeRO-3 under 1F1B (two stages), the unquantized hierarchy with more reductions
 in flight than hops, ZeRO++ (qgZ's int4 send/receive buffers per hop) and ZeRO-3 with each chain
-enqueued whole (the accelerator's schedule). The first step allocates what the schedule needs;
+enqueued whole (the accelerator's schedule); and plain DP's bf16 bucket copies (--grad-reduce-in-bf16),
+made by the first step's all-reduces and kept. The first step allocates what the schedule needs;
 steps 2 and 3 allocate nothing and take exactly the same buffers in the same order. The fp32 layouts
 still give plain data parallelism's losses (to 1e-5, the parity bound).
 """
@@ -27,6 +28,7 @@ VARIANTS = {
     "zero3_hierarchy": ["--zero-stage", "3", "--zero-hierarchy", "2", "--zero-reduce-in-flight", "3"],
     "zeropp": ZPP,
     "zero3_whole_chain": ["--zero-stage", "3"],
+    "plain_bf16_wire": ["--grad-reduce-in-bf16"],
 }
 AT_PARITY = ("zero1", "zero3_pp2", "zero3_hierarchy", "zero3_whole_chain")
 
@@ -37,15 +39,19 @@ def _train(argv: list[str], world_size: int, whole_chain: bool) -> dict:
     pool = getattr(dp, "buffers", None)
     if pool is not None:
         dp.enqueue_whole_chain = dp.enqueue_whole_chain or whole_chain
-        step = dp.step
+    step = dp.step
 
-        def recording_step(*args, **kwargs):
-            out = step(*args, **kwargs)
+    def recording_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if pool is not None:
             steps.append((pool.allocations, list(pool.taken)))
             pool.taken.clear()
-            return out
+        else:  # plain DP: its buckets' wire copies
+            wires = [b.wire.data_ptr() for b in dp.grads.buckets if b.wire is not None]
+            steps.append((len(wires), wires))
+        return out
 
-        dp.step = recording_step
+    dp.step = recording_step
     losses = [h["loss"] for h in training.train(run)]
     return {"losses": losses, "steps": steps}
 
