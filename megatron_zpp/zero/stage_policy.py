@@ -31,16 +31,12 @@ class ReduceOncePerStep:
     """ZeRO-1's gradients: full fp32 accumulators, reduced once per step."""
 
     when = "once per step"
+    every_backward = False  # one reducing backward per chunk and step: the last, when announced
     late_gradient = "a backward ran after the one the schedule announced as the last micro-batch (set_last_micro_batch)"
 
     @staticmethod
     def prepare(unit: FlatUnit) -> None:
         unit.grads.flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-
-    @staticmethod
-    def reducing(last: bool) -> bool:
-        """Whether a backward reduces: the step's last micro-batch, when the schedule announced it."""
-        return last
 
     @staticmethod
     def accumulator(unit: FlatUnit, pool: ReduceBuffers) -> torch.Tensor:
@@ -57,8 +53,6 @@ class ReduceOncePerStep:
         """The end of a reducing backward: the unit stays reduced for the rest of the step."""
         unit.grads.ready, unit.grads.reduced = 0, True
 
-    restarts_schedule = False  # one reducing backward per chunk and step
-
     @staticmethod
     def at_step(unit: FlatUnit) -> bool:
         """Whether the step reduces a unit no backward reduced: every one (no overlap)."""
@@ -74,15 +68,12 @@ class ReducePerMicroBatch:
     """ZeRO-2/3's gradients: each micro-batch reduce-scattered during its backward into the fp32 shard."""
 
     when = "every micro-batch"
+    every_backward = True  # each backward issues the chunk's whole schedule
     late_gradient = "the backward reached a later block first (the schedule assumes the blocks' order)"
 
     @staticmethod
     def prepare(unit: FlatUnit) -> None:
         """Nothing persistent per unit: an accumulator comes from the pool for one micro-batch."""
-
-    @staticmethod
-    def reducing(last: bool) -> bool:
-        return True
 
     @staticmethod
     def accumulator(unit: FlatUnit, pool: ReduceBuffers) -> torch.Tensor:
@@ -104,8 +95,6 @@ class ReducePerMicroBatch:
     def after_backward(unit: FlatUnit) -> None:
         """The end of a backward: the next micro-batch is counted afresh."""
         unit.grads.ready, unit.grads.reduced = 0, False
-
-    restarts_schedule = True  # every backward issues the chunk's whole schedule
 
     @staticmethod
     def at_step(unit: FlatUnit) -> bool:

@@ -136,7 +136,7 @@ class ZeroEngine(DataParallelEngine):
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         # whether gradients are reduced during the backward: stage 1 only with --overlap-grad-reduce
         # (then the schedule announces each chunk's last micro-batch), stages 2-3 always
-        self.overlap_grads = policy.grads.reducing(False) or zero_cfg.overlap_grad_reduce
+        self.overlap_grads = policy.grads.every_backward or zero_cfg.overlap_grad_reduce
         self.overlap_gather = zero_cfg.overlap_param_gather and not policy.sharded_weights
         self.last = [False] * len(chunks)  # stage 1: is this the chunk's last micro-batch of the step
         self.reduced_in_backward = 0  # units whose reduction the backward started (this step)
@@ -426,7 +426,7 @@ class ZeroEngine(DataParallelEngine):
     def _reducing(self, chunk: int) -> bool:
         """Whether this backward of `chunk` reduces (stages 2-3: every micro-batch; stage 1: the
         last, when the schedule announced it)."""
-        return self.policy.grads.reducing(self.last[chunk])
+        return self.policy.grads.every_backward or self.last[chunk]
 
     def _issue(self, c: int, upto: int | None) -> None:
         """Issue chunk c's reductions in schedule order: those whose gradients are all in
@@ -452,7 +452,7 @@ class ZeroEngine(DataParallelEngine):
         """The end of a reducing backward of chunk c (autograd's final callback): issue the rest,
         then count the next micro-batch afresh. A unit that got no gradient sends zeros."""
         self._issue(c, upto=len(self.schedule[c]))
-        if self.policy.grads.restarts_schedule:
+        if self.policy.grads.every_backward:  # the next backward issues the whole schedule again
             self.next[c] = 0
         for u in self.schedule[c]:
             self.policy.grads.after_backward(u)
