@@ -12,10 +12,12 @@ still give plain data parallelism's losses (to 1e-5, the parity bound).
 """
 
 import numpy as np
+import torch
 
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.validation import validate
+from megatron_zpp.zero.reduce_buffers import Lease, ReduceBuffers
 from tests.dist import run_distributed
 from tests.zero.test_zero_training import BASE, ZPP
 
@@ -72,3 +74,24 @@ def test_reduction_buffers_are_reused_every_step():
             assert taken2 == taken3, name  # the same buffers, in the same order
             if name in AT_PARITY:
                 np.testing.assert_allclose(r["losses"], ref, rtol=1e-5, err_msg=name)
+
+
+def test_pool_gives_each_take_the_free_buffer_of_lowest_address():
+    """The same takes and gives, in the same order, hand out the same buffers whatever order the
+    previous round gave them back in; a lease holds its buffers until it gives them back."""
+    pool = ReduceBuffers(torch.device("cpu"))
+
+    def one_round():
+        a, b = pool.lease(), pool.lease()
+        a.empty((4, 2), torch.float32), b.zeros((8,), torch.float32), a.empty((3,), torch.bfloat16)
+        assert (b.held[0] == 0).all() and b.held[0].numel() == 8
+        b.give_back()  # given back in another order than taken
+        a.give_back()
+
+    one_round()
+    first = list(pool.taken)
+    for _ in range(2):
+        pool.taken.clear()
+        one_round()
+        assert pool.taken == sorted(first[:2]) + first[2:] and pool.allocations == 3
+    assert Lease(torch.device("cpu")).empty((2, 3), torch.float32).shape == (2, 3)  # no pool: allocates
