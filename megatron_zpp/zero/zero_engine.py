@@ -76,26 +76,7 @@ from .grad_reduce import HierarchicalReduceScatter, ReduceScatter
 from .reduce_buffers import Lease, ReduceBuffers
 from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block
 from .stage_policy import stage_policy
-
-
-def _gather(units: list[FlatUnit], backward: bool = False) -> None:
-    for u in units:
-        u.start_gather(backward)
-    for u in units:
-        u.wait_gather()
-
-
-def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
-    """The units of a chunk in the order their backward ends:
-    a tied output layer on the last stage (the embedding), the head, the blocks last to
-    first, the embedding lookup. Known from the model, not from the data."""
-    by_name = {u.name: u for u in units}
-    emb = by_name.get("embedding")
-    order = [emb] if emb is not None and chunk.post_process and not chunk.pre_process else []
-    order += [by_name["head"]] if "head" in by_name else []
-    order += reversed([u for u in units if u.module is not None])
-    order += [emb] if emb is not None and emb not in order else []
-    return order + [u for u in units if u not in order]
+from .unit_hooks import backward_order, gather_all, gather_and_prefetch, install_gather_waits, release_after_forward
 
 
 @dataclass
@@ -183,7 +164,7 @@ class ZeroEngine(DataParallelEngine):
                 self.units.append(unit)
             self._install_hooks(chunk, units)
             if self.overlap_gather:
-                self._install_gather_waits(chunk, units)
+                install_gather_waits(chunk, units)
         if init is not None:  # buffers, and any parameter outside the units (none today), whole
             materialize(chunks, init)
         for unit in self.units:  # frozen parameters: no hook, no reduce, no step
@@ -284,7 +265,7 @@ class ZeroEngine(DataParallelEngine):
             while pos["fwd"] < upto:
                 u = blocks[pos["fwd"]]
                 pos["fwd"] += 1
-                self._gather_and_prefetch([u], order, after=u)
+                gather_and_prefetch([u], order, after=u)
                 if not self.per_step:
                     u.release()
 
@@ -301,7 +282,7 @@ class ZeroEngine(DataParallelEngine):
 
         def chunk_forward(module, args, kwargs):
             pos["fwd"] = 0
-            self._gather_and_prefetch(start, order)
+            gather_and_prefetch(start, order)
 
         def end_forward(*_):
             catch_up_forward(len(blocks))
@@ -311,7 +292,7 @@ class ZeroEngine(DataParallelEngine):
             if self._reducing(c):  # at the end of this backward, issue what it did not (no gradient: zeros)
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(c))
             if self.policy.sharded_weights:  # under 1F1B another micro-batch's backward may have freed them
-                _gather(start + [u for u in end if u not in start], backward=True)
+                gather_all(start + [u for u in end if u not in start], backward=True)
                 if blocks:
                     blocks[-1].start_gather(backward=True)
 
@@ -322,7 +303,7 @@ class ZeroEngine(DataParallelEngine):
                     return
                 catch_up_forward(i)
                 pos["fwd"] = i + 1
-                self._gather_and_prefetch([unit], order, after=unit)
+                gather_and_prefetch([unit], order, after=unit)
 
             return hook
 
@@ -353,52 +334,14 @@ class ZeroEngine(DataParallelEngine):
 
             def end_units(module, args):
                 end_forward()
-                _gather(end)
+                gather_all(end)
 
             chunk.final_norm.register_forward_pre_hook(end_units)
         for i, unit in enumerate(blocks):
             unit.module.register_forward_pre_hook(before_forward(i, unit))
             if not self.per_step:
-                unit.module.register_forward_hook(self._after_forward(unit))
+                unit.module.register_forward_hook(release_after_forward(unit))
             unit.module.register_full_backward_pre_hook(before_backward(i, unit))
-
-    @staticmethod
-    def _install_gather_waits(chunk, units: dict[str, FlatUnit]) -> None:
-        """--overlap-param-gather (stages 1-2): the step leaves each unit's all-gather in
-        flight; a unit's weights are waited for just before their first reader: the chunk's
-        forward (the embedding lookup), each block's forward, the final norm (the head, and a
-        tied embedding used as the output layer)."""
-        start = [units[n] for n in START_UNITS if n in units] if chunk.pre_process else []
-        end = [units[n] for n in ("head", "embedding") if n in units and n not in [u.name for u in start]]
-
-        def wait(now: list[FlatUnit]) -> None:
-            for u in now:
-                u.wait_gather()
-
-        chunk.register_forward_pre_hook(lambda m, a, kw: wait(start), with_kwargs=True)
-        for unit in units.values():
-            if unit.module is not None:
-                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: unit.wait_gather())
-        if end:
-            chunk.final_norm.register_forward_pre_hook(lambda m, a: wait(end))
-
-    @staticmethod
-    def _gather_and_prefetch(now: list[FlatUnit], order: list, after: FlatUnit | None = None) -> None:
-        """Gather `now`; start the gather of what comes after it in `order` (the first item
-        when `after` is None), which then runs while `now` computes."""
-        _gather(now)
-        i = order.index(after) + 1 if after is not None else len(now)
-        if i < len(order):
-            for u in order[i] if isinstance(order[i], list) else [order[i]]:
-                u.start_gather(backward=False)
-
-    @staticmethod
-    def _after_forward(unit: FlatUnit):
-        def hook(module, args, output):
-            if not recomputing():  # a rerun runs inside the backward, which still needs the weights
-                unit.release()
-
-        return hook
 
     # ---- gradients -----------------------------------------------------------------------
     def _grad_hook(self, unit: FlatUnit):
