@@ -36,7 +36,7 @@ class Bucket:
     size: int  # parameters in it
     missing: int = 0  # gradients of the last micro-batch still to come
     work: object = None  # the all-reduce in flight, once started
-    wire: torch.Tensor | None = None  # --grad-reduce-in-bf16: the bf16 copy on the wire
+    wire: torch.Tensor | None = None  # --grad-reduce-in-bf16: the bf16 copy on the wire (made once, reused)
 
 
 def bucket_bounds(numels: list[int], bucket_numel: int | None) -> list[tuple[int, int]]:
@@ -122,7 +122,9 @@ class GradBuffer:
         if self.wire == bucket.data.dtype:
             bucket.work = comm.all_reduce(bucket.data, self.group, "grad_allreduce", async_op=True)
         else:  # the sum runs in the wire dtype (NCCL: bf16 partial sums), then lands back in fp32
-            bucket.wire = bucket.data.to(self.wire)
+            if bucket.wire is None:  # the first step's: every later step reuses it
+                bucket.wire = torch.empty(bucket.data.shape, dtype=self.wire, device=bucket.data.device)
+            bucket.wire.copy_(bucket.data)
             bucket.work = comm.all_reduce(bucket.wire, self.group, "grad_allreduce", async_op=True)
         self._next += 1
 
@@ -146,7 +148,6 @@ class GradBuffer:
             bucket.work.wait()
             if bucket.wire is not None:
                 bucket.data.copy_(bucket.wire)
-                bucket.wire = None
         self._reset()
         if self.group.size > 1:
             self.data.div_(self.group.size)

@@ -29,6 +29,10 @@ never on a timing-dependent condition such as "the transfer happens to be done".
 
 The result is the SUM over all DP ranks, not the mean: the caller divides by the DP
 size exactly once (DeepSpeed's qgZ shipped results scaled by D by dividing per hop).
+
+Buffers: every buffer a reduction writes (wire copies, outputs, each hop's send, receive and sum)
+comes from its `buffers` lease (zero/reduce_buffers.py: the engine's pool, reused every step; by
+default plain allocations) and stays held by it until the caller gives it back after `finish`'s event.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import math
 import torch
 
 from .. import comm
-from ..ops.quantize import dequantize_sum_quantize_wire, dequantize_sum_wire, quantize_wire
+from ..ops.quantize import dequantize_sum_quantize_wire, dequantize_sum_wire, quantize_wire, wire_bytes
 from ..topology import Group
+from .reduce_buffers import Lease
 
 QGZ_BITS = 4  # qgZ: gradients travel as int4 (ZeRO++)
 
@@ -60,16 +65,25 @@ def _ready_event(dev, stream):
 class ReduceScatter:
     """A flat reduce-scatter of `flat` over `group` into an fp32 shard, in flight, on
     `stream` (default: the current one); `wire` (--grad-reduce-in-bf16: torch.bfloat16) is
-    the dtype on the wire and of the sum, fp32 by default."""
+    the dtype on the wire and of the sum, fp32 by default; `buffers`: where its buffers come from."""
 
-    def __init__(self, flat: torch.Tensor, group: Group, phase: str, wire: torch.dtype = torch.float32, stream=None):
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        group: Group,
+        phase: str,
+        wire: torch.dtype = torch.float32,
+        stream=None,
+        buffers: Lease | None = None,
+    ):
         self.dev = torch.get_device_module(flat.device)
         self.stream = stream or self.dev.current_stream()
         self.flat = flat  # read on the reduce stream: alive until the compute stream waited for `done`
+        self.buffers = buffers or Lease(flat.device)
         _ready_event(self.dev, self.stream)
         with self.dev.stream(self.stream):
-            self.out = torch.empty(flat.numel() // group.size, dtype=wire, device=flat.device)
-            self.source = flat.to(wire)
+            self.out = self.buffers.empty((flat.numel() // group.size,), wire)
+            self.source = flat if flat.dtype == wire else self.buffers.empty(flat.shape, wire).copy_(flat)
             self.work = comm.reduce_scatter(self.out, self.source, group, phase, async_op=True)
 
     def advance(self) -> None:
@@ -80,7 +94,7 @@ class ReduceScatter:
         event the compute stream must wait on before it reads `into` or reuses `flat`."""
         with self.dev.stream(self.stream):
             self.work.wait()
-            into.add_(self.out.float())
+            into.add_(self.out)  # in fp32 (type promotion), as the fp32 copy of `out` would
             done = self.dev.Event()
             done.record(self.stream)
         self.source = self.out = None
@@ -106,9 +120,9 @@ class HierarchicalReduceScatter:
         hop i's quantize -> all-to-all -> wait -> dequantize-sum (-> requantize) runs on
         streams[i], which waits for hop i-1's stream by an event (hop 0's waits for the
         compute stream, where the gradient was written). A hop's buffers are allocated, used
-        and dropped on its own stream after its wait (which orders that stream after NCCL's):
-        safe with TORCH_NCCL_AVOID_RECORD_STREAMS=1 and without. `flat` (the compute
-        stream's) stays referenced until finish()'s event is waited for.
+        on its own stream after the previous hop's wait (which orders that stream after NCCL's)
+        and held by `buffers` (with `flat`, the compute stream's) until the caller has waited
+        for finish()'s event: safe with TORCH_NCCL_AVOID_RECORD_STREAMS=1 and without.
     result(): [N/dp] fp32, chunk p (p = this rank's DP index) of the SUM over all DP ranks;
     finish(into): the same added into `into` on the last hop's stream, returning the event.
     """
@@ -123,6 +137,7 @@ class HierarchicalReduceScatter:
         stochastic: bool = False,
         wire: torch.dtype | None = None,
         streams: list | None = None,
+        buffers: Lease | None = None,
     ):
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be None, 4 or 8, got {bits}")
@@ -140,7 +155,7 @@ class HierarchicalReduceScatter:
         self.dev = torch.get_device_module(flat.device)
         self.streams = list(streams) if streams else [self.dev.current_stream()] * len(hops)
         self.flat = flat  # read on the reduce streams: alive until the compute stream waited for finish()
-        self._keep: list[torch.Tensor] = []  # buffers that crossed from one hop's stream to the next
+        self.buffers = buffers or Lease(flat.device)  # every buffer below, held until finish()'s event
         _ready_event(self.dev, self.streams[0])
         self.cur = flat.view(*reversed(radices), self.chunk)  # [r_k, ..., r_1, r_0, C]
         self.hop, self.work = 0, None
@@ -171,13 +186,17 @@ class HierarchicalReduceScatter:
             self.recv, self.work = send.contiguous(), None
             return
         if self.bits is None:
-            self.send = send.to(self.wire).contiguous()
+            self.send = self.buffers.empty(tuple(send.shape), self.wire).copy_(send)
         else:  # the quantizer reads the reordered slices in place
-            self.send = quantize_wire(send, self.block, self.bits, stochastic=self.stochastic)
+            out = self._wire_buffer(send.shape[0], math.prod(self.rest))
+            self.send = quantize_wire(send, self.block, self.bits, stochastic=self.stochastic, out=out)
         self._send_wire(group)
 
+    def _wire_buffer(self, rows: int, m: int) -> torch.Tensor:
+        return self.buffers.empty((rows, wire_bytes(m, self.block, self.bits)), torch.uint8)
+
     def _send_wire(self, group: Group) -> None:
-        self.recv = torch.empty_like(self.send)
+        self.recv = self.buffers.empty(tuple(self.send.shape), self.send.dtype)
         self.work = comm.all_to_all(self.recv, self.send, group, self.phase, async_op=True)
 
     def _finish_hop(self) -> None:
@@ -195,19 +214,20 @@ class HierarchicalReduceScatter:
         nxt = self.hops[self.hop + 1] if self.hop + 1 < len(self.hops) else None
         if self.bits is not None and self.work is not None and nxt is not None and nxt.size > 1:
             # a middle hop: the sum is requantized straight into the next hop's reordered wire
+            out = self._wire_buffer(nxt.size, m // nxt.size)  # made on this hop's stream, read on the next's
             self.send = dequantize_sum_quantize_wire(
-                self.recv, m, self.block, self.bits, nxt.size, self.chunk, stochastic=self.stochastic
+                self.recv, m, self.block, self.bits, nxt.size, self.chunk, stochastic=self.stochastic, out=out
             )
             self.rest, self.hop = (*self.rest[:-2], self.chunk), self.hop + 1
-            self._keep.append(self.send)  # made on this hop's stream, read on the next one's: kept to the end
             self._handoff()
             with self._on():
                 self._send_wire(nxt)
             return False
+        out = self.buffers.empty((m,), torch.float32)
         if self.bits is None or self.work is None:
-            summed = self.recv.view(r, m).sum(0, dtype=torch.float32)
+            summed = torch.sum(self.recv.view(r, m), 0, dtype=torch.float32, out=out)
         else:
-            summed = dequantize_sum_wire(self.recv, m, self.block, self.bits, torch.empty(m, device=self.recv.device))
+            summed = dequantize_sum_wire(self.recv, m, self.block, self.bits, out)
         self.cur, self.send, self.recv = summed.view(self.rest), None, None  # fp32: [r_k, ..., r_{i+1}, C]
         self.hop += 1
         return not self.done

@@ -22,6 +22,7 @@ the same storage, so they are valid again once it is refilled).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -95,24 +96,48 @@ def shard_layout(chunks, group_rank: int, group_size: int, block: int, key_of) -
     return numbered_layout(tensors, spans)
 
 
+@dataclass
+class UnitGrads:
+    """A unit's gradient bookkeeping within a step (the engine's reduction schedule reads and resets it).
+
+    trainable: its parameters with requires_grad (frozen ones get no hook; a unit with none is never
+        reduced); ready: how many of them delivered this backward's gradient; reduced: its reduction
+        started (stage 1: once per step; 2-3: once per micro-batch); flat: the fp32 accumulator of the
+        unit's padded flat gradient (stage 1: persistent, else taken from the engine's buffer pool for
+        one micro-batch)."""
+
+    trainable: int
+    ready: int = 0
+    reduced: bool = False
+    flat: torch.Tensor | None = None
+
+
 class FlatUnit:
     def __init__(
         self,
         name: str,
         params: list[torch.nn.Parameter],
         group: Group,
-        stage: int,
+        sharded_weights: bool,
         pad_block: int,
         hpz: Group | None = None,
         qwz_block: int | None = None,
         init=None,
+        module: torch.nn.Module | None = None,
+        chunk: int = 0,
+        tied: bool = False,
+        gather_stream=None,
     ):
         """`params` are real tensors (copied into the flat buffer), or on the meta device with `init`
         (model/init.RankInit): a sharded start-up, which allocates and fills only what this rank
-        keeps, parameter by parameter: ZeRO-3 its shard (the full buffer is first allocated by the
-        first gather), stages 1-2 the full buffer. The values are the same either way."""
-        self.name, self.params, self.group, self.stage = name, params, group, stage
+        keeps, parameter by parameter: ZeRO-3 (`sharded_weights`) its shard (the full buffer is first
+        allocated by the first gather), stages 1-2 the full buffer. The values are the same either way.
+        `module`: a block's module (ZeRO-3 hooks it); `chunk`: the model chunk it belongs to; `tied`: the
+        embedding whose twin is the output layer on the other end stage; `gather_stream`: the engine's
+        all-gather stream (None: the current one)."""
+        self.name, self.params, self.group, self.sharded_weights = name, params, group, sharded_weights
         self.hpz, self.qwz_block = hpz, qwz_block
+        self.module, self.chunk, self.tied, self.gather_stream = module, chunk, tied, gather_stream
         p0 = params[0]
         on_meta = p0.is_meta
         if on_meta and init is None:
@@ -132,7 +157,7 @@ class FlatUnit:
 
         self.gathered = True
         self._gather: PendingGather | None = None
-        if on_meta and stage == 3:  # only the shard: the full buffer and its views come with the first gather
+        if on_meta and sharded_weights:  # only the shard: the full buffer and its views come with the first gather
             self.full, self._views, self.gathered = torch.empty(0, dtype=self.dtype, device=self.device), None, False
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
@@ -155,8 +180,12 @@ class FlatUnit:
             else:
                 self.secondary = self.full[hpz.rank * s : (hpz.rank + 1) * s].clone()
         self.secondary_current = False  # holds the weights of this step's first forward gather
-        if stage == 3:
+        if sharded_weights:
             self.release()
+        # fp32 master shard (ZeRO-3 in fp32: the shard itself) and fp32 gradient shard
+        self.master = self.shard if self.dtype == torch.float32 and sharded_weights else self.shard.float().clone()
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        self.grads = UnitGrads(trainable=sum(p.requires_grad for p in params))
 
     def _make_views(self) -> None:
         self._views = [
@@ -176,7 +205,7 @@ class FlatUnit:
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
         # hpZ: the backward, and every forward after the step's first (the weights change only
         # at the step), gather inside the node from the secondary shards
-        stream = getattr(self, "gather_stream", None)  # the engine's all-gather stream
+        stream = self.gather_stream
         if self.hpz is not None and (backward or self.secondary_current):
             self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase, stream=stream)
         else:
@@ -203,7 +232,7 @@ class FlatUnit:
         """Free the full weights (stage 3); the shard stays. A prefetch in flight is
         finished first (its buffer is the storage being freed) and dropped."""
         self._drop_gather()
-        if self.stage == 3 and self.gathered:
+        if self.sharded_weights and self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
             for p in self.params:  # reading a released weight gives an empty tensor, not freed memory
@@ -228,9 +257,10 @@ class FlatUnit:
         self._drop_gather()
         self.secondary_current = False
         self.shard.copy_(new_shard)
-        if self.stage < 3:
-            stream = getattr(self, "gather_stream", None)
-            self._gather = all_gather_weights(self.full, self.shard, self.group, "zero_param_allgather", stream=stream)
+        if not self.sharded_weights:
+            self._gather = all_gather_weights(
+                self.full, self.shard, self.group, "zero_param_allgather", stream=self.gather_stream
+            )
             self.gathered = False
             if wait:
                 self.wait_gather()

@@ -43,9 +43,12 @@ Streams (torch.get_device_module(device): no-ops on CPU, so one code path runs t
   (-> requantize) on its stream, and the last adds the result into the unit's fp32 shard
   there. On an accelerator the whole chain is enqueued when the unit's gradients are
   ready (enqueue_whole_chain); on CPU gloo's waits block the host, so hops advance one per
-  later unit as before. The unit's gradient and the buffers that cross streams stay
-  referenced (PendingReduce) until the compute stream has waited for the chain's last
-  event, so both TORCH_NCCL_AVOID_RECORD_STREAMS=1 and the default are safe.
+  later unit as before. The unit's gradient and every buffer of the chain come from one
+  pool (zero/reduce_buffers.py) and stay held by the reduction's lease (PendingReduce)
+  until the compute stream has waited for the chain's last event; they then go back with
+  that event, which any later taker's stream waits for: both TORCH_NCCL_AVOID_RECORD_STREAMS=1
+  and the default are safe, and after the first step no reduction allocates anything (the
+  same buffers, in the same order, every step).
 * the compute stream never waits on the host: beyond max_in_flight reductions
   (--zero-reduce-in-flight, never fewer than the hops) it waits for the oldest one's
   event (backpressure); the finalize (and so the clip and the step) waits for every
@@ -70,7 +73,10 @@ from ..recompute import recomputing
 from ..topology import ProcessGroups, topology_from_config, zero_reduce_tiers
 from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked
 from .grad_reduce import QGZ_BITS, HierarchicalReduceScatter, ReduceScatter
+from .reduce_buffers import Lease, ReduceBuffers
 from .sharded_params import START_UNITS, FlatUnit, model_units, pad_block, shard_layout
+from .stage_policy import stage_policy
+from .unit_hooks import backward_order, gather_all, gather_and_prefetch, install_gather_waits, release_after_forward
 
 
 def unit_key(index: int, name: str) -> str:
@@ -78,34 +84,16 @@ def unit_key(index: int, name: str) -> str:
     return f"unit{index}.{name}.master"
 
 
-def _gather(units: list[FlatUnit], backward: bool = False) -> None:
-    for u in units:
-        u.start_gather(backward)
-    for u in units:
-        u.wait_gather()
-
-
-def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
-    """The units of a chunk in the order their backward ends:
-    a tied output layer on the last stage (the embedding), the head, the blocks last to
-    first, the embedding lookup. Known from the model, not from the data."""
-    by_name = {u.name: u for u in units}
-    emb = by_name.get("embedding")
-    order = [emb] if emb is not None and chunk.post_process and not chunk.pre_process else []
-    order += [by_name["head"]] if "head" in by_name else []
-    order += reversed([u for u in units if u.module is not None])
-    order += [emb] if emb is not None and emb not in order else []
-    return order + [u for u in units if u not in order]
-
-
 @dataclass
 class PendingReduce:
     """A unit's gradient reduction in flight; its result is added to the unit's fp32 shard on
     the reduce stream, and `done` (once the chain is enqueued) is the event that says so. The
-    object keeps every buffer of the chain alive until the compute stream has waited for it."""
+    lease keeps every buffer of the chain alive until the compute stream has waited for it, then
+    gives them back to the engine's pool for the next reduction."""
 
     unit: FlatUnit
     reduction: ReduceScatter | HierarchicalReduceScatter
+    lease: Lease
     done: object = None
 
 
@@ -128,11 +116,14 @@ class ZeroEngine(DataParallelEngine):
     def __init__(self, chunks, groups: ProcessGroups, optim_cfg, zero_cfg, init=None):
         """`chunks` built on the meta device come with `init` (model/init.RankInit): each unit then
         allocates and fills only what this rank keeps (sharded_params.FlatUnit)."""
-        self.chunks, self.groups, self.stage = chunks, groups, zero_cfg.zero_stage
+        self.chunks, self.groups = chunks, groups
+        self.policy = policy = stage_policy(zero_cfg.zero_stage)  # what the stage shards, when it reduces
         self.group = groups.dp_cp
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
-        self.overlap_grads = self.stage == 1 and zero_cfg.overlap_grad_reduce  # stages 2-3 always overlap
-        self.overlap_gather = zero_cfg.overlap_param_gather and self.stage < 3
+        # whether gradients are reduced during the backward: stage 1 only with --overlap-grad-reduce
+        # (then the schedule announces each chunk's last micro-batch), stages 2-3 always
+        self.overlap_grads = policy.grads.every_backward or zero_cfg.overlap_grad_reduce
+        self.overlap_gather = zero_cfg.overlap_param_gather and not policy.sharded_weights
         self.last = [False] * len(chunks)  # stage 1: is this the chunk's last micro-batch of the step
         self.reduced_in_backward = 0  # units whose reduction the backward started (this step)
         self.clip = optim_cfg.clip_grad
@@ -147,6 +138,7 @@ class ZeroEngine(DataParallelEngine):
         self.dev = torch.get_device_module(device)
         self.gather_stream = self.dev.Stream()
         self.reduce_streams = [self.dev.Stream() for _ in range(hops)]
+        self.buffers = ReduceBuffers(device)  # every reduction's buffers, reused step after step
         self.enqueue_whole_chain = device.type != "cpu"
         self.grad_bits = QGZ_BITS if zero_cfg.zero_quantized_gradients else None
         self.grad_block = zero_cfg.zero_gradient_quantization_block_size
@@ -159,24 +151,28 @@ class ZeroEngine(DataParallelEngine):
             units = {}
             for name, params, module in model_units(chunk):
                 unit = FlatUnit(
-                    name, params, self.group, self.stage, pad_block(zero_cfg), hpz=hpz, qwz_block=qwz, init=init
+                    name,
+                    params,
+                    self.group,
+                    policy.sharded_weights,
+                    pad_block(zero_cfg),
+                    hpz=hpz,
+                    qwz_block=qwz,
+                    init=init,
+                    module=module,
+                    chunk=c,
+                    tied=name == "embedding" and chunk.tied,  # its twin on the other end stage
+                    gather_stream=self.gather_stream,
                 )
-                unit.tied = name == "embedding" and chunk.tied  # its twin on the other end stage
-                unit.module, unit.chunk = module, c
+                policy.grads.prepare(unit)
                 units[name] = unit
                 self.units.append(unit)
             self._install_hooks(chunk, units)
             if self.overlap_gather:
-                self._install_gather_waits(chunk, units)
+                install_gather_waits(chunk, units)
         if init is not None:  # buffers, and any parameter outside the units (none today), whole
             materialize(chunks, init)
-        for unit in self.units:  # fp32 master shard, fp32 gradient shard
-            unit.master = unit.shard if unit.dtype == torch.float32 and self.stage == 3 else unit.shard.float().clone()
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=torch.float32, device=unit.device)
-            unit.flat_grad, unit.ready, unit.reduced = None, 0, False
-            unit.trainable = sum(p.requires_grad for p in unit.params)  # frozen ones: no hook, no reduce, no step
-            if self.stage == 1:
-                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
+        for unit in self.units:  # frozen parameters: no hook, no reduce, no step
             for p in unit.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._grad_hook(unit))
@@ -185,14 +181,11 @@ class ZeroEngine(DataParallelEngine):
         self.schedule, self.sched_before = [], {}  # sched_before: scheduled units before it in the backward
         for c, chunk in enumerate(chunks):
             order = backward_order(chunk, [u for u in self.units if u.chunk == c])
-            self.schedule.append([u for u in order if u.trainable])
+            self.schedule.append([u for u in order if u.grads.trainable])
             for u in order:
-                self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.trainable)
+                self.sched_before[id(u)] = sum(1 for v in order[: order.index(u)] if v.grads.trainable)
         self.next = [0] * len(chunks)
         self._pending: list[PendingReduce] = []
-
-        for unit in self.units:
-            unit.gather_stream = self.gather_stream
 
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
         ndims, decoupled = [], []  # per segment: its parameter's ndim, whether it takes --decoupled-lr
@@ -212,8 +205,9 @@ class ZeroEngine(DataParallelEngine):
         numel = sum(u.numel for u in self.units)
         padded = sum(u.padded for u in self.units)
         size = self.units[0].full.element_size() if self.units else 4
+        kept = " (weights kept gathered until the step)" if self.per_step else ""
         parts = [
-            f"ZeRO-{self.stage}{' (weights kept gathered until the step)' if self.per_step else ''} over DP x CP "
+            f"ZeRO-{self.policy.stage}{kept} over DP x CP "
             f"({self.group.size} ranks, {self.group.link}): {len(self.units)} "
             f"units, shard {sum(u.shard_numel for u in self.units) / 1e6:.3f}M of {numel / 1e6:.3f}M parameters "
             f"(padding {100 * (padded / max(numel, 1) - 1):.1f}%)"
@@ -231,10 +225,11 @@ class ZeroEngine(DataParallelEngine):
             sr = " stochastic" if self.stochastic else ""
             what = f"qgZ int4{sr}, blocks of {self.grad_block}" if self.grad_bits else str(self.wire)[6:]
             parts.append(f"hierarchical gradient all-to-all ({what}), hops: {hops}")
-        when = "during the backward" if self.stage >= 2 or self.overlap_grads else "after the backward"
+        when = "during the backward" if self.overlap_grads else "after the backward"
         parts.append(
             f"gradients accumulated in fp32, reduced in {str(self.wire)[6:] if not self.grad_bits else 'int4'} "
-            f"{when}, up to {self.max_in_flight} reductions in flight"
+            f"{self.policy.grads.when} {when}, up to {self.max_in_flight} reductions in flight, "
+            "from buffers reused every step"
         )
         if self.overlap_gather:
             parts.append("updated weights all-gathered during the next step's forward (--overlap-param-gather)")
@@ -275,7 +270,7 @@ class ZeroEngine(DataParallelEngine):
             while pos["fwd"] < upto:
                 u = blocks[pos["fwd"]]
                 pos["fwd"] += 1
-                self._gather_and_prefetch([u], order, after=u)
+                gather_and_prefetch([u], order, after=u)
                 if not self.per_step:
                     u.release()
 
@@ -286,13 +281,13 @@ class ZeroEngine(DataParallelEngine):
                 blocks[i].gather(backward=True)
                 if i > 0:
                     blocks[i - 1].start_gather(backward=True)
-                self._issue_before(c, self.sched_before[id(blocks[i])] + bool(blocks[i].trainable))
+                self._issue_before(c, self.sched_before[id(blocks[i])] + bool(blocks[i].grads.trainable))
                 if not self.per_step:
                     blocks[i].release()
 
         def chunk_forward(module, args, kwargs):
             pos["fwd"] = 0
-            self._gather_and_prefetch(start, order)
+            gather_and_prefetch(start, order)
 
         def end_forward(*_):
             catch_up_forward(len(blocks))
@@ -301,8 +296,8 @@ class ZeroEngine(DataParallelEngine):
             pos["bwd"] = 0
             if self._reducing(c):  # at the end of this backward, issue what it did not (no gradient: zeros)
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(c))
-            if self.stage == 3:  # under 1F1B another micro-batch's backward may have freed them
-                _gather(start + [u for u in end if u not in start], backward=True)
+            if self.policy.sharded_weights:  # under 1F1B another micro-batch's backward may have freed them
+                gather_all(start + [u for u in end if u not in start], backward=True)
                 if blocks:
                     blocks[-1].start_gather(backward=True)
 
@@ -313,7 +308,7 @@ class ZeroEngine(DataParallelEngine):
                     return
                 catch_up_forward(i)
                 pos["fwd"] = i + 1
-                self._gather_and_prefetch([unit], order, after=unit)
+                gather_and_prefetch([unit], order, after=unit)
 
             return hook
 
@@ -336,7 +331,7 @@ class ZeroEngine(DataParallelEngine):
             "respect to module outputs since no inputs require gradients",
         )
         chunk.register_full_backward_pre_hook(chunk_backward)
-        if self.stage < 3:
+        if not self.policy.sharded_weights:  # stages 1-2: the weights stay whole, nothing to gather
             return
         chunk.register_forward_pre_hook(chunk_forward, with_kwargs=True)
         chunk.register_forward_hook(end_forward)  # a middle stage's skipped last blocks
@@ -344,52 +339,14 @@ class ZeroEngine(DataParallelEngine):
 
             def end_units(module, args):
                 end_forward()
-                _gather(end)
+                gather_all(end)
 
             chunk.final_norm.register_forward_pre_hook(end_units)
         for i, unit in enumerate(blocks):
             unit.module.register_forward_pre_hook(before_forward(i, unit))
             if not self.per_step:
-                unit.module.register_forward_hook(self._after_forward(unit))
+                unit.module.register_forward_hook(release_after_forward(unit))
             unit.module.register_full_backward_pre_hook(before_backward(i, unit))
-
-    @staticmethod
-    def _install_gather_waits(chunk, units: dict[str, FlatUnit]) -> None:
-        """--overlap-param-gather (stages 1-2): the step leaves each unit's all-gather in
-        flight; a unit's weights are waited for just before their first reader: the chunk's
-        forward (the embedding lookup), each block's forward, the final norm (the head, and a
-        tied embedding used as the output layer)."""
-        start = [units[n] for n in START_UNITS if n in units] if chunk.pre_process else []
-        end = [units[n] for n in ("head", "embedding") if n in units and n not in [u.name for u in start]]
-
-        def wait(now: list[FlatUnit]) -> None:
-            for u in now:
-                u.wait_gather()
-
-        chunk.register_forward_pre_hook(lambda m, a, kw: wait(start), with_kwargs=True)
-        for unit in units.values():
-            if unit.module is not None:
-                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: unit.wait_gather())
-        if end:
-            chunk.final_norm.register_forward_pre_hook(lambda m, a: wait(end))
-
-    @staticmethod
-    def _gather_and_prefetch(now: list[FlatUnit], order: list, after: FlatUnit | None = None) -> None:
-        """Gather `now`; start the gather of what comes after it in `order` (the first item
-        when `after` is None), which then runs while `now` computes."""
-        _gather(now)
-        i = order.index(after) + 1 if after is not None else len(now)
-        if i < len(order):
-            for u in order[i] if isinstance(order[i], list) else [order[i]]:
-                u.start_gather(backward=False)
-
-    @staticmethod
-    def _after_forward(unit: FlatUnit):
-        def hook(module, args, output):
-            if not recomputing():  # a rerun runs inside the backward, which still needs the weights
-                unit.release()
-
-        return hook
 
     # ---- gradients -----------------------------------------------------------------------
     def _grad_hook(self, unit: FlatUnit):
@@ -398,23 +355,18 @@ class ZeroEngine(DataParallelEngine):
         def hook(p):
             i = index[id(p)]
             off, n = unit.offsets[i], unit.numels[i]
-            if unit.flat_grad is None:  # fp32 whatever the parameter dtype: micro-batches sum without rounding
-                unit.flat_grad = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-            if unit.reduced:  # the wire reads flat_grad (stage 1), or this micro-batch's sum is on its way
+            g = unit.grads
+            if g.reduced:  # the wire reads the accumulator (stage 1), or this micro-batch's sum is on its way
                 raise RuntimeError(
-                    f"ZeRO-{self.stage} unit {unit.name}: a gradient arrived after its reduction started: "
-                    + (
-                        "a backward ran after the one the schedule announced as the last micro-batch "
-                        "(set_last_micro_batch)"
-                        if self.stage == 1
-                        else "the backward reached a later block first (the schedule assumes the blocks' order)"
-                    )
+                    f"ZeRO-{self.policy.stage} unit {unit.name}: a gradient arrived after its reduction started: "
+                    + self.policy.grads.late_gradient
                 )
-            unit.flat_grad[off : off + n].add_(p.grad.reshape(-1))
+            # fp32 whatever the parameter dtype: micro-batches sum without rounding
+            self.policy.grads.accumulator(unit, self.buffers)[off : off + n].add_(p.grad.reshape(-1))
             p.grad = None
             if self._reducing(unit.chunk):
-                unit.ready += 1
-                if unit.ready == unit.trainable:
+                g.ready += 1
+                if g.ready == g.trainable:
                     self._issue(unit.chunk, upto=None)
 
         return hook
@@ -422,7 +374,7 @@ class ZeroEngine(DataParallelEngine):
     def _reducing(self, chunk: int) -> bool:
         """Whether this backward of `chunk` reduces (stages 2-3: every micro-batch; stage 1: the
         last, when the schedule announced it)."""
-        return self.stage >= 2 or self.last[chunk]
+        return self.policy.grads.every_backward or self.last[chunk]
 
     def _issue(self, c: int, upto: int | None) -> None:
         """Issue chunk c's reductions in schedule order: those whose gradients are all in
@@ -431,7 +383,7 @@ class ZeroEngine(DataParallelEngine):
         sched = self.schedule[c]
         while self.next[c] < len(sched):
             unit = sched[self.next[c]]
-            if upto is None and unit.ready < unit.trainable:
+            if upto is None and unit.grads.ready < unit.grads.trainable:
                 break
             self._reduce(unit)
             self.reduced_in_backward += 1
@@ -448,20 +400,18 @@ class ZeroEngine(DataParallelEngine):
         """The end of a reducing backward of chunk c (autograd's final callback): issue the rest,
         then count the next micro-batch afresh. A unit that got no gradient sends zeros."""
         self._issue(c, upto=len(self.schedule[c]))
-        if self.stage >= 2:
+        if self.policy.grads.every_backward:  # the next backward issues the whole schedule again
             self.next[c] = 0
         for u in self.schedule[c]:
-            u.ready = 0
-            u.reduced = self.stage == 1
+            self.policy.grads.after_backward(u)
 
     def _reduce(self, unit: FlatUnit) -> None:
         """Start reducing one unit's gradients into its fp32 shard (summed, not averaged),
-        and advance the reductions already in flight."""
-        flat = unit.flat_grad
-        if flat is None:  # stages 2-3: no parameter of the unit got a gradient in this micro-batch
-            flat = torch.zeros(unit.padded, dtype=torch.float32, device=unit.device)
-        unit.flat_grad, unit.ready = (None if self.stage >= 2 else flat), 0
-        unit.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
+        and advance the reductions already in flight. Its buffers come from the pool (a lease)."""
+        lease = self.buffers.lease()
+        flat = self.policy.grads.hand_over(unit, lease)  # no gradient this micro-batch: zeros
+        unit.grads.ready = 0
+        unit.grads.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
@@ -473,10 +423,12 @@ class ZeroEngine(DataParallelEngine):
                 self.stochastic,
                 self.wire,
                 self.reduce_streams,
+                lease,
             )
         else:
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, self.reduce_streams[0])
-        pending = PendingReduce(unit, reduction)
+            stream = self.reduce_streams[0]
+            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, stream, lease)
+        pending = PendingReduce(unit, reduction, lease)
         if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
             pending.done = reduction.finish(unit.grad_shard)
         else:
@@ -490,11 +442,12 @@ class ZeroEngine(DataParallelEngine):
 
     def _finish_oldest(self) -> None:
         """The compute stream waits (an event, not the host) for the oldest reduction; its
-        buffers (the unit's gradient among them) are dropped only then."""
+        buffers (the unit's gradient among them) go back to the pool only then."""
         oldest = self._pending.pop(0)
         if oldest.done is None:
             oldest.done = oldest.reduction.finish(oldest.unit.grad_shard)
         self.dev.current_stream().wait_event(oldest.done)
+        oldest.lease.give_back(oldest.done)
 
     def _drain(self) -> None:
         while self._pending:
@@ -505,11 +458,7 @@ class ZeroEngine(DataParallelEngine):
         self._drain()
         for unit in self.units:
             unit.grad_shard.zero_()
-            if self.stage == 1:
-                unit.flat_grad.zero_()
-            else:
-                unit.flat_grad = None
-            unit.ready, unit.reduced = 0, False
+            self.policy.grads.clear(unit, self.buffers)
         self.last = [False] * len(self.last)
         self.next = [0] * len(self.next)
         self.reduced_in_backward = 0
@@ -521,13 +470,13 @@ class ZeroEngine(DataParallelEngine):
     def _finish_grads(self) -> None:
         for c, sched in enumerate(self.schedule):  # in schedule order: what no backward issued
             for unit in sched[self.next[c] :]:
-                if self.stage == 1 or unit.ready or unit.flat_grad is not None:
+                if self.policy.grads.at_step(unit):
                     self._reduce(unit)  # stage 1 without overlap: all; 2-3: a backward with no end callback
             self.next[c] = 0
         self._drain()
         self.last = [False] * len(self.last)
         for unit in self.units:
-            unit.ready, unit.reduced = 0, False
+            unit.grads.ready, unit.grads.reduced = 0, False
         partial = [
             u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments() if getattr(p, "tp_partial_grad", False)
         ]

@@ -151,7 +151,7 @@ def _held(run) -> dict[str, torch.Tensor]:
     out = {k: v.detach().clone() for k, v in run.dp.model_state_dict().items()}
     for i, u in enumerate(getattr(run.dp, "units", [])):
         out[f"unit{i}.shard"] = u.shard.clone()
-        if u.stage < 3:
+        if not u.sharded_weights:
             out[f"unit{i}.full"] = u.full.clone()
     return out
 
