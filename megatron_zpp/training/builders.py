@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import comm
 from ..config import Config
@@ -41,9 +42,9 @@ def meta_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_rank: int)
     """The one builder of a rank's model: its (TP, PP) slice's chunks on the meta device, in the
     training dtype (shapes, names, TP splits and init rules; no memory). `ctx` may carry stand-in
     groups of the right sizes (the estimator, a dry run): only their sizes and ranks are read."""
-    with torch.device("meta"):
+    with torch.device("meta"), unset_fake_temporarily():  # plain meta tensors under a dry run's FakeTensorMode too
         chunks = build_stage_model(cfg, vocab_size, ctx, pp_rank)
-    return [chunk.to(dtype=training_dtype(cfg)) for chunk in chunks]  # meta to meta: the same parameters
+        return [chunk.to(dtype=training_dtype(cfg)) for chunk in chunks]  # meta to meta: the same parameters
 
 
 def rank_init(cfg: Config, groups: ProcessGroups, chunks: list[GPT], device: torch.device) -> RankInit:
