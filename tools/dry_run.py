@@ -15,8 +15,8 @@ N-rank job, one after another in this process, on torch's fake process group and
 
 Prints one line per rank (peak GiB at start-up and in the step beside memory.py's estimate,
 collectives and sends issued, GiB sent per link class), every mismatch (a group whose members
-issue different collectives, named by group, index, op and rank; a send without its receive),
-and OK or FAIL; exits 1 on any mismatch or a peak over --gpu-memory-gb.
+issue different collectives, named by group, index, op and rank; a send without its receive;
+bytes per link class other than the step simulator's), and OK or FAIL; exits 1 on any mismatch or a peak over --gpu-memory-gb.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def to_json(report, seconds: float) -> dict:
                 "collectives": {f"{role} {list(ranks)}": seq for (role, ranks), seq in r.collectives.items()},
                 "p2p": {f"{role} {list(ranks)}": [list(m) for m in msgs] for (role, ranks), msgs in r.p2p.items()},
                 "link_bytes": r.link_bytes,
+                "simulated_link_bytes": r.simulated,
                 "seconds": r.seconds,
             }
             for r in report.results

@@ -13,8 +13,9 @@ Per rank it records, through comm.py: every group's ordered collectives (comm.OR
 point-to-point messages, the ledger's bytes per link class; and the peak of live fake storage
 (memory.LiveBytes) during start-up and during the step. `check(results)` then compares the
 ranks that ran: each group's members issue the same sequence (the first divergence named), each
-send has its receive on the peer, in order; `memory_ratios` puts the peaks beside memory.py's
-estimate."""
+send has its receive on the peer, in order, and each rank's bytes per link class are the step
+simulator's (simulator/collectives.py: the same byte model); each peak stands beside memory.py's
+estimate (RankResult.ratio)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .. import comm, memory, training
 from ..config import Config
+from ..simulator.collectives import rank_step
 from ..topology import topology_from_config
 from ..training.step import train_step
 
@@ -49,6 +51,7 @@ class RankResult:
     step_peak: int  # live bytes, the training step (what set-up left included)
     seconds: float
     estimate: int = 0  # memory.estimate_rank's peak for this rank's stage and CP slice
+    simulated: dict[str, float] = field(default_factory=dict)  # simulator.collectives' bytes per link class
 
     @property
     def ratio(self) -> float:
@@ -177,7 +180,16 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
         comm.ORDER.p2p.clear()
         comm.LEDGER.reset()
     result.estimate = memory.estimate_rank(cfg, result.coords["pp"], cp_rank=result.coords["cp"]).peak
+    result.simulated = simulated_link_bytes(cfg, rank)
     return result
+
+
+def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
+    """The step simulator's bytes of `rank` per link class (the ledger's byte model: they should be equal)."""
+    out: dict[str, float] = defaultdict(float)
+    for c in rank_step(cfg, rank).all():
+        out[c.link] += c.bytes()
+    return dict(out)
 
 
 @contextlib.contextmanager
@@ -211,8 +223,26 @@ def _skipping(phase: str | None):
 
 
 def check(results: list[RankResult]) -> list[Mismatch]:
-    """Every group's members that ran issue the same collectives; every send meets its receive."""
-    return _check_order(results) + _check_p2p(results)
+    """Every group's members that ran issue the same collectives; every send meets its receive; each
+    rank's ledger bytes per link class are the simulator's."""
+    return _check_order(results) + _check_p2p(results) + _check_bytes(results)
+
+
+def _check_bytes(results: list[RankResult]) -> list[Mismatch]:
+    out = []
+    for r in results:
+        links = sorted(set(r.link_bytes) | set(r.simulated))
+        diff = [k for k in links if abs(r.link_bytes.get(k, 0.0) - r.simulated.get(k, 0.0)) > 1e-6 * _top(r, k)]
+        if diff:
+            what = ", ".join(
+                f"{k}: ran {r.link_bytes.get(k, 0.0):.0f}, simulated {r.simulated.get(k, 0.0):.0f}" for k in diff
+            )
+            out.append(Mismatch("bytes", f"rank {r.rank}: bytes sent per link differ from the simulator's ({what})"))
+    return out
+
+
+def _top(r: RankResult, link: str) -> float:
+    return max(r.link_bytes.get(link, 0.0), r.simulated.get(link, 0.0), 1.0)
 
 
 def _check_order(results: list[RankResult]) -> list[Mismatch]:
@@ -288,5 +318,10 @@ def summary_line(r: RankResult) -> str:
         f"rank {r.rank:>5} (tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']}): "
         f"start-up {r.startup_peak / memory.GiB:.3f} GiB, step {r.step_peak / memory.GiB:.3f} GiB "
         f"(estimate {r.estimate / memory.GiB:.3f}, ratio {r.ratio:.3f}); {calls} collectives, {sends} sends; "
-        f"GiB sent by link: {links or 'none'}; {r.seconds:.1f} s"
+        f"GiB sent by link: {links or 'none'}{_sim_note(r)}; {r.seconds:.1f} s"
     )
+
+
+def _sim_note(r: RankResult) -> str:
+    same = all(abs(r.link_bytes.get(k, 0.0) - r.simulated.get(k, 0.0)) <= 1e-6 * _top(r, k) for k in r.simulated)
+    return " (= simulator)" if same and set(r.link_bytes) <= set(r.simulated) else " (simulator differs)"

@@ -64,6 +64,24 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
     assert all(r["collectives"] for r in ranks)
 
 
+def test_zeropp_three_tiers_match_the_simulator_bytes():
+    """ZeRO++ (qwZ, hpZ over a pair, qgZ over pair / node / cluster) on 8 ranks of 4 per node: the
+    ledger's bytes per link class are the simulator's on every rank, and the groups agree."""
+    argv = (
+        TINY
+        + (
+            "--num-layers 2 --global-batch-size 8 --bf16 --zero-stage 3 --zero-quantized-weights "
+            "--zero-hpz-partition-size 2 --zero-quantized-gradients --zero-hierarchy 2 --ranks-per-node 4"
+        ).split()
+    )
+    cfg = parse_config(argv, 8, run=False)
+    report = dry_run(cfg, 8, list(range(8)))
+    assert report.ok, [m.message for m in report.mismatches]
+    for r in report.results:
+        assert set(r.link_bytes) == {"tier0", "intra_node", "inter_node"}
+        assert r.link_bytes == pytest.approx(r.simulated, rel=1e-9)
+
+
 def test_skipped_reduction_is_caught_and_named():
     """Rank 3 leaves out its first ZeRO gradient reduce-scatter: its data-parallel group diverges at
     collective #0, and the message names the group, the op and the rank."""
