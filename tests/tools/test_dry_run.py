@@ -66,7 +66,7 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
 
 def test_zeropp_three_tiers_match_the_simulator_bytes():
     """ZeRO++ (qwZ, hpZ over a pair, qgZ over pair / node / cluster) on 8 ranks of 4 per node: the
-    ledger's bytes per link class are the simulator's on every rank, and the groups agree."""
+    ledger's bytes per link class are the simulator's on each rank run, and the groups agree."""
     argv = (
         TINY
         + (
@@ -75,7 +75,7 @@ def test_zeropp_three_tiers_match_the_simulator_bytes():
         ).split()
     )
     cfg = parse_config(argv, 8, run=False)
-    report = dry_run(cfg, 8, list(range(8)))
+    report = dry_run(cfg, 8, [0, 1, 2, 7])  # a pair, its node, the other node
     assert report.ok, [m.message for m in report.mismatches]
     for r in report.results:
         assert set(r.link_bytes) == {"tier0", "intra_node", "inter_node"}
