@@ -82,6 +82,23 @@ def test_zeropp_three_tiers_match_the_simulator_bytes():
         assert r.link_bytes == pytest.approx(r.simulated, rel=1e-9)
 
 
+def test_hybrid_gla_all_scan_under_cp():
+    """A hybrid GLA model at CP4 x TP2 with All-Scan: the scan's p2p chain pairs up along the CP group
+    and the softmax layer's all-gathers agree."""
+    argv = (
+        TINY
+        + (
+            "--num-layers 2 --global-batch-size 1 --attention-type gla --softmax-attention-every 2 --gla-chunk-size 16 "
+            "--tensor-model-parallel-size 2 --context-parallel-size 4 --cp-algo all-scan --sequence-parallel"
+        ).split()
+    )
+    cfg = parse_config(argv, 8, run=False)
+    report = dry_run(cfg, 8, [0, 2, 4, 6])  # the CP group of TP rank 0
+    assert report.ok, [m.message for m in report.mismatches]
+    cp = [k for k in report.results[1].p2p if k[0] == "cp"]
+    assert cp and {m[0] for m in report.results[1].p2p[cp[0]]} == {"send", "recv"}
+
+
 def test_skipped_reduction_is_caught_and_named():
     """Rank 3 leaves out its first ZeRO gradient reduce-scatter: its data-parallel group diverges at
     collective #0, and the message names the group, the op and the rank."""
