@@ -16,7 +16,8 @@ N-rank job, one after another in this process, on torch's fake process group and
 Prints one line per rank (peak GiB at start-up and in the step beside memory.py's estimate,
 collectives and sends issued, GiB sent per link class), every mismatch (a group whose members
 issue different collectives, named by group, index, op and rank; a send without its receive;
-bytes per link class other than the step simulator's), and OK or FAIL; exits 1 on any mismatch or a peak over --gpu-memory-gb.
+bytes per link class other than the step simulator's), and OK or FAIL; exits 1 on any mismatch
+or a peak over --gpu-memory-gb.
 """
 
 from __future__ import annotations
