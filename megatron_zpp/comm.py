@@ -107,16 +107,25 @@ LEDGER = CommLedger()
 
 class CollectiveOrder:
     """--check-collective-order: each group's sequence of collectives (op, phase, elements,
-    dtype) since the last check, on this rank."""
+    dtype) since the last check, on this rank. `keep` (a dry run, megatron_zpp/testing/dry_run.py):
+    record whatever the flag says, collectives in `seq` and point-to-point messages in `p2p`
+    ("send"/"recv", group peer, elements, dtype, tag), for the dry run to compare across ranks."""
 
     def __init__(self):
         self.enabled = False
+        self.keep = False
         self.seq: dict[tuple[str, tuple[int, ...]], list[str]] = defaultdict(list)
+        self.p2p: dict[tuple[str, tuple[int, ...]], list[tuple]] = defaultdict(list)
 
     def record(self, group: Group, op: str, phase: str, tensor: torch.Tensor) -> None:
-        if self.enabled:
+        if self.enabled or self.keep:
             desc = f"{op} {phase}{LEDGER.phase_suffix} {tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}"
             self.seq[(group.role, group.ranks)].append(desc)
+
+    def record_p2p(self, group: Group, op: str, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
+        if self.keep:
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            self.p2p[(group.role, group.ranks)].append((op, peer, tensor.numel(), dtype, tag))
 
 
 ORDER = CollectiveOrder()
@@ -344,6 +353,7 @@ def p2p(ops: list[Send | Recv], group: Group, phase: str) -> list:
                 op.tensor.numel() * op.tensor.element_size(),
             )
         fn = dist.isend if isinstance(op, Send) else dist.irecv
+        ORDER.record_p2p(group, "send" if isinstance(op, Send) else "recv", op.peer, op.tensor, op.tag)
         p2p_ops.append(dist.P2POp(fn, op.tensor, group=group.handle, tag=op.tag, group_peer=op.peer))
     return dist.batch_isend_irecv(p2p_ops)
 
@@ -351,11 +361,13 @@ def p2p(ops: list[Send | Recv], group: Group, phase: str) -> list:
 def send(tensor: torch.Tensor, peer: int, group: Group, phase: str):
     """Asynchronous send to group rank `peer`; returns a handle."""
     LEDGER.add(group.role, phase, "send", group.peer_links[peer], 2, tensor.numel() * tensor.element_size())
+    ORDER.record_p2p(group, "send", peer, tensor)
     return dist.isend(tensor, group=group.handle, group_dst=peer)
 
 
 def recv(tensor: torch.Tensor, peer: int, group: Group):
     """Asynchronous receive from group rank `peer`; returns a handle."""
+    ORDER.record_p2p(group, "recv", peer, tensor)
     return dist.irecv(tensor, group=group.handle, group_src=peer)
 
 

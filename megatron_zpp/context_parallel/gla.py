@@ -26,6 +26,7 @@ import threading
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import recompute
 from ..ops.gla import (
@@ -76,6 +77,14 @@ class _Background:
         return self.out
 
 
+def _overlapped(fn, *args) -> _Background | _Known:
+    """fn(*args) in the background, or at once for fake tensors (a dry run: its FakeTensorMode is the
+    caller thread's, and there is no time to overlap)."""
+    if any(is_fake(a) for a in args if isinstance(a, Tensor)):
+        return _Known(fn(*args))
+    return _Background(fn, *args)
+
+
 def _decayed_queries(q: Tensor, g: Tensor, dt: torch.dtype) -> Tensor:
     """q * exp(B_t), B_t = sum_{s<=t} g_s from the slice's first token (<= 0: no overflow)."""
     return q.to(dt) * g.to(dt).cumsum(dim=1).exp()
@@ -104,7 +113,7 @@ class ContextParallelGLA(torch.autograd.Function):
         if kept is not None:
             pending = _Known(kept)
         else:
-            pending = _Background(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
+            pending = _overlapped(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
         if ctx.staged:
             stages.intra()
             S_in = recompute.remember(pending.result())
@@ -133,7 +142,7 @@ def _staged_backward(ctx, q, k, v, g, S_in, do):
     """chunk_gla_bwd with initial state S_in and final-state gradient dS_out, whose reverse scan over
     the ranks runs between its stages: the gradient reaching S_in first, then the output gradients."""
     stages = ChunkGLABackward(q, k, v, g, None, do, ctx.scale, ctx.chunk_size, initial_state=S_in)
-    pending = _Background(ctx.scan.backward, stages.d_initial)
+    pending = _overlapped(ctx.scan.backward, stages.d_initial)
     stages.output_grads()  # while the state gradient travels
     return stages.finish(pending.result())  # dS_out: zeros on the last rank
 
@@ -143,7 +152,7 @@ def _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do):
     dt, scale, C = S_in.dtype, ctx.scale, ctx.chunk_size
     q_dec, do_t = _decayed_queries(q, g, dt), do.to(dt)
     dS_corr = torch.einsum("bthk,bthv->bhkv", q_dec, do_t) * scale  # gradient reaching S_in
-    pending = _Background(ctx.scan.backward, dS_corr)
+    pending = _overlapped(ctx.scan.backward, dS_corr)
     states, _ = chunk_gla_fwd_states(k, v, g, None, C)
     dq, dk, dv, dg, _ = chunk_gla_bwd(q, k, v, g, None, do, None, scale, C, states)  # the local part
     dq_corr = torch.einsum("bthv,bhkv->bthk", do_t, S_in) * scale * g.to(dt).cumsum(dim=1).exp()

@@ -19,6 +19,7 @@ import zlib
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 def full_shape(p: nn.Parameter, tp_size: int) -> list[int]:
@@ -111,8 +112,18 @@ def swap_in(p: nn.Parameter, data: torch.Tensor) -> None:
     keeping its identity (modules, hooks and references see the same object) and its attributes
     (init rule, TP split: torch.utils.swap_tensors swaps the __dict__ too)."""
     attrs = dict(p.__dict__)
-    torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+    torch.utils.swap_tensors(p, _unmemoized(nn.Parameter(data, requires_grad=p.requires_grad)))
     p.__dict__.update(attrs)
+
+
+def _unmemoized(t: torch.Tensor) -> torch.Tensor:
+    """`t`, no longer in its FakeTensorMode's memo when it is a fake tensor (a dry run): the memo
+    holds a weak reference, and swap_tensors refuses a tensor that has one."""
+    if is_fake(t):
+        memo = t.fake_mode.fake_tensor_converter.tensor_memo
+        for key in [k for k, v in memo.items() if v is t]:
+            del memo[key]
+    return t
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

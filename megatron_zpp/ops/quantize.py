@@ -48,7 +48,7 @@ import sys
 import threading
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from . import dispatch
 
@@ -164,8 +164,14 @@ def _to_int32(i: int) -> int:
 # ---------------------------------------------------------------- eager kernels, chunk by chunk
 
 
-def _chunk_elems(device: torch.device) -> int:
-    return _CHUNK.get(device.type, _CHUNK_DEFAULT)
+def _on_host(t: torch.Tensor) -> bool:
+    """A real CPU tensor: cache-sized chunks and per-thread scratch. A fake one (a dry run) is chunked as
+    on an accelerator, what the run it stands for does, and keeps no scratch beyond the call."""
+    return t.device.type == "cpu" and not is_fake(t)
+
+
+def _chunk_elems(t: torch.Tensor) -> int:
+    return _CHUNK["cpu"] if _on_host(t) else _CHUNK_DEFAULT
 
 
 def _chunks(r: int, nb: int, block: int, elems: int):
@@ -186,9 +192,9 @@ class _Scratch:
     DTYPES |= {"i32": torch.int32, "i32b": torch.int32}  # stochastic rounding's hash
     _local = threading.local()
 
-    def __init__(self, elems: int, device: torch.device):
-        self.elems, self.device, self.bufs = elems, device, {}
-        if device.type == "cpu":
+    def __init__(self, elems: int, like: torch.Tensor):
+        self.elems, self.device, self.bufs = elems, like.device, {}
+        if _on_host(like):
             self.bufs = self._local.__dict__.setdefault("bufs", {})
 
     def take(self, name: str, shape) -> torch.Tensor:
@@ -243,7 +249,7 @@ def _eager_quantize(x: torch.Tensor, data: torch.Tensor, bits: int, seed: int | 
     fp32 [r, nb]. seed: None rounds to nearest, else stochastic rounding with that seed."""
     r, nb, block = x.shape
     absmax = torch.empty(r, nb, 1, dtype=torch.float32, device=x.device)
-    s = _Scratch(min(_chunk_elems(x.device), r * nb * block), x.device)
+    s = _Scratch(min(_chunk_elems(x), r * nb * block), x)
     for rows, blocks in _chunks(r, nb, block, s.elems):
         xc = x[rows, blocks]
         v = s.take("f32", xc.shape)
@@ -270,7 +276,7 @@ def _dequantize_chunk(data: torch.Tensor, scales: torch.Tensor, bits: int, out: 
 def _eager_dequantize(data: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """data [r, nb, B], scales fp32 [r, nb] -> out [r, nb, block] (any float dtype, fp32 math, one rounding)."""
     r, nb, block = out.shape
-    s = _Scratch(min(_chunk_elems(out.device), r * nb * block), out.device)
+    s = _Scratch(min(_chunk_elems(out), r * nb * block), out)
     for rows, blocks in _chunks(r, nb, block, s.elems):
         oc = out[rows, blocks]
         target = oc if oc.dtype == torch.float32 else s.take("f32", oc.shape)
@@ -285,7 +291,7 @@ def _eager_dequantize_sum(data, scales, bits: int, out: torch.Tensor, accumulate
     r, nb, block = data.shape[0], *out.shape
     if not accumulate and r == 0:
         out.zero_()
-    s = _Scratch(min(_chunk_elems(out.device), nb * block), out.device)
+    s = _Scratch(min(_chunk_elems(out), nb * block), out)
     for _, blocks in _chunks(1, nb, block, s.elems):
         oc = out[blocks]
         for j in range(r):

@@ -8,6 +8,7 @@ parallel group (TP x PP), and over DP when gradients are sharded (ZeRO-2/3)."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 
@@ -29,6 +30,8 @@ def global_grad_norm(grads: list[torch.Tensor], groups_to_sum, phase: str = "gra
         sq += g.double().pow(2).sum()
     for group in groups_to_sum:
         comm.all_reduce(sq, group, phase)
+    if is_fake(sq):  # a dry run (fake tensors): no value, and no clipping to decide
+        return 0.0
     return sq.sqrt().item()
 
 

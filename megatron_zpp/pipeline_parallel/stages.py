@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..config import Config, ParallelConfig
 from ..model import GPT, ParallelContext
@@ -109,6 +110,6 @@ def build_rank_chunks(
     """The one builder of a rank's model: pipeline stage `pp_rank`'s chunks for the TP rank of `ctx`
     (training's real groups, or `stand_in_context(cfg, tp_rank)`), on the meta device in `dtype`:
     shapes, names, TP splits and init rules, no memory. `vocab_size` is the padded vocabulary."""
-    with torch.device("meta"):
+    with torch.device("meta"), unset_fake_temporarily():  # plain meta tensors under a dry run's FakeTensorMode too
         chunks = build_stage_model(cfg, vocab_size, ctx, pp_rank)
-    return [chunk.to(dtype=dtype) for chunk in chunks]  # meta to meta: the same parameter objects
+        return [chunk.to(dtype=dtype) for chunk in chunks]  # meta to meta: the same parameter objects

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 from ..checkpoint.rng import set_rng_state
@@ -25,6 +26,8 @@ def report_loss(run, losses: list[torch.Tensor]) -> float:
     loss = loss.float()
     comm.broadcast(loss, g.pp.size - 1, g.pp, "loss_report")
     comm.all_reduce(loss, g.dp_cp, "loss_report")
+    if is_fake(loss):  # a dry run (fake tensors): the collectives ran, no value to report
+        return 0.0
     return loss.item() / g.dp_cp.size
 
 

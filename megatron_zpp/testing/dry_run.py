@@ -1,0 +1,331 @@
+"""A dry run: the real set-up and training step of chosen ranks of an N-rank layout, one rank after
+another in this process, on torch's fake process group and fake tensors (FakeTensorMode).
+
+Each rank initializes torch.distributed with the `fake` backend at its rank and the world size
+(collectives return at once, moving nothing), builds its model, engine and optimizer as
+training.setup does (the model on the meta device, the engine filling what the rank holds, here
+as fake tensors: shapes, dtypes and storage sizes, no memory), and runs training.step.train_step
+on --mock-data batches turned into fake tensors. What needs a value reads a stand-in where the
+tensor is fake (optim/nonfinite.agree_finite: a finite step; the gradient norm and the loss: 0),
+so the step is the real one, not a copy.
+
+Per rank it records, through comm.py: every group's ordered collectives (comm.ORDER.keep) and
+point-to-point messages, the ledger's bytes per link class; and the peak of live fake storage
+(memory.LiveBytes) during start-up and during the step. `check(results)` then compares the
+ranks that ran: each group's members issue the same sequence (the first divergence named), each
+send has its receive on the peer, in order, and each rank's bytes per link class are the step
+simulator's (simulator/collectives.py: the same byte model); each peak stands beside memory.py's
+estimate (RankResult.ratio)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from .. import comm, memory, training
+from ..config import Config
+from ..simulator.collectives import rank_step
+from ..topology import topology_from_config
+from ..training.step import train_step
+
+GROUP = tuple[str, tuple[int, ...]]  # (role, global ranks), comm.ORDER's key
+
+
+@dataclass
+class RankResult:
+    rank: int
+    coords: dict[str, int]
+    collectives: dict[GROUP, list[str]]  # "op phase elements x dtype", in issue order
+    p2p: dict[GROUP, list[tuple]]  # ("send"|"recv", group peer, elements, dtype, tag), in issue order
+    link_bytes: dict[str, float]  # the ledger's bytes (real-fabric model) per link class, this step
+    startup_peak: int  # live bytes, set-up (model, engine, optimizer)
+    step_peak: int  # live bytes, the training step (what set-up left included)
+    seconds: float
+    estimate: int = 0  # memory.estimate_rank's peak for this rank's stage and CP slice
+    simulated: dict[str, float] = field(default_factory=dict)  # simulator.collectives' bytes per link class
+
+    @property
+    def ratio(self) -> float:
+        return self.step_peak / self.estimate if self.estimate else float("nan")
+
+
+@dataclass
+class Mismatch:
+    what: str  # "order" or "p2p"
+    message: str
+
+
+@dataclass
+class Report:
+    results: list[RankResult]
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def auto_ranks(cfg: Config, world_size: int) -> list[int]:
+    """One rank per role (first/middle/last pipeline stage x first/last TP x CP x DP rank), plus every
+    member of one group of each kind (rank 0's), so that every kind of group is compared whole."""
+    topo = topology_from_config(cfg, world_size)
+    s = topo.sizes
+    picks = {a: sorted({0, s[a] - 1}) for a in ("tp", "cp", "dp")}
+    picks["pp"] = sorted({0, (s["pp"] - 1) // 2, s["pp"] - 1})
+    ranks = {
+        topo.rank_of(tp=t, cp=c, dp=d, pp=p)
+        for t in picks["tp"]
+        for c in picks["cp"]
+        for d in picks["dp"]
+        for p in picks["pp"]
+    }
+    for kind in ("tp", "cp", "dp", "pp"):
+        ranks.update(topo.groups([kind])[0])
+    return sorted(ranks)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int, ranks_per_node: int):
+    """torch.distributed on the fake backend as `rank` of `world_size`, with the environment a launcher
+    gives (training.distributed.init_distributed reads it)."""
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class FakeBatches:
+    """The run's micro-batches as fake tensors: the loader (and its numpy) runs, its values stay behind."""
+
+    def __init__(self, batches, mode: FakeTensorMode):
+        self.batches, self.mode = batches, mode
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.batches)
+        return {k: self.mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _link_bytes() -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for row in comm.LEDGER.local_rows():
+        out[row["link"]] += row["bytes"]
+    return dict(out)
+
+
+def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | None = None) -> RankResult:
+    """Set up and train one step as `rank` of `world_size`, on fake tensors; what it issued and held.
+    `skip` (a test's hook): {rank: phase}, that rank leaves out its first collective of the phase."""
+    t0 = time.time()
+    topo = topology_from_config(cfg, world_size)
+    comm.LEDGER.reset()
+    comm.ORDER.seq.clear()
+    comm.ORDER.p2p.clear()
+    comm.ORDER.keep = True
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with (
+            contextlib.redirect_stdout(io.StringIO()),  # rank 0's start-up lines, once per rank run
+            warnings.catch_warnings(),
+            fake_world(rank, world_size, topo.ranks_per_node),
+            _skipping((skip or {}).get(rank)),
+            mode,
+            memory.LiveBytes() as live,
+        ):
+            # a fake tensor's data_ptr is 0: the quantizer's alignment test passes, as it would on the device
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            run = training.setup(cfg)
+            startup = live.peak
+            run.train_data = FakeBatches(run.train_data, mode)
+            live.reset_peak()
+            train_step(run)
+            comm.LEDGER.step()
+            step = live.peak
+            if run.exit_signal is not None:
+                run.exit_signal.close()
+        result = RankResult(
+            rank,
+            topo.coords(rank),
+            dict(comm.ORDER.seq),
+            dict(comm.ORDER.p2p),
+            _link_bytes(),
+            startup,
+            step,
+            time.time() - t0,
+        )
+    finally:
+        comm.ORDER.keep = False
+        comm.ORDER.seq.clear()
+        comm.ORDER.p2p.clear()
+        comm.LEDGER.reset()
+    result.estimate = memory.estimate_rank(cfg, result.coords["pp"], cp_rank=result.coords["cp"]).peak
+    result.simulated = simulated_link_bytes(cfg, rank)
+    return result
+
+
+def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
+    """The step simulator's bytes of `rank` per link class (the ledger's byte model: they should be equal)."""
+    out: dict[str, float] = defaultdict(float)
+    for c in rank_step(cfg, rank).all():
+        out[c.link] += c.bytes()
+    return dict(out)
+
+
+@contextlib.contextmanager
+def _skipping(phase: str | None):
+    """The first collective of `phase` on this rank does not happen (nor is it recorded): a rank that
+    skipped a unit's reduction, as a bug would, for the check to catch."""
+    if phase is None:
+        yield
+        return
+    names = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+    real = {n: getattr(comm, n) for n in names}
+    done = []
+
+    def wrap(fn):
+        def call(*args, **kwargs):
+            ph = kwargs.get("phase", args[3] if fn is not real["all_reduce"] else args[2])
+            if not done and ph == phase:
+                done.append(ph)
+                return comm._Done() if kwargs.get("async_op") else None
+            return fn(*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(comm, n, wrap(real[n]))
+    try:
+        yield
+    finally:
+        for n, fn in real.items():
+            setattr(comm, n, fn)
+
+
+def check(results: list[RankResult]) -> list[Mismatch]:
+    """Every group's members that ran issue the same collectives; every send meets its receive; each
+    rank's ledger bytes per link class are the simulator's."""
+    return _check_order(results) + _check_p2p(results) + _check_bytes(results)
+
+
+def _check_bytes(results: list[RankResult]) -> list[Mismatch]:
+    out = []
+    for r in results:
+        links = sorted(set(r.link_bytes) | set(r.simulated))
+        diff = [k for k in links if abs(r.link_bytes.get(k, 0.0) - r.simulated.get(k, 0.0)) > 1e-6 * _top(r, k)]
+        if diff:
+            what = ", ".join(
+                f"{k}: ran {r.link_bytes.get(k, 0.0):.0f}, simulated {r.simulated.get(k, 0.0):.0f}" for k in diff
+            )
+            out.append(Mismatch("bytes", f"rank {r.rank}: bytes sent per link differ from the simulator's ({what})"))
+    return out
+
+
+def _top(r: RankResult, link: str) -> float:
+    return max(r.link_bytes.get(link, 0.0), r.simulated.get(link, 0.0), 1.0)
+
+
+def _check_order(results: list[RankResult]) -> list[Mismatch]:
+    by_group: dict[GROUP, dict[int, list[str]]] = defaultdict(dict)
+    ran = {r.rank for r in results}
+    for r in results:
+        for key in {k for k in r.collectives} | _groups_of(r):
+            by_group[key][r.rank] = r.collectives.get(key, [])
+    out = []
+    for (role, ranks), seqs in sorted(by_group.items()):
+        members = [m for m in ranks if m in ran]
+        if len(members) < 2 or len({tuple(seqs.get(m, [])) for m in members}) == 1:
+            continue
+        lists = [seqs.get(m, []) for m in members]
+        i = 0
+        while all(i < len(s) for s in lists) and len({s[i] for s in lists}) == 1:
+            i += 1
+        what = "; ".join(f"rank {m}: {s[i] if i < len(s) else '(nothing)'}" for m, s in zip(members, lists))
+        out.append(Mismatch("order", f"group {role} {_short(ranks)} diverged at collective #{i}: {what}"))
+    return out
+
+
+def _groups_of(r: RankResult) -> set[GROUP]:
+    return set(r.collectives) | set(r.p2p)
+
+
+def _check_p2p(results: list[RankResult]) -> list[Mismatch]:
+    """Per group and ordered pair (a -> b): a's sends to b equal b's receives from a, in order."""
+    by_rank = {r.rank: r for r in results}
+    out = []
+    for r in results:
+        for (role, ranks), msgs in sorted(r.p2p.items()):
+            me = ranks.index(r.rank)
+            for peer in sorted({m[1] for m in msgs if m[0] == "send"}):
+                other = by_rank.get(ranks[peer])
+                if other is None:
+                    continue
+                sent = [m[2:] for m in msgs if m[0] == "send" and m[1] == peer]
+                got = [m[2:] for m in other.p2p.get((role, ranks), []) if m[0] == "recv" and m[1] == me]
+                if sent != got:
+                    i = next((j for j, (a, b) in enumerate(zip(sent, got)) if a != b), min(len(sent), len(got)))
+                    out.append(
+                        Mismatch(
+                            "p2p",
+                            f"group {role} {_short(ranks)}: rank {r.rank} -> rank {ranks[peer]} message #{i}: "
+                            f"sent {sent[i] if i < len(sent) else '(nothing)'}, "
+                            f"received {got[i] if i < len(got) else '(nothing)'}",
+                        )
+                    )
+    return out
+
+
+def _short(ranks: tuple[int, ...]) -> str:
+    return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def dry_run(cfg: Config, world_size: int, ranks: list[int], skip: dict[int, str] | None = None, log=None) -> Report:
+    """Run `ranks` of the layout one after another, then compare them."""
+    results = []
+    for rank in ranks:
+        results.append(run_rank(cfg, rank, world_size, skip))
+        if log is not None:
+            log(summary_line(results[-1]))
+    return Report(results, check(results))
+
+
+def summary_line(r: RankResult) -> str:
+    c = r.coords
+    calls = sum(len(s) for s in r.collectives.values())
+    sends = sum(1 for msgs in r.p2p.values() for m in msgs if m[0] == "send")
+    links = ", ".join(f"{k} {v / memory.GiB:.3f}" for k, v in sorted(r.link_bytes.items()))
+    return (
+        f"rank {r.rank:>5} (tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']}): "
+        f"start-up {r.startup_peak / memory.GiB:.3f} GiB, step {r.step_peak / memory.GiB:.3f} GiB "
+        f"(estimate {r.estimate / memory.GiB:.3f}, ratio {r.ratio:.3f}); {calls} collectives, {sends} sends; "
+        f"GiB sent by link: {links or 'none'}{_sim_note(r)}; {r.seconds:.1f} s"
+    )
+
+
+def _sim_note(r: RankResult) -> str:
+    same = all(abs(r.link_bytes.get(k, 0.0) - r.simulated.get(k, 0.0)) <= 1e-6 * _top(r, k) for k in r.simulated)
+    return " (= simulator)" if same and set(r.link_bytes) <= set(r.simulated) else " (simulator differs)"

@@ -1,0 +1,135 @@
+"""tools/dry_run.py: ranks of a large layout run one by one on the fake process group and fake
+tensors; the collective order, the point-to-point pairing and the memory beside the estimate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.testing.dry_run import auto_ranks, check, dry_run, run_rank
+from megatron_zpp.topology import topology_from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("dry_run_tool", os.path.join(ROOT, "tools", "dry_run.py"))
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+TINY = (
+    "--mock-data --hidden-size 64 --num-attention-heads 8 --seq-length 64 --micro-batch-size 1 "
+    "--vocab-size 512 --tokenizer-type NullTokenizer --train-iters 1"
+).split()
+WIDE = (
+    TINY
+    + (
+        "--num-layers 8 --global-batch-size 8 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
+        "--zero-stage 1 --ranks-per-node 8"
+    ).split()
+)  # 512 ranks: TP8 x PP8 x DP8, one micro-batch per step
+
+
+def test_auto_ranks_cover_every_role_and_one_group_of_each_kind():
+    cfg = parse_config(WIDE, 512, run=False)
+    topo = topology_from_config(cfg, 512)
+    ranks = auto_ranks(cfg, 512)
+    coords = [topo.coords(r) for r in ranks]
+    for axis, last in (("tp", 7), ("dp", 7), ("pp", 7)):
+        assert {c[axis] for c in coords} >= {0, last}
+    assert {c["pp"] for c in coords} >= {0, 3, 7}  # first, middle, last stage
+    for kind in ("tp", "dp", "pp"):
+        assert set(topo.groups([kind])[0]) <= set(ranks)
+    assert len(ranks) < 64
+
+
+def test_wide_layout_dry_runs_clean(tmp_path, capsys):
+    """512 ranks of a tiny model, --ranks auto through the tool: every group's members agree, every
+    send meets its receive, and each rank's peak is the estimator's within 15%."""
+    out = tmp_path / "dry.json"
+    rc = tool.main(["--world-size", "512", "--ranks", "auto", "--json", str(out), *WIDE])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.strip().splitlines()[-1].startswith("OK")
+    report = json.loads(out.read_text())
+    assert report["ok"] and not report["mismatches"]
+    ranks = report["ranks"]
+    assert len(ranks) == len(auto_ranks(parse_config(WIDE, 512, run=False), 512))
+    for r in ranks:
+        assert 0.85 < r["ratio"] < 1.15, r
+        assert r["startup_peak_bytes"] <= r["step_peak_bytes"]
+    stages = {r["coords"]["pp"]: r for r in ranks}
+    assert any(m[0] == "send" for msgs in stages[0]["p2p"].values() for m in msgs)  # pipeline traffic recorded
+    assert all(r["collectives"] for r in ranks)
+
+
+def test_zeropp_three_tiers_match_the_simulator_bytes():
+    """ZeRO++ (qwZ, hpZ over a pair, qgZ over pair / node / cluster) on 8 ranks of 4 per node: the
+    ledger's bytes per link class are the simulator's on each rank run, and the groups agree."""
+    argv = (
+        TINY
+        + (
+            "--num-layers 2 --global-batch-size 8 --bf16 --zero-stage 3 --zero-quantized-weights "
+            "--zero-hpz-partition-size 2 --zero-quantized-gradients --zero-hierarchy 2 --ranks-per-node 4"
+        ).split()
+    )
+    cfg = parse_config(argv, 8, run=False)
+    report = dry_run(cfg, 8, [0, 1, 2, 7])  # a pair, its node, the other node
+    assert report.ok, [m.message for m in report.mismatches]
+    for r in report.results:
+        assert set(r.link_bytes) == {"tier0", "intra_node", "inter_node"}
+        assert r.link_bytes == pytest.approx(r.simulated, rel=1e-9)
+
+
+def test_hybrid_gla_all_scan_under_cp():
+    """A hybrid GLA model at CP4 x TP2 with All-Scan: the scan's p2p chain pairs up along the CP group
+    and the softmax layer's all-gathers agree."""
+    argv = (
+        TINY
+        + (
+            "--num-layers 2 --global-batch-size 1 --attention-type gla --softmax-attention-every 2 --gla-chunk-size 16 "
+            "--tensor-model-parallel-size 2 --context-parallel-size 4 --cp-algo all-scan --sequence-parallel"
+        ).split()
+    )
+    cfg = parse_config(argv, 8, run=False)
+    report = dry_run(cfg, 8, [0, 2, 4, 6])  # the CP group of TP rank 0
+    assert report.ok, [m.message for m in report.mismatches]
+    cp = [k for k in report.results[1].p2p if k[0] == "cp"]
+    assert cp and {m[0] for m in report.results[1].p2p[cp[0]]} == {"send", "recv"}
+
+
+def test_skipped_reduction_is_caught_and_named():
+    """Rank 3 leaves out its first ZeRO gradient reduce-scatter: its data-parallel group diverges at
+    collective #0, and the message names the group, the op and the rank."""
+    argv = TINY + "--num-layers 2 --global-batch-size 4 --tensor-model-parallel-size 2 --zero-stage 1".split()
+    cfg = parse_config(argv, 8, run=False)
+    report = dry_run(cfg, 8, [1, 3, 5, 7], skip={3: "zero_grad_reducescatter"})
+    assert not report.ok
+    orders = [m.message for m in report.mismatches if m.what == "order"]
+    assert len(orders) == 1, orders
+    msg = orders[0]
+    assert "group dp_cp [1, 3, 5, 7] diverged at collective #0" in msg
+    assert "rank 3: reduce_scatter zero_grad_reducescatter" in msg
+    assert "rank 1: reduce_scatter zero_grad_reducescatter" in msg
+
+
+def test_unmatched_send_is_caught():
+    """A stage's receive that does not match the previous stage's send is named (tampered results)."""
+    argv = TINY + "--num-layers 2 --global-batch-size 2 --pipeline-model-parallel-size 2".split()
+    cfg = parse_config(argv, 2, run=False)
+    results = [run_rank(cfg, r, 2) for r in (0, 1)]
+    assert check(results) == []
+    key = next(iter(results[1].p2p))
+    first = results[1].p2p[key].index(next(m for m in results[1].p2p[key] if m[0] == "recv"))
+    op, peer, n, dtype, tag = results[1].p2p[key][first]
+    results[1].p2p[key][first] = (op, peer, n + 1, dtype, tag)
+    found = check(results)
+    assert [m.what for m in found] == ["p2p"]
+    assert "rank 0 -> rank 1 message #0" in found[0].message
+
+
+@pytest.mark.parametrize("argv", [["--world-size", "3", *WIDE]])
+def test_bad_layout_is_a_config_error(argv, capsys):
+    assert tool.main(argv) == 2
+    assert "error:" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""Dry-run a layout before launching it: the real set-up and one training step of chosen ranks of an
+N-rank job, one after another in this process, on torch's fake process group and fake tensors
+(megatron_zpp/testing/dry_run.py). The same flags as pretrain_gpt.py (with --mock-data), plus
+
+    --world-size N       ranks of the launch (default: $WORLD_SIZE or 1)
+    --ranks R ... | auto the ranks to run (default auto: one per role, and every member of one group
+                         of each kind)
+    --gpu-memory-gb G    also check each rank's peak against G GiB
+    --json PATH          write the per-rank results and the mismatches as JSON ('-': stdout)
+
+    python tools/dry_run.py --world-size 512 --ranks auto --mock-data --num-layers 4 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 --global-batch-size 256 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --zero-stage 1 --vocab-size 512 \\
+        --tokenizer-type NullTokenizer --train-iters 1
+
+Prints one line per rank (peak GiB at start-up and in the step beside memory.py's estimate,
+collectives and sends issued, GiB sent per link class), every mismatch (a group whose members
+issue different collectives, named by group, index, op and rank; a send without its receive;
+bytes per link class other than the step simulator's), and OK or FAIL; exits 1 on any mismatch
+or a peak over --gpu-memory-gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from megatron_zpp import memory
+from megatron_zpp.arguments import parse_config
+from megatron_zpp.config import ConfigError
+from megatron_zpp.testing.dry_run import auto_ranks, dry_run
+
+
+def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    ap.add_argument("--ranks", nargs="+", default=["auto"])
+    ap.add_argument("--gpu-memory-gb", type=float, default=None)
+    ap.add_argument("--json", default=None)
+    return ap.parse_known_args(argv)
+
+
+def to_json(report, seconds: float) -> dict:
+    return {
+        "ok": report.ok,
+        "seconds": seconds,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "coords": r.coords,
+                "startup_peak_bytes": r.startup_peak,
+                "step_peak_bytes": r.step_peak,
+                "estimate_bytes": r.estimate,
+                "ratio": r.ratio,
+                "collectives": {f"{role} {list(ranks)}": seq for (role, ranks), seq in r.collectives.items()},
+                "p2p": {f"{role} {list(ranks)}": [list(m) for m in msgs] for (role, ranks), msgs in r.p2p.items()},
+                "link_bytes": r.link_bytes,
+                "simulated_link_bytes": r.simulated,
+                "seconds": r.seconds,
+            }
+            for r in report.results
+        ],
+        "mismatches": [{"what": m.what, "message": m.message} for m in report.mismatches],
+    }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+    ours, rest = tool_args(argv)
+    try:
+        cfg = parse_config(rest, ours.world_size, run=False)
+    except ConfigError as e:
+        print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
+        return 2
+    ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
+    out = sys.stderr if ours.json == "-" else sys.stdout
+    print(f"dry run: {len(ranks)} of {ours.world_size} ranks", file=out, flush=True)
+    t0 = time.time()
+    report = dry_run(cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True))
+    seconds = time.time() - t0
+    for m in report.mismatches:
+        print(f"MISMATCH ({m.what}): {m.message}", file=out)
+    over = []
+    if ours.gpu_memory_gb is not None:
+        over = [r for r in report.results if r.step_peak > ours.gpu_memory_gb * memory.GiB]
+        for r in over:
+            print(f"OVER: rank {r.rank} peaks at {r.step_peak / memory.GiB:.2f} GiB > {ours.gpu_memory_gb:g}", file=out)
+    ok = report.ok and not over
+    print(f"{'OK' if ok else 'FAIL'}: {len(ranks)} ranks in {seconds:.1f} s", file=out)
+    if ours.json:
+        text = json.dumps(to_json(report, seconds), indent=1)
+        if ours.json == "-":
+            print(text)
+        else:
+            with open(ours.json, "w") as fh:
+                fh.write(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
