@@ -20,6 +20,7 @@ estimate (RankResult.ratio)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import time
@@ -161,7 +162,7 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             run = training.setup(cfg)
             startup = live.peak
-            run.train_data = FakeBatches(run.train_data, mode)
+            run = dataclasses.replace(run, train_data=FakeBatches(run.train_data, mode))  # Run is frozen
             live.reset_peak()
             train_step(run)
             comm.LEDGER.step()
