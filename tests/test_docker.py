@@ -76,7 +76,8 @@ def test_dockerfile_keeps_the_images_torch_and_installs_our_dependencies():
     ours = project["dependencies"] + [
         d for extra in ("data", "logging", "dev") for d in project["optional-dependencies"][extra]
     ]
-    wanted = {requirement_name(d) for d in ours} - TORCH_STACK - {"ruff"}  # ruff: a dev tool, not for the image
+    lint_tools = {"ruff", "mypy", "pre-commit", "pre-commit-hooks", "types-pyyaml", "types-tqdm"}  # not for the image
+    wanted = {requirement_name(d) for d in ours} - TORCH_STACK - lint_tools
     assert wanted <= installed, f"missing from the image: {sorted(wanted - installed)}"
     assert "transformers" in installed
 
