@@ -310,7 +310,7 @@ def main(argv=None) -> None:
     if speedups:
         print(f"\n{'speedup (>1: first faster)':28}{'median':>10}{'fastest':>10}{'paired':>10}")
         for name, r in speedups.items():
-            target = "   target >= 1.3 (issue #13, CPU)" if name == "compiled_vs_eager" and device.type == "cpu" else ""
+            target = "   target >= 1.3 (CPU goal)" if name == "compiled_vs_eager" and device.type == "cpu" else ""
             label = name.replace("ours", "eager").replace("_vs_", " vs ")
             print(f"{label:28}{r['median']:10.3f}{r['fastest']:10.3f}{r['paired']:10.3f}{target}")
 

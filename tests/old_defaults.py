@@ -1,8 +1,8 @@
-"""The defaults this project had before it took Megatron-LM's (issue 16). The tests written
+"""The defaults this project had before it took Megatron-LM's. The tests written
 against them pass them explicitly, so that each keeps checking what it was written for; those
-that resume a run take OLD_DEFAULTS_WITH_DROPOUT (issue 23: a resume is bitwise with dropout on).
+that resume a run take OLD_DEFAULTS_WITH_DROPOUT (a resume must be bitwise with dropout on too).
 (The SwiGLU width now rounds down as Megatron's does; tests whose hidden size would round it
-to 0 pass --ffn-hidden-size.) Issue 24 took Megatron's learned absolute positions and linear
+to 0 pass --ffn-hidden-size.) The defaults later took Megatron's learned absolute positions and linear
 biases: the old tests pass --position-embedding-type rope --disable-bias-linear."""
 
 from megatron_zpp.config import ModelConfig

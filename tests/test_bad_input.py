@@ -188,7 +188,7 @@ CASES = [
         lambda f: pretrain("--data-path", f["padding_ids"], "--vocab-size", "500"),
         "token id 505 in",
     ),
-    # pretrain_gpt.py: values (issue 23)
+    # pretrain_gpt.py: values that parse but cannot train
     ("pretrain", lambda f: pretrain("--data-path", f["good"], "--split", "0,0,0"), "gives the training set no"),
     ("pretrain", lambda f: pretrain("--data-path", f["good"], "--split", "0,0,1"), "its first number must be > 0"),
     ("pretrain", lambda f: pretrain("--mock-data", "--adam-beta1", "1.5"), "--adam-beta1 1.5 must be in [0, 1)"),
@@ -333,7 +333,7 @@ CASES = [
         lambda f: ["--input", f["blank_only"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
         "0 text(s)",
     ),
-    (  # issue 23: 9 of 10 lines malformed is refused (it trained on the one good line, silently)
+    (  # 9 of 10 lines malformed is refused (it trained on the one good line, silently)
         "tok",
         lambda f: ["--input", f["mostly_bad"], "--model-prefix", f["dir"] + "/t", "--vocab-size", "300"],
         "9 of 10 JSON lines are malformed (invalid JSON or UTF-8, not an object, or no string under --json-keys "

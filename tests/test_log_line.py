@@ -1,4 +1,4 @@
-"""Megatron-LM's log line, evaluation and logging flags (issue 24): `lm loss` averaged over the log
+"""Megatron-LM's log line, evaluation and logging flags: `lm loss` averaged over the log
 interval, the next step's learning rate, the consumed samples; a validation iterator that continues
 (across a resume too) and the final validation and test evaluations; --skip-train; MFU against the
 peak of the dtype used; --log-params-norm and --log-num-zeros-in-grad (each element once over TP and

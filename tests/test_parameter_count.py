@@ -1,6 +1,6 @@
-"""The memory estimator and the simulator count every parameter the model builds (issue 24: Megatron's
+"""The memory estimator and the simulator count every parameter the model builds (Megatron's
 learned positions and linear biases included), against the count written out here from the layer
-shapes, and the built model's numel. The 8-layer case is the issue's: Megatron builds 436,864
+shapes, and the built model's numel. The 8-layer case is a reference run's: Megatron builds 436,864
 parameters for these flags, where RoPE without biases has 428,160."""
 
 import pytest

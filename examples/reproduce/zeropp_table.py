@@ -13,7 +13,7 @@ ZeRO++ = qwZ (int8 weights, block 2048 here) + hpZ over the node (16) + qgZ (int
   by 4x": the abstract (arXiv 2306.10209v1);
 * 18B at 100 Gbit/s, 1K tokens per GPU: ZeRO-3 14 -> ZeRO++ 31 TFLOP/s per GPU (2.21x), and
   ZeRO++ at 100 Gbit/s matching ZeRO-3 at 400 Gbit/s ("the same throughput at a quarter of the
-  bandwidth"): as quoted in issue 15 from the paper's throughput-vs-bandwidth evaluation and
+  bandwidth"): as quoted from the paper's throughput-vs-bandwidth evaluation and
   the DeepSpeed ZeRO++ blog; the figure number could not be retrieved here, so it is not cited.
 """
 
@@ -53,14 +53,14 @@ def main() -> int:
                 "ZeRO-3 TFLOP/s per GPU, 18B, 100 Gbps, 1K tok/GPU",
                 14.0,
                 z3_100["tflops_per_gpu"],
-                "issue 15 (paper's bandwidth evaluation / DeepSpeed blog)",
+                "the paper's bandwidth evaluation / DeepSpeed blog",
                 FP32_GRADS + "; the sustained V100 rate (40% of peak) is our assumption",
             ),
             (
                 "ZeRO++ TFLOP/s per GPU, same setup",
                 31.0,
                 zpp_100["tflops_per_gpu"],
-                "issue 15 (paper's bandwidth evaluation / DeepSpeed blog)",
+                "the paper's bandwidth evaluation / DeepSpeed blog",
                 "absolute TFLOP/s scale with the assumed sustained rate; the ratios below do not",
             ),
             (
@@ -81,7 +81,7 @@ def main() -> int:
                 "ZeRO++ at 100 Gbps / ZeRO-3 at 400 Gbps",
                 1.0,
                 zpp_100["tflops_per_gpu"] / z3_400["tflops_per_gpu"],
-                "'same throughput at a quarter of the bandwidth' (issue 15, DeepSpeed blog)",
+                "'same throughput at a quarter of the bandwidth' (DeepSpeed blog)",
                 "",
             ),
             (

@@ -140,9 +140,10 @@ def state_dict_of(lay: RankLayout, model: dict, optimizer: dict | None, rng: dic
     for s in lay.slots:
         span = model[master_key(s)].reshape(-1)[s.lo : s.hi]
         weights.setdefault(s.name, (s.full_shape, {}))[1].update(slot_boxes(s, span))
-        for k in ("exp_avg", "exp_avg_sq") if optimizer else ():
-            boxes = slot_boxes(s, optimizer[s.opt][k].reshape(-1))
-            moments.setdefault((s.name, k), (s.full_shape, {}))[1].update(boxes)
+        if optimizer:
+            for k in ("exp_avg", "exp_avg_sq"):
+                boxes = slot_boxes(s, optimizer[s.opt][k].reshape(-1))
+                moments.setdefault((s.name, k), (s.full_shape, {}))[1].update(boxes)
     out: dict = {"model": {name: Pieces(boxes, full) for name, (full, boxes) in weights.items()}}
     if optimizer:
         state: dict = {}

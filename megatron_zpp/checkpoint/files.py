@@ -108,7 +108,7 @@ def _unflatten(skeleton: dict, tensor) -> object:
     if "d" in skeleton:
         return {k: _unflatten(v, tensor) for k, v in skeleton["d"]}
     if "l" in skeleton or "u" in skeleton:
-        items = [_unflatten(v, tensor) for v in skeleton.get("l", skeleton.get("u"))]
+        items = [_unflatten(v, tensor) for v in (skeleton["l"] if "l" in skeleton else skeleton["u"])]
         return items if "l" in skeleton else tuple(items)
     return skeleton["v"]
 
@@ -387,7 +387,9 @@ class RankFile:
         return self._file.get_tensor(path)
 
     def state(self) -> dict:
-        return _unflatten(self._skeleton, self.tensor)
+        state = _unflatten(self._skeleton, self.tensor)
+        assert isinstance(state, dict)  # a rank's state is a dict at its top
+        return state
 
     def header_keys(self) -> set:
         """The top-level entries of the saved dict."""

@@ -26,7 +26,7 @@ import torch
 
 from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
-from ..zero import engine_class
+from ..zero import Slot, engine_class
 from .files import DCP_FORMAT, CheckpointError, RankFile, open_rank_file
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 
@@ -54,7 +54,7 @@ class SavedCheckpoint:
         ]
         chunks: dict = {}
         self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo, chunks) for r in sources}
-        self.index: dict[str, list[tuple[int, object]]] = {}  # name -> [(rank, slot)] of its first stage
+        self.index: dict[str, list[tuple[int, Slot]]] = {}  # name -> [(rank, slot)] of its first stage
         stage_of: dict[str, int] = {}
         for r in sources:
             pp = topo.coords(r)["pp"]

@@ -578,6 +578,7 @@ def load_checkpoint(
     what = _what_loaded(t, finetune, has_optimizer, rng is not None)
     if t.override_ckpt_iteration is not None:  # Megatron's: the data replays from that iteration on
         at = t.override_ckpt_iteration
+        assert t.global_batch_size is not None  # validation resolves it
         train_state.update(iteration=at, skipped_samples=0, consumed_samples=at * t.global_batch_size)
         what += f"; --override-ckpt-iteration {at}: {train_state['consumed_samples']} samples consumed"
     at, consumed = train_state.get("iteration", 0), train_state.get("consumed_samples", 0)

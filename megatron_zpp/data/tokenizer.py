@@ -13,7 +13,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: 
     return -(-vocab_size // multiple) * multiple
 
 
-class _Tokenizer:
+class Tokenizer:
     vocab_size: int
     eod: int
     pad: int | None = None
@@ -27,7 +27,7 @@ class _Tokenizer:
         raise NotImplementedError
 
 
-class NullTokenizer(_Tokenizer):
+class NullTokenizer(Tokenizer):
     """Text is space-separated ids. The last id of the vocabulary is the end-of-document token."""
 
     def __init__(self, vocab_size: int):
@@ -47,7 +47,7 @@ class NullTokenizer(_Tokenizer):
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
-class SentencePieceTokenizer(_Tokenizer):
+class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece `.model`. EOD is the model's `</s>` (eos) piece, or an `<EOD>` piece if it has one
     (`eod_is_eos`: always eos, as Megatron's GPTSentencePieceTokenizer)."""
 
@@ -82,7 +82,7 @@ class SentencePieceTokenizer(_Tokenizer):
         return self.sp.decode([int(i) for i in ids])
 
 
-class HuggingFaceTokenizer(_Tokenizer):
+class HuggingFaceTokenizer(Tokenizer):
     """A tokenizer saved in a local directory (`save_pretrained`); never downloads."""
 
     def __init__(self, path: str):
@@ -108,7 +108,7 @@ class HuggingFaceTokenizer(_Tokenizer):
         return self.tok.decode([int(i) for i in ids])
 
 
-class GPT2BPETokenizer(_Tokenizer):
+class GPT2BPETokenizer(Tokenizer):
     """GPT-2's byte-level BPE from a vocab.json and a merges.txt (Megatron's GPT2BPETokenizer): GPT-2's
     pre-tokenizing regex over bytes, and the end-of-document token `<|endoftext|>`. Read with the
     `tokenizers` package; never downloads."""
@@ -167,7 +167,7 @@ def build_tokenizer(
     tp_size: int = 1,
     vocab_file: str | None = None,
     merge_file: str | None = None,
-) -> _Tokenizer:
+) -> Tokenizer:
     """Build the tokenizer named by --tokenizer-type and set its Megatron-padded vocabulary size."""
     if tokenizer_type == "GPT2BPETokenizer":
         tok = GPT2BPETokenizer(vocab_file, merge_file)

@@ -31,7 +31,8 @@ class StageLink:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Send an activation forward / a gradient backward, and receive an activation
         from the previous stage / a gradient from the next one. Returns (activation, grad)."""
-        ops, got_act, got_grad = [], None, None
+        ops: list[comm.Send | comm.Recv] = []
+        got_act, got_grad = None, None
         if recv_prev:
             got_act = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
             ops.append(comm.Recv(got_act, self.prev, ACT))

@@ -155,9 +155,9 @@ def forward_backward_interleaved(stage: Stage, link: StageLink) -> list[torch.Te
         c = (k % (pp * V)) // pp
         return c if forward else V - 1 - c
 
-    inputs = [[] for _ in range(V)]
-    outputs = [[] for _ in range(V)]
-    out_grads = [[] for _ in range(V)]
+    inputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
+    outputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
+    out_grads: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
 
     def forward_k(k: int) -> torch.Tensor | None:
         c = chunk_of(k, True)

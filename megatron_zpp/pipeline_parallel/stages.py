@@ -25,7 +25,7 @@ from ..topology import Group
 def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None, last: int | None = None) -> list[int]:
     if pp == 1:
         return list(range(num_layers))
-    sizes = [None] * pp
+    sizes: list[int | None] = [None] * pp
     if first is not None:
         sizes[0] = first
     if last is not None:
@@ -39,8 +39,9 @@ def stage_layers(num_layers: int, pp: int, stage: int, first: int | None = None,
             sizes[i] = rest // len(free)
     elif rest:
         raise ValueError(f"first + last stage layers must equal --num-layers {num_layers}")
-    start = sum(sizes[:stage])
-    return list(range(start, start + sizes[stage]))
+    counts = [s for s in sizes if s is not None]  # every stage has its count by now
+    start = sum(counts[:stage])
+    return list(range(start, start + counts[stage]))
 
 
 def virtual_stage_layers(num_layers: int, pp: int, layers_per_chunk: int, stage: int) -> list[list[int]]:

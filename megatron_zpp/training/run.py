@@ -24,6 +24,7 @@ from ..config import Config, ConfigError
 from ..context_parallel.slices import sequence_slice
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
+from ..data.tokenizer import Tokenizer
 from ..logging_utils import log, set_logging_level
 from ..model import GPT, count_parameters, describe_block
 from ..model.attention import describe_attention_backend
@@ -53,7 +54,7 @@ class Run:
     groups: ProcessGroups
     device: torch.device
     rank: int
-    tokenizer: object
+    tokenizer: Tokenizer
     chunks: list[GPT]  # this pipeline stage's model chunks (one, or V virtual stages)
     link: StageLink | None  # p2p to the neighbouring stages (None without PP)
     dp: DataParallelEngine  # gradient reduction, clipping, the optimizer step, their state
@@ -103,6 +104,7 @@ def setup(cfg: Config) -> Run:
     if cfg.train.save:
         _guard_save(cfg, groups, device, restored, state.iteration)
     resume_valid_position(cfg.train, state)
+    assert state.consumed_valid_samples is not None  # resume_valid_position placed it
     train_data, valid_data = build_data(
         cfg,
         groups,
@@ -139,7 +141,9 @@ def setup(cfg: Config) -> Run:
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
-    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+    if not (a and b):
+        return False
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _load(target: LoadTarget) -> Restored | None:
@@ -157,7 +161,9 @@ def _load(target: LoadTarget) -> Restored | None:
         if restored.warning:
             log(f"warning: {restored.warning}", rank)
         log(f"loaded {restored.description}", rank)
-    elif _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
+        return restored
+    assert t.load is not None  # without --load, --pretrained-checkpoint has loaded or raised above
+    if _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
         log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", rank)
     else:
         what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
@@ -173,7 +179,9 @@ def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int)
     """--use-checkpoint-opt_param-scheduler: the loaded checkpoint's schedule, logged (Megatron's values)."""
     if restored is None or not cfg.optim.use_checkpoint_opt_param_scheduler:
         return None
-    _, meta = locate_checkpoint(restored.path)
+    found = locate_checkpoint(restored.path)
+    assert found is not None  # the checkpoint just loaded
+    _, meta = found
     o, s = schedule = checkpoint_schedule(cfg, meta["config"])
     log(
         f"schedule from the checkpoint (--use-checkpoint-opt_param-scheduler): lr {o.lr:g} to {o.min_lr:g}, "
@@ -187,6 +195,7 @@ def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int)
 def _guard_save(cfg: Config, groups: ProcessGroups, device, restored: Restored | None, iteration: int) -> None:
     """--save: this run's lock, and no overwriting a directory it did not load from (checkpoint/guard.py)."""
     t = cfg.train
+    assert t.save is not None  # called for --save only
     loaded_root = os.path.dirname(restored.path) if restored else None
     guard_save_dir(t.save, loaded_root, t.override_checkpoint, groups.rank, groups, device)
     have = saved_iterations(t.save)

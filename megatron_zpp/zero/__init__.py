@@ -15,7 +15,7 @@ from .zero_engine import ZeroEngine
 __all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "RankLayout", "Slot", "build_engine", "engine_class"]
 
 
-def engine_class(cfg: Config) -> type[DataParallelEngine]:
+def engine_class(cfg: Config) -> type[DDPEngine] | type[ZeroEngine]:
     """The engine a run of `cfg` uses: what its ranks hold (`slots`) is asked of it."""
     return DDPEngine if cfg.zero.zero_stage == 0 else ZeroEngine
 

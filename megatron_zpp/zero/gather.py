@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -38,8 +39,8 @@ class PendingGather:
     works: list
     finish: Callable[[], None] | None = None  # qwZ: decode into the output
     sending: torch.Tensor | None = None  # qwZ: the wire buffer on the wire, kept alive until wait()
-    stream: object = None
-    dev: object = None
+    stream: torch.Stream | None = None
+    dev: ModuleType | None = None  # torch's device module (torch.cuda, torch.cpu)
     then: Callable[[], None] | None = None
 
     def wait(self) -> None:

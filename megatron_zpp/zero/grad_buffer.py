@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..topology import Group
@@ -35,7 +36,7 @@ class Bucket:
     chunk: int
     size: int  # parameters in it
     missing: int = 0  # gradients of the last micro-batch still to come
-    work: object = None  # the all-reduce in flight, once started
+    work: dist.Work | None = None  # the all-reduce in flight, once started
     wire: torch.Tensor | None = None  # --grad-reduce-in-bf16: the bf16 copy on the wire (made once, reused)
 
 
@@ -145,6 +146,7 @@ class GradBuffer:
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
         for bucket in self.buckets:
+            assert bucket.work is not None  # every bucket was started above
             bucket.work.wait()
             if bucket.wire is not None:
                 bucket.data.copy_(bucket.wire)

@@ -193,6 +193,7 @@ class HierarchicalReduceScatter:
         self._send_wire(group)
 
     def _wire_buffer(self, rows: int, m: int) -> torch.Tensor:
+        assert self.bits is not None  # only the quantized wire has a byte buffer
         return self.buffers.empty((rows, wire_bytes(m, self.block, self.bits)), torch.uint8)
 
     def _send_wire(self, group: Group) -> None:

@@ -157,6 +157,7 @@ class FlatUnit:
 
         self.gathered = True
         self._gather: PendingGather | None = None
+        self._views: list[torch.Tensor] | None = None  # the parameters' views of the full buffer, once it exists
         if on_meta and sharded_weights:  # only the shard: the full buffer and its views come with the first gather
             self.full, self._views, self.gathered = torch.empty(0, dtype=self.dtype, device=self.device), None, False
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
@@ -164,7 +165,7 @@ class FlatUnit:
                 init.fill(params[i], self.shard[a:b], start)
         else:
             self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self._make_views()
+            self._views = self._views_of_full()
             for p, view in zip(params, self._views):
                 if on_meta:
                     init.fill(p, view.view(-1))
@@ -187,10 +188,8 @@ class FlatUnit:
         self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         self.grads = UnitGrads(trainable=sum(p.requires_grad for p in params))
 
-    def _make_views(self) -> None:
-        self._views = [
-            self.full[off : off + n].view(shape) for shape, off, n in zip(self.shapes, self.offsets, self.numels)
-        ]
+    def _views_of_full(self) -> list[torch.Tensor]:
+        return [self.full[off : off + n].view(shape) for shape, off, n in zip(self.shapes, self.offsets, self.numels)]
 
     # ---- parameter gathering (stage 3) -----------------------------------------------
     def start_gather(self, backward: bool) -> None:
@@ -199,7 +198,7 @@ class FlatUnit:
             return
         if self._views is None:  # a sharded start-up: the first gather allocates the full buffer
             self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-            self._make_views()
+            self._views = self._views_of_full()
         else:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
@@ -245,6 +244,7 @@ class FlatUnit:
             self.gathered = True  # the buffer is full (of now unwanted weights): release frees it
 
     def _attach(self) -> None:
+        assert self._views is not None  # attached only once the full buffer exists
         for p, view in zip(self.params, self._views):
             p.data = view
 

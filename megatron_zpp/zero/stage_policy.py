@@ -60,6 +60,7 @@ class ReduceOncePerStep:
 
     @staticmethod
     def clear(unit: FlatUnit, pool: ReduceBuffers) -> None:
+        assert unit.grads.flat is not None  # stage 1's accumulator is persistent
         unit.grads.flat.zero_()
         unit.grads.ready, unit.grads.reduced = 0, False
 

@@ -343,6 +343,7 @@ class ZeroEngine(DataParallelEngine):
 
             chunk.final_norm.register_forward_pre_hook(end_units)
         for i, unit in enumerate(blocks):
+            assert unit.module is not None  # a block's unit is made with its module
             unit.module.register_forward_pre_hook(before_forward(i, unit))
             if not self.per_step:
                 unit.module.register_forward_hook(release_after_forward(unit))
@@ -412,6 +413,7 @@ class ZeroEngine(DataParallelEngine):
         flat = self.policy.grads.hand_over(unit, lease)  # no gradient this micro-batch: zeros
         unit.grads.ready = 0
         unit.grads.reduced = True  # stage 1: once per step; 2-3: once per micro-batch (_flush resets it)
+        reduction: HierarchicalReduceScatter | ReduceScatter
         if self.reduce_hops is not None:
             phase = "qgz_grad" if self.grad_bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(

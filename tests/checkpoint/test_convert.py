@@ -49,7 +49,7 @@ UNTIE = {"tp2": [], "zero3_untied": ["--untie-embeddings-and-output-weights"], "
 
 
 def rope_config() -> Config:
-    """Config() with RoPE and no linear biases (the defaults before issue 24): what Llama and our remote code hold."""
+    """Config() with RoPE and no linear biases (the old defaults): what Llama and our remote code hold."""
     cfg = Config()
     cfg.model.position_embedding_type, cfg.model.add_bias_linear = "rope", False
     return cfg

@@ -1,4 +1,4 @@
-"""Megatron's checkpoint flags (issue 24): --no-save-optim/--no-save-rng leave those parts out,
+"""Megatron's checkpoint flags: --no-save-optim/--no-save-rng leave those parts out,
 --no-load-optim/--no-load-rng/--finetune skip them on load (a finetune starts at iteration 0 from
 the weights alone: it trains as a weights-only checkpoint of the same tensors does),
 --save-retain-interval thins old checkpoints as Megatron's does, and checkpoint and export files

@@ -1,4 +1,4 @@
-"""Megatron's default GPT exports as HF GPT2LMHeadModel and imports back (issue 24): HF's logits equal
+"""Megatron's default GPT exports as HF GPT2LMHeadModel and imports back: HF's logits equal
 ours (fp32), the import returns our weights bitwise, --apply-layernorm-1p is folded in, and what GPT-2
 cannot hold goes to the other paths or is refused by name."""
 

@@ -1,4 +1,4 @@
-"""--tokenizer-type inferred from the files given (issue 24), one rule for training and
+"""--tokenizer-type inferred from the files given, one rule for training and
 tools/preprocess_data.py: a .model file is sentencepiece, a directory HF, --vocab-file with
 --merge-file GPT-2 BPE, nothing NullTokenizer. A corpus preprocessed with an 8000-piece model
 used to fail the run's token check against NullTokenizer's vocabulary; it now trains."""

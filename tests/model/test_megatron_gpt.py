@@ -1,4 +1,4 @@
-"""Megatron's GPT defaults (issue 24): learned absolute positions, linear biases, --add-qkv-bias,
+"""Megatron's GPT defaults, which this project takes: learned absolute positions, linear biases, --add-qkv-bias,
 --apply-layernorm-1p, --position-embedding-type none and dropout on the embedding output, each
 against a reference written out here (fp64, one loop over the layers)."""
 

@@ -5,7 +5,7 @@ global batch with --train-iters), starting at 0 for the first step and advanced 
 batch; lr = init + (max - init) n / W in the warmup (n <= W), then the decay style. Every rate
 of every step of a run is compared, for every style.
 
-lr = 1 and min_lr = 0.1 keep the values readable: the WSD exponential steps of issue 24 are
+lr = 1 and min_lr = 0.1 keep the values readable: the WSD exponential decay's steps are
 min + (2 * 0.5^p - 1)(max - min) at p = 1/4, 1/2, 3/4: 0.714, 0.473, 0.270."""
 
 import math
@@ -91,7 +91,7 @@ def test_every_step_of_an_iteration_run_is_megatrons(style, wsd_style, warmup):
 
 
 def test_wsd_exponential_iterations_6_to_8_are_megatrons():
-    # issue 24: 8 iterations, WSD's last 4, lr 1 -> min 0.1; iterations 6-8 (counts 5-7) in Megatron
+    # 8 iterations, WSD's last 4, lr 1 -> min 0.1; iterations 6-8 (counts 5-7) in Megatron
     o = OptimConfig(lr=LR, min_lr=MIN, lr_decay_style="WSD", lr_wsd_decay_iters=4, lr_wsd_decay_style="exponential")
     rates = [learning_rate(o, i, 8, global_batch=2) for i in range(8)]
     assert rates[:5] == [LR] * 5

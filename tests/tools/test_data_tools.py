@@ -1,4 +1,4 @@
-"""The data tools under conditions a small corpus does not show (issue 23): a tokenizer corpus with
+"""The data tools under conditions a small corpus does not show: a tokenizer corpus with
 some malformed lines (one warning line: the count and the first), a document far longer than a
 read batch (tokenized in pieces, the same tokens as whole), and a disk that fills during
 preprocessing (one line naming the file and the errno text, no partial pair left, the previous

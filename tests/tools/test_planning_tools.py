@@ -1,5 +1,5 @@
 """The planning tools (tools/estimate_memory.py, tools/simulate_scaling.py) accept every shipped config
-as it is (issue 24): they check the model and the layout, not what only a run reads or writes (data,
+as it is: they check the model and the layout, not what only a run reads or writes (data,
 tokenizer files, checkpoint directories), which pretrain_gpt.py still checks. The simulator prints MFU
 against the preset's data-sheet peak, or against --peak-tflops when given."""
 

@@ -1,5 +1,5 @@
-"""tools/run_tests.sh runs the paths it is given, and all of tests/ only when it is given none
-(issue 24): pytest options and their values pass through and never count as paths."""
+"""tools/run_tests.sh runs the paths it is given, and all of tests/ only when it is given none:
+pytest options and their values pass through and never count as paths."""
 
 import os
 import subprocess
