@@ -18,8 +18,10 @@ reduce-scatter allocates (a full receive buffer per reduction in flight), for th
 
 Not modelled (GPU): the CUDA context (~0.5-1 GiB), NCCL's communicator buffers, the caching
 allocator's fragmentation and reserved-but-unused blocks (often 5-20% above the live bytes
-counted here), cuBLAS/flash workspaces, and attention dropout (SDPA's math path then keeps the
-[b, heads, s, s] probabilities). The figures are live tensor bytes, what `LiveBytes` measures.
+counted here), cuBLAS/flash workspaces. Softmax attention is SDPA's fused kernels (flash or
+memory-efficient: output and logsumexp kept, dropout inside the kernel), what a GPU runs; on CPU,
+attention dropout sends SDPA to its math path, which keeps the [b, heads, s, s] probabilities and
+mask besides (not modelled). The figures are live tensor bytes, what `LiveBytes` measures.
 Activations are the PyTorch reference ops' (ops/*.py without kernels); the Triton kernels and
 apex norms on GPU keep less (a norm its input and row statistics, SwiGLU its input, RoPE rotates
 in place, the GLA kernels their own working set), so there the estimate is an upper bound.
@@ -126,6 +128,9 @@ class Dims:
     dropout: bool
     masked: bool  # softmax attention with a mask (packed documents or CP): the keys it sees
     chunk: int  # GLA chunk size
+    swiglu: bool = True  # the MLP's activation: SwiGLU, else an elementwise one (GeLU, squared ReLU)
+    layer_norm: bool = False  # LayerNorm (else RMSNorm)
+    rope: bool = True  # RoPE rotates q and k into new tensors (learned or no positions: views of qkv)
 
     @property
     def width(self) -> int:
@@ -152,6 +157,9 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         dropout=m.hidden_dropout > 0,
         masked=cp > 1 or cfg.data.reset_attention_mask,
         chunk=m.gla_chunk_size,
+        swiglu=m.activation == "swiglu",
+        layer_norm=m.normalization == "LayerNorm",
+        rope=m.position_embedding_type == "rope",
     )
 
 
@@ -160,10 +168,11 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
 
 def norm_saved(x: Dims) -> int:
     """ops/norm.py reference: F.rms_norm on x.float() keeps x in fp32 (x itself for fp32: the
-    block's input or mid residual, counted here), x * rstd in fp32 and rstd [rows]; the
-    output's e-byte copy is what the next linear keeps (counted there: `linear_input`)."""
+    block's input or mid residual, counted here), x * rstd in fp32 and rstd [rows]; F.layer_norm's
+    one operator keeps only x in fp32, the mean and rstd [rows]. The output's e-byte copy is what
+    the next linear keeps (counted there: `linear_input`)."""
     rows = x.b * x.s_norm
-    return rows * (8 * x.h + 4)
+    return rows * (4 * x.h + 8) if x.layer_norm else rows * (8 * x.h + 4)
 
 
 def linear_input(x: Dims) -> int:
@@ -172,11 +181,11 @@ def linear_input(x: Dims) -> int:
     return x.e * x.b * x.s_norm * x.h
 
 
-def mlp_saved(x: Dims, swiglu: bool = True) -> int:
+def mlp_saved(x: Dims) -> int:
     """fc1 keeps its input (`linear_input`); SwiGLU keeps [gate | up] (2f) and silu(gate) (f); fc2
-    keeps its input (f). GeLU: fc1's output and fc2's input."""
+    keeps its input (f). GeLU (or squared ReLU): fc1's output (relu's) and fc2's input."""
     bs = x.b * x.s
-    return linear_input(x) + x.e * bs * (4 * x.ffn if swiglu else 2 * x.ffn)
+    return linear_input(x) + x.e * bs * (4 * x.ffn if x.swiglu else 2 * x.ffn)
 
 
 def softmax_core_saved(x: Dims) -> int:
@@ -186,10 +195,12 @@ def softmax_core_saved(x: Dims) -> int:
 
 def softmax_layer(x: Dims, selective: bool) -> int:
     """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
-    keeps v as a view of it), the rotated q and k (new tensors), the core, proj's input (the
-    re-laid-out output), norm2, the MLP, hidden dropout masks. Selective recompute drops the core."""
+    keeps v as a view of it), the rotated q and k (new tensors under RoPE; views of qkv without),
+    the core, proj's input (the re-laid-out output), norm2, the MLP, hidden dropout masks.
+    Selective recompute drops the core."""
     bs = x.b * x.s
-    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + (x.heads + x.kv) * x.d + x.heads * x.d)
+    rotated = (x.heads + x.kv) * x.d if x.rope else 0
+    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d)
     core = 0 if selective else softmax_core_saved(x)
     return 2 * norm_saved(x) + qkv + core + mlp_saved(x) + dropout_saved(x)
 
@@ -217,9 +228,11 @@ def dropout_saved(x: Dims) -> int:
 
 def cp_kv_saved(x: Dims, cp_rank: int) -> int:
     """Softmax under CP, on top of softmax_layer: SDPA keeps the gathered K|V up to this rank's slice
-    end [b, kv, (r+1) s, 2d] and the bool mask [s, (r+1) s], not the qkv output nor the rotated k."""
+    end [b, kv, (r+1) s, 2d] and the bool mask [s, (r+1) s]; under RoPE not the qkv output nor the
+    rotated k (without RoPE q is a view that keeps the qkv output)."""
     keys = (cp_rank + 1) * x.s
-    return x.e * x.b * x.kv * keys * 2 * x.d + x.s * keys - x.e * x.b * x.s * (x.heads + 3 * x.kv) * x.d
+    unkept = x.e * x.b * x.s * (x.heads + 3 * x.kv) * x.d if x.rope else 0
+    return x.e * x.b * x.kv * keys * 2 * x.d + x.s * keys - unkept
 
 
 def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
@@ -264,7 +277,7 @@ def mlp_backward_transient(x: Dims) -> int:
     """In a block's MLP backward: the gradient flowing down the residual [b, s, h] and fc2's input
     gradient with the two SwiGLU factor gradients while only fc2's input has been freed: 2f more
     than the layer keeps (e bytes)."""
-    return x.e * x.b * x.s * (2 * x.ffn + x.h)
+    return x.e * x.b * x.s * ((2 if x.swiglu else 1) * x.ffn + x.h)
 
 
 def gla_backward_live(x: Dims) -> int:

@@ -31,7 +31,7 @@ import time
 from megatron_zpp import memory
 from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
-from megatron_zpp.testing.dry_run import auto_ranks, dry_run
+from megatron_zpp.testing.dry_run import CODE_PATHS, auto_ranks, dry_run
 
 
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,6 +47,7 @@ def to_json(report, seconds: float) -> dict:
     return {
         "ok": report.ok,
         "seconds": seconds,
+        "code_paths": CODE_PATHS,
         "ranks": [
             {
                 "rank": r.rank,
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         return 2
     ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
     out = sys.stderr if ours.json == "-" else sys.stdout
-    print(f"dry run: {len(ranks)} of {ours.world_size} ranks", file=out, flush=True)
+    print(f"dry run: {len(ranks)} of {ours.world_size} ranks; {CODE_PATHS}", file=out, flush=True)
     t0 = time.time()
     report = dry_run(cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True))
     seconds = time.time() - t0

@@ -29,8 +29,9 @@ from megatron_zpp.config import ConfigError
 ASSUMPTIONS = (
     "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "
     "the CUDA context (~0.5-1 GiB), NCCL communicator buffers, cuBLAS/flash workspaces, and the caching "
-    "allocator's fragmentation and reserved-but-unused blocks (commonly 5-20% above the live bytes); attention "
-    "dropout (SDPA's math path would keep [b, heads, s, s]). Activations are those of the PyTorch reference ops "
+    "allocator's fragmentation and reserved-but-unused blocks (commonly 5-20% above the live bytes). Softmax "
+    "attention is SDPA's fused kernel, as on GPU (with attention dropout on CPU, SDPA's math path would keep "
+    "[b, heads, s, s] besides). Activations are those of the PyTorch reference ops "
     "(--kernels torch, and auto on CPU): with the Triton kernels or apex on GPU the norms, SwiGLU, RoPE and the GLA "
     "operator keep less (e.g. a norm keeps its input and row statistics, not fp32 copies), so the estimate is an "
     "upper bound there. The fit below keeps 10% of the device free for what is not modelled."

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -155,6 +156,7 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             warnings.catch_warnings(),
             fake_world(rank, world_size, topo.ranks_per_node),
             _skipping((skip or {}).get(rank)),
+            fused_attention(),
             mode,
             memory.LiveBytes() as live,
         ):
@@ -195,6 +197,38 @@ def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
     for c in rank_step(cfg, rank).all():
         out[c.link] += c.bytes()
     return dict(out)
+
+
+# What the dry run measures in place of the device's kernels, for the report
+CODE_PATHS = (
+    "fake CPU tensors (fake CUDA ones abort this CPU-only torch in SDPA); softmax attention as the fused "
+    "kernel a GPU runs (flash/efficient: output + fp32 logsumexp kept, dropout inside the kernel, not "
+    "SDPA's CPU math path); norms, RoPE, SwiGLU, cross-entropy and GLA on their PyTorch reference ops "
+    "(the Triton kernels do not launch on CPU; memory.py models the same ops)"
+)
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """SDPA as a GPU run computes it. On CPU, SDPA with dropout takes its math path, which keeps the
+    [b, heads, s, s] probabilities and dropout mask; CUDA's flash and memory-efficient kernels take
+    dropout (and the CP mask) inside the kernel and keep only the output and a logsumexp. The CPU
+    flash operator keeps exactly that, so under FakeTensorMode it stands in for them (its fake kernel
+    accepts dropout and grouped KV heads; the CPU dispatch would refuse dropout). Nothing else of the
+    step changes: the model's own call reaches it."""
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+        return out
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megatron_zpp.arguments import parse_config
-from megatron_zpp.testing.dry_run import auto_ranks, check, dry_run, run_rank
+from megatron_zpp.testing.dry_run import auto_ranks, check, dry_run, fused_attention, run_rank
 from megatron_zpp.topology import topology_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,6 +62,32 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
     stages = {r["coords"]["pp"]: r for r in ranks}
     assert any(m[0] == "send" for msgs in stages[0]["p2p"].values() for m in msgs)  # pipeline traffic recorded
     assert all(r["collectives"] for r in ranks)
+
+
+def test_attention_with_dropout_keeps_what_the_fused_kernel_keeps():
+    """Under the dry run, SDPA with dropout (and with a CP mask, grouped KV heads) keeps its output and
+    an fp32 logsumexp, as CUDA's flash/efficient kernels do, not the CPU math path's [b, h, s, s]."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_zpp.memory import LiveBytes
+
+    b, h, s, d = 1, 8, 1024, 64
+    real = F.scaled_dot_product_attention
+    with FakeTensorMode(allow_non_fake_inputs=True), fused_attention(), LiveBytes() as live:
+        q = torch.empty(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.empty(b, 2, s, d, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.ones(s, s, dtype=torch.bool)
+        for extra in ({"is_causal": True}, {"attn_mask": mask}):
+            before = live.live
+            out = F.scaled_dot_product_attention(q, kv, kv, dropout_p=0.1, enable_gqa=True, **extra)
+            assert out.shape == q.shape and out.grad_fn is not None
+            assert live.live - before == b * h * s * (2 * d + 4)
+            out.sum().backward()
+            assert kv.grad.shape == kv.shape
+            del out
+    assert F.scaled_dot_product_attention is real  # put back
 
 
 def test_zeropp_three_tiers_match_the_simulator_bytes():
