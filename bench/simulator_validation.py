@@ -70,6 +70,45 @@ def predict(layout: str, size: str, rate: str, cluster_json: str | None) -> floa
     return simulate(validate(parse_args(flags(layout, size, 1)), WORLD), cl).step_time_s
 
 
+def compare(runs: list[tuple[str, str, str]], step: dict[str, float], cluster_json: str | None) -> list[dict]:
+    """Each run's measured step time (`step`, by "layout size rate") beside the simulator's, printed as it goes."""
+    rows = []
+    for layout, size, rate in runs:
+        measured = step[f"{layout} {size} {rate}"]
+        predicted = predict(layout, size, rate, cluster_json)
+        err = predicted / measured - 1
+        rows.append(
+            {
+                "layout": layout,
+                "size": size,
+                "rate": rate,
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "error": err,
+            }
+        )
+        print(
+            f"{layout:<14} {size} {rate:>8}  measured {measured * 1e3:8.1f} ms  predicted {predicted * 1e3:8.1f} ms"
+            f"  error {100 * err:+6.1f}%",
+            flush=True,
+        )
+    return rows
+
+
+def print_summary(rows: list[dict], seconds: float, load: list[float]) -> None:
+    inside = sum(abs(r["error"]) <= 0.15 for r in rows)
+    print(
+        f"\n{inside} of {len(rows)} runs within 15%; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{seconds:.0f} s, load average {load[0]:.1f} -> {load[1]:.1f}"
+    )
+    print("| layout | model | link | measured ms | predicted ms | error |\n|---|---|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['layout']} | {r['size']} | {r['rate']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} "
+            f"| {100 * r['error']:+.1f}% |"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 runs: a smoke test")
@@ -96,39 +135,11 @@ def main(argv=None) -> int:
         specs = {f"{lay} {size} {rate}": (flags(lay, size, a.iters), rate) for lay, size, rate in runs}
         rounds = a.rounds or (1 if a.quick else 3)
         step = measure_runs(cluster, specs, WORLD, rounds, log=lambda m: print(f"  {m}", flush=True))
-        for layout, size, rate in runs:
-            measured = step[f"{layout} {size} {rate}"]
-            predicted = predict(layout, size, rate, a.cluster_json)
-            err = predicted / measured - 1
-            rows.append(
-                {
-                    "layout": layout,
-                    "size": size,
-                    "rate": rate,
-                    "measured_s": measured,
-                    "predicted_s": predicted,
-                    "error": err,
-                }
-            )
-            print(
-                f"{layout:<14} {size} {rate:>8}  measured {measured * 1e3:8.1f} ms  predicted {predicted * 1e3:8.1f} ms"
-                f"  error {100 * err:+6.1f}%",
-                flush=True,
-            )
+        rows = compare(runs, step, a.cluster_json)
     finally:
         cluster.cleanup()
     load.append(os.getloadavg()[0])
-    inside = sum(abs(r["error"]) <= 0.15 for r in rows)
-    print(
-        f"\n{inside} of {len(rows)} runs within 15%; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{time.time() - start:.0f} s, load average {load[0]:.1f} -> {load[1]:.1f}"
-    )
-    print("| layout | model | link | measured ms | predicted ms | error |\n|---|---|---|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['layout']} | {r['size']} | {r['rate']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} "
-            f"| {100 * r['error']:+.1f}% |"
-        )
+    print_summary(rows, time.time() - start, load)
     if a.json_out:
         with open(a.json_out, "w") as fh:
             for r in rows:

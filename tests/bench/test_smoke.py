@@ -1,7 +1,9 @@
 """Every bench runs at a toy size in seconds and prints its table, so that a change of defaults or of an
 interface cannot break a bench silently. In-process `main(argv)` calls (a python start costs seconds here);
 no network namespaces, no GPU: a bench that needs one says so in one line, which is asserted.
-bench/compile_gpu.py is covered by tests/kernels/test_compile_gpu.py, bench/zero.py by its own smoke test."""
+bench/compile_gpu.py is covered by tests/kernels/test_compile_gpu.py, bench/zero.py by its own smoke test;
+bench/simulator_validation.py measures on the emulated cluster, so its smoke test gives the predicting and
+reporting half stand-in measurements."""
 
 import json
 
@@ -20,6 +22,7 @@ from bench import (
     preprocess,
     quantize,
     recompute,
+    simulator_validation,
     single_rank,
     token_check,
 )
@@ -142,3 +145,18 @@ def test_preprocess(capsys):
         assert out.startswith("megatron-core peer not run: ")
     result = last_json(out)
     assert result["bench"] == "preprocess" and [r["workers"] for r in result["runs"]][0] == 1
+
+
+def test_simulator_validation_predicts_every_held_out_run(capsys):
+    """Every held-out run's flags parse under today's defaults and the simulator predicts it; the report
+    counts a run within 15% as inside (stand-in measurements: 10% and 30% off the prediction)."""
+    runs = simulator_validation.FULL
+    predicted = {
+        f"{lay} {size} {rate}": simulator_validation.predict(lay, size, rate, None) for lay, size, rate in runs
+    }
+    assert all(0 < t < 10 for t in predicted.values()), predicted
+    off = {name: t / (1.1 if i % 2 else 1.3) for i, (name, t) in enumerate(predicted.items())}
+    rows = simulator_validation.compare(runs, off, None)
+    simulator_validation.print_summary(rows, 1.0, [0.0, 0.0])
+    out = capsys.readouterr().out
+    assert f"{len(runs) // 2} of {len(runs)} runs within 15%" in out and out.count("| zero++ |") == 4
