@@ -403,8 +403,10 @@ def dequantize_sum_quantize_wire(
 
 
 def _kernel_applies(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
-    """The Triton kernels run on `t` (the float tensor read or written) under --kernels."""
-    return dispatch.use_triton(t) and (dtype or t.dtype) in KERNEL_DTYPES
+    """The Triton kernels run on `t` (the float tensor read or written) under --kernels. A fake tensor (a
+    dry run, which stands for the accelerator's run) takes the launch too: its custom op's fake writes
+    nothing, so no reference chunk loop runs and only what the kernel allocates is counted."""
+    return (is_fake(t) or dispatch.use_triton(t)) and (dtype or t.dtype) in KERNEL_DTYPES
 
 
 def _groups_layout(x: torch.Tensor, block: int) -> tuple[int, int, int] | None:

@@ -203,8 +203,8 @@ def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
 CODE_PATHS = (
     "fake CPU tensors (fake CUDA ones abort this CPU-only torch in SDPA); softmax attention as the fused "
     "kernel a GPU runs (flash/efficient: output + fp32 logsumexp kept, dropout inside the kernel, not "
-    "SDPA's CPU math path); norms, RoPE, SwiGLU, cross-entropy and GLA on their PyTorch reference ops "
-    "(the Triton kernels do not launch on CPU; memory.py models the same ops)"
+    "SDPA's CPU math path); ZeRO++'s quantizers as their kernel launches (fake: output buffers only); "
+    "norms, RoPE, SwiGLU, cross-entropy and GLA on their PyTorch reference ops (memory.py models the same)"
 )
 
 
