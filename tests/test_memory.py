@@ -69,3 +69,30 @@ def test_estimate_counts_parameters_exactly_and_shards_with_zero():
     assert 8 * n / 4 <= adam <= 1.2 * 8 * n / 4
     small = memory.largest_micro_batch(cfg, 2**28)
     assert 1 <= small <= memory.largest_micro_batch(cfg, 2**30)
+
+
+def test_fake_live_bytes_counts_what_the_dispatch_mode_counts():
+    """FakeLiveBytes (the dry run's meter: fake tensors' creation, no dispatch mode) sees the bytes
+    LiveBytes sees, and both the hand count: a 4 KiB input, a 16 KiB matmul output, a view and an
+    in-place op (nothing new), a storage resized to 0 and refilled, a tensor freed."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run(meter):
+        trace = []
+        with FakeTensorMode(), meter() as live:
+            x = torch.empty(32, 32)  # 4 KiB
+            y = x @ torch.empty(32, 128)  # + 16 KiB (+ the 16 KiB right operand while it lives)
+            trace.append(live.live)
+            y.view(-1).mul_(2)
+            trace.append(live.live)
+            y.untyped_storage().resize_(0)
+            trace.append(live.live)
+            y.untyped_storage().resize_(128 * 32 * 4)
+            del x
+            trace.append(live.live)
+            return trace, live.peak
+
+    expected = ([20480, 20480, 4096, 16384], 36864)
+    assert run(memory.LiveBytes) == expected
+    assert run(memory.FakeLiveBytes) == expected

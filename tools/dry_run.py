@@ -5,15 +5,17 @@ N-rank job, one after another in this process, on torch's fake process group and
     --world-size N       ranks of the launch (default: $WORLD_SIZE or 1)
     --ranks R ... | auto the ranks to run (default auto: one per role, and every member of one group
                          of each kind)
-    --gpu-memory-gb G    also check each rank's peak against G GiB
+    --gpu-memory-gb G    also check each rank's peaks (start-up and step) against G GiB
     --json PATH          write the per-rank results and the mismatches as JSON ('-': stdout)
+    --jobs J             worker processes the ranks are spread over (default: the CPUs this
+                         process may use; 1: every rank in this process)
 
     python tools/dry_run.py --world-size 512 --ranks auto --mock-data --num-layers 4 --hidden-size 64 \\
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 --global-batch-size 256 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --zero-stage 1 --vocab-size 512 \\
         --tokenizer-type NullTokenizer --train-iters 1
 
-Prints one line per rank (peak GiB at start-up and in the step beside memory.py's estimate,
+Prints one line per rank (peak GiB at start-up and in the step, each beside memory.py's estimate,
 collectives and sends issued, GiB sent per link class), every mismatch (a group whose members
 issue different collectives, named by group, index, op and rank; a send without its receive;
 bytes per link class other than the step simulator's), and OK or FAIL; exits 1 on any mismatch
@@ -40,6 +42,7 @@ def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--ranks", nargs="+", default=["auto"])
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
     return ap.parse_known_args(argv)
 
 
@@ -54,6 +57,9 @@ def to_json(report, seconds: float) -> dict:
                 "coords": r.coords,
                 "startup_peak_bytes": r.startup_peak,
                 "step_peak_bytes": r.step_peak,
+                "startup_held_bytes": r.startup_held,
+                "startup_draw_bytes": r.startup_draw,
+                "startup_ratio": r.startup_ratio,
                 "estimate_bytes": r.estimate,
                 "ratio": r.ratio,
                 "collectives": {f"{role} {list(ranks)}": seq for (role, ranks), seq in r.collectives.items()},
@@ -80,17 +86,19 @@ def main(argv=None) -> int:
         return 2
     ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
     out = sys.stderr if ours.json == "-" else sys.stdout
-    print(f"dry run: {len(ranks)} of {ours.world_size} ranks; {CODE_PATHS}", file=out, flush=True)
+    jobs = max(1, min(ours.jobs, len(ranks)))
+    print(f"dry run: {len(ranks)} of {ours.world_size} ranks, {jobs} worker(s); {CODE_PATHS}", file=out, flush=True)
     t0 = time.time()
-    report = dry_run(cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True))
+    report = dry_run(cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True), jobs=jobs)
     seconds = time.time() - t0
     for m in report.mismatches:
         print(f"MISMATCH ({m.what}): {m.message}", file=out)
     over = []
     if ours.gpu_memory_gb is not None:
-        over = [r for r in report.results if r.step_peak > ours.gpu_memory_gb * memory.GiB]
+        over = [r for r in report.results if max(r.startup_peak, r.step_peak) > ours.gpu_memory_gb * memory.GiB]
         for r in over:
-            print(f"OVER: rank {r.rank} peaks at {r.step_peak / memory.GiB:.2f} GiB > {ours.gpu_memory_gb:g}", file=out)
+            peak = max(r.startup_peak, r.step_peak) / memory.GiB
+            print(f"OVER: rank {r.rank} peaks at {peak:.2f} GiB > {ours.gpu_memory_gb:g}", file=out)
     ok = report.ok and not over
     print(f"{'OK' if ok else 'FAIL'}: {len(ranks)} ranks in {seconds:.1f} s", file=out)
     if ours.json:

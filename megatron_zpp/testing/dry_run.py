@@ -11,7 +11,7 @@ so the step is the real one, not a copy.
 
 Per rank it records, through comm.py: every group's ordered collectives (comm.ORDER.keep) and
 point-to-point messages, the ledger's bytes per link class; and the peak of live fake storage
-(memory.LiveBytes) during start-up and during the step. `check(results)` then compares the
+(memory.FakeLiveBytes) during start-up and during the step. `check(results)` then compares the
 ranks that ran: each group's members issue the same sequence (the first divergence named), each
 send has its receive on the peer, in order, and each rank's bytes per link class are the step
 simulator's (simulator/collectives.py: the same byte model); each peak stands beside memory.py's
@@ -22,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import multiprocessing
 import os
 import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
@@ -54,11 +57,24 @@ class RankResult:
     step_peak: int  # live bytes, the training step (what set-up left included)
     seconds: float
     estimate: int = 0  # memory.estimate_rank's peak for this rank's stage and CP slice
+    # its start-up: what set-up leaves (held), and the init's largest full fp32 parameter (drawn
+    # one at a time on the host in a launch, here on the one fake device: counted, once, at most)
+    startup_held: int = 0
+    startup_draw: int = 0
     simulated: dict[str, float] = field(default_factory=dict)  # simulator.collectives' bytes per link class
 
     @property
     def ratio(self) -> float:
         return self.step_peak / self.estimate if self.estimate else float("nan")
+
+    @property
+    def startup_ratio(self) -> float:
+        """The start-up peak over what the estimator says set-up holds (1 to 1 + draw / held)."""
+        return self.startup_peak / self.startup_held if self.startup_held else float("nan")
+
+    @property
+    def startup_bound(self) -> float:
+        return self.startup_held + self.startup_draw
 
 
 @dataclass
@@ -158,7 +174,7 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             _skipping((skip or {}).get(rank)),
             fused_attention(),
             mode,
-            memory.LiveBytes() as live,
+            memory.FakeLiveBytes() as live,
         ):
             # a fake tensor's data_ptr is 0: the quantizer's alignment test passes, as it would on the device
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
@@ -186,7 +202,9 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
         comm.ORDER.seq.clear()
         comm.ORDER.p2p.clear()
         comm.LEDGER.reset()
-    result.estimate = memory.estimate_rank(cfg, result.coords["pp"], cp_rank=result.coords["cp"]).peak
+    estimate = memory.estimate_rank(cfg, result.coords["pp"], cp_rank=result.coords["cp"])
+    result.estimate = estimate.peak
+    result.startup_held, result.startup_draw = estimate.startup_peak, estimate.startup_transient
     result.simulated = simulated_link_bytes(cfg, rank)
     return result
 
@@ -338,14 +356,34 @@ def _short(ranks: tuple[int, ...]) -> str:
     return str(list(ranks)) if len(ranks) <= 8 else f"[{ranks[0]}, {ranks[1]}, ... {ranks[-1]}] ({len(ranks)} ranks)"
 
 
-def dry_run(cfg: Config, world_size: int, ranks: list[int], skip: dict[int, str] | None = None, log=None) -> Report:
-    """Run `ranks` of the layout one after another, then compare them."""
+def dry_run(
+    cfg: Config, world_size: int, ranks: list[int], skip: dict[int, str] | None = None, log=None, jobs: int = 1
+) -> Report:
+    """Run `ranks` of the layout, then compare them: one after another in this process (jobs=1),
+    or spread over `jobs` worker processes, each running its ranks one after another (a rank's
+    run shares nothing with another's: its own fake world, model and ledger). Results come back,
+    and are logged, in the order of `ranks`."""
     results = []
-    for rank in ranks:
-        results.append(run_rank(cfg, rank, world_size, skip))
+    for result in _rank_results(cfg, world_size, ranks, skip, jobs):
+        results.append(result)
         if log is not None:
-            log(summary_line(results[-1]))
+            log(summary_line(result))
     return Report(results, check(results))
+
+
+def _rank_results(cfg: Config, world_size: int, ranks: list[int], skip, jobs: int):
+    if jobs <= 1 or len(ranks) < 2:
+        for rank in ranks:
+            yield run_rank(cfg, rank, world_size, skip)
+        return
+    # spawn, not fork: the parent may hold OpenMP threads a forked child would deadlock on
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=context, initializer=_worker_start) as pool:
+        yield from pool.map(run_rank, repeat(cfg), ranks, repeat(world_size), repeat(skip))
+
+
+def _worker_start() -> None:
+    torch.set_num_threads(1)  # fake tensors compute nothing: one thread per worker, workers per core
 
 
 def summary_line(r: RankResult) -> str:
@@ -355,7 +393,8 @@ def summary_line(r: RankResult) -> str:
     links = ", ".join(f"{k} {v / memory.GiB:.3f}" for k, v in sorted(r.link_bytes.items()))
     return (
         f"rank {r.rank:>5} (tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']}): "
-        f"start-up {r.startup_peak / memory.GiB:.3f} GiB, step {r.step_peak / memory.GiB:.3f} GiB "
+        f"start-up {r.startup_peak / memory.GiB:.3f} GiB (estimate {r.startup_held / memory.GiB:.3f} held "
+        f"+ at most {r.startup_draw / memory.GiB:.3f} drawn), step {r.step_peak / memory.GiB:.3f} GiB "
         f"(estimate {r.estimate / memory.GiB:.3f}, ratio {r.ratio:.3f}); {calls} collectives, {sends} sends; "
         f"GiB sent by link: {links or 'none'}{_sim_note(r)}; {r.seconds:.1f} s"
     )

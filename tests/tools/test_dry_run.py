@@ -45,10 +45,12 @@ def test_auto_ranks_cover_every_role_and_one_group_of_each_kind():
 
 
 def test_wide_layout_dry_runs_clean(tmp_path, capsys):
-    """512 ranks of a tiny model, --ranks auto through the tool: every group's members agree, every
-    send meets its receive, and each rank's peak is the estimator's within 15%."""
+    """512 ranks of a tiny model, --ranks auto through the tool over two worker processes: every
+    group's members agree, every send meets its receive, each rank's step peak is the estimator's
+    within 15% and its start-up between what set-up holds and that plus the init's largest full
+    parameter, and a rank run by a worker is the rank run in this process."""
     out = tmp_path / "dry.json"
-    rc = tool.main(["--world-size", "512", "--ranks", "auto", "--json", str(out), *WIDE])
+    rc = tool.main(["--world-size", "512", "--ranks", "auto", "--jobs", "2", "--json", str(out), *WIDE])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert text.strip().splitlines()[-1].startswith("OK")
@@ -58,10 +60,38 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
     assert len(ranks) == len(auto_ranks(parse_config(WIDE, 512, run=False), 512))
     for r in ranks:
         assert 0.85 < r["ratio"] < 1.15, r
+        assert r["startup_held_bytes"] <= r["startup_peak_bytes"] <= r["startup_held_bytes"] + r["startup_draw_bytes"]
         assert r["startup_peak_bytes"] <= r["step_peak_bytes"]
+    here = run_rank(parse_config(WIDE, 512, run=False), ranks[-1]["rank"], 512)
+    assert {f"{role} {list(g)}": seq for (role, g), seq in here.collectives.items()} == ranks[-1]["collectives"]
+    assert (here.startup_peak, here.step_peak) == (ranks[-1]["startup_peak_bytes"], ranks[-1]["step_peak_bytes"])
     stages = {r["coords"]["pp"]: r for r in ranks}
     assert any(m[0] == "send" for msgs in stages[0]["p2p"].values() for m in msgs)  # pipeline traffic recorded
     assert all(r["collectives"] for r in ranks)
+
+
+def test_fake_peaks_are_the_real_runs_live_bytes():
+    """One rank of a small model, dropout off: the dry run's start-up and step peaks equal the live
+    bytes of the same set-up and step on real CPU tensors (LiveBytes), on its first run in the
+    process (shapes new to FakeTensorMode's dispatch cache: its decompositions' intermediates are
+    not the model's) and on its second (cache hits)."""
+    import dataclasses as dc
+
+    from megatron_zpp import memory, training
+    from megatron_zpp.testing.dry_run import fake_world
+    from megatron_zpp.training.step import train_step
+
+    argv = TINY + "--num-layers 2 --hidden-size 80 --seq-length 72 --global-batch-size 1".split()
+    argv += "--attention-dropout 0 --hidden-dropout 0".split()
+    cfg = parse_config(argv, 1, run=False)
+    fake = [run_rank(cfg, 0, 1) for _ in range(2)]
+    with fake_world(0, 1, 1), memory.LiveBytes() as live:
+        run = training.setup(cfg)
+        startup = live.peak
+        live.reset_peak()
+        train_step(dc.replace(run))
+        step = live.peak
+    assert [(r.startup_peak, r.step_peak) for r in fake] == [(startup, step)] * 2
 
 
 def test_attention_with_dropout_keeps_what_the_fused_kernel_keeps():
