@@ -1,6 +1,7 @@
 """Dry-run a layout before launching it: the real set-up and one training step of chosen ranks of an
-N-rank job, one after another in this process, on torch's fake process group and fake tensors
-(megatron_zpp/testing/dry_run.py). The same flags as pretrain_gpt.py (with --mock-data), plus
+N-rank job, one after another in this process (or in --jobs worker processes), on torch's fake
+process group and fake tensors (megatron_zpp/testing/dry_run.py). The same flags as
+pretrain_gpt.py (with --mock-data), plus
 
     --world-size N       ranks of the launch (default: $WORLD_SIZE or 1)
     --ranks R ... | auto the ranks to run (default auto: one per role, and every member of one group

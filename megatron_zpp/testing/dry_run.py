@@ -1,5 +1,6 @@
 """A dry run: the real set-up and training step of chosen ranks of an N-rank layout, one rank after
-another in this process, on torch's fake process group and fake tensors (FakeTensorMode).
+another in a process (`dry_run(jobs=J)` spreads them over J worker processes), on torch's fake
+process group and fake tensors (FakeTensorMode).
 
 Each rank initializes torch.distributed with the `fake` backend at its rank and the world size
 (collectives return at once, moving nothing), builds its model, engine and optimizer as
