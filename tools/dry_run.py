@@ -10,6 +10,8 @@ pretrain_gpt.py (with --mock-data), plus
     --json PATH          write the per-rank results and the mismatches as JSON ('-': stdout)
     --jobs J             worker processes the ranks are spread over (default: the CPUs this
                          process may use; 1: every rank in this process)
+    --steps S            training steps per rank (default 1; from 2 on, the last one's peak is
+                         the steady state's: AdamW's moments held through it)
 
     python tools/dry_run.py --world-size 512 --ranks auto --mock-data --num-layers 4 --hidden-size 64 \\
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 --global-batch-size 256 \\
@@ -44,6 +46,7 @@ def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--steps", type=int, default=1)
     return ap.parse_known_args(argv)
 
 
@@ -58,6 +61,7 @@ def to_json(report, seconds: float) -> dict:
                 "coords": r.coords,
                 "startup_peak_bytes": r.startup_peak,
                 "step_peak_bytes": r.step_peak,
+                "step_peaks_bytes": r.step_peaks,
                 "startup_held_bytes": r.startup_held,
                 "startup_draw_bytes": r.startup_draw,
                 "startup_ratio": r.startup_ratio,
@@ -80,17 +84,26 @@ def main(argv=None) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
     ours, rest = tool_args(argv)
+    for flag, value in (("--jobs", ours.jobs), ("--steps", ours.steps)):
+        if value < 1:
+            print(f"error: {flag} {value}: give at least 1", file=sys.stderr)
+            return 2
     try:
         cfg = parse_config(rest, ours.world_size, run=False)
     except ConfigError as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
+        return 2
+    if ours.steps > (cfg.train.train_iters or 0):  # --mock-data holds --train-iters steps of samples
+        print(f"error: --steps {ours.steps} is more than --train-iters {cfg.train.train_iters}", file=sys.stderr)
         return 2
     ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
     out = sys.stderr if ours.json == "-" else sys.stdout
     jobs = max(1, min(ours.jobs, len(ranks)))
     print(f"dry run: {len(ranks)} of {ours.world_size} ranks, {jobs} worker(s); {CODE_PATHS}", file=out, flush=True)
     t0 = time.time()
-    report = dry_run(cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True), jobs=jobs)
+    report = dry_run(
+        cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True), jobs=jobs, steps=ours.steps
+    )
     seconds = time.time() - t0
     for m in report.mismatches:
         print(f"MISMATCH ({m.what}): {m.message}", file=out)

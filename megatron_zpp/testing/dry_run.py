@@ -42,7 +42,7 @@ from .. import comm, memory, training
 from ..config import Config
 from ..simulator.collectives import rank_step
 from ..topology import topology_from_config
-from ..training.step import train_step
+from ..training.step import count_step, train_step
 
 GROUP = tuple[str, tuple[int, ...]]  # (role, global ranks), comm.ORDER's key
 
@@ -55,7 +55,7 @@ class RankResult:
     p2p: dict[GROUP, list[tuple]]  # ("send"|"recv", group peer, elements, dtype, tag), in issue order
     link_bytes: dict[str, float]  # the ledger's bytes (real-fabric model) per link class, this step
     startup_peak: int  # live bytes, set-up (model, engine, optimizer)
-    step_peak: int  # live bytes, the training step (what set-up left included)
+    step_peaks: list[int]  # live bytes, each training step (what was held before it included)
     seconds: float
     estimate: int = 0  # memory.estimate_rank's peak for this rank's stage and CP slice
     # its start-up: what set-up leaves (held), and the init's largest full fp32 parameter (drawn
@@ -63,6 +63,11 @@ class RankResult:
     startup_held: int = 0
     startup_draw: int = 0
     simulated: dict[str, float] = field(default_factory=dict)  # simulator.collectives' bytes per link class
+
+    @property
+    def step_peak(self) -> int:
+        """The last step's: with two or more, AdamW's moments are held through it (the steady state)."""
+        return self.step_peaks[-1]
 
     @property
     def ratio(self) -> float:
@@ -157,9 +162,9 @@ def _link_bytes() -> dict[str, float]:
     return dict(out)
 
 
-def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | None = None) -> RankResult:
-    """Set up and train one step as `rank` of `world_size`, on fake tensors; what it issued and held.
-    `skip` (a test's hook): {rank: phase}, that rank leaves out its first collective of the phase."""
+def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | None = None, steps: int = 1) -> RankResult:
+    """Set up and train `steps` steps as `rank` of `world_size`, on fake tensors; what it issued and
+    held. `skip` (a test's hook): {rank: phase}, that rank leaves out its first collective of the phase."""
     t0 = time.time()
     topo = topology_from_config(cfg, world_size)
     comm.LEDGER.reset()
@@ -182,10 +187,13 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             run = training.setup(cfg)
             startup = live.peak
             run = dataclasses.replace(run, train_data=FakeBatches(run.train_data, mode))  # Run is frozen
-            live.reset_peak()
-            train_step(run)
-            comm.LEDGER.step()
-            step = live.peak
+            peaks = []
+            for _ in range(steps):
+                live.reset_peak()
+                samples = cfg.train.global_batch_at(run.state.consumed_samples)
+                train_step(run)
+                count_step(run, samples)
+                peaks.append(live.peak)
             if run.exit_signal is not None:
                 run.exit_signal.close()
         result = RankResult(
@@ -195,7 +203,7 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             dict(comm.ORDER.p2p),
             _link_bytes(),
             startup,
-            step,
+            peaks,
             time.time() - t0,
         )
     finally:
@@ -358,29 +366,35 @@ def _short(ranks: tuple[int, ...]) -> str:
 
 
 def dry_run(
-    cfg: Config, world_size: int, ranks: list[int], skip: dict[int, str] | None = None, log=None, jobs: int = 1
+    cfg: Config,
+    world_size: int,
+    ranks: list[int],
+    skip: dict[int, str] | None = None,
+    log=None,
+    jobs: int = 1,
+    steps: int = 1,
 ) -> Report:
     """Run `ranks` of the layout, then compare them: one after another in this process (jobs=1),
     or spread over `jobs` worker processes, each running its ranks one after another (a rank's
     run shares nothing with another's: its own fake world, model and ledger). Results come back,
     and are logged, in the order of `ranks`."""
     results = []
-    for result in _rank_results(cfg, world_size, ranks, skip, jobs):
+    for result in _rank_results(cfg, world_size, ranks, skip, jobs, steps):
         results.append(result)
         if log is not None:
             log(summary_line(result))
     return Report(results, check(results))
 
 
-def _rank_results(cfg: Config, world_size: int, ranks: list[int], skip, jobs: int):
+def _rank_results(cfg: Config, world_size: int, ranks: list[int], skip, jobs: int, steps: int):
     if jobs <= 1 or len(ranks) < 2:
         for rank in ranks:
-            yield run_rank(cfg, rank, world_size, skip)
+            yield run_rank(cfg, rank, world_size, skip, steps)
         return
     # spawn, not fork: the parent may hold OpenMP threads a forked child would deadlock on
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(min(jobs, len(ranks)), mp_context=context, initializer=_worker_start) as pool:
-        yield from pool.map(run_rank, repeat(cfg), ranks, repeat(world_size), repeat(skip))
+        yield from pool.map(run_rank, repeat(cfg), ranks, repeat(world_size), repeat(skip), repeat(steps))
 
 
 def _worker_start() -> None:
@@ -395,7 +409,8 @@ def summary_line(r: RankResult) -> str:
     return (
         f"rank {r.rank:>5} (tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']}): "
         f"start-up {r.startup_peak / memory.GiB:.3f} GiB (estimate {r.startup_held / memory.GiB:.3f} held "
-        f"+ at most {r.startup_draw / memory.GiB:.3f} drawn), step {r.step_peak / memory.GiB:.3f} GiB "
+        f"+ at most {r.startup_draw / memory.GiB:.3f} drawn), step{'s' if len(r.step_peaks) > 1 else ''} "
+        f"{' / '.join(f'{p / memory.GiB:.3f}' for p in r.step_peaks)} GiB "
         f"(estimate {r.estimate / memory.GiB:.3f}, ratio {r.ratio:.3f}); {calls} collectives, {sends} sends; "
         f"GiB sent by link: {links or 'none'}{_sim_note(r)}; {r.seconds:.1f} s"
     )

@@ -24,7 +24,7 @@ from .builders import training_dtype
 from .evaluation import eval_due, evaluate_and_print
 from .profiling import StepProfiler
 from .run import Run
-from .step import train_step
+from .step import count_step, train_step
 from .timers import Timers, format_timers
 
 
@@ -149,9 +149,7 @@ def _timed_step(run: Run, throughput: Throughput, timers: Timers) -> dict:
     elapsed = time.perf_counter() - start
     waited = run.train_data.wait_seconds - waited
     timers.add("batch-generator", waited)
-    state.iteration += 1
-    state.consumed_samples += batch
-    comm.LEDGER.step()
+    count_step(run, batch)
     scaling = {}
     if state.loss_scaler is not None:
         scaling = {"loss_scale": state.loss_scaler.scale, "skipped_iterations": state.skipped_iterations}

@@ -82,6 +82,14 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
     return loss, check.grad_norm, rates.lr
 
 
+def count_step(run, samples: int) -> None:
+    """After train_step: the iteration and the samples it consumed, and the ledger's step count
+    (comm.py reports bytes per step)."""
+    run.state.iteration += 1
+    run.state.consumed_samples += samples
+    comm.LEDGER.step()
+
+
 class _NoTimers:
     def start(self, name: str) -> None: ...
 

@@ -121,8 +121,10 @@ def test_attention_with_dropout_keeps_what_the_fused_kernel_keeps():
 
 
 def test_zeropp_three_tiers_match_the_simulator_bytes():
-    """ZeRO++ (qwZ, hpZ over a pair, qgZ over pair / node / cluster) on 8 ranks of 4 per node: the
-    ledger's bytes per link class are the simulator's on each rank run, and the groups agree."""
+    """ZeRO++ (qwZ, hpZ over a pair, qgZ over pair / node / cluster) on 8 ranks of 4 per node, two
+    steps: the ledger's bytes per link class and step are the simulator's on each rank run, the
+    groups agree, the second step issues the first's collectives again, and its peak holds AdamW's
+    moments besides."""
     argv = (
         TINY
         + (
@@ -130,12 +132,18 @@ def test_zeropp_three_tiers_match_the_simulator_bytes():
             "--zero-hpz-partition-size 2 --zero-quantized-gradients --zero-hierarchy 2 --ranks-per-node 4"
         ).split()
     )
+    argv[argv.index("--train-iters") + 1] = "2"
     cfg = parse_config(argv, 8, run=False)
-    report = dry_run(cfg, 8, [0, 1, 2, 7])  # a pair, its node, the other node
+    report = dry_run(cfg, 8, [0, 1, 2, 7], steps=2)  # a pair, its node, the other node
     assert report.ok, [m.message for m in report.mismatches]
     for r in report.results:
         assert set(r.link_bytes) == {"tier0", "intra_node", "inter_node"}
         assert r.link_bytes == pytest.approx(r.simulated, rel=1e-9)
+        for seq in r.collectives.values():
+            half = len(seq) // 2
+            assert seq[:half] == seq[half:] and half > 0
+        first, second = r.step_peaks
+        assert second > first
 
 
 def test_hybrid_gla_all_scan_under_cp():
@@ -185,7 +193,14 @@ def test_unmatched_send_is_caught():
     assert "rank 0 -> rank 1 message #0" in found[0].message
 
 
-@pytest.mark.parametrize("argv", [["--world-size", "3", *WIDE]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--world-size", "3", *WIDE],  # not divisible by TP x PP
+        ["--world-size", "512", "--steps", "2", *WIDE],  # more steps than --train-iters 1 has data for
+        ["--world-size", "512", "--jobs", "0", *WIDE],
+    ],
+)
 def test_bad_layout_is_a_config_error(argv, capsys):
     assert tool.main(argv) == 2
     assert "error:" in capsys.readouterr().err
