@@ -58,8 +58,9 @@ class RankResult:
     step_peaks: list[int]  # live bytes, each training step (what was held before it included)
     seconds: float
     estimate: int = 0  # memory.estimate_rank's peak for this rank's stage and CP slice
-    # its start-up: what set-up leaves (held), and the init's largest full fp32 parameter (drawn
-    # one at a time on the host in a launch, here on the one fake device: counted, once, at most)
+    # its start-up: what set-up leaves (held), and the init's largest full fp32 parameter (a launch
+    # draws each on the host, one at a time; here they land on the one fake device, so the measured
+    # start-up lies between held and held + draw)
     startup_held: int = 0
     startup_draw: int = 0
     simulated: dict[str, float] = field(default_factory=dict)  # simulator.collectives' bytes per link class
@@ -77,10 +78,6 @@ class RankResult:
     def startup_ratio(self) -> float:
         """The start-up peak over what the estimator says set-up holds (1 to 1 + draw / held)."""
         return self.startup_peak / self.startup_held if self.startup_held else float("nan")
-
-    @property
-    def startup_bound(self) -> float:
-        return self.startup_held + self.startup_draw
 
 
 @dataclass
