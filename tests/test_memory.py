@@ -72,8 +72,8 @@ def test_estimate_counts_parameters_exactly_and_shards_with_zero():
 
 
 def test_fake_live_bytes_counts_what_the_dispatch_mode_counts():
-    """FakeLiveBytes (the dry run's meter: fake tensors' creation, no dispatch mode) sees the bytes
-    LiveBytes sees, and both the hand count: a 4 KiB input, a 16 KiB matmul output, a view and an
+    """FakeLiveBytes (the dry run's meter: a counter on FakeTensorMode.dispatch, no dispatch mode)
+    sees the bytes LiveBytes sees, and both the hand count: a 4 KiB input, a 16 KiB matmul output, a view and an
     in-place op (nothing new), a storage resized to 0 and refilled, a tensor freed."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode

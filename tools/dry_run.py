@@ -1,4 +1,4 @@
-"""Dry-run a layout before launching it: the real set-up and one training step of chosen ranks of an
+"""Dry-run a layout before launching it: the real set-up and training step(s) of chosen ranks of an
 N-rank job, one after another in this process (or in --jobs worker processes), on torch's fake
 process group and fake tensors (megatron_zpp/testing/dry_run.py). The same flags as
 pretrain_gpt.py (with --mock-data), plus
@@ -39,13 +39,18 @@ from megatron_zpp.config import ConfigError
 from megatron_zpp.testing.dry_run import CODE_PATHS, auto_ranks, dry_run
 
 
+def _usable_cpus() -> int:
+    # the CPUs this process may run on (its affinity where the OS has one: Linux), else all
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     ap.add_argument("--ranks", nargs="+", default=["auto"])
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--jobs", type=int, default=_usable_cpus())
     ap.add_argument("--steps", type=int, default=1)
     return ap.parse_known_args(argv)
 

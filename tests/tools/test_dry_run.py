@@ -71,7 +71,8 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
 
 
 def test_fake_peaks_are_the_real_runs_live_bytes():
-    """One rank of a small model, dropout off: the dry run's start-up and step peaks equal the live
+    """One rank of a small model, dropout off (with dropout, real CPU SDPA takes its math path, which
+    the dry run replaces with the fused kernel's tensors): the dry run's start-up and step peaks equal the live
     bytes of the same set-up and step on real CPU tensors (LiveBytes), on its first run in the
     process (shapes new to FakeTensorMode's dispatch cache: its decompositions' intermediates are
     not the model's) and on its second (cache hits)."""
