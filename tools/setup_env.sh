@@ -26,5 +26,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 "${pip[@]}" -e ".[data,logging,plot,dev]"
+# the test extra "megatron" (megatron-core, pure Python) declares Python>=3.12; it runs on ours
+"${pip[@]}" --ignore-requires-python -e ".[megatron]"
 echo "$want" > "$stamp"
 echo "environment ready: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
