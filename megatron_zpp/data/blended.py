@@ -31,6 +31,12 @@ from megatron_zpp.progress import progress
 SURPLUS = 0.005  # Megatron's margin of extra samples built per blended dataset
 
 
+def normalize(weights) -> list[float]:
+    """Weights over their numpy float64 sum, as Megatron's: the greedy blend's ties hang on the last bit."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """['p'] or ['0.3', 'a', '0.7', 'b'] or ['a', 'b'] -> (prefixes, normalized weights or None)."""
     items = [s for s in (data_path or []) if s.strip()]
@@ -59,7 +65,7 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
             raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
         if any(number(p) is not None for p in prefixes):
             raise ValueError(f"--data-path {data_path}: expected W1 PREFIX1 W2 PREFIX2 ..., found a number as a prefix")
-        return prefixes, [w / sum(weights) for w in weights]
+        return prefixes, normalize(weights)
     if any(number(s) is not None for s in items):
         raise ValueError(f"--data-path {data_path}: weights and prefixes must alternate (W1 PREFIX1 W2 PREFIX2 ...)")
     return [p.strip() for p in items], None
@@ -94,8 +100,7 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(self, datasets: list, weights: list[float], size: int, split: str, cache_dir: str, build: bool):
         self.datasets = datasets
-        total = sum(weights)
-        self.weights = [w / total for w in weights]
+        self.weights = normalize(weights)
         self.description = {
             "class": "BlendedDataset",
             "format": INDEX_FORMAT,
@@ -165,14 +170,17 @@ def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_sam
         if not members:
             out.append(None)
             continue
-        total = sum(wi for _, wi in members)
-        shares = [wi / total for _, wi in members]
-        per = [max(math.ceil(sh * want * (1 + SURPLUS)), math.floor(sh * want) + 2) if want else 0 for sh in shares]
+        # Megatron normalizes a weighted blend's weights once more in BlendedDataset, not here.
+        renormalize = weights is None or len(members) < len(prefixes)
+        shares = normalize([wi for _, wi in members]) if renormalize else [wi for _, wi in members]
+        # Megatron's sizes: ceil(want * share) used per dataset, built with SURPLUS more.
+        used = [math.ceil(want * sh) for sh in shares]
+        per = [math.ceil(n * (1 + SURPLUS)) for n in used]
         datasets = [
             _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build, mmap_bin)
             for (p, _), n in zip(members, per)
         ]
         # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
-        size = want if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
+        size = sum(used) if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
         out.append(BlendedDataset(datasets, shares, size, SPLITS[s], cache_dir, build))
     return tuple(out)

@@ -1,13 +1,17 @@
 """GPTDataset with Megatron's semantics (data/builder.py assembles the datasets training uses).
 
-A split of an indexed dataset (a contiguous range of its documents) becomes fixed-length samples:
-  document index  the split's documents, shuffled anew each epoch, epochs back to back;
+A split of an indexed dataset (a contiguous range of its documents) becomes fixed-length samples,
+in Megatron-core's order (megatron/core/datasets/gpt_dataset.py, GPTDataset), sample for sample:
+  document index  the split's documents repeated once per epoch and shuffled all together; when the
+                  last epoch is mostly unused (its samples < 80% of an epoch's), the earlier epochs
+                  are shuffled together and the last one apart, so full epochs are consumed first;
   sample index    row i = (position in the document index, token offset) where sample i starts;
                   sample i runs to row i+1 inclusive, so consecutive samples share one token
-                  (the last label of one is the first input of the next) and each token is an
-                  input exactly once per epoch;
-  shuffle index   a permutation of the samples (the last, partial epoch permuted on its own
-                  when it is small, as in Megatron, so full epochs are consumed first).
+                  (the last label of one is the first input of the next) and each token of the
+                  document index is an input once;
+  shuffle index   a permutation of the samples (the samples of a separated last epoch permuted
+                  apart, after the others).
+One numpy RandomState seeded with the seed draws the document index, then the shuffle index.
 The three arrays are cached as .npy named by a hash of everything they depend on, built on one
 rank and loaded by the others after a barrier.
 """
@@ -26,7 +30,7 @@ from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetErro
 
 SPLITS = ("train", "valid", "test")
 SEPARATE_LAST_EPOCH_BELOW = 0.80  # Megatron's threshold for shuffling a short last epoch on its own
-INDEX_FORMAT = 1  # bump when the meaning of the cached arrays changes
+INDEX_FORMAT = 2  # bump when the meaning of the cached arrays changes (2: Megatron's multi-epoch order)
 
 
 # ---------------------------------------------------------------- cache of index arrays
@@ -85,9 +89,32 @@ def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> 
     return max(1, math.ceil((num_samples * seq_length + 1) / tokens_per_epoch))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """One independent permutation of the split's documents per epoch, concatenated."""
-    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int32)
+def samples_before_final_epoch(tokens_per_epoch: int, num_epochs: int, seq_length: int) -> int:
+    """Samples the first num_epochs - 1 epochs make (each takes seq_length + 1 tokens, one shared)."""
+    return ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+
+
+def separate_final_epoch(num_samples: int, tokens_per_epoch: int, num_epochs: int, seq_length: int) -> bool:
+    """Megatron's rule: the last epoch is kept apart when it supplies < 80% of an epoch's samples."""
+    if num_epochs == 1:
+        return False
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return num_samples - samples_before_final_epoch(tokens_per_epoch, num_epochs, seq_length) < int(
+        SEPARATE_LAST_EPOCH_BELOW * per_epoch
+    )
+
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool
+) -> np.ndarray:
+    """The documents once per epoch, shuffled together; with `separate_final`, the first
+    num_epochs - 1 epochs shuffled together, then the last epoch shuffled on its own."""
+    if separate_final and num_epochs > 1:
+        head = build_document_index(documents, num_epochs - 1, rng, False)
+        return np.concatenate([head, build_document_index(documents, 1, rng, False)])
+    index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
@@ -102,14 +129,16 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     return np.stack([position, offset], axis=1).astype(np.int32 if fits else np.int64)
 
 
-def build_shuffle_index(num_samples: int, first_epochs_samples: int | None, rng: np.random.RandomState) -> np.ndarray:
-    """Permutation of range(num_samples); [first_epochs_samples, num_samples) permuted separately if given."""
-    dtype = np.uint32 if num_samples < 2**32 - 1 else np.int64
-    if first_epochs_samples is None:
-        return rng.permutation(num_samples).astype(dtype)
-    head = rng.permutation(first_epochs_samples)
-    tail = first_epochs_samples + rng.permutation(num_samples - first_epochs_samples)
-    return np.concatenate([head, tail]).astype(dtype)
+def build_shuffle_index(first: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of range(total): [0, first) shuffled, then [first, total) shuffled apart."""
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    head = np.arange(first, dtype=dtype)
+    rng.shuffle(head)
+    if first == total:
+        return head
+    tail = np.arange(first, total, dtype=dtype)
+    rng.shuffle(tail)
+    return np.concatenate([head, tail])
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -160,17 +189,13 @@ class GPTDataset(torch.utils.data.Dataset):
         if tokens_per_epoch <= self.seq_length and num_samples == 0:
             num_samples = 1
         epochs = num_epochs_for(tokens_per_epoch, self.seq_length, num_samples)
-        rng = np.random.RandomState(seed)
-        document_index = build_document_index(documents, epochs, rng)
+        separate = separate_final_epoch(num_samples, tokens_per_epoch, epochs, self.seq_length)
+        rng = np.random.RandomState(seed)  # as Megatron: one stream, documents first, then samples
+        document_index = build_document_index(documents, epochs, rng, separate)
         sample_index = build_sample_index(sizes, document_index, self.seq_length)
         total = len(sample_index) - 1
-        first = None
-        if epochs > 1:
-            before_last = ((epochs - 1) * tokens_per_epoch - 1) // self.seq_length
-            per_epoch = (tokens_per_epoch - 1) // self.seq_length
-            if num_samples - before_last < int(SEPARATE_LAST_EPOCH_BELOW * per_epoch):
-                first = before_last
-        shuffle_index = build_shuffle_index(total, first, rng)
+        first = samples_before_final_epoch(tokens_per_epoch, epochs, self.seq_length) if separate else total
+        shuffle_index = build_shuffle_index(first, total, rng)
         return dict(document_index=document_index, sample_index=sample_index, shuffle_index=shuffle_index)
 
     def __len__(self) -> int:
