@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .blended import build_split_datasets, parse_data_path
+from .blended import BlendedDataset, build_split_datasets, parse_data_path
+from .gpt_dataset import SPLITS
 from .token_range import index_cache_dir
 
 
@@ -64,3 +65,17 @@ def build_gpt_datasets(
     if not is_builder:
         result = build_split_datasets(*args, build=False, mmap_bin=mmap_bin)
     return result
+
+
+def describe_splits(datasets, split: str, seq_length: int) -> list[str]:
+    """One line per split, as the start-up log gives them: its samples, then each dataset of it
+    (blend weight, prefix, documents, tokens, samples used of those built, epochs)."""
+    lines = []
+    for name, ds in zip(SPLITS, datasets):
+        if ds is None:
+            lines.append(f"data {name}: none (--split {split} leaves it no documents)")
+            continue
+        members = zip(ds.weights, ds.datasets) if isinstance(ds, BlendedDataset) else [(None, ds)]
+        sources = " + ".join(d.summary() if w is None else f"{w:.4g} x {d.summary()}" for w, d in members)
+        lines.append(f"data {name}: {len(ds):,} samples of {seq_length}+1 tokens from {sources}; --split {split}")
+    return lines

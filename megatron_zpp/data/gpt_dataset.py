@@ -201,6 +201,19 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.shuffle_index)
 
+    def summary(self) -> str:
+        """Its prefix, documents, tokens, samples used of those built, epochs (the start-up data line)."""
+        beg, end = self.description["documents"]
+        tokens = int(self.indexed.sequence_lengths[beg:end].sum(dtype=np.int64))
+        epochs = len(self.document_index) // (end - beg)
+        asked = self.description["num_samples"]
+        apart = separate_final_epoch(asked, tokens, epochs, self.seq_length)
+        return (
+            f"{self.indexed.prefix} (documents {beg}:{end} of {len(self.indexed)}, {tokens:,} tokens, "
+            f"{asked:,} of {len(self):,} samples, {epochs} epoch{'s' if epochs > 1 else ''}"
+            f"{', the last shuffled apart' if apart else ''})"
+        )
+
     def __getitem__(self, i) -> np.ndarray:
         j = int(self.shuffle_index[i])
         (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]

@@ -10,9 +10,10 @@ import torch
 
 from .. import comm
 from ..config import Config
-from ..data.builder import build_gpt_datasets
+from ..data.builder import build_gpt_datasets, describe_splits
 from ..data.loader import BatchIterator, Packing
 from ..data.mock import MockGPTDataset
+from ..logging_utils import log
 from ..model import GPT, ParallelContext
 from ..model.init import RankInit
 from ..pipeline_parallel import StageLink, build_rank_chunks
@@ -144,6 +145,8 @@ def build_data(
             barrier=lambda: comm.barrier(),
             mmap_bin=cfg.data.mmap_bin_files,
         )
+        for line in describe_splits((train, valid, test), cfg.data.split, seq):
+            log(line, groups.rank)
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 
     def batches(dataset, consumed, micro=mbs):

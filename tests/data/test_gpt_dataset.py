@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_zpp.data.blended import build_blending_indices, parse_data_path
-from megatron_zpp.data.builder import build_gpt_datasets, parse_split
+from megatron_zpp.data.builder import build_gpt_datasets, describe_splits, parse_split
 from megatron_zpp.data.gpt_dataset import split_ranges
 from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 
@@ -197,3 +197,22 @@ def test_unwritable_cache_is_one_error_naming_the_flag(tmp_path):
         IndexedDatasetError, match=r"cannot write the dataset index cache in .*give a writable --data-cache"
     ):
         build([prefix], (10, 0, 0), tmp_path, cache="file/cache")
+
+
+def test_start_up_line_per_split_names_each_dataset(tmp_path):
+    a = make_corpus(str(tmp_path / "a"), num_docs=50, tag=1)
+    b = make_corpus(str(tmp_path / "b"), num_docs=20, seed=1, tag=2)
+    blend = build(["0.75", a, "0.25", b], (200, 10, 0), tmp_path, split="90,10,0")
+    train, valid, test = describe_splits(blend, "90,10,0", SEQ)
+    tokens_a = int(IndexedDataset(a).sequence_lengths[:45].sum())
+    epochs_a = len(blend[0].datasets[0].document_index) // 45
+    assert train.startswith(
+        f"data train: {len(blend[0])} samples of {SEQ}+1 tokens from 0.75 x {a} (documents 0:45 of 50"
+    )
+    assert f"{tokens_a:,} tokens, 151 of {len(blend[0].datasets[0])} samples, {epochs_a} epochs" in train
+    assert f" + 0.25 x {b} (documents 0:18 of 20" in train and train.endswith("; --split 90,10,0")
+    assert valid.startswith(f"data valid: {len(blend[1])} samples") and "documents 45:50 of 50" in valid
+    assert test == "data test: none (--split 90,10,0 leaves it no documents)"
+    (single,) = describe_splits(build([a], (200, 0, 0), tmp_path)[:1], "1", SEQ)
+    assert f"from {a} (documents 0:50 of 50" in single  # 57 samples an epoch: the 4th gives 29 of them
+    assert "4 epochs, the last shuffled apart)" in single
