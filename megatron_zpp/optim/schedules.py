@@ -148,6 +148,53 @@ def checkpoint_schedule(cfg: Config, saved: dict) -> tuple[OptimConfig, Schedule
     return o, s
 
 
+def schedule_changes(cfg: Config, saved: dict) -> list[str]:
+    """Each schedule setting where a resumed run of `cfg` differs from its checkpoint's config dict
+    `saved`, in words: those Megatron's scheduler compares on load (the peak and minimum lr, the
+    decay style, the weight decay's ends and style, and the warmup, decay and weight-decay
+    increment lengths in samples, which the train iterations or samples and the batch shape)."""
+    if "optim" not in saved or "train" not in saved:  # a checkpoint that did not record them: nothing to compare
+        return []
+    o, old = cfg.optim, _section(OptimConfig, saved["optim"])
+    mine, theirs = schedule_for(o, cfg.train), schedule_for(old, _section(TrainConfig, saved["train"]))
+    settings = [
+        ("--lr", o.lr, old.lr),
+        ("--min-lr", o.min_lr, old.min_lr),
+        ("--lr-decay-style", o.lr_decay_style, old.lr_decay_style),
+        ("lr warmup samples (--lr-warmup-*)", mine.warmup, theirs.warmup),
+        ("lr decay samples (--lr-decay-*, else --train-*)", mine.decay, theirs.decay),
+        ("weight decay from-to", o.weight_decay_span(), old.weight_decay_span()),
+        ("--weight-decay-incr-style", o.weight_decay_incr_style, old.weight_decay_incr_style),
+        ("weight-decay increment samples (--train-*)", mine.wd_incr, theirs.wd_incr),
+    ]
+    return [f"{name} {_words(a)} here, {_words(b)} in the checkpoint" for name, a, b in settings if a != b]
+
+
+def schedule_resume_warning(cfg: Config, saved: dict) -> str | None:
+    """The one line a resume logs where its schedule differs from its checkpoint's: the settings,
+    and whose win. Megatron refuses such a resume unless told which; here this command line's win
+    unless --use-checkpoint-opt_param-scheduler is given."""
+    changes = schedule_changes(cfg, saved)
+    if not changes:
+        return None
+    if cfg.optim.use_checkpoint_opt_param_scheduler:
+        winner = "the checkpoint's win (--use-checkpoint-opt_param-scheduler)"
+    elif cfg.optim.override_opt_param_scheduler:
+        winner = "this command line's win (--override-opt_param-scheduler)"
+    else:
+        winner = (
+            "this command line's win, as with --override-opt_param-scheduler (Megatron would refuse the resume "
+            "without it; --use-checkpoint-opt_param-scheduler takes the checkpoint's)"
+        )
+    return f"the LR schedule differs from the checkpoint's: {'; '.join(changes)}: {winner}"
+
+
+def _words(value) -> str:
+    if isinstance(value, tuple):
+        return " to ".join(_words(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _section(cls, saved: dict):
     """A config section from its saved dict: the fields it has (an older checkpoint lacks newer ones)."""
     return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.init and f.name in saved})

@@ -32,7 +32,7 @@ from ..ops.dispatch import KernelUnavailable, describe, set_kernels
 from ..ops.norm import backend as norm_backend
 from ..ops.quantize import quantizer_backend
 from ..optim.loss_scaler import LossScaler
-from ..optim.schedules import checkpoint_schedule
+from ..optim.schedules import checkpoint_schedule, schedule_resume_warning
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
@@ -176,12 +176,18 @@ def _load(target: LoadTarget) -> Restored | None:
 
 
 def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int) -> tuple | None:
-    """--use-checkpoint-opt_param-scheduler: the loaded checkpoint's schedule, logged (Megatron's values)."""
-    if restored is None or not cfg.optim.use_checkpoint_opt_param_scheduler:
+    """--use-checkpoint-opt_param-scheduler: the loaded checkpoint's schedule, logged (Megatron's values);
+    a resume whose schedule differs from its checkpoint's says how, and whose wins."""
+    if restored is None:
         return None
     found = locate_checkpoint(restored.path)
     assert found is not None  # the checkpoint just loaded
     _, meta = found
+    warning = schedule_resume_warning(cfg, meta["config"]) if restored.train_state else None  # not a finetune
+    if warning:
+        log(f"warning: {warning}", rank)
+    if not cfg.optim.use_checkpoint_opt_param_scheduler:
+        return None
     o, s = schedule = checkpoint_schedule(cfg, meta["config"])
     log(
         f"schedule from the checkpoint (--use-checkpoint-opt_param-scheduler): lr {o.lr:g} to {o.min_lr:g}, "

@@ -1,8 +1,8 @@
 """The schedule of a resumed run: this command line's by default (Megatron's
 --override-opt_param-scheduler), the checkpoint's with --use-checkpoint-opt_param-scheduler
 (Megatron's values: peak and minimum lr, warmup and decay lengths, decay style; the expected
-rates are Megatron's formulas, written out in tests/optim/test_schedules.py); and a checkpoint
-saved without --decoupled-lr resumes with it."""
+rates are Megatron's formulas, written out in tests/optim/test_schedules.py), with one warning
+line naming what differs and whose win; and a checkpoint saved without --decoupled-lr resumes with it."""
 
 import pytest
 
@@ -19,7 +19,11 @@ def history(argv: list[str]) -> list[dict]:
     return training.train(training.setup(validate(parse_args(TINY + argv), 1)))
 
 
-def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_path):
+def schedule_warnings(capsys) -> list[str]:
+    return [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines() if "the LR schedule differs" in ln]
+
+
+def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     first = history(
         f"--lr {LR} --min-lr 1e-4 --lr-warmup-iters 1 --train-iters 4 --save {ck} --save-interval 2".split()
@@ -27,8 +31,16 @@ def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_p
     other = (
         f"--lr 5e-3 --min-lr 0 --lr-decay-style cosine --lr-warmup-iters 2 --train-iters 6 --load {ck} --ckpt-step 2"
     )
+    capsys.readouterr()
     mine = history(other.split())
+    (warning,) = schedule_warnings(capsys)  # one line, naming each setting that differs and whose win
+    changed = f"--lr 0.005 here, {LR:g} in the checkpoint; --min-lr 0 here, 0.0001 in the checkpoint; --lr-decay-style"
+    assert warning.startswith(f"warning: the LR schedule differs from the checkpoint's: {changed}")
+    assert "lr decay samples (--lr-decay-*, else --train-*) 12 here, 8 in the checkpoint" in warning
+    assert ": this command line's win, as with --override-opt_param-scheduler" in warning
     theirs = history(other.split() + ["--use-checkpoint-opt_param-scheduler"])
+    (warning,) = schedule_warnings(capsys)
+    assert warning.endswith("in the checkpoint: the checkpoint's win (--use-checkpoint-opt_param-scheduler)")
     counts = [i * G for i in range(2, 6)]  # steps 3-6 of the resumed run
     # the checkpoint's: linear from 1e-3 to 1e-4, warmup 1 x 2, decay over its 4 iterations x 2 (then min)
     assert [h["lr"] for h in theirs] == pytest.approx([megatron_lr(n, "linear", G, 4 * G, 0, LR, 1e-4) for n in counts])

@@ -15,7 +15,13 @@ import pytest
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, OptimConfig, TrainConfig
 from megatron_zpp.optim import learning_rate, learning_rate_at_samples, rates_at
-from megatron_zpp.optim.schedules import lr_at, schedule_for, weight_decay_at
+from megatron_zpp.optim.schedules import (
+    lr_at,
+    schedule_changes,
+    schedule_for,
+    schedule_resume_warning,
+    weight_decay_at,
+)
 from megatron_zpp.validation import validate
 
 LR, MIN = 1.0, 0.1
@@ -205,3 +211,27 @@ def test_bad_schedule_settings_are_one_line_each(argv, line):
     with pytest.raises(ConfigError) as e:
         config(argv)
     assert any(line in ln for ln in str(e.value).splitlines()), str(e.value)
+
+
+def test_resume_warning_names_each_changed_setting_and_the_winner():
+    saved = config("--lr 1e-3 --min-lr 1e-4 --train-iters 8 --global-batch-size 4 --lr-warmup-iters 2").to_dict()
+    same = config("--lr 1e-3 --min-lr 1e-4 --train-iters 8 --global-batch-size 4 --lr-warmup-iters 2 --seed 9")
+    assert schedule_resume_warning(same, saved) is None  # what does not shape the schedule is not compared
+    longer = "--lr 1e-3 --min-lr 1e-4 --train-iters 12 --global-batch-size 4 --lr-warmup-iters 2 --lr-decay-iters 8"
+    (only,) = schedule_changes(config(longer), saved)  # the decay kept, the train length not: Megatron compares both
+    assert only == "weight-decay increment samples (--train-*) 48 here, 32 in the checkpoint"
+    changed = "--lr 2e-3 --min-lr 1e-4 --train-iters 10 --global-batch-size 4 --lr-decay-style cosine"
+    line = schedule_resume_warning(config(changed), saved)
+    assert line.startswith(
+        "the LR schedule differs from the checkpoint's: --lr 0.002 here, 0.001 in the checkpoint; "
+        "--lr-decay-style cosine here, linear in the checkpoint; lr warmup samples (--lr-warmup-*) 0 here, 8 in the "
+        "checkpoint; lr decay samples (--lr-decay-*, else --train-*) 40 here, 32 in the checkpoint; "
+        "weight-decay increment samples (--train-*) 40 here, 32 in the checkpoint: this command line's win, as with "
+        "--override-opt_param-scheduler (Megatron would refuse"
+    ), line
+    override = schedule_resume_warning(config(changed + " --override-opt_param-scheduler"), saved)
+    assert override.endswith("32 in the checkpoint: this command line's win (--override-opt_param-scheduler)")
+    theirs = schedule_resume_warning(config(changed + " --use-checkpoint-opt_param-scheduler"), saved)
+    assert theirs.endswith("32 in the checkpoint: the checkpoint's win (--use-checkpoint-opt_param-scheduler)")
+    wd = config("--lr 1e-3 --min-lr 1e-4 --train-iters 8 --global-batch-size 4 --lr-warmup-iters 2 --weight-decay 0.1")
+    assert schedule_changes(wd, saved) == ["weight decay from-to 0.1 to 0.1 here, 0.01 to 0.01 in the checkpoint"]
