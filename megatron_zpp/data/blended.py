@@ -3,8 +3,8 @@
 Semantics follow Megatron: weights are normalized; each dataset of a blend is built with its
 share of the requested samples plus 0.5%; sample t of the blend comes from the dataset whose
 count lags its weight the most (greedy largest deficit), so after any N samples each dataset's
-fraction is within 1/N of its weight. Without weights, datasets are blended in proportion to
-their size (Megatron's rule), here for the requested number of samples.
+fraction is within 1/N of its weight. Without weights, one epoch of each dataset is blended in
+proportion to its samples (Megatron's rule); past one epoch, here, more epochs in that proportion.
 """
 
 from __future__ import annotations
@@ -148,6 +148,41 @@ def split_tokens(prefix: str, split_id: int, fractions) -> int:
     return 0 if rng is None else int(indexed.sequence_lengths[rng[0] : rng[1]].sum(dtype=np.int64))
 
 
+def epoch_samples(prefix: str, split_id: int, fractions, seq_length: int) -> int:
+    """Samples one epoch of the split makes (seq_length + 1 tokens each, one shared): Megatron's size of a dataset."""
+    return max(0, split_tokens(prefix, split_id, fractions) - 1) // seq_length
+
+
+def _blended_split(prefixes, weights, s, want, fractions, seq_length, seed, cache_dir, build, mmap_bin):
+    """Split `s` of a blend, as Megatron's BlendedMegatronDatasetBuilder: weighted, each dataset built
+    with ceil(ceil(want x weight) x (1 + SURPLUS)) samples and the blend `sum(ceil(want x weight))`
+    long; unweighted, one epoch of each, blended in proportion to their samples (where `want` asks for
+    more, Megatron's blend falls short; here the datasets go on to more epochs as a weighted blend's do)."""
+    raw = weights if weights is not None else [epoch_samples(p, s, fractions, seq_length) for p in prefixes]
+    # A dataset with no documents in this split drops out and the others are renormalized.
+    members = [(p, wi) for p, wi in zip(prefixes, raw) if wi > 0 and split_tokens(p, s, fractions) > 0]
+    if not members:
+        return None
+    raw = [wi for _, wi in members]
+    # Megatron normalizes a weighted blend's weights once more in BlendedDataset, not here.
+    shares = raw if weights is not None and len(members) == len(prefixes) else normalize(raw)
+    if weights is None and 0 < want <= sum(raw):  # Megatron's one epoch of each
+        per, size = raw, want
+    else:
+        used = [math.ceil(want * sh) for sh in shares]
+        per = [math.ceil(n * (1 + SURPLUS)) for n in used]
+        # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
+        size = sum(used) if want else None
+    datasets = [
+        _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build, mmap_bin)
+        for (p, _), n in zip(members, per)
+    ]
+    if size is None:
+        size = max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
+    blend_weights = raw if weights is None else shares  # Megatron's BlendedDataset gets the sizes themselves
+    return BlendedDataset(datasets, blend_weights, size, SPLITS[s], cache_dir, build)
+
+
 def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build, mmap_bin=True):
     """[train, valid, test] for one prefix or a blend; a split is None when no dataset has documents in it
     (`mmap_bin`: whether the .bin files are memory-mapped, IndexedDataset)."""
@@ -163,24 +198,5 @@ def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_sam
         if len(prefixes) == 1:
             out.append(_split_dataset(prefixes[0], s, fractions, want, seq_length, seed, cache_dir, build, mmap_bin))
             continue
-        # Megatron's unweighted rule: proportional to size (tokens of this split).
-        w = weights if weights is not None else [split_tokens(p, s, fractions) for p in prefixes]
-        # A dataset with no documents in this split drops out and the others are renormalized.
-        members = [(p, wi) for p, wi in zip(prefixes, w) if wi > 0 and split_tokens(p, s, fractions) > 0]
-        if not members:
-            out.append(None)
-            continue
-        # Megatron normalizes a weighted blend's weights once more in BlendedDataset, not here.
-        renormalize = weights is None or len(members) < len(prefixes)
-        shares = normalize([wi for _, wi in members]) if renormalize else [wi for _, wi in members]
-        # Megatron's sizes: ceil(want * share) used per dataset, built with SURPLUS more.
-        used = [math.ceil(want * sh) for sh in shares]
-        per = [math.ceil(n * (1 + SURPLUS)) for n in used]
-        datasets = [
-            _split_dataset(p, s, fractions, n, seq_length, seed, cache_dir, build, mmap_bin)
-            for (p, _), n in zip(members, per)
-        ]
-        # Nothing requested: as many as fit without exhausting a dataset (greedy overshoots by < 1).
-        size = sum(used) if want else max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
-        out.append(BlendedDataset(datasets, shares, size, SPLITS[s], cache_dir, build))
+        out.append(_blended_split(prefixes, weights, s, want, fractions, seq_length, seed, cache_dir, build, mmap_bin))
     return tuple(out)

@@ -1,7 +1,8 @@
 """Our sample stream against megatron-core's own BlendedMegatronDatasetBuilder (the test extra
 `megatron`, installed by tools/setup_env.sh), sample for sample, on .bin/.idx files our writer makes:
 a corpus read for several epochs with its last epoch mostly used (shuffled with the others) and
-barely used (shuffled apart), and a weighted three-corpus blend split three ways."""
+barely used (shuffled apart), a weighted three-corpus blend split three ways, and an unweighted
+blend within one epoch of each (past it Megatron's blend falls short of the samples asked)."""
 
 import types
 import warnings
@@ -86,4 +87,16 @@ def test_weighted_blend_over_epochs_as_megatron(tmp_path):
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(a.dataset_index, b.dataset_index)
         np.testing.assert_array_equal(a.dataset_sample_index, b.dataset_sample_index)
+    assert_same_samples(ours, theirs)
+
+
+def test_unweighted_blend_as_megatron_within_one_epoch(tmp_path):
+    prefixes = [make_corpus(str(tmp_path / f"d{i}"), num_docs=n, seed=i, tag=i + 1) for i, n in enumerate((50, 30))]
+    sizes = (60, 4, 3)  # within one epoch of each: Megatron blends them in proportion to their samples
+    ours = build_gpt_datasets(prefixes, "80,10,10", SEQ, SEED, sizes, str(tmp_path / "ours"), True, lambda: None)
+    theirs = megatron_splits(prefixes, None, "80,10,10", sizes, str(tmp_path / "megatron"))
+    assert [len(d) for d in ours] == list(sizes)  # not capped at one epoch's samples
+    for a, b in zip(ours, theirs):
+        assert [len(d.document_index) for d in a.datasets] == [len(d.indices) for d in b.datasets]  # 1 epoch
+        np.testing.assert_array_equal(a.dataset_index, b.dataset_index)
     assert_same_samples(ours, theirs)
