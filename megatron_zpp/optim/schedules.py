@@ -152,7 +152,7 @@ def schedule_changes(cfg: Config, saved: dict) -> list[str]:
     """Each schedule setting where a resumed run of `cfg` differs from its checkpoint's config dict
     `saved`, in words: those Megatron's scheduler compares on load (the peak and minimum lr, the
     decay style, the weight decay's ends and style, and the warmup, decay and weight-decay
-    increment lengths in samples, which the train iterations or samples and the batch shape)."""
+    increment lengths in samples, which the train iterations or samples and the batch size shape)."""
     if "optim" not in saved or "train" not in saved:  # a checkpoint that did not record them: nothing to compare
         return []
     o, old = cfg.optim, _section(OptimConfig, saved["optim"])
