@@ -269,7 +269,9 @@ class MegatronZppGLAModel(MegatronZppGLAPreTrainedModel):
         rope = None
         if "full_attention" in self.config.layer_types:  # GLA layers use no positions
             if position_ids is None:
-                past = cache.get_seq_length() if cache is not None else 0
+                # a softmax layer's KV cache counts the tokens seen; a GLA layer's recurrent state does not
+                first_softmax = self.config.layer_types.index("full_attention")
+                past = cache.get_seq_length(first_softmax) if cache is not None else 0
                 position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
             rope = rope_tables(self.config.head_dim, position_ids.expand(x.shape[0], -1), self.config.rope_theta)
         for layer in self.layers:

@@ -155,6 +155,9 @@ def schedule_changes(cfg: Config, saved: dict) -> list[str]:
     increment lengths in samples, which the train iterations or samples and the batch size shape)."""
     if "optim" not in saved or "train" not in saved:  # a checkpoint that did not record them: nothing to compare
         return []
+    train = saved["train"]
+    if train.get("train_iters") is None and train.get("train_samples") is None:  # an import: no schedule ran
+        return []
     o, old = cfg.optim, _section(OptimConfig, saved["optim"])
     mine, theirs = schedule_for(o, cfg.train), schedule_for(old, _section(TrainConfig, saved["train"]))
     settings = [
