@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 
 import torch
@@ -28,6 +29,28 @@ class CheckpointError(RuntimeError):
 
 def iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+LATEST_NAME = re.compile(r"iter_[0-9]{7,}")  # all `latest` may hold: one of the root's own iteration dirs
+
+
+def read_latest(directory: str) -> str:
+    """The iteration dir name `directory/latest` holds; anything else (a path, `..`, garbage, nothing)
+    is a CheckpointError before any file it might point at is opened."""
+    latest = os.path.join(directory, "latest")
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(65)
+    except OSError as e:
+        raise CheckpointError(f"{latest}: cannot read ({e.strerror or e})") from None
+    name = raw.decode("ascii", "replace").strip()
+    if not LATEST_NAME.fullmatch(name):
+        shown = repr(name[:40]) if name else "nothing"
+        raise CheckpointError(
+            f"{latest}: holds {shown}, not an iteration directory name such as {iter_name(100)}; "
+            "write the name of the iteration dir to resume from, or give --load that dir"
+        )
+    return name
 
 
 def rank_file(rank: int) -> str:
@@ -147,8 +170,7 @@ def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] 
     elif not os.path.exists(latest):
         return None
     else:
-        with open(latest) as f:
-            path, named_by = os.path.join(directory, f.read().strip()), latest
+        path, named_by = os.path.join(directory, read_latest(directory)), latest
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{named_by} names {path}, which has no meta.json (incomplete checkpoint)")
