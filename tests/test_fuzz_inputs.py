@@ -317,6 +317,36 @@ def test_latest(checkpoint):
     assert accepted == 3  # the good name, with a newline, with spaces round it
 
 
+def test_meta_json(checkpoint):
+    """meta.json mutated, its sha256 beside it mutated or gone (the legacy format): refused in one line,
+    or read equal to json.loads of the same bytes."""
+    it = os.path.join(checkpoint, "iter_0000000")
+    meta_path, digest_path = os.path.join(it, "meta.json"), os.path.join(it, "meta.json.sha256")
+    meta, digest = open(meta_path, "rb").read(), open(digest_path, "rb").read()
+    cases = [(m, digest) for m in truncations(meta, 4) + flips(meta, 8)]
+    cases += [(meta, d) for d in truncations(digest, 2) + flips(digest, 3) + [b"\xff\xfe", b""]]
+    cases += [(m, None) for m in truncations(meta, 4) + flips(meta, 16) + [b"[" * 100000, b"null", b"[]"]]
+    accepted = 0
+    try:
+        for m, d in cases:
+            write(meta_path, m)
+            if d is not None:
+                write(digest_path, d)
+            elif os.path.exists(digest_path):
+                os.remove(digest_path)
+            try:
+                _, got = read_meta(checkpoint)
+            except CheckpointError as e:
+                one_line_each(str(e))
+                continue
+            accepted += 1
+            assert {k: v for k, v in got.items() if k in json.loads(m)} == json.loads(m), m
+    finally:
+        write(meta_path, meta)
+        write(digest_path, digest)
+    assert read_meta(checkpoint)[1]["iteration"] == 0 and accepted >= 1
+
+
 # ---------------------------------------------------------------- --config YAML
 GOOD_YAML = b"num-layers: 2\nhidden-size: 64\nmodel:\n  seq-length: 128\ntokenizer-type: NullTokenizer\nlr: 0.001\n"
 

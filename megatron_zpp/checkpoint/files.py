@@ -363,8 +363,8 @@ def _read_meta_file(meta_path: str) -> dict:
             data = f.read()
         digest = None
         if os.path.exists(digest_path):
-            with open(digest_path) as f:
-                digest = f.read().strip()
+            with open(digest_path, "rb") as f:
+                digest = f.read(256).decode("ascii", "replace").strip()  # garbage simply does not match
     except FileNotFoundError as e:
         raise CheckpointError(f"{e.filename} is missing (incomplete or damaged checkpoint)") from None
     except OSError as e:
@@ -376,8 +376,8 @@ def _read_meta_file(meta_path: str) -> dict:
         )
     try:
         meta = json.loads(data)
-    except ValueError as e:  # truncated or not JSON: a damaged checkpoint, not a bug
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # truncated, not JSON or nested absurdly: damaged, not a bug
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e or 'nested too deeply'})") from None
     problem = meta_problem(meta)
     if problem:
         raise CheckpointError(f"{meta_path}: {problem}")
