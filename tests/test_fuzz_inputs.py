@@ -242,7 +242,7 @@ def test_hf_import(hf_dirs, tmp_path):
         cases.append(("config not utf-8", b'{"model_type": "\xff"}', weights))
         spec = json.loads(config)
         wrong = "num_hidden_layers" if kind != "gpt2" else "n_layer"
-        for value in ("2", None, -1, 0, 2.5, True, 10**30):
+        for value in ("2", None, -1, 0, 2.5, True, 10**6, 10**30):
             cases.append((f"{wrong}={value!r}", json.dumps({**spec, wrong: value}).encode(), weights))
         for i, (what, c, w) in enumerate(cases):
             d = tmp_path / f"{kind}{i}"

@@ -221,6 +221,10 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
         hf_cfg = hf_files.read_config(hf_dir)
         kind, cfg = _config_of(hf_cfg, hf_dir)
         entries = hf_files.read_headers(hf_dir)
+        if isinstance(cfg.model.num_layers, int) and cfg.model.num_layers > len(entries):  # before building it
+            raise hf_files.HFImportError(
+                f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
+            )
         expected = _expected_hf_shapes(kind, cfg)
         hf_files.check_tensors(entries, expected, hf_cfg)
         hf = hf_files.read_tensors(hf_dir, entries, expected)
