@@ -265,13 +265,16 @@ def _ill_typed(model) -> str | None:
         value, tp = getattr(model, f.name), hints[f.name]
         union = typing.get_origin(tp) in (typing.Union, types.UnionType)
         allowed = tuple(typing.get_origin(a) or a for a in (typing.get_args(tp) if union else (tp,)))
+        allowed = tuple(a for a in allowed if isinstance(a, type))  # Literal and the like: not checked here
+        if not allowed:
+            continue
         if isinstance(value, bool) and bool not in allowed:
             ok = False  # true where a number belongs
         else:
             ok = isinstance(value, allowed) or (float in allowed and isinstance(value, int))
         if not ok:
             names = " or ".join(a.__name__ for a in allowed if a is not type(None))
-            return f"{f.name} = {value!r} is not a {names}"
+            return f"{f.name} = {value!r}, expected {names}"
     return None
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..progress import progress
+
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 # config.json's torch_dtype / dtype -> the safetensors dtype every tensor must have
@@ -168,7 +170,7 @@ def read_tensors(hf_dir: str, entries: dict[str, TensorEntry], names) -> dict[st
     for n in names:
         by_file.setdefault(entries[n].file, []).append(n)
     out: dict[str, torch.Tensor] = {}
-    for file, tensors in by_file.items():
+    for file, tensors in progress(by_file.items(), "reading HF files", unit=" files"):
         try:
             with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
                 for n in tensors:
