@@ -166,7 +166,7 @@ def save_st(tensors: dict, path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    """{kind: (directory, its tensors)}: a tiny model of each kind exported by export_hf."""
+    """{kind: (directory, its tensors, the config)}: a tiny model of each kind exported by export_hf."""
     base, out = tmp_path_factory.mktemp("hf"), {}
     for kind, flags in KINDS.items():
         argv = f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size {VOCAB} {flags}"
@@ -223,7 +223,7 @@ def check_import(hf_dir: str, out_dir: str, kind: str, cfg, what: str) -> bool:
 
 
 def test_hf_import(hf_dirs, tmp_path):
-    base, dirs = hf_dirs
+    _, dirs = hf_dirs
     accepted = 0
     for kind, (good, tensors, cfg) in dirs.items():
         config = open(os.path.join(good, "config.json"), "rb").read()
@@ -265,7 +265,7 @@ def test_hf_index_paths(hf_dirs, tmp_path):
     save_st({n: tensors[n] for n in names[1::2]}, outside / "model-00002-of-00002.safetensors")
     wmap = {n: f for f, ns in halves.items() for n in ns}
     second = "model-00002-of-00002.safetensors"
-    cases = {
+    mappings = {
         "good": wmap,
         "traversal": {**wmap, **{n: f"../outside/{second}" for n in halves[second]}},
         "absolute": {**wmap, **{n: str(outside / second) for n in halves[second]}},
@@ -274,14 +274,16 @@ def test_hf_index_paths(hf_dirs, tmp_path):
         "not a mapping": ["a"],
         "empty": {},
     }
+    cases = {what: json.dumps({"metadata": {}, "weight_map": m}).encode() for what, m in mappings.items()}
+    cases.update({f"index cut {len(c)}": c for c in truncations(cases["good"], 3)})
     accepted = []
-    for i, (what, mapping) in enumerate(cases.items()):
+    for i, (what, index) in enumerate(cases.items()):
         d = tmp_path / f"sharded{i}"
         os.makedirs(d)
         shutil.copy(os.path.join(good, "config.json"), d / "config.json")
         for f, ns in halves.items():
             save_st({n: tensors[n] for n in ns}, d / f)
-        write(d / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": mapping}).encode())
+        write(d / "model.safetensors.index.json", index)
         if check_import(str(d), str(tmp_path / f"out_s{i}"), "llama", cfg, what):
             accepted.append(what)
     assert accepted == ["good"]
