@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from ..progress import progress
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
-FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes a weight may have
 # config.json's torch_dtype / dtype -> the safetensors dtype every tensor must have
 CONFIG_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 # buffers older HF checkpoints saved beside the weights (a causal mask, RoPE's frequencies): not weights
@@ -131,7 +131,8 @@ def _header(hf_dir: str, file: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each tensor in the header of `file` (safetensors checks the data covers it)."""
     try:
         with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
-            return [(n, tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()]
+            slices = [(n, f.get_slice(n)) for n in f.keys()]
+            return [(n, tuple(s.get_shape()), s.get_dtype()) for n, s in slices]
     except (SafetensorError, OSError) as e:
         raise HFImportError(f"{file}: not a readable safetensors file ({' '.join(str(e).split())})") from None
 
