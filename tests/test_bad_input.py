@@ -400,6 +400,11 @@ CASES = [
         "truncated or corrupt",
     ),
     ("merge", lambda f: ["--input", f["gz_idx"], "--output-prefix", f["dir"] + "/m"], "it is compressed"),
+    (
+        "merge",
+        lambda f: ["--input", f["good"], f["pointer"], "--output-prefix", f["dir"] + "/m"],
+        "pointer of sequence 0",
+    ),
     ("merge", lambda f: ["--input", f["dir"] + "/empty_dir", "--output-prefix", f["dir"] + "/m"], "no .idx files"),
     ("merge", lambda f: ["--output-prefix", f["dir"] + "/m"], "required: --input"),
     # tools/convert_checkpoint.py

@@ -232,6 +232,7 @@ class IndexedDatasetWriter:
     def add_index(self, prefix: str) -> None:
         """Append another pair (its documents keep their boundaries), as Megatron's merge does."""
         other = IndexedDataset(prefix)
+        other.verify()  # its lengths become the merged index's: a damaged entry must not carry over
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"{idx_path(prefix)}: dtype {other.dtype} differs from {self.dtype}")
         if not np.array_equal(other.document_indices, np.arange(len(other) + 1)):
