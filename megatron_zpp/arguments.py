@@ -265,7 +265,7 @@ def load_yaml(path: str) -> dict[str, object]:
         return {}  # an empty file sets nothing
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"--config {path}: expected a mapping of settings at the top level, not a {type(raw).__name__}"
+            f"--config {path}: expected a mapping of settings at the top level (YAML read {type(raw).__name__})"
         )
     flat: dict[str, object] = {}
     for key, value in raw.items():
@@ -276,7 +276,9 @@ def load_yaml(path: str) -> dict[str, object]:
     index, out, unknown, errors = _flag_index(), {}, [], []
     for key, value in flat.items():
         if not isinstance(key, str):
-            errors.append(f"--config {path}: key {key!r} is not a setting name (a {type(key).__name__}, not a string)")
+            errors.append(
+                f"--config {path}: key {key!r} is not a setting name (YAML read it as {type(key).__name__}, not str)"
+            )
             continue
         name = key.split(".")[-1].lstrip("-").replace("-", "_")
         if name not in index:

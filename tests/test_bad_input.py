@@ -211,7 +211,7 @@ CASES = [
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_int_key"]), "key 1 is not a setting name"),
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_latin1"]), "latin1.yaml:2: not UTF-8"),
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_null"]), "num-layers: has no value (null)"),
-    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_scalar"]), "top level, not a int"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_scalar"]), "top level (YAML read int)"),
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_twice"]), "key 'num-layers' given twice"),
     *[
         (

@@ -66,7 +66,7 @@ def read_config(hf_dir: str) -> dict:
         raise HFImportError(f"no {CONFIG} (give the directory save_pretrained wrote)")
     config = _read_json(hf_dir, CONFIG)
     if not isinstance(config, dict):
-        raise HFImportError(f"{CONFIG}: expected a JSON object, not a {type(config).__name__}")
+        raise HFImportError(f"{CONFIG}: expected a JSON object (read {type(config).__name__})")
     return config
 
 
