@@ -178,13 +178,19 @@ def _coerce(section: str, name: str, value, path: str):
     tp, meta = _base_type(_field_types(SECTIONS[section])[name]), f.metadata
     where = f"--config {path}: {meta['flag'].lstrip('-')}"
     if value is None:
-        return None
+        if type(None) in typing.get_args(_field_types(SECTIONS[section])[name]):
+            return None
+        raise ConfigError(f"{where}: has no value (null): give one or drop the key")
     try:
+        if isinstance(value, dict) or (isinstance(value, list) and typing.get_origin(tp) is not list):
+            raise ValueError(f"expected a single value, got a {type(value).__name__}")
         if tp is bool:
             if not isinstance(value, bool):
                 raise ValueError("expected true or false")
         elif typing.get_origin(tp) is list or tp is list:
             items = value if isinstance(value, list) else [value]
+            if any(v is None or isinstance(v, (dict, list)) for v in items):
+                raise ValueError("expected a list of plain values")
             value = [meta.get("type", str)(v) for v in items]
         elif tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
             raise ValueError(f"expected an integer, got {value!r}")  # int() would make 32.9 -> 32, true -> 1
@@ -210,30 +216,78 @@ def _flag_index() -> dict[str, tuple[str, str]]:
     return index
 
 
-def load_yaml(path: str) -> dict[str, object]:
-    """YAML -> {'section.field': value}; unknown keys are an error naming them."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable) or key == "<<":
+                continue  # an unhashable key: the base class refuses it; merge keys may repeat
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(path: str):
+    """The YAML document of `path` (None when empty): unreadable, not UTF-8 or invalid is one line."""
     try:
-        with open(path) as fh:
-            raw = yaml.safe_load(fh) or {}
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"--config {path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}" if mark else path
+        why = " ".join(" ".join(filter(None, (e.context, e.problem))).split())
+        raise ConfigError(f"--config {where}: invalid YAML: {why}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: invalid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"--config {path}: invalid YAML: nested too deeply") from None
+
+
+def load_yaml(path: str) -> dict[str, object]:
+    """YAML -> {'section.field': value}; unknown, non-string and repeated keys are errors naming them."""
+    raw = _read_yaml(path)
+    if raw is None:
+        return {}  # an empty file sets nothing
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of settings at the top level")
+        raise ConfigError(
+            f"--config {path}: expected a mapping of settings at the top level (YAML read {type(raw).__name__})"
+        )
     flat: dict[str, object] = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
+            flat.update({f"{key}.{k}" if isinstance(k, str) else k: v for k, v in value.items()})
         else:
             flat[key] = value
     index, out, unknown, errors = _flag_index(), {}, [], []
     for key, value in flat.items():
+        if not isinstance(key, str):
+            errors.append(
+                f"--config {path}: key {key!r} is not a setting name (YAML read it as {type(key).__name__}, not str)"
+            )
+            continue
         name = key.split(".")[-1].lstrip("-").replace("-", "_")
         if name not in index:
             unknown.append(key)
             continue
         section, field_name = index[name]
+        if f"{section}.{field_name}" in out:
+            errors.append(f"--config {path}: {key!r} sets {flag_of(section, field_name)} a second time")
+            continue
         try:
             out[f"{section}.{field_name}"] = _coerce(section, field_name, value, path)
         except ConfigError as e:  # every bad value of the file, one line each

@@ -79,7 +79,8 @@ class ParallelConfig:
     distributed_timeout_minutes: float = opt(
         10.0,
         "--distributed-timeout-minutes",
-        "a collective waiting longer than this for another rank fails the run instead of hanging (fractions allowed)",
+        "a collective waiting longer than this for another rank fails the run instead of hanging (fractions allowed; "
+        "at most 10080, a week)",
     )
 
     # filled by validate()

@@ -118,6 +118,15 @@ def files(tmp_path_factory):
     f["yaml_value"] = write(d / "value.yaml", b"hidden-size: wide\n")
     f["yaml_fraction"] = write(d / "fraction.yaml", b"hidden-size: 32.9\n")
     f["yaml_bool"] = write(d / "bool.yaml", b"num-layers: true\n")
+    f["yaml_int_key"] = write(d / "int_key.yaml", b"1: 5\n")
+    f["yaml_latin1"] = write(d / "latin1.yaml", b"hidden-size: 32\ntokenizer-model: caf\xe9\n")
+    f["yaml_null"] = write(d / "null.yaml", b"num-layers:\n")
+    f["yaml_scalar"] = write(d / "scalar.yaml", b"0\n")
+    f["yaml_twice"] = write(d / "twice.yaml", b"num-layers: 2\nnum-layers: 4\n")
+    for name, text in (("latest_up", b"../x\n"), ("latest_abs", b"/etc\n"), ("latest_empty", b"")):
+        f[name] = str(d / name)
+        os.makedirs(d / name / "iter_0000001")
+        write(d / name / "latest", text)
     os.mkdir(d / "empty_dir")
     os.mkdir(d / "hf_empty")
     f["ckpt_meta"] = str(d / "ckpt")
@@ -199,6 +208,30 @@ CASES = [
     ("pretrain", lambda f: pretrain("--mock-data", "--max-skipped-steps", "-1"), "--max-skipped-steps must be >= 0"),
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_fraction"]), "expected an integer, got 32.9"),
     ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_bool"]), "expected an integer, got True"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_int_key"]), "key 1 is not a setting name"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_latin1"]), "latin1.yaml:2: not UTF-8"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_null"]), "num-layers: has no value (null)"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_scalar"]), "top level (YAML read int)"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--config", f["yaml_twice"]), "key 'num-layers' given twice"),
+    *[
+        (
+            "pretrain",
+            lambda f, v=v: pretrain("--mock-data", "--distributed-timeout-minutes", v),
+            "must be in (0, 10080]",
+        )
+        for v in ("1e15", "-1", "0")
+    ],
+    ("pretrain", lambda f: pretrain("--mock-data", "--distributed-timeout-minutes", "nan"), "nan must be a finite"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--rotary-percent", "nan"), "--rotary-percent nan must be a finite"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--ffn-hidden-size", "0"), "--ffn-hidden-size 0 must be >= 1"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--seq-length", "1" + "0" * 20), "past the 64-bit integer range"),
+    ("pretrain", lambda f: pretrain("--mock-data", "--load", f["latest_up"]), "latest: holds '../x', not an iteration"),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--load", f["latest_abs"]),
+        "latest: holds '/etc', not an iteration",
+    ),
+    ("pretrain", lambda f: pretrain("--mock-data", "--load", f["latest_empty"]), "latest: holds nothing"),
     # pretrain_gpt.py: the tokenizer and the vocabulary
     (
         "pretrain",
@@ -367,6 +400,11 @@ CASES = [
         "truncated or corrupt",
     ),
     ("merge", lambda f: ["--input", f["gz_idx"], "--output-prefix", f["dir"] + "/m"], "it is compressed"),
+    (
+        "merge",
+        lambda f: ["--input", f["good"], f["pointer"], "--output-prefix", f["dir"] + "/m"],
+        "pointer of sequence 0",
+    ),
     ("merge", lambda f: ["--input", f["dir"] + "/empty_dir", "--output-prefix", f["dir"] + "/m"], "no .idx files"),
     ("merge", lambda f: ["--output-prefix", f["dir"] + "/m"], "required: --input"),
     # tools/convert_checkpoint.py

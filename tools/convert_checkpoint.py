@@ -25,15 +25,18 @@ vocabulary are never predicted in training; HF sees them as ordinary tokens).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
+import types
+import typing
 
 import torch
 
 from megatron_zpp import hf_remote
-from megatron_zpp.checkpoint import CheckpointError, hf_gla, hf_gpt2
+from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_zpp.progress import progress
@@ -208,14 +211,32 @@ def _with_tokenizer(cfg, hf_dir: str):
 
 
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
-    """(our weights, checkpoint dir) of a HF Llama or remote-code GLA/hybrid directory, saved as a
-    weights-only checkpoint."""
-    from safetensors.torch import load_file
-
+    """(our weights, checkpoint dir) of a HF Llama, GPT-2 or remote-code GLA/hybrid directory, saved as a
+    weights-only checkpoint. Every file is read by its content (megatron_zpp/checkpoint/hf_files.py):
+    the tensors' names, shapes and dtypes are checked against the model config.json describes before
+    any data is read, and every tensor read must be finite."""
     from megatron_zpp.checkpoint.sharded import save_weights
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf_cfg = json.load(f)
+    try:
+        hf_cfg = hf_files.read_config(hf_dir)
+        kind, cfg = _config_of(hf_cfg, hf_dir)
+        entries = hf_files.read_headers(hf_dir)
+        if isinstance(cfg.model.num_layers, int) and cfg.model.num_layers > len(entries):  # before building it
+            raise hf_files.HFImportError(
+                f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
+            )
+        expected = _expected_hf_shapes(kind, cfg)
+        hf_files.check_tensors(entries, expected, hf_cfg)
+        hf = hf_files.read_tensors(hf_dir, entries, expected)
+    except hf_files.HFImportError as e:
+        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
+    convert = {"remote": hf_gla.from_remote_state, "gpt2": hf_gpt2.from_gpt2_state}.get(kind, from_hf_state)
+    state = convert(hf, cfg)
+    return state, save_weights(output, cfg, state)
+
+
+def _config_of(hf_cfg: dict, hf_dir: str):
+    """(kind, our Config) of a config.json: its refusals, missing keys and ill-typed values one line each."""
     kind = {hf_remote.MODEL_TYPE: "remote", "gpt2": "gpt2"}.get(hf_cfg.get("model_type"), "llama")
     try:
         if kind == "remote":  # our GLA/hybrid export
@@ -225,24 +246,59 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
         else:
             cfg = config_from_hf(hf_cfg, hf_dir)
     except (hf_gla.RemoteConversionError, hf_gpt2.GPT2ConversionError) as e:
-        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):  # a sharded HF checkpoint: the index names each tensor's file
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf = {}
-    for name in progress(files, "reading HF files", unit=" files"):
-        hf.update(load_file(os.path.join(hf_dir, name)))
-    try:
-        convert = {"remote": hf_gla.from_remote_state, "gpt2": hf_gpt2.from_gpt2_state}.get(kind, from_hf_state)
-        state = convert(hf, cfg)
+        raise hf_files.HFImportError(str(e)) from None
+    except ConversionError:  # config_from_hf's refusal, already one line naming the directory
+        raise
     except KeyError as e:
-        raise ConversionError(f"cannot import {hf_dir}: tensor {e} is missing") from None
-    except hf_gla.RemoteConversionError as e:
-        raise ConversionError(f"cannot import {hf_dir}: {e}") from None
-    return state, save_weights(output, cfg, state)
+        raise hf_files.HFImportError(f"config.json has no {e}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise hf_files.HFImportError(f"config.json: a value of the wrong type or size ({e})") from None
+    if bad := _ill_typed(cfg.model):
+        raise hf_files.HFImportError(f"config.json: {bad}")
+    return kind, cfg
+
+
+def _ill_typed(model) -> str | None:
+    """The first model setting a config.json gave with the wrong JSON type (None when all fit)."""
+    hints = typing.get_type_hints(type(model))
+    for f in dataclasses.fields(model):
+        value, tp = getattr(model, f.name), hints[f.name]
+        union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        allowed = tuple(typing.get_origin(a) or a for a in (typing.get_args(tp) if union else (tp,)))
+        allowed = tuple(a for a in allowed if isinstance(a, type))  # Literal and the like: not checked here
+        if not allowed:
+            continue
+        if isinstance(value, bool) and bool not in allowed:
+            ok = False  # true where a number belongs
+        else:
+            ok = isinstance(value, allowed) or (float in allowed and isinstance(value, int))
+        if not ok:
+            names = " or ".join(a.__name__ for a in allowed if a is not type(None))
+            return f"{f.name} = {value!r}, expected {names}"
+    return None
+
+
+def _expected_hf_shapes(kind: str, cfg) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of the model `cfg` describes: the export's own mapping applied to meta tensors
+    of our model's shapes (one rule for both directions). A config we cannot build is refused here."""
+    import copy
+
+    from megatron_zpp.checkpoint.layout import model_shapes
+    from megatron_zpp.config import ConfigError
+    from megatron_zpp.validation import validate
+
+    vocab = cfg.model.vocab_size
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise hf_files.HFImportError(f"config.json: vocab_size {vocab!r} is not a positive integer")
+    try:
+        built = validate(copy.deepcopy(cfg), 1, run=False)
+    except ConfigError as e:
+        raise hf_files.HFImportError(
+            f"config.json describes a model we cannot build: {str(e).splitlines()[0]}"
+        ) from None
+    ours = {n: torch.empty(shape, device="meta") for n, shape in model_shapes(built, vocab).items()}
+    to_hf = {"remote": hf_gla.to_remote_state, "gpt2": hf_gpt2.to_gpt2_state}.get(kind, to_hf_state)
+    return {n: tuple(t.shape) for n, t in to_hf(ours, built).items()}
 
 
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 
 import torch
@@ -28,6 +29,28 @@ class CheckpointError(RuntimeError):
 
 def iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+LATEST_NAME = re.compile(r"iter_[0-9]{7,}")  # all `latest` may hold: one of the root's own iteration dirs
+
+
+def read_latest(directory: str) -> str:
+    """The iteration dir name `directory/latest` holds; anything else (a path, `..`, garbage, nothing)
+    is a CheckpointError before any file it might point at is opened."""
+    latest = os.path.join(directory, "latest")
+    try:
+        with open(latest, "rb") as f:
+            raw = f.read(65)
+    except OSError as e:
+        raise CheckpointError(f"{latest}: cannot read ({e.strerror or e})") from None
+    name = raw.decode("ascii", "replace").strip()
+    if not LATEST_NAME.fullmatch(name):
+        shown = repr(name[:40]) if name else "nothing"
+        raise CheckpointError(
+            f"{latest}: holds {shown}, not an iteration directory name such as {iter_name(100)}; "
+            "write the name of the iteration dir to resume from, or give --load that dir"
+        )
+    return name
 
 
 def rank_file(rank: int) -> str:
@@ -147,8 +170,7 @@ def read_meta(directory: str, iteration: int | None = None) -> tuple[str, dict] 
     elif not os.path.exists(latest):
         return None
     else:
-        with open(latest) as f:
-            path, named_by = os.path.join(directory, f.read().strip()), latest
+        path, named_by = os.path.join(directory, read_latest(directory)), latest
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{named_by} names {path}, which has no meta.json (incomplete checkpoint)")
@@ -341,8 +363,8 @@ def _read_meta_file(meta_path: str) -> dict:
             data = f.read()
         digest = None
         if os.path.exists(digest_path):
-            with open(digest_path) as f:
-                digest = f.read().strip()
+            with open(digest_path, "rb") as f:
+                digest = f.read(256).decode("ascii", "replace").strip()  # garbage simply does not match
     except FileNotFoundError as e:
         raise CheckpointError(f"{e.filename} is missing (incomplete or damaged checkpoint)") from None
     except OSError as e:
@@ -354,8 +376,8 @@ def _read_meta_file(meta_path: str) -> dict:
         )
     try:
         meta = json.loads(data)
-    except ValueError as e:  # truncated or not JSON: a damaged checkpoint, not a bug
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # truncated, not JSON or nested absurdly: damaged, not a bug
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e or 'nested too deeply'})") from None
     problem = meta_problem(meta)
     if problem:
         raise CheckpointError(f"{meta_path}: {problem}")

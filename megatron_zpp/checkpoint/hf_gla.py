@@ -214,7 +214,10 @@ def _config_from_remote(hf: dict):
                 f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
                 hf.get("head_dim", hidden // heads) != hidden // heads,
             ),
-            (f"{hf['num_hidden_layers']} layers but {len(kinds)} layer_types", len(kinds) != hf["num_hidden_layers"]),
+            (
+                f"num_hidden_layers {hf['num_hidden_layers']!r} but {len(kinds)} layer_types",
+                len(kinds) != hf["num_hidden_layers"],
+            ),
         ]
         if bad
     ]

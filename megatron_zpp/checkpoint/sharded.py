@@ -62,6 +62,7 @@ from .files import (
     meta_train_fields,
     nonfinite_tensors,
     rank_file,
+    read_latest,
     read_rank_file,
     train_state_of,
     write_meta,
@@ -310,13 +311,11 @@ def _dcp_state(run, job: SaveJob, state: dict) -> dict:
 
 
 def _latest_iteration(directory: str) -> int | None:
-    """The iteration `latest` names now (None when there is none or it is not ours)."""
+    """The iteration `latest` names now (None when there is none or it names no iteration dir)."""
     try:
-        with open(os.path.join(directory, "latest")) as f:
-            name = f.read().strip()
-    except OSError:
+        return int(read_latest(directory)[len("iter_") :])
+    except CheckpointError:
         return None
-    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
 
 
 def _os_problem(action, iteration: int, directory: str) -> str | None:
@@ -331,9 +330,8 @@ def _os_problem(action, iteration: int, directory: str) -> str | None:
 
 
 def _kept(directory: str) -> str:
-    latest = os.path.join(directory, "latest")
-    kept = open(latest).read().strip() if os.path.exists(latest) else "no checkpoint"
-    return f"{latest} still names {kept}"
+    kept = _latest_iteration(directory)
+    return f"{os.path.join(directory, 'latest')} still names {'no checkpoint' if kept is None else iter_name(kept)}"
 
 
 def _agree_saved(run, problem: str | None, directory: str, tmp: str) -> None:

@@ -33,6 +33,7 @@ DTYPE_CODES = {
 }
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
+VERIFY_BLOCK = 1 << 22  # index entries per step of verify(): 64 MiB of int64 work arrays at most
 
 
 class IndexedDatasetError(ValueError):
@@ -66,7 +67,8 @@ class IndexedDataset:
     `get` reads its tokens from the file (for file systems where mapping is slow or not allowed).
 
     Construction checks magic, version, dtype code, the `.idx` length against its header, and
-    the `.bin` length against the last pointer and length (O(1)); `verify()` checks every entry.
+    the `.bin` length against the last pointer and length (O(1)); `verify()` checks every entry
+    (data/inputs.py runs it on every --data-path pair before training).
     """
 
     def __init__(self, prefix: str, mmap_bin: bool = True):
@@ -121,19 +123,28 @@ class IndexedDataset:
         self._bin = np.memmap(bpath, mode="r", dtype=np.uint8) if mapped else np.zeros(0, np.uint8)
 
     def verify(self) -> None:
-        """Full O(N) check: positive-ordered pointers match the lengths, boundaries increase."""
-        lengths = self.sequence_lengths.astype(np.int64)
-        if (lengths < 0).any():
-            raise IndexedDatasetError(f"{idx_path(self.prefix)}: negative sequence length")
-        expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * self.dtype.itemsize if len(lengths) else lengths
-        bad = np.flatnonzero(self.sequence_pointers != expect)
-        if bad.size:
-            raise IndexedDatasetError(
-                f"{idx_path(self.prefix)}: pointer of sequence {bad[0]} is {self.sequence_pointers[bad[0]]}, "
-                f"expected {expect[bad[0]]} from the lengths before it"
-            )
-        if (np.diff(self.document_indices) < 0).any():
-            raise IndexedDatasetError(f"{idx_path(self.prefix)}: document indices decrease")
+        """Full O(N) check, VERIFY_BLOCK entries at a time (bounded memory whatever N): lengths are
+        non-negative, each pointer is the sum of the lengths before it, boundaries never decrease."""
+        size, pointer, n = self.dtype.itemsize, 0, len(self)
+        for s in range(0, n, VERIFY_BLOCK):
+            lengths = self.sequence_lengths[s : s + VERIFY_BLOCK].astype(np.int64)
+            if (lengths < 0).any():
+                i = s + int(np.argmax(lengths < 0))
+                raise IndexedDatasetError(f"{idx_path(self.prefix)}: sequence {i} has a negative length")
+            ends = pointer + np.cumsum(lengths) * size
+            expect = ends - lengths * size
+            bad = np.flatnonzero(self.sequence_pointers[s : s + VERIFY_BLOCK] != expect)
+            if bad.size:
+                i = s + int(bad[0])
+                raise IndexedDatasetError(
+                    f"{idx_path(self.prefix)}: pointer of sequence {i} is {self.sequence_pointers[i]}, "
+                    f"expected {expect[bad[0]]} from the lengths before it"
+                )
+            pointer = int(ends[-1])
+        docs = self.document_indices
+        for s in range(0, len(docs) - 1, VERIFY_BLOCK):
+            if (np.diff(docs[s : s + VERIFY_BLOCK + 1]) < 0).any():
+                raise IndexedDatasetError(f"{idx_path(self.prefix)}: document indices decrease")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -221,6 +232,7 @@ class IndexedDatasetWriter:
     def add_index(self, prefix: str) -> None:
         """Append another pair (its documents keep their boundaries), as Megatron's merge does."""
         other = IndexedDataset(prefix)
+        other.verify()  # its lengths become the merged index's: a damaged entry must not carry over
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"{idx_path(prefix)}: dtype {other.dtype} differs from {self.dtype}")
         if not np.array_equal(other.document_indices, np.arange(len(other) + 1)):

@@ -2,15 +2,14 @@
 right after the configuration is validated, before any process group or model exists):
 
 - every --data-path prefix has both files of its `.bin/.idx` pair, readable, whose headers and
-  sizes agree (IndexedDataset's O(1) checks; small indices are verified entry by entry), with
+  sizes agree and every entry of the index is consistent (IndexedDataset.verify), with
   tokens in it; the blend's weights parse;
 - the tokenizer model exists and is of its --tokenizer-type (a sentencepiece `.model` file, a
   local HF tokenizer directory) and loads;
 - an explicit --vocab-size agrees with a tokenizer that has its own vocabulary, and every token
   id of each `.bin` fits the tokenizer's true (unpadded) vocabulary (data tokenized with another
   tokenizer, or NullTokenizer's --vocab-size too small, would index past the embedding or into
-  its padding rows): one vectorised pass over the memory map, cached by the file's size and
-  mtime beside the index cache (token_range.py).
+  its padding rows): one vectorised pass over the memory map on every start (token_range.py).
 
 Each problem is one line naming the flag and what to do; ConfigError lists them all.
 """
@@ -26,10 +25,9 @@ import numpy as np
 
 from ..config import Config, ConfigError, ModelConfig
 from .indexed_dataset import IndexedDataset, IndexedDatasetError, bin_path, idx_path
-from .token_range import index_cache_dir, token_range
+from .token_range import scan_range
 from .tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
 
-VERIFY_SEQUENCES = 1 << 20  # indices up to this many sequences are verified entry by entry (O(N))
 # what a tokenizer's save_pretrained may write; a directory with none of them holds no tokenizer
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 _TOKENIZER_ERRORS = (OSError, ValueError, RuntimeError, ImportError, TypeError, KeyError)
@@ -45,7 +43,7 @@ def check_inputs(cfg: Config) -> None:
         errors += _check_vocab_flag(cfg, tokenizer.vocab_size)
     if not cfg.data.mock_data and cfg.data.data_path:
         vocab = tokenizer.vocab_size if tokenizer else None
-        errors += check_data_path(cfg.data.data_path, vocab, cfg.data.data_cache_path)
+        errors += check_data_path(cfg.data.data_path, vocab)
     if errors:
         raise ConfigError("\n".join(errors))
 
@@ -126,20 +124,19 @@ def _default_of(cls, name: str):
     return f.default
 
 
-def check_data_path(data_path: list[str], vocab_size: int | None, cache_path: str | None = None) -> list[str]:
-    """One line per problem of the --data-path blend and its pairs (token ranges cached under the
-    index cache of `cache_path`, --data-cache-path)."""
+def check_data_path(data_path: list[str], vocab_size: int | None) -> list[str]:
+    """One line per problem of the --data-path blend and its pairs."""
     from .blended import parse_data_path  # here: blended imports torch, the data tools import this module
 
     try:
         prefixes, _ = parse_data_path(data_path)
     except ValueError as e:
         return [str(e)]
-    errors, cache_dir = [], index_cache_dir(prefixes[0], cache_path) if prefixes else None
+    errors = []
     for prefix in prefixes:
         problem = _pair_problem(prefix)
         if problem is None:
-            problem = _content_problem(prefix, vocab_size, cache_dir)
+            problem = _content_problem(prefix, vocab_size)
         if problem:
             errors.append(problem)
     return errors
@@ -175,13 +172,12 @@ def _nearest_pair(prefix: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _content_problem(prefix: str, vocab_size: int | None, cache_dir: str | None = None) -> str | None:
+def _content_problem(prefix: str, vocab_size: int | None) -> str | None:
     """Why the pair's contents cannot be trained on: malformed, empty, or ids past the vocabulary."""
     flag = f"--data-path {prefix}"
     try:
         ds = IndexedDataset(prefix)
-        if len(ds) <= VERIFY_SEQUENCES:
-            ds.verify()
+        ds.verify()  # every entry, blocked: 12 bytes a sequence against the .bin's scan below
     except IndexedDatasetError as e:
         return f"{flag}: {e}"
     except OSError as e:
@@ -190,7 +186,7 @@ def _content_problem(prefix: str, vocab_size: int | None, cache_dir: str | None 
         return f"{flag}: {idx_path(prefix)} says the tokens are {ds.dtype.name}, not integer token ids"
     if ds.num_tokens == 0:
         return f"{flag}: the pair holds no tokens ({ds.num_documents} documents, all empty)"
-    low, high = token_range(bin_path(prefix), np.frombuffer(ds._bin, ds.dtype, ds.num_tokens), cache_dir)
+    low, high = scan_range(np.frombuffer(ds._bin, ds.dtype, ds.num_tokens))
     if low < 0:
         return f"{flag}: negative token id {low} in {bin_path(prefix)}"
     if vocab_size is not None and high >= vocab_size:

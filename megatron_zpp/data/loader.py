@@ -38,6 +38,7 @@ import torch
 
 from ..context_parallel.slices import sequence_slice
 from ..model.documents import Documents
+from ..tensor_parallel.layers import TokenIdError
 from .documents import build_documents, eod_loss_mask
 
 
@@ -70,6 +71,20 @@ class MicroBatchSampler:
             first = start + self.dp_rank * self.mbs
             yield list(range(first, first + self.mbs))
             start += round_size
+
+
+def check_sample_ids(samples: list[np.ndarray], indices: list[int], vocab_size: int) -> None:
+    """Refuse a sample holding an id outside [0, vocab_size) with the TRUE vocabulary (the embedding's
+    own check sees only the padded one); on the host, where one min/max per sample is cheap. The
+    start-up check (data/inputs.py) read every file; this catches a file changed since."""
+    for i, sample in zip(indices, samples):
+        low, high = int(sample.min()), int(sample.max())
+        if low < 0 or high >= vocab_size:
+            raise TokenIdError(
+                f"token id {low if low < 0 else high} in sample {i} is outside the tokenizer's vocabulary of "
+                f"{vocab_size}: a --data-path file changed after the start-up check, or was tokenized with another "
+                "tokenizer"
+            )
 
 
 def make_batch(
@@ -199,8 +214,10 @@ class BatchIterator:
         device: torch.device,
         packing: Packing | None = None,
         num_workers: int = 0,
+        vocab_size: int | None = None,
     ):
         self.dataset, self.groups, self.device, self.packing = dataset, groups, device, packing
+        self.vocab_size = vocab_size  # the tokenizer's true vocabulary: ids in the padding rows are refused too
         self.consumed, self.mbs, self.num_workers = consumed_samples, micro_batch_size, num_workers
         self.delivered = 0  # micro-batches handed out: the position a restarted prefetch resumes at
         self.wait_seconds = 0.0  # time next() blocked: loading (workers 0) or waiting for the workers
@@ -223,8 +240,11 @@ class BatchIterator:
     def _load(self, indices: list[int]) -> dict:
         """One micro-batch on the host (a pure function of its indices)."""
         g = self.groups
+        samples = [self.dataset[i] for i in indices]
+        if self.vocab_size is not None:
+            check_sample_ids(samples, indices, self.vocab_size)
         batch = make_batch(
-            [self.dataset[i] for i in indices],
+            samples,
             g.cp_rank,
             g.cp.size,
             g.is_first_stage,

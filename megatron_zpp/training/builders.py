@@ -150,7 +150,9 @@ def build_data(
     mbs, workers = t.micro_batch_size, cfg.data.num_workers
 
     def batches(dataset, consumed, micro=mbs):
-        return BatchIterator(dataset, consumed, micro, groups, device, packing, num_workers=workers)
+        return BatchIterator(
+            dataset, consumed, micro, groups, device, packing, num_workers=workers, vocab_size=tokenizer.vocab_size
+        )
 
     def factory(dataset):
         micro = eval_micro_batch(t)

@@ -10,8 +10,11 @@ and runs them all.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from ..batch_schedule import parse_step_schedule
-from ..config import Config, ConfigError, default_gla_chunk_size
+from ..config import SECTIONS, Config, ConfigError, default_gla_chunk_size
 from ..data.tokenizer import infer_tokenizer_type
 from .checkpoint import check_checkpointing
 from .common import failed
@@ -54,8 +57,8 @@ def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
     checks of what only a run reads or writes: data, tokenizer files, checkpoint directories
     (check_run_paths). Raises ConfigError listing every problem, each naming the flags to change.
     """
-    errors = _check_sizes(cfg)
-    if errors:  # the checks below divide by these sizes
+    errors = _check_numbers(cfg) or _check_sizes(cfg)
+    if errors:  # the checks below divide by these sizes (and cast nan or 1e20 to int)
         raise ConfigError("\n".join(errors))
     derive(cfg, world_size)
     for check in (
@@ -120,6 +123,40 @@ def _device_type(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+INT64 = 1 << 63
+# lower bounds of the numbers no section check bounds: (section, field) -> (bound, bound allowed)
+LOWER_BOUNDS = {
+    ("model", "ffn_hidden_size"): (1, True),
+    ("model", "gla_chunk_size"): (1, True),
+    ("model", "make_vocab_size_divisible_by"): (1, True),
+    ("model", "norm_epsilon"): (0, False),
+    ("model", "init_method_std"): (0, True),
+    ("model", "rotary_base"): (0, False),
+    ("model", "gla_gate_normalizer"): (0, False),
+    ("log", "peak_tflops"): (0, False),
+    ("train", "generate_tokens"): (0, True),
+}
+
+
+def _check_numbers(cfg: Config) -> list[str]:
+    """Every number of every section finite (a float) or within 64 bits (an int), then the lower
+    bounds above: before anything computes with them (timedelta, int(), tensor shapes)."""
+    errors = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            value, flag = getattr(getattr(cfg, section), f.name), f.metadata.get("flag", f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            low, inclusive = LOWER_BOUNDS.get((section, f.name), (None, True))
+            if isinstance(value, float) and not math.isfinite(value):
+                errors.append(f"{flag} {value} must be a finite number")
+            elif isinstance(value, int) and not -INT64 <= value < INT64:
+                errors.append(f"{flag} {value} is past the 64-bit integer range")
+            elif low is not None and (value < low or (value == low and not inclusive)):
+                errors.append(f"{flag} {value} must be {'>=' if inclusive else '>'} {low}")
+    return errors
 
 
 def _check_sizes(cfg: Config) -> list[str]:

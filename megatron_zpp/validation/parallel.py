@@ -6,6 +6,10 @@ from __future__ import annotations
 from ..config import Config
 from .common import failed
 
+# a week: far past any collective that still makes progress, and within what timedelta and the
+# process-group backends take (timedelta overflows past ~1.4e12 minutes)
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60
+
 
 def check_layout(cfg: Config, world_size: int) -> list[str]:
     p = cfg.parallel
@@ -20,8 +24,9 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
                 f"launch a multiple of {model_parallel} ranks or change the parallel sizes",
             ),
             (
-                p.distributed_timeout_minutes > 0,
-                f"--distributed-timeout-minutes must be > 0 (got {p.distributed_timeout_minutes})",
+                0 < p.distributed_timeout_minutes <= MAX_TIMEOUT_MINUTES,  # False for nan
+                f"--distributed-timeout-minutes must be in (0, {MAX_TIMEOUT_MINUTES}] (a week; got "
+                f"{p.distributed_timeout_minutes})",
             ),
             (
                 p.ranks_per_node is None or (p.ranks_per_node >= 1 and world_size % p.ranks_per_node == 0),

@@ -178,13 +178,14 @@ def _corpus_of_lengths(prefix, lengths):
 
 
 def test_cache_rebuilt_when_repreprocessed_with_the_same_counts(tmp_path):
-    """Same sequence and token counts, other lengths: keyed by the .idx's size and mtime, the cache is
-    rebuilt (it was reused, and its samples ran past the new documents: IndexError)."""
+    """Same sequence and token counts, other lengths, even the same size and mtime: keyed by the .idx's
+    content, the cache is rebuilt (it was reused, and its samples ran past the new documents: IndexError)."""
     lengths = [int(n) for n in np.random.default_rng(0).integers(1, 40, 60)]
     prefix = _corpus_of_lengths(str(tmp_path / "c"), lengths)
     build([prefix], (50, 0, 0), tmp_path)
+    st = os.stat(prefix + ".idx")
     _corpus_of_lengths(prefix, lengths[::-1])
-    os.utime(prefix + ".idx", ns=(1, 1))  # a rewrite within the clock's tick still differs from this
+    os.utime(prefix + ".idx", ns=(st.st_atime_ns, st.st_mtime_ns))  # a rewrite that keeps the mtime
     again = build([prefix], (50, 0, 0), tmp_path)[0]
     fresh = build([prefix], (50, 0, 0), tmp_path, cache="fresh")[0]
     assert all(np.array_equal(again[i], fresh[i]) for i in range(len(fresh)))

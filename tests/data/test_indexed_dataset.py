@@ -207,3 +207,27 @@ def test_no_mmap_bin_files_flag_reaches_the_datasets(tmp_path):
     assert not built[False].indexed.mmap_bin and built[True].indexed.mmap_bin
     for i in range(6):
         np.testing.assert_array_equal(built[False][i], built[True][i])
+
+
+def test_verify_checks_every_entry_across_blocks(tmp_path, monkeypatch):
+    """verify() runs in blocks (bounded memory): the running pointer carries from block to block, and
+    a bad pointer, a negative length or a decreasing boundary deep in the index is named."""
+    import megatron_zpp.data.indexed_dataset as ixd
+
+    monkeypatch.setattr(ixd, "VERIFY_BLOCK", 3)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 100, int(rng.integers(0, 6))).tolist() for _ in range(20)]
+    prefix = str(tmp_path / "d")
+    ref_write(prefix, docs, np.uint16)
+    IndexedDataset(prefix).verify()  # the reference's own pair is consistent
+    n, idx = len(docs), open(prefix + ".idx", "rb").read()
+    cases = [
+        (34 + 4 * n + 8 * 13, struct.pack("<q", 2), "pointer of sequence 13 is 2"),
+        (34 + 4 * 11, struct.pack("<i", -1), "sequence 11 has a negative length"),
+        (34 + 12 * n + 8 * 9, struct.pack("<q", 1), "document indices decrease"),
+    ]
+    for offset, data, needle in cases:
+        with open(prefix + ".idx", "wb") as f:
+            f.write(idx[:offset] + data + idx[offset + len(data) :])
+        with pytest.raises(IndexedDatasetError, match=needle):
+            IndexedDataset(prefix).verify()

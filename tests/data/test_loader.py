@@ -106,3 +106,18 @@ def test_worker_errors_reach_the_step():
         raise AssertionError("the error was lost")
     except IndexError as e:
         assert "sample 6" in str(e)
+
+
+def test_sample_ids_checked_against_the_true_vocabulary():
+    """Ids 100-127 of a 100-token vocabulary (padded to 128) are refused, naming the sample."""
+    import pytest
+
+    from megatron_zpp.data.loader import check_sample_ids
+    from megatron_zpp.tensor_parallel.layers import TokenIdError
+
+    good = [np.arange(100, dtype=np.uint16), np.zeros(5, np.int32)]
+    check_sample_ids(good, [0, 1], 100)
+    with pytest.raises(TokenIdError, match="token id 127 in sample 8 is outside the tokenizer's vocabulary of 100"):
+        check_sample_ids([good[0], np.array([3, 127, 100], np.int32)], [7, 8], 100)
+    with pytest.raises(TokenIdError, match="token id -1 in sample 3"):
+        check_sample_ids([np.array([-1, 2], np.int32)], [3], 100)

@@ -1,11 +1,13 @@
-"""The token-id range of a .bin: the blocked scan against numpy's own min/max, and its cache
-(hit while the file's size and mtime hold, rescanned after a rewrite, skipped when unwritable)."""
+"""The token-id range of a .bin: the blocked scan against numpy's own min/max, and the start-up
+check reading the content each time (a rewrite that keeps the size and mtime is still caught)."""
 
 import os
 
 import numpy as np
 
 from megatron_zpp.data import token_range as tr
+from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
+from megatron_zpp.data.inputs import check_data_path
 
 
 def test_blocked_scan_matches_numpy(monkeypatch):
@@ -17,25 +19,19 @@ def test_blocked_scan_matches_numpy(monkeypatch):
     assert tr.scan_range(unsigned) == (0, int(unsigned.max()))  # an unsigned min is never below 0
 
 
-def _bin(path, ids):
-    np.asarray(ids, np.uint16).tofile(path)
-    return str(path), np.memmap(path, np.uint16, mode="r")
+def _pair(prefix, ids):
+    w = IndexedDatasetWriter(prefix + ".bin", np.uint16)
+    w.add_document(ids)
+    w.finalize(prefix + ".idx")
 
 
-def test_cached_by_size_and_mtime_rescanned_after_a_rewrite(tmp_path, monkeypatch):
-    path, tokens = _bin(tmp_path / "a.bin", [1, 9, 4])
-    cache = str(tmp_path / "cache")
-    assert tr.token_range(path, tokens, cache) == (0, 9)
-    monkeypatch.setattr(tr, "scan_range", lambda t: (_ for _ in ()).throw(AssertionError("scanned again")))
-    assert tr.token_range(path, tokens, cache) == (0, 9)  # from the cache
-    monkeypatch.undo()
-    path, tokens = _bin(tmp_path / "a.bin", [1, 700, 4])  # same size, new contents
-    os.utime(path, ns=(1, 1))  # a different mtime (the rewrite may fall in the same clock tick)
-    assert tr.token_range(path, tokens, cache) == (0, 700)
-
-
-def test_unwritable_cache_directory_still_scans(tmp_path):
-    path, tokens = _bin(tmp_path / "a.bin", [3, 2])
-    blocker = tmp_path / "file"
-    blocker.write_text("")  # a cache directory that cannot be created
-    assert tr.token_range(path, tokens, str(blocker / "cache")) == (0, 3)
+def test_a_rewrite_with_the_same_size_and_mtime_is_read_again(tmp_path):
+    prefix = str(tmp_path / "a")
+    _pair(prefix, [1, 9, 4, 99])
+    assert check_data_path([prefix], 100) == []
+    st = os.stat(prefix + ".bin")
+    _pair(prefix, [1, 9, 4, 127])  # ids 100-127 sit in the padding rows of a 100-token vocabulary
+    os.utime(prefix + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(prefix + ".bin").st_size == st.st_size
+    (error,) = check_data_path([prefix], 100)
+    assert f"token id 127 in {prefix}.bin is past the tokenizer's vocabulary of 100" in error
