@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from .dcp import _single_process_quiet as quiet
 from .files import CheckpointError, iter_name
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -141,10 +142,12 @@ def iteration_dir(load: str) -> str:
     return load
 
 
-def _safe_globals() -> list:
+def _safe_globals(with_megatron: bool) -> list:
     """The classes a megatron-core common state may pickle that weights_only loading allows: the standard
-    library's here; megatron-core's own enums too when it is installed."""
+    library's; `with_megatron`, megatron-core's own list too (its enums) when it is installed."""
     classes: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO]
+    if not with_megatron:
+        return classes
     try:
         from megatron.core.safe_globals import SAFE_GLOBALS
     except ImportError:
@@ -152,12 +155,18 @@ def _safe_globals() -> list:
     return classes + list(SAFE_GLOBALS)
 
 
-def _unpickle(data) -> Any:
-    try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(data, weights_only=True)
-    except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
-        raise CheckpointError(f"its common state cannot be read without unpickling code: {e}") from None
+def _unpickle(data: str | io.BytesIO) -> Any:
+    """torch.load(weights_only=True) with the standard library's classes a Megatron-LM args may hold, and
+    megatron-core's own (its enums) when a first try names one and megatron-core is installed."""
+    for extra in (False, True):
+        if isinstance(data, io.BytesIO):
+            data.seek(0)
+        try:
+            with torch.serialization.safe_globals(_safe_globals(extra)):
+                return torch.load(data, weights_only=True)
+        except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
+            error = e
+    raise CheckpointError(f"its common state cannot be read without unpickling code: {error}") from None
 
 
 def read_common(path: str) -> dict:
@@ -166,7 +175,8 @@ def read_common(path: str) -> dict:
     if os.path.isfile(legacy):
         return _unpickle(legacy)
     planner = _BytesAsRead(flatten_state_dict=False)
-    dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+    with quiet():
+        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
     return _unpickle(planner.read[COMMON_KEY])[0]
 
 
@@ -190,7 +200,8 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
         for k, v in metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    with quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return state
 
 
@@ -221,7 +232,8 @@ def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: d
             state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = _pickled([None])
     state[COMMON_KEY] = _pickled([common])
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
-    dcp.save(state, storage_writer=writer, planner=_BytesAsWritten(flatten_state_dict=False), no_dist=True)
+    with quiet():
+        dcp.save(state, storage_writer=writer, planner=_BytesAsWritten(flatten_state_dict=False), no_dist=True)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     with open(os.path.join(root, TRACKER), "w") as f:
@@ -367,12 +379,9 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     scheduler = common.get("opt_param_scheduler") or {}
     consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
     out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
-    return out, {
-        "iteration": iteration,
-        "consumed_samples": consumed,
-        "tensors": len(weights),
-        "optimizer": bool(moments),
-    }
+    dropped = [k for k in object_keys(path) if k != COMMON_KEY]  # extra states (TE's FP8 scales), RNG states
+    done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
+    return out, done | {"dropped": dropped}
 
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
@@ -390,7 +399,8 @@ def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
         check_files(path, meta)
         state: dict = {}
         planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+        with quiet():
+            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
         opt = state.get("optimizer")
         return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
     saved = SavedCheckpoint(path, meta)
@@ -426,13 +436,14 @@ def _scheduler_state(cfg, consumed: int) -> dict:
             "wd_incr_style": o.weight_decay_incr_style, "wd_incr_steps": int(s.wd_incr)}  # fmt: skip
 
 
-def export_checkpoint(load: str, save: str) -> tuple[str, dict]:
+def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
     """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
     as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer. Returns (its
     directory, a summary)."""
     from .layout import config_from_dict
 
     weights, moments, step, meta = our_full_state(load)
+    moments = moments if with_optimizer else None
     cfg = config_from_dict(meta["config"])
     why = unsupported(cfg)
     if why:

@@ -21,6 +21,7 @@ that line (MegatronOptimizer.__init__) and uses megatron-core's own `sharded_sta
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import queue
 
@@ -54,6 +55,7 @@ RUN = (
     "--micro-batch-size 1 --seed 7"
 )
 MEGATRON_ITERS, SEQ, ROWS = 2, 16, 128
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cfg(flags: str, world: int = 1):
@@ -367,7 +369,13 @@ def test_logits_equal_megatron_core_gptmodel_both_ways(results, name):
 
 def test_megatron_checkpoint_resumes_here_and_returns(results):
     r = results["run"]
-    assert r["imported"] == {"iteration": 2, "consumed_samples": 8, "tensors": 15, "optimizer": True}
+    assert {k: v for k, v in r["imported"].items() if k != "dropped"} == {
+        "iteration": 2,
+        "consumed_samples": 8,
+        "tensors": 15,
+        "optimizer": True,
+    }
+    assert len(r["imported"]["dropped"]) == 4 * 2  # the four linears' extra states of two layers
     assert r["resumed_at"] == MEGATRON_ITERS and r["iteration"] == 5
     ours, reference = r["losses"]
     assert len(ours) == len(reference) == 3
@@ -379,3 +387,54 @@ def test_megatron_checkpoint_resumes_here_and_returns(results):
     for k in ref:
         assert _close(exported[k], ref[k], 1e-4), k
     assert r["num_steps"] == (20, 20) and r["lr"][0] == pytest.approx(r["lr"][1], rel=1e-6)
+
+
+# ---- the tool (no megatron-core needed) ---------------------------------------------------
+def _convert(argv):
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(ROOT, "tools/convert_checkpoint.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(argv)
+
+
+def test_tool_round_trip_keeps_weights_moments_and_position(tmp_path, capsys):
+    """Ours -> --to megatron -> --from megatron: the weights, Adam's moments and step, the iteration and
+    samples come back bitwise."""
+    from megatron_zpp.checkpoint.sharded import save_full_dcp
+
+    cfg = _cfg(LLAMA_FLAGS + RUN)
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+    moments = {n: {k: torch.rand(w.shape, generator=gen) for k in mcore.MOMENTS} for n, w in weights.items()}
+    save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 7.0, 7, 28)
+    assert _convert(["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]) == 0
+    common = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))
+    assert common["iteration"] == 7 and common["opt_param_scheduler"]["num_steps"] == 28
+    assert common["args"].swiglu and common["args"].num_query_groups == 2
+    back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "back")]
+    assert _convert(back) == 0
+    assert "weights and Adam state: 15 tensors, iteration 7" in capsys.readouterr().out
+    got, got_moments, step, meta = mcore.our_full_state(str(tmp_path / "back"))
+    assert (meta["iteration"], meta["consumed_samples"], step) == (7, 28, 7.0)
+    assert all(torch.equal(got[n], w) for n, w in weights.items()) and got.keys() == weights.keys()
+    assert all(torch.equal(got_moments[n][k], moments[n][k]) for n in weights for k in mcore.MOMENTS)
+
+
+def test_tool_refuses_what_has_no_counterpart_by_name(tmp_path, capsys):
+    cfg = _cfg(LLAMA_FLAGS)
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+    tensors = mcore.to_mcore(weights, cfg) | {"decoder.layers.mlp.experts.linear_fc1.weight": torch.zeros(2, 4, 4)}
+    args = mcore.args_from_config(cfg, 3, 12, ROWS)
+    args.num_experts = 8
+    mcore.write(str(tmp_path / "moe"), 3, tensors, {"args": args, "iteration": 3}, cfg.model.num_layers)
+    argv = ["--from", "megatron", "--load", str(tmp_path / "moe"), "--to", "sharded", "--save", str(tmp_path / "x")]
+    assert _convert(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: cannot convert ")
+    assert "--num-experts 8: mixture of experts is not built here" in err
+    assert "decoder.layers.mlp.experts.linear_fc1.weight" in err
+    assert _convert(["--from", "megatron", "--load", str(tmp_path), "--to", "sharded", "--save", "y"]) == 2
+    assert "no megatron-core torch_dist checkpoint" in capsys.readouterr().err
