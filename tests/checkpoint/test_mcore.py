@@ -399,18 +399,24 @@ def _convert(argv):
     return mod.main(argv)
 
 
-def test_tool_round_trip_keeps_weights_moments_and_position(tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["--fp32", "--bf16"])
+def test_tool_round_trip_keeps_weights_moments_and_position(dtype, tmp_path, capsys):
     """Ours -> --to megatron -> --from megatron: the weights, Adam's moments and step, the iteration and
-    samples come back bitwise."""
+    samples come back bitwise (in bf16, the fp32 masters travel as megatron's fp32_param)."""
     from megatron_zpp.checkpoint.sharded import save_full_dcp
 
-    cfg = _cfg(LLAMA_FLAGS + RUN)
+    cfg = _cfg(LLAMA_FLAGS + RUN + " " + dtype)
     gen = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
     moments = {n: {k: torch.rand(w.shape, generator=gen) for k in mcore.MOMENTS} for n, w in weights.items()}
     save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 7.0, 7, 28)
     assert _convert(["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]) == 0
-    common = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))
+    path = mcore.iteration_dir(str(tmp_path / "mlm"))
+    saved = mcore.read_tensors(path)
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert saved[qkv].dtype == (torch.bfloat16 if dtype == "--bf16" else torch.float32)
+    assert (f"optimizer.state.fp32_param.{qkv}" in saved) == (dtype == "--bf16")
+    common = mcore.read_common(path)
     assert common["iteration"] == 7 and common["opt_param_scheduler"]["num_steps"] == 28
     assert common["args"].swiglu and common["args"].num_query_groups == 2
     back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "back")]
