@@ -79,8 +79,9 @@ def _cpu_shims():
     writer.get_write_results_queue = lambda *a, **k: queue.Queue()
 
 
-def _mcore_model(cfg, tp: int = 1):
-    """megatron-core's GPTModel (local spec, fp32) of our config; the caller seeds torch's generator."""
+def _mcore_model(cfg, tp: int = 1, stage: int | None = None):
+    """megatron-core's GPTModel (local spec, fp32) of our config, of one of 2 pipeline `stage`s when given;
+    the caller seeds torch's generator."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -103,6 +104,8 @@ def _mcore_model(cfg, tp: int = 1):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1 if stage is None else 2,
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         init_method_std=0.05,  # larger than the default, so that every weight matters in the logits
@@ -116,6 +119,8 @@ def _mcore_model(cfg, tp: int = 1):
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         rotary_base=int(m.rotary_base),
         parallel_output=False,
+        pre_process=stage in (None, 0),
+        post_process=stage in (None, 1),
     )
 
 
@@ -140,7 +145,8 @@ def _our_logits(cfg, weights):
 def _mcore_load(model, root):
     from megatron.core import dist_checkpointing
 
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), mcore.iteration_dir(root)))
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, mcore.iteration_dir(root))
+    model.load_state_dict(loaded["model"])
 
 
 def _logits_both_ways(rank, root, name, flags):
@@ -297,6 +303,14 @@ def _moments(opt) -> dict:
     return {(i, k): opt.optimizer.state[p][k].clone() for i, p in enumerate(params) for k in mcore.MOMENTS}
 
 
+def _global_layer(key: str, first: int) -> str:
+    """A stage's state-dict key with its local layer number made global."""
+    parts = key.split(".")
+    if key.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + first)
+    return ".".join(parts)
+
+
 def _run_both_ways(rank, world, root):
     from megatron.core import parallel_state
 
@@ -326,7 +340,15 @@ def _run_both_ways(rank, world, root):
             "reference": _mcore_forward(ref_model.eval(), _probe()),
         }
     logits["ours"] = _our_logits(cfg, consolidate(ours)[0])
+    tp1 = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)  # and a reader at PP2: each stage its layers
+    stage = _mcore_model(cfg, 1, rank)
+    _mcore_load(stage, back)
+    first = rank * cfg.model.num_layers // 2
+    pp = {_global_layer(k, first): v for k, v in stage.state_dict().items() if "_extra_state" not in k}
     return {
+        "pp": {k: torch.equal(v, tp1[k]) for k, v in pp.items()},
         "imported": imported,
         "resumed_at": resumed_at,
         "losses": (our_losses, ref_losses),
@@ -352,7 +374,8 @@ def _all_cases(rank, world, root):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_distributed(_all_cases, 2, str(tmp_path_factory.mktemp("mcore")), timeout=300)[0]
+    ranks = run_distributed(_all_cases, 2, str(tmp_path_factory.mktemp("mcore")), timeout=300)
+    return ranks[0] | {"pp": [r["run"]["pp"] for r in ranks]}
 
 
 def _close(a, b, tol=1e-6):
@@ -444,3 +467,11 @@ def test_tool_refuses_what_has_no_counterpart_by_name(tmp_path, capsys):
     assert "decoder.layers.mlp.experts.linear_fc1.weight" in err
     assert _convert(["--from", "megatron", "--load", str(tmp_path), "--to", "sharded", "--save", "y"]) == 2
     assert "no megatron-core torch_dist checkpoint" in capsys.readouterr().err
+
+
+def test_exported_checkpoint_loads_at_two_pipeline_stages(results):
+    """megatron-core at PP2 loads the export: each stage's tensors are the TP1 reader's of its layers."""
+    first, last = results["pp"]
+    assert first and last and all(first.values()) and all(last.values())
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" in last
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in first and "decoder.layers.1.mlp.linear_fc1.weight" in last
