@@ -254,7 +254,6 @@ REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ou
     "qk_layernorm": "query/key layernorm is not built here",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
-    "use_distributed_optimizer": "",  # read below: its optimizer state is the distributed optimizer's
 }
 
 
@@ -318,18 +317,18 @@ def _model_keys(cfg) -> set[str]:
     return set(TOP_KEYS.values()) | set(LAYER_KEYS.values())
 
 
-def _refusals(args, tensors: dict, cfg) -> list[str]:
+def _has_moments(tensors: dict) -> bool:
+    return f"optimizer.state.exp_avg.{TOP_KEYS['embedding.weight']}" in tensors
+
+
+def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
     why = [
-        f"--{k.replace('_', '-')} {getattr(args, k)}: {r}"
-        for k, r in REFUSED_ARGS.items()
-        if r and getattr(args, k, None)
+        f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
     ]
-    if getattr(args, "use_distributed_optimizer", False) and any(k.startswith("optimizer.") for k in tensors):
-        plain = [k for k in tensors if k.startswith("optimizer.state.exp_avg.")]
-        if not plain:
-            why.append("its optimizer state is the distributed optimizer's flat buffers (save it with "
-                       "--dist-ckpt-optim-fully-reshardable, or convert with --no-load-optim)")  # fmt: skip
+    if "optimizer" in common and not _has_moments(tensors):
+        why.append("its optimizer state is not kept per parameter (the distributed optimizer's dp_reshardable "
+                   "buffers): convert the weights with --no-optim")  # fmt: skip
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
@@ -350,7 +349,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     if "embedding.word_embeddings.weight" not in tensors:
         raise CheckpointError(f"{path}: no embedding.word_embeddings.weight: not a GPT checkpoint")
     cfg = config_from_args(args, tensors["embedding.word_embeddings.weight"].shape[0])
-    why = _refusals(args, tensors, cfg)
+    why = _refusals(args, tensors, common, cfg)
     if not with_optimizer:
         why = [w for w in why if "optimizer" not in w]
     if why:
@@ -361,7 +360,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     weights = from_mcore({k: v.float() for k, v in model.items()}, cfg)
     moments, step = None, None
     state = (common.get("optimizer") or {}).get("state") or {}
-    if with_optimizer and f"optimizer.state.exp_avg.{TOP_KEYS['embedding.weight']}" in tensors:
+    if with_optimizer and _has_moments(tensors):
         per_kind = {
             kind: from_mcore(
                 {

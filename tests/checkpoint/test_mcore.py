@@ -467,6 +467,15 @@ def test_tool_refuses_what_has_no_counterpart_by_name(tmp_path, capsys):
     assert "decoder.layers.mlp.experts.linear_fc1.weight" in err
     assert _convert(["--from", "megatron", "--load", str(tmp_path), "--to", "sharded", "--save", "y"]) == 2
     assert "no megatron-core torch_dist checkpoint" in capsys.readouterr().err
+    # an optimizer state that is not per parameter (the distributed optimizer's flat buffers): weights only
+    args = mcore.args_from_config(cfg, 3, 12, ROWS)
+    common = {"args": args, "iteration": 3, "optimizer": {"param_state_sharding_type": "dp_reshardable"}}
+    mcore.write(str(tmp_path / "flat"), 3, mcore.to_mcore(weights, cfg), common, cfg.model.num_layers)
+    argv = ["--from", "megatron", "--load", str(tmp_path / "flat"), "--to", "sharded", "--save", str(tmp_path / "w")]
+    assert _convert(argv) == 2
+    assert "not kept per parameter" in capsys.readouterr().err
+    assert _convert([*argv, "--no-optim"]) == 0
+    assert "(weights only: 15 tensors, iteration 3)" in capsys.readouterr().out
 
 
 def test_exported_checkpoint_loads_at_two_pipeline_stages(results):
