@@ -1,7 +1,7 @@
 """Megatron-core torch_dist checkpoints (Megatron-LM's `--ckpt-format torch_dist`) to ours and back.
 
 What megatron-core 0.19 writes, read off its own `dist_checkpointing.save` (tests/checkpoint/test_mcore.py):
-`iter_NNNNNNN/` holds DCP's `.metadata` and `__R_0.distcp` files and `metadata.json`
+`iter_NNNNNNN/` holds DCP's `.metadata` and `__<rank>_0.distcp` files and `metadata.json`
 ({"sharded_backend": "torch_dist", ...}); the common (non-tensor) state is a pickled object under the DCP
 key `common_state/shard_0_1` (older versions wrote it to `common.pt`, also read here): `args` (the run's
 argparse Namespace), `iteration`, `checkpoint_version`, `opt_param_scheduler` (its `num_steps` counts

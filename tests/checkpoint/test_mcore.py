@@ -14,9 +14,10 @@ assert on what it returns:
   megatron-core resuming its own checkpoint for the same 3 steps on the same samples: its losses, logits
   and Adam moments must be ours.
 
-megatron-core hard-wires CUDA in four places a CPU run passes through (`_cpu_shims`), and its
-FP32Optimizer allocates its loss scale on 'cuda' in __init__; the test builds that optimizer without
-that line (MegatronOptimizer.__init__) and uses megatron-core's own `sharded_state_dict` of it.
+megatron-core 0.19 hard-wires CUDA (and a few other things a daemonic CPU rank lacks) where this run
+passes: `_cpu_shims` stands in for them without touching what is computed or written. Its FP32Optimizer
+allocates its loss scale on 'cuda' in __init__: the test builds that optimizer without that line
+(MegatronOptimizer.__init__) and uses megatron-core's own `sharded_state_dict` and `load_state_dict` of it.
 """
 
 import argparse
