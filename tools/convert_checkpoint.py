@@ -17,6 +17,16 @@
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
+    python tools/convert_checkpoint.py --from megatron --load mlm_ckpt --to sharded --save ckpt [--no-optim]
+        a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; the
+        non-distributed Adam optimizer's state) -> our --ckpt-format torch_dist checkpoint: weights (the
+        fp32 masters in bf16 runs), Adam's moments and step, iteration and consumed samples (the LR
+        schedule's position); the model settings are read from the checkpoint's args
+    python tools/convert_checkpoint.py --load ckpt --to megatron --save mlm_ckpt [--no-optim]
+        ours (any format and layout) -> a megatron-core torch_dist checkpoint that Megatron-LM's
+        --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
+        step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py)
+
 RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]) as HF
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
 vocabulary are never predicted in training; HF sees them as ordinary tokens).
@@ -36,7 +46,7 @@ import typing
 import torch
 
 from megatron_zpp import hf_remote
-from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2
+from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2, mcore
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_zpp.progress import progress
@@ -340,14 +350,33 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     return hf["architectures"][0]
 
 
+def _megatron(args) -> int:
+    """--from megatron / --to megatron: megatron-core's torch_dist checkpoints (checkpoint/mcore.py)."""
+    try:
+        if args.source == "megatron":
+            out, done = mcore.import_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
+        else:
+            out, done = mcore.export_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
+    except (CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
+        print(f"dropped {len(done['dropped'])} pickled objects (_extra_state: Transformer Engine's FP8 scales, None "
+              f"in the local spec; rng_state): {', '.join(done['dropped'][:2])}, ...")  # fmt: skip
+    what = "weights and Adam state" if done["optimizer"] else "weights only"
+    print(f"wrote {out} ({what}: {done['tensors']} tensors, iteration {done['iteration']})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--from",
         dest="source",
         default="megatron_zpp",
-        choices=["megatron_zpp", "hf"],
-        help="what --load is: our sharded checkpoint (default) or a HF directory (Llama, or our GLA/hybrid export)",
+        choices=["megatron_zpp", "hf", "megatron"],
+        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, or our GLA/hybrid "
+        "export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",
@@ -357,18 +386,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--to",
         required=True,
-        choices=["consolidated", "hf", "sharded"],
-        help="sharded: our checkpoint format (only --from hf)",
+        choices=["consolidated", "hf", "sharded", "megatron"],
+        help="sharded: our checkpoint format (only --from hf or megatron); megatron: megatron-core's torch_dist",
     )
-    ap.add_argument("--output", required=True, help="FILE.pt for consolidated, a directory for hf and sharded")
+    ap.add_argument(
+        "--output", "--save", required=True, help="FILE.pt for consolidated, a directory for hf, sharded and megatron"
+    )
+    ap.add_argument(
+        "--no-optim",
+        action="store_true",
+        help="--from megatron, --to megatron: the weights only (no Adam state; the iteration is kept)",
+    )
     ap.add_argument(
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
     )
     args = ap.parse_args(argv)
-    if (args.source == "hf") != (args.to == "sharded"):
-        ap.error("--to sharded goes with --from hf (our own checkpoints are sharded already)")
+    if (args.source != "megatron_zpp") != (args.to == "sharded"):
+        ap.error("--to sharded goes with --from hf or --from megatron (our own checkpoints are sharded already)")
+    if args.no_optim and "megatron" not in (args.source, args.to):
+        ap.error("--no-optim goes with --from megatron or --to megatron")
+    if "megatron" in (args.source, args.to):
+        return _megatron(args)
     try:
         if args.source == "hf":
             state, out = import_hf(args.load, args.output)

@@ -175,11 +175,13 @@ def check_files(path: str, meta: dict) -> None:
             )
 
 
-def save(state: dict, tmp: str, group=None) -> None:
-    """Collective (DCP plans the write over `group`, default the world's): every rank's boxes into `tmp`."""
+def save(state: dict, tmp: str, group=None, alone: bool = False) -> None:
+    """Collective (DCP plans the write over `group`, default the world's): every rank's boxes into `tmp`;
+    `alone`: this process writes the whole state, whether or not a process group exists (a converter)."""
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+    no_dist = alone or not torch.distributed.is_initialized()
     with _single_process_quiet():
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not torch.distributed.is_initialized())
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
 
 
 def writer_group(run):

@@ -383,6 +383,24 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
     return final
 
 
+def save_full_dcp(
+    directory: str, cfg, weights: dict, moments: dict | None, step: float | None, iteration: int, consumed: int
+) -> str:
+    """A --ckpt-format torch_dist checkpoint, written in this one process, of single-rank fp32 `weights`,
+    AdamW's `moments` ({name: {"exp_avg", "exp_avg_sq"}}) and `step` (None: weights only), at `iteration`
+    with `consumed` samples; `--load` reshards it to any layout. For importers (tools/convert_checkpoint.py
+    --from megatron)."""
+    final, tmp = _start(directory, iteration)
+    _fresh_dir(tmp)
+    state: dict = {"model": {n: t.float().contiguous() for n, t in weights.items()}}
+    if moments:
+        state["optimizer"] = {"step": torch.tensor(float(step or 0)), "state": moments}
+    dcp.save(state, tmp, alone=True)
+    vocab = weights["embedding.weight"].shape[0]
+    _seal(directory, final, tmp, cfg, iteration, consumed, vocab, dcp.dcp_files(tmp), fmt=DCP_FORMAT)
+    return final
+
+
 # ---- load ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoadTarget:

@@ -1,0 +1,470 @@
+"""Megatron-core torch_dist checkpoints (Megatron-LM's `--ckpt-format torch_dist`) to ours and back.
+
+What megatron-core 0.19 writes, read off its own `dist_checkpointing.save` (tests/checkpoint/test_mcore.py):
+`iter_NNNNNNN/` holds DCP's `.metadata` and `__<rank>_0.distcp` files and `metadata.json`
+({"sharded_backend": "torch_dist", ...}); the common (non-tensor) state is a pickled object under the DCP
+key `common_state/shard_0_1` (older versions wrote it to `common.pt`, also read here): `args` (the run's
+argparse Namespace), `iteration`, `checkpoint_version`, `opt_param_scheduler` (its `num_steps` counts
+samples) and the optimizer's `param_groups` and `state.common_step`. The root's
+`latest_checkpointed_iteration.txt` names the iteration. Tensors are global (any TP/PP writes the same
+keys; DCP reshards):
+
+* `embedding.word_embeddings.weight`, `embedding.position_embeddings.weight`, `output_layer.weight`
+  (untied only), `decoder.final_layernorm.{weight,bias}`;
+* the layers stacked along a first dimension of num_layers, keys without the layer number:
+  `decoder.layers.self_attention.linear_qkv.{weight,bias,layer_norm_weight,layer_norm_bias}` (the
+  local spec files input_layernorm there, as Transformer Engine's fused norm+linear does),
+  `...linear_proj.{weight,bias}`, `decoder.layers.mlp.linear_fc1.{weight,bias,layer_norm_weight,
+  layer_norm_bias}` (pre_mlp_layernorm), `...linear_fc2.{weight,bias}`, and a None `_extra_state`
+  object per linear and layer (`<key>._extra_state/shard_<layer>_<layers>`);
+* linear_qkv's rows grouped per query group: [groups, (q heads per group + 2) x head_dim] (q heads,
+  k, v of group 0, then of group 1, ...); ours are [q | k | v], each head-major. linear_fc1 with
+  SwiGLU is [gate | up], as ours;
+* the optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params, not the distributed optimizer's
+  flat buffers): `optimizer.state.exp_avg.<model key>`, `optimizer.state.exp_avg_sq.<model key>` and,
+  in bf16/fp16, `optimizer.state.fp32_param.<model key>` (the masters), shaped as the model tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pathlib
+import types
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .dcp import _single_process_quiet as quiet
+from .files import CheckpointError, iter_name
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject("common_state", (1,), (0,))
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# our per-layer suffix -> megatron-core's stacked key (local spec names)
+LAYER_KEYS = {
+    "norm1.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "norm1.bias": "decoder.layers.self_attention.linear_qkv.layer_norm_bias",
+    "mixer.qkv.weight": "decoder.layers.self_attention.linear_qkv.weight",
+    "mixer.qkv.bias": "decoder.layers.self_attention.linear_qkv.bias",
+    "mixer.proj.weight": "decoder.layers.self_attention.linear_proj.weight",
+    "mixer.proj.bias": "decoder.layers.self_attention.linear_proj.bias",
+    "norm2.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    "norm2.bias": "decoder.layers.mlp.linear_fc1.layer_norm_bias",
+    "mlp.fc1.weight": "decoder.layers.mlp.linear_fc1.weight",
+    "mlp.fc1.bias": "decoder.layers.mlp.linear_fc1.bias",
+    "mlp.fc2.weight": "decoder.layers.mlp.linear_fc2.weight",
+    "mlp.fc2.bias": "decoder.layers.mlp.linear_fc2.bias",
+}
+TOP_KEYS = {
+    "embedding.weight": "embedding.word_embeddings.weight",
+    "position_embeddings.weight": "embedding.position_embeddings.weight",
+    "final_norm.weight": "decoder.final_layernorm.weight",
+    "final_norm.bias": "decoder.final_layernorm.bias",
+    "output.weight": "output_layer.weight",
+}
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def unsupported(cfg) -> list[str]:
+    """Why our model has no megatron-core GPTModel (local spec) twin (empty when it has)."""
+    m = cfg.model
+    kinds = {m.layer_kind(i) for i in range(m.num_layers)}
+    if kinds == {"softmax"}:
+        return []
+    return [f"its layers are {'/'.join(sorted(kinds))}; megatron-core's GPTModel has softmax attention only"]
+
+
+def _qkv_sizes(m) -> tuple[int, int, int]:
+    """(query groups, query heads per group, head dim)."""
+    return m.kv_heads, m.num_attention_heads // m.kv_heads, m.head_dim
+
+
+def qkv_to_mcore(w: torch.Tensor, m) -> torch.Tensor:
+    """Our [q | k | v] rows -> megatron-core's rows grouped per query group."""
+    g, per, d = _qkv_sizes(m)
+    rest = w.shape[1:]
+    q, k, v = w.split([g * per * d, g * d, g * d])
+    return torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], 1).reshape(w.shape)
+
+
+def qkv_from_mcore(w: torch.Tensor, m) -> torch.Tensor:
+    """The inverse of `qkv_to_mcore`."""
+    g, per, d = _qkv_sizes(m)
+    rest = w.shape[1:]
+    q, k, v = w.reshape(g, (per + 2) * d, *rest).split([per * d, d, d], 1)
+    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
+
+
+def to_mcore(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Our single-rank tensors (weights, or one Adam moment of each) -> megatron-core's global keys."""
+    m = cfg.model
+    out = {TOP_KEYS[k]: v for k, v in state.items() if k in TOP_KEYS}
+    for suffix, key in LAYER_KEYS.items():
+        per_layer = [state.get(f"layers.{i}.{suffix}") for i in range(m.num_layers)]
+        if per_layer[0] is None:
+            continue
+        if suffix.startswith("mixer.qkv"):
+            per_layer = [qkv_to_mcore(t, m) for t in per_layer]
+        out[key] = torch.stack(per_layer)
+    return out
+
+
+def from_mcore(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """megatron-core's global keys -> our single-rank names (the inverse of `to_mcore`)."""
+    m = cfg.model
+    top = {v: k for k, v in TOP_KEYS.items()}
+    out = {top[k]: v for k, v in tensors.items() if k in top}
+    if not m.untie_embeddings_and_output_weights:
+        out.pop("output.weight", None)  # a tied copy some layouts write; the embedding is the weight
+    for suffix, key in LAYER_KEYS.items():
+        if key not in tensors:
+            continue
+        for i, t in enumerate(tensors[key].unbind(0)):
+            out[f"layers.{i}.{suffix}"] = qkv_from_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---- reading a megatron-core checkpoint -----------------------------------------------------
+def iteration_dir(load: str) -> str:
+    """The iter_NNNNNNN directory of `load` (a root with the tracker file, or the directory itself)."""
+    tracker = os.path.join(load, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        load = os.path.join(load, "release" if text == "release" else iter_name(int(text)))
+    if not os.path.isfile(os.path.join(load, ".metadata")):
+        raise CheckpointError(f"{load}: no megatron-core torch_dist checkpoint (no .metadata, no {TRACKER})")
+    return load
+
+
+def _safe_globals(with_megatron: bool) -> list:
+    """The classes a megatron-core common state may pickle that weights_only loading allows: the standard
+    library's; `with_megatron`, megatron-core's own list too (its enums) when it is installed."""
+    classes: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO]
+    if not with_megatron:
+        return classes
+    try:
+        from megatron.core.safe_globals import SAFE_GLOBALS
+    except ImportError:
+        return classes
+    return classes + list(SAFE_GLOBALS)
+
+
+def _unpickle(data: str | io.BytesIO) -> Any:
+    """torch.load(weights_only=True) with the standard library's classes a Megatron-LM args may hold, and
+    megatron-core's own (its enums) when a first try names one and megatron-core is installed."""
+    for extra in (False, True):
+        if isinstance(data, io.BytesIO):
+            data.seek(0)
+        try:
+            with torch.serialization.safe_globals(_safe_globals(extra)):
+                return torch.load(data, weights_only=True)
+        except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
+            error = e
+    raise CheckpointError(f"its common state cannot be read without unpickling code: {error}") from None
+
+
+def read_common(path: str) -> dict:
+    """The common (non-tensor) state: `common.pt` (older megatron-core) or the `common_state` object."""
+    legacy = os.path.join(path, "common.pt")
+    if os.path.isfile(legacy):
+        return _unpickle(legacy)
+    planner = _BytesAsRead(flatten_state_dict=False)
+    with quiet():
+        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+    return _unpickle(planner.read[COMMON_KEY])[0]
+
+
+class _BytesAsRead(DefaultLoadPlanner):
+    """DCP's planner, but a pickled object is kept as its bytes in `read` (DCP's own would unpickle it
+    with weights_only=False, running whatever code it names): `_unpickle` reads it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.read: dict[str, io.BytesIO] = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.read[read_item.dest_index.fqn] = value
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    with quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return state
+
+
+# ---- writing one --------------------------------------------------------------------------
+class _BytesAsWritten(DefaultSavePlanner):
+    """DCP's planner, but a BytesIO value is written as it is (megatron-core pickles its objects itself,
+    as a list of the shards' data, and reads them back so)."""
+
+    def transform_object(self, write_item, object):  # noqa: A002  (DCP's parameter name)
+        return object if isinstance(object, io.BytesIO) else super().transform_object(write_item, object)
+
+
+def _pickled(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: dict, num_layers: int) -> str:
+    """megatron-core's torch_dist directory root/iter_NNNNNNN of global `tensors` (model and optimizer
+    keys) and the `common` state, in this one process; then the tracker file. Returns the directory."""
+    path = os.path.join(root, iter_name(iteration))
+    os.makedirs(path, exist_ok=True)
+    state: dict = dict(tensors)
+    for linear in LINEARS:  # the local spec's linears carry a None extra state per layer
+        for i in range(num_layers):
+            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = _pickled([None])
+    state[COMMON_KEY] = _pickled([common])
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
+    with quiet():
+        dcp.save(state, storage_writer=writer, planner=_BytesAsWritten(flatten_state_dict=False), no_dist=True)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    return path
+
+
+def object_keys(path: str) -> list[str]:
+    """The pickled objects' keys of a megatron-core directory (its extra states and common state)."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return sorted(k for k, v in metadata.items() if isinstance(v, BytesStorageMetadata))
+
+
+# ---- the run's settings: Megatron-LM's args <-> our config ----------------------------------
+TRAIN_FIELDS = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed", "bf16", "fp16")
+REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ours can hold
+    "num_experts": "mixture of experts is not built here",
+    "qk_layernorm": "query/key layernorm is not built here",
+    "multi_latent_attention": "multi-latent attention is not built here",
+    "mtp_num_layers": "multi-token prediction is not built here",
+}
+
+
+def _take(section, name: str, value) -> None:
+    """Set our setting `name` to Megatron's `value` when the types agree (an int where we hold a float too)."""
+    ours = getattr(section, name)
+    if ours is None and isinstance(value, (int, float, str, bool)) or type(value) is type(ours):
+        setattr(section, name, value)
+    elif type(ours) is float and type(value) is int:
+        setattr(section, name, float(value))
+
+
+def config_from_args(args: argparse.Namespace, rows: int):
+    """Our Config of the run a Megatron-LM checkpoint's `args` describe (`rows`: its embedding's padded
+    vocabulary); our settings are Megatron's names, so every one the args hold is taken."""
+    from ..config import Config
+
+    cfg = Config()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    for section, names in ((cfg.model, [*vars(cfg.model)]), (cfg.optim, [*vars(cfg.optim)]), (cfg.train, TRAIN_FIELDS)):
+        for name in names:
+            if name in given:
+                _take(section, name, given[name])
+    m = cfg.model
+    m.activation = "swiglu" if given.get("swiglu") else "squared_relu" if given.get("squared_relu") else "gelu"
+    if m.num_query_groups is not None and not given.get("group_query_attention"):
+        m.num_query_groups = None  # Megatron ignores it then
+    if not given.get("add_position_embedding", True) and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"
+    pad = m.make_vocab_size_divisible_by * given.get("tensor_model_parallel_size", 1)
+    if -(-m.vocab_size // pad) * pad != rows:  # not the padding of the args' vocabulary: the rows themselves
+        m.vocab_size, m.make_vocab_size_divisible_by = rows, 1
+    cfg.train.ckpt_format = "torch_dist"
+    return cfg
+
+
+def args_from_config(cfg, iteration: int, consumed: int, rows: int) -> argparse.Namespace:
+    """Megatron-LM's args of our run (our settings under their own, Megatron's, names, plus the args
+    megatron derives: swiglu, padded_vocab_size, consumed samples), as its checkpoints pickle them."""
+    ns = {k: v for section in cfg.to_dict().values() for k, v in section.items()}
+    m = cfg.model
+    ns.update(
+        swiglu=m.activation == "swiglu",
+        squared_relu=m.activation == "squared_relu",
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        num_query_groups=m.kv_heads,
+        kv_channels=m.head_dim,
+        ffn_hidden_size=m.ffn_size,
+        padded_vocab_size=rows,
+        iteration=iteration,
+        consumed_train_samples=consumed,
+        ckpt_format="torch_dist",
+        use_distributed_optimizer=False,
+        params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
+    )
+    return argparse.Namespace(**ns)
+
+
+# ---- the two directions ---------------------------------------------------------------------
+def _model_keys(cfg) -> set[str]:
+    return set(TOP_KEYS.values()) | set(LAYER_KEYS.values())
+
+
+def _has_moments(tensors: dict) -> bool:
+    return f"optimizer.state.exp_avg.{TOP_KEYS['embedding.weight']}" in tensors
+
+
+def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
+    """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
+    why = [
+        f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
+    ]
+    if "optimizer" in common and not _has_moments(tensors):
+        why.append("its optimizer state is not kept per parameter (the distributed optimizer's dp_reshardable "
+                   "buffers): convert the weights with --no-optim")  # fmt: skip
+    unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
+    if unknown:
+        why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
+    return why + unsupported(cfg)
+
+
+def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
+    """megatron-core's torch_dist checkpoint `load` -> our torch_dist checkpoint under `save` (weights,
+    AdamW's moments and step, iteration and consumed samples). Returns (its directory, a summary)."""
+    from .sharded import save_full_dcp
+
+    path = iteration_dir(load)
+    common = read_common(path)
+    args = common.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{path}: its common state holds no Megatron-LM args (the model's settings)")
+    tensors = read_tensors(path)
+    if "embedding.word_embeddings.weight" not in tensors:
+        raise CheckpointError(f"{path}: no embedding.word_embeddings.weight: not a GPT checkpoint")
+    cfg = config_from_args(args, tensors["embedding.word_embeddings.weight"].shape[0])
+    why = _refusals(args, tensors, common, cfg)
+    if not with_optimizer:
+        why = [w for w in why if "optimizer" not in w]
+    if why:
+        raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
+    masters = "optimizer.state.fp32_param."  # bf16/fp16 runs: the fp32 masters are the weights
+    model = {k: v for k, v in tensors.items() if k in _model_keys(cfg)}
+    model.update({k[len(masters) :]: v for k, v in tensors.items() if k.startswith(masters)})
+    weights = from_mcore({k: v.float() for k, v in model.items()}, cfg)
+    moments, step = None, None
+    state = (common.get("optimizer") or {}).get("state") or {}
+    if with_optimizer and _has_moments(tensors):
+        per_kind = {
+            kind: from_mcore(
+                {
+                    k[len(f"optimizer.state.{kind}.") :]: v.float()
+                    for k, v in tensors.items()
+                    if k.startswith(f"optimizer.state.{kind}.")
+                },
+                cfg,
+            )  # fmt: skip
+            for kind in MOMENTS
+        }
+        moments = {n: {kind: per_kind[kind][n] for kind in MOMENTS} for n in weights}
+        step = float(state.get("common_step", common.get("iteration", 0)))
+    iteration = int(common.get("iteration", 0))
+    scheduler = common.get("opt_param_scheduler") or {}
+    consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
+    out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
+    dropped = [k for k in object_keys(path) if k != COMMON_KEY]  # extra states (TE's FP8 scales), RNG states
+    done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
+    return out, done | {"dropped": dropped}
+
+
+def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
+    """(full fp32 weights, AdamW moments by name or None, AdamW's step or None, meta.json) of our
+    checkpoint `load`, any format and layout, read in this process."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .dcp import check_files
+    from .files import DCP_FORMAT, find_checkpoint
+    from .reshard import SavedCheckpoint
+
+    path, meta = find_checkpoint(load)
+    if meta["format"] == DCP_FORMAT:
+        check_files(path, meta)
+        state: dict = {}
+        planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
+        with quiet():
+            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+        opt = state.get("optimizer")
+        return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
+    saved = SavedCheckpoint(path, meta)
+    full = {name: saved.full(name) for name in saved.names()}
+    weights = {n: f["param"] for n, f in full.items()}
+    if saved.step is None:
+        return weights, None, None, meta
+    moments = {n: {k: f[k] for k in MOMENTS} for n, f in full.items()}
+    return weights, moments, float(saved.step), meta
+
+
+def _param_groups(cfg) -> list[dict]:
+    """Megatron-LM's default AdamW groups (megatron/core/optimizer `_get_param_groups`): the decayed
+    parameters first, then the biases and 1-D ones (wd_mult 0); their `params` are the loading run's."""
+    o = cfg.optim
+    wd = o.weight_decay_span()[0]
+    common = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps, "lr_mult": 1.0,
+              "is_decoupled_lr": False, "max_lr": o.lr, "min_lr": o.min_lr, "is_expert_parallel": False}  # fmt: skip
+    return [
+        {**common, "weight_decay": wd, "wd_mult": 1.0, "default_config": True},
+        {**common, "weight_decay": 0.0, "wd_mult": 0.0, "default_config": True},
+    ]
+
+
+def _scheduler_state(cfg, consumed: int) -> dict:
+    """Megatron's OptimizerParamScheduler.state_dict() of our schedule after `consumed` samples."""
+    from ..optim.schedules import schedule_for
+
+    o, s = cfg.optim, schedule_for(cfg.optim, cfg.train)
+    start_wd, end_wd = o.weight_decay_span()
+    return {"max_lr": o.lr, "lr_warmup_steps": int(s.warmup), "num_steps": consumed, "lr_decay_style": o.lr_decay_style,
+            "lr_decay_steps": int(s.decay), "min_lr": o.min_lr, "start_wd": start_wd, "end_wd": end_wd,
+            "wd_incr_style": o.weight_decay_incr_style, "wd_incr_steps": int(s.wd_incr)}  # fmt: skip
+
+
+def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
+    """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
+    as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer. Returns (its
+    directory, a summary)."""
+    from .layout import config_from_dict
+
+    weights, moments, step, meta = our_full_state(load)
+    moments = moments if with_optimizer else None
+    cfg = config_from_dict(meta["config"])
+    why = unsupported(cfg)
+    if why:
+        raise CheckpointError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
+    low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+    masters = to_mcore(weights, cfg)
+    tensors = {k: v.to(low) if low else v for k, v in masters.items()}  # the model in its training dtype
+    common: dict = {
+        "checkpoint_version": 3.0,
+        "iteration": meta["iteration"],
+        "num_floating_point_operations_so_far": 0,
+    }
+    if moments is not None:
+        for kind in MOMENTS:
+            mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg)
+            tensors.update({f"optimizer.state.{kind}.{k}": v for k, v in mcore.items()})
+        if low:
+            tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
+        step_tensor = torch.tensor(float(step or 0))  # torch's Adam keeps its step as a float tensor
+        common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
+        common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
+    rows = weights["embedding.weight"].shape[0]
+    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)
+    out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)
+    return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
