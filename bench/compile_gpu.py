@@ -4,6 +4,13 @@
     .venv/bin/python -m bench.compile_gpu --ci --json     (the CI subset: tests/kernels/test_compile_gpu.py)
     .venv/bin/python -m bench.compile_gpu --markdown bench/results/compile_gpu.md
 
+Under another Triton (NVIDIA's PyTorch image ships 3.6 with torch 2.11): the compile needs only triton and
+our kernel sources, so put that version first on the path (torch 2.13 imports beside it):
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 .venv/bin/python -m bench.compile_gpu --ci \
+        --markdown bench/results/compile_gpu_ci_triton36.md
+
 Each case calls the real launch wrappers (megatron_zpp/kernels/*.py) on meta tensors of the real shapes
 inside kernels.target.tuned_for(arch), so the block sizes, warps, stages and dtype choices are those of a
 CUDA launch; each distinct launch (kernel, signature, constexprs, specialization, options) is compiled once
@@ -29,6 +36,8 @@ import multiprocessing
 import os
 import sys
 import time
+
+import triton
 
 from megatron_zpp.testing import triton_aot
 from megatron_zpp.testing.kernel_cases import Case, all_cases
@@ -238,8 +247,10 @@ def main(argv=None) -> int:
     rows = sweep(cases, a.arch, a.jobs)
     seconds = time.perf_counter() - t
     failing = [r for r in rows if r["problems"]]
-    title = f"Ahead-of-time compile, {'CI subset' if a.ci else 'full sweep'} ({len(rows)} compiles, {seconds:.0f} s)"
-    print(f"{len(cases)} cases, {len(rows)} compiles for sm_{'/sm_'.join(map(str, a.arch))} in {seconds:.1f} s "
+    what = f"{'CI subset' if a.ci else 'full sweep'} ({len(rows)} compiles, {seconds:.0f} s)"
+    title = f"Ahead-of-time compile with Triton {triton.__version__}, {what}"
+    print(f"Triton {triton.__version__}: "
+          f"{len(cases)} cases, {len(rows)} compiles for sm_{'/sm_'.join(map(str, a.arch))} in {seconds:.1f} s "
           f"({a.jobs} jobs); {len(failing)} failing checks")  # fmt: skip
     print(summary(rows))
     for r in failing:
@@ -249,7 +260,18 @@ def main(argv=None) -> int:
         with open(a.markdown, "w") as f:
             f.write(markdown(rows, title) + "\n## Per kernel\n\n" + by_kernel(rows))
     if a.json:
-        print(json.dumps({"bench": "compile_gpu", "ci": a.ci, "seconds": seconds, "jobs": a.jobs, "rows": rows}))
+        print(
+            json.dumps(
+                {
+                    "bench": "compile_gpu",
+                    "triton": triton.__version__,
+                    "ci": a.ci,
+                    "seconds": seconds,
+                    "jobs": a.jobs,
+                    "rows": rows,
+                }
+            )
+        )
     return 1 if failing else 0
 
 

@@ -12,6 +12,11 @@ pretrain_gpt.py (with --mock-data), plus
                          process may use; 1: every rank in this process)
     --steps S            training steps per rank (default 1; from 2 on, the last one's peak is
                          the steady state's: AdamW's moments held through it)
+    --max-ranks M        refuse a run of more than M ranks (default 512; --ranks auto picks every
+                         member of one group of each kind, all N ranks when DP spans the world)
+
+After the first rank it prints an estimate of the whole run's time (that rank's seconds times
+the rounds of --jobs workers), and at the end the time it took.
 
     python tools/dry_run.py --world-size 512 --ranks auto --mock-data --num-layers 4 --hidden-size 64 \\
         --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 --global-batch-size 256 \\
@@ -44,15 +49,56 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class ToolArgError(Exception):
+    """One of this tool's own arguments is malformed: its one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        raise ToolArgError(message)
+
+
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    ap = _Parser(add_help=False)
+    ap.add_argument("--world-size", type=int, default=os.environ.get("WORLD_SIZE", "1"))
     ap.add_argument("--ranks", nargs="+", default=["auto"])
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--jobs", type=int, default=_usable_cpus())
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--max-ranks", type=int, default=512)
     return ap.parse_known_args(argv)
+
+
+def check_tool_args(ours: argparse.Namespace) -> None:
+    """Refuse bad values of this tool's own arguments before any work (ToolArgError: one line)."""
+    for flag, value in (("--world-size", ours.world_size), ("--jobs", ours.jobs), ("--steps", ours.steps)):
+        if value < 1:
+            raise ToolArgError(f"{flag} {value}: give at least 1")
+    if ours.max_ranks < 1:
+        raise ToolArgError(f"--max-ranks {ours.max_ranks}: give at least 1")
+    if ours.gpu_memory_gb is not None and not 0 < ours.gpu_memory_gb < float("inf"):
+        raise ToolArgError(f"--gpu-memory-gb {ours.gpu_memory_gb}: give a positive number of GiB")
+    if ours.ranks != ["auto"]:
+        for r in ours.ranks:
+            if not r.isdigit():
+                raise ToolArgError(f"--ranks {r}: give rank numbers (0 to {ours.world_size - 1}) or auto alone")
+            if int(r) >= ours.world_size:
+                raise ToolArgError(
+                    f"--ranks {r}: not a rank of --world-size {ours.world_size} (0 to {ours.world_size - 1})"
+                )
+    if ours.json not in (None, "-"):  # found now, not after minutes of work
+        folder = os.path.dirname(os.path.abspath(ours.json))
+        if os.path.isdir(ours.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ToolArgError(f"--json {ours.json}: cannot write a file there (a missing or read-only folder?)")
+
+
+def _estimate_line(first_seconds: float, ranks: int, jobs: int) -> str:
+    rounds = -(-ranks // jobs)
+    return (
+        f"estimate: about {first_seconds * rounds:.0f} s for {ranks} ranks "
+        f"(the first took {first_seconds:.1f} s; {rounds} round(s) of {jobs} worker(s))"
+    )
 
 
 def to_json(report, seconds: float) -> dict:
@@ -88,11 +134,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-    ours, rest = tool_args(argv)
-    for flag, value in (("--jobs", ours.jobs), ("--steps", ours.steps)):
-        if value < 1:
-            print(f"error: {flag} {value}: give at least 1", file=sys.stderr)
-            return 2
+    try:
+        ours, rest = tool_args(argv)
+        check_tool_args(ours)
+    except ToolArgError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = parse_config(rest, ours.world_size, run=False)
     except ConfigError as e:
@@ -102,13 +149,27 @@ def main(argv=None) -> int:
         print(f"error: --steps {ours.steps} is more than --train-iters {cfg.train.train_iters}", file=sys.stderr)
         return 2
     ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
+    if len(ranks) > ours.max_ranks:
+        how = "--ranks auto picks" if ours.ranks == ["auto"] else "--ranks names"
+        print(
+            f"error: {how} {len(ranks)} ranks, more than --max-ranks {ours.max_ranks} "
+            f"(about 2 s each on one core): raise --max-ranks or name fewer with --ranks",
+            file=sys.stderr,
+        )
+        return 2
     out = sys.stderr if ours.json == "-" else sys.stdout
     jobs = max(1, min(ours.jobs, len(ranks)))
     print(f"dry run: {len(ranks)} of {ours.world_size} ranks, {jobs} worker(s); {CODE_PATHS}", file=out, flush=True)
     t0 = time.time()
-    report = dry_run(
-        cfg, ours.world_size, ranks, log=lambda line: print(line, file=out, flush=True), jobs=jobs, steps=ours.steps
-    )
+
+    def log(line: str) -> None:
+        print(line, file=out, flush=True)
+        if log.first:  # the first rank's time: the estimate of the whole run
+            log.first = False
+            print(_estimate_line(time.time() - t0, len(ranks), jobs), file=out, flush=True)
+
+    log.first = len(ranks) > 1
+    report = dry_run(cfg, ours.world_size, ranks, log=log, jobs=jobs, steps=ours.steps)
     seconds = time.time() - t0
     for m in report.mismatches:
         print(f"MISMATCH ({m.what}): {m.message}", file=out)

@@ -81,7 +81,7 @@ _TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
     "bwd_states": {16: (_S32, _S32), 64: (_S32, _S16), 128: (_S32, _S16)},
     "intra_scores": {
         16: (_cfg(BK=64, DBK=16), _cfg(BK=64, DBK=16)),
-        64: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16)),
+        64: (_cfg(BK=64, DBK=16, num_stages=1), _cfg(BK=32, DBK=16)),  # 1 stage: no spills on Triton 3.6 and 3.9
         128: (_cfg(BK=64, DBK=16), _cfg(BK=32, DBK=16, num_stages=1)),
     },
     "output": {16: (_O64, _O32), 64: (_O64, _O16), 128: (_O32, _O32W8)},
@@ -93,7 +93,7 @@ _TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
     },
     "intra_grad": {16: (_cfg(BK=32), _cfg(BK=32)), 64: (_cfg(BK=16), _cfg(BK=16)), 128: (_cfg(BK=16), _cfg(BK=16))},
     "dqkg": {
-        16: (_cfg(BK=32, BV=32), _cfg(BK=64, BV=64)),
+        16: (_cfg(BK=16, BV=32), _cfg(BK=64, BV=64)),
         64: (_cfg(BK=32, BV=32), _cfg(BK=16, BV=32)),
         128: (_cfg(BK=16, BV=32, num_warps=8), _cfg(BK=16, BV=32, num_warps=8)),
     },

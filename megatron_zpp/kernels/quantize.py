@@ -30,7 +30,6 @@ import triton.language as tl
 # Globals read inside @triton.jit code must be constexpr instances (a plain float, or one merely annotated
 # `: tl.constexpr`, is a NameError when the kernel compiles; the interpreter does not check it).
 _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 v + this has ulp 1, so it rounds v to an integer
-_TINY = tl.constexpr(1.401298464324817e-45)  # smallest fp32 subnormal: the divisor of an all-zero block
 _U24 = tl.constexpr(5.9604644775390625e-08)  # 2^-24
 _TILE_ELEMS = 4096  # elements per program (fewer when a row has fewer blocks)
 _NUM_WARPS = 4  # 32 elements a thread at a full tile: 8 (bf16) or 4 (fp32) of them per 16-byte access
@@ -102,7 +101,10 @@ def _quantize_tile(
     finite = ax < float("inf")  # False for NaN too
     nonfinite = tl.max((finite == 0).to(tl.int32), axis=1) > 0
     scales = tl.math.div_rn(absmax, tl.full(absmax.shape, LEVELS, tl.float32))
-    divisor = tl.maximum(scales, _TINY)[:, None]  # an all-zero block divides +-0 by the tiniest subnormal
+    # an all-zero block divides +-0 by the tiniest fp32 subnormal, made from its bits: Triton 3.6 types a
+    # Python float below fp32's smallest normal as fp64, and div_rn then refuses it
+    tiny = tl.full(scales.shape, 1, tl.int32).to(tl.float32, bitcast=True)
+    divisor = tl.maximum(scales, tiny)[:, None]
     _store_scales(row_ptr, blocks, bmask, tl.where(nonfinite, float("nan"), scales))
     data_ptr = row_ptr + data_offset
     if BITS == 8:

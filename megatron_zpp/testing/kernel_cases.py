@@ -35,6 +35,13 @@ class Case:
     def run(self) -> None:
         RUNNERS[self.family](**self.params)()
 
+    def device_bytes(self) -> int:
+        """An upper bound of what bench/gpu_shapes.py holds on the GPU for this case: inputs, cotangents,
+        the kernels' and the reference's outputs and gradients, the chunk states and three fp32 copies of
+        the largest tensor for the reference's upcasts (the CI test keeps every CI case under 64 GiB, so
+        the GPU check fits one 80 GB H100 with margin)."""
+        return DEVICE_BYTES[self.family](**self.params)
+
 
 # ---------------------------------------------------------------- the cases
 
@@ -105,6 +112,30 @@ def ce_case(rows, V, dtype):
     return run
 
 
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _gla_bytes(B, T, H, D, C, dtype, h0):
+    # q, k, v, dO, o, dq, dk, dv in dtype and g, dg in fp32; the chunk states three times (the forward's,
+    # the backward's recomputed ones and their gradients); the reference runs one batch and head
+    per_token, states = 8 * _size(dtype) + 8, 3 * -(-T // C) * D * D * 4
+    return B * T * H * D * per_token + B * H * states + T * D * per_token + states
+
+
+def _quantize_bytes(bits, block, r, m, x_dtype, op, seed=None, accumulate=False, rows=8):
+    return 3 * r * m * _size(x_dtype) + 3 * r * wire_bytes(m, block, bits) + 3 * m * 4
+
+
+DEVICE_BYTES = {
+    "gla": _gla_bytes,
+    "quantize": _quantize_bytes,
+    "norm": lambda rows, n, dtype, rms: rows * n * (6 * _size(dtype) + 12),
+    "rope": lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12),
+    "swiglu": lambda rows, F, dtype: rows * F * (9 * _size(dtype) + 24),
+    "cross_entropy": lambda rows, V, dtype: rows * V * (3 * _size(dtype) + 12),
+}
+
 RUNNERS = {"gla": gla_case, "quantize": quant_case, "norm": norm_case, "rope": rope_case, "swiglu": swiglu_case}
 RUNNERS["cross_entropy"] = ce_case
 
@@ -124,11 +155,12 @@ def all_cases() -> list[Case]:
                     cases.append(
                         Case("gla", name, dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0), default, default)
                     )
-    # at risk: > 2^31 state elements (8*16*2048 chunks*128*128 = 2^32) and > 65535 chunks in one sequence
-    big = [("[8,32768,16] 2^32 state elements", 8, 32768), ("[1,1048576,16] 65536 chunks", 1, 1 << 20)]
-    for what, B, T in big:
-        params = dict(B=B, T=T, H=16, D=128, C=16, dtype=BF16, h0=True)
-        cases.append(Case("gla", f"gla C=16 K=V=128 bf16 h0 {what}", params, True, True))
+    # at risk, at sizes that fit one 80 GB GPU (device_bytes): > 2^31 state elements (5*16*2048 chunks*128*128
+    # = 2.7e9) and > 65535 chunks in one sequence (2 heads of K=V=64: the chunk count is the risk, not the width)
+    big = [("[5,32768,16] >2^31 state elements", 5, 32768, 16, 128), ("[1,1048576,2] 65536 chunks", 1, 1 << 20, 2, 64)]
+    for what, B, T, H, D in big:
+        params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
+        cases.append(Case("gla", f"gla C=16 K=V={D} bf16 h0 {what}", params, True, True))
     # ZeRO++ quantizers: qwZ int8 weights (block 2048), qgZ int4 gradients (block 64); 8 rows
     for bits, block in ((8, 2048), (4, 64)):
         for m, at_risk in ((1 << 24, False), (1 << 28, True)):  # 8 x 2^28 = 2^31 elements: at risk
@@ -144,30 +176,30 @@ def all_cases() -> list[Case]:
                     extra = "".join(f" {k}={v}" for k, v in kw.items())
                     params = dict(bits=bits, block=block, r=8, m=m, x_dtype=DTYPES[dt], op=op, **kw)
                     cases.append(Case("quantize", f"{op}{extra} {tag}", params, ci and at_risk, ci))
-    # norms: widths up to 32768; 131072 rows x 32768 = 2^32 elements
+    # norms: widths up to 32768; 65540 rows x 32768 > 2^31 elements (bf16; fp32 at the widest rows only)
     for n in (1024, 2048, 4096, 8192, 16384, 32768):
         for dt in ("bf16", "fp32"):
             for rms in (True, False):
-                rows = 131072 if n == 32768 else 16384
+                rows = 65540 if n == 32768 and dt == "bf16" else 16384
                 ci = (dt == "bf16" and n == 4096) or n == 32768  # the widest rows in both dtypes
                 name = f"{'rms' if rms else 'layer'}_norm [{rows},{n}] {dt}"
                 cases.append(Case("norm", name, dict(rows=rows, n=n, dtype=DTYPES[dt], rms=rms), ci, ci))
-    # RoPE [B, T, H, D]: 8 x 32768 x 128 x 128 = 2^32 elements
-    for B, T, H, D in ((2, 4096, 32, 128), (2, 4096, 16, 64), (2, 4096, 8, 256), (8, 32768, 128, 128)):
+    # RoPE [B, T, H, D]: 8 x 16400 x 128 x 128 > 2^31 elements
+    for B, T, H, D in ((2, 4096, 32, 128), (2, 4096, 16, 64), (2, 4096, 8, 256), (8, 16400, 128, 128)):
         for dt in ("bf16", "fp32"):
             ci = dt == "bf16" and D == 128
             cases.append(
                 Case("rope", f"rope [{B},{T},{H},{D}] {dt}", dict(B=B, T=T, H=H, D=D, dtype=DTYPES[dt]), ci, ci)
             )
-    # SwiGLU [rows, 2F]: 131072 x 28672 = 3.8e9 elements
-    for rows, F in ((16384, 2816), (16384, 11008), (131072, 14336), (16384, 28672)):
+    # SwiGLU [rows, 2F]: 75000 x 28672 > 2^31 elements
+    for rows, F in ((16384, 2816), (16384, 11008), (75000, 14336), (16384, 28672)):
         for dt in ("bf16", "fp32"):
-            ci = dt == "bf16" and rows == 131072
+            ci = dt == "bf16" and rows == 75000
             cases.append(
                 Case("swiglu", f"swiglu [{rows},{2 * F}] {dt}", dict(rows=rows, F=F, dtype=DTYPES[dt]), ci, ci)
             )
-    # cross-entropy: vocab 50k-256k; 16384 x 256000 = 4.2e9 elements
-    for rows, V in ((8192, 50304), (8192, 128256), (16384, 256000)):
+    # cross-entropy: vocab 50k-256k; 8400 x 256000 > 2^31 elements
+    for rows, V in ((8192, 50304), (8192, 128256), (8400, 256000)):
         for dt in ("bf16", "fp32"):
             ci = (dt == "bf16" and V == 50304) or V == 256000  # the widest vocabulary in both dtypes
             params = dict(rows=rows, V=V, dtype=DTYPES[dt])

@@ -160,3 +160,15 @@ def test_simulator_validation_predicts_every_held_out_run(capsys):
     simulator_validation.print_summary(rows, 1.0, [0.0, 0.0])
     out = capsys.readouterr().out
     assert f"{len(runs) // 2} of {len(runs)} runs within 15%" in out and out.count("| zero++ |") == 4
+
+
+def test_gpu_check_help_and_unknown_argument():
+    """bench/gpu_check.sh --help prints its usage and runs nothing; an unknown argument is one line, exit 2."""
+    import subprocess
+
+    shown = subprocess.run(["bash", "bench/gpu_check.sh", "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and "--fetch-wheels" in shown.stdout and "===" not in shown.stdout
+    bad = subprocess.run(["bash", "bench/gpu_check.sh", "--bogus"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "gpu_check: unknown argument '--bogus' (--help lists the two uses)"
+    ]

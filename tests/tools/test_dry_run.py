@@ -68,6 +68,8 @@ def test_wide_layout_dry_runs_clean(tmp_path, capsys):
     stages = {r["coords"]["pp"]: r for r in ranks}
     assert any(m[0] == "send" for msgs in stages[0]["p2p"].values() for m in msgs)  # pipeline traffic recorded
     assert all(r["collectives"] for r in ranks)
+    estimate = [line for line in text.splitlines() if line.startswith("estimate: about ")]
+    assert len(estimate) == 1 and f"for {len(ranks)} ranks" in estimate[0]  # printed once, after the first rank
 
 
 def test_fake_peaks_are_the_real_runs_live_bytes():
@@ -205,3 +207,29 @@ def test_unmatched_send_is_caught():
 def test_bad_layout_is_a_config_error(argv, capsys):
     assert tool.main(argv) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--world-size", "0"], "error: --world-size 0: give at least 1"),
+        (["--world-size", "4x"], "error: argument --world-size: invalid int value: '4x'"),
+        (
+            ["--world-size", "512", "--ranks", "3", "-1"],
+            "error: --ranks -1: give rank numbers (0 to 511) or auto alone",
+        ),
+        (["--world-size", "512", "--ranks", "512"], "error: --ranks 512: not a rank of --world-size 512 (0 to 511)"),
+        (
+            ["--world-size", "512", "--gpu-memory-gb", "nan"],
+            "error: --gpu-memory-gb nan: give a positive number of GiB",
+        ),
+        (["--world-size", "512", "--json", "/proc/no/such/dir/x.json"], "error: --json /proc/no/such/dir/x.json: "),
+        (["--world-size", "512", "--max-ranks", "10"], "error: --ranks auto picks "),
+    ],
+)
+def test_bad_tool_arguments_are_one_line_before_any_work(argv, line, capsys):
+    """The tool's own arguments are checked before any rank runs (an unwritable --json too): one line."""
+    assert tool.main([*argv, *WIDE]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+    assert captured.err.startswith(line), captured.err
