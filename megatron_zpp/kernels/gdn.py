@@ -1,0 +1,163 @@
+"""Triton kernels for chunked Gated DeltaNet (the gated delta rule), forward and backward: the launch wrappers
+and their tile table. The kernels are in gdn_fwd.py and gdn_bwd.py; the math, in torch, in ops/gdn_chunked.py.
+
+Layout as in megatron_zpp/ops/gdn.py: q, k [B, T, H, K] and v, do [B, T, H, V] read with their own batch,
+token and head strides (only the last dim must be contiguous); g and beta are copied once to fp32 [B, H, T].
+Per-chunk intermediates are fp32 [B, H, T, D] (D = C for T and A, K for W, V for U, v_new, dv_new) and
+states [B, H, N, K, V]. Every kernel accumulates in fp32; dot operands are bf16 for bf16 inputs on a GPU and
+exact fp32 products ("ieee", not tf32) for fp32 inputs (kernels/gla_common.py's _dot). The triangular inverse
+is fp32 forward substitution. Every grid is one axis over (tile, chunk, batch * head); program ids and base
+offsets are 64-bit.
+
+Decomposition (fla's chunk_gated_delta_rule, with the GLA op's numerics):
+
+    _prepare_kernel      per chunk: T = (I + L)^-1, A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v)
+    _fwd_states_kernel   the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
+    _output_kernel       o = scale ((q exp(G)) S_in + A v_new)
+    _bwd_states_kernel   the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
+    _bwd_chunk_kernel    per chunk: dq, dk, dv, dg, dbeta through A, the states, T, W and U
+
+The backward recomputes the forward's intermediates (prepare and the state scan) from the inputs.
+
+Numerics: every exponent is a sum of g <= 0 accumulated over its own tokens (a masked cumsum for the pair
+decays, a reverse cumsum of g loaded one token later for the decay to the chunk's end), never a difference of
+two cumulative sums: a -inf gate (a packed document's first token) only ever gives exp(-inf) = 0, so the
+state resets exactly and outputs and gradients stay finite, with a zero gate gradient there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import target
+from .gdn_bwd import _bwd_chunk_kernel, _bwd_states_kernel
+from .gdn_fwd import _fwd_states_kernel, _output_kernel, _prepare_kernel
+from .gla import _bf16_dots, _strided
+
+
+def supported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
+    """Whether these kernels take the call: fp32/bf16, C a power of two in [16, 64], K and V <= 128."""
+    C, K, V = chunk_size, q.shape[-1], v.shape[-1]
+    return (
+        q.dtype in (torch.float32, torch.bfloat16)
+        and 16 <= C <= 64
+        and C & (C - 1) == 0
+        and 0 < K <= 128
+        and 0 < V <= 128
+        and q.shape[1] % C == 0
+    )
+
+
+def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int]:
+    return dict(tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+# Per-kernel V tile, warps and stages on a GPU, keyed on the chunk size (a C between two rows takes the larger
+# row); the key tile is always the whole padded K. Checked with megatron_zpp/testing/triton_aot.py for no register
+# spills on sm_80 and sm_90 (docs/kernels.md, the GDN rows).
+_TABLE: dict[str, dict[int, dict[str, int]]] = {
+    "prepare": {16: _cfg(BV=64), 32: _cfg(BV=32), 64: _cfg(BV=32, num_warps=8)},
+    "fwd_states": {16: _cfg(BV=32), 32: _cfg(BV=32), 64: _cfg(BV=16, num_warps=8)},
+    "output": {16: _cfg(BV=64), 32: _cfg(BV=32), 64: _cfg(BV=32, num_warps=8)},
+    "bwd_states": {16: _cfg(BV=32), 32: _cfg(BV=32), 64: _cfg(BV=16, num_warps=8)},
+    "bwd_chunk": {16: _cfg(BV=32), 32: _cfg(BV=16, num_warps=8), 64: _cfg(BV=16, num_warps=8)},
+}
+
+
+def gpu_tiles(kernel: str, C: int, K: int, V: int) -> dict[str, int]:
+    """A GPU launch's config: the table's row for C, BK the padded K and BV capped at the padded V."""
+    rows = _TABLE[kernel]
+    cfg = dict(rows[min((c for c in rows if c >= C), default=max(rows))])
+    cfg["BK"] = max(16, triton.next_power_of_2(K))
+    cfg["BV"] = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
+    return cfg
+
+
+def _config(kernel: str, C: int, K: int, V: int, device: torch.device) -> dict[str, int]:
+    """The GPU table's config, or under the interpreter (CPU) whole padded K and V tiles."""
+    if target.gpu(device) is not None:
+        return gpu_tiles(kernel, C, K, V)
+    pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    return dict(BK=pk, BV=pv, num_warps=4, num_stages=1)
+
+
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """g or beta [B, T, H] -> fp32 [B, H, T] contiguous (one row of C values per chunk)."""
+    return x.to(torch.float32).transpose(1, 2).contiguous()
+
+
+class _Forward:
+    """The forward's intermediates: T, A, W, U [B, H, T, .], states [B, H, N, K, V], v_new, final state."""
+
+    def __init__(self, q, k, v, g, beta, initial_state, chunk_size, bf16):
+        C = chunk_size
+        (q, sq), (k, sk), (v, sv) = _strided(q, C), _strided(k, C), _strided(v, C)
+        B, T, H, K = q.shape
+        V, N = v.shape[-1], T // C
+        g, beta = _per_head(g), _per_head(beta)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        self.T, self.A = torch.empty(B, H, T, C, **f32), torch.empty(B, H, T, C, **f32)
+        self.W, self.U = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, V, **f32)
+        cfg = _config("prepare", C, K, V, q.device)
+        _prepare_kernel[(N * B * H,)](
+            q, k, v, g, beta, self.T, self.A, self.W, self.U, T, N, *sq, *sk, *sv,
+            H=H, K=K, V=V, C=C, BF16=bf16, **cfg,
+        )  # fmt: skip
+        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        self.states = torch.empty(B, H, N, K, V, **f32)
+        self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
+        cfg = _config("fwd_states", C, K, V, q.device)
+        NV = triton.cdiv(V, cfg["BV"])
+        _fwd_states_kernel[(NV * B * H,)](
+            k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
+            T, N, *sk, H=H, K=K, V=V, C=C, NV=NV, USE_H0=h0 is not None, BF16=bf16, **cfg,
+        )  # fmt: skip
+        self.q, self.sq, self.k, self.sk, self.v, self.sv, self.g, self.beta = q, sq, k, sk, v, sv, g, beta
+
+
+def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
+    """(o [B, T, H, V] fp32, final_state [B, H, K, V] fp32)."""
+    C = chunk_size
+    bf16 = _bf16_dots(q.device, q, k, v)
+    f = _Forward(q, k, v, g, beta, initial_state, C, bf16)
+    B, T, H, K = f.q.shape
+    V, N = f.v.shape[-1], T // C
+    o = q.new_empty(B, T, H, V, dtype=torch.float32)
+    cfg = _config("output", C, K, V, q.device)
+    NV = triton.cdiv(V, cfg["BV"])
+    _output_kernel[(NV * N * B * H,)](
+        f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, H=H, K=K, V=V, C=C, NV=NV, BF16=bf16, **cfg
+    )  # fmt: skip
+    return o, f.final
+
+
+def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+    """(dq, dk, dv [B, T, H, .], dg, dbeta [B, T, H], d_initial_state [B, H, K, V]), fp32; do / d_final_state
+    None are zero."""
+    C = chunk_size
+    bf16 = _bf16_dots(q.device, q, k, v, do)
+    f = _Forward(q, k, v, g, beta, initial_state, C, bf16)
+    B, T, H, K = f.q.shape
+    V, N = f.v.shape[-1], T // C
+    has_do = do is not None
+    do, so = _strided(do, C) if has_do else (f.v, f.sv)  # v: a placeholder when there is no do
+    dS = None if d_final_state is None else d_final_state.to(torch.float32).contiguous()
+    f32 = dict(dtype=torch.float32, device=q.device)
+    d_ends, dv_new = torch.empty(B, H, N, K, V, **f32), torch.empty(B, H, T, V, **f32)
+    dh0 = torch.empty(B, H, K, V, **f32)
+    cfg = _config("bwd_states", C, K, V, q.device)
+    NV = triton.cdiv(V, cfg["BV"])
+    _bwd_states_kernel[(NV * B * H,)](
+        f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
+        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, HAS_DO=has_do, HAS_DS=dS is not None, BF16=bf16, **cfg,
+    )  # fmt: skip
+    dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
+    dv = torch.empty(B, T, H, V, **f32)
+    dg, dbeta = torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32)
+    _bwd_chunk_kernel[(N * B * H,)](
+        f.q, f.k, f.v, f.g, f.beta, f.T, f.A, f.states, f.v_new, d_ends, do, dv_new,
+        dq, dk, dv, dg, dbeta, T, N, scale, *f.sq, *f.sk, *f.sv, *so,
+        H=H, K=K, V=V, C=C, HAS_DO=has_do, BF16=bf16, **_config("bwd_chunk", C, K, V, q.device),
+    )  # fmt: skip
+    return dq, dk, dv, dg.transpose(1, 2), dbeta.transpose(1, 2), dh0
