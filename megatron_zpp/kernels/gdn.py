@@ -11,11 +11,11 @@ offsets are 64-bit.
 
 Decomposition (fla's chunk_gated_delta_rule, with the GLA op's numerics):
 
-    _prepare_kernel      per chunk: T = (I + L)^-1, A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v)
-    _fwd_states_kernel   the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
-    _output_kernel       o = scale ((q exp(G)) S_in + A v_new)
-    _bwd_states_kernel   the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
-    _bwd_chunk_kernel    per chunk: dq, dk, dv, dg, dbeta through A, the states, T, W and U
+    _gdn_prepare_kernel      per chunk: T = (I + L)^-1, A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v)
+    _gdn_fwd_states_kernel   the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
+    _gdn_output_kernel       o = scale ((q exp(G)) S_in + A v_new)
+    _gdn_bwd_states_kernel   the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
+    _gdn_bwd_chunk_kernel    per chunk: dq, dk, dv, dg, dbeta through A, the states, T, W and U
 
 The backward recomputes the forward's intermediates (prepare and the state scan) from the inputs.
 
@@ -31,8 +31,8 @@ import torch
 import triton
 
 from . import target
-from .gdn_bwd import _bwd_chunk_kernel, _bwd_states_kernel
-from .gdn_fwd import _fwd_states_kernel, _output_kernel, _prepare_kernel
+from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_states_kernel
+from .gdn_fwd import _gdn_fwd_states_kernel, _gdn_output_kernel, _gdn_prepare_kernel
 from .gla import _bf16_dots, _strided
 
 
@@ -100,7 +100,7 @@ class _Forward:
         self.T, self.A = torch.empty(B, H, T, C, **f32), torch.empty(B, H, T, C, **f32)
         self.W, self.U = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, V, **f32)
         cfg = _config("prepare", C, K, V, q.device)
-        _prepare_kernel[(N * B * H,)](
+        _gdn_prepare_kernel[(N * B * H,)](
             q, k, v, g, beta, self.T, self.A, self.W, self.U, T, N, *sq, *sk, *sv,
             H=H, K=K, V=V, C=C, BF16=bf16, **cfg,
         )  # fmt: skip
@@ -109,7 +109,7 @@ class _Forward:
         self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
         cfg = _config("fwd_states", C, K, V, q.device)
         NV = triton.cdiv(V, cfg["BV"])
-        _fwd_states_kernel[(NV * B * H,)](
+        _gdn_fwd_states_kernel[(NV * B * H,)](
             k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
             T, N, *sk, H=H, K=K, V=V, C=C, NV=NV, USE_H0=h0 is not None, BF16=bf16, **cfg,
         )  # fmt: skip
@@ -126,7 +126,7 @@ def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
     o = q.new_empty(B, T, H, V, dtype=torch.float32)
     cfg = _config("output", C, K, V, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _output_kernel[(NV * N * B * H,)](
+    _gdn_output_kernel[(NV * N * B * H,)](
         f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, H=H, K=K, V=V, C=C, NV=NV, BF16=bf16, **cfg
     )  # fmt: skip
     return o, f.final
@@ -148,14 +148,14 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     dh0 = torch.empty(B, H, K, V, **f32)
     cfg = _config("bwd_states", C, K, V, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _bwd_states_kernel[(NV * B * H,)](
+    _gdn_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
         *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, HAS_DO=has_do, HAS_DS=dS is not None, BF16=bf16, **cfg,
     )  # fmt: skip
     dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
     dg, dbeta = torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32)
-    _bwd_chunk_kernel[(N * B * H,)](
+    _gdn_bwd_chunk_kernel[(N * B * H,)](
         f.q, f.k, f.v, f.g, f.beta, f.T, f.A, f.states, f.v_new, d_ends, do, dv_new,
         dq, dk, dv, dg, dbeta, T, N, scale, *f.sq, *f.sk, *f.sv, *so,
         H=H, K=K, V=V, C=C, HAS_DO=has_do, BF16=bf16, **_config("bwd_chunk", C, K, V, q.device),

@@ -11,7 +11,7 @@ from .gla_common import _dot, _load_rows
 
 
 @triton.jit
-def _bwd_states_kernel(
+def _gdn_bwd_states_kernel(
     q_ptr, k_ptr, g_ptr, A_ptr, W_ptr, do_ptr, dS_ptr, d_ends_ptr, dvnew_ptr, dh0_ptr, T, N, scale,
     sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -55,7 +55,7 @@ def _bwd_states_kernel(
 
 
 @triton.jit
-def _bwd_chunk_kernel(
+def _gdn_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, T_ptr, A_ptr, states_ptr, vnew_ptr, d_ends_ptr, do_ptr, dvnew_ptr,
     dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, T, N, scale,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,

@@ -37,7 +37,7 @@ def _unit_lower_inverse(L, rc, C: tl.constexpr):
 
 
 @triton.jit
-def _prepare_kernel(
+def _gdn_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, T_ptr, A_ptr, W_ptr, U_ptr, T, N,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -72,7 +72,7 @@ def _prepare_kernel(
 
 
 @triton.jit
-def _fwd_states_kernel(
+def _gdn_fwd_states_kernel(
     k_ptr, g_ptr, W_ptr, U_ptr, h0_ptr, states_ptr, vnew_ptr, final_ptr, T, N, skb, skt, skh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, USE_H0: tl.constexpr, BF16: tl.constexpr,
@@ -103,7 +103,7 @@ def _fwd_states_kernel(
 
 
 @triton.jit
-def _output_kernel(
+def _gdn_output_kernel(
     q_ptr, g_ptr, A_ptr, states_ptr, vnew_ptr, o_ptr, T, N, scale, sqb, sqt, sqh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, BF16: tl.constexpr,
