@@ -15,7 +15,9 @@ Decomposition (fla's chunk_gated_delta_rule, with the GLA op's numerics):
     _gdn_fwd_states_kernel   the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
     _gdn_output_kernel       o = scale ((q exp(G)) S_in + A v_new)
     _gdn_bwd_states_kernel   the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
-    _gdn_bwd_chunk_kernel    per chunk: dq, dk, dv, dg, dbeta through A, the states, T, W and U
+    _gdn_bwd_state_grads_kernel  per chunk: the gradients through the states and W (dq, dk's shares, dW T^T)
+    _gdn_bwd_wy_kernel       per chunk: dv, the scores' gradient dA, and dL = -T^T dT T^T
+    _gdn_bwd_chunk_kernel    per chunk: through L and A the rest of dq, dk, dbeta, and dg
 
 The backward recomputes the forward's intermediates (prepare and the state scan) from the inputs.
 
@@ -31,7 +33,7 @@ import torch
 import triton
 
 from . import target
-from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_states_kernel
+from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_state_grads_kernel, _gdn_bwd_states_kernel, _gdn_bwd_wy_kernel
 from .gdn_fwd import _gdn_fwd_states_kernel, _gdn_output_kernel, _gdn_prepare_kernel
 from .gla import _bf16_dots, _strided
 
@@ -53,31 +55,35 @@ def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int
     return dict(tiles, num_warps=num_warps, num_stages=num_stages)
 
 
-# Per-kernel V tile, warps and stages on a GPU, keyed on the chunk size (a C between two rows takes the larger
-# row); the key tile is always the whole padded K. Checked with megatron_zpp/testing/triton_aot.py for no register
-# spills on sm_80 and sm_90 (docs/kernels.md, the GDN rows).
-_TABLE: dict[str, dict[int, dict[str, int]]] = {
-    "prepare": {16: _cfg(BV=64), 32: _cfg(BV=32), 64: _cfg(BV=32, num_warps=8)},
-    "fwd_states": {16: _cfg(BV=32), 32: _cfg(BV=32), 64: _cfg(BV=16, num_warps=8)},
-    "output": {16: _cfg(BV=64), 32: _cfg(BV=32), 64: _cfg(BV=32, num_warps=8)},
-    "bwd_states": {16: _cfg(BV=32), 32: _cfg(BV=32), 64: _cfg(BV=16, num_warps=8)},
-    "bwd_chunk": {16: _cfg(BV=32), 32: _cfg(BV=16, num_warps=8), 64: _cfg(BV=16, num_warps=8)},
+# Per-kernel tiles, warps and stages on a GPU, keyed on the chunk size (a C between two rows takes the larger
+# row) and on bf16 dot operands or fp32 "ieee" products: BK the key tile (the state scans hold the whole padded
+# K: BK None), BV the value tile. Chosen with megatron_zpp/testing/triton_aot.py for no register spills on sm_80
+# and sm_90 at K = V = 128 (docs/kernels.md, the GDN rows).
+_TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
+    "prepare": {64: (_cfg(BK=64, BV=64, num_warps=8), _cfg(BK=32, BV=32, num_warps=8))},
+    "fwd_states": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
+    "output": {64: (_cfg(BK=64, BV=64), _cfg(BK=32, BV=32))},
+    "bwd_states": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
+    "bwd_state_grads": {64: (_cfg(BK=32, BV=32, num_warps=8), _cfg(BK=32, BV=16, num_warps=8))},
+    "bwd_wy": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
+    "bwd_chunk": {64: (_cfg(BK=32, BV=16, num_warps=8), _cfg(BK=32, BV=16, num_warps=8))},
 }
 
 
-def gpu_tiles(kernel: str, C: int, K: int, V: int) -> dict[str, int]:
-    """A GPU launch's config: the table's row for C, BK the padded K and BV capped at the padded V."""
+def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: int) -> dict[str, int]:
+    """A GPU launch's config: the table's row for C, tiles capped at the padded K / V (BK the padded K in the scans)."""
     rows = _TABLE[kernel]
-    cfg = dict(rows[min((c for c in rows if c >= C), default=max(rows))])
-    cfg["BK"] = max(16, triton.next_power_of_2(K))
-    cfg["BV"] = min(cfg["BV"], max(16, triton.next_power_of_2(V)))
+    cfg = dict(rows[min((c for c in rows if c >= C), default=max(rows))][0 if bf16 else 1])
+    pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    cfg["BK"] = min(cfg.get("BK", pk), pk)
+    cfg["BV"] = min(cfg["BV"], pv)
     return cfg
 
 
-def _config(kernel: str, C: int, K: int, V: int, device: torch.device) -> dict[str, int]:
+def _config(kernel: str, C: int, K: int, V: int, bf16: int, device: torch.device) -> dict[str, int]:
     """The GPU table's config, or under the interpreter (CPU) whole padded K and V tiles."""
     if target.gpu(device) is not None:
-        return gpu_tiles(kernel, C, K, V)
+        return gpu_tiles(kernel, C, K, V, bf16)
     pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     return dict(BK=pk, BV=pv, num_warps=4, num_stages=1)
 
@@ -99,7 +105,7 @@ class _Forward:
         f32 = dict(dtype=torch.float32, device=q.device)
         self.T, self.A = torch.empty(B, H, T, C, **f32), torch.empty(B, H, T, C, **f32)
         self.W, self.U = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, V, **f32)
-        cfg = _config("prepare", C, K, V, q.device)
+        cfg = _config("prepare", C, K, V, bf16, q.device)
         _gdn_prepare_kernel[(N * B * H,)](
             q, k, v, g, beta, self.T, self.A, self.W, self.U, T, N, *sq, *sk, *sv,
             H=H, K=K, V=V, C=C, BF16=bf16, **cfg,
@@ -107,7 +113,7 @@ class _Forward:
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         self.states = torch.empty(B, H, N, K, V, **f32)
         self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
-        cfg = _config("fwd_states", C, K, V, q.device)
+        cfg = _config("fwd_states", C, K, V, bf16, q.device)
         NV = triton.cdiv(V, cfg["BV"])
         _gdn_fwd_states_kernel[(NV * B * H,)](
             k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
@@ -124,7 +130,7 @@ def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
     B, T, H, K = f.q.shape
     V, N = f.v.shape[-1], T // C
     o = q.new_empty(B, T, H, V, dtype=torch.float32)
-    cfg = _config("output", C, K, V, q.device)
+    cfg = _config("output", C, K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
     _gdn_output_kernel[(NV * N * B * H,)](
         f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, H=H, K=K, V=V, C=C, NV=NV, BF16=bf16, **cfg
@@ -146,7 +152,7 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     f32 = dict(dtype=torch.float32, device=q.device)
     d_ends, dv_new = torch.empty(B, H, N, K, V, **f32), torch.empty(B, H, T, V, **f32)
     dh0 = torch.empty(B, H, K, V, **f32)
-    cfg = _config("bwd_states", C, K, V, q.device)
+    cfg = _config("bwd_states", C, K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
     _gdn_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
@@ -154,10 +160,24 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     )  # fmt: skip
     dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
-    dg, dbeta = torch.empty(B, H, T, **f32), torch.empty(B, H, T, **f32)
+    dTw = torch.empty(B, H, T, C, **f32)
+    dG, dsuf, dg, dbeta = (torch.empty(B, H, T, **f32) for _ in range(4))
+    _gdn_bwd_state_grads_kernel[(N * B * H,)](
+        f.q, f.k, f.g, f.beta, f.T, f.states, f.v_new, d_ends, do, dv_new, dq, dk, dTw, dG, dsuf, dbeta,
+        T, N, scale, *f.sq, *f.sk, *so,
+        H=H, K=K, V=V, C=C, HAS_DO=has_do, BF16=bf16, **_config("bwd_state_grads", C, K, V, bf16, q.device),
+    )  # fmt: skip
+    dA = torch.empty(B, H, T, C, **f32)
+    cfg = _config("bwd_wy", C, K, V, bf16, q.device)
+    cfg.pop("BK")
+    _gdn_bwd_wy_kernel[(N * B * H,)](
+        f.v, f.beta, f.T, f.v_new, do, dv_new, dTw, dA, dv, dbeta, T, N, scale, *f.sv, *so,
+        H=H, V=V, C=C, HAS_DO=has_do, BF16=bf16, **cfg,
+    )  # fmt: skip
+    cfg = _config("bwd_chunk", C, K, V, bf16, q.device)
+    cfg.pop("BV")
     _gdn_bwd_chunk_kernel[(N * B * H,)](
-        f.q, f.k, f.v, f.g, f.beta, f.T, f.A, f.states, f.v_new, d_ends, do, dv_new,
-        dq, dk, dv, dg, dbeta, T, N, scale, *f.sq, *f.sk, *f.sv, *so,
-        H=H, K=K, V=V, C=C, HAS_DO=has_do, BF16=bf16, **_config("bwd_chunk", C, K, V, q.device),
+        f.q, f.k, f.g, f.beta, f.A, dA, dTw, dG, dsuf, dq, dk, dg, dbeta, T, N, *f.sq, *f.sk,
+        H=H, K=K, C=C, BF16=bf16, **cfg,
     )  # fmt: skip
     return dq, dk, dv, dg.transpose(1, 2), dbeta.transpose(1, 2), dh0

@@ -43,26 +43,36 @@ def _gdn_prepare_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BF16: tl.constexpr,
 ):  # fmt: skip
-    """Per chunk: T = (I + L)^-1, the scores A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v)."""
+    """Per chunk: T = (I + L)^-1, the scores A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v).
+    K in tiles of BK (k k^T and q k^T accumulate over them), V in tiles of BV."""
     pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
     i_n, i_bh = pid % N, pid // N
     b, h = i_bh // H, i_bh % H
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
-    mk, all_rows = rk < K, rc < C
+    all_rows = rc < C
     row0 = i_n * C
     tok = i_bh * T + row0  # the [B, H, T, ...] intermediates' first row of this chunk
     start, _, pair = _chunk_gates(g_ptr + tok, rc, C)
     beta = tl.load(beta_ptr + tok + rc)
-    kk = _load_rows(k_ptr + b * skb + h * skh + row0 * skt, rc, rk, all_rows, mk, skt)
-    qq = _load_rows(q_ptr + b * sqb + h * sqh + row0 * sqt, rc, rk, all_rows, mk, sqt)
-    strict = rc[:, None] > rc[None, :]
-    L = tl.where(strict, beta[:, None] * _dot(kk, tl.trans(kk), BF16) * pair, 0.0)
+    k_ptr += b * skb + h * skh + row0 * skt
+    q_ptr += b * sqb + h * sqh + row0 * sqt
+    kk = tl.zeros([C, C], dtype=tl.float32)
+    qk = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        kk += _dot(k_tile, tl.trans(k_tile), BF16)
+        qk += _dot(_load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt), tl.trans(k_tile), BF16)
+    L = tl.where(rc[:, None] > rc[None, :], beta[:, None] * kk * pair, 0.0)
     inv = _unit_lower_inverse(L, rc, C)
     cc = rc[:, None] * C + rc[None, :]
     tl.store(T_ptr + tok * C + cc, inv)
-    tl.store(A_ptr + tok * C + cc, _dot(qq, tl.trans(kk), BF16) * pair)
-    W = _dot(inv, kk * (beta * start)[:, None], BF16)
-    tl.store(W_ptr + tok * K + rc[:, None] * K + rk[None, :], W, mask=mk[None, :])
+    tl.store(A_ptr + tok * C + cc, qk * pair)
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        W = _dot(inv, k_tile * (beta * start)[:, None], BF16)
+        tl.store(W_ptr + tok * K + k0 + rc[:, None] * K + rk[None, :], W, mask=mk[None, :])
     v_ptr += b * svb + h * svh + row0 * svt
     for v0 in range(0, V, BV):
         mv = v0 + rv < V
@@ -89,7 +99,8 @@ def _gdn_fwd_states_kernel(
     if USE_H0:
         S = tl.load(h0_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0).to(tl.float32)
     k_ptr += b * skb + h * skh
-    for i_n in range(N):
+    for n in range(N):
+        i_n = i_bh * 0 + n  # 64-bit: the chunk's offsets below can pass 2^31
         tok = i_bh * T + i_n * C
         tl.store(states_ptr + (i_bh * N + i_n) * (K * V) + kv, S, mask=mkv)
         start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
@@ -108,19 +119,23 @@ def _gdn_output_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NV: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """o = scale ((q exp(G)) S_in + A v_new), o [B, T, H, V] contiguous."""
+    """o = scale ((q exp(G)) S_in + A v_new), o [B, T, H, V] contiguous; K in tiles of BK."""
     pid = tl.program_id(0).to(tl.int64)  # (V tile, chunk, b*H + h)
     i_v, rest = (pid % NV).to(tl.int32), pid // NV
     i_n, i_bh = rest % N, rest // N
     b, h = i_bh // H, i_bh % H
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv, all_rows = rk < K, rv < V, rc < C
+    mv, all_rows = rv < V, rc < C
     tok = i_bh * T + i_n * C
     start, _, _ = _chunk_gates(g_ptr + tok, rc, C)
-    qq = _load_rows(q_ptr + b * sqb + h * sqh + i_n * C * sqt, rc, rk, all_rows, mk, sqt)
-    S = _load_rows(states_ptr + (i_bh * N + i_n) * (K * V), rk, rv, mk, mv, V)
     A = _load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-    v_new = _load_rows(vnew_ptr + tok * V, rc, rv, all_rows, mv, V)
-    o = scale * (_dot(qq * start[:, None], S, BF16) + _dot(A, v_new, BF16))
+    o = _dot(A, _load_rows(vnew_ptr + tok * V, rc, rv, all_rows, mv, V), BF16)
+    q_ptr += b * sqb + h * sqh + i_n * C * sqt
+    states_ptr += (i_bh * N + i_n) * (K * V)
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        S = _load_rows(states_ptr + k0 * V, rk, rv, mk, mv, V)
+        o += _dot(q_tile * start[:, None], S, BF16)
     o_rows = (b * T + i_n * C + rc) * H + h
-    tl.store(o_ptr + o_rows[:, None] * V + rv[None, :], o, mask=mv[None, :])
+    tl.store(o_ptr + o_rows[:, None] * V + rv[None, :], scale * o, mask=mv[None, :])
