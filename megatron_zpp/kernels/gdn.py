@@ -56,22 +56,35 @@ def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int
 
 
 # Per-kernel tiles, warps and stages on a GPU, keyed on the chunk size (a C between two rows takes the larger
-# row) and on bf16 dot operands or fp32 "ieee" products: BK the key tile (the state scans hold the whole padded
-# K: BK None), BV the value tile. Chosen with megatron_zpp/testing/triton_aot.py for no register spills on sm_80
-# and sm_90 at K = V = 128 (docs/kernels.md, the GDN rows).
+# row) and on bf16 dot operands or fp32 "ieee" products: BK the key tile, BV the value tile. The state scans hold
+# the state as one tile of the whole padded K (no BK) or as two tiles of BK rows (K <= 2 BK). Chosen with
+# megatron_zpp/testing/triton_aot.py for no register spills on sm_80 and sm_90 at K = V = 128 (docs/kernels.md).
+def _rows(bf16: dict[str, int], fp32: dict[str, int], scan: bool = False, **fp32_c64: int) -> dict:
+    """One kernel's rows: 4 warps up to C = 32, 8 at C = 64 (fp32 scans: 8 at every C); fp32_c64 overrides fp32's
+    entry at C = 64."""
+    rows = {}
+    for c in (16, 32, 64):
+        warps = 4 if c <= 32 else 8
+        rows[c] = (dict(bf16, num_warps=warps), dict(fp32, num_warps=8 if scan else warps))
+    rows[64][1].update(fp32_c64)
+    return rows
+
+
+_TILES = _cfg(BK=32, BV=16)
+_SCAN_BF16, _SCAN_FP32 = _cfg(BV=16), _cfg(BK=64, BV=16)
 _TABLE: dict[str, dict[int, tuple[dict[str, int], dict[str, int]]]] = {
-    "prepare": {64: (_cfg(BK=64, BV=64, num_warps=8), _cfg(BK=32, BV=32, num_warps=8))},
-    "fwd_states": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
-    "output": {64: (_cfg(BK=64, BV=64), _cfg(BK=32, BV=32))},
-    "bwd_states": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
-    "bwd_state_grads": {64: (_cfg(BK=32, BV=32, num_warps=8), _cfg(BK=32, BV=16, num_warps=8))},
-    "bwd_wy": {64: (_cfg(BV=32, num_warps=8), _cfg(BV=16, num_warps=8))},
-    "bwd_chunk": {64: (_cfg(BK=32, BV=16, num_warps=8), _cfg(BK=32, BV=16, num_warps=8))},
+    "prepare": _rows(_TILES, _TILES, BK=16),
+    "fwd_states": _rows(_SCAN_BF16, _SCAN_FP32, scan=True),
+    "output": _rows(_TILES, _TILES),
+    "bwd_states": _rows(_SCAN_BF16, _SCAN_FP32, scan=True),
+    "bwd_state_grads": _rows(_TILES, _TILES),
+    "bwd_wy": _rows(_TILES, _TILES),
+    "bwd_chunk": _rows(_TILES, _TILES),
 }
 
 
 def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: int) -> dict[str, int]:
-    """A GPU launch's config: the table's row for C, tiles capped at the padded K / V (BK the padded K in the scans)."""
+    """A GPU launch's config: the table's row for C, tiles capped at the padded K / V (no BK: the padded K)."""
     rows = _TABLE[kernel]
     cfg = dict(rows[min((c for c in rows if c >= C), default=max(rows))][0 if bf16 else 1])
     pk, pv = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
@@ -117,7 +130,7 @@ class _Forward:
         NV = triton.cdiv(V, cfg["BV"])
         _gdn_fwd_states_kernel[(NV * B * H,)](
             k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
-            T, N, *sk, H=H, K=K, V=V, C=C, NV=NV, USE_H0=h0 is not None, BF16=bf16, **cfg,
+            T, N, *sk, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], USE_H0=h0 is not None, BF16=bf16, **cfg,
         )  # fmt: skip
         self.q, self.sq, self.k, self.sk, self.v, self.sv, self.g, self.beta = q, sq, k, sk, v, sv, g, beta
 
@@ -156,7 +169,7 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     NV = triton.cdiv(V, cfg["BV"])
     _gdn_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
-        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, HAS_DO=has_do, HAS_DS=dS is not None, BF16=bf16, **cfg,
+        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do, HAS_DS=dS is not None, BF16=bf16, **cfg,
     )  # fmt: skip
     dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)
@@ -180,4 +193,4 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
         f.q, f.k, f.g, f.beta, f.A, dA, dTw, dG, dsuf, dq, dk, dg, dbeta, T, N, *f.sq, *f.sk,
         H=H, K=K, C=C, BF16=bf16, **cfg,
     )  # fmt: skip
-    return dq, dk, dv, dg.transpose(1, 2), dbeta.transpose(1, 2), dh0
+    return dq, dk, dv, dg.transpose(1, 2).contiguous(), dbeta.transpose(1, 2).contiguous(), dh0

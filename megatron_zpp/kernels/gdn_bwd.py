@@ -15,43 +15,58 @@ def _gdn_bwd_states_kernel(
     q_ptr, k_ptr, g_ptr, A_ptr, W_ptr, do_ptr, dS_ptr, d_ends_ptr, dvnew_ptr, dh0_ptr, T, N, scale,
     sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
+    NV: tl.constexpr, SPLIT: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """Reverse scan per (V tile, head): d_ends[n] (the gradient of the state leaving chunk n), dv_new and dh0.
+    """Reverse scan per (V tile, head): d_ends[n] (the gradient of the state leaving chunk n), dv_new and dh0;
+    the state gradient in one [BK, BV] tile or, with SPLIT, two (as _gdn_fwd_states_kernel).
 
     dv_new = scale A^T do + (k exp(suf)) dS_out;  dS_in = exp(G_{C-1}) dS_out + scale (q exp(G))^T do - W^T dv_new."""
     pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
     i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
     b, h = i_bh // H, i_bh % H
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv, all_rows = rk < K, rv < V, rc < C
-    kv = rk[:, None] * V + rv[None, :]
-    mkv = mk[:, None] & mv[None, :]
+    rk2 = BK + rk
+    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
+    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
+    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
+    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DS:
         dS = tl.load(dS_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
+        if SPLIT:
+            dS2 = tl.load(dS_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
     q_ptr += b * sqb + h * sqh
     k_ptr += b * skb + h * skh
     do_ptr += b * sob + h * soh
     for step in range(N):
         i_n = i_bh * 0 + (N - 1 - step)  # 64-bit: the chunk's offsets below can pass 2^31
         tok = i_bh * T + i_n * C
-        tl.store(d_ends_ptr + (i_bh * N + i_n) * (K * V) + kv, dS, mask=mkv)
+        end_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
+        tl.store(end_ptr + kv, dS, mask=mkv)
         start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
-        kk = _load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt)
-        dv_new = _dot(kk * end[:, None], dS, BF16)
         total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
+        dv_new = _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None], dS, BF16)
         dS = dS * total
+        if SPLIT:
+            tl.store(end_ptr + kv2, dS2, mask=mkv2)
+            dv_new += _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None], dS2, BF16)
+            dS2 = dS2 * total
         if HAS_DO:
             do = _load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
             A = _load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-            qq = _load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt)
             dv_new += _dot(tl.trans(A), do, BF16)
-            dS += _dot(tl.trans(qq * start[:, None]), do, BF16)
+            q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt) * start[:, None]
+            dS += _dot(tl.trans(q_start), do, BF16)
+            if SPLIT:
+                q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk2, all_rows, mk2, sqt) * start[:, None]
+                dS2 += _dot(tl.trans(q_start), do, BF16)
         tl.store(dvnew_ptr + tok * V + rc[:, None] * V + rv[None, :], dv_new, mask=mv[None, :])
-        W = _load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)
-        dS -= _dot(tl.trans(W), dv_new, BF16)
+        dS -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
+        if SPLIT:
+            dS2 -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
     tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
+    if SPLIT:
+        tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
 
 
 @triton.jit

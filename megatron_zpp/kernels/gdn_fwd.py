@@ -85,32 +85,46 @@ def _gdn_prepare_kernel(
 def _gdn_fwd_states_kernel(
     k_ptr, g_ptr, W_ptr, U_ptr, h0_ptr, states_ptr, vnew_ptr, final_ptr, T, N, skb, skt, skh,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, USE_H0: tl.constexpr, BF16: tl.constexpr,
+    NV: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr, BF16: tl.constexpr,
 ):  # fmt: skip
-    """The scan over chunks per (V tile, head): S_in of each chunk, v_new = U - W S_in, the final state."""
+    """The scan over chunks per (V tile, head): S_in of each chunk, v_new = U - W S_in, the final state. The state
+    is one [BK, BV] tile, or with SPLIT two (rows BK..2BK-1 in S2; K <= 2 BK): fewer registers per dot."""
     pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
     i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
     b, h = i_bh // H, i_bh % H
     rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mk, mv, all_rows = rk < K, rv < V, rc < C
-    kv = rk[:, None] * V + rv[None, :]
-    mkv = mk[:, None] & mv[None, :]
+    rk2 = BK + rk
+    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
+    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
+    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
+    S2 = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        S = tl.load(h0_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0).to(tl.float32)
+        S = tl.load(h0_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
+        if SPLIT:
+            S2 = tl.load(h0_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
     k_ptr += b * skb + h * skh
     for n in range(N):
         i_n = i_bh * 0 + n  # 64-bit: the chunk's offsets below can pass 2^31
         tok = i_bh * T + i_n * C
-        tl.store(states_ptr + (i_bh * N + i_n) * (K * V) + kv, S, mask=mkv)
+        state_ptr = states_ptr + (i_bh * N + i_n) * (K * V)
+        tl.store(state_ptr + kv, S, mask=mkv)
         start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
-        W = _load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)
-        v_new = _load_rows(U_ptr + tok * V, rc, rv, all_rows, mv, V) - _dot(W, S, BF16)
-        tl.store(vnew_ptr + tok * V + rc[:, None] * V + rv[None, :], v_new, mask=mv[None, :])
-        kk = _load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt)
         total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
-        S = S * total + _dot(tl.trans(kk * end[:, None]), v_new, BF16)
+        v_new = _load_rows(U_ptr + tok * V, rc, rv, all_rows, mv, V)
+        v_new -= _dot(_load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K), S, BF16)
+        if SPLIT:
+            tl.store(state_ptr + kv2, S2, mask=mkv2)
+            v_new -= _dot(_load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K), S2, BF16)
+        tl.store(vnew_ptr + tok * V + rc[:, None] * V + rv[None, :], v_new, mask=mv[None, :])
+        k_end = _load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None]
+        S = S * total + _dot(tl.trans(k_end), v_new, BF16)
+        if SPLIT:
+            k_end = _load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None]
+            S2 = S2 * total + _dot(tl.trans(k_end), v_new, BF16)
     tl.store(final_ptr + i_bh * (K * V) + kv, S, mask=mkv)
+    if SPLIT:
+        tl.store(final_ptr + i_bh * (K * V) + kv2, S2, mask=mkv2)
 
 
 @triton.jit
