@@ -169,7 +169,8 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     NV = triton.cdiv(V, cfg["BV"])
     _gdn_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
-        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do, HAS_DS=dS is not None, BF16=bf16, **cfg,
+        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do, HAS_DS=dS is not None,
+        BF16=bf16, **cfg,
     )  # fmt: skip
     dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)

@@ -80,8 +80,8 @@ def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, ga
 
 def test_gpu_tiles_strided_views_and_absent_cotangents(kernels_on, monkeypatch):
     """The GPU launches' decomposition in the interpreter: every K and V tile cut to 16 (several tiles with masked
-    tails; the scans' state in two tiles), on q, k, v read in place as strided views of one projection output; then the backward with only the
-    output's cotangent and with only the final state's."""
+    tails; the scans' state in two tiles), on q, k, v read in place as strided views of one projection output;
+    then the backward with only the output's cotangent and with only the final state's."""
 
     def small_gpu_tiles(kernel, C, K, V, bf16, device):
         cfg = gdn_kernels.gpu_tiles(kernel, C, K, V, bf16)
