@@ -217,10 +217,13 @@ def _gdn_bwd_chunk_kernel(
     beta = tl.load(beta_ptr + tok + rc)
     dA = tl.load(dA_ptr + tok * C + cc)
     dseg = tl.where(strict, dA * tl.load(A_ptr + tok * C + cc), 0.0) + dL * beta[:, None] * kk
-    before = tl.cumsum(dseg, axis=1) - dseg  # [i, s]: sum_{j<s} dseg[i, j] (finite terms: no -inf here)
-    seg_part = tl.sum(tl.where(rc[:, None] >= rc[None, :], before, 0.0), axis=0)
+    # Inclusive sums only, no "inclusive minus own term": a token's own term can be far larger than the rest.
+    from_s = tl.cumsum(dseg, axis=0, reverse=True)  # [s, j]: sum_{i>=s} dseg[i, j]
+    before_s = rc[None, :] < rc[:, None]  # [s, j]: j < s
+    seg_part = tl.sum(tl.where(before_s, from_s, 0.0), axis=1)
     dG, dsuf = tl.load(dG_ptr + tok + rc), tl.load(dsuf_ptr + tok + rc)
-    dg = tl.cumsum(dG, axis=0, reverse=True) + (tl.cumsum(dsuf, axis=0) - dsuf) + seg_part
+    dsuf_part = tl.sum(tl.where(before_s, dsuf[None, :], 0.0), axis=1)
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dsuf_part + seg_part
     tl.store(dg_ptr + tok + rc, dg)
     dkk = dL * beta[:, None] * pair
     dA_pair = dA * pair

@@ -39,6 +39,7 @@ def kernels_on(monkeypatch):
     [
         ("mixed", "mixed", 16, dict(B=2, T=48, K=12, V=20)),  # odd K and V (padded tiles), 3 chunks
         ("strong", "high", 32, dict(T=64, K=16, V=8)),
+        ("strong", "mixed", 16, dict(T=64, K=16, V=12)),  # a chunk's last token's terms dwarf the decayed rest
         ("reset", "low", 16, dict(T=32, K=20, V=16)),
         ("mild", "mixed", 64, dict(T=64, K=16, V=16)),
     ],
