@@ -38,19 +38,6 @@ from .gdn_fwd import _gdn_fwd_states_kernel, _gdn_output_kernel, _gdn_prepare_ke
 from .gla import _bf16_dots, _strided
 
 
-def supported(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> bool:
-    """Whether these kernels take the call: fp32/bf16, C a power of two in [16, 64], K and V <= 128."""
-    C, K, V = chunk_size, q.shape[-1], v.shape[-1]
-    return (
-        q.dtype in (torch.float32, torch.bfloat16)
-        and 16 <= C <= 64
-        and C & (C - 1) == 0
-        and 0 < K <= 128
-        and 0 < V <= 128
-        and q.shape[1] % C == 0
-    )
-
-
 def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int]:
     return dict(tiles, num_warps=num_warps, num_stages=num_stages)
 

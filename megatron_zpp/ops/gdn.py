@@ -22,6 +22,8 @@ o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. 
 
 since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
 transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
+The Triton kernels take V <= 128: at K = V = 128 make it two calls, (v, no initial state) for (o_loc, U_loc) and
+(0_K, I_K) for (scale q^T P_t, M), each within the kernels' widths.
 """
 
 from __future__ import annotations

@@ -120,6 +120,11 @@ def test_context_parallel_identity():
     o, s = naive_recurrent_gdn(q, k, v, g, beta, 0.5, h0, True)
     torch.testing.assert_close(o_loc + torch.einsum("bthk,bhkv->bthv", corr, h0), o, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(U + M @ h0, s, rtol=1e-12, atol=1e-12)
+    # the same in two calls of widths V and K (the kernels' width limit at K = V = 128)
+    o_v, s_v = chunk_gdn(q, k, v, g, beta, 0.5, None, True, chunk_size=8)
+    o_k, s_k = chunk_gdn(q, k, v.new_zeros(B, T, H, K), g, beta, 0.5, h_aug[..., V:], True, chunk_size=8)
+    for a, b in ((o_v, o_loc), (s_v, U), (o_k, corr), (s_k, M)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     (d_h_aug,) = torch.autograd.grad(o_aug.sum() + s_aug.sum(), h_aug)
     assert d_h_aug.shape == h_aug.shape and torch.isfinite(d_h_aug).all()
 
