@@ -122,3 +122,20 @@ def test_calls_the_kernels_do_not_take_fall_back(kernels_on):
     assert kernels_on == {"fwd": 0, "bwd": 0}
     assert chunk_gdn_uses_kernels(q, k, v, g, beta, 16) and not chunk_gdn_uses_kernels(q, k, v, g, beta, 128)
     assert "gdn [" in dispatch.describe(CPU)
+
+
+@pytest.mark.parametrize("mode", ["triton", "torch"])
+def test_fake_tensor_mode_runs_as_shapes(kernels_on, mode):
+    """The dry run's FakeTensorMode: the kernels' custom ops run their fakes, the reference runs as shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatch.set_kernels(mode, CPU)
+    with FakeTensorMode():
+        q, v = torch.randn(1, 64, 2, 16, requires_grad=True), torch.randn(1, 64, 2, 24, requires_grad=True)
+        g, beta = torch.zeros(1, 64, 2, requires_grad=True), torch.rand(1, 64, 2, requires_grad=True)
+        h0 = torch.randn(1, 2, 16, 24, requires_grad=True)
+        o, final = chunk_gdn(q, q, v, g, beta, None, h0, True, 32)
+        (o.sum() + final.sum()).backward()
+    assert o.shape == v.shape and final.shape == h0.shape and final.dtype == torch.float32
+    assert q.grad.shape == q.shape and g.grad.shape == beta.grad.shape == g.shape and h0.grad.shape == h0.shape
+    assert kernels_on == ({"fwd": 0, "bwd": 0})  # no launch: the custom ops' fakes (triton) or torch ops ran
