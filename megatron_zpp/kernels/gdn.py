@@ -45,7 +45,8 @@ def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int
 # Per-kernel tiles, warps and stages on a GPU, keyed on the chunk size (a C between two rows takes the larger
 # row) and on bf16 dot operands or fp32 "ieee" products: BK the key tile, BV the value tile. The state scans hold
 # the state as one tile of the whole padded K (no BK) or as two tiles of BK rows (K <= 2 BK). Chosen with
-# megatron_zpp/testing/triton_aot.py for no register spills on sm_80 and sm_90 at K = V = 128 (docs/kernels.md).
+# megatron_zpp/testing/triton_aot.py (bench/compile_gpu.py --family gdn): no register spills on sm_80 and sm_90 in
+# bf16 at C = 64 and the shapes at risk; docs/kernels.md lists the few other compiles that spill (fp32 scans).
 def _rows(bf16: dict[str, int], fp32: dict[str, int], scan: bool = False, **fp32_c64: int) -> dict:
     """One kernel's rows: 4 warps up to C = 32, 8 at C = 64 (fp32 scans: 8 at every C); fp32_c64 overrides fp32's
     entry at C = 64."""
