@@ -4,11 +4,11 @@
     TRITON_INTERPRET=1 .venv/bin/python -m bench.gpu_shapes --device cpu --scale 1024   (CPU dry run)
 
 The cases are bench/compile_gpu.py's CI subset (--all: the full sweep), at their shapes: each kernel's
-default configuration and the shapes at risk (more than 2^31 elements, more than 65535 GLA chunks). The
+default configuration and the shapes at risk (more than 2^31 elements, more than 65535 GLA/GDN chunks). The
 kernels run the whole shape through the ops (megatron_zpp/ops, --kernels triton), forward and backward;
-the reference (--kernels torch) runs the whole shape too, except GLA, whose reference runs the last batch
-and head only (the far end of every tensor, where 64-bit offsets matter; GLA is independent per batch and
-head). Error per output: |got - ref| / |ref| (L2 norms, as bench/kernels.py); the quantizer's wire bytes
+the reference (--kernels torch) runs the whole shape too, except GLA and GDN, whose references run the last
+batch and head only (the far end of every tensor, where 64-bit offsets matter; both are independent per batch
+and head). Error per output: |got - ref| / |ref| (L2 norms, as bench/kernels.py); the quantizer's wire bytes
 must match exactly. --scale N divides the large dims (a dry run of the logic on CPU, under the
 interpreter). Exit status 1 if any case is over its tolerance; the last stdout line is one JSON object.
 """
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops import quantize as q_ops
 from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
+from megatron_zpp.ops.gdn import chunk_gdn
 from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.ops.norm import layer_norm, rms_norm
 from megatron_zpp.ops.rope import apply_rope
@@ -97,6 +98,36 @@ def check_gla(device, B, T, H, D, C, dtype, h0):
     return out
 
 
+def check_gdn(device, B, T, H, D, C, dtype, h0):
+    q, k = (F.normalize(randn((B, T, H, D), device, torch.float32, s), dim=-1).to(dtype) for s in (1, 2))
+    v = randn((B, T, H, D), device, dtype, 3)
+    g = F.logsigmoid(randn((B, T, H), device, torch.float32, 4)) / 16
+    beta = torch.sigmoid(randn((B, T, H), device, torch.float32, 8)).to(dtype)
+    state = randn((B, H, D, D), device, torch.float32, 5) if h0 else None
+    do = randn((B, T, H, D), device, dtype, 6)
+    dS = randn((B, H, D, D), device, torch.float32, 7) if h0 else None
+
+    def run(q, k, v, g, beta, state, do, dS):
+        def fn(q, k, v, g, beta, *s):
+            o, final = chunk_gdn(q, k, v, g, beta, None, s[0] if s else None, h0, C)
+            return (o, final) if h0 else o
+
+        return grads(fn, [q, k, v, g, beta] + ([state] if h0 else []), [do, dS] if h0 else [do])
+
+    names = ["o"] + (["final"] if h0 else []) + ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 else [])
+    dispatch.set_kernels("triton", device)
+    got = run(q, k, v, g, beta, state, do, dS)
+    dispatch.set_kernels("torch", device)  # the reference on the last batch and head, as GLA's
+    last = lambda x: x[-1:, :, -1:].contiguous()  # noqa: E731
+    last_state = lambda x: None if x is None else x[-1:, -1:].contiguous()  # noqa: E731
+    ref = run(last(q), last(k), last(v), last(g), last(beta), last_state(state), last(do), last_state(dS))
+    dispatch.set_kernels("auto", device)
+    out = {}
+    for name, a, b in zip(names, got, ref):
+        out[name] = rel_err(last_state(a) if name in ("final", "dh0") else last(a), b)
+    return out
+
+
 def check_quantize(device, bits, block, r, m, x_dtype, op, seed=None, accumulate=False, rows=8):
     x = randn((r, m), device, x_dtype, 11)
     stochastic = seed is not None
@@ -161,7 +192,7 @@ def check_cross_entropy(device, rows, V, dtype):
     return {name: rel_err(a, b) for name, a, b in zip(["max", "sum_exp", "target", "dx"], got, ref)}
 
 
-CHECKS = {"gla": check_gla, "quantize": check_quantize, "norm": check_norm, "rope": check_rope}
+CHECKS = {"gla": check_gla, "gdn": check_gdn, "quantize": check_quantize, "norm": check_norm, "rope": check_rope}
 CHECKS |= {"swiglu": check_swiglu, "cross_entropy": check_cross_entropy}
 
 
@@ -170,7 +201,7 @@ def scaled(family: str, p: dict, s: int) -> dict:
     if s == 1:
         return p
     p = dict(p)
-    if family == "gla":
+    if family in ("gla", "gdn"):
         p |= {"B": min(p["B"], 2), "H": min(p["H"], 2), "T": max(2 * p["C"], p["T"] // s // p["C"] * p["C"])}
     elif family == "quantize":
         p |= {"m": max(p.get("rows", 8) * 8 * p["block"], p["m"] // s)}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zpp.kernels import cross_entropy, gla, norm, quantize, rope, swiglu
+from megatron_zpp.kernels import cross_entropy, gdn, gla, norm, quantize, rope, swiglu
 from megatron_zpp.ops.quantize import wire_bytes
 
 META = torch.device("meta")
@@ -53,6 +53,16 @@ def gla_case(B, T, H, D, C, dtype, h0):
         states, final = gla.fwd_states(q, q, g, state, C)
         gla.fwd_output(q, q, q, g, states, D**-0.5, C)
         gla.bwd(q, q, q, g, state, q, final if h0 else None, D**-0.5, C)  # recomputes the states, as training
+
+    return run
+
+
+def gdn_case(B, T, H, D, C, dtype, h0):
+    def run():
+        q, gate = empty(B, T, H, D, dtype=dtype), empty(B, T, H, dtype=FP32)
+        state = empty(B, H, D, D, dtype=FP32) if h0 else None
+        gdn.fwd(q, q, q, gate, gate, state, D**-0.5, C)
+        gdn.bwd(q, q, q, gate, gate, state, q, state, D**-0.5, C)  # recomputes the forward, as training
 
     return run
 
@@ -127,8 +137,15 @@ def _quantize_bytes(bits, block, r, m, x_dtype, op, seed=None, accumulate=False,
     return 3 * r * m * _size(x_dtype) + 3 * r * wire_bytes(m, block, bits) + 3 * m * 4
 
 
+def _gdn_bytes(B, T, H, D, C, dtype, h0):
+    # as GLA's, with the WY factors (two [T, D] fp32 tensors a head) in place of the per-key gate
+    per_token, states = 8 * _size(dtype) + 16, 3 * -(-T // C) * D * D * 4
+    return B * T * H * D * per_token + B * H * states + T * D * per_token + states
+
+
 DEVICE_BYTES = {
     "gla": _gla_bytes,
+    "gdn": _gdn_bytes,
     "quantize": _quantize_bytes,
     "norm": lambda rows, n, dtype, rms: rows * n * (6 * _size(dtype) + 12),
     "rope": lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12),
@@ -138,6 +155,7 @@ DEVICE_BYTES = {
 
 RUNNERS = {"gla": gla_case, "quantize": quant_case, "norm": norm_case, "rope": rope_case, "swiglu": swiglu_case}
 RUNNERS["cross_entropy"] = ce_case
+RUNNERS["gdn"] = gdn_case
 
 
 def all_cases() -> list[Case]:
@@ -161,6 +179,19 @@ def all_cases() -> list[Case]:
     for what, B, T, H, D in big:
         params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
         cases.append(Case("gla", f"gla C=16 K=V={D} bf16 h0 {what}", params, True, True))
+    # GDN (Gated DeltaNet): the kernels take C 16-64 and K, V <= 128; the default C = 64 in bf16 is strict, its
+    # widest heads (K = V = 128) in the CI subset
+    for C in (16, 32, 64):
+        for D in (64, 128):
+            for dt in ("bf16", "fp32"):
+                for h0 in (False, True):
+                    default = C == 64 and dt == "bf16"
+                    name = f"gdn C={C} K=V={D} {dt}{' h0' if h0 else ''} [2,4096,16]"
+                    params = dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0)
+                    cases.append(Case("gdn", name, params, default and D == 128, default))
+    for what, B, T, H, D in big:  # the same shapes at risk as GLA's
+        params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
+        cases.append(Case("gdn", f"gdn C=16 K=V={D} bf16 h0 {what}", params, True, True))
     # ZeRO++ quantizers: qwZ int8 weights (block 2048), qgZ int4 gradients (block 64); 8 rows
     for bits, block in ((8, 2048), (4, 64)):
         for m, at_risk in ((1 << 24, False), (1 << 28, True)):  # 8 x 2^28 = 2^31 elements: at risk

@@ -1,0 +1,239 @@
+"""Backward Triton kernels of chunked Gated DeltaNet: the reverse state scan and the per-chunk gradients
+(kernels/gdn.py describes the decomposition and launches them; ops/gdn_chunked.py has the same math in torch)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gdn_fwd import _chunk_gates
+from .gla_common import _dot, _load_rows
+
+
+@triton.jit
+def _gdn_bwd_states_kernel(
+    q_ptr, k_ptr, g_ptr, A_ptr, W_ptr, do_ptr, dS_ptr, d_ends_ptr, dvnew_ptr, dh0_ptr, T, N, scale,
+    sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, SPLIT: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Reverse scan per (V tile, head): d_ends[n] (the gradient of the state leaving chunk n), dv_new and dh0;
+    the state gradient in one [BK, BV] tile or, with SPLIT, two (as _gdn_fwd_states_kernel).
+
+    dv_new = scale A^T do + (k exp(suf)) dS_out;  dS_in = exp(G_{C-1}) dS_out + scale (q exp(G))^T do - W^T dv_new."""
+    pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
+    i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
+    b, h = i_bh // H, i_bh % H
+    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    rk2 = BK + rk
+    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
+    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
+    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DS:
+        dS = tl.load(dS_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
+        if SPLIT:
+            dS2 = tl.load(dS_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
+    q_ptr += b * sqb + h * sqh
+    k_ptr += b * skb + h * skh
+    do_ptr += b * sob + h * soh
+    for step in range(N):
+        i_n = i_bh * 0 + (N - 1 - step)  # 64-bit: the chunk's offsets below can pass 2^31
+        tok = i_bh * T + i_n * C
+        end_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
+        tl.store(end_ptr + kv, dS, mask=mkv)
+        start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
+        total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
+        dv_new = _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None], dS, BF16)
+        dS = dS * total
+        if SPLIT:
+            tl.store(end_ptr + kv2, dS2, mask=mkv2)
+            dv_new += _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None], dS2, BF16)
+            dS2 = dS2 * total
+        if HAS_DO:
+            do = _load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
+            A = _load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
+            dv_new += _dot(tl.trans(A), do, BF16)
+            q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt) * start[:, None]
+            dS += _dot(tl.trans(q_start), do, BF16)
+            if SPLIT:
+                q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk2, all_rows, mk2, sqt) * start[:, None]
+                dS2 += _dot(tl.trans(q_start), do, BF16)
+        tl.store(dvnew_ptr + tok * V + rc[:, None] * V + rv[None, :], dv_new, mask=mv[None, :])
+        dS -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
+        if SPLIT:
+            dS2 -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
+    tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
+    if SPLIT:
+        tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
+
+
+@triton.jit
+def _gdn_bwd_state_grads_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, T_ptr, states_ptr, vnew_ptr, d_ends_ptr, do_ptr, dvnew_ptr,
+    dq_ptr, dk_ptr, dTw_ptr, dG_ptr, dsuf_ptr, dbeta_ptr, T, N, scale,
+    sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DO: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Per chunk, K in tiles of BK (each with a loop over V tiles): the gradients through the states and W.
+
+    dq = scale (do S_in^T) exp(G) and dk = (v_new dS_out^T) exp(suf) + beta exp(G) T^T dW, dW = -dv_new S_in^T,
+    written to dq, dk (the scores' shares are added by _gdn_bwd_chunk_kernel); dW's share of dT (dW k_w^T) and
+    these terms' shares of dbeta and of the exponents' gradients (dG_i, dsuf_j) to their buffers."""
+    pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
+    i_n, i_bh = pid % N, pid // N
+    b, h = i_bh // H, i_bh % H
+    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    all_rows = rc < C
+    row0 = i_n * C
+    tok = i_bh * T + row0
+    start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
+    beta = tl.load(beta_ptr + tok + rc)
+    inv = _load_rows(T_ptr + tok * C, rc, rc, all_rows, all_rows, C)
+    S_ptr = states_ptr + (i_bh * N + i_n) * (K * V)
+    dE_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
+    q_ptr += b * sqb + h * sqh + row0 * sqt
+    k_ptr += b * skb + h * skh + row0 * skt
+    do_ptr += b * sob + h * soh + row0 * sot
+    out_rows = (b * T + row0 + rc) * H + h  # rows of the [B, T, H, K] gradients
+    dTw = tl.zeros([C, C], dtype=tl.float32)
+    dG = tl.zeros([C], dtype=tl.float32)
+    dsuf = tl.zeros([C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    d_total = tl.zeros([BV], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        dq = tl.zeros([C, BK], dtype=tl.float32)
+        dk_end = tl.zeros([C, BK], dtype=tl.float32)
+        dW = tl.zeros([C, BK], dtype=tl.float32)
+        for v0 in range(0, V, BV):
+            mv = v0 + rv < V
+            S = _load_rows(S_ptr + k0 * V + v0, rk, rv, mk, mv, V)
+            dE = _load_rows(dE_ptr + k0 * V + v0, rk, rv, mk, mv, V)
+            if HAS_DO:
+                dq += _dot(_load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(S), BF16)
+            dk_end += _dot(_load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(dE), BF16)
+            dW -= _dot(_load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(S), BF16)
+            d_total += tl.sum(dE * S, axis=0)
+        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        k_w = k_tile * (beta * start)[:, None]
+        dq = dq * start[:, None]
+        dk_end = dk_end * end[:, None]
+        dk_w = _dot(tl.trans(inv), dW, BF16)
+        dTw += _dot(dW, tl.trans(k_w), BF16)
+        dG += tl.sum(dq * q_tile, axis=1) + tl.sum(dk_w * k_w, axis=1)
+        dsuf += tl.sum(dk_end * k_tile, axis=1)
+        dbeta += tl.sum(dk_w * k_tile * start[:, None], axis=1)
+        kd = out_rows[:, None] * K + k0 + rk[None, :]
+        tl.store(dq_ptr + kd, dq, mask=mk[None, :])
+        tl.store(dk_ptr + kd, dk_end + dk_w * (beta * start)[:, None], mask=mk[None, :])
+    dG += tl.where(rc == C - 1, tl.sum(d_total, axis=0) * start, 0.0)  # the chunk total's decay of S_in
+    tl.store(dTw_ptr + tok * C + rc[:, None] * C + rc[None, :], dTw)
+    tl.store(dG_ptr + tok + rc, dG)
+    tl.store(dsuf_ptr + tok + rc, dsuf)
+    tl.store(dbeta_ptr + tok + rc, dbeta)
+
+
+@triton.jit
+def _gdn_bwd_wy_kernel(
+    v_ptr, beta_ptr, T_ptr, vnew_ptr, do_ptr, dvnew_ptr, dTw_ptr, dA_ptr, dv_ptr, dbeta_ptr, T, N, scale,
+    svb, svt, svh, sob, sot, soh,
+    H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, HAS_DO: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Per chunk, after _gdn_bwd_state_grads_kernel, V in tiles of BV: dv = beta T^T dv_new and its share of dbeta,
+    the scores' gradient dA = scale do v_new^T, and dL = -T^T dT T^T (strictly lower; over dW's share of dT in
+    its buffer). dv [B, T, H, V]; dA, dL [B, H, T, C] fp32."""
+    pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
+    i_n, i_bh = pid % N, pid // N
+    b, h = i_bh // H, i_bh % H
+    rc, rv = tl.arange(0, C), tl.arange(0, BV)
+    all_rows = rc < C
+    row0 = i_n * C
+    tok = i_bh * T + row0
+    beta = tl.load(beta_ptr + tok + rc)
+    inv_t = tl.load(T_ptr + tok * C + rc[None, :] * C + rc[:, None])  # T^T, read transposed
+    v_ptr += b * svb + h * svh + row0 * svt
+    do_ptr += b * sob + h * soh + row0 * sot
+    out_rows = (b * T + row0 + rc) * H + h
+    cc = rc[:, None] * C + rc[None, :]
+    dA = tl.zeros([C, C], dtype=tl.float32)
+    dT = tl.load(dTw_ptr + tok * C + cc)
+    dbeta = tl.load(dbeta_ptr + tok + rc)
+    for v0 in range(0, V, BV):
+        mv = v0 + rv < V
+        dv_new = _load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+        vv = _load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
+        if HAS_DO:
+            v_new = _load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+            dA += _dot(_load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(v_new), BF16)
+        dT += _dot(dv_new, tl.trans(vv * beta[:, None]), BF16)
+        dv_u = _dot(inv_t, dv_new, BF16)
+        dbeta += tl.sum(dv_u * vv, axis=1)
+        tl.store(dv_ptr + out_rows[:, None] * V + v0 + rv[None, :], dv_u * beta[:, None], mask=mv[None, :])
+    tl.store(dA_ptr + tok * C + cc, dA)
+    tl.store(dbeta_ptr + tok + rc, dbeta)
+    for r0 in range(0, C, 16):  # dL in blocks of 16 rows: two chained [C, C] dots at once spill
+        rr = r0 + tl.arange(0, 16)
+        inv_t_rows = tl.load(T_ptr + tok * C + rc[None, :] * C + rr[:, None])  # rows rr of T^T
+        dL = -_dot(_dot(inv_t_rows, dT, BF16), inv_t, BF16)
+        dL = tl.where(rr[:, None] > rc[None, :], dL, 0.0)
+        tl.store(dTw_ptr + tok * C + rr[:, None] * C + rc[None, :], dL)  # over dT in its buffer
+
+
+@triton.jit
+def _gdn_bwd_chunk_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, A_ptr, dA_ptr, dL_ptr, dG_ptr, dsuf_ptr, dq_ptr, dk_ptr, dg_ptr, dbeta_ptr, T, N,
+    sqb, sqt, sqh, skb, skt, skh,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Per chunk, last: through L = beta_i (k k^T) exp(seg) and the scores A = (q k^T) exp(seg) the rest of dq, dk
+    and dbeta, and dg from all the exponents' gradients (ops/gdn_chunked.py's bwd_chunks), K in tiles of BK.
+    dq, dk [B, T, H, K] and dg, dbeta [B, H, T] contiguous fp32."""
+    pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
+    i_n, i_bh = pid % N, pid // N
+    b, h = i_bh // H, i_bh % H
+    rc, rk = tl.arange(0, C), tl.arange(0, BK)
+    all_rows = rc < C
+    row0 = i_n * C
+    tok = i_bh * T + row0
+    out_rows = (b * T + row0 + rc) * H + h
+    cc = rc[:, None] * C + rc[None, :]
+    strict = rc[:, None] > rc[None, :]
+    q_ptr += b * sqb + h * sqh + row0 * sqt
+    k_ptr += b * skb + h * skh + row0 * skt
+    kk = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, k0 + rk < K, skt)
+        kk += _dot(k_tile, tl.trans(k_tile), BF16)
+    # dg and dbeta are finished before the last K loop: fewer [C, C] tiles live at once
+    _, _, pair = _chunk_gates(g_ptr + tok, rc, C)
+    kk = tl.where(strict, kk * pair, 0.0)
+    dL = tl.load(dL_ptr + tok * C + cc)
+    tl.store(dbeta_ptr + tok + rc, tl.load(dbeta_ptr + tok + rc) + tl.sum(dL * kk, axis=1))
+    # dg_s = sum_{i>=s} dG_i + sum_{j<s} dsuf_j + sum_{i>=s, j<s} dseg[i, j]
+    beta = tl.load(beta_ptr + tok + rc)
+    dA = tl.load(dA_ptr + tok * C + cc)
+    dseg = tl.where(strict, dA * tl.load(A_ptr + tok * C + cc), 0.0) + dL * beta[:, None] * kk
+    # Inclusive sums only, no "inclusive minus own term": a token's own term can be far larger than the rest.
+    from_s = tl.cumsum(dseg, axis=0, reverse=True)  # [s, j]: sum_{i>=s} dseg[i, j]
+    before_s = rc[None, :] < rc[:, None]  # [s, j]: j < s
+    seg_part = tl.sum(tl.where(before_s, from_s, 0.0), axis=1)
+    dG, dsuf = tl.load(dG_ptr + tok + rc), tl.load(dsuf_ptr + tok + rc)
+    dsuf_part = tl.sum(tl.where(before_s, dsuf[None, :], 0.0), axis=1)
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dsuf_part + seg_part
+    tl.store(dg_ptr + tok + rc, dg)
+    dkk = dL * beta[:, None] * pair
+    dA_pair = dA * pair
+    for k0 in range(0, K, BK):
+        mk = k0 + rk < K
+        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        kd = out_rows[:, None] * K + k0 + rk[None, :]
+        dq = tl.load(dq_ptr + kd, mask=mk[None, :], other=0.0) + _dot(dA_pair, k_tile, BF16)
+        dk = tl.load(dk_ptr + kd, mask=mk[None, :], other=0.0) + _dot(tl.trans(dA_pair), q_tile, BF16)
+        dk += _dot(dkk, k_tile, BF16) + _dot(tl.trans(dkk), k_tile, BF16)
+        tl.store(dq_ptr + kd, dq, mask=mk[None, :])
+        tl.store(dk_ptr + kd, dk, mask=mk[None, :])

@@ -1,0 +1,239 @@
+"""Gated DeltaNet (the gated delta rule; Yang, Kautz, Hatamizadeh, arXiv 2412.06464) in PyTorch, with Triton
+kernels (megatron_zpp/kernels/gdn.py) on CUDA.
+
+Recurrence, per batch b and head h (state S is K x V, kept in fp32):
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T        o_t = scale * S_t^T q_t
+
+with a_t = exp(g_t), g_t <= 0 the per-head log decay (-inf allowed: a hard reset, a packed document's first
+token) and b_t = beta_t in (0, 1). The layer L2-normalises q and k; this op does not. Shapes as fla's:
+q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype (or
+out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp32).
+
+    naive_recurrent_gdn   the token loop (any dtype; the tests' fp64 reference)
+    chunk_gdn             chunked WY/UT form with its own backward (ops/gdn_chunked.py describes it); the
+                          Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`)
+
+Context parallelism. A slice's entering state acts affinely: S_out = M S_in + U_loc and
+o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+
+    chunk_gdn(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
+        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+
+since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
+transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
+The Triton kernels take V <= 128: at K = V = 128 make it two calls, (v, no initial state) for (o_loc, U_loc) and
+(0_K, I_K) for (scale q^T P_t, M), each within the kernels' widths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from .gdn_chunked import (
+    Decays,
+    bwd_chunks,
+    bwd_states,
+    check_shapes,
+    from_chunks,
+    fwd_output,
+    fwd_states,
+    prepare,
+    to_chunks,
+)
+from .gla_chunked import check_chunk_size, compute_dtype
+
+__all__ = ["naive_recurrent_gdn", "chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction"]
+
+dispatch.register("gdn", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K and V <= 128")
+
+
+def _use_kernel(chunk_size: int, q: Tensor, v: Tensor, *others: Tensor | None) -> bool:
+    """Whether the Triton kernels (megatron_zpp/kernels/gdn.py) take this call; else the chunked reference."""
+    if not dispatch.use_triton(v):
+        return False
+    tensors = [t for t in (q, v, *others) if t is not None]
+    C, K, V = chunk_size, q.shape[-1], v.shape[-1]
+    return (
+        all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+        and 16 <= C <= 64
+        and C & (C - 1) == 0
+        and q.shape[1] > 0
+        and K <= 128
+        and V <= 128
+    )
+
+
+def chunk_gdn_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> bool:
+    """Whether chunk_gdn runs the Triton kernels for these inputs (else the chunked PyTorch form)."""
+    return _use_kernel(chunk_size, q, v, k, g, beta)
+
+
+def _kernels():
+    from ..kernels import gdn  # lazily: triton is needed only once a kernel runs
+
+    return gdn
+
+
+def _fp32(t: Tensor, *shape: int) -> Tensor:
+    return t.new_empty(shape, dtype=torch.float32)
+
+
+@dispatch.kernel_op("gdn_fwd")
+def _fwd_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    return _kernels().fwd(q, k, v, g, beta, initial_state, scale, chunk_size)
+
+
+@_fwd_kernel.register_fake
+def _(q, k, v, g, beta, initial_state, scale, chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return _fp32(q, B, T, H, V), _fp32(q, B, H, K, V)
+
+
+@dispatch.kernel_op("gdn_bwd")
+def _bwd_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    do: Tensor | None,
+    d_final_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels().bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size)
+
+
+@_bwd_kernel.register_fake
+def _(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dq, dk = _fp32(q, B, T, H, K), _fp32(q, B, T, H, K)
+    return dq, dk, _fp32(q, B, T, H, V), _fp32(q, B, T, H), _fp32(q, B, T, H), _fp32(q, B, H, K, V)
+
+
+def naive_recurrent_gdn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token reference. Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] or None).
+
+    The transition is applied as S - b k (k^T S), never forming a_t (I - b k k^T): a -inf gate (a_t = 0)
+    multiplies the state by exactly 0, the same reset as the chunked forms."""
+    check_shapes(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for t in range(T):
+        kt, bt = k[:, t], beta[:, t, :, None]
+        S = g[:, t].exp()[..., None, None] * S
+        v_new = bt * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S))  # b (v - S^T k)
+        S = S + kt[..., None] * v_new[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * scale)
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V, dtype=dt)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def _reference_fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    qc, kc, vc = (to_chunks(x, chunk_size, dt) for x in (q, k, v))
+    gc, bc = to_chunks(g, chunk_size, dt), to_chunks(beta, chunk_size, dt)
+    dec = Decays(gc)
+    _, W, U = prepare(kc, vc, bc, dec)
+    h0 = initial_state.to(dt) if initial_state is not None else None
+    states_in, v_new, final = fwd_states(kc, W, U, dec, h0)
+    return from_chunks(fwd_output(qc, kc, v_new, states_in, dec, scale)), final
+
+
+def _reference_bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    qc, kc, vc = (to_chunks(x, chunk_size, dt) for x in (q, k, v))
+    gc, bc = to_chunks(g, chunk_size, dt), to_chunks(beta, chunk_size, dt)
+    dec = Decays(gc)
+    T, W, U = prepare(kc, vc, bc, dec)
+    h0 = initial_state.to(dt) if initial_state is not None else None
+    states_in, v_new, _ = fwd_states(kc, W, U, dec, h0)
+    doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+    dS = d_final_state.to(dt) if d_final_state is not None else None
+    d_ends, dv_new, dh0 = bwd_states(qc, kc, W, dec, doc, dS, scale)
+    grads = bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
+    return (*(from_chunks(x) for x in grads), dh0)
+
+
+class ChunkGDNFunction(torch.autograd.Function):
+    """(o [B,T,H,V] in v's dtype or out_dtype, final_state [B,H,K,V] fp32) = chunked GDN with its own backward.
+
+    Saves only the inputs; the backward recomputes T, W, U and the states (one forward's work).
+    apply(q, k, v, g, beta, initial_state or None, scale or None (K**-0.5), chunk_size[, out_dtype or None]).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype=None):
+        check_shapes(q, k, v, g, beta, initial_state)
+        check_chunk_size(q.shape[1], chunk_size)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
+        fwd = _fwd_kernel if _use_kernel(chunk_size, q, v, k, g, beta, initial_state) else _reference_fwd
+        o, final_state = fwd(q, k, v, g, beta, initial_state, scale, chunk_size)
+        return o.to(v.dtype if out_dtype is None else out_dtype), final_state
+
+    @staticmethod
+    def backward(ctx, do, d_final_state):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        if do is None and d_final_state is None:
+            return (None,) * 9
+        if do is not None:  # o's gradient in v's dtype, as the cotangent of an output in v's dtype would be
+            do = do.to(v.dtype)
+        use = _use_kernel(ctx.chunk_size, q, v, k, g, beta, initial_state, do, d_final_state)
+        bwd = _bwd_kernel if use else _reference_bwd
+        dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, initial_state, do, d_final_state, ctx.scale, ctx.chunk_size)
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
+        return (*grads, None, None, None)
+
+
+def chunk_gdn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked GDN (same result as `naive_recurrent_gdn`). T must be a multiple of chunk_size.
+
+    Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
+    q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
+    """
+    o, final_state = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)
+    return o, (final_state if output_final_state else None)
