@@ -52,6 +52,22 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None, "--num-layers-per-virtual-pipeline-stage", "layers per virtual stage (interleaved 1F1B)"
     )
+    num_virtual_stages_per_pipeline_rank: int | None = opt(
+        None,
+        "--num-virtual-stages-per-pipeline-rank",
+        "virtual stages per pipeline rank (interleaved 1F1B): sets --num-layers-per-virtual-pipeline-stage to "
+        "layers / (PP x this)",
+    )
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False,
+        "--account-for-embedding-in-pipeline-split",
+        "count the embedding as a layer of the first stage in the even split (it holds one layer fewer)",
+    )
+    account_for_loss_in_pipeline_split: bool = opt(
+        False,
+        "--account-for-loss-in-pipeline-split",
+        "count the output layer and loss as a layer of the last stage in the even split (one layer fewer)",
+    )
     decoder_first_pipeline_num_layers: int | None = opt(
         None, "--decoder-first-pipeline-num-layers", "layers on the first pipeline stage (default: even split)"
     )

@@ -59,6 +59,15 @@ NOOPS = {
         "gradients are accumulated over micro-batches and reduced in fp32 here (unless --grad-reduce-in-bf16)"
     ),
     "--local-rank": "the local rank is read from LOCAL_RANK, which torchrun sets",
+    "--ddp-average-in-collective": (
+        "gradients are divided by the data-parallel size exactly once here; doing it inside the collective "
+        "(ReduceOp.AVG) instead changes only the rounding order"
+    ),
+    **dict.fromkeys(
+        ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit"],
+        "a TP comm-overlap schedule of the output layer's weight gradient (needs Megatron's fused gradient "
+        "accumulation): the same gradients, computed when autograd reaches them here",
+    ),
     "--no-one-logger": "one-logger is never used here",
     "--init-model-with-meta-device": (
         "the model is always built on the meta device; each rank then materializes only what it holds"
@@ -116,13 +125,15 @@ VALUED = {
         "a load always checks every tensor and refuses a missing or unexpected one by name (raise_all, whatever "
         "the value: a checkpoint of this run's model never has either)",
     ),
-    "--transformer-impl": (("local",), "our layers are PyTorch modules, as Megatron's local implementation"),
+    "--transformer-impl": (
+        ("local", "transformer_engine"),
+        "our layers are PyTorch modules equal to Megatron's local spec, whichever is named (transformer-engine's "
+        "fused layers are not used: it does not install on CPU, and a path that cannot be run here is not built)",
+    ),
     "--distributed-backend": (("nccl", "gloo"), "the backend follows the device: NCCL on CUDA, gloo on CPU"),
     "--optimizer": (("adam",), "the optimizer is AdamW, as Megatron's adam (decoupled weight decay)"),
 }
 VALUE_REFUSED = {
-    ("--transformer-impl", "transformer_engine"): "transformer-engine is not supported here (ours are PyTorch "
-    "modules): use --transformer-impl local or drop it",
     ("--transformer-impl", "inference_optimized"): "the inference-optimized layers are not built: use local",
     ("--distributed-backend", None): "the backend follows the device (NCCL on CUDA, gloo on CPU): drop it",
     ("--optimizer", None): "only AdamW is built (--optimizer adam): drop it",
@@ -135,7 +146,6 @@ REFUSED = {
     "--warmup": "no longer valid in Megatron-LM either: use --lr-warmup-iters/-samples or --lr-warmup-fraction",
     "--model-parallel-size": "deprecated in Megatron-LM: use --tensor-model-parallel-size",
     "--checkpoint-activations": "deprecated in Megatron-LM: use --recompute-granularity full",
-    "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 here: drop it",
     "--save-tokens-per-expert-interval": "mixture of experts is not built (dense MLPs only): drop it",
     "--dist-ckpt-format": "deprecated in Megatron-LM: use --ckpt-format",

@@ -53,6 +53,21 @@ def tiny_gpt2_files(directory):
     return vocab, merges, bpe
 
 
+def tiny_sentencepiece_model(prefix) -> str:
+    """A 300-piece BPE sentencepiece model (ids cover tiny_dataset's 250) of random words; its .model path."""
+    import sentencepiece as spm
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(400)]
+    text = "\n".join(" ".join(rng.choice(words, 12)) for _ in range(300))
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_prefix=str(prefix), vocab_size=300, model_type="bpe",
+        minloglevel=2,
+    )  # fmt: skip
+    return f"{prefix}.model"
+
+
 def tiny_dataset(prefix: str, documents: int = 64, length: int = 100, vocab: int = 250) -> str:
     """A Megatron .bin/.idx pair of `documents` token sequences below `vocab`; returns the prefix."""
     writer = IndexedDatasetWriter(prefix + ".bin", np.uint16)

@@ -386,11 +386,12 @@ def test_no_table_entry_is_shadowed_by_a_setting_and_the_commit_is_recorded():
 def test_value_dependent_flags_and_the_noops_given():
     cfg = parse_args(["--transformer-impl", "local", "--distributed-backend", "nccl", "--no-rope-fusion"])
     assert cfg.megatron_noops == ["--transformer-impl local", "--distributed-backend nccl", "--no-rope-fusion"]
+    te = parse_args(["--transformer-impl", "transformer_engine"])  # Megatron's default: our local layers, logged
+    assert te.megatron_noops == ["--transformer-impl transformer_engine"]
     with pytest.raises(ConfigError) as info:
-        parse_args(["--transformer-impl", "transformer_engine", "--optimizer", "sgd", "--distributed-backend", "ucc"])
+        parse_args(["--transformer-impl", "inference_optimized", "--optimizer", "sgd", "--distributed-backend", "ucc"])
     assert str(info.value).splitlines() == [
-        "--transformer-impl transformer_engine: transformer-engine is not supported here (ours are PyTorch "
-        "modules): use --transformer-impl local or drop it",
+        "--transformer-impl inference_optimized: the inference-optimized layers are not built: use local",
         "--optimizer sgd: only AdamW is built (--optimizer adam): drop it",
         "--distributed-backend ucc: the backend follows the device (NCCL on CUDA, gloo on CPU): drop it",
     ]
@@ -470,3 +471,46 @@ def test_the_extractor_records_each_arguments_options_value_and_group():
         {"options": ["--moe-grouped-gemm", "--moe-gg"], "value": False, "group": "moe"},
         {"options": ["--split", "--no-split"], "value": False, "group": "options"},
     ]
+
+
+SPLIT = "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --hidden-size 64 --num-attention-heads 4 "
+SPLIT += "--seq-length 32 --micro-batch-size 1 --global-batch-size 4 --pipeline-model-parallel-size 2"
+
+
+@pytest.mark.parametrize(
+    "flags, layers",
+    [
+        # Megatron: V virtual stages per rank = layers / (PP x V) layers per virtual stage
+        ("--num-layers 8 --num-virtual-stages-per-pipeline-rank 2", [2, 2, 2, 2]),
+        ("--num-layers 8 --num-virtual-stages-per-pipeline-rank 1", [4, 4]),
+        # the embedding / the loss counted as one layer of the first / last stage's even share
+        ("--num-layers 7 --account-for-embedding-in-pipeline-split", [3, 4]),
+        ("--num-layers 7 --account-for-loss-in-pipeline-split", [4, 3]),
+        ("--num-layers 6 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split", [3, 3]),
+    ],
+)
+def test_megatron_split_flags_place_layers_as_megatron(flags, layers):
+    from megatron_zpp.validation import chunk_layer_counts
+
+    assert chunk_layer_counts(parse_config((SPLIT + " " + flags).split(), 2, run=False)) == layers
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ("--num-layers 8 --num-virtual-stages-per-pipeline-rank 3", "--num-layers 8 is not divisible by PP x"),
+        (
+            "--num-layers 8 --num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 1",
+            "give one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage",
+        ),
+        ("--num-layers 6 --account-for-embedding-in-pipeline-split", "--num-layers 6 + 1 is not divisible by PP 2"),
+        (
+            "--num-layers 8 --num-virtual-stages-per-pipeline-rank 2 --account-for-loss-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split: not built with interleaving",
+        ),
+    ],
+)
+def test_megatron_split_flags_refused_where_they_cannot_map(flags, line):
+    with pytest.raises(ConfigError) as info:
+        parse_config((SPLIT + " " + flags).split(), 2, run=False)
+    assert line in str(info.value).splitlines()[0]

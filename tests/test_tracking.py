@@ -96,7 +96,9 @@ def test_memory_history_calls_on_cuda(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
-    cfg = _cfg(f"--record-memory-history --memory-snapshot-path {tmp_path}/snap.pickle --profile-ranks 1", 2)
+    cfg = _cfg(
+        f"--record-memory-history --memory-snapshot-path {tmp_path}/snap.pickle --profile-ranks 1 --device cuda", 2
+    )
     cuda = torch.device("cuda", 0)
     profiling.check_device(cfg, cuda)
     profiling.MemorySnapshots(cfg, 0, cuda).dump()  # rank 0 is not in --profile-ranks

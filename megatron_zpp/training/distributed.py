@@ -17,12 +17,12 @@ from ..checkpoint.guard import release_save_dirs
 from ..config import Config
 from ..optim.nonfinite import set_stop_source
 from ..topology import ProcessGroups, build_groups_from_config
+from ..validation.common import launch_device_type
 
 
 def init_distributed(cfg: Config) -> tuple[ProcessGroups, torch.device]:
     """Start torch.distributed (torchrun env, or a single process) and build all groups."""
-    want = cfg.train.device
-    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    use_cuda = launch_device_type(cfg.train.device) == "cuda"
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:

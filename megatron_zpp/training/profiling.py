@@ -10,24 +10,15 @@ import torch
 
 from ..config import Config, ConfigError
 from ..logging_utils import log
+from ..validation.log import check_device_needs
 
 
 def check_device(cfg: Config, device: torch.device) -> None:
-    """What needs CUDA, refused by name on another device before the model is built."""
-    g = cfg.log
-    if device.type == "cuda":
-        return
-    if g.profile and not g.use_pytorch_profiler:
-        raise ConfigError(
-            f"--profile without --use-pytorch-profiler opens an nsys capture range (cudaProfilerStart), which "
-            f"needs CUDA (device here: {device.type}); add --use-pytorch-profiler for a torch.profiler chrome trace"
-        )
-    if g.record_memory_history:
-        raise ConfigError(
-            f"--record-memory-history records the CUDA caching allocator (torch.cuda.memory._record_memory_history), "
-            f"which needs CUDA (device here: {device.type}; torch keeps no such history for it): leave it out, or "
-            "use --profile --use-pytorch-profiler for a trace of the steps"
-        )
+    """What needs CUDA, refused by name on another device before the model is built (validate refused it
+    already for the device a launch expects; this is for the device it got)."""
+    problems = check_device_needs(cfg, device.type)
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def profile_dir(cfg: Config) -> str:

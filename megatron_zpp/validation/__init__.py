@@ -17,9 +17,9 @@ from ..batch_schedule import parse_step_schedule
 from ..config import SECTIONS, Config, ConfigError, default_gla_chunk_size
 from ..data.tokenizer import infer_tokenizer_type
 from .checkpoint import check_checkpointing
-from .common import failed
+from .common import failed, launch_device_type
 from .data import check_data, check_run_paths
-from .log import check_log
+from .log import check_device_needs, check_log
 from .model import check_megatron_model, check_model, check_recompute
 from .parallel import check_compile, check_layout, check_pipeline, check_zero, chunk_layer_counts
 from .train import check_batch, check_optim, check_precision, check_run_control
@@ -79,7 +79,7 @@ def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
     ):
         errors += check(cfg, world_size)
     if run:
-        errors += check_run_paths(cfg)
+        errors += check_run_paths(cfg) + check_device_needs(cfg, launch_device_type(cfg.train.device))
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
@@ -91,10 +91,11 @@ def derive(cfg: Config, world_size: int) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     p.world_size, p.data_parallel_size = world_size, max(world_size // model_parallel, 1)
+    _derive_pipeline_split(cfg)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if m.gla_chunk_size is None:  # by the device the run will use (--device auto: CUDA when available)
-        m.gla_chunk_size = default_gla_chunk_size(_device_type(t.device))
+        m.gla_chunk_size = default_gla_chunk_size(launch_device_type(t.device))
     if t.step_batch_size_schedule and m.seq_length >= 1:
         try:
             t.batch_steps = parse_step_schedule(t.step_batch_size_schedule, m.seq_length)
@@ -116,13 +117,24 @@ def derive(cfg: Config, world_size: int) -> None:
         t.train_iters = t.iterations_for_samples() if t.train_samples is not None else 100
 
 
-def _device_type(device: str) -> str:
-    """--device as the run resolves it (training/distributed.py): auto is cuda when CUDA is available."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _derive_pipeline_split(cfg: Config) -> None:
+    """Megatron's other spellings of a split, as ours (check_pipeline refuses what they cannot say):
+    virtual stages per rank -> layers per virtual stage; the embedding / the loss counted as a layer of the
+    first / last stage -> that stage's layer count."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, virtual = p.pipeline_model_parallel_size, p.num_virtual_stages_per_pipeline_rank
+    if virtual and virtual >= 1 and p.num_layers_per_virtual_pipeline_stage is None and layers % (pp * virtual) == 0:
+        p.num_layers_per_virtual_pipeline_stage = layers // (pp * virtual)
+    embedding, loss = p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split
+    explicit = p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None
+    if pp == 1 or not (embedding or loss) or explicit or p.num_layers_per_virtual_pipeline_stage is not None:
+        return
+    if (layers + embedding + loss) % pp == 0:
+        per_stage = (layers + embedding + loss) // pp
+        if embedding:
+            p.decoder_first_pipeline_num_layers = per_stage - 1
+        if loss:
+            p.decoder_last_pipeline_num_layers = per_stage - 1
 
 
 INT64 = 1 << 63

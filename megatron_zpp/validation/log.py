@@ -55,8 +55,7 @@ def _eval_batch_checks(cfg: Config) -> list:
 
 
 def _check_profiling(cfg: Config, world_size: int) -> list[str]:
-    """--profile and --record-memory-history; what needs CUDA is checked once the device is known
-    (training/profiling.check_device)."""
+    """--profile and --record-memory-history; what needs CUDA: check_device_needs."""
     g = cfg.log
     bad_ranks = [r for r in g.profile_ranks if not 0 <= r < world_size]
     return failed(
@@ -70,6 +69,31 @@ def _check_profiling(cfg: Config, world_size: int) -> list[str]:
             (
                 not (g.profile or g.record_memory_history) or not bad_ranks,
                 f"--profile-ranks {' '.join(map(str, bad_ranks))}: no such rank (world size {world_size})",
+            ),
+        ]
+    )
+
+
+def check_device_needs(cfg: Config, device_type: str) -> list[str]:
+    """What needs CUDA, refused by name on another device: with the other refusals (validate's run checks,
+    for the launch's device) and again by the run for the device it got."""
+    g = cfg.log
+    if device_type == "cuda":
+        return []
+    return failed(
+        [
+            (
+                not (g.profile and not g.use_pytorch_profiler),
+                f"--profile without --use-pytorch-profiler opens an nsys capture range (cudaProfilerStart), which "
+                f"needs CUDA (device here: {device_type}); add --use-pytorch-profiler for a torch.profiler chrome "
+                "trace",
+            ),
+            (
+                not g.record_memory_history,
+                f"--record-memory-history records the CUDA caching allocator "
+                f"(torch.cuda.memory._record_memory_history), which needs CUDA (device here: {device_type}; torch "
+                "keeps no such history for it): leave it out, or use --profile --use-pytorch-profiler for a trace "
+                "of the steps",
             ),
         ]
     )

@@ -40,8 +40,61 @@ def check_layout(cfg: Config, world_size: int) -> list[str]:
     )
 
 
+def _check_megatron_split(cfg: Config) -> list[str]:
+    """Megatron's spellings of the split that derive could not map (validation/__init__._derive_pipeline_split)."""
+    m, p = cfg.model, cfg.parallel
+    pp, virtual = p.pipeline_model_parallel_size, p.num_virtual_stages_per_pipeline_rank
+    accounted = [
+        flag
+        for flag, on in [
+            ("--account-for-embedding-in-pipeline-split", p.account_for_embedding_in_pipeline_split),
+            ("--account-for-loss-in-pipeline-split", p.account_for_loss_in_pipeline_split),
+        ]
+        if on
+    ]
+    extra = len(accounted)
+    # derive filled first/last from the accounting when it could: anything else was given by hand
+    accounted_layers = (m.num_layers + extra) // pp - 1
+    split_by_hand = any(
+        given is not None and not (on and given == accounted_layers)
+        for given, on in [
+            (p.decoder_first_pipeline_num_layers, p.account_for_embedding_in_pipeline_split),
+            (p.decoder_last_pipeline_num_layers, p.account_for_loss_in_pipeline_split),
+        ]
+    )
+    vpp_mapped = virtual is not None and p.num_layers_per_virtual_pipeline_stage == m.num_layers // (
+        pp * max(virtual, 1)
+    )
+    return failed(
+        [
+            (virtual is None or virtual >= 1, f"--num-virtual-stages-per-pipeline-rank {virtual}: give at least 1"),
+            (
+                virtual is None or virtual < 1 or m.num_layers % (pp * virtual) == 0,
+                f"--num-layers {m.num_layers} is not divisible by PP x --num-virtual-stages-per-pipeline-rank "
+                f"= {pp} x {virtual}",
+            ),
+            (
+                virtual is None or virtual < 1 or m.num_layers % (pp * virtual) != 0 or vpp_mapped,
+                "give one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage",
+            ),
+            (
+                not accounted or pp == 1 or (p.num_layers_per_virtual_pipeline_stage is None and not split_by_hand),
+                f"{' and '.join(accounted)}: not built with interleaving or with --decoder-first/last-pipeline-num-"
+                "layers (give the stages' layers by hand instead)",
+            ),
+            (
+                not accounted or pp == 1 or (m.num_layers + extra) % pp == 0,
+                f"{' and '.join(accounted)}: --num-layers {m.num_layers} + {extra} is not divisible by PP {pp}",
+            ),
+        ]
+    )
+
+
 def check_pipeline(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
+    split_errors = _check_megatron_split(cfg)
+    if split_errors:
+        return split_errors
     pp, vpp = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if vpp is not None:
