@@ -127,6 +127,17 @@ class ModelConfig:
         "fraction of the head dim RoPE rotates, as Megatron: the first int(head dim x fraction) channels of each "
         "q/k head, with frequencies over that width; the rest pass unrotated",
     )
+    rotary_interleaved: bool = opt(
+        False,
+        "--rotary-interleaved",
+        "RoPE rotates the pairs (x[2i], x[2i+1]) (GPT-J's layout, as Megatron's flag), not (x[i], x[i + d/2])",
+    )
+    qk_layernorm: bool = opt(
+        False,
+        "--qk-layernorm",
+        "normalize each query and key head (--normalization, --norm-epsilon, a [head dim] weight shared by the "
+        "heads) before RoPE, as Megatron",
+    )
     add_bias_linear: bool = opt(
         True,
         "--add-bias-linear",

@@ -41,6 +41,8 @@ def remote_unsupported(cfg) -> list[str]:
         (m.position_embedding_type == "rope" or not softmax, "its softmax layers use no RoPE"),
         (m.rotary_percent == 1.0 or not softmax, f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels"),
         (m.activation in ("swiglu", "gelu"), f"its MLP uses {m.activation}; the remote code holds swiglu or gelu"),
+        (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); the remote code does not"),
+        (not m.rotary_interleaved or not softmax, "its RoPE pairs are interleaved (--rotary-interleaved)"),
     ]
     return [why for ok, why in checks if not ok]
 

@@ -35,6 +35,7 @@ def gpt2_unsupported(cfg) -> list[str]:
         ),
         (m.add_bias_linear, "it has no linear biases; GPT-2 has them in every linear layer"),
         (m.kv_heads == m.num_attention_heads, "it uses grouped-query attention; GPT-2 has one kv head per head"),
+        (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
     ]
     return [why for ok, why in checks if not ok]
 

@@ -53,6 +53,10 @@ LAYER_KEYS = {
     "mixer.qkv.bias": "decoder.layers.self_attention.linear_qkv.bias",
     "mixer.proj.weight": "decoder.layers.self_attention.linear_proj.weight",
     "mixer.proj.bias": "decoder.layers.self_attention.linear_proj.bias",
+    "mixer.q_norm.weight": "decoder.layers.self_attention.q_layernorm.weight",
+    "mixer.q_norm.bias": "decoder.layers.self_attention.q_layernorm.bias",
+    "mixer.k_norm.weight": "decoder.layers.self_attention.k_layernorm.weight",
+    "mixer.k_norm.bias": "decoder.layers.self_attention.k_layernorm.bias",
     "norm2.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
     "norm2.bias": "decoder.layers.mlp.linear_fc1.layer_norm_bias",
     "mlp.fc1.weight": "decoder.layers.mlp.linear_fc1.weight",
@@ -251,7 +255,6 @@ def object_keys(path: str) -> list[str]:
 TRAIN_FIELDS = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed", "bf16", "fp16")
 REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ours can hold
     "num_experts": "mixture of experts is not built here",
-    "qk_layernorm": "query/key layernorm is not built here",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
 }

@@ -26,6 +26,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
 from .documents import Documents
+from .norm import build_norm
 
 # --attention-backend (Megatron's names) -> the SDPA backends allowed on CUDA; auto: SDPA's own choice
 _SDPA_BACKENDS = {
@@ -77,6 +78,11 @@ class SelfAttention(nn.Module):
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, tp, out_std, sequence_parallel, bias=cfg.add_bias_linear
         )
+        self.rotary_interleaved = cfg.rotary_interleaved
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:  # one [head dim] weight for all heads: replicated over TP, its grad a partial sum
+            norm = functools.partial(build_norm, cfg.normalization, d, cfg.norm_epsilon, n > 1, cfg.apply_layernorm_1p)
+            self.q_norm, self.k_norm = norm(), norm()
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, documents: Documents | None = None
@@ -86,12 +92,18 @@ class SelfAttention(nn.Module):
         B, T, _ = qkv.shape
         d = self.head_dim
         qk_width = (self.heads + self.kv_heads) * d  # q then k heads: one slice, rotated in place by the kernel
+        qk = self._normed(qkv[..., :qk_width].view(B, T, -1, d))
+        if rope is not None and self.rotary_interleaved:
+            # the pairs (x[2i], x[2i+1]) moved to (i, i + r/2), where the rotation below pairs them; q and k are
+            # reordered alike, so q . k is that of the interleaved rotation
+            r = self.rotary_dim
+            order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)]).to(qk.device)
+            qk = qk[..., order]
         if rope is None:
-            q, k = qkv[..., : self.heads * d].view(B, T, -1, d), qkv[..., self.heads * d : qk_width].view(B, T, -1, d)
+            q, k = qk.split([self.heads, self.kv_heads], dim=2)
         elif self.rotary_dim == d:
-            q, k = rope_ops.apply_rope_qk(qkv[..., :qk_width].view(B, T, -1, d), *rope, q_heads=self.heads)
+            q, k = rope_ops.apply_rope_qk(qk, *rope, q_heads=self.heads)
         else:  # partial RoPE, as Megatron: rotate the first channels, pass the rest
-            qk = qkv[..., :qk_width].view(B, T, -1, d)
             q, k = rope_ops.apply_rope_qk(qk[..., : self.rotary_dim].contiguous(), *rope, q_heads=self.heads)
             q = torch.cat([q, qk[:, :, : self.heads, self.rotary_dim :]], dim=-1)
             k = torch.cat([k, qk[:, :, self.heads :, self.rotary_dim :]], dim=-1)
@@ -99,6 +111,13 @@ class SelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         o = self._core_attention(q, k, v, documents)
         return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))
+
+    def _normed(self, qk: torch.Tensor) -> torch.Tensor:
+        """--qk-layernorm: each query and key head normalized (q's weight for q heads, k's for k heads)."""
+        if self.q_norm is None or self.k_norm is None:
+            return qk
+        q, k = qk.split([self.heads, self.kv_heads], dim=2)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
 
     def _core_attention(self, q, k, v, documents: Documents | None):
         dropout = self.dropout if self.training else 0.0

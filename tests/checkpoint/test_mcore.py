@@ -50,6 +50,8 @@ LLAMA_FLAGS = SMALL + (
     "--position-embedding-type rope --group-query-attention --num-query-groups 2 "
     "--untie-embeddings-and-output-weights --disable-bias-linear"
 )
+# Megatron's per-head query/key norm and GPT-J's interleaved RoPE pairs, on the Llama config
+QK_FLAGS = LLAMA_FLAGS + " --qk-layernorm --rotary-interleaved"
 RUN = (
     " --hidden-dropout 0 --attention-dropout 0 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 1 "
     "--lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --train-iters 5 --global-batch-size 4 "
@@ -97,6 +99,8 @@ def _mcore_model(cfg, tp: int = 1, stage: int | None = None):
         ffn_hidden_size=m.ffn_size,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
+        qk_layernorm=m.qk_layernorm,
+        rotary_interleaved=m.rotary_interleaved,
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         bias_activation_fusion=m.gelu_approximate == "tanh",  # megatron's fused bias-gelu is the tanh form
@@ -113,7 +117,7 @@ def _mcore_model(cfg, tp: int = 1, stage: int | None = None):
     )
     return GPTModel(
         tc,
-        get_gpt_layer_local_spec(normalization=m.normalization),
+        get_gpt_layer_local_spec(normalization=m.normalization, qk_layernorm=m.qk_layernorm),
         vocab_size=ROWS,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         position_embedding_type=m.position_embedding_type,
@@ -372,7 +376,8 @@ def _all_cases(rank, world, root):
 
     parallel_state.initialize_model_parallel(1, 1)
     logits = {
-        name: _logits_both_ways(rank, root, name, flags) for name, flags in (("gpt", GPT_FLAGS), ("llama", LLAMA_FLAGS))
+        name: _logits_both_ways(rank, root, name, flags)
+        for name, flags in (("gpt", GPT_FLAGS), ("llama", LLAMA_FLAGS), ("llama_qk", QK_FLAGS))
     }
     parallel_state.destroy_model_parallel()
     return {"logits": logits, "run": _run_both_ways(rank, world, root)}
@@ -389,7 +394,7 @@ def _close(a, b, tol=1e-6):
     return (a - b).abs().max().item() <= tol * max(scale, 1.0)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "llama_qk"])
 def test_logits_equal_megatron_core_gptmodel_both_ways(results, name):
     for ours, theirs in results["logits"][name]:
         assert ours.shape == theirs.shape == (2, SEQ, ROWS)
