@@ -58,11 +58,17 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
     )
-    attention_type: str = opt("softmax", "--attention-type", "token mixer of every layer", choices=["softmax", "gla"])
+    attention_type: str = opt(
+        "softmax",
+        "--attention-type",
+        "token mixer of every layer (gdn: Gated DeltaNet)",
+        choices=["softmax", "gla", "gdn"],
+    )
     softmax_attention_every: int = opt(
         0,
         "--softmax-attention-every",
-        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none",
+        "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
+        "attention; 0 = none",
     )
     gla_chunk_size: int | None = opt(
         None,
@@ -186,8 +192,8 @@ class ModelConfig:
         return self.add_bias_linear or self.add_qkv_bias
 
     def layer_kind(self, layer: int) -> str:
-        """'softmax' or 'gla' for global layer index `layer` (0-based)."""
+        """'softmax', 'gla' or 'gdn' for global layer index `layer` (0-based)."""
         if self.attention_type == "softmax":
             return "softmax"
         k = self.softmax_attention_every
-        return "softmax" if k and (layer + 1) % k == 0 else "gla"
+        return "softmax" if k and (layer + 1) % k == 0 else self.attention_type

@@ -10,7 +10,8 @@ split by heads over TP (the convolution is per channel, A_log and dt_bias per he
 Packed documents: log a = -inf at each document's first token (the state resets) and the
 convolution reads no token of an earlier document.
 
-Not yet selectable from the command line (no --attention-type gdn) and one CP rank only."""
+--attention-type gdn (hybrids with --softmax-attention-every); chunk length --gla-chunk-size; one CP rank only
+(validation refuses CP > 1 for now)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from .. import recompute
+from ..config import ModelConfig, default_gla_chunk_size
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
@@ -29,11 +31,12 @@ CONV_KERNEL = 4  # fla's and Qwen3-Next's default
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float, chunk_size: int = 64):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
         if ctx.cp_size > 1:
             raise NotImplementedError("GatedDeltaNet: context parallelism is not built yet")
-        self.ctx, self.chunk_size, self.eps = ctx, chunk_size, cfg.norm_epsilon
+        self.ctx, self.chunk_size, self.eps = ctx, cfg.gla_chunk_size, cfg.norm_epsilon
+        self.selective = cfg.recompute_granularity == "selective"
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         heads, width, std = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
         # q | k | v | output gate (width each) | a | b (one per head), each split by heads over TP
@@ -51,6 +54,12 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
         h = self.proj_in(x)
+        # selective recompute: everything between the two projections runs again in the backward
+        o = recompute.checkpoint(self._core, h, documents) if self.selective else self._core(h, documents)
+        return self.proj_out(o)
+
+    def _core(self, h: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """Convolution, gates, the delta-rule operator, head norm and output gate: [B, T, width/TP]."""
         B, T, _ = h.shape
         local, H, D = self.heads * self.head_dim, self.heads, self.head_dim
         qkv, gate, a, b = h.split([3 * local, local, H, H], dim=-1)
@@ -61,9 +70,17 @@ class GatedDeltaNet(nn.Module):
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
         if starts is not None:
             g = g.masked_fill(starts[:, :, None], float("-inf"))
-        o = chunk_gdn(q, k, v, g, _fp32(b).sigmoid(), chunk_size=self.chunk_size)[0]
+        o = self._mix(q, k, v, g, _fp32(b).sigmoid())
         o = F.rms_norm(_fp32(o), (D,), eps=self.eps) * _fp32(self.head_norm).view(H, D)
-        return self.proj_out((o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype))
+        return (o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype)
+
+    def _mix(self, q, k, v, g, beta) -> torch.Tensor:
+        chunk, T = self.chunk_size or default_gla_chunk_size(q.device.type), q.shape[1]
+        pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
+        if pad:
+            q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+        out_dtype = torch.promote_types(v.dtype, torch.float32)
+        return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:

@@ -49,8 +49,8 @@ class _Docs:  # the two attributes the layer reads
 
 
 def test_gdn_layer_matches_token_loop():
-    cfg = old_model(hidden_size=32, num_attention_heads=2)
-    layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02, chunk_size=8)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8)
+    layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()
     with torch.no_grad():  # the init leaves these at zero/one: make them matter
@@ -58,8 +58,8 @@ def test_gdn_layer_matches_token_loop():
         layer.A_log.uniform_(-1, 1)
         layer.dt_bias.uniform_(-1, 1)
         layer.conv.normal_(0, 0.5)
-    T = 24
-    doc = torch.tensor([[0] * 10 + [1] * 9 + [2] * 5])
+    T = 21  # not a multiple of the chunk: the padded tail
+    doc = torch.tensor([[0] * 10 + [1] * 9 + [2] * 2])
     x = torch.randn(1, T, 32, dtype=torch.float64, requires_grad=True)
     out, ref = layer(x, documents=_Docs(doc)), token_loop_gdn(layer, x, doc)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
