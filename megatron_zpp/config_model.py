@@ -58,17 +58,23 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights", "separate input embedding and output layer weights"
     )
-    attention_type: str = opt("softmax", "--attention-type", "token mixer of every layer", choices=["softmax", "gla"])
+    attention_type: str = opt(
+        "softmax",
+        "--attention-type",
+        "token mixer of every layer (gdn: Gated DeltaNet)",
+        choices=["softmax", "gla", "gdn"],
+    )
     softmax_attention_every: int = opt(
         0,
         "--softmax-attention-every",
-        "hybrid model: with --attention-type gla, every K-th layer (K-1, 2K-1, ...) uses softmax attention; 0 = none",
+        "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
+        "attention; 0 = none",
     )
     gla_chunk_size: int | None = opt(
         None,
         "--gla-chunk-size",
-        "chunk length of the chunked GLA form; default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token and "
-        "head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
+        "chunk length of the chunked GLA (and GDN) form; default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
+        "and head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
         "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
         "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference",
     )
@@ -197,8 +203,8 @@ class ModelConfig:
         return self.add_bias_linear or self.add_qkv_bias
 
     def layer_kind(self, layer: int) -> str:
-        """'softmax' or 'gla' for global layer index `layer` (0-based)."""
+        """'softmax', 'gla' or 'gdn' for global layer index `layer` (0-based)."""
         if self.attention_type == "softmax":
             return "softmax"
         k = self.softmax_attention_every
-        return "softmax" if k and (layer + 1) % k == 0 else "gla"
+        return "softmax" if k and (layer + 1) % k == 0 else self.attention_type

@@ -248,8 +248,9 @@ FAMILIES = [
     ),
     (
         "Mamba/GDN/hybrid",
-        "Mamba, gated delta net and Megatron's hybrid layer patterns are not built (the linear attention here is "
-        "GLA: --attention-type gla, --softmax-attention-every): drop it",
+        "Mamba and Megatron's hybrid layer patterns are not built, and its gated delta net flags are not mapped "
+        "(ours: --attention-type gla|gdn, --softmax-attention-every; GDN heads from --num-attention-heads, "
+        "conv kernel 4): drop it",
         _any(
             _groups("experimental_attention_variant"),
             _starts("--mamba-", "--hybrid-", "--gdp-", "--linear-conv-", "--linear-key-", "--linear-value-"),

@@ -455,3 +455,8 @@ def test_packed_document_flags_are_accepted_with_megatrons_names():
     d = cfg.data
     assert d.reset_position_ids and d.reset_attention_mask and d.eod_mask_loss and d.packed_documents
     assert not validate(parse_args(["--mock-data", "--eod-mask-loss"]), 1).data.packed_documents
+
+
+def test_gdn_context_parallelism_is_refused_by_name():
+    cfg = parse_args("--mock-data --attention-type gdn --context-parallel-size 2".split())
+    assert "context parallelism is not built for GDN" in line_with(errors_of(cfg, 2), "--attention-type gdn")

@@ -36,6 +36,7 @@ def remote_unsupported(cfg) -> list[str]:
     m = cfg.model
     softmax = any(m.layer_kind(i) == "softmax" for i in range(m.num_layers))
     checks = [
+        (m.attention_type != "gdn", "its Gated DeltaNet layers have no remote code yet"),
         (not (m.add_bias_linear or m.add_qkv_bias), "it has linear biases (--add-bias-linear or --add-qkv-bias)"),
         (m.position_embedding_type != "learned_absolute", "it learns absolute positions"),
         (m.position_embedding_type == "rope" or not softmax, "its softmax layers use no RoPE"),

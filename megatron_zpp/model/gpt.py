@@ -30,6 +30,7 @@ from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
 from .context import ParallelContext
 from .documents import Documents
+from .gated_deltanet import GatedDeltaNet
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
 from .norm import build_norm
@@ -40,7 +41,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelContext):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
-        mixer = SelfAttention if cfg.layer_kind(layer) == "softmax" else GatedLinearAttention
+        mixer = {"softmax": SelfAttention, "gla": GatedLinearAttention, "gdn": GatedDeltaNet}[cfg.layer_kind(layer)]
         norm = _norm_builder(cfg, ctx.sequence_parallel)
         self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)

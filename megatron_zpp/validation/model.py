@@ -40,7 +40,11 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
             (
                 not (m.softmax_attention_every and m.attention_type == "softmax"),
-                "--softmax-attention-every needs --attention-type gla (the other layers are GLA)",
+                "--softmax-attention-every needs --attention-type gla or gdn (the other layers are linear attention)",
+            ),
+            (
+                m.attention_type != "gdn" or cp == 1,
+                f"--attention-type gdn: context parallelism is not built for GDN yet (--context-parallel-size {cp})",
             ),
             (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
             (
@@ -53,7 +57,7 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
             ),
             (
-                m.attention_type != "gla" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
+                m.attention_type == "softmax" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
                 f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
             ),
             (

@@ -1,0 +1,103 @@
+"""Gated DeltaNet (Yang et al. 2025; fla's GatedDeltaNet, Qwen3-Next) as a layer.
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = scale * S_t^T q_t
+
+q, k, v: head-split projections, each through a short causal depthwise convolution and SiLU;
+q and k L2-normalised; b = sigmoid(x W_b); log a = -exp(A_log) * softplus(x W_a + dt_bias).
+Output: per-head RMSNorm times silu(x W_gate), then the output projection. Every projection is
+split by heads over TP (the convolution is per channel, A_log and dt_bias per head).
+
+Packed documents: log a = -inf at each document's first token (the state resets) and the
+convolution reads no token of an earlier document.
+
+--attention-type gdn (hybrids with --softmax-attention-every); chunk length --gla-chunk-size; one CP rank only
+(validation refuses CP > 1 for now)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import recompute
+from ..config import ModelConfig, default_gla_chunk_size
+from ..ops.gdn import chunk_gdn
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.layers import mark
+from .context import ParallelContext
+from .documents import Documents
+
+CONV_KERNEL = 4  # fla's and Qwen3-Next's default
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
+        super().__init__()
+        if ctx.cp_size > 1:
+            raise NotImplementedError("GatedDeltaNet: context parallelism is not built yet")
+        self.ctx, self.chunk_size, self.eps = ctx, cfg.gla_chunk_size, cfg.norm_epsilon
+        self.selective = cfg.recompute_granularity == "selective"
+        self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
+        heads, width, std = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
+        # q | k | v | output gate (width each) | a | b (one per head), each split by heads over TP
+        sections = [width] * 4 + [heads] * 2
+        self.proj_in = ColumnParallelLinear(cfg.hidden_size, sections, ctx.tp, std, ctx.sequence_parallel)
+        local = self.heads * self.head_dim
+        self.conv = mark(
+            nn.Parameter(torch.empty(3 * local, CONV_KERNEL)), ("normal", std), (0, (width,) * 3)
+        )  # q | k | v channels, depthwise
+        # A_log = 0 (A = 1) and dt_bias = 0 for now: the init rules know normal/ones/zeros only
+        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("zeros",), (0, (heads,)))
+        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), ("zeros",), (0, (heads,)))
+        self.head_norm = mark(nn.Parameter(torch.empty(local)), ("ones",), (0, (width,)))
+        self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
+        h = self.proj_in(x)
+        # selective recompute: everything between the two projections runs again in the backward
+        o = recompute.checkpoint(self._core, h, documents) if self.selective else self._core(h, documents)
+        return self.proj_out(o)
+
+    def _core(self, h: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """Convolution, gates, the delta-rule operator, head norm and output gate: [B, T, width/TP]."""
+        B, T, _ = h.shape
+        local, H, D = self.heads * self.head_dim, self.heads, self.head_dim
+        qkv, gate, a, b = h.split([3 * local, local, H, H], dim=-1)
+        starts = documents.starts(T) if documents is not None and documents.separate else None
+        qkv = F.silu(causal_conv(qkv, self.conv, starts))
+        q, k, v = (t.view(B, T, H, D) for t in qkv.split(local, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
+        if starts is not None:
+            g = g.masked_fill(starts[:, :, None], float("-inf"))
+        o = self._mix(q, k, v, g, _fp32(b).sigmoid())
+        o = F.rms_norm(_fp32(o), (D,), eps=self.eps) * _fp32(self.head_norm).view(H, D)
+        return (o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype)
+
+    def _mix(self, q, k, v, g, beta) -> torch.Tensor:
+        chunk, T = self.chunk_size or default_gla_chunk_size(q.device.type), q.shape[1]
+        pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
+        if pad:
+            q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+        out_dtype = torch.promote_types(v.dtype, torch.float32)
+        return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution over [B, T, C]; with document starts [B, T] a token reads
+    only earlier tokens of its own document."""
+    kernel, T = weight.shape[1], x.shape[1]
+    out = x * weight[:, -1]
+    doc = starts.long().cumsum(1) if starts is not None else None
+    for lag in range(1, kernel):
+        shifted = F.pad(x, (0, 0, lag, 0))[:, :T]
+        if doc is not None:  # the token lag back belongs to another document: read zero
+            same = F.pad(doc, (lag, 0), value=-1)[:, :T] == doc
+            shifted = shifted * same[..., None].to(x.dtype)
+        out = out + shifted * weight[:, -1 - lag]
+    return out
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Gates and the norm run in fp32 for bf16 models (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
