@@ -32,4 +32,10 @@ bash tools/setup_env.sh
 .venv/bin/python -m mypy  # the files of [tool.mypy] in pyproject.toml
 # the other hooks of .pre-commit-config.yaml (ruff ran above, as a check): large files, whitespace, end of file
 SKIP=ruff-check,ruff-format .venv/bin/pre-commit run --all-files --show-diff-on-failure
+if [ "$has_path" = 0 ]; then  # the whole suite: the HF tests first on the lowest supported transformers too
+  echo "HF tests on transformers $(PYTHONPATH=.venv/transformers-lowest .venv/bin/python -c \
+    'import transformers; print(transformers.__version__)') (the lowest supported; the suite below has the newest)"
+  PYTHONPATH=.venv/transformers-lowest .venv/bin/python -m pytest -q tests/checkpoint/test_convert.py \
+    tests/checkpoint/test_hf_gpt2.py tests/data/test_tokenizer.py tests/data/test_tokenizer_files.py
+fi
 exec .venv/bin/python -m pytest -q "${args[@]}"

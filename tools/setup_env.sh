@@ -28,5 +28,13 @@ fi
 "${pip[@]}" -e ".[data,logging,plot,dev]"
 # the test extra "megatron" (megatron-core, pure Python) declares Python>=3.12; it runs on ours
 "${pip[@]}" --ignore-requires-python -e ".[megatron]"
+# the lowest transformers pyproject allows, beside the venv's newest: tools/run_tests.sh runs the HF tests on
+# both. Only transformers and the two packages it pins go in (the rest is the venv's).
+TRANSFORMERS_LOWEST=5.24.0
+lowest=.venv/transformers-lowest
+rm -rf "$lowest"
+"${pip[@]}" --target "$lowest" "transformers==${TRANSFORMERS_LOWEST}"
+find "$lowest" -mindepth 1 -maxdepth 1 -not -name 'transformers*' -not -name 'tokenizers*' \
+    -not -name 'huggingface_hub*' -not -name 'hf_xet*' -exec rm -rf {} +
 echo "$want" > "$stamp"
 echo "environment ready: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
