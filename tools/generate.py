@@ -86,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         eod=tok.eod if args.stop_at_eod else None,
         seed=args.seed,
     )
-    print(args.prompt + (" " if d.tokenizer_type == "NullTokenizer" and args.prompt else "") + tok.detokenize(new))
+    print(completion_text(tok, prompt if args.prompt else [], new))
     return 0
+
+
+def completion_text(tok, prompt: list[int], new: list[int]) -> str:
+    """The prompt and the new tokens decoded as one sequence, as transformers' `tok.decode(generate(...)[0])`
+    (decoding the two apart can differ at the seam: a sentencepiece word-start mark, merged bytes)."""
+    return tok.detokenize(list(prompt) + list(new))
 
 
 if __name__ == "__main__":

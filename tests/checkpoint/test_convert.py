@@ -376,3 +376,6 @@ def test_hf_remote_export_carries_the_tokenizer(tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     prompt = "def __init__(self, x): return quick"
     assert hf_tok(prompt, add_special_tokens=False).input_ids == ours.tokenize(prompt)
+    # tools/generate.py prints prompt and completion decoded as one sequence: transformers' text
+    ids, new = ours.tokenize(prompt), ours.tokenize(" return x + 1  # the quick brown fox")[::-1]
+    assert _tool("generate").completion_text(ours, ids, new) == hf_tok.decode(ids + new)
