@@ -44,7 +44,6 @@ KINDS = {
     "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--gla-gate-low-rank", "4"],
     "gdn_hybrid": ["--attention-type", "gdn", "--softmax-attention-every", "2"],
 }
-NO_CP = {"gdn_hybrid"}  # GDN context parallelism is not built: validation refuses it
 FULL_UNIFORM_1 = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 LAYOUTS = {  # name: (world size, layers, flags)
     "dp2": (2, 4, []),  # plain data parallelism, 2 micro-batches accumulated per rank
@@ -155,7 +154,7 @@ def assert_close_relative(got: np.ndarray, ref: np.ndarray, name: str, tol: floa
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_rank(layout):
     world, layers, flags = LAYOUTS[layout]
-    kinds = [k for k in KINDS if not (k in NO_CP and "--context-parallel-size" in flags)]
+    kinds = list(KINDS)
     argvs = [argv_for(kind, layers, flags) for kind in kinds]
     per_rank = run_distributed(_worker, world, argvs, timeout=600)
     for k, kind in enumerate(kinds):
@@ -198,16 +197,31 @@ def check_ledger(kind, layers, flags, world, results):
                 ring = 2 * (tp - 1) / tp * act * micro
                 assert _bytes(rows, "tp", "tp_fwd_allreduce") == pytest.approx((2 * stage_layers + first) * ring)
                 assert _bytes(rows, "tp", "tp_bwd_allreduce") == pytest.approx((2 * stage_layers + last) * ring)
-        if cp > 1:  # GLA: one fp32 state [micro, heads/TP, d, d] per layer each way (All-Scan), whatever CP is
+        if cp > 1:  # GLA, GDN: one fp32 state [micro, heads/TP, d, d] per layer each way (All-Scan), whatever CP is
             m = cfg.model
-            gla_layers = sum(m.layer_kind(i) == "gla" for i in range(layers))
+            linear_layers = sum(m.layer_kind(i) in ("gla", "gdn") for i in range(layers))
             state = MBS * (m.num_attention_heads // tp) * m.head_dim**2 * 4
             fwd, bwd = _bytes(rows, "cp", "cp_allscan_fwd"), _bytes(rows, "cp", "cp_allscan_bwd")
             if p.cp_algo == "all-scan":
-                assert fwd == pytest.approx(micro * gla_layers * state * (c["cp"] != cp - 1))
-                assert bwd == pytest.approx(micro * gla_layers * state * (c["cp"] != 0))
-            else:  # LASP-2: every rank gathers (P-1) states (+ their decays), so the bytes grow with P
-                assert _bytes(rows, "cp", "cp_lasp2_fwd") >= micro * gla_layers * state * (cp - 1)
+                assert fwd == pytest.approx(micro * linear_layers * state * (c["cp"] != cp - 1))
+                assert bwd == pytest.approx(micro * linear_layers * state * (c["cp"] != 0))
+            else:  # LASP-2 / KCP: every rank gathers (P-1) states (+ their transitions), so the bytes grow with P
+                assert _bytes(rows, "cp", "cp_lasp2_fwd") >= micro * linear_layers * state * (cp - 1)
+            # GDN's convolution: the last 3 tokens of q|k|v (fp32, heads/TP wide) to the next rank, gradients back
+            halo = (
+                micro
+                * (kind == "gdn_hybrid")
+                * linear_layers
+                * MBS
+                * 3
+                * 3
+                * m.num_attention_heads
+                // tp
+                * m.head_dim
+                * 4
+            )
+            assert _bytes(rows, "cp", "cp_halo_fwd") == pytest.approx(halo * (c["cp"] != cp - 1))
+            assert _bytes(rows, "cp", "cp_halo_bwd") == pytest.approx(halo * (c["cp"] != 0))
         if p.data_parallel_size > 1 and cfg.zero.zero_stage == 0:
             dp, numel = p.data_parallel_size, sum(w.size for w in r["weights"].values())
             assert _bytes(rows, "dp_cp", "grad_allreduce") == pytest.approx(2 * (dp - 1) / dp * 4 * numel)

@@ -20,6 +20,10 @@ Backward is the same chain run in reverse over the state gradient:
 
 with dS_corr(p) the gradient reaching S_in(p) from the output correction of slice p.
 
+Gated DeltaNet (gdn.py) has S_out = M(p) S_in + U(p), M [B,H,K,K] dense: M mixes the K rows, so
+there the blocks are cut along V, and the backward applies M^T. The chain sees only the
+transition (transition.py: Decay for GLA, Dense for GDN).
+
 `auto_blocks` picks the block count from the state size and the link (the rule is in its
 docstring). The LASP-1 ring (ring.py) is the same chain without pipelining; LASP-2
 (lasp2.py) gathers every state instead.
@@ -48,46 +52,48 @@ LINK_MODEL = {
 }
 
 
-def auto_blocks(state_bytes: int, cp: Group, device: torch.device, k_dim: int) -> int:
+def auto_blocks(state_bytes: int, cp: Group, device: torch.device, extent: int) -> int:
     """Blocks of the All-Scan pipeline for a state of `state_bytes` over `cp`.
 
     With s = state_bytes / bandwidth and alpha the per-message latency of the group's
     slowest link (LINK_MODEL), the last rank has the whole state after (P - 2 + K) block
     transfers of alpha + s/K each; that is least at K* = sqrt((P - 2) s / alpha). The rule
-    takes the largest divisor of the key dimension not above K* (1 for P <= 2: no pipeline
-    to fill)."""
+    takes the largest divisor of `extent` (the state's dimension the blocks cut: K for GLA, V for
+    GDN) not above K* (1 for P <= 2: no pipeline to fill)."""
     alpha, bandwidth = LINK_MODEL.get((device.type, cp.link), LINK_MODEL[("cuda", cp.link)])
     best = math.sqrt(max(cp.size - 2, 0) * state_bytes / bandwidth / alpha)
-    return max(d for d in range(1, k_dim + 1) if k_dim % d == 0 and d <= max(best, 1))
+    return max(d for d in range(1, extent + 1) if extent % d == 0 and d <= max(best, 1))
 
 
 def pipelined_chain(
-    local: Tensor, gamma: Tensor, cp: Group, step: int, phase: str, blocks: int, head: Tensor | None = None
+    local: Tensor, apply, dim: int, cp: Group, step: int, phase: str, blocks: int, head: Tensor | None = None
 ) -> Tensor:
-    """x_in from rank p - step (`head`, or zeros, at the chain's start); local + gamma * x_in
-    goes to p + step, block by block. local [B,H,K,V], gamma [B,H,K]; returns x_in [B,H,K,V]."""
+    """x_in from rank p - step (`head`, or zeros, at the chain's start); local + apply(x_in) goes to
+    p + step, block by block along `dim` of the state. local [B,H,K,V]; apply(x, span) maps the
+    blocks `span` of x_in (a transition's apply or apply_transposed); returns x_in [B,H,K,V]."""
     src, dst = cp.rank - step, cp.rank + step
     has_src, has_dst = 0 <= src < cp.size, 0 <= dst < cp.size
     tag = FWD_TAG if step > 0 else BWD_TAG
-    # K-major layout [K,B,H,V]: every block of K rows is one contiguous buffer.
-    loc, gam = local.movedim(2, 0), gamma.movedim(2, 0)[..., None]
+    # block-major layout: every block is one contiguous buffer
+    loc = local.movedim(dim, 0)
     x_in = torch.zeros(loc.shape, dtype=local.dtype, device=local.device)
     if head is not None and not has_src:
-        x_in.copy_(head.movedim(2, 0))
-    K = loc.shape[0]
-    edges = [K * i // blocks for i in range(blocks + 1)]
+        x_in.copy_(head.movedim(dim, 0))
+    n = loc.shape[0]
+    edges = [n * i // blocks for i in range(blocks + 1)]
     spans = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
     if has_src:  # block 0 alone; then each step sends block i with the receive of block i+1
         _exchange([comm.Recv(x_in[spans[0][0] : spans[0][1]], src, tag)], cp, phase)
     for i, (a, b) in enumerate(spans):
         ops = []
         if has_dst:
-            ops.append(comm.Send((loc[a:b] + gam[a:b] * x_in[a:b]).contiguous(), dst, tag + i))
+            passed = apply(x_in[a:b].movedim(0, dim), slice(a, b)).movedim(dim, 0)
+            ops.append(comm.Send((loc[a:b] + passed).contiguous(), dst, tag + i))
         if has_src and i + 1 < len(spans):
             c, d = spans[i + 1]
             ops.append(comm.Recv(x_in[c:d], src, tag + i + 1))
         _exchange(ops, cp, phase)
-    return x_in.movedim(0, 2)
+    return x_in.movedim(0, dim)
 
 
 def _exchange(ops: list, cp: Group, phase: str) -> None:
@@ -96,7 +102,8 @@ def _exchange(ops: list, cp: Group, phase: str) -> None:
 
 
 class AllScan:
-    """The state scan by ZeCO's All-Scan; `backward` reuses the forward's gamma."""
+    """The state scan by ZeCO's All-Scan, blocks cut along the transition's free dimension;
+    `backward` reuses the forward's transition."""
 
     name = "allscan"
 
@@ -105,9 +112,12 @@ class AllScan:
             raise ValueError(f"all-scan blocks must be >= 1 (got {blocks})")
         self.cp, self.blocks = cp, blocks
 
-    def forward(self, S_loc: Tensor, log_gamma: Tensor, head: Tensor | None) -> Tensor:
-        self.gamma = log_gamma.exp()  # log_gamma <= 0: no overflow, strong decays underflow to 0
-        return pipelined_chain(S_loc, self.gamma, self.cp, +1, "cp_allscan_fwd", self.blocks, head)
+    def forward(self, S_loc: Tensor, transition, head: Tensor | None) -> Tensor:
+        self.transition = transition
+        return pipelined_chain(
+            S_loc, transition.apply, transition.dim, self.cp, +1, "cp_allscan_fwd", self.blocks, head
+        )
 
     def backward(self, dS_corr: Tensor) -> Tensor:
-        return pipelined_chain(dS_corr, self.gamma, self.cp, -1, "cp_allscan_bwd", self.blocks)
+        t = self.transition
+        return pipelined_chain(dS_corr, t.apply_transposed, t.dim, self.cp, -1, "cp_allscan_bwd", self.blocks)

@@ -42,6 +42,7 @@ from ..topology import Group
 from .all_scan import AllScan, auto_blocks
 from .lasp2 import GatherScan
 from .ring import RingScan
+from .transition import Decay
 
 ALGOS = ("all-scan", "all-gather", "ring")
 
@@ -113,7 +114,7 @@ class ContextParallelGLA(torch.autograd.Function):
         if kept is not None:
             pending = _Known(kept)
         else:
-            pending = _overlapped(scan.forward, S_loc, log_gamma, None if head is None else head.to(dt))
+            pending = _overlapped(scan.forward, S_loc, Decay(log_gamma), None if head is None else head.to(dt))
         if ctx.staged:
             stages.intra()
             S_in = recompute.remember(pending.result())
@@ -168,10 +169,11 @@ def _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do):
     return dq, dk + dk_s, dv + dv_s, dg, d_head
 
 
-def make_scan(algo: str, cp: Group, blocks: int, state_bytes: int, device: torch.device, k_dim: int):
-    """The state scan of `algo`; all-scan with blocks 0 picks its block count (auto_blocks)."""
+def make_scan(algo: str, cp: Group, blocks: int, state_bytes: int, device: torch.device, extent: int):
+    """The state scan of `algo`; all-scan with blocks 0 picks its block count (auto_blocks over `extent`,
+    the state dimension its blocks cut)."""
     if algo == "all-scan":
-        return AllScan(cp, blocks or auto_blocks(state_bytes, cp, device, k_dim))
+        return AllScan(cp, blocks or auto_blocks(state_bytes, cp, device, extent))
     if algo == "all-gather":
         return GatherScan(cp)
     if algo == "ring":

@@ -1,7 +1,7 @@
 """LASP-1 baseline: the state scan over CP ranks as a serial ring of whole-state messages.
 
-Same math as All-Scan (all_scan.py): S_in(p+1) = S_loc(p) + gamma(p) * S_in(p), backward
-dS_in(p) = dS_corr(p) + gamma(p) * dS_out(p) sent to p-1. Rank p blocks until the whole
+Same math as All-Scan (all_scan.py): S_in(p+1) = S_loc(p) + T(p) S_in(p), backward
+dS_in(p) = dS_corr(p) + T(p)^T dS_out(p) sent to p-1 (T: transition.py). Rank p blocks until the whole
 S_in has arrived from p-1, then sends the whole S_out to p+1 and waits for it to leave, so
 the chain's latency is P * tau(state) (no pipelining); each rank still sends one state.
 """
@@ -15,7 +15,7 @@ from .. import comm
 from ..topology import Group
 
 
-def ring_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: str, head: Tensor | None = None) -> Tensor:
+def ring_chain(local: Tensor, apply, cp: Group, step: int, phase: str, head: Tensor | None = None) -> Tensor:
     src, dst = cp.rank - step, cp.rank + step
     x_in = torch.zeros(local.shape, dtype=local.dtype, device=local.device)
     if 0 <= src < cp.size:
@@ -23,7 +23,7 @@ def ring_chain(local: Tensor, gamma: Tensor, cp: Group, step: int, phase: str, h
     elif head is not None:
         x_in.copy_(head)
     if 0 <= dst < cp.size:
-        comm.send((local + gamma[..., None] * x_in).contiguous(), dst, cp, phase).wait()
+        comm.send((local + apply(x_in)).contiguous(), dst, cp, phase).wait()
     return x_in
 
 
@@ -33,9 +33,9 @@ class RingScan:
     def __init__(self, cp: Group):
         self.cp = cp
 
-    def forward(self, S_loc: Tensor, log_gamma: Tensor, head: Tensor | None) -> Tensor:
-        self.gamma = log_gamma.exp()
-        return ring_chain(S_loc, self.gamma, self.cp, +1, "cp_ring_fwd", head)
+    def forward(self, S_loc: Tensor, transition, head: Tensor | None) -> Tensor:
+        self.transition = transition
+        return ring_chain(S_loc, transition.apply, self.cp, +1, "cp_ring_fwd", head)
 
     def backward(self, dS_corr: Tensor) -> Tensor:
-        return ring_chain(dS_corr, self.gamma, self.cp, -1, "cp_ring_bwd")
+        return ring_chain(dS_corr, self.transition.apply_transposed, self.cp, -1, "cp_ring_bwd")

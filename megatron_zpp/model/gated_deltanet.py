@@ -10,8 +10,10 @@ split by heads over TP (the convolution is per channel, A_log and dt_bias per he
 Packed documents: log a = -inf at each document's first token (the state resets) and the
 convolution reads no token of an earlier document.
 
---attention-type gdn (hybrids with --softmax-attention-every); chunk length --gla-chunk-size; one CP rank only
-(validation refuses CP > 1 for now)."""
+Context parallelism (context_parallel/gdn.py): the operator's state goes over the CP ranks by --cp-algo
+(All-Scan, all-gather or ring), and the convolution reads the previous rank's last kernel-1 tokens.
+
+--attention-type gdn (hybrids with --softmax-attention-every); chunk length --gla-chunk-size."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import recompute
 from ..config import ModelConfig, default_gla_chunk_size
+from ..context_parallel.gdn import gdn_context_parallel, previous_tokens
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
@@ -33,8 +36,6 @@ CONV_KERNEL = 4  # fla's and Qwen3-Next's default
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        if ctx.cp_size > 1:
-            raise NotImplementedError("GatedDeltaNet: context parallelism is not built yet")
         self.ctx, self.chunk_size, self.eps = ctx, cfg.gla_chunk_size, cfg.norm_epsilon
         self.selective = cfg.recompute_granularity == "selective"
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
@@ -63,32 +64,46 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = h.shape
         local, H, D = self.heads * self.head_dim, self.heads, self.head_dim
         qkv, gate, a, b = h.split([3 * local, local, H, H], dim=-1)
-        starts = documents.starts(T) if documents is not None and documents.separate else None
-        qkv = F.silu(causal_conv(qkv, self.conv, starts))
+        separate = documents is not None and documents.separate
+        qkv = F.silu(self._conv(qkv, documents if separate else None))
         q, k, v = (t.view(B, T, H, D) for t in qkv.split(local, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
-        if starts is not None:
-            g = g.masked_fill(starts[:, :, None], float("-inf"))
+        if separate:
+            g = g.masked_fill(documents.starts(T)[:, :, None], float("-inf"))
         o = self._mix(q, k, v, g, _fp32(b).sigmoid())
         o = F.rms_norm(_fp32(o), (D,), eps=self.eps) * _fp32(self.head_norm).view(H, D)
         return (o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype)
 
+    def _conv(self, qkv: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """The causal convolution of this rank's tokens, reading the kernel-1 tokens before them (the previous
+        CP rank's, or zeros before the sequence) where they belong to the same document."""
+        (B, T, C), lead, ctx = qkv.shape, CONV_KERNEL - 1, self.ctx
+        halo = previous_tokens(qkv, lead, ctx.cp) if ctx.cp_size > 1 else qkv.new_zeros(B, lead, C)
+        doc = None
+        if documents is not None:  # document labels of the halo and the slice (-1: before the sequence)
+            start = documents.offset - lead
+            doc = F.pad(documents.doc_ids[:, max(start, 0) : documents.offset + T], (max(-start, 0), 0), value=-1)
+        return causal_conv(torch.cat([halo, qkv], dim=1), self.conv, doc)[:, lead:]
+
     def _mix(self, q, k, v, g, beta) -> torch.Tensor:
-        chunk, T = self.chunk_size or default_gla_chunk_size(q.device.type), q.shape[1]
+        ctx, chunk, T = self.ctx, self.chunk_size or default_gla_chunk_size(q.device.type), q.shape[1]
+        out_dtype = torch.promote_types(v.dtype, torch.float32)
+        if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
+            return gdn_context_parallel(
+                q, k, v, g, beta, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk, out_dtype=out_dtype
+            )
         pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
         if pad:
             q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
-        out_dtype = torch.promote_types(v.dtype, torch.float32)
         return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal convolution over [B, T, C]; with document starts [B, T] a token reads
-    only earlier tokens of its own document."""
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution over [B, T, C] (zeros before the first token); with document labels
+    doc [B, T] a token reads only earlier tokens of its own document."""
     kernel, T = weight.shape[1], x.shape[1]
     out = x * weight[:, -1]
-    doc = starts.long().cumsum(1) if starts is not None else None
     for lag in range(1, kernel):
         shifted = F.pad(x, (0, 0, lag, 0))[:, :T]
         if doc is not None:  # the token lag back belongs to another document: read zero

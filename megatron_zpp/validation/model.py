@@ -4,6 +4,7 @@ are not built here."""
 from __future__ import annotations
 
 from ..config import Config
+from ..model.gated_deltanet import CONV_KERNEL as GDN_CONV_KERNEL
 from .common import derived, failed
 from .parallel import chunk_layer_counts
 
@@ -42,10 +43,6 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 not (m.softmax_attention_every and m.attention_type == "softmax"),
                 "--softmax-attention-every needs --attention-type gla or gdn (the other layers are linear attention)",
             ),
-            (
-                m.attention_type != "gdn" or cp == 1,
-                f"--attention-type gdn: context parallelism is not built for GDN yet (--context-parallel-size {cp})",
-            ),
             (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
             (
                 m.seq_length <= derived(m.max_position_embeddings),
@@ -59,6 +56,11 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             (
                 m.attention_type == "softmax" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
                 f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
+            ),
+            (
+                m.attention_type != "gdn" or cp == 1 or m.seq_length // cp >= GDN_CONV_KERNEL - 1,
+                f"--attention-type gdn: sequence per CP rank {m.seq_length // cp} is shorter than the "
+                f"convolution's {GDN_CONV_KERNEL - 1} tokens it reads from the previous rank",
             ),
             (
                 not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
