@@ -63,11 +63,11 @@ def _check_operator(rank, world, cp):
             ref = [x[:, sl] for x in ref[:6]] + (ref[6:] if rank == 0 else [])
             local = [x[:, sl] for x in (q, k, v, g, beta)]
             for algo, blocks in ALGOS:
-                fn = (
-                    lambda *a: gdn_context_parallel(  # noqa: E731
-                        *a[:5], cp, algo=algo, blocks=blocks, scale=0.3, chunk_size=CHUNK, initial_state=a[5]
-                    )
-                )
+
+                def fn(*a, algo=algo, blocks=blocks):
+                    kw = dict(algo=algo, blocks=blocks, scale=0.3, chunk_size=CHUNK, initial_state=a[5])
+                    return gdn_context_parallel(*a[:5], cp, **kw)
+
                 got = outputs_and_grads(fn, local, h0 if rank == 0 else None, do[:, sl])
                 assert len(got) == len(ref)
                 assert_rel_close(got, ref, tol, f"CP{world} rank {rank} {algo}/{blocks} {dtype} {gates} h0={with_h0}")
