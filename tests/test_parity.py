@@ -290,3 +290,51 @@ def test_megatron_defaults_match_single_rank(layout):
     for name, w in ref["weights"].items():  # biases start at 0: Adam turns round-off into 1e-5 of their small norm
         assert_close_relative(got[name], w, f"{layout} {name}", tol=5e-5 if name.endswith("bias") else 1e-5)
     assert ref["losses"][-1] < ref["losses"][0]
+
+
+# Gated DeltaNet hybrids under CP with packed documents: 64 tokens, so that CP 8 holds one chunk of 8 per rank;
+# every run records that documents straddle each of its rank boundaries.
+GDN_PACKED = KINDS["gdn_hybrid"] + "--seq-length 64 --num-layers 4 --reset-position-ids --reset-attention-mask".split()
+GDN_CP_LAYOUTS = {  # world size: the layouts one spawn runs
+    8: ["--context-parallel-size 8", "--context-parallel-size 8 --cp-algo all-gather"],
+    4: [
+        "--context-parallel-size 4 --all-scan-blocks 2",
+        "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --cp-algo all-gather",
+    ],
+}
+
+
+def _gdn_cp_worker(rank, world_size, argvs):
+    from megatron_zpp.model.gated_deltanet import GatedDeltaNet
+
+    conv, straddled = GatedDeltaNet._conv, []
+
+    def recording_conv(self, qkv, documents):  # whether a document crosses into this rank's slice
+        if documents is not None and documents.offset > 0:
+            ids = documents.doc_ids
+            straddled.append(bool((ids[:, documents.offset - 1] == ids[:, documents.offset]).any()))
+        return conv(self, qkv, documents)
+
+    GatedDeltaNet._conv = recording_conv
+    out = []
+    for argv in argvs:
+        straddled.clear()
+        out.append({**train_and_collect(argv, world_size), "straddled": any(straddled)})
+    return out
+
+
+@pytest.mark.parametrize("world", list(GDN_CP_LAYOUTS))
+def test_gdn_hybrid_context_parallel_packed_matches_single_rank(world):
+    argvs = [BASE + GDN_PACKED + flags.split() for flags in GDN_CP_LAYOUTS[world]]
+    per_rank = run_distributed(_gdn_cp_worker, world, argvs, timeout=600)
+    ref = train_and_collect(BASE + GDN_PACKED, 1)
+    for k, flags in enumerate(GDN_CP_LAYOUTS[world]):
+        results = [r[k] for r in per_rank]
+        assert all(r["straddled"] for r in results if r["coords"]["cp"] > 0), f"{flags}: a boundary no document crosses"
+        for r in results:
+            np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{flags} losses, {r['coords']}")
+        got = full_weights(results)
+        assert set(got) == set(ref["weights"])
+        for name, w in ref["weights"].items():
+            assert_close_relative(got[name], w, f"{flags} {name}")
+    assert ref["losses"][-1] < ref["losses"][0]
