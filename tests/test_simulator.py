@@ -39,6 +39,8 @@ LAYOUTS = {
     "--sequence-parallel",
     "zero-3 + hierarchy, bf16 gradient wire": "--zero-stage 3 --zero-hierarchy 2 --grad-reduce-in-bf16",
     "plain DP4, bf16 gradient wire": "--grad-reduce-in-bf16",
+    "GDN hybrid, TP2 + CP2 all-scan": "--attention-type gdn --tensor-model-parallel-size 2 --context-parallel-size 2",
+    "GDN hybrid, CP4 all-gather, bf16": "--attention-type gdn --context-parallel-size 4 --cp-algo all-gather --bf16",
 }
 
 

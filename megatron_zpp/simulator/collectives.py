@@ -10,8 +10,10 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   all-reduce); the embedding's output and the output layer's input likewise; the
   vocab-parallel cross-entropy's two fp32 all-reduces (tensor_parallel/cross_entropy.py);
 * context_parallel/: softmax layers all-gather K|V and reduce-scatter their gradient;
-  GLA layers pass one fp32 state [b, heads, d, d] down the chain (all-scan, ring) or
-  all-gather every state (LASP-2), forward and backward;
+  GLA and GDN layers pass one fp32 state [b, heads, d, d] down the chain (all-scan, ring)
+  or all-gather every state with its transition (GLA's decay [b, heads, d], GDN's M [b, heads,
+  d, d]), forward and backward; GDN's convolution sends its last 3 q|k|v tokens to the next
+  rank (context_parallel/gdn.py) and gets their gradient back;
 * pipeline_parallel/: the sends of the real schedule (schedule.stage_ops);
 * zero/: plain DP's fp32 gradient all-reduce; ZeRO units (the engine's own padding,
   zero/sharded_params.flat_geometry) gathered and released by the hooks' rules (a block
@@ -39,6 +41,7 @@ from .. import comm
 from ..config import Config
 from ..data.tokenizer import pad_vocab_size
 from ..memory import stage_model
+from ..model.gated_deltanet import CONV_KERNEL as GDN_CONV_KERNEL
 from ..ops.quantize import wire_bytes
 from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
 from ..zero.ddp_engine import default_bucket_numel
@@ -59,7 +62,7 @@ class Coll:
     link: str
     n: int
     nbytes: float  # the full buffer, as comm.model_bytes takes it
-    kind: str  # overlap class: tp, cp_attn, cp_scan, pp, zero_gather, grad, param_gather, misc
+    kind: str  # overlap class: tp, cp_attn, cp_scan, cp_halo, pp, zero_gather, grad, param_gather, misc
     quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
     quant_key: str = ""  # "bits/block" of its quantizer (hardware.Cluster.quant's key)
     quant_calls: int = 0  # quantizer passes it runs (quantize + dequantize(-sum): 2), each with a fixed cost
@@ -192,8 +195,9 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
                 if fwd
                 else _coll(g.cp, "cp_attn_bwd", "reduce_scatter", kv, "cp_attn")
             )
-        elif not rerun:
-            out += _scan_colls(cfg, g, fwd)
+        elif not rerun:  # the halo before the operator's scan; its gradient after the scan's
+            scan, halo = _scan_colls(cfg, g, fwd, m.layer_kind(layer)), _halo_colls(cfg, g, fwd, layer, e)
+            out += halo + scan if fwd else scan + halo
     if rerun:
         out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
     return out
@@ -205,27 +209,46 @@ def _product_widths(cfg: Config, layer: int) -> tuple[int, int]:
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
     if m.layer_kind(layer) == "softmax":
         mixer = (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim
+    elif m.layer_kind(layer) == "gdn":  # q | k | v | output gate, and a | b per head
+        mixer = 4 * m.num_attention_heads * m.head_dim + 2 * m.num_attention_heads
     else:
         low = m.gla_gate_low_rank
         mixer = (4 if low else 5) * m.num_attention_heads * m.head_dim + tp * low
     return mixer, m.ffn_size * (2 if m.activation == "swiglu" else 1)
 
 
-def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool) -> list[Coll]:
-    """The GLA state scan of one layer (context_parallel/gla.py: fp32 state [b, H, K, V])."""
+def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool, kind: str) -> list[Coll]:
+    """The state scan of one GLA or GDN layer (context_parallel/gla.py, gdn.py: fp32 state [b, H, K, V])."""
     m, p = cfg.model, cfg.parallel
     heads = m.num_attention_heads // p.tensor_model_parallel_size
     state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
     cp, algo = g.cp, p.cp_algo
-    if algo == "all-gather":  # LASP-2: the states (and their decays, forward) of every rank
-        gamma = cfg.train.micro_batch_size * heads * m.head_dim * 4
-        nbytes = cp.size * (state + gamma) if fwd else cp.size * state
+    if algo == "all-gather":  # the states (and their transitions, forward) of every rank
+        nbytes = cp.size * (state + transition_bytes(cfg, kind)) if fwd else cp.size * state
         return [_coll(cp, "cp_lasp2_fwd" if fwd else "cp_lasp2_bwd", "all_gather", nbytes, "cp_scan")]
     dst = cp.rank + (1 if fwd else -1)
     if not 0 <= dst < cp.size:
         return []
     name = "cp_allscan" if algo == "all-scan" else "cp_ring"
     return [_coll(cp, f"{name}_{'fwd' if fwd else 'bwd'}", "send", state, "cp_scan", link=cp.peer_links[dst])]
+
+
+def transition_bytes(cfg: Config, kind: str) -> int:
+    """What the all-gather sends of a slice's transition with its state: GLA's decay [b, H, K], GDN's M [b, H, K, K]."""
+    m, p = cfg.model, cfg.parallel
+    heads = m.num_attention_heads // p.tensor_model_parallel_size
+    return cfg.train.micro_batch_size * heads * m.head_dim * (m.head_dim if kind == "gdn" else 1) * 4
+
+
+def _halo_colls(cfg: Config, g: ProcessGroups, fwd: bool, layer: int, e: int) -> list[Coll]:
+    """GDN's convolution: its last kernel-1 tokens of q|k|v [b, 3, 3 width/TP] (e) to rank p+1, their gradient back."""
+    m, p, cp = cfg.model, cfg.parallel, g.cp
+    dst = cp.rank + (1 if fwd else -1)
+    if m.layer_kind(layer) != "gdn" or not 0 <= dst < cp.size:
+        return []
+    width = m.num_attention_heads // p.tensor_model_parallel_size * m.head_dim
+    nbytes = cfg.train.micro_batch_size * (GDN_CONV_KERNEL - 1) * 3 * width * e
+    return [_coll(cp, "cp_halo_fwd" if fwd else "cp_halo_bwd", "send", nbytes, "cp_halo", link=cp.peer_links[dst])]
 
 
 def _end_colls(cfg: Config, g: ProcessGroups, chunk, fwd: bool) -> list[Coll]:

@@ -21,7 +21,8 @@ Overlap, per rank, with one compute stream and one communication stream per link
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
   chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
-  all-gather;
+  all-gather; GDN's scan (context_parallel/gdn.py) waits for the local pass: all exposed,
+  as is GDN's convolution halo (one p2p of 3 tokens each way);
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
   one) and the unit waits for it; a unit's gradient reduction starts after its backward,
   at most --zero-reduce-in-flight in flight (default max(2, hops), zero_engine's
@@ -46,8 +47,8 @@ Overlap, per rank, with one compute stream and one communication stream per link
   comm streams); on the emulated cluster gloo's threads take the same 2 cores as compute, so
   it is fitted from calibration runs at two link rates.
 
-Per layer and micro-batch, a fixed overhead (Cluster.per_layer_s, + gla_layer_s for a GLA
-layer: the CPU's per-op cost; 0 on the GPU presets). Step-end terms besides the optimizer:
+Per layer and micro-batch, a fixed overhead (Cluster.per_layer_s, + gla_layer_s for a GLA or
+GDN layer, GDN not calibrated apart: the CPU's per-op cost; 0 on the GPU presets). Step-end terms besides the optimizer:
 Cluster.fixed_step_s (per step) and unit_step_s per ZeRO unit (Python hooks, the optimizer
 over many shard segments: ~0 on GPUs, fitted on the emulated cluster); the quantizer's
 per-element and per-call cost per (bits, block) (quant_time); the CP chain's per-message cost
@@ -67,7 +68,7 @@ from ..perf import flops_per_token
 from ..topology import Group, topology_from_config
 from ..zero.sharded_params import START_UNITS
 from ..zero.zero_engine import reductions_in_flight
-from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks
+from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks, transition_bytes
 from .hardware import Cluster
 from .schedule import pipeline_time
 
@@ -141,7 +142,7 @@ def layer_flops(cfg: Config) -> tuple[list[float], float]:
 
 
 def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float:
-    """The GLA state scan's chain time for one layer, one direction."""
+    """The state scan's chain time for one GLA or GDN layer, one direction."""
     m, p = cfg.model, cfg.parallel
     P = cp.size
     if P <= 1:
@@ -152,8 +153,8 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     per_node = max(Counter(r // ranks_per_node for r in cp.ranks).values())
     bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
     if p.cp_algo == "all-gather":
-        gamma = cfg.train.micro_batch_size * heads * m.head_dim * 4
-        return (P - 1) * (link.alpha + cl.scan_msg_s + (state + gamma) / bw)
+        transition = transition_bytes(cfg, m.attention_type)
+        return (P - 1) * (link.alpha + cl.scan_msg_s + (state + transition) / bw)
     if p.cp_algo == "ring":
         return (P - 1) * (link.alpha + cl.scan_msg_s + state / bw)
 
@@ -222,7 +223,7 @@ class _RankTimer:
         self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
 
     def _layer_overhead(self, kind: str) -> float:
-        return self.cl.per_layer_s + (self.cl.gla_layer_s if kind == "gla" else 0.0)
+        return self.cl.per_layer_s + (self.cl.gla_layer_s if kind in ("gla", "gdn") else 0.0)
 
     def _t(self, c: Coll) -> float:
         return coll_time(c, self.cl, self.rpn)
@@ -305,7 +306,7 @@ class _RankTimer:
         tail: list[Coll] = []
         layer_names = [n for n in units if n.startswith("layer")]
         # attribute the unit-less collectives (TP/CP per layer, end units) in issue order
-        per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan")]
+        per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan", "cp_halo")]
         for u, c in colls:
             if u is not None:
                 (grads if c.kind == "grad" else zero)[u].append(c)
@@ -320,7 +321,8 @@ class _RankTimer:
                     if c.op == "send"
                     else self._t(c) + _steps(c.op, c.n) * cl.scan_msg_s
                 )
-                window = self.gla_core * (1 if op.kind == "F" else 2)
+                # GLA hides the scan behind its local pass (context_parallel/gla.py); GDN's waits for it (gdn.py)
+                window = 0.0 if self.cfg.model.attention_type == "gdn" else self.gla_core * (1 if op.kind == "F" else 2)
                 tokens = (
                     self.cfg.train.micro_batch_size
                     * self.cfg.model.seq_length

@@ -149,14 +149,16 @@ def test_zeropp_three_tiers_match_the_simulator_bytes():
         assert second > first
 
 
-def test_hybrid_gla_all_scan_under_cp():
-    """A hybrid GLA model at CP4 x TP2 with All-Scan: the scan's p2p chain pairs up along the CP group
-    and the softmax layer's all-gathers agree."""
+@pytest.mark.parametrize("mixer", ["gla", "gdn"])
+def test_hybrid_all_scan_under_cp(mixer):
+    """A hybrid GLA or GDN model at CP4 x TP2 with All-Scan: the scan's p2p chain (and GDN's convolution
+    halo) pairs up along the CP group and the softmax layer's all-gathers agree."""
     argv = (
         TINY
         + (
-            "--num-layers 2 --global-batch-size 1 --attention-type gla --softmax-attention-every 2 --gla-chunk-size 16 "
-            "--tensor-model-parallel-size 2 --context-parallel-size 4 --cp-algo all-scan --sequence-parallel"
+            f"--num-layers 2 --global-batch-size 1 --attention-type {mixer} --softmax-attention-every 2 "
+            "--gla-chunk-size 16 --tensor-model-parallel-size 2 --context-parallel-size 4 --cp-algo all-scan "
+            "--sequence-parallel"
         ).split()
     )
     cfg = parse_config(argv, 8, run=False)
