@@ -3,6 +3,13 @@
     .venv/bin/python bench/cp.py --quick        (smoke test: P = 2, 4 on loopback, T_local 1024, 2 iterations, < 2 min)
     sudo .venv/bin/python bench/cp.py           (P = 2, 4, 8 on loopback and on the shaped link, ~20 min on 2 cores)
     .venv/bin/python bench/cp.py --no-netns --ps 2 4 --blocks 8 --iters 4
+    sudo .venv/bin/python bench/cp.py --mixer gdn --ps 4 8    (Gated DeltaNet, K = V = 128: All-Scan vs all-gather)
+
+--mixer gdn runs the same rows on Gated DeltaNet's operator (context_parallel/gdn.py): ideal = chunk_gdn on the
+slice, the operator = gdn_context_parallel (its local pass on [v, 0_K] from [0, I_K], then the scan, which it
+waits for: no overlap, so the overhead target is GLA's only), the all-gather = fla's KCP exchange (every rank's
+(U, M): (P-1) x (1 + K/V) states forward), All-Scan's blocks cut along V. The comparison is the same: All-Scan
+against the all-gather at every P > 2.
 
 Shape: B = 1, H = 8 heads, key/value head dims K = 128, V = 256, T_local = 2048 tokens per rank in chunks
 of 64 (32 chunks per rank), fp32; weak scaling as in the ZeCO paper (the sequence is P * T_local). A state
@@ -86,21 +93,39 @@ def variants(blocks: int | None) -> list[tuple[str, str | None, int]]:
 
 
 def state_bytes(cfg: dict) -> int:
-    return cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4  # B = 1, fp32: what gla_context_parallel computes
+    return cfg["heads"] * cfg["head_k"] * cfg["head_v"] * 4  # B = 1, fp32: what the CP operators compute
+
+
+def label(cfg: dict) -> str:
+    return "Gated DeltaNet" if cfg["mixer"] == "gdn" else "GLA"
+
+
+def block_extent(cfg: dict) -> int:
+    """The state dimension All-Scan's blocks cut: K for GLA, V for GDN (its M mixes the K rows)."""
+    return cfg["head_v"] if cfg["mixer"] == "gdn" else cfg["head_k"]
 
 
 # ---------------------------------------------------------------- one rank
 
 
 def make_inputs(cfg: dict, rank: int) -> dict:
-    """This rank's slice (q, k, v, g as leaves) and states of the scan's sizes for comm-only."""
+    """This rank's slice (GLA: q, k, v, g; GDN: L2-normalised q, k, v, g per head, beta; as leaves), states of the
+    scan's sizes for comm-only and the slice's transition (GLA: its decay; GDN: a K x K matrix)."""
+    from megatron_zpp.context_parallel.transition import Decay, Dense
+
     gen = torch.Generator().manual_seed(1234 + rank)
     T, H, K, V = cfg["t_local"], cfg["heads"], cfg["head_k"], cfg["head_v"]
     q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
     v = torch.randn(1, T, H, V, generator=gen)
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # log decay <= 0
     S, dS = (torch.randn(1, H, K, V, generator=gen) for _ in range(2))
-    return {"leaves": [x.requires_grad_() for x in (q, k, v, g)], "S": S, "log_gamma": g.detach().sum(1), "dS": dS}
+    if cfg["mixer"] == "gdn":
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=gen)) / 16
+        beta = torch.rand(1, T, H, generator=gen)
+        transition = Dense(torch.randn(1, H, K, K, generator=gen) / K)
+        return {"leaves": [x.requires_grad_() for x in (q, k, v, g, beta)], "S": S, "T": transition, "dS": dS}
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # log decay <= 0
+    return {"leaves": [x.requires_grad_() for x in (q, k, v, g)], "S": S, "T": Decay(g.detach().sum(1)), "dS": dS}
 
 
 class SilentScan:
@@ -108,26 +133,33 @@ class SilentScan:
     (the local pass split in two, the state correction and its gradients, the thread), so that the
     communication a real scan leaves exposed is measured against it rather than against the ideal."""
 
-    def forward(self, S_loc, log_gamma, head):
+    def forward(self, S_loc, transition, head):
         return torch.zeros_like(S_loc)
 
     def backward(self, dS_corr):
         return torch.zeros_like(dS_corr)
 
 
-def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int) -> None:
+def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int, mixer: str) -> None:
     from megatron_zpp.context_parallel import gla_context_parallel
+    from megatron_zpp.context_parallel.gdn import gdn_context_parallel, scanned_gdn
     from megatron_zpp.context_parallel.gla import ContextParallelGLA
+    from megatron_zpp.ops.gdn import chunk_gdn
     from megatron_zpp.ops.gla import chunk_gla_local
 
     for t in x["leaves"]:
         t.grad = None
+    scale = x["leaves"][0].shape[-1] ** -0.5
     if algo is None:
-        o = chunk_gla_local(*x["leaves"], chunk_size=chunk)[0]
+        local = chunk_gdn if mixer == "gdn" else chunk_gla_local
+        o = local(*x["leaves"], chunk_size=chunk)[0]
+    elif algo == NO_COMM and mixer == "gdn":
+        o = scanned_gdn(*x["leaves"], SilentScan(), None, scale, chunk)
     elif algo == NO_COMM:
-        o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), x["leaves"][0].shape[-1] ** -0.5, chunk)
+        o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), scale, chunk)
     else:
-        o = gla_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
+        operator = gdn_context_parallel if mixer == "gdn" else gla_context_parallel
+        o = operator(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
     o.sum().backward()
 
 
@@ -158,11 +190,13 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
     cp = build_groups(Topology(world, cp=world, ranks_per_node=cfg["per_node"]), rank).cp
     x, rows, cpu = make_inputs(cfg, rank), variants(cfg["blocks"]), torch.device("cpu")
-    op = {name: (lambda a=algo, b=blocks: run_operator(x, cp, a, b, cfg["chunk"])) for name, algo, blocks in rows}
-    # the operator's own factory, so comm-only times the very objects (and K) the operator runs
-    scans = {
-        n: make_scan(a, cp, b, state_bytes(cfg), cpu, cfg["head_k"]) for n, a, b in rows if a not in (None, NO_COMM)
+    op = {
+        name: (lambda a=algo, b=blocks: run_operator(x, cp, a, b, cfg["chunk"], cfg["mixer"]))
+        for name, algo, blocks in rows
     }
+    # the operator's own factory, so comm-only times the very objects (and block counts) the operator runs
+    extent = block_extent(cfg)
+    scans = {n: make_scan(a, cp, b, state_bytes(cfg), cpu, extent) for n, a, b in rows if a not in (None, NO_COMM)}
     ledger = {name: ledger_bytes(fn) for name, fn in op.items()}  # one call each: also the first warmup
     times, comm = {name: [] for name in op}, {name: [] for name in scans}
     for it in range(cfg["warmup"] + cfg["iters"]):
@@ -172,10 +206,10 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
             times[name] += [t] if keep else []
         for _ in range(cfg["comm_reps"]):
             for name, scan in scans.items():
-                f = timed(lambda s=scan: s.forward(x["S"], x["log_gamma"], None))
+                f = timed(lambda s=scan: s.forward(x["S"], x["T"], None))
                 b = timed(lambda s=scan: s.backward(x["dS"]))
                 comm[name] += [(f, b)] if keep else []
-    k_auto = auto_blocks(state_bytes(cfg), cp, cpu, cfg["head_k"])
+    k_auto = auto_blocks(state_bytes(cfg), cp, cpu, extent)
     return {"times": times, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
 
 
@@ -299,8 +333,8 @@ def row_k(name: str, r: dict) -> str:
     return name.split("K=")[1] if "K=" in name else "-"
 
 
-def print_setting(title: str, res: dict) -> None:
-    print(f"\n== {title}: GLA operator forward+backward under CP; ms = median of the slowest rank ==")
+def print_setting(title: str, res: dict, cfg: dict) -> None:
+    print(f"\n== {title}: {label(cfg)} operator forward+backward under CP; ms = median of the slowest rank ==")
     head = (
         f"{'P':>2} {'cores':<28} {'row':<14} {'K':>3} {'e2e ms':>9} {'ovh %':>6} {'exposed ms (IQR)':>18} "
         f"{'comm-only ms = fwd + bwd (IQR)':>32} {'sent (states)':>14}"
@@ -327,10 +361,13 @@ def print_setting(title: str, res: dict) -> None:
         )
 
 
-def zeco_table(results: dict) -> dict:
+def zeco_table(results: dict, cfg: dict) -> dict:
     """Rows P; All-Scan (auto K) vs all-gather: operator time and the scan's own time."""
-    print("\n== like ZeCO's table: All-Scan (auto K) vs all-gather (LASP-2), GLA operator forward+backward ==")
-    print("   e2e = operator ms; comm = the scan alone (comm-only ms, no GLA compute); ratio = all-gather / All-Scan")
+    name = label(cfg)
+    print(f"\n== like ZeCO's table: All-Scan (auto K) vs all-gather, {name} operator forward+backward ==")
+    print(
+        f"   e2e = operator ms; comm = the scan alone (comm-only ms, no {name} compute); ratio = all-gather / All-Scan"
+    )
     table = {}
     for setting, res in results.items():
         print(f"\n   {setting}")
@@ -359,8 +396,9 @@ def zeco_table(results: dict) -> dict:
     return table
 
 
-def check_targets(results: dict) -> list[dict]:
-    """Each target with its measured value and whether met."""
+def check_targets(results: dict, cfg: dict) -> list[dict]:
+    """Each target with its measured value and whether met. The overhead target is GLA's (its scan hides
+    behind the local pass); GDN's operator waits for its scan and runs the local pass on V + K columns."""
     out = []
 
     def add(what, value, met):
@@ -370,7 +408,7 @@ def check_targets(results: dict) -> list[dict]:
         for P, r in res.items():
             sc, ag = r["rows"][AUTO], r["rows"]["all-gather"]
             where = f"{setting} P={P} ({cores_label(P)}), K={r['k_auto']}"
-            if P in OVERHEAD_TARGET_PS:
+            if P in OVERHEAD_TARGET_PS and cfg["mixer"] == "gla":
                 ovh, own = sc["overhead_pct"], r["rows"]["no-comm op"]["overhead_pct"]
                 value = f"{ovh:+.1f}% (no-comm op {own:+.1f}%, exposed {sc['exposed_ms']:.1f} ms)"
                 add(f"{where}: All-Scan overhead over ideal <= {OVERHEAD_TARGET_PCT:g}%", value, ovh <= 5)
@@ -399,7 +437,10 @@ def print_ledger(res: dict, cfg: dict) -> None:
         if name != "ideal":
             cells = [res[P]["rows"][name]["ledger_states_max_rank"] for P in res]
             print(f"{name:16}" + "".join(f"{c['fwd']:7.2f} +{c['bwd']:6.2f}" for c in cells))
-    print("   (all-gather forward also carries the P-1 gammas: (P-1) * (1 + 1/V) states)")
+    if cfg["mixer"] == "gdn":
+        print("   (all-gather forward also carries the P-1 transitions M: (P-1) * (1 + K/V) states)")
+    else:
+        print("   (all-gather forward also carries the P-1 gammas: (P-1) * (1 + 1/V) states)")
 
 
 # ---------------------------------------------------------------- main
@@ -413,7 +454,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-netns", action="store_true", help="loopback only: no namespaces, no shaping")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-k", type=int, default=128)
-    ap.add_argument("--head-v", type=int, default=256)
+    ap.add_argument("--head-v", type=int, default=None, help="value head dim (default GLA 256, GDN 128)")
+    ap.add_argument("--mixer", choices=["gla", "gdn"], default="gla", help="the CP operator: GLA or Gated DeltaNet")
     ap.add_argument(
         "--t-local", type=int, default=None, help="tokens per rank (weak scaling; default 2048, quick 1024)"
     )
@@ -431,7 +473,8 @@ def make_cfg(a: argparse.Namespace) -> dict:
     cfg = {
         "heads": a.heads,
         "head_k": a.head_k,
-        "head_v": a.head_v,
+        "head_v": a.head_v or (128 if a.mixer == "gdn" else 256),
+        "mixer": a.mixer,
         "t_local": a.t_local or (1024 if a.quick else 2048),
         "chunk": a.chunk_size,
         "blocks": a.blocks,
@@ -478,7 +521,8 @@ def run_shaped(results: dict, ps: list[int], cfg: dict, a: argparse.Namespace, l
 def print_header(a: argparse.Namespace, cfg: dict, skipped: str, qdisc: str, load0: float) -> None:
     T, C, ncpu = cfg["t_local"], cfg["chunk"], os.cpu_count()
     print(
-        f"\nGLA context parallelism: B=1, H={a.heads}, K={a.head_k}, V={a.head_v}, T_local={T} tokens per rank "
+        f"\n{label(cfg)} context parallelism: B=1, H={a.heads}, K={a.head_k}, V={cfg['head_v']}, "
+        f"T_local={T} tokens per rank "
         f"({T // C} chunks of {C}; sequence = P * {T}), fp32, forward+backward (loss = o.sum()); state = "
         f"{state_bytes(cfg) / 2**20:.2f} MiB"
     )
@@ -517,10 +561,10 @@ def main(argv=None) -> int:
         skipped, qdisc = run_shaped(results, ps, cfg, a, lock_fd)
     print_header(a, cfg, skipped, qdisc, load0)
     for setting, res in results.items():
-        print_setting(setting, res)
-    table = zeco_table(results)
+        print_setting(setting, res, cfg)
+    table = zeco_table(results, cfg)
     print_ledger(results["loopback"], cfg)
-    targets = check_targets(results)
+    targets = check_targets(results, cfg)
     print_targets(targets, a.quick)
     print(f"\nelapsed {time.time() - t0:.0f} s; 1-min load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     summary = {

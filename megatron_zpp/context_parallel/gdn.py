@@ -112,10 +112,16 @@ def gdn_context_parallel(
         return chunk_gdn(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
     B, _, H, K = q.shape
     V = v.shape[-1]
-    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size)
     scan = make_scan(algo, cp, blocks, B * H * K * V * 4, q.device, V)
-    head = initial_state.to(U.dtype) if initial_state is not None and cp.rank == 0 else None
-    S_in = EnteringState.apply(U, M, head, scan)
+    head = initial_state if initial_state is not None and cp.rank == 0 else None
+    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype)
+
+
+def scanned_gdn(q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None) -> Tensor:
+    """This slice's output: the local affine pass, S_in from `scan` (any object with the scans' forward and
+    backward), and the correction r^T S_in."""
+    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size)
+    S_in = EnteringState.apply(U, M, None if head is None else head.to(U.dtype), scan)
     o = o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
     return o.to(v.dtype if out_dtype is None else out_dtype)
 
