@@ -200,10 +200,24 @@ def test_model_step_under_fake_tensor_mode():
     for name, p in model.named_parameters():
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
     # the quantizers are ZeRO's; the model's loss writes its logits' gradient in place (cross_entropy_grad_)
-    # GDN's ops run only in a model with Gated DeltaNet layers
+    # GDN's ops run only in a model with Gated DeltaNet layers (the test below)
     model_ops = {name for name in dispatch.KERNEL_OPS if "wire" not in name and "gdn" not in name}
     model_ops -= {"cross_entropy_grad"}
     assert ops.seen == model_ops, model_ops - ops.seen
+
+
+def test_gdn_model_step_under_fake_tensor_mode():
+    """A GDN hybrid's step on fake tensors runs Gated DeltaNet's kernel ops (their fakes), forward and backward."""
+    cfg = old_model(
+        num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64,
+        attention_type="gdn", softmax_attention_every=2, gla_chunk_size=16,
+    )  # fmt: skip
+    with FakeTensorMode(), KernelOpsSeen() as ops:
+        model = GPT(cfg, VOCAB)
+        tokens, labels = (t.clone() for t in batch())
+        model(tokens, labels).mean().backward()
+    assert all(p.grad.shape == p.shape for p in model.parameters())
+    assert {"gdn_fwd", "gdn_bwd"} <= ops.seen, ops.seen
 
 
 def test_quantizers_under_fake_tensor_mode():
