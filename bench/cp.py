@@ -47,6 +47,8 @@ The overlap shows where exposed is below comm-only by more than that noise; wher
 noise it cannot show. The ledger (megatron_zpp.comm.LEDGER) gives the bytes the busiest rank
 sends per forward + backward, in states: All-Scan 1 + 1 whatever P, all-gather (P-1) + (P-1).
 
+Every rank flushes subnormal floats to zero, as training on CPU does (training/distributed.py): a decaying state
+passes through them, and on x86 each costs ~100x (GDN's operator ran 5x slower without it).
 Settings: "loopback": megatron_zpp/testing/dist.py's run_distributed, all ranks on this host. "shaped": the emulated
 2-node cluster of megatron_zpp/testing/cluster.py (shared with bench/zero.py: namespaces zpp_n0/zpp_n1, veth, tc tbf at
 --rate on both veth ends), P/2 ranks per namespace, MASTER_ADDR = node 0's veth address, GLOO_SOCKET_IFNAME
@@ -188,6 +190,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     from megatron_zpp.topology import Topology, build_groups
 
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as training on CPU runs (training/distributed.py): subnormals are ~100x slower
     cp = build_groups(Topology(world, cp=world, ranks_per_node=cfg["per_node"]), rank).cp
     x, rows, cpu = make_inputs(cfg, rank), variants(cfg["blocks"]), torch.device("cpu")
     op = {

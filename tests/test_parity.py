@@ -300,6 +300,7 @@ GDN_CP_LAYOUTS = {  # world size: the layouts one spawn runs
     4: [
         "--context-parallel-size 4 --all-scan-blocks 2",
         "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --cp-algo all-gather",
+        "--context-parallel-size 2 --recompute-granularity selective",  # the halo and the state kept for the rerun
     ],
 }
 

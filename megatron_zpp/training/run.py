@@ -237,7 +237,7 @@ def _log_setup(run: Run, n_params: int) -> None:
     attention = describe_attention_backend(cfg.model.attention_backend, run.device)
     log(
         f"other ops: {norm_backend(run.device)}; attention: {attention}; ZeRO++ quantizers: {quantizer_backend()}; "
-        f"transformer-engine: {te}",
+        f"transformer-engine: {te}{'; subnormal floats flushed to zero' if run.device.type == 'cpu' else ''}",
         rank,
     )
     log(f"{run.dp.describe()}; optimizer: {run.dp.optimizer_name}", rank)
