@@ -457,6 +457,8 @@ def test_packed_document_flags_are_accepted_with_megatrons_names():
     assert not validate(parse_args(["--mock-data", "--eod-mask-loss"]), 1).data.packed_documents
 
 
-def test_gdn_context_parallelism_is_refused_by_name():
-    cfg = parse_args("--mock-data --attention-type gdn --context-parallel-size 2".split())
-    assert "context parallelism is not built for GDN" in line_with(errors_of(cfg, 2), "--attention-type gdn")
+def test_gdn_context_parallelism_needs_the_convolution_halo():
+    # each CP rank's slice must hold the 3 tokens the next rank's convolution reads
+    argv = "--mock-data --attention-type gdn --context-parallel-size 16 --seq-length 32 --gla-chunk-size 2"
+    assert "shorter than the convolution's 3 tokens" in line_with(errors_of(parse_args(argv.split()), 16), "gdn")
+    validate(parse_args("--mock-data --attention-type gdn --context-parallel-size 2".split()), 2)

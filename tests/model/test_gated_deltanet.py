@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp.model import ParallelContext, init_weights
+from megatron_zpp.model.documents import Documents
 from megatron_zpp.model.gated_deltanet import GatedDeltaNet
 from tests.old_defaults import old_model
 
@@ -40,14 +41,6 @@ def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> 
     return (o.reshape(B, T, H * D) * F.silu(gate)) @ layer.proj_out.weight.T
 
 
-class _Docs:  # the two attributes the layer reads
-    def __init__(self, doc):
-        self.doc, self.separate = doc, True
-
-    def starts(self, length):
-        return torch.cat([torch.zeros_like(self.doc[:, :1], dtype=torch.bool), self.doc[:, 1:] != self.doc[:, :-1]], 1)
-
-
 def test_gdn_layer_matches_token_loop():
     cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8)
     layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
@@ -61,7 +54,7 @@ def test_gdn_layer_matches_token_loop():
     T = 21  # not a multiple of the chunk: the padded tail
     doc = torch.tensor([[0] * 10 + [1] * 9 + [2] * 2])
     x = torch.randn(1, T, 32, dtype=torch.float64, requires_grad=True)
-    out, ref = layer(x, documents=_Docs(doc)), token_loop_gdn(layer, x, doc)
+    out, ref = layer(x, documents=Documents(doc_ids=doc)), token_loop_gdn(layer, x, doc)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
     ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
