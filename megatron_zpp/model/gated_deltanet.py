@@ -28,11 +28,6 @@ from .context import ParallelContext
 from .documents import Documents
 
 CONV_KERNEL = 4  # fla's and Qwen3-Next's default
-# A ~ U(1, 16): megatron-core's A_init_range (Mamba2's; fla draws U(0, 16), which reaches A = 0, no decay)
-A_INIT_RANGE = (1.0, 16.0)
-# dt = exp(U(log 1e-3, log 0.1)) clamped at 1e-4, dt_bias = softplus^-1(dt): fla's (Mamba2's) constants;
-# megatron-core and Qwen3-Next start dt_bias at 1 instead
-DT_INIT = (1e-3, 0.1, 1e-4)
 
 
 class GatedDeltaNet(nn.Module):
@@ -51,11 +46,12 @@ class GatedDeltaNet(nn.Module):
         self.conv = mark(
             nn.Parameter(torch.empty(3 * local, CONV_KERNEL)), ("normal", std), (0, (width,) * 3)
         )  # q | k | v channels, depthwise
-        # per-head decay rate A = exp(A_log) and step bias: drawn at all heads, then sliced (TP-invariant)
-        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", *A_INIT_RANGE), (0, (heads,)))
-        self.dt_bias = mark(
-            nn.Parameter(torch.empty(self.heads)), ("softplus_inverse_of_log_uniform", *DT_INIT), (0, (heads,))
-        )
+        # per head, drawn at all heads and then sliced (TP-invariant): the decay rate A = exp(A_log), A ~ U(1, 16)
+        # (megatron-core's range, Mamba2's; fla's U(0, 16) reaches A = 0, no decay), and the step bias
+        # softplus^-1(dt), dt = exp(U(log 1e-3, log 0.1)) clamped at 1e-4 (fla's; megatron-core and Qwen3-Next: 1)
+        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", 1.0, 16.0), (0, (heads,)))
+        dt_init = ("softplus_inverse_of_log_uniform", 1e-3, 0.1, 1e-4)
+        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), dt_init, (0, (heads,)))
         self.head_norm = mark(nn.Parameter(torch.empty(local)), ("ones",), (0, (width,)))
         self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
