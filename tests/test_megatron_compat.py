@@ -570,8 +570,7 @@ def test_each_gdn_shape_flag_is_accepted_as_ours_or_refused_by_name(flag, ours, 
     assert line.startswith(f"{flag} {other}: {why}") and line.endswith(f": give {flag} {ours}"), line
 
 
-def test_megatron_gdn_refusals():
-    # the variant alone: Megatron's shape defaults (128, 128, 16, 32) are not our layer's: each named
+def test_megatron_gdn_variant_alone_holds_megatrons_shape_defaults_to_ours():
     lines = gdn_errors("--experimental-attention-variant gated_delta_net --linear-attention-freq 4")
     assert [ln.split(":")[0] for ln in lines] == [
         "--linear-key-head-dim 128 (Megatron's default with --experimental-attention-variant)",
@@ -579,13 +578,19 @@ def test_megatron_gdn_refusals():
         "--linear-num-key-heads 16 (Megatron's default with --experimental-attention-variant)",
         "--linear-num-value-heads 32 (Megatron's default with --experimental-attention-variant)",
     ]
-    assert gdn_errors("--experimental-attention-variant dsa") == [
-        "--experimental-attention-variant dsa: DeepSeek sparse attention is not built: drop it"
-    ]
-    assert "conflicts with --attention-type gla" in gdn_errors(f"--attention-type gla {MEGATRON_GDN}")[0]
-    # a shape flag without GDN layers would shape nothing (Megatron ignores it): refused
-    assert gdn_errors("--linear-num-key-heads 4")[0].startswith("--linear-num-key-heads: shapes Megatron's gated")
-    assert "a per-layer list pattern is not read" in gdn_errors(f"{MEGATRON_GDN} --linear-attention-freq [1,1,0]")[0]
-    assert gdn_errors(f"{MEGATRON_GDN} --linear-attention-freq 0") == [
-        "--linear-attention-freq: 0: must be >= 1 (one softmax layer every N)"
-    ]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ("--experimental-attention-variant dsa", "--experimental-attention-variant dsa: DeepSeek sparse attention is"),
+        (f"--attention-type gla {MEGATRON_GDN}", "--experimental-attention-variant gated_delta_net (our --attention"),
+        # a shape flag without GDN layers would shape nothing (Megatron ignores it)
+        ("--linear-num-key-heads 4", "--linear-num-key-heads: shapes Megatron's gated delta net layers only"),
+        (f"{MEGATRON_GDN} --linear-attention-freq [1,1,0]", "--linear-attention-freq: '[1,1,0]': a per-layer list"),
+        (f"{MEGATRON_GDN} --linear-attention-freq 0", "--linear-attention-freq: 0: must be >= 1"),
+    ],
+)
+def test_megatron_gdn_refusals(flags, line):
+    (got,) = gdn_errors(flags)
+    assert got.startswith(line), got
