@@ -38,6 +38,27 @@ ALIASES = {
 }
 
 
+def softmax_period(text: str) -> int:
+    """Megatron's --linear-attention-freq N: layer i is softmax attention where (i + 1) % N == 0, the
+    rest linear attention, as our --softmax-attention-every N (ModelConfig.layer_kind)."""
+    if "[" in text:  # Megatron evals a Python list expression; none is evaluated here
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a per-layer list pattern is not read here: give its period N (softmax attention on every "
+            "N-th layer), the only hybrid pattern built"
+        )
+    try:
+        period = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if period < 1:
+        raise argparse.ArgumentTypeError(f"{period}: must be >= 1 (one softmax layer every N)")
+    return period
+
+
+# Megatron-LM spellings that take a value: flag -> (section, field, Megatron's value -> ours).
+VALUE_ALIASES = {"--linear-attention-freq": ("model", "softmax_attention_every", softmax_period)}
+
+
 def _field_types(cls) -> dict[str, object]:
     """Field name -> its type (the annotations are strings under `from __future__`)."""
     return typing.get_type_hints(cls)
@@ -83,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
             const=value,
             default=argparse.SUPPRESS,
             help=f"the same as {_spelled(flag_of(section, name), value)}",
+        )
+    for flag, (section, name, convert) in VALUE_ALIASES.items():
+        aliases.add_argument(
+            flag,
+            dest=f"{section}.{name}",
+            type=convert,
+            default=argparse.SUPPRESS,
+            metavar="N",
+            help=f"the same as {flag_of(section, name)} N",
         )
     _add_megatron_only(parser)
     return parser
@@ -371,6 +401,8 @@ def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
     for dest, value in values.items():
         section, name = dest.split(".")
         setattr(getattr(cfg, section), name, value)
+    if cfg.model.experimental_attention_variant == "gated_delta_net" and cfg.model.attention_type == "softmax":
+        cfg.model.attention_type = "gdn"  # Megatron's spelling of ours (validation refuses it beside gla)
     cfg.megatron_noops = noops  # the Megatron no-op flags given, for the start-up log's one line
     return cfg, errors
 

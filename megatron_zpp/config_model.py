@@ -167,6 +167,43 @@ class ModelConfig:
         "on CPU SDPA's CPU kernel runs whatever the choice (the log says which)",
         choices=["auto", "flash", "fused", "unfused", "local"],
     )
+    experimental_attention_variant: str | None = opt(
+        None,
+        "--experimental-attention-variant",
+        "Megatron's token-mixer variant: gated_delta_net is --attention-type gdn (its --linear-attention-freq N is "
+        "--softmax-attention-every N; its --linear-* shapes, their Megatron defaults included, must be our GDN's); "
+        "dsa (DeepSeek sparse attention) is not built",
+        choices=["gated_delta_net", "dsa"],
+    )
+    linear_conv_kernel_dim: int | None = opt(
+        None,
+        "--linear-conv-kernel-dim",
+        "Megatron's GDN convolution kernel (its default 4 with --experimental-attention-variant gated_delta_net): "
+        "only our layer's kernel, 4, is built",
+    )
+    linear_key_head_dim: int | None = opt(
+        None,
+        "--linear-key-head-dim",
+        "Megatron's GDN query/key head dim (its default 128 with its variant): ours is the head dim, --hidden-size / "
+        "--num-attention-heads",
+    )
+    linear_value_head_dim: int | None = opt(
+        None,
+        "--linear-value-head-dim",
+        "Megatron's GDN value/gate head dim (its default 128 with its variant): ours is the head dim, --hidden-size / "
+        "--num-attention-heads",
+    )
+    linear_num_key_heads: int | None = opt(
+        None,
+        "--linear-num-key-heads",
+        "Megatron's GDN query/key heads (its default 16 with its variant): ours are --num-attention-heads",
+    )
+    linear_num_value_heads: int | None = opt(
+        None,
+        "--linear-num-value-heads",
+        "Megatron's GDN value/gate heads (its default 32 with its variant): ours are --num-attention-heads (one "
+        "value head per key head)",
+    )
 
     @property
     def kv_heads(self) -> int:

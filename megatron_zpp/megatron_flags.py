@@ -247,15 +247,13 @@ FAMILIES = [
         ),
     ),
     (
-        "Mamba/GDN/hybrid",
-        "Mamba and Megatron's hybrid layer patterns are not built, and its gated delta net flags are not mapped "
-        "(ours: --attention-type gla|gdn, --softmax-attention-every; GDN heads from --num-attention-heads, "
-        "conv kernel 4): drop it",
+        "Mamba/hybrid",
+        "Mamba and Megatron's hybrid layer patterns are not built (ours: --attention-type gla|gdn with "
+        "--softmax-attention-every; Megatron's gated delta net is read as ours: --experimental-attention-variant "
+        "gated_delta_net with --linear-attention-freq N): drop it",
         _any(
-            _groups("experimental_attention_variant"),
-            _starts("--mamba-", "--hybrid-", "--gdp-", "--linear-conv-", "--linear-key-", "--linear-value-"),
-            _starts("--linear-num-", "--mtp-hybrid-"),
-            _named("--is-hybrid-model", "--disable-mamba-mem-eff-path", "--experimental-attention-variant", "--spec"),
+            _starts("--mamba-", "--hybrid-", "--gdp-", "--mtp-hybrid-"),
+            _named("--is-hybrid-model", "--disable-mamba-mem-eff-path", "--spec"),
         ),
     ),
     (

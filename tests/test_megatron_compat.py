@@ -403,8 +403,8 @@ def test_refusals_by_family():
         "--moe-grouped-gemm": "mixture of experts is not built",
         "--fp8-recipe": "transformer-engine",
         "--tp-comm-overlap": "transformer-engine",
-        "--experimental-attention-variant": "gated delta net",
         "--mamba-state-dim": "Mamba",
+        "--hybrid-layer-pattern": "hybrid layer patterns are not built",
         "--multi-latent-attention": "multi-latent attention",
         "--img-h": "only the GPT model is built",
         "--grpo-group-size": "reinforcement learning",
@@ -514,3 +514,83 @@ def test_megatron_split_flags_refused_where_they_cannot_map(flags, line):
     with pytest.raises(ConfigError) as info:
         parse_config((SPLIT + " " + flags).split(), 2, run=False)
     assert line in str(info.value).splitlines()[0]
+
+
+# ------------------------------------------------------------------ Megatron's gated delta net flags
+
+GDN_BASE = "--mock-data --num-layers 7 --hidden-size 64 --num-attention-heads 4"  # head dim 16
+GDN_SHAPES = "--linear-key-head-dim 16 --linear-value-head-dim 16 --linear-num-key-heads 4 --linear-num-value-heads 4"
+MEGATRON_GDN = f"--experimental-attention-variant gated_delta_net {GDN_SHAPES} --linear-conv-kernel-dim 4"
+
+
+def gdn_errors(flags: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"{GDN_BASE} {flags}".split(), 1)
+    return str(info.value).splitlines()
+
+
+def test_megatron_gdn_hybrid_is_ours_with_megatrons_layer_pattern_and_defaults():
+    """--experimental-attention-variant gated_delta_net --linear-attention-freq 3 places softmax attention where
+    megatron-core does (its own get_linear_attention_pattern: 1 = GDN, 0 = softmax); the defaults we hold the
+    shapes to are megatron-core's TransformerConfig's."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_zpp.validation.model import _MEGATRON_GDN_DEFAULTS
+
+    for freq in (1, 3, 4, 8):
+        m = parse_config(f"{GDN_BASE} {MEGATRON_GDN} --linear-attention-freq {freq}".split(), 1).model
+        assert m.attention_type == "gdn" and m.softmax_attention_every == freq
+        megatron = SimpleNamespace(
+            linear_attention_freq=freq, num_layers=7, experimental_attention_variant="gated_delta_net"
+        )
+        kinds = ["gdn" if la else "softmax" for la in get_linear_attention_pattern(megatron)]
+        assert [m.layer_kind(i) for i in range(7)] == kinds, freq
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    assert _MEGATRON_GDN_DEFAULTS == {name: defaults[name] for name in _MEGATRON_GDN_DEFAULTS}
+
+
+GDN_SHAPE_FLAGS = [  # flag, our value (head dim 16, 4 heads, kernel 4), another value and its reason
+    ("--linear-conv-kernel-dim", 4, 3, "our GDN's causal convolution has kernel 4; other kernels are not built"),
+    ("--linear-key-head-dim", 16, 32, "our GDN's query/key heads have the head dim 16"),
+    ("--linear-value-head-dim", 16, 32, "our GDN's value heads have the head dim 16"),
+    ("--linear-num-key-heads", 4, 2, "our GDN has --num-attention-heads 4 query/key heads"),
+    ("--linear-num-value-heads", 4, 8, "our GDN has --num-attention-heads 4 value heads, one per key head"),
+]
+
+
+@pytest.mark.parametrize("flag, ours, other, why", GDN_SHAPE_FLAGS)
+def test_each_gdn_shape_flag_is_accepted_as_ours_or_refused_by_name(flag, ours, other, why):
+    m = parse_config(f"{GDN_BASE} --attention-type gdn {flag} {ours}".split(), 1).model
+    assert m.attention_type == "gdn" and getattr(m, flag[2:].replace("-", "_")) == ours
+    (line,) = gdn_errors(f"--attention-type gdn {flag} {other}")
+    assert line.startswith(f"{flag} {other}: {why}") and line.endswith(f": give {flag} {ours}"), line
+
+
+def test_megatron_gdn_variant_alone_holds_megatrons_shape_defaults_to_ours():
+    lines = gdn_errors("--experimental-attention-variant gated_delta_net --linear-attention-freq 4")
+    assert [ln.split(":")[0] for ln in lines] == [
+        "--linear-key-head-dim 128 (Megatron's default with --experimental-attention-variant)",
+        "--linear-value-head-dim 128 (Megatron's default with --experimental-attention-variant)",
+        "--linear-num-key-heads 16 (Megatron's default with --experimental-attention-variant)",
+        "--linear-num-value-heads 32 (Megatron's default with --experimental-attention-variant)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ("--experimental-attention-variant dsa", "--experimental-attention-variant dsa: DeepSeek sparse attention is"),
+        (f"--attention-type gla {MEGATRON_GDN}", "--experimental-attention-variant gated_delta_net (our --attention"),
+        # a shape flag without GDN layers would shape nothing (Megatron ignores it)
+        ("--linear-num-key-heads 4", "--linear-num-key-heads: shapes Megatron's gated delta net layers only"),
+        (f"{MEGATRON_GDN} --linear-attention-freq [1,1,0]", "--linear-attention-freq: '[1,1,0]': a per-layer list"),
+        (f"{MEGATRON_GDN} --linear-attention-freq 0", "--linear-attention-freq: 0: must be >= 1"),
+    ],
+)
+def test_megatron_gdn_refusals(flags, line):
+    (got,) = gdn_errors(flags)
+    assert got.startswith(line), got

@@ -257,6 +257,7 @@ REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ou
     "num_experts": "mixture of experts is not built here",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
+    "experimental_attention_variant": "megatron-core's gated delta net layers are not converted here",
 }
 
 
@@ -284,6 +285,9 @@ def config_from_args(args: argparse.Namespace, rows: int):
     m.activation = "swiglu" if given.get("swiglu") else "squared_relu" if given.get("squared_relu") else "gelu"
     if m.num_query_groups is not None and not given.get("group_query_attention"):
         m.num_query_groups = None  # Megatron ignores it then
+    if not given.get("experimental_attention_variant"):  # its GDN shapes (always in its args) are read only then
+        for name in [n for n in vars(m) if n.startswith("linear_")]:
+            setattr(m, name, None)
     if not given.get("add_position_embedding", True) and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"
     pad = m.make_vocab_size_divisible_by * given.get("tensor_model_parallel_size", 1)

@@ -47,9 +47,12 @@ class GatedDeltaNet(nn.Module):
         self.conv = mark(
             nn.Parameter(torch.empty(3 * local, CONV_KERNEL)), ("normal", std), (0, (width,) * 3)
         )  # q | k | v channels, depthwise
-        # A_log = 0 (A = 1) and dt_bias = 0 for now: the init rules know normal/ones/zeros only
-        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("zeros",), (0, (heads,)))
-        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), ("zeros",), (0, (heads,)))
+        # per head, drawn at all heads and then sliced (TP-invariant): the decay rate A = exp(A_log), A ~ U(1, 16)
+        # (megatron-core's range, Mamba2's; fla's U(0, 16) reaches A = 0, no decay), and the step bias
+        # softplus^-1(dt), dt = exp(U(log 1e-3, log 0.1)) clamped at 1e-4 (fla's; megatron-core and Qwen3-Next: 1)
+        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", 1.0, 16.0), (0, (heads,)))
+        dt_init = ("softplus_inverse_of_log_uniform", 1e-3, 0.1, 1e-4)
+        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), dt_init, (0, (heads,)))
         self.head_norm = mark(nn.Parameter(torch.empty(local)), ("ones",), (0, (width,)))
         self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 

@@ -15,6 +15,7 @@ parameter (fp32; on a GPU run that one lives in host memory)."""
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -29,10 +30,40 @@ def full_shape(p: nn.Parameter, tp_size: int) -> list[int]:
     return shape
 
 
-def full_init(name: str, shape: list[int], std: float, seed: int) -> torch.Tensor:
-    """The full single-rank fp32 weight (on the CPU) of a ("normal", std) parameter of that name."""
+def full_init(name: str, shape: list[int], rule: tuple, seed: int) -> torch.Tensor:
+    """The full single-rank fp32 weight (on the CPU) of a parameter of that name under its random
+    init rule (one of DRAWS, with its arguments)."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    kind, *args = rule
+    return DRAWS[kind](shape, gen, *args)
+
+
+def _normal(shape: list[int], gen: torch.Generator, std: float) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)  # in place: one full tensor at a time
+
+
+def _log_of_uniform(shape: list[int], gen: torch.Generator, low: float, high: float) -> torch.Tensor:
+    """log A for A ~ U(low, high): a decay rate stored as its log (Mamba2's and GDN's A_log)."""
+    return torch.empty(shape, dtype=torch.float32).uniform_(low, high, generator=gen).log_()
+
+
+def _softplus_inverse_of_log_uniform(
+    shape: list[int], gen: torch.Generator, low: float, high: float, floor: float
+) -> torch.Tensor:
+    """softplus^-1(dt) for dt = exp(U(log low, log high)) clamped at `floor`: a bias whose softplus
+    is a log-uniform time step at a zero input (Mamba2's and GDN's dt_bias)."""
+    dt = torch.empty(shape, dtype=torch.float32).uniform_(math.log(low), math.log(high), generator=gen)
+    dt = dt.exp_().clamp_(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))  # log(exp(dt) - 1) without overflow, exact for small dt
+
+
+# the random init rules: ("normal", std), ("log_of_uniform", low, high),
+# ("softplus_inverse_of_log_uniform", low, high, floor); "ones" and "zeros" are filled without drawing
+DRAWS = {
+    "normal": _normal,
+    "log_of_uniform": _log_of_uniform,
+    "softplus_inverse_of_log_uniform": _softplus_inverse_of_log_uniform,
+}
 
 
 def copy_tp_range(dest: torch.Tensor, full: torch.Tensor, tp_split, tp_rank: int, tp_size: int, start: int) -> None:
@@ -103,7 +134,7 @@ class RankInit:
         elif rule[0] == "zeros":
             dest.zero_()
         else:
-            full = full_init(self.names[id(p)], self.full_shapes[id(p)], rule[1], self.seed)
+            full = full_init(self.names[id(p)], self.full_shapes[id(p)], rule, self.seed)
             copy_tp_range(dest, full, getattr(p, "tp_split", None), self.tp_rank, self.tp_size, start)
 
 

@@ -39,9 +39,9 @@ def _size(group: Group | None) -> int:
 def mark(
     param: nn.Parameter, init: tuple, tp_split: tuple | None = None, tp_partial_grad: bool = False
 ) -> nn.Parameter:
-    """Attach the init rule ('normal', std) | ('ones',) | ('zeros',), the TP split, and
-    whether the gradient of this replicated parameter is a partial sum per TP rank (the
-    optimizer's finalize then sums it over TP)."""
+    """Attach the init rule (('ones',), ('zeros',) or a random draw of model/init.py's DRAWS, e.g.
+    ('normal', std)), the TP split, and whether the gradient of this replicated parameter is a
+    partial sum per TP rank (the optimizer's finalize then sums it over TP)."""
     param.init = init
     param.tp_split = tp_split
     param.tp_partial_grad = tp_partial_grad

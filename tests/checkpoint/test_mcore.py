@@ -495,3 +495,22 @@ def test_exported_checkpoint_loads_at_two_pipeline_stages(results):
     assert first and last and all(first.values()) and all(last.values())
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" in last
     assert "decoder.layers.0.mlp.linear_fc1.weight" in first and "decoder.layers.1.mlp.linear_fc1.weight" in last
+
+
+def test_megatrons_gdn_args_are_read_only_with_its_variant():
+    """Megatron-LM's args hold its GDN shape defaults whatever the model (megatron-core's TransformerConfig
+    fields): a GPT checkpoint's import ignores them, as Megatron does; a GDN one is refused by name."""
+    from megatron_zpp.validation.model import check_megatron_gdn
+
+    cfg = _cfg(LLAMA_FLAGS)
+    args = mcore.args_from_config(cfg, 3, 12, ROWS)
+    shapes = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128)
+    vars(args).update(shapes, linear_num_key_heads=16, linear_num_value_heads=32)
+    back = mcore.config_from_args(args, ROWS)
+    assert back.model.linear_key_head_dim is None and back.model.linear_num_value_heads is None
+    assert check_megatron_gdn(back.model) == [] and mcore._refusals(args, {}, {}, back) == []
+    args.experimental_attention_variant = "gated_delta_net"
+    assert mcore._refusals(args, {}, {}, back) == [
+        "--experimental-attention-variant gated_delta_net: megatron-core's gated delta net layers are not "
+        "converted here"
+    ]
