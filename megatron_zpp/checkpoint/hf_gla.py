@@ -1,4 +1,4 @@
-"""HF export and import of the models Llama cannot hold (GLA, hybrid, LayerNorm, GeLU), as a
+"""HF export and import of the models Llama cannot hold (GLA, GDN, hybrids, LayerNorm, GeLU), as a
 transformers remote-code model: megatron_zpp/hf_remote/ (configuration + modeling file, plain
 PyTorch) copied next to model.safetensors, with config.json's auto_map naming them.
 
@@ -10,7 +10,8 @@ PyTorch) copied next to model.safetensors, with config.json's auto_map naming th
 Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
 gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with its bias), g_norm
-(the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them.
+(the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them; a GDN layer's is
+`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm, o_proj.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import torch
 
 from .. import hf_remote
+from ..model.gated_deltanet import CONV_KERNEL as GDN_CONV_KERNEL
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -36,7 +38,6 @@ def remote_unsupported(cfg) -> list[str]:
     m = cfg.model
     softmax = any(m.layer_kind(i) == "softmax" for i in range(m.num_layers))
     checks = [
-        (m.attention_type != "gdn", "its Gated DeltaNet layers have no remote code yet"),
         (not (m.add_bias_linear or m.add_qkv_bias), "it has linear biases (--add-bias-linear or --add-qkv-bias)"),
         (m.position_embedding_type != "learned_absolute", "it learns absolute positions"),
         (m.position_embedding_type == "rope" or not softmax, "its softmax layers use no RoPE"),
@@ -50,7 +51,7 @@ def remote_unsupported(cfg) -> list[str]:
 
 def layer_types(cfg) -> list[str]:
     m = cfg.model
-    return [LINEAR if m.layer_kind(i) == "gla" else FULL for i in range(m.num_layers)]
+    return [LINEAR if m.layer_kind(i) in ("gla", "gdn") else FULL for i in range(m.num_layers)]
 
 
 def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -77,6 +78,8 @@ def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
         "gla_gate_low_rank": m.gla_gate_low_rank,
         "gla_gate_normalizer": m.gla_gate_normalizer,
         "gla_chunk_size": m.gla_chunk_size,
+        "linear_attention_type": "gdn" if m.attention_type == "gdn" else "gla",
+        "linear_conv_kernel": GDN_CONV_KERNEL,
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "torch_dtype": "float32",
@@ -128,6 +131,10 @@ def _plain_pairs(cfg) -> list[tuple[str, str]]:
             pairs.append((src + "mixer.proj.weight", dst + "self_attn.o_proj.weight"))
             continue
         pairs += [(src + "mixer.proj_out.weight", dst + "attn.o_proj.weight")]
+        if m.layer_kind(i) == "gdn":
+            pairs += [(src + "mixer.head_norm", dst + "attn.o_norm.weight")]
+            pairs += [(src + f"mixer.{n}", dst + f"attn.{n}") for n in ("A_log", "dt_bias")]
+            continue
         pairs += [(src + "mixer.head_norm", dst + "attn.g_norm.weight")]
         if m.gla_gate_low_rank:
             pairs += [
@@ -150,6 +157,11 @@ def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
         if m.layer_kind(i) == "softmax":
             qkv = [f"{dst}self_attn.{n}_proj.weight" for n in "qkv"]
             out.append((src + "mixer.qkv.weight", qkv, [width, m.kv_heads * d, m.kv_heads * d]))
+        elif m.layer_kind(i) == "gdn":  # q | k | v | output gate | a | b, and the q | k | v convolution channels
+            names = [f"{dst}attn.{n}_proj.weight" for n in ("q", "k", "v", "g", "a", "b")]
+            heads = m.num_attention_heads
+            out.append((src + "mixer.proj_in.weight", names, [width] * 4 + [heads] * 2))
+            out.append((src + "mixer.conv", [f"{dst}attn.{n}_conv.weight" for n in "qkv"], [width] * 3))
         else:  # q | k | v | output gate (| decay gate at full rank): the sections of proj_in
             names = ["q_proj", "k_proj", "v_proj", "g_proj"] + ([] if m.gla_gate_low_rank else ["gk_proj"])
             out.append((src + "mixer.proj_in.weight", [f"{dst}attn.{n}.weight" for n in names], [width] * len(names)))
@@ -183,13 +195,14 @@ def from_remote_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tenso
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def _hybrid_period(kinds: list[str]) -> tuple[str, int] | None:
-    """(--attention-type, --softmax-attention-every) giving these layer types, or None when none does."""
+def _hybrid_period(kinds: list[str], linear: str) -> tuple[str, int] | None:
+    """(--attention-type, --softmax-attention-every) giving these layer types (`linear`: the linear layers'
+    kind, gla or gdn), or None when none does."""
     if all(k == FULL for k in kinds):
         return "softmax", 0
     for every in [0] + list(range(2, len(kinds) + 1)):
         if all((k == FULL) == bool(every and (i + 1) % every == 0) for i, k in enumerate(kinds)):
-            return "gla", every
+            return linear, every
     return None
 
 
@@ -205,13 +218,19 @@ def _config_from_remote(hf: dict):
     from ..config import Config
 
     heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
-    period = _hybrid_period(kinds) if set(kinds) <= {LINEAR, FULL} else None
+    linear = hf.get("linear_attention_type", "gla")
+    period = _hybrid_period(kinds, linear) if set(kinds) <= {LINEAR, FULL} and linear in ("gla", "gdn") else None
     why = [
         w
         for w, bad in [
             (
-                f"layer_types {kinds} is not GLA with softmax attention at every K-th layer (K-1, 2K-1, ...)",
+                f"layer_types {kinds} (linear_attention_type {linear!r}) is not GLA or GDN with softmax attention "
+                "at every K-th layer (K-1, 2K-1, ...)",
                 period is None,
+            ),
+            (
+                f"linear_conv_kernel {hf.get('linear_conv_kernel')} is not our GDN's {GDN_CONV_KERNEL}",
+                linear == "gdn" and hf.get("linear_conv_kernel", GDN_CONV_KERNEL) != GDN_CONV_KERNEL,
             ),
             (
                 f"head_dim {hf.get('head_dim')} is not hidden_size / heads",

@@ -3,9 +3,10 @@
 Written by megatron_zpp's tools/convert_checkpoint.py --to hf next to the weights; loaded with
 `AutoConfig.from_pretrained(dir, trust_remote_code=True)`. Self-contained: imports only transformers.
 
-layer_types holds one entry per layer: "linear_attention" (gated linear attention, GLA) or
-"full_attention" (causal softmax attention with RoPE and grouped-query heads); transformers'
-DynamicCache reads it to keep a recurrent state for the first kind and keys/values for the second.
+layer_types holds one entry per layer: "linear_attention" (gated linear attention, GLA, or Gated
+DeltaNet, by linear_attention_type) or "full_attention" (causal softmax attention with RoPE and
+grouped-query heads); transformers' DynamicCache reads it to keep a recurrent state for the first kind
+and keys/values for the second.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+LINEAR_ATTENTION_TYPES = ("gla", "gdn")
 
 
 class MegatronZppGLAConfig(PretrainedConfig):
@@ -38,6 +40,8 @@ class MegatronZppGLAConfig(PretrainedConfig):
         gla_gate_low_rank: int = 0,
         gla_gate_normalizer: float = 16.0,
         gla_chunk_size: int = 16,
+        linear_attention_type: str = "gla",
+        linear_conv_kernel: int = 4,
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
@@ -53,6 +57,7 @@ class MegatronZppGLAConfig(PretrainedConfig):
         self.rope_theta, self.max_position_embeddings = rope_theta, max_position_embeddings
         self.gla_gate_low_rank, self.gla_gate_normalizer = gla_gate_low_rank, gla_gate_normalizer
         self.gla_chunk_size, self.initializer_range, self.use_cache = gla_chunk_size, initializer_range, use_cache
+        self.linear_attention_type, self.linear_conv_kernel = linear_attention_type, linear_conv_kernel
         self._check()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -65,6 +70,11 @@ class MegatronZppGLAConfig(PretrainedConfig):
                     len(self.layer_types) != self.num_hidden_layers,
                 ),
                 (f"layer_types may hold only {LAYER_TYPES}", not set(self.layer_types) <= set(LAYER_TYPES)),
+                (
+                    f"linear_attention_type {self.linear_attention_type!r} is not one of {LINEAR_ATTENTION_TYPES}",
+                    self.linear_attention_type not in LINEAR_ATTENTION_TYPES,
+                ),
+                (f"linear_conv_kernel {self.linear_conv_kernel!r} is not >= 1", not self.linear_conv_kernel >= 1),
                 (
                     f"normalization {self.normalization!r} is not RMSNorm or LayerNorm",
                     self.normalization not in ("RMSNorm", "LayerNorm"),

@@ -17,8 +17,17 @@ overflows) and the fp32 state carried between chunks; a one-token step is a chun
 mixer of a "full_attention" layer is causal softmax attention with grouped-query heads and RoPE
 rotating the pairs (x[i], x[i + d/2]). The MLP is SwiGLU (silu(gate) * up) or tanh-GeLU.
 
+With linear_attention_type "gdn" a "linear_attention" layer is Gated DeltaNet (Yang et al. 2025) instead:
+q, k, v through a short causal depthwise convolution and SiLU, q and k L2-normalised, then
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   o_t = S_t^T q_t / sqrt(d)
+    log a_t = -exp(A_log) softplus(x W_a + dt_bias),   b_t = sigmoid(x W_b)
+
+token by token in fp32, then the per-head RMSNorm, SiLU output gate and output projection.
+
 Generation keeps transformers' DynamicCache (built from config.layer_types): a recurrent state per
-GLA layer, keys and values per softmax layer. Padded batches are not supported (an attention_mask
+linear layer (a GDN layer's holds its fp32 state and the convolution's last kernel-1 inputs, packed
+into one [B, n] tensor), keys and values per softmax layer. Padded batches are not supported (an attention_mask
 with zeros is refused): the model was trained on unpadded packed sequences.
 """
 
@@ -123,7 +132,7 @@ def _recurrent_cache_layer(cache, layer_idx: int):
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if not (hasattr(layer, "recurrent_states") and hasattr(cache, "update_recurrent_state")):
         raise ValueError(
-            f"GLA layer {layer_idx} needs a cache built from the model's layer types: "
+            f"GLA/GDN layer {layer_idx} needs a cache built from the model's layer types: "
             "DynamicCache(config=model.config) (transformers >= 5), or use_cache=False"
         )
     return layer
@@ -163,6 +172,60 @@ class MegatronZppGatedLinearAttention(nn.Module):
             cache.update_recurrent_state(state, self.layer_idx)
         o = self.g_norm(o).to(x.dtype) * F.silu(gate)
         return self.o_proj(o.reshape(B, T, -1))
+
+
+class MegatronZppCausalConv(nn.Module):
+    """A depthwise causal convolution's weight [channels, kernel]: the last column multiplies the current token."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, kernel))
+
+
+class MegatronZppGatedDeltaNet(nn.Module):
+    def __init__(self, config: MegatronZppGLAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.heads, self.head_dim = layer_idx, config.num_attention_heads, config.head_dim
+        self.kernel, self.eps = config.linear_conv_kernel, config.norm_eps
+        width, hidden, heads = self.heads * self.head_dim, config.hidden_size, self.heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, width, bias=False) for _ in range(3))
+        self.g_proj = nn.Linear(hidden, width, bias=False)  # the SiLU output gate
+        self.a_proj, self.b_proj = nn.Linear(hidden, heads, bias=False), nn.Linear(hidden, heads, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = (MegatronZppCausalConv(width, self.kernel) for _ in range(3))
+        self.A_log, self.dt_bias = nn.Parameter(torch.zeros(heads)), nn.Parameter(torch.zeros(heads))
+        self.o_norm = MegatronZppHeadRMSNorm(self.heads, self.head_dim, config.norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D, lead = self.heads, self.head_dim, self.kernel - 1
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
+        packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
+        if packed is None:
+            state, history = qkv.new_zeros(B, H, D, D, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
+        else:
+            state = packed[:, : H * D * D].view(B, H, D, D).clone()
+            history = packed[:, H * D * D :].view(B, lead, -1).to(qkv.dtype)
+        ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
+        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [3 width, kernel]
+        conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(self.kernel))
+        q, k, v = (t.view(B, T, H, D).float() for t in F.silu(conv).split(H * D, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = self.b_proj(x).float().sigmoid()
+        outs = []
+        for t in range(T):  # S - b k (k^T S) after the decay: a -inf gate resets exactly
+            state = g[:, t].exp()[..., None, None] * state
+            kt = k[:, t]
+            delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
+            state = state + kt[..., None] * delta[..., None, :]
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * D**-0.5)
+        if cache is not None:
+            tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
+            cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), self.layer_idx)
+        o = self.o_norm(torch.stack(outs, dim=1)) * F.silu(self.g_proj(x).float()).view(B, T, H, D)
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
 
 class MegatronZppAttention(nn.Module):
@@ -213,7 +276,8 @@ class MegatronZppDecoderLayer(nn.Module):
         self.kind = config.layer_types[layer_idx]
         self.input_layernorm = build_norm(config)
         if self.kind == "linear_attention":
-            self.attn = MegatronZppGatedLinearAttention(config, layer_idx)
+            gdn = config.linear_attention_type == "gdn"
+            self.attn = (MegatronZppGatedDeltaNet if gdn else MegatronZppGatedLinearAttention)(config, layer_idx)
         else:
             self.self_attn = MegatronZppAttention(config, layer_idx)
         self.post_attention_layernorm = build_norm(config)

@@ -227,6 +227,14 @@ REMOTE = {
     "gla": ["--attention-type", "gla", "--gla-gate-low-rank", "4"],
     "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--normalization", "LayerNorm"]
     + ["--activation", "gelu", "--untie-embeddings-and-output-weights"],
+    "gdn": ["--attention-type", "gdn"],
+    "gdn_hybrid": [
+        "--attention-type",
+        "gdn",
+        "--softmax-attention-every",
+        "2",
+        "--untie-embeddings-and-output-weights",
+    ],
 }
 REMOTE_BASE = BASE + ["--init-method-std", "0.2"]  # larger weights: logits far apart, so greedy has no near-ties
 
@@ -263,7 +271,7 @@ def test_hf_remote_export_matches_logits(remote, kind):
     ]
     hf = _load_remote(hf_dir)
     assert type(hf).__name__ == "MegatronZppGLAForCausalLM"
-    assert hasattr(hf, "lm_head") == (kind == "hybrid")  # tied: the logits read the embedding
+    assert hasattr(hf, "lm_head") == kind.endswith("hybrid")  # tied: the logits read the embedding
     tokens = torch.randint(0, 128, (2, 27), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours(tokens=tokens)
@@ -277,7 +285,7 @@ def test_hf_remote_export_matches_logits(remote, kind):
     torch.testing.assert_close(torch.cat(cached, dim=1), want, rtol=1e-4, atol=1e-4)
     from transformers import DynamicCache
 
-    with pytest.raises(ValueError, match=r"GLA layer 0 needs a cache built from the model's layer types"):
+    with pytest.raises(ValueError, match=r"GLA/GDN layer 0 needs a cache built from the model's layer types"):
         hf(input_ids=tokens, cache=DynamicCache())  # a cache of keys/values only: no room for the GLA state
 
 
