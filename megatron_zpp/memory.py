@@ -5,15 +5,16 @@ device (with stand-in groups of the right sizes) and, for ZeRO, cut into the eng
 with its padding (zero/sharded_params.py). Every other term is a closed form in the micro
 batch b, the sequence s, the hidden size h, heads, kv heads, head dim d, the FFN size f, the
 vocabulary V and the training dtype's bytes e, derived from what each op of OUR model saves
-for its backward (see `softmax_layer` and `gla_layer`), and checked against measured peaks
+for its backward (see `softmax_layer`, `gla_layer` and `gdn_layer`, GDN's context-parallel operator
+included), and checked against measured peaks
 (bench/memory.py, tests/test_memory.py; `LiveBytes` measures on CPU).
 
 The peak is the larger of two moments of the backward of the step's last micro-batch in
 flight: its start (every micro-batch in flight keeps its activations; the output layer's
 cross-entropy backward holds the logits, their gradient and an fp32 row chunk) and the
 backward of each layer after that (the groups before it keep what they keep, a recomputed
-group's earlier layers are rebuilt, the layer itself peaks in its MLP's backward or in the GLA
-operator's; ZeRO-2/3 unit gradients in flight add). `backend="gloo"` adds what our gloo
+group's earlier layers are rebuilt, the layer itself peaks in its MLP's backward or in the GLA or
+GDN operator's; ZeRO-2/3 unit gradients in flight add). `backend="gloo"` adds what our gloo
 reduce-scatter allocates (a full receive buffer per reduction in flight), for the CPU validation.
 
 Not modelled (GPU): the CUDA context (~0.5-1 GiB), NCCL's communicator buffers, the caching
@@ -40,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from . import recompute
 from .config import Config
 from .data.tokenizer import pad_vocab_size
+from .model.gated_deltanet import CONV_KERNEL
 from .model.init import full_shape
 from .ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from .ops.gla_chunked import sub_block
@@ -48,6 +50,7 @@ from .zero.sharded_params import flat_geometry, model_units, pad_block
 from .zero.zero_engine import reductions_in_flight
 
 GiB = 2**30
+GDN_HALO = CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads
 
 
 # ---------------------------------------------------------------- measuring (CPU)
@@ -180,6 +183,8 @@ class Dims:
     swiglu: bool = True  # the MLP's activation: SwiGLU, else an elementwise one (GeLU, squared ReLU)
     layer_norm: bool = False  # LayerNorm (else RMSNorm)
     rope: bool = True  # RoPE rotates q and k into new tensors (learned or no positions: views of qkv)
+    cp: int = 1  # context-parallel ranks
+    cp_gather: bool = False  # --cp-algo all-gather: every rank's state transition is kept for the backward
 
     @property
     def width(self) -> int:
@@ -209,6 +214,8 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         swiglu=m.activation == "swiglu",
         layer_norm=m.normalization == "LayerNorm",
         rope=m.position_embedding_type == "rope",
+        cp=cp,
+        cp_gather=p.cp_algo == "all-gather",
     )
 
 
@@ -271,6 +278,55 @@ def gla_layer(x: Dims, selective: bool) -> int:
     return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
 
 
+def gdn_layer(x: Dims, selective: bool) -> int:
+    """One Gated DeltaNet block (model/gated_deltanet.py): norm1, proj_in's input (`linear_input`) and
+    output (q | k | v | gate: 4 width, a | b: 2 heads), proj_out's input (e); the core (none under selective
+    recompute): `gdn_conv_saved`, SiLU's output and the L2-normalised q, k (e; ChunkGDNFunction keeps
+    those and v, a view), the gates and the norms' statistics (~10 fp32 per head), the operator's fp32
+    output, the head norm's normalised and weighted products and silu(gate) (4 fp32 width; the gate's fp32
+    copy for bf16); norm2, the MLP, hidden dropout masks."""
+    bs, w = x.b * x.s, x.width
+    proj = linear_input(x) + x.e * bs * (5 * w + 2 * x.heads)
+    core = 0
+    if not selective:
+        gate_copy = 4 * w if x.e != 4 else 0
+        core = gdn_conv_saved(x) + x.e * bs * 5 * w + bs * (40 * x.heads + 16 * w + gate_copy) + gdn_cp_saved(x)
+    return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
+
+
+def gdn_cp_saved(x: Dims) -> int:
+    """Under CP (context_parallel/gdn.py), beyond the single-rank layer: the local pass on [v, 0_K] from
+    [0, I_K] keeps its wider value input and output, r and the corrected output (5.6 fp32 width, measured),
+    U, M, S_in and the initial state (4 fp32 [b, heads, d, d]); the all-gather also every rank's packed
+    (state, M) buffer (P x 2 of them)."""
+    if x.cp == 1:
+        return 0
+    states = 4 * x.b * x.heads * x.d * x.d
+    return int(4 * x.b * x.s * x.width * 5.6) + states * (4 + (2 * x.cp if x.cp_gather else 0))
+
+
+def gdn_conv_saved(x: Dims) -> int:
+    """causal_conv over the 3-token halo and the slice [b, s+3, 3 width] (e): its input, the three shifted
+    copies (each padded by its lag) and its output (SiLU's input)."""
+    rows = x.b * (x.s + GDN_HALO)
+    return x.e * 3 * x.width * (5 * rows + x.b * (1 + 2 + 3))
+
+
+def gdn_backward_live(x: Dims) -> int:
+    """What a GDN block holds while ChunkGDNFunction's backward runs: norm1, proj_in's input and output, the
+    convolution's and the normalisations' saved tensors, the residual's gradient (e), and the chunked
+    reference backward's fp32 working set (ops/gdn_chunked.py: the recomputed T, W, U, states and v_new,
+    their gradients, dq dk dv), in units of one [b, s, width] fp32 tensor: 15.4 + 10.9 C/d + 3.4 d/C, fitted
+    to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the operator
+    of context_parallel/gdn.py, 22.2 + 11.6 C/d + 7.0 d/C, and `gdn_cp_saved`."""
+    bs, w, C, d = x.b * x.s, x.width, x.chunk, x.d
+    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + 4 * w + 2 * x.heads)
+    kept += gdn_conv_saved(x) + x.e * bs * 5 * w + bs * 40 * x.heads + gdn_cp_saved(x)
+    if x.cp > 1:  # the local pass on V + K value columns: a wider working set (same fit, context_parallel/gdn.py)
+        return kept + int(4 * bs * w * (22.2 + 11.6 * C / d + 7.0 * d / C))
+    return kept + int(4 * bs * w * (15.4 + 10.9 * C / d + 3.4 * d / C))
+
+
 def dropout_saved(x: Dims) -> int:
     return 2 * x.b * x.s_norm * x.h if x.dropout else 0  # two bool masks per block
 
@@ -285,12 +341,13 @@ def cp_kv_saved(x: Dims, cp_rank: int) -> int:
 
 
 def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
-    if cfg.model.layer_kind(layer) == "softmax":
+    kind = cfg.model.layer_kind(layer)
+    if kind == "softmax":
         out = softmax_layer(x, selective)
         if cfg.parallel.context_parallel_size > 1:
             out += cp_kv_saved(x, cp_rank)
         return out
-    return gla_layer(x, selective)
+    return gdn_layer(x, selective) if kind == "gdn" else gla_layer(x, selective)
 
 
 def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
@@ -300,7 +357,7 @@ def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
     kinds = {cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)}
     out = {}
     for kind in sorted(kinds):
-        layer = softmax_layer if kind == "softmax" else gla_layer
+        layer = {"softmax": softmax_layer, "gla": gla_layer, "gdn": gdn_layer}[kind]
         out[f"{kind} none"] = layer(x, False)
         out[f"{kind} selective"] = layer(x, True)
     out["full (per recomputed group)"] = x.e * x.b * x.s_norm * x.h
@@ -362,10 +419,11 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
         held = kept
         for j in range(start, stop):
             peak = acts[j] + mlp_backward_transient(x)
-            if cfg.model.layer_kind(layer_ids[j]) == "gla" and not (selective and not again):
-                peak = max(peak, gla_backward_live(x))
-            elif cfg.model.layer_kind(layer_ids[j]) == "gla":  # selective: the core reruns in the backward
-                peak = max(peak, gla_backward_live(x) + (per_layer[j] - gla_layer(x, True)))
+            kind = cfg.model.layer_kind(layer_ids[j])
+            if kind in LINEAR_LAYERS:
+                live_fn, layer_fn = LINEAR_LAYERS[kind]
+                rerun = selective and not again  # selective: the core reruns in the backward
+                peak = max(peak, live_fn(x) + (per_layer[j] - layer_fn(x, True) if rerun else 0))
             live.append(held + peak)
             held += acts[j]
         group = sum(per_layer[start:stop])
@@ -375,6 +433,9 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
         else:
             kept += group
     return kept, largest, max(live) - kept
+
+
+LINEAR_LAYERS = {"gla": (gla_backward_live, gla_layer), "gdn": (gdn_backward_live, gdn_layer)}
 
 
 # ---------------------------------------------------------------- parameters, gradients, optimizer

@@ -1,7 +1,7 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.memory's estimate, for a
-GLA+softmax model without recompute, with selective and with full recompute on one rank, and a
-2-rank ZeRO-3 + hpZ run with selective recompute (both ranks checked). bench/memory.py runs the full
+GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
+2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked). bench/memory.py runs the full
 matrix of layouts and recompute modes at a larger size."""
 
 import pytest
@@ -42,15 +42,30 @@ def _check(result, what):
     assert abs(ratio - 1) <= TOLERANCE, f"{what}: estimate {result['estimate']} vs measured {result['measured']}"
 
 
+@pytest.mark.parametrize("mixer", ["gla", "gdn"])
 @pytest.mark.parametrize("flags", [[], ["--recompute-granularity", "selective"], FULL], ids=["none", "sel", "full"])
-def test_single_rank_estimate_matches_measured_peak(flags):
-    _check(_measure(0, 1, flags), f"single rank {flags}")
+def test_single_rank_estimate_matches_measured_peak(flags, mixer):
+    _check(_measure(0, 1, flags + ["--attention-type", mixer]), f"single rank {mixer} {flags}")
 
 
 def test_zero3_hpz_two_ranks_estimate_matches_measured_peak():
     flags = ["--zero-stage", "3", "--zero-hpz-partition-size", "2", "--recompute-granularity", "selective"]
     for r, result in enumerate(run_distributed(_measure, 2, flags, timeout=300)):
         _check(result, f"rank {r} of zero3 hpZ")
+
+
+def _measure_each(rank, world_size, flag_sets):
+    return [_measure(rank, world_size, flags) for flags in flag_sets]
+
+
+def test_gdn_context_parallel_estimate_matches_measured_peak():
+    """A GDN hybrid at CP2, All-Scan without recompute and the all-gather with selective recompute (its local
+    pass on V + K columns, U, M and every rank's transitions): both ranks within the tolerance."""
+    gdn = ["--attention-type", "gdn", "--context-parallel-size", "2"]
+    flag_sets = [gdn, gdn + ["--cp-algo", "all-gather", "--recompute-granularity", "selective"]]
+    for r, results in enumerate(run_distributed(_measure_each, 2, flag_sets, timeout=300)):
+        for flags, result in zip(flag_sets, results):
+            _check(result, f"rank {r} of {flags}")
 
 
 def test_estimate_counts_parameters_exactly_and_shards_with_zero():
