@@ -160,14 +160,19 @@ def test_layout_matches_single_rank(layout):
     for k, kind in enumerate(kinds):
         ref = reference(kind, layers)
         results = [r[k] for r in per_rank]
-        for r in results:  # every rank reports the global loss
-            np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{kind} losses, {r['coords']}")
-        got = full_weights(results)
-        assert set(got) == set(ref["weights"])
-        for name, w in ref["weights"].items():
-            assert_close_relative(got[name], w, f"{kind} {name}")
+        assert_matches_reference(results, ref, kind)
         assert ref["losses"][-1] < ref["losses"][0]
         check_ledger(kind, layers, flags, world, results)
+
+
+def assert_matches_reference(results: list[dict], ref: dict, what: str) -> None:
+    """Every rank's losses (each reports the global loss) and the reassembled weights equal the reference's."""
+    for r in results:
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{what} losses, {r['coords']}")
+    got = full_weights(results)
+    assert set(got) == set(ref["weights"])
+    for name, w in ref["weights"].items():
+        assert_close_relative(got[name], w, f"{what} {name}")
 
 
 def _bytes(rows, role, phase) -> float:
@@ -332,10 +337,5 @@ def test_gdn_hybrid_context_parallel_packed_matches_single_rank(world):
     for k, flags in enumerate(GDN_CP_LAYOUTS[world]):
         results = [r[k] for r in per_rank]
         assert all(r["straddled"] for r in results if r["coords"]["cp"] > 0), f"{flags}: a boundary no document crosses"
-        for r in results:
-            np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{flags} losses, {r['coords']}")
-        got = full_weights(results)
-        assert set(got) == set(ref["weights"])
-        for name, w in ref["weights"].items():
-            assert_close_relative(got[name], w, f"{flags} {name}")
+        assert_matches_reference(results, ref, flags)
     assert ref["losses"][-1] < ref["losses"][0]
