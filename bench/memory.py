@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from megatron_zpp import memory, training
+from megatron_zpp import live_bytes, memory, training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.training.step import train_step
 from megatron_zpp.validation import validate
@@ -78,7 +78,7 @@ def argv_for(layout: str, kind: str, mode: str, mbs: int = MBS) -> tuple[list[st
 def measure(argv: list[str], world_size: int) -> dict:
     """Peak live bytes of the second training step on this rank, and the estimate for it."""
     cfg = validate(parse_args(argv), world_size)
-    with memory.LiveBytes() as live:
+    with live_bytes.LiveBytes() as live:
         run = training.setup(cfg)
         train_step(run)
         run.state.iteration = 1

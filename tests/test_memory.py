@@ -6,7 +6,7 @@ bench/memory.py runs the full matrix of layouts and recompute modes at a larger 
 
 import pytest
 
-from megatron_zpp import memory
+from megatron_zpp import live_bytes, memory
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
@@ -109,5 +109,5 @@ def test_fake_live_bytes_counts_what_the_dispatch_mode_counts():
             return trace, live.peak
 
     expected = ([20480, 20480, 4096, 16384], 36864)
-    assert run(memory.LiveBytes) == expected
-    assert run(memory.FakeLiveBytes) == expected
+    assert run(live_bytes.LiveBytes) == expected
+    assert run(live_bytes.FakeLiveBytes) == expected

@@ -12,7 +12,7 @@ so the step is the real one, not a copy.
 
 Per rank it records, through comm.py: every group's ordered collectives (comm.ORDER.keep) and
 point-to-point messages, the ledger's bytes per link class; and the peak of live fake storage
-(memory.FakeLiveBytes) during start-up and during the step. `check(results)` then compares the
+(live_bytes.FakeLiveBytes) during start-up and during the step. `check(results)` then compares the
 ranks that ran: each group's members issue the same sequence (the first divergence named), each
 send has its receive on the peer, in order, and each rank's bytes per link class are the step
 simulator's (simulator/collectives.py: the same byte model); each peak stands beside memory.py's
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .. import comm, memory, training
+from .. import comm, live_bytes, memory, training
 from ..config import Config
 from ..simulator.collectives import rank_step
 from ..topology import topology_from_config
@@ -177,7 +177,7 @@ def run_rank(cfg: Config, rank: int, world_size: int, skip: dict[int, str] | Non
             _skipping((skip or {}).get(rank)),
             fused_attention(),
             mode,
-            memory.FakeLiveBytes() as live,
+            live_bytes.FakeLiveBytes() as live,
         ):
             # a fake tensor's data_ptr is 0: the quantizer's alignment test passes, as it would on the device
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

@@ -80,7 +80,7 @@ def test_fake_peaks_are_the_real_runs_live_bytes():
     not the model's) and on its second (cache hits)."""
     import dataclasses as dc
 
-    from megatron_zpp import memory, training
+    from megatron_zpp import live_bytes, training
     from megatron_zpp.testing.dry_run import fake_world
     from megatron_zpp.training.step import train_step
 
@@ -88,7 +88,7 @@ def test_fake_peaks_are_the_real_runs_live_bytes():
     argv += "--attention-dropout 0 --hidden-dropout 0".split()
     cfg = parse_config(argv, 1, run=False)
     fake = [run_rank(cfg, 0, 1) for _ in range(2)]
-    with fake_world(0, 1, 1), memory.LiveBytes() as live:
+    with fake_world(0, 1, 1), live_bytes.LiveBytes() as live:
         run = training.setup(cfg)
         startup = live.peak
         live.reset_peak()
@@ -104,7 +104,7 @@ def test_attention_with_dropout_keeps_what_the_fused_kernel_keeps():
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_zpp.memory import LiveBytes
+    from megatron_zpp.live_bytes import LiveBytes
 
     b, h, s, d = 1, 8, 1024, 64
     real = F.scaled_dot_product_attention

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_zpp import memory, training
+from megatron_zpp import live_bytes, memory, training
 from megatron_zpp.arguments import parse_args
 from megatron_zpp.model.init import copy_tp_range
 from megatron_zpp.tensor_parallel import shard
@@ -119,7 +119,7 @@ def todays_build_model(cfg, groups, vocab_size, device):
     return [chunk.to(device=device, dtype=training_dtype(cfg)) for chunk in chunks], None  # no init: real
 
 
-class CappedLiveBytes(memory.LiveBytes):
+class CappedLiveBytes(live_bytes.LiveBytes):
     """LiveBytes that raises MemoryError when the live bytes pass `cap` (None: no cap)."""
 
     def __init__(self, cap=None):
