@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 
 from megatron_zpp.testing.cluster import Cluster, parse_rate
-from megatron_zpp.testing.zero_bench.results import best_peer, check_targets, headline, speedup, step_s
+from megatron_zpp.testing.zero_bench.results import (
+    absent_peers,
+    best_peer,
+    check_targets,
+    headline,
+    speedup,
+    step_s,
+)
 from megatron_zpp.testing.zero_bench.systems import COLUMNS, SPREAD_WARN, SYSTEMS
 
 
@@ -57,8 +64,10 @@ def print_rate_table(results: dict, rate: str, names: list[str], columns: list) 
     return ratios
 
 
-def print_headline(h: dict) -> None:
+def print_headline(h: dict, absent: list) -> None:
     best = SYSTEMS[h["best_peer"]][0] if h["best_peer"] else "none ran"
+    if absent:
+        best += f" (of those that ran; did not run: {', '.join(x.peer for x in absent)})"
     print(
         f"  best peer: {best}; speedups: ours ZeRO++ / best peer {fmt(h['zpp_vs_best'], '.2f')}x, ours ZeRO-3 / "
         f"best peer {fmt(h['z3_vs_best'], '.2f')}x, ours ZeRO++ / ours ZeRO-3 {fmt(h['zpp_vs_z3'], '.2f')}x"
@@ -68,12 +77,12 @@ def print_headline(h: dict) -> None:
 def print_dtype(results: dict, dtype: str, a, netns: bool) -> tuple[dict, dict]:
     """Every rate's table of one dtype: (speedups, headline ratios) by rate."""
     columns = [(n, lab) for n, lab in COLUMNS if n in a.names]
-    ratios, heads = {}, {}
+    ratios, heads, absent = {}, {}, absent_peers(results, a.names)
     for rate in a.rates:
         print(rate_title(rate, dtype, netns))
         ratios[rate] = print_rate_table(results, rate, a.names, columns)
         heads[rate] = headline(results, rate)
-        print_headline(heads[rate])
+        print_headline(heads[rate], absent)
     return ratios, heads
 
 
@@ -263,7 +272,8 @@ def print_report(a, results: dict, netns: bool, params: int) -> dict:
     ratios, heads = {}, {}
     for dtype in a.dtypes:
         ratios[dtype], heads[dtype] = print_dtype(results[dtype], dtype, a, netns)
-    targets = check_targets(heads["bf16"], a.rates, netns) if "bf16" in heads else []
+    absent = absent_peers(results["bf16"], a.names) if "bf16" in heads else []
+    targets = check_targets(heads["bf16"], a.rates, netns, absent) if "bf16" in heads else []
     if targets:
         print_targets(targets)
     else:
@@ -278,4 +288,11 @@ def print_report(a, results: dict, netns: bool, params: int) -> dict:
     if peer_off:
         print("\nWARNING: a peer's measured wire bytes are off its real-fabric volume (see above):")
         print("\n".join(f"  {ln}" for ln in peer_off))
-    return {"speedup": ratios, "headline": heads, "targets": targets, "warnings": warnings, "peer_wire_off": peer_off}
+    return {
+        "speedup": ratios,
+        "headline": heads,
+        "targets": targets,
+        "absent_peers": [vars(x) for x in absent],
+        "warnings": warnings,
+        "peer_wire_off": peer_off,
+    }

@@ -8,7 +8,8 @@ import os
 import statistics
 
 from megatron_zpp.testing.cluster import parse_rate
-from megatron_zpp.testing.zero_bench.systems import BEST_PEER_POOL, NODES
+from megatron_zpp.testing.verdict import INSTALL_FIX, Absent, verdict
+from megatron_zpp.testing.zero_bench.systems import BEST_PEER_POOL, HEADLINE, NODES, SYSTEMS
 
 
 def ledger_bytes(ranks: dict, per_node: int) -> dict | None:
@@ -192,6 +193,24 @@ def headline(results: dict, rate: str) -> dict:
     }
 
 
+# The peers the best-peer targets are judged against: every headline peer must have run.
+HEADLINE_PEERS = tuple(n for n in HEADLINE if n in BEST_PEER_POOL)
+
+
+def absent_peers(results: dict, names: list[str]) -> list[Absent]:
+    """The headline peers that did not run (not selected, not installed, failed), each with why and the fix."""
+    out = []
+    for n in HEADLINE_PEERS:
+        label, res = SYSTEMS[n][0], results.get(n)
+        if n not in names or res is None:
+            out.append(Absent(label, "not among the systems run", f"add {n} to --systems"))
+        elif res.get("status") != "ok":
+            why, _, _ = str(res.get("reason", res.get("status"))).partition(f"; {INSTALL_FIX}")
+            fix = INSTALL_FIX if "not installed" in why or "is installed" in why else "see its row and the logs"
+            out.append(Absent(label, why, fix))
+    return out
+
+
 # (rate in bits/s, None: unshaped; what; headline key; the speedup it needs)
 TARGETS = (
     (200e6, "200 Mbit/s: ours ZeRO++ >= 2.5x the best peer", "zpp_vs_best", 2.5),
@@ -201,19 +220,19 @@ TARGETS = (
 )
 
 
-def check_targets(heads: dict, rates: list[str], netns: bool) -> list[dict]:
-    """Each target: MET / NOT MET / not measured, with the measured speedup."""
+def check_targets(heads: dict, rates: list[str], netns: bool, absent: list[Absent] = ()) -> list[dict]:
+    """Each target: MET / NOT MET / not measured / not judged (a headline peer in `absent`: a best-peer
+    target is then judged against none, whatever the others gave), with the measured speedup."""
     out = []
     for bits, what, key, minimum in TARGETS:
         rate = next((r for r in rates if parse_rate(r) == bits), None)
         value = heads[rate][key] if rate else None
         if rate is None:
-            verdict = "not measured (rate not run)"
+            v = "not measured (rate not run)"
         elif bits is not None and not netns:
-            verdict, value = "not measured (link not shaped: no namespaces)", None
-        elif value is None:
-            verdict = "not measured (a system did not run)"
+            v, value = "not measured (link not shaped: no namespaces)", None
         else:
-            verdict = "MET" if value >= minimum else "NOT MET"
-        out.append({"target": what, "minimum": minimum, "measured": value, "verdict": verdict})
+            missing = absent if key.endswith("_vs_best") else ()
+            v = verdict(None if value is None else value >= minimum, missing, "not measured (a system did not run)")
+        out.append({"target": what, "minimum": minimum, "measured": value, "verdict": v})
     return out

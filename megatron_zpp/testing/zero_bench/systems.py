@@ -14,6 +14,7 @@ import time
 from megatron_zpp.testing.cluster import parse_rate
 from megatron_zpp.testing.peers import RUNNERS
 from megatron_zpp.testing.peers.model import LLAMA_FLAGS, peer_shape_mismatch
+from megatron_zpp.testing.verdict import INSTALL_FIX
 
 NODES = 2  # the emulated cluster's namespaces; --ranks of them split evenly
 DS_VERSION = "0.19.8"
@@ -109,12 +110,9 @@ def deepspeed_refusal() -> str | None:
     try:
         version = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
-        return (
-            f"deepspeed is not installed in this venv ({sys.executable}); install it with "
-            f"DS_BUILD_OPS=0 .venv/bin/python -m pip install 'deepspeed=={DS_VERSION}' (the project's [bench] extra)"
-        )
+        return f"deepspeed is not installed in this venv ({sys.executable}); {INSTALL_FIX} (the [bench] extra)"
     if version != DS_VERSION:
-        return f"deepspeed {version} is installed, the bench's peers are written against {DS_VERSION}"
+        return f"deepspeed {version} is installed, the bench's peers are written against {DS_VERSION}; {INSTALL_FIX}"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
     try:
         res = subprocess.run([sys.executable, "-c", BUILD_SHM_OP], capture_output=True, text=True, env=env, timeout=900)
