@@ -23,7 +23,7 @@ torch references, checked equal first (fp32, 1e-4). The last stdout line is one 
 Run:  .venv/bin/python bench/single_rank.py            (CPU, fp32, < 3 min on an idle machine with compile)
       .venv/bin/python bench/single_rank.py --hidden-size 128 --num-attention-heads 4 --num-query-groups 2 \
           --seq-length 128 --micro-batch-size 4 --attention-type gla --softmax-attention-every 2
-                                                         (the quickstart model, examples/configs/tiny_cpu.yaml)
+                                                         (the first-hour model, examples/configs/tiny_cpu.yaml)
       .venv/bin/python bench/single_rank.py --device cuda --dtype bf16 --micro-batch-size 16
 """
 

@@ -4,11 +4,11 @@
 # data_cache/demo/; every step is skipped when its output exists). Then it defines:
 #   PY, TORCHRUN      the .venv's python and torchrun
 #   DEMO_DATA         the corpus prefix (--data-path), DEMO_TOKENIZER its tokenizer.model
-# examples/configs/tiny_cpu.yaml already points at both, so a run needs only --config.
+# examples/configs/demo_gdn_cpu.yaml and tiny_cpu.yaml already point at both, so a run needs only --config.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash tools/setup_env.sh
 .venv/bin/python tools/make_demo_corpus.py --output data_cache/demo --build
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # 4 ranks on a few cores: one thread each
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # several ranks on a few cores: one thread each
 PY=.venv/bin/python
 TORCHRUN=.venv/bin/torchrun
 DEMO_DATA=data_cache/demo/corpus_text_document
