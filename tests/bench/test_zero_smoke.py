@@ -103,4 +103,6 @@ def test_deepspeed_missing_is_one_line(monkeypatch):
 
     monkeypatch.setattr(metadata, "version", not_installed)
     why = systems.deepspeed_refusal()
-    assert why.startswith("deepspeed is not installed") and "pip install" in why and "\n" not in why
+    assert (
+        why.startswith("deepspeed is not installed") and "install with bash bench/setup.sh" in why and "\n" not in why
+    )

@@ -21,6 +21,11 @@ def fmt(v, spec: str, na: str = "n/a") -> str:
     return na if v is None else format(v, spec)
 
 
+def times(v) -> str:
+    """A speedup: 2.26x, or n/a."""
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
 def mb(v) -> str:
     return fmt(v and v / 1e6, "7.1f", "      -")
 
@@ -69,8 +74,8 @@ def print_headline(h: dict, absent: list) -> None:
     if absent:
         best += f" (of those that ran; did not run: {', '.join(x.peer for x in absent)})"
     print(
-        f"  best peer: {best}; speedups: ours ZeRO++ / best peer {fmt(h['zpp_vs_best'], '.2f')}x, ours ZeRO-3 / "
-        f"best peer {fmt(h['z3_vs_best'], '.2f')}x, ours ZeRO++ / ours ZeRO-3 {fmt(h['zpp_vs_z3'], '.2f')}x"
+        f"  best peer: {best}; speedups: ours ZeRO++ / best peer {times(h['zpp_vs_best'])}, ours ZeRO-3 / "
+        f"best peer {times(h['z3_vs_best'])}, ours ZeRO++ / ours ZeRO-3 {times(h['zpp_vs_z3'])}"
     )
 
 
@@ -90,7 +95,7 @@ def print_targets(targets: list[dict]) -> None:
     print("\nTargets (bf16 table; reported, nothing is tuned to them):")
     for t in targets:
         need = f"need >= {t['minimum']:.2f}x"
-        print(f"  {t['target']:56} measured {fmt(t['measured'], '.2f')}x ({need}): {t['verdict']}")
+        print(f"  {t['target']:56} measured {times(t['measured'])} ({need}): {t['verdict']}")
 
 
 def print_ledger_check(results_by_dtype: dict, rates: list[str]) -> None:
