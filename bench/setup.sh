@@ -33,5 +33,7 @@ then
   exit 0
 fi
 DS_BUILD_OPS=0 .venv/bin/python -m pip install --disable-pip-version-check "${dry_run[@]}" -e ".[bench]"
-[ "${dry_run[0]}" = --dry-run ] || echo "bench peers ready: $(.venv/bin/python -m pip show deepspeed | grep -m1 '^Version' \
-  | sed 's/Version: /deepspeed /')"
+if [ "${dry_run[0]}" != --dry-run ]; then
+  version=$(.venv/bin/python -c 'from importlib import metadata; print(metadata.version("deepspeed"))')
+  echo "bench peers ready: deepspeed $version"
+fi

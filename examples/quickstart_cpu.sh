@@ -10,9 +10,15 @@
 #      inter-node bytes per rank per step.
 # Each run writes a new directory runs/quickstart/<UTC time>/ (nothing is overwritten; RUN=DIR to
 # choose it, an empty or new one). Extra arguments go to pretrain_gpt.py (e.g. --train-iters 40).
-# PROMPT sets the sample's prompt (default "def"; no trailing space: it would be a lone word-start token),
-# SAMPLE_TOKENS its length (default 40).
+# PROMPT sets the sample's prompt (default "    def __init__(self,"; no trailing space: it would be a lone
+# word-start token), SAMPLE_TOKENS its length (default 40).
 set -euo pipefail
+case " $* " in
+  *" --help "* | *" -h "*)
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    echo "pretrain_gpt.py's flags: .venv/bin/python pretrain_gpt.py --help"
+    exit 0 ;;
+esac
 source "$(dirname "$0")/demo_env.sh"   # repo root, .venv, data_cache/demo/
 RUN=${RUN:-runs/quickstart/$(date -u +%Y%m%dT%H%M%SZ)}
 if [ -e "$RUN" ] && [ -n "$(ls -A "$RUN")" ]; then
@@ -26,9 +32,13 @@ mkdir -p "$RUN"
   --metrics-file "$RUN/metrics.jsonl" \
   --comm-report "$RUN/comm.json" \
   "$@"
+if [ ! -e "$RUN/ckpt/latest" ]; then
+  echo "error: examples/quickstart_cpu.sh: pretrain_gpt.py saved no checkpoint in $RUN/ckpt; nothing to sample" >&2
+  exit 1
+fi
 echo
 echo "== greedy sample (tools/generate.py --greedy, the checkpoint consolidated to one rank) =="
-"$PY" tools/generate.py --load "$RUN/ckpt" --prompt "${PROMPT:-def}" --greedy \
+"$PY" tools/generate.py --load "$RUN/ckpt" --prompt "${PROMPT:-    def __init__(self,}" --greedy \
   --max-new-tokens "${SAMPLE_TOKENS:-40}"
 echo
 echo "== communication per rank per step (tools/comm_report.py --summary; the full table without it) =="

@@ -23,7 +23,7 @@ def test_quickstart_runs_the_gdn_hybrid_over_tp_cp_dp_zeropp(tmp_path):
     assert "qwZ int8 weight gathers" in out and "hpZ secondary shard" in out and "qgZ int4" in out
     assert "iteration        3/       3" in out
     sample = out.split("== greedy sample")[1].splitlines()[1]
-    assert sample.startswith("def") and len(sample) > len("def")
+    assert sample.startswith("    def __init__(self,") and len(sample) > len("    def __init__(self,")
     summary = out.split("== communication per rank per step")[1]
     for axis in ("TP ", "CP ", "DP/ZeRO ", "across nodes: "):
         assert f"\n{axis}" in summary, summary
