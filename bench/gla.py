@@ -25,6 +25,9 @@ first call and median, the worse of the dtypes), its saved bytes linearly.
 A cell over --max-call-seconds or --max-saved-gib is skipped and the estimate printed instead. A second
 table gives the fp32 error at T=512, H=2 for mild gates, gates in [-50, 0], mixed -1000 / -1e-4 gates and
 gates with 5% -inf (hard resets). Timings on a shared CPU are noisy: the load average is printed with them.
+Targets (MET / NOT MET): ours' saved bytes <= 6x, no slower than SDPA at T=8192, fp32 error <= 1e-5. The
+time target is judged only when SDPA ran at T=8192 in every dtype: else "not judged: SDPA <dtype> did
+not run (<why>); <fix>" and exit status 3 (--allow-missing-peers: 0 and a warning).
 The last stdout line is one JSON object.
 
 Run:  .venv/bin/python bench/gla.py                  (CPU; 10-20 min on a 2-core machine, most of it the peers)
