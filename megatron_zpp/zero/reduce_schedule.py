@@ -108,12 +108,13 @@ class ReduceSchedule:
         self.stochastic = zero_cfg.zero_gradient_stochastic_rounding
         self.wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32  # unquantized paths
         self.grads: dict[FlatUnit, UnitGrads] = {u: policy.unit_grads(u, self.buffers) for u in units}
-        for unit in units:  # frozen parameters: no hook, no reduce, no step
-            for p in unit.params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._grad_hook(unit))
-        # per chunk, its units with a trainable parameter in the order their backward ends; self.next[c]:
-        # the next one to issue; sched_before: how many scheduled units come before a unit in the backward
+        self._plan(chunks, units)
+        self._pending: list[PendingReduce] = []
+        self._install_hooks(chunks, units)
+
+    def _plan(self, chunks, units: list[FlatUnit]) -> None:
+        """Per chunk, its units with a trainable parameter in the order their backward ends (`schedule`);
+        `next[c]`: the next one to issue; `sched_before`: how many scheduled units precede a unit's backward."""
         self.schedule: list[list[FlatUnit]] = []
         self.sched_before: dict[FlatUnit, int] = {}
         for c, chunk in enumerate(chunks):
@@ -122,7 +123,14 @@ class ReduceSchedule:
             for i, u in enumerate(order):
                 self.sched_before[u] = sum(1 for v in order[:i] if self.grads[v].trainable)
         self.next = [0] * len(chunks)
-        self._pending: list[PendingReduce] = []
+
+    def _install_hooks(self, chunks, units: list[FlatUnit]) -> None:
+        """Each trainable parameter's post-accumulate hook (frozen ones: none, never reduced, never
+        stepped), and each chunk's backward pre-hook (start_backward)."""
+        for unit in units:
+            for p in unit.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_hook(unit))
         # the chunk's inputs (token ids) need no grad; its backward pre-hook only needs the output grads
         warnings.filterwarnings(
             "ignore",
