@@ -41,8 +41,8 @@ from .model.init import full_shape
 from .ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from .ops.gla_chunked import sub_block
 from .pipeline_parallel.stages import build_rank_chunks, stage_chunks, stand_in_context
+from .zero.reduce_schedule import reductions_in_flight
 from .zero.sharded_params import flat_geometry, model_units, pad_block
-from .zero.zero_engine import reductions_in_flight
 
 GiB = 2**30
 GDN_HALO = CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads

@@ -63,7 +63,10 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
             if key in name and kind in peaks:
                 return peaks[kind], f"{peaks[kind]:g} {kind} TFLOP/s (dense peak of {name})"
         return 0.0, f"no known {kind} peak for {name}: pass --peak-tflops"
-    peak = measured_matmul_tflops(device, dtype)
+    # random operands from a fork of the RNG: how many sizes the deadline lets it draw depends on the
+    # machine's load, and the training stream (dropout masks) must not
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+        peak = measured_matmul_tflops(device, dtype)
     return peak, f"{peak:.4g} {kind} TFLOP/s (measured {kind} matmul peak of this rank's CPU threads)"
 
 

@@ -293,7 +293,7 @@ def _units(cfg: Config, chunks) -> list[UnitInfo]:
 
 
 class _ZeroState:
-    """Gathered / released state of each unit, by zero_engine.py's hook rules."""
+    """Gathered / released state of each unit, by zero/gather_schedule.py's hook rules."""
 
     def __init__(self, cfg: Config, g: ProcessGroups, units: list[UnitInfo]):
         z = cfg.zero

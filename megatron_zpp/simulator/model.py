@@ -25,7 +25,7 @@ Overlap, per rank, with one compute stream and one communication stream per link
   as is GDN's convolution halo (one p2p of 3 tokens each way);
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
   one) and the unit waits for it; a unit's gradient reduction starts after its backward,
-  at most --zero-reduce-in-flight in flight (default max(2, hops), zero_engine's
+  at most --zero-reduce-in-flight in flight (default max(2, hops), reduce_schedule's
   max_in_flight; the compute stream waits for the oldest beyond it), the rest drains at
   the step's end; ZeRO-1/2 and plain DP reduce during the last backward
   (--overlap-grad-reduce) or after it; stages 1-2's parameter all-gather is exposed
@@ -66,8 +66,8 @@ from ..context_parallel import auto_blocks
 from ..data.tokenizer import pad_vocab_size
 from ..perf import flops_per_token
 from ..topology import Group, topology_from_config
+from ..zero.reduce_schedule import reductions_in_flight
 from ..zero.sharded_params import START_UNITS
-from ..zero.zero_engine import reductions_in_flight
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks, transition_bytes
 from .hardware import Cluster
 from .schedule import pipeline_time
@@ -274,8 +274,8 @@ class _RankTimer:
         return t
 
     def _reduce(self, colls: list[Coll], t: float) -> float:
-        """zero_engine._reduce: start this unit's reduction, advance those in flight, finish the
-        oldest beyond the in-flight limit; the compute stream's time after it."""
+        """ReduceSchedule._reduce (zero/reduce_schedule.py): start this unit's reduction, advance those in
+        flight, finish the oldest beyond the in-flight limit; the compute stream's time after it."""
         r = _Reduction(colls)
         if self.side_streams:  # the whole chain enqueued now; backpressure: wait for the oldest's event
             end = t

@@ -95,3 +95,41 @@ def all_gather_weights(
         dequantize_wire(gathered, s, qwz_block, QWZ_BITS, out=output.view(group.size, s))
 
     return PendingGather([work], decode, sending=wire, stream=stream, dev=dev)
+
+
+class SecondaryShard:
+    """hpZ: this rank's slice of a unit's full weights within its hpZ group (`group`, inside one node).
+
+    The step's first forward gather of the unit reads the primary shards over the whole ZeRO group and,
+    on the gather stream before the compute stream may read the weights, leaves its slice here (`keep`);
+    every later gather until the step (`stale`: the backward's, a recomputation's, the next
+    micro-batches' forwards) reads only these (`serves`), so it never leaves the node. The weights change
+    only at the step, so the secondary is never older than what the forward used."""
+
+    def __init__(self, group: Group, padded: int, full: torch.Tensor | None, dtype, device):
+        """`full`: the unit's full weights when it has them (else zeros: the first forward gather,
+        which is its first reader, writes it)."""
+        self.group = group
+        self.numel = padded // group.size
+        self.lo = group.rank * self.numel
+        if full is None:
+            self.shard = torch.zeros(self.numel, dtype=dtype, device=device)
+        else:
+            self.shard = full[self.lo : self.lo + self.numel].clone()
+        self.current = False  # holds the weights of this step's first forward gather
+
+    def serves(self, backward: bool) -> bool:
+        """Whether a gather reads the secondaries: the backward's, and every one after the step's first."""
+        return backward or self.current
+
+    def keep(self, full: torch.Tensor) -> Callable[[], None] | None:
+        """At the wait of a gather into `full`: the copy that refreshes the secondary (a PendingGather's
+        `then`), if this is the step's first forward gather; None otherwise."""
+        if self.current:
+            return None
+        self.current = True
+        return lambda: self.shard.copy_(full[self.lo : self.lo + self.numel])
+
+    def stale(self) -> None:
+        """The shard changed (a step, a load): the next forward gather reads the primaries again."""
+        self.current = False

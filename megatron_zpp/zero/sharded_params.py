@@ -22,14 +22,13 @@ the same storage, so they are valid again once it is refilled).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..model.init import swap_in
 from ..topology import Group
 from .engine import RankLayout, numbered_layout, param_slot
-from .gather import PendingGather, all_gather_weights
+from .gather import PendingGather, SecondaryShard, all_gather_weights
 
 
 def flat_geometry(numels: list[int], group_size: int, pad_block: int) -> tuple[list[int], int, int]:
@@ -96,22 +95,6 @@ def shard_layout(chunks, group_rank: int, group_size: int, block: int, key_of) -
     return numbered_layout(tensors, spans)
 
 
-@dataclass
-class UnitGrads:
-    """A unit's gradient bookkeeping within a step (the engine's reduction schedule reads and resets it).
-
-    trainable: its parameters with requires_grad (frozen ones get no hook; a unit with none is never
-        reduced); ready: how many of them delivered this backward's gradient; reduced: its reduction
-        started (stage 1: once per step; 2-3: once per micro-batch); flat: the fp32 accumulator of the
-        unit's padded flat gradient (stage 1: persistent, else taken from the engine's buffer pool for
-        one micro-batch)."""
-
-    trainable: int
-    ready: int = 0
-    reduced: bool = False
-    flat: torch.Tensor | None = None
-
-
 class FlatUnit:
     def __init__(
         self,
@@ -136,7 +119,7 @@ class FlatUnit:
         embedding whose twin is the output layer on the other end stage; `gather_stream`: the engine's
         all-gather stream (None: the current one)."""
         self.name, self.params, self.group, self.sharded_weights = name, params, group, sharded_weights
-        self.hpz, self.qwz_block = hpz, qwz_block
+        self.qwz_block = qwz_block
         self.module, self.chunk, self.tied, self.gather_stream = module, chunk, tied, gather_stream
         p0 = params[0]
         on_meta = p0.is_meta
@@ -154,39 +137,40 @@ class FlatUnit:
         if on_meta:
             for p in params:  # the same objects, now on the device, empty until attached
                 swap_in(p, self._empty)
-
         self.gathered = True
         self._gather: PendingGather | None = None
         self._views: list[torch.Tensor] | None = None  # the parameters' views of the full buffer, once it exists
-        if on_meta and sharded_weights:  # only the shard: the full buffer and its views come with the first gather
-            self.full, self._views, self.gathered = torch.empty(0, dtype=self.dtype, device=self.device), None, False
-            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-            for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
-                init.fill(params[i], self.shard[a:b], start)
-        else:
-            self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self._views = self._views_of_full()
-            for p, view in zip(params, self._views):
-                if on_meta:
-                    init.fill(p, view.view(-1))
-                else:
-                    view.copy_(p.detach())
-            self._attach()
-            self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
-        if hpz is not None:
-            self.secondary_numel = s = self.padded // hpz.size
-            # its first reader is the first forward gather's wait, which writes it: its start is never read
-            if self._views is None:
-                self.secondary = torch.zeros(s, dtype=self.dtype, device=self.device)
-            else:
-                self.secondary = self.full[hpz.rank * s : (hpz.rank + 1) * s].clone()
-        self.secondary_current = False  # holds the weights of this step's first forward gather
+        self._fill(init if on_meta else None)
+        self.hpz = (
+            None if hpz is None else SecondaryShard(hpz, self.padded, self._full_or_none(), self.dtype, self.device)
+        )
         if sharded_weights:
             self.release()
         # fp32 master shard (ZeRO-3 in fp32: the shard itself) and fp32 gradient shard
         self.master = self.shard if self.dtype == torch.float32 and sharded_weights else self.shard.float().clone()
         self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
-        self.grads = UnitGrads(trainable=sum(p.requires_grad for p in params))
+
+    def _fill(self, init) -> None:
+        """Allocate and fill the weights: from the parameters, or (`init`: a sharded start-up) ZeRO-3's
+        shard alone (the full buffer and its views come with the first gather), stages 1-2 the full buffer."""
+        if init is not None and self.sharded_weights:
+            self.full, self._views, self.gathered = torch.empty(0, dtype=self.dtype, device=self.device), None, False
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for i, a, b, start in shard_segments(self.offsets, self.lo, self.hi):
+                init.fill(self.params[i], self.shard[a:b], start)
+            return
+        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self._views = self._views_of_full()
+        for p, view in zip(self.params, self._views):
+            if init is not None:
+                init.fill(p, view.view(-1))
+            else:
+                view.copy_(p.detach())
+        self._attach()
+        self.shard = self.full[self.lo : self.hi].clone()  # training-dtype copy of my slice (what I send)
+
+    def _full_or_none(self) -> torch.Tensor | None:
+        return None if self._views is None else self.full
 
     def _views_of_full(self) -> list[torch.Tensor]:
         return [self.full[off : off + n].view(shape) for shape, off, n in zip(self.shapes, self.offsets, self.numels)]
@@ -205,8 +189,8 @@ class FlatUnit:
         # hpZ: the backward, and every forward after the step's first (the weights change only
         # at the step), gather inside the node from the secondary shards
         stream = self.gather_stream
-        if self.hpz is not None and (backward or self.secondary_current):
-            self._gather = all_gather_weights(self.full, self.secondary, self.hpz, phase, stream=stream)
+        if self.hpz is not None and self.hpz.serves(backward):
+            self._gather = all_gather_weights(self.full, self.hpz.shard, self.hpz.group, phase, stream=stream)
         else:
             self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block, stream)
 
@@ -215,10 +199,8 @@ class FlatUnit:
             return
         if self._gather is None:
             raise RuntimeError(f"ZeRO unit {self.name}: waited for a gather that was never started")
-        if self.hpz is not None and not self.secondary_current:  # the step's first forward: keep its weights
-            s = self.secondary_numel  # copied on the gather stream, before the compute stream may read `full`
-            self._gather.then = lambda: self.secondary.copy_(self.full[self.hpz.rank * s : (self.hpz.rank + 1) * s])
-            self.secondary_current = True
+        if self.hpz is not None:  # the step's first forward: keep its weights (copied on the gather stream)
+            self._gather.then = self.hpz.keep(self.full)
         self._gather.wait()
         self._gather, self.gathered = None, True
         self._attach()
@@ -255,7 +237,8 @@ class FlatUnit:
         the weights are read). A gather in flight (a prefetch of the old weights) is
         dropped; the hpZ secondary is stale until the next forward gather refreshes it."""
         self._drop_gather()
-        self.secondary_current = False
+        if self.hpz is not None:
+            self.hpz.stale()
         self.shard.copy_(new_shard)
         if not self.sharded_weights:
             self._gather = all_gather_weights(
