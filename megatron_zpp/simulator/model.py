@@ -141,19 +141,25 @@ def layer_flops(cfg: Config) -> tuple[list[float], float]:
     return [b - a for a, b in zip(total, total[1:])], total[0]
 
 
+def linear_mixer(m):
+    """The shape of the model's linear mixer (the layers a CP state scan runs for)."""
+    return next(shape for shape in map(m.mixer, range(m.num_layers)) if shape.linear)
+
+
 def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float:
-    """The state scan's chain time for one GLA or GDN layer, one direction."""
+    """The state scan's chain time for one linear-mixer layer (GLA, GDN), one direction."""
     m, p = cfg.model, cfg.parallel
     P = cp.size
     if P <= 1:
         return 0.0
-    heads = m.num_attention_heads // p.tensor_model_parallel_size
-    state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
+    mixer = linear_mixer(m)
+    heads = mixer.heads // p.tensor_model_parallel_size
+    state = cfg.train.micro_batch_size * heads * mixer.state_per_head * 4
     link = cl.link(cp.link)
     per_node = max(Counter(r // ranks_per_node for r in cp.ranks).values())
     bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
     if p.cp_algo == "all-gather":
-        transition = transition_bytes(cfg, m.attention_type)
+        transition = transition_bytes(cfg, mixer)
         return (P - 1) * (link.alpha + cl.scan_msg_s + (state + transition) / bw)
     if p.cp_algo == "ring":
         return (P - 1) * (link.alpha + cl.scan_msg_s + state / bw)
@@ -161,7 +167,7 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     class _Dev:  # auto_blocks reads only the device type
         type = cl.device
 
-    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, m.head_dim)
+    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, mixer.key_dim)
     alpha = link.alpha + cl.scan_msg_s  # per message: the link's alpha + the CPU cost of one send (emulated)
     return (P - 2 + K) * (alpha + state / K / bw) if P > 2 else alpha + state / bw
 
@@ -213,7 +219,7 @@ class _RankTimer:
         self.rerun: list[set[str]] = []
         for chunk in chunks:
             ids = [int(k) for k in chunk.layers.keys()]
-            units = {f"layer{i}": per_layer[i] / 3 / rate + self._layer_overhead(m.layer_kind(i)) / 3 for i in ids}
+            units = {f"layer{i}": per_layer[i] / 3 / rate + self._layer_overhead(m.mixer(i).linear) / 3 for i in ids}
             if chunk.post_process:
                 units["head"] = head / 3 / rate
             self.fwd_unit.append(units)
@@ -222,8 +228,8 @@ class _RankTimer:
         heads_width = m.num_attention_heads * m.head_dim
         self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
 
-    def _layer_overhead(self, kind: str) -> float:
-        return self.cl.per_layer_s + (self.cl.gla_layer_s if kind in ("gla", "gdn") else 0.0)
+    def _layer_overhead(self, linear: bool) -> float:
+        return self.cl.per_layer_s + (self.cl.gla_layer_s if linear else 0.0)
 
     def _t(self, c: Coll) -> float:
         return coll_time(c, self.cl, self.rpn)
@@ -322,7 +328,8 @@ class _RankTimer:
                     else self._t(c) + _steps(c.op, c.n) * cl.scan_msg_s
                 )
                 # GLA hides the scan behind its local pass (context_parallel/gla.py); GDN's waits for it (gdn.py)
-                window = 0.0 if self.cfg.model.attention_type == "gdn" else self.gla_core * (1 if op.kind == "F" else 2)
+                waits = linear_mixer(self.cfg.model).scan_waits_for_local_pass
+                window = 0.0 if waits else self.gla_core * (1 if op.kind == "F" else 2)
                 tokens = (
                     self.cfg.train.micro_batch_size
                     * self.cfg.model.seq_length
