@@ -40,14 +40,13 @@ class Stage:
         chunks: list,
         batches,
         num_micro_batches: int,
-        position_offset: int,
         forward_only: bool,
         on_backward: Callable[[int, bool], None] | None = None,
         loss_scale: float = 1.0,
     ):
         self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
         self.loss_scale = loss_scale  # --fp16: the backward starts from loss x scale
-        self.position_offset, self.forward_only = position_offset, forward_only
+        self.forward_only = forward_only
         self.losses: list[torch.Tensor] = []
         self.runs = [0] * len(chunks)  # micro-batches each chunk has run
         self.fetched: dict[int, list] = {}  # micro-batch -> [its batch, chunks yet to run it]
@@ -82,7 +81,6 @@ class Stage:
                 tokens=batch.get("tokens"),
                 labels=batch.get("labels"),
                 hidden=hidden,
-                position_offset=self.position_offset,
                 documents=batch.get("documents"),
             )
         if not model.post_process:
@@ -234,12 +232,11 @@ def run_schedule(
     batches,
     num_micro_batches: int,
     link: StageLink | None,
-    position_offset: int = 0,
     forward_only: bool = False,
     on_backward: Callable[[int, bool], None] | None = None,
     loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only, on_backward, loss_scale)
+    stage = Stage(chunks, batches, num_micro_batches, forward_only, on_backward, loss_scale)
     if link is None or link.pp.size == 1:
         return forward_backward_no_pipelining(stage)
     if len(chunks) == 1:
