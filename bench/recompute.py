@@ -73,11 +73,11 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _fwd_bwd(chunk, tokens, offset, saved=None):
+def _fwd_bwd(chunk, tokens, saved=None):
     import torch
 
     if saved is None:
-        loss = chunk(tokens=tokens, labels=tokens, position_offset=offset).mean()
+        loss = chunk(tokens=tokens, labels=tokens).mean()
     else:
         params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
 
@@ -88,7 +88,7 @@ def _fwd_bwd(chunk, tokens, offset, saved=None):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = chunk(tokens=tokens, labels=tokens, position_offset=offset).mean()
+            loss = chunk(tokens=tokens, labels=tokens).mean()
     loss.backward()
 
 
@@ -120,7 +120,7 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length), generator=gen)
     tokens = tokens[:, sequence_slice(cfg.model.seq_length, g.cp_rank, g.cp.size)].contiguous()
     set_mode(chunk, _mode_cfg(cfg.model, "selective"))  # warm-up: lazy imports (checkpoint's), thread pools
-    _fwd_bwd(chunk, tokens, run.position_offset)
+    _fwd_bwd(chunk, tokens)
     rows = {}
     for mode in modes:
         set_mode(chunk, _mode_cfg(cfg.model, mode))
@@ -129,7 +129,7 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
             fh.write("5")  # VmHWM := VmRSS
         base = _status_kib("VmRSS")
         t0, c0 = time.perf_counter(), time.process_time()
-        _fwd_bwd(chunk, tokens, run.position_offset, saved)
+        _fwd_bwd(chunk, tokens, saved)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         peak = _status_kib("VmHWM") - base
         rows[mode] = {"saved_mib": sum(saved.values()) / 2**20, "peak_mib": peak / 1024}

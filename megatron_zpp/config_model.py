@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config_fields import opt
+from .config_shapes import FfnShape, MixerShape, mixer_shape
 
 
 def default_gla_chunk_size(device_type: str) -> int:
@@ -245,3 +246,22 @@ class ModelConfig:
             return "softmax"
         k = self.softmax_attention_every
         return "softmax" if k and (layer + 1) % k == 0 else self.attention_type
+
+    def mixer(self, layer: int) -> MixerShape:
+        """The token mixer of global layer `layer`: what every reader outside the layer asks of it."""
+        return self.mixer_of_kind(self.layer_kind(layer))
+
+    def mixer_of_kind(self, kind: str) -> MixerShape:
+        """This model's mixer of `kind` ('softmax', 'gla', 'gdn'): what its layer builds."""
+        return mixer_shape(
+            kind,
+            self.num_attention_heads,
+            self.head_dim,
+            self.kv_heads,
+            self.gla_gate_low_rank,
+            self.gla_chunk_size,
+        )
+
+    def ffn(self, layer: int) -> FfnShape:
+        """The feed-forward network of global layer `layer` (dense in every layer today)."""
+        return FfnShape("dense", self.ffn_size, self.activation == "swiglu")

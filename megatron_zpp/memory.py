@@ -31,12 +31,14 @@ in place, the GLA kernels their own working set), so there the estimate is an up
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from . import recompute
 from .config import Config
+from .config_shapes import GDN_CONV_KERNEL
 from .data.tokenizer import pad_vocab_size
-from .model.gated_deltanet import CONV_KERNEL
 from .model.init import full_shape
 from .ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from .ops.gla_chunked import sub_block
@@ -45,7 +47,7 @@ from .zero.reduce_schedule import reductions_in_flight
 from .zero.sharded_params import flat_geometry, model_units, pad_block
 
 GiB = 2**30
-GDN_HALO = CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads
+GDN_HALO = GDN_CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads
 
 
 # ---------------------------------------------------------------- shapes
@@ -231,13 +233,11 @@ def cp_kv_saved(x: Dims, cp_rank: int) -> int:
 
 
 def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
-    kind = cfg.model.layer_kind(layer)
-    if kind == "softmax":
-        out = softmax_layer(x, selective)
-        if cfg.parallel.context_parallel_size > 1:
-            out += cp_kv_saved(x, cp_rank)
-        return out
-    return gdn_layer(x, selective) if kind == "gdn" else gla_layer(x, selective)
+    mixer = cfg.model.mixer(layer)
+    out = MIXERS[mixer.kind].kept(x, selective)
+    if not mixer.linear and cfg.parallel.context_parallel_size > 1:
+        out += cp_kv_saved(x, cp_rank)
+    return out
 
 
 def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
@@ -247,9 +247,8 @@ def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
     kinds = {cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)}
     out = {}
     for kind in sorted(kinds):
-        layer = {"softmax": softmax_layer, "gla": gla_layer, "gdn": gdn_layer}[kind]
-        out[f"{kind} none"] = layer(x, False)
-        out[f"{kind} selective"] = layer(x, True)
+        out[f"{kind} none"] = MIXERS[kind].kept(x, False)
+        out[f"{kind} selective"] = MIXERS[kind].kept(x, True)
     out["full (per recomputed group)"] = x.e * x.b * x.s_norm * x.h
     return out
 
@@ -309,11 +308,10 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
         held = kept
         for j in range(start, stop):
             peak = acts[j] + mlp_backward_transient(x)
-            kind = cfg.model.layer_kind(layer_ids[j])
-            if kind in LINEAR_LAYERS:
-                live_fn, layer_fn = LINEAR_LAYERS[kind]
+            mixer = MIXERS[cfg.model.layer_kind(layer_ids[j])]
+            if mixer.backward_live:  # a linear mixer's operator backward may peak above its MLP's
                 rerun = selective and not again  # selective: the core reruns in the backward
-                peak = max(peak, live_fn(x) + (per_layer[j] - layer_fn(x, True) if rerun else 0))
+                peak = max(peak, mixer.backward_live(x) + (per_layer[j] - mixer.kept(x, True) if rerun else 0))
             live.append(held + peak)
             held += acts[j]
         group = sum(per_layer[start:stop])
@@ -325,7 +323,17 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
     return kept, largest, max(live) - kept
 
 
-LINEAR_LAYERS = {"gla": (gla_backward_live, gla_layer), "gdn": (gdn_backward_live, gdn_layer)}
+class MixerBytes(NamedTuple):
+    kept: Callable[[Dims, bool], int]  # what a block of this mixer keeps for the backward (selective or not)
+    backward_live: Callable[[Dims], int] | None  # what it holds while its operator's backward runs
+
+
+# every mixer kind's closed forms: the one table a new kind joins
+MIXERS = {
+    "softmax": MixerBytes(softmax_layer, None),
+    "gla": MixerBytes(gla_layer, gla_backward_live),
+    "gdn": MixerBytes(gdn_layer, gdn_backward_live),
+}
 
 
 # ---------------------------------------------------------------- parameters, gradients, optimizer

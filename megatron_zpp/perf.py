@@ -5,9 +5,8 @@ FLOPs are model FLOPs (no recomputation), forward + backward = 3 x forward: ever
 weight (output layer included, embedding lookup excluded) costs 2 FLOPs per token
 forward; causal softmax attention 2*T*width per token (QK^T and AV, half of the full
 square); GLA in the chunked form ~2*width*(C + 2*head_dim) per token (C = chunk); Gated DeltaNet's
-WY form ~2*width*(2C + 3*head_dim) (k k^T, the W and U products, q k^T and the output's intra-chunk
-product: C each per key or value width; the state's three d x d products) and its projections q|k|v|gate
-plus a and b per head."""
+WY form ~2*width*(2C + 3*head_dim). Each mixer's and FFN's terms are their shapes'
+(config_shapes.py: `forward_flops_per_token`)."""
 
 from __future__ import annotations
 
@@ -33,21 +32,10 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
-    h, width, seq = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.seq_length
-    kv = cfg.kv_heads * cfg.head_dim
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_size
-    forward = 2 * vocab_size * h  # output layer
+    forward = 2 * vocab_size * cfg.hidden_size  # output layer
     for layer in range(cfg.num_layers):
-        if cfg.layer_kind(layer) == "softmax":
-            forward += 2 * (h * (width + 2 * kv) + width * h) + 2 * seq * width
-        elif cfg.layer_kind(layer) == "gdn":
-            heads = cfg.num_attention_heads
-            forward += 2 * (h * (4 * width + 2 * heads) + width * h) + 2 * width * (
-                2 * cfg.gla_chunk_size + 3 * cfg.head_dim
-            )
-        else:
-            forward += 2 * (5 * h * width + width * h) + 2 * width * (cfg.gla_chunk_size + 2 * cfg.head_dim)
-        forward += 2 * mlp
+        forward += cfg.mixer(layer).forward_flops_per_token(cfg.hidden_size, cfg.seq_length)
+        forward += cfg.ffn(layer).forward_flops_per_token(cfg.hidden_size)
     return 3.0 * forward
 
 

@@ -23,7 +23,7 @@ import shutil
 import torch
 
 from .. import hf_remote
-from ..model.gated_deltanet import CONV_KERNEL as GDN_CONV_KERNEL
+from ..config_shapes import GDN_CONV_KERNEL
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -148,23 +148,22 @@ def _plain_pairs(cfg) -> list[tuple[str, str]]:
 def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
     """(our fused name, the remote names of its row blocks, their row counts) of every fused tensor."""
     m = cfg.model
-    d, ffn, width = m.head_dim, m.ffn_size, m.num_attention_heads * m.head_dim
     out = []
     for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        mlp = ["gate_proj", "up_proj"] if m.activation == "swiglu" else ["up_proj"]
-        out.append((src + "mlp.fc1.weight", [f"{dst}mlp.{n}.weight" for n in mlp], [ffn] * len(mlp)))
-        if m.layer_kind(i) == "softmax":
+        src, dst, shape = f"layers.{i}.", f"model.layers.{i}.", m.mixer(i)
+        mlp = ["gate_proj", "up_proj"] if m.ffn(i).gated else ["up_proj"]
+        out.append((src + "mlp.fc1.weight", [f"{dst}mlp.{n}.weight" for n in mlp], list(m.ffn(i).sections)))
+        if shape.kind == "softmax":
             qkv = [f"{dst}self_attn.{n}_proj.weight" for n in "qkv"]
-            out.append((src + "mixer.qkv.weight", qkv, [width, m.kv_heads * d, m.kv_heads * d]))
-        elif m.layer_kind(i) == "gdn":  # q | k | v | output gate | a | b, and the q | k | v convolution channels
+            out.append((src + "mixer.qkv.weight", qkv, list(shape.sections)))
+        elif shape.kind == "gdn":  # q | k | v | output gate | a | b, and the q | k | v convolution channels
             names = [f"{dst}attn.{n}_proj.weight" for n in ("q", "k", "v", "g", "a", "b")]
-            heads = m.num_attention_heads
-            out.append((src + "mixer.proj_in.weight", names, [width] * 4 + [heads] * 2))
-            out.append((src + "mixer.conv", [f"{dst}attn.{n}_conv.weight" for n in "qkv"], [width] * 3))
+            out.append((src + "mixer.proj_in.weight", names, list(shape.sections)))
+            conv = [f"{dst}attn.{n}_conv.weight" for n in "qkv"]
+            out.append((src + "mixer.conv", conv, [shape.conv_channels // 3] * 3))
         else:  # q | k | v | output gate (| decay gate at full rank): the sections of proj_in
             names = ["q_proj", "k_proj", "v_proj", "g_proj"] + ([] if m.gla_gate_low_rank else ["gk_proj"])
-            out.append((src + "mixer.proj_in.weight", [f"{dst}attn.{n}.weight" for n in names], [width] * len(names)))
+            out.append((src + "mixer.proj_in.weight", [f"{dst}attn.{n}.weight" for n in names], list(shape.sections)))
     return out
 
 

@@ -314,63 +314,19 @@ def run(args) -> int:
     dtype = token_dtype(tok.vocab_size)
     tag = f".tmp{os.getpid()}"
     ours = {os.path.abspath(output_prefix(args, k) + e + t) for k in args.json_keys for e in OUTPUTS for t in ("", tag)}
-    writers = {}
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-        for k in args.json_keys:
-            prefix = output_prefix(args, k)
-            writers[k] = IndexedDatasetWriter(prefix + ".bin" + tag, dtype, prefix + ".lengths" + tag)
-    except OSError as e:
-        for w in writers.values():
-            w.abort()
-        raise cannot_write(e, tag) from None
+    writers = _open_writers(args, dtype, tag)
     total = None if args.hf_dataset else sum(os.path.getsize(p) for p in args.input)
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the worker pool forks after the bar exists
     unit = "B" if total is not None else " docs"
     bar = progress(None, "tokenizing", total, unit, unit_scale=True, disable=args.quiet)  # bytes of the input files
-    docs = blank = 0
-    empty = dict.fromkeys(args.json_keys, 0)
-    bad, t0, last_post = [], time.time(), 0.0
-    stop, ok = threading.Event(), False
+    t0, ok = time.time(), False
     try:
-        for enc in encoded_stream(args, tok_args, dtype, stop):
-            if enc.errors and not args.skip_bad_lines:
-                line, reason = enc.errors[0]
-                raise SystemExit(
-                    f"error: {enc.source}:{line}: {reason}\n"
-                    "  (fix the input, or pass --skip-bad-lines to skip and count such lines)"
-                )
-            bad += [(enc.source, ln, r) for ln, r in enc.errors]
-            docs, blank = docs + enc.docs, blank + enc.blank
-            for k, w in writers.items():
-                w.add_batch(enc.tokens[k], enc.lengths[k])
-                empty[k] += enc.empty[k]
-            bar.update(enc.num_bytes)
-            now = time.time()
-            if now - last_post > 0.5:
-                dt = max(now - t0, 1e-9)
-                ntok = sum(w.num_tokens for w in writers.values())
-                bar.set_postfix_str(f"{docs / dt:,.0f} docs/s, {ntok / dt:,.0f} tokens/s", refresh=False)
-                last_post = now
+        docs, blank, empty, bad = _tokenize_into(writers, args, tok_args, dtype, bar)
         bar.close()
-        if docs == 0:  # an empty input, or only blank or skipped lines: nothing to write, and no empty pair
-            what = f"{len(bad):,} bad line(s) skipped (--skip-bad-lines)" if bad else f"{blank:,} blank line(s)"
-            what = what if bad or blank else "it is empty"
-            raise SystemExit(
-                f"error: --input {', '.join(args.input)}: holds no documents ({what}); nothing written "
-                f"(give the corpus: one JSON object per line, or plain-text files)"
-            )
-        for k, w in writers.items():
-            w.finalize(output_prefix(args, k) + ".idx" + tag)
-        # Commit: drop any old index first so that a crash between renames leaves a lone .bin.
-        for k in args.json_keys:
-            final = output_prefix(args, k)
-            if os.path.exists(final + ".idx"):
-                os.remove(final + ".idx")
-            os.replace(final + ".bin" + tag, final + ".bin")
-            os.replace(final + ".idx" + tag, final + ".idx")
+        _refuse_empty(args, docs, blank, bad)
+        _commit(writers, args, tag)
         ok = True
     except OSError as e:  # a full disk, a read-only file system, a quota: one line; the partial outputs go
         if e.filename is None or os.path.abspath(str(e.filename)) not in ours:
@@ -381,11 +337,78 @@ def run(args) -> int:
         if not ok:
             for k, w in writers.items():
                 w.abort()
-                for p in (output_prefix(args, k) + ".idx" + tag,):
-                    if os.path.exists(p):
-                        os.remove(p)
+                if os.path.exists(output_prefix(args, k) + ".idx" + tag):
+                    os.remove(output_prefix(args, k) + ".idx" + tag)
     print_summary(args, writers, docs, blank, empty, bad, time.time() - t0)
     return 0
+
+
+def _open_writers(args, dtype, tag: str) -> dict:
+    """One .bin writer per --json-keys key, under the temporary `tag` (a failure: one line, nothing left)."""
+    writers = {}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+        for k in args.json_keys:
+            prefix = output_prefix(args, k)
+            writers[k] = IndexedDatasetWriter(prefix + ".bin" + tag, dtype, prefix + ".lengths" + tag)
+    except OSError as e:
+        for w in writers.values():
+            w.abort()
+        raise cannot_write(e, tag) from None
+    return writers
+
+
+def _tokenize_into(writers: dict, args, tok_args, dtype, bar) -> tuple[int, int, dict, list]:
+    """Stream the encoded batches into the writers; (documents, blank lines, empty documents per key, bad lines)."""
+    docs = blank = 0
+    empty = dict.fromkeys(args.json_keys, 0)
+    bad: list = []
+    t0, last_post, stop = time.time(), 0.0, threading.Event()
+    for enc in encoded_stream(args, tok_args, dtype, stop):
+        if enc.errors and not args.skip_bad_lines:
+            line, reason = enc.errors[0]
+            raise SystemExit(
+                f"error: {enc.source}:{line}: {reason}\n"
+                "  (fix the input, or pass --skip-bad-lines to skip and count such lines)"
+            )
+        bad += [(enc.source, ln, r) for ln, r in enc.errors]
+        docs, blank = docs + enc.docs, blank + enc.blank
+        for k, w in writers.items():
+            w.add_batch(enc.tokens[k], enc.lengths[k])
+            empty[k] += enc.empty[k]
+        bar.update(enc.num_bytes)
+        now = time.time()
+        if now - last_post > 0.5:
+            dt = max(now - t0, 1e-9)
+            ntok = sum(w.num_tokens for w in writers.values())
+            bar.set_postfix_str(f"{docs / dt:,.0f} docs/s, {ntok / dt:,.0f} tokens/s", refresh=False)
+            last_post = now
+    return docs, blank, empty, bad
+
+
+def _refuse_empty(args, docs: int, blank: int, bad: list) -> None:
+    """An empty input, or only blank or skipped lines: nothing to write, and no empty pair."""
+    if docs:
+        return
+    what = f"{len(bad):,} bad line(s) skipped (--skip-bad-lines)" if bad else f"{blank:,} blank line(s)"
+    what = what if bad or blank else "it is empty"
+    raise SystemExit(
+        f"error: --input {', '.join(args.input)}: holds no documents ({what}); nothing written "
+        f"(give the corpus: one JSON object per line, or plain-text files)"
+    )
+
+
+def _commit(writers: dict, args, tag: str) -> None:
+    """Write the indexes and rename into place: any old index goes first, so a crash between renames leaves a
+    lone .bin (never a stale .idx beside a new .bin)."""
+    for k, w in writers.items():
+        w.finalize(output_prefix(args, k) + ".idx" + tag)
+    for k in args.json_keys:
+        final = output_prefix(args, k)
+        if os.path.exists(final + ".idx"):
+            os.remove(final + ".idx")
+        os.replace(final + ".bin" + tag, final + ".bin")
+        os.replace(final + ".idx" + tag, final + ".idx")
 
 
 def print_summary(args, writers, docs, blank, empty, bad, elapsed):

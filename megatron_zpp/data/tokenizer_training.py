@@ -171,7 +171,7 @@ def train(
     return model_prefix + ".model"
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--input",
@@ -200,6 +200,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--user-defined-symbols", nargs="*", default=[], help="extra pieces never split")
     p.add_argument("--verbose", action="store_true", help="show sentencepiece's own log")
+    return p
+
+
+def main(argv=None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
 
     paths = args.input if args.hf_dataset else expand_inputs(args.input)

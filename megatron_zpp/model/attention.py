@@ -69,7 +69,7 @@ class SelfAttention(nn.Module):
         self.selective = cfg.recompute_granularity == "selective"  # the core attention is recomputed in backward
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
-            [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d],
+            list(cfg.mixer_of_kind("softmax").sections),  # q | k | v
             tp,
             cfg.init_method_std,
             sequence_parallel,

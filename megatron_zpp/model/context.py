@@ -27,3 +27,8 @@ class ParallelContext:
     @property
     def cp_size(self) -> int:
         return 1 if self.cp is None else self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's slice of the sequence: slices are contiguous and equal, in CP-rank order."""
+        return 0 if self.cp is None else self.cp.rank

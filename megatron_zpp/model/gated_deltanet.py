@@ -30,8 +30,6 @@ from ..tensor_parallel.layers import mark
 from .context import ParallelContext
 from .documents import Documents
 
-CONV_KERNEL = 4  # fla's and Qwen3-Next's default
-
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
@@ -39,13 +37,15 @@ class GatedDeltaNet(nn.Module):
         self.ctx, self.chunk_size, self.eps = ctx, cfg.gla_chunk_size, cfg.norm_epsilon
         self.selective = cfg.recompute_granularity == "selective"
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
-        heads, width, std = cfg.num_attention_heads, cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
+        shape, std = cfg.mixer_of_kind("gdn"), cfg.init_method_std
+        heads, width = shape.heads, shape.out_width
         # q | k | v | output gate (width each) | a | b (one per head), each split by heads over TP
-        sections = [width] * 4 + [heads] * 2
-        self.proj_in = ColumnParallelLinear(cfg.hidden_size, sections, ctx.tp, std, ctx.sequence_parallel)
-        local = self.heads * self.head_dim
+        self.proj_in = ColumnParallelLinear(cfg.hidden_size, list(shape.sections), ctx.tp, std, ctx.sequence_parallel)
+        local, self.halo = self.heads * self.head_dim, shape.halo_tokens
         self.conv = mark(
-            nn.Parameter(torch.empty(3 * local, CONV_KERNEL)), ("normal", std), (0, (width,) * 3)
+            nn.Parameter(torch.empty(shape.conv_channels // ctx.tp_size, shape.conv_kernel)),
+            ("normal", std),
+            (0, (width,) * 3),
         )  # q | k | v channels, depthwise
         # per head, drawn at all heads and then sliced (TP-invariant): the decay rate A = exp(A_log), A ~ U(1, 16)
         # (megatron-core's range, Mamba2's; fla's U(0, 16) reaches A = 0, no decay), and the step bias
@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, qkv: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """The causal convolution of this rank's tokens, reading the kernel-1 tokens before them (the previous
         CP rank's, or zeros before the sequence) where they belong to the same document."""
-        (B, T, C), lead, ctx = qkv.shape, CONV_KERNEL - 1, self.ctx
+        (B, T, C), lead, ctx = qkv.shape, self.halo, self.ctx
         halo = previous_tokens(qkv, lead, ctx.cp) if ctx.cp_size > 1 else qkv.new_zeros(B, lead, C)
         doc = None
         if documents is not None:  # document labels of the halo and the slice (-1: before the sequence)

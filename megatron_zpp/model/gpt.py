@@ -6,7 +6,7 @@ or RoPE inside attention; or no positions) -> dropout -> [norm -> mixer -> resid
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
 attention (config.layer_kind). Parallelism enters only through the layers and one
 ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
-algorithm: each CP rank holds a contiguous slice of the sequence, at `position_offset`),
+algorithm: each CP rank holds a contiguous slice of the sequence, at `ctx.cp_rank`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
 owns (`pre_process`: embedding, `post_process`: output). Packed documents (model/documents.py)
 come as one `documents` object: positions (RoPE's or the learned table's: they restart at each
@@ -164,7 +164,6 @@ class GPT(nn.Module):
         tokens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
-        position_offset: int = 0,
         documents: Documents | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden [B, T', H] (later stages; T' = T/TP under
@@ -179,7 +178,8 @@ class GPT(nn.Module):
         if documents is not None and documents.positions is not None:
             positions = documents.positions  # [B, T]: restarting at each document
         else:
-            positions = torch.arange(position_offset, position_offset + seq_len, device=device)
+            start = self.ctx.cp_rank * seq_len  # this CP rank's contiguous slice of the sequence
+            positions = torch.arange(start, start + seq_len, device=device)
         x = self.embed(tokens, positions) if self.pre_process else hidden
         rope = None
         if self.cfg.position_embedding_type == "rope":

@@ -43,10 +43,10 @@ class GatedLinearAttention(nn.Module):
         # None (a config that skipped validation's derive): the default of the device the forward runs on
         self.low_rank = cfg.gla_gate_low_rank
         self.selective = cfg.recompute_granularity == "selective"
-        width, std = cfg.num_attention_heads * cfg.head_dim, cfg.init_method_std
+        shape, std = cfg.mixer_of_kind("gla"), cfg.init_method_std
+        width = shape.out_width
         # q | k | v | output gate (| decay gate when full rank), each split by heads over TP
-        sections = [width] * (4 if self.low_rank else 5)
-        self.proj_in = ColumnParallelLinear(cfg.hidden_size, sections, ctx.tp, std, ctx.sequence_parallel)
+        self.proj_in = ColumnParallelLinear(cfg.hidden_size, list(shape.sections), ctx.tp, std, ctx.sequence_parallel)
         if self.low_rank:
             local = self.heads * self.head_dim
             self.gate_down = mark(

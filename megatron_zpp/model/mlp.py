@@ -18,10 +18,10 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu, self.gelu_approximate = cfg.activation == "swiglu", cfg.gelu_approximate
         self.squared_relu = cfg.activation == "squared_relu"
-        ffn = cfg.ffn_size
-        bias, sp = cfg.add_bias_linear, ctx.sequence_parallel
+        shape = cfg.ffn(0)  # dense in every layer
+        ffn, bias, sp = shape.hidden, cfg.add_bias_linear, ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, [ffn, ffn] if self.swiglu else [ffn], ctx.tp, cfg.init_method_std, sp, bias=bias
+            cfg.hidden_size, list(shape.sections), ctx.tp, cfg.init_method_std, sp, bias=bias
         )
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx.tp, out_std, sp, bias=bias)
 

@@ -40,14 +40,13 @@ class Stage:
         chunks: list,
         batches,
         num_micro_batches: int,
-        position_offset: int,
         forward_only: bool,
         on_backward: Callable[[int, bool], None] | None = None,
         loss_scale: float = 1.0,
     ):
         self.chunks, self.batches, self.m = chunks, batches, num_micro_batches
         self.loss_scale = loss_scale  # --fp16: the backward starts from loss x scale
-        self.position_offset, self.forward_only = position_offset, forward_only
+        self.forward_only = forward_only
         self.losses: list[torch.Tensor] = []
         self.runs = [0] * len(chunks)  # micro-batches each chunk has run
         self.fetched: dict[int, list] = {}  # micro-batch -> [its batch, chunks yet to run it]
@@ -82,7 +81,6 @@ class Stage:
                 tokens=batch.get("tokens"),
                 labels=batch.get("labels"),
                 hidden=hidden,
-                position_offset=self.position_offset,
                 documents=batch.get("documents"),
             )
         if not model.post_process:
@@ -147,86 +145,99 @@ def forward_backward_1f1b(stage: Stage, link: StageLink) -> list[torch.Tensor]:
 
 def forward_backward_interleaved(stage: Stage, link: StageLink) -> list[torch.Tensor]:
     """Megatron's interleaved 1F1B over V chunks; needs M to be a multiple of PP."""
-    pp, p, V, m = link.pp.size, link.pp.rank, len(stage.chunks), stage.m
-    first, last = p == 0, p == pp - 1
-    total = m * V
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (pp * V)) // pp
-        return c if forward else V - 1 - c
-
-    inputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
-    outputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
-    out_grads: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
-
-    def forward_k(k: int) -> torch.Tensor | None:
-        c = chunk_of(k, True)
-        if first and c == 0 and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)
-        y = stage.forward(c, inputs[c][-1])
-        outputs[c].append(y)
-        return None if (last and c == V - 1) else y
-
-    def backward_k(k: int) -> torch.Tensor | None:
-        c = chunk_of(k, False)
-        if last and c == V - 1 and not out_grads[c]:
-            out_grads[c].append(None)
-        stage.announce_backward(c)
-        dx = stage.backward(inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0))
-        return None if (first and c == 0) else dx
-
-    if stage.forward_only:
-        warmup, all_warmup = total, True
-    elif m == pp:
-        warmup, all_warmup = total, True
-    else:
-        warmup, all_warmup = min((pp - p - 1) * 2 + (V - 1) * pp, total), False
-    steady = total - warmup
-
-    inputs[0].append(link.exchange(recv_prev=not first)[0])
-    for k in range(warmup):
-        y = forward_k(k)
-        next_c = chunk_of(k + 1, True)
-        recv_prev = not (first and next_c == 0) and k != total - 1
-        if k == warmup - 1 and not stage.forward_only and not all_warmup:
-            x, dy = link.exchange(send_next=y, recv_prev=recv_prev, recv_next=not last)
-            out_grads[V - 1].append(dy)
-        else:
-            x, _ = link.exchange(send_next=y, recv_prev=recv_prev)
-        inputs[next_c].append(x)
-
-    for i in range(steady):
-        fk, bk = i + warmup, i
-        y = forward_k(fk)
-        dx = backward_k(bk)
-        if first:
-            next_fc = chunk_of(fk - (pp - 1), True)
-            recv_prev = next_fc != V - 1
-            next_fc += 1
-        else:
-            recv_prev, next_fc = True, chunk_of(fk + 1, True)
-        if last:
-            next_bc = chunk_of(bk - (pp - 1), False)
-            recv_next = next_bc != 0
-            next_bc -= 1
-        else:
-            recv_next, next_bc = True, chunk_of(bk + 1, False)
-        recv_prev = recv_prev and i != steady - 1
-        x, dy = link.exchange(send_next=y, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            inputs[next_fc].append(x)
-        if recv_next:
-            out_grads[next_bc].append(dy)
-
+    run = _Interleaved(stage, link)
+    run.warmup()
+    run.steady()
     if not stage.forward_only:
-        if all_warmup:
-            out_grads[V - 1].append(link.exchange(recv_next=not last)[1])
-        for k in range(steady, total):
-            dx = backward_k(k)
-            next_bc = chunk_of(k + 1, False)
-            recv_next = not (last and next_bc == V - 1) and k != total - 1
-            out_grads[next_bc].append(link.exchange(send_prev=dx, recv_next=recv_next)[1])
+        run.cooldown()
     return stage.losses
+
+
+class _Interleaved:
+    """One interleaved 1F1B run: the k-th forward (backward) runs chunk `chunk_of(k)`; each chunk keeps
+    queues of its inputs, outputs and output gradients."""
+
+    def __init__(self, stage: Stage, link: StageLink):
+        self.stage, self.link = stage, link
+        pp, p, V, m = link.pp.size, link.pp.rank, len(stage.chunks), stage.m
+        self.pp, self.V, self.total = pp, V, m * V
+        self.first, self.last = p == 0, p == pp - 1
+        self.inputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
+        self.outputs: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
+        self.out_grads: list[list[torch.Tensor | None]] = [[] for _ in range(V)]
+        if stage.forward_only or m == pp:
+            self.warmups, self.all_warmup = self.total, True
+        else:
+            self.warmups, self.all_warmup = min((pp - p - 1) * 2 + (V - 1) * pp, self.total), False
+        self.steadies = self.total - self.warmups
+
+    def chunk_of(self, k: int, forward: bool) -> int:
+        c = (k % (self.pp * self.V)) // self.pp
+        return c if forward else self.V - 1 - c
+
+    def forward_k(self, k: int) -> torch.Tensor | None:
+        c = self.chunk_of(k, True)
+        if self.first and c == 0 and len(self.inputs[c]) == len(self.outputs[c]):
+            self.inputs[c].append(None)
+        y = self.stage.forward(c, self.inputs[c][-1])
+        self.outputs[c].append(y)
+        return None if (self.last and c == self.V - 1) else y
+
+    def backward_k(self, k: int) -> torch.Tensor | None:
+        c = self.chunk_of(k, False)
+        if self.last and c == self.V - 1 and not self.out_grads[c]:
+            self.out_grads[c].append(None)
+        self.stage.announce_backward(c)
+        dx = self.stage.backward(self.inputs[c].pop(0), self.outputs[c].pop(0), self.out_grads[c].pop(0))
+        return None if (self.first and c == 0) else dx
+
+    def warmup(self) -> None:
+        stage, link, V, total = self.stage, self.link, self.V, self.total
+        self.inputs[0].append(link.exchange(recv_prev=not self.first)[0])
+        for k in range(self.warmups):
+            y = self.forward_k(k)
+            next_c = self.chunk_of(k + 1, True)
+            recv_prev = not (self.first and next_c == 0) and k != total - 1
+            if k == self.warmups - 1 and not stage.forward_only and not self.all_warmup:
+                x, dy = link.exchange(send_next=y, recv_prev=recv_prev, recv_next=not self.last)
+                self.out_grads[V - 1].append(dy)
+            else:
+                x, _ = link.exchange(send_next=y, recv_prev=recv_prev)
+            self.inputs[next_c].append(x)
+
+    def steady(self) -> None:
+        pp, V = self.pp, self.V
+        for i in range(self.steadies):
+            fk, bk = i + self.warmups, i
+            y = self.forward_k(fk)
+            dx = self.backward_k(bk)
+            if self.first:
+                next_fc = self.chunk_of(fk - (pp - 1), True)
+                recv_prev = next_fc != V - 1
+                next_fc += 1
+            else:
+                recv_prev, next_fc = True, self.chunk_of(fk + 1, True)
+            if self.last:
+                next_bc = self.chunk_of(bk - (pp - 1), False)
+                recv_next = next_bc != 0
+                next_bc -= 1
+            else:
+                recv_next, next_bc = True, self.chunk_of(bk + 1, False)
+            recv_prev = recv_prev and i != self.steadies - 1
+            x, dy = self.link.exchange(send_next=y, send_prev=dx, recv_prev=recv_prev, recv_next=recv_next)
+            if recv_prev:
+                self.inputs[next_fc].append(x)
+            if recv_next:
+                self.out_grads[next_bc].append(dy)
+
+    def cooldown(self) -> None:
+        if self.all_warmup:
+            self.out_grads[self.V - 1].append(self.link.exchange(recv_next=not self.last)[1])
+        for k in range(self.steadies, self.total):
+            dx = self.backward_k(k)
+            next_bc = self.chunk_of(k + 1, False)
+            recv_next = not (self.last and next_bc == self.V - 1) and k != self.total - 1
+            self.out_grads[next_bc].append(self.link.exchange(send_prev=dx, recv_next=recv_next)[1])
 
 
 def run_schedule(
@@ -234,12 +245,11 @@ def run_schedule(
     batches,
     num_micro_batches: int,
     link: StageLink | None,
-    position_offset: int = 0,
     forward_only: bool = False,
     on_backward: Callable[[int, bool], None] | None = None,
     loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    stage = Stage(chunks, batches, num_micro_batches, position_offset, forward_only, on_backward, loss_scale)
+    stage = Stage(chunks, batches, num_micro_batches, forward_only, on_backward, loss_scale)
     if link is None or link.pp.size == 1:
         return forward_backward_no_pipelining(stage)
     if len(chunks) == 1:

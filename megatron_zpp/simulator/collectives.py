@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from .. import comm
 from ..config import Config
+from ..config_shapes import MixerShape
 from ..data.tokenizer import pad_vocab_size
 from ..memory import stage_model
-from ..model.gated_deltanet import CONV_KERNEL as GDN_CONV_KERNEL
 from ..ops.quantize import wire_bytes
 from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
 from ..zero.ddp_engine import default_bucket_numel
@@ -187,16 +187,16 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
             out += _tp_enter(g, p.sequence_parallel, act * e, fwd, flops)
             out += _tp_exit(g, p.sequence_parallel, act * e, fwd)
     if cp > 1:
-        b, s_cp = cfg.train.micro_batch_size, m.seq_length // cp
-        if m.layer_kind(layer) == "softmax":
-            kv = cp * b * (m.kv_heads // tp) * s_cp * 2 * m.head_dim * e
+        b, s_cp, mixer = cfg.train.micro_batch_size, m.seq_length // cp, m.mixer(layer)
+        if not mixer.linear:
+            kv = cp * b * (mixer.kv_heads // tp) * s_cp * 2 * mixer.key_dim * e
             out.append(
                 _coll(g.cp, "cp_attn_fwd", "all_gather", kv, "cp_attn")
                 if fwd
                 else _coll(g.cp, "cp_attn_bwd", "reduce_scatter", kv, "cp_attn")
             )
         elif not rerun:  # the halo before the operator's scan; its gradient after the scan's
-            scan, halo = _scan_colls(cfg, g, fwd, m.layer_kind(layer)), _halo_colls(cfg, g, fwd, layer, e)
+            scan, halo = _scan_colls(cfg, g, fwd, mixer), _halo_colls(cfg, g, fwd, mixer, e)
             out += halo + scan if fwd else scan + halo
     if rerun:
         out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
@@ -204,27 +204,20 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
 
 
 def _product_widths(cfg: Config, layer: int) -> tuple[int, int]:
-    """Full output widths of a block's two column-parallel products (its mixer's input projection:
-    q|k|v, or GLA's 4-5 sections (+ the replicated low-rank gate, TP times: it is not split); fc1)."""
+    """Full output widths of a block's two column-parallel products: its mixer's input projection (with a
+    replicated section TP times: it is not split) and fc1."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    if m.layer_kind(layer) == "softmax":
-        mixer = (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim
-    elif m.layer_kind(layer) == "gdn":  # q | k | v | output gate, and a | b per head
-        mixer = 4 * m.num_attention_heads * m.head_dim + 2 * m.num_attention_heads
-    else:
-        low = m.gla_gate_low_rank
-        mixer = (4 if low else 5) * m.num_attention_heads * m.head_dim + tp * low
-    return mixer, m.ffn_size * (2 if m.activation == "swiglu" else 1)
+    return m.mixer(layer).projection_width(tp), sum(m.ffn(layer).sections)
 
 
-def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool, kind: str) -> list[Coll]:
-    """The state scan of one GLA or GDN layer (context_parallel/gla.py, gdn.py: fp32 state [b, H, K, V])."""
-    m, p = cfg.model, cfg.parallel
-    heads = m.num_attention_heads // p.tensor_model_parallel_size
-    state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
+def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool, mixer: MixerShape) -> list[Coll]:
+    """The state scan of one linear mixer (context_parallel/: fp32 state [b, H, K, V])."""
+    p = cfg.parallel
+    heads = mixer.heads // p.tensor_model_parallel_size
+    state = cfg.train.micro_batch_size * heads * mixer.state_per_head * 4
     cp, algo = g.cp, p.cp_algo
     if algo == "all-gather":  # the states (and their transitions, forward) of every rank
-        nbytes = cp.size * (state + transition_bytes(cfg, kind)) if fwd else cp.size * state
+        nbytes = cp.size * (state + transition_bytes(cfg, mixer)) if fwd else cp.size * state
         return [_coll(cp, "cp_lasp2_fwd" if fwd else "cp_lasp2_bwd", "all_gather", nbytes, "cp_scan")]
     dst = cp.rank + (1 if fwd else -1)
     if not 0 <= dst < cp.size:
@@ -233,21 +226,21 @@ def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool, kind: str) -> list[Col
     return [_coll(cp, f"{name}_{'fwd' if fwd else 'bwd'}", "send", state, "cp_scan", link=cp.peer_links[dst])]
 
 
-def transition_bytes(cfg: Config, kind: str) -> int:
-    """What the all-gather sends of a slice's transition with its state: GLA's decay [b, H, K], GDN's M [b, H, K, K]."""
-    m, p = cfg.model, cfg.parallel
-    heads = m.num_attention_heads // p.tensor_model_parallel_size
-    return cfg.train.micro_batch_size * heads * m.head_dim * (m.head_dim if kind == "gdn" else 1) * 4
+def transition_bytes(cfg: Config, mixer: MixerShape) -> int:
+    """What the all-gather sends of a transition with its state (GLA's decay [b, H, K], GDN's M [b, H, K, K])."""
+    heads = mixer.heads // cfg.parallel.tensor_model_parallel_size
+    return cfg.train.micro_batch_size * heads * mixer.transition_per_head * 4
 
 
-def _halo_colls(cfg: Config, g: ProcessGroups, fwd: bool, layer: int, e: int) -> list[Coll]:
-    """GDN's convolution: its last kernel-1 tokens of q|k|v [b, 3, 3 width/TP] (e) to rank p+1, their gradient back."""
-    m, p, cp = cfg.model, cfg.parallel, g.cp
+def _halo_colls(cfg: Config, g: ProcessGroups, fwd: bool, mixer: MixerShape, e: int) -> list[Coll]:
+    """A convolution's halo: its last kernel-1 tokens of the conv channels [b, k-1, channels/TP] (e) to rank p+1,
+    their gradient back."""
+    cp = g.cp
     dst = cp.rank + (1 if fwd else -1)
-    if m.layer_kind(layer) != "gdn" or not 0 <= dst < cp.size:
+    if not mixer.halo_tokens or not 0 <= dst < cp.size:
         return []
-    width = m.num_attention_heads // p.tensor_model_parallel_size * m.head_dim
-    nbytes = cfg.train.micro_batch_size * (GDN_CONV_KERNEL - 1) * 3 * width * e
+    channels = mixer.conv_channels // cfg.parallel.tensor_model_parallel_size
+    nbytes = cfg.train.micro_batch_size * mixer.halo_tokens * channels * e
     return [_coll(cp, "cp_halo_fwd" if fwd else "cp_halo_bwd", "send", nbytes, "cp_halo", link=cp.peer_links[dst])]
 
 

@@ -141,19 +141,25 @@ def layer_flops(cfg: Config) -> tuple[list[float], float]:
     return [b - a for a, b in zip(total, total[1:])], total[0]
 
 
+def linear_mixer(m):
+    """The shape of the model's linear mixer (the layers a CP state scan runs for)."""
+    return next(shape for shape in map(m.mixer, range(m.num_layers)) if shape.linear)
+
+
 def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float:
-    """The state scan's chain time for one GLA or GDN layer, one direction."""
+    """The state scan's chain time for one linear-mixer layer (GLA, GDN), one direction."""
     m, p = cfg.model, cfg.parallel
     P = cp.size
     if P <= 1:
         return 0.0
-    heads = m.num_attention_heads // p.tensor_model_parallel_size
-    state = cfg.train.micro_batch_size * heads * m.head_dim * m.head_dim * 4
+    mixer = linear_mixer(m)
+    heads = mixer.heads // p.tensor_model_parallel_size
+    state = cfg.train.micro_batch_size * heads * mixer.state_per_head * 4
     link = cl.link(cp.link)
     per_node = max(Counter(r // ranks_per_node for r in cp.ranks).values())
     bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
     if p.cp_algo == "all-gather":
-        transition = transition_bytes(cfg, m.attention_type)
+        transition = transition_bytes(cfg, mixer)
         return (P - 1) * (link.alpha + cl.scan_msg_s + (state + transition) / bw)
     if p.cp_algo == "ring":
         return (P - 1) * (link.alpha + cl.scan_msg_s + state / bw)
@@ -161,7 +167,7 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     class _Dev:  # auto_blocks reads only the device type
         type = cl.device
 
-    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, m.head_dim)
+    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, mixer.key_dim)
     alpha = link.alpha + cl.scan_msg_s  # per message: the link's alpha + the CPU cost of one send (emulated)
     return (P - 2 + K) * (alpha + state / K / bw) if P > 2 else alpha + state / bw
 
@@ -213,7 +219,7 @@ class _RankTimer:
         self.rerun: list[set[str]] = []
         for chunk in chunks:
             ids = [int(k) for k in chunk.layers.keys()]
-            units = {f"layer{i}": per_layer[i] / 3 / rate + self._layer_overhead(m.layer_kind(i)) / 3 for i in ids}
+            units = {f"layer{i}": per_layer[i] / 3 / rate + self._layer_overhead(m.mixer(i).linear) / 3 for i in ids}
             if chunk.post_process:
                 units["head"] = head / 3 / rate
             self.fwd_unit.append(units)
@@ -222,8 +228,8 @@ class _RankTimer:
         heads_width = m.num_attention_heads * m.head_dim
         self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
 
-    def _layer_overhead(self, kind: str) -> float:
-        return self.cl.per_layer_s + (self.cl.gla_layer_s if kind in ("gla", "gdn") else 0.0)
+    def _layer_overhead(self, linear: bool) -> float:
+        return self.cl.per_layer_s + (self.cl.gla_layer_s if linear else 0.0)
 
     def _t(self, c: Coll) -> float:
         return coll_time(c, self.cl, self.rpn)
@@ -299,53 +305,46 @@ class _RankTimer:
 
     def run(self, index: int, start: float) -> float:
         op, colls = self.step.per_op[index]
-        cl = self.cl
         units = self.fwd_unit[op.chunk]
-        zero: dict[str, list[Coll]] = defaultdict(list)
-        grads: dict[str, list[Coll]] = defaultdict(list)
-        tail: list[Coll] = []
-        layer_names = [n for n in units if n.startswith("layer")]
-        # attribute the unit-less collectives (TP/CP per layer, end units) in issue order
-        per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan", "cp_halo")]
-        for u, c in colls:
-            if u is not None:
-                (grads if c.kind == "grad" else zero)[u].append(c)
-            elif c.kind == "pp":
-                tail.append(c)
-        total_sync = 0.0
-        scan_exposed = 0.0
+        zero, grads, tail, per_layer = _sort_collectives(colls)
+        total_sync, scan_exposed = self._per_layer_exposed(per_layer, op.kind)
+        self.exposed["tp+cp (synchronous)"] += total_sync
+        self.exposed["cp state scan"] += scan_exposed
+        layers = sum(1 for n in units if n.startswith("layer"))
+        extra = (total_sync + scan_exposed) / max(layers, 1)  # spread over the layers that issue them
+        t = self._walk_units(op, _unit_order(units, op.kind, zero, grads), zero, grads, start, extra)
+        for c in tail:
+            t_p2p = self._t(c)
+            self.exposed["pp p2p"] += t_p2p
+            t += t_p2p
+        return t
+
+    def _per_layer_exposed(self, per_layer: list[Coll], kind: str) -> tuple[float, float]:
+        """(exposed seconds of the synchronous TP/CP calls, of the CP state scans) of one forward or backward."""
+        cl, cfg = self.cl, self.cfg
+        total_sync = scan_exposed = 0.0
         for c in per_layer:
             if c.kind == "cp_scan":
                 t_scan = (
-                    scan_time(self.cfg, cl, self.cp, self.rpn)
+                    scan_time(cfg, cl, self.cp, self.rpn)
                     if c.op == "send"
                     else self._t(c) + _steps(c.op, c.n) * cl.scan_msg_s
                 )
                 # GLA hides the scan behind its local pass (context_parallel/gla.py); GDN's waits for it (gdn.py)
-                window = 0.0 if self.cfg.model.attention_type == "gdn" else self.gla_core * (1 if op.kind == "F" else 2)
-                tokens = (
-                    self.cfg.train.micro_batch_size
-                    * self.cfg.model.seq_length
-                    / self.cfg.parallel.context_parallel_size
-                )
-                hidden = min(t_scan, window * tokens)
-                scan_exposed += t_scan - cl.overlap_efficiency * hidden
+                waits = linear_mixer(cfg.model).scan_waits_for_local_pass
+                window = 0.0 if waits else self.gla_core * (1 if kind == "F" else 2)
+                tokens = cfg.train.micro_batch_size * cfg.model.seq_length / cfg.parallel.context_parallel_size
+                scan_exposed += t_scan - cl.overlap_efficiency * min(t_scan, window * tokens)
             else:  # an SP backward call hides behind its matmul (tensor_parallel/layers.py), others are exposed
                 t_c = self._t(c)
-                hidden = min(t_c, c.behind_flops / (cl.sustained_tflops * 1e12))
-                total_sync += t_c - cl.overlap_efficiency * hidden
-        self.exposed["tp+cp (synchronous)"] += total_sync
-        self.exposed["cp state scan"] += scan_exposed
+                total_sync += t_c - cl.overlap_efficiency * min(t_c, c.behind_flops / (cl.sustained_tflops * 1e12))
+        return total_sync, scan_exposed
+
+    def _walk_units(self, op, order: list[str], zero, grads, start: float, extra: float) -> float:
+        """Run `order`'s units on the compute stream, each waiting for its gathers (the next unit's issued as it
+        starts) and handing its gradients to the reduction; the time after the last."""
+        cl, units, again = self.cl, self.fwd_unit[op.chunk], self.rerun[op.chunk]
         factor = 1.0 if op.kind == "F" else 2.0
-        order = list(units) if op.kind == "F" else list(reversed(list(units)))
-        starts = [n for n in START_UNITS if n in zero or (op.kind == "B" and n in grads)]
-        if op.kind == "F":
-            order = starts + order
-        elif op.kind == "B":
-            order = [u for u in order if u != "head"]
-            order = (["head"] if "head" in units else []) + order + starts
-        extra = (total_sync + scan_exposed) / max(len(layer_names), 1)
-        t = start
         gather_done: dict[str, float] = {}
 
         def prefetch(name: str, at: float) -> float:
@@ -358,8 +357,7 @@ class _RankTimer:
                 gather_done[name] = max(gather_done.get(name, at), self._issue(at, c))
             return at
 
-        if order:
-            t = prefetch(order[0], start)
+        t = prefetch(order[0], start) if order else start
         for k, name in enumerate(order):
             ready = max(t, gather_done.get(name, t))
             self.exposed["zero-3 gathers"] += ready - t
@@ -367,21 +365,11 @@ class _RankTimer:
                 ready = self._quantizer(ready, sum(quant_parts(c, cl)[1] for c in zero.get(name, [])))
             if k + 1 < len(order):  # the next unit's gather is issued as this one starts computing
                 ready = prefetch(order[k + 1], ready)
-            cost = units.get(name, 0.0) * factor
-            if op.kind == "B" and name in self.rerun[op.chunk]:
-                cost += units.get(name, 0.0)
-            if name.startswith("layer"):
-                cost += extra
-            t = ready + cost
-            self.compute += units.get(name, 0.0) * factor + (
-                units.get(name, 0.0) if op.kind == "B" and name in self.rerun[op.chunk] else 0.0
-            )
+            work = units.get(name, 0.0) * factor + (units.get(name, 0.0) if op.kind == "B" and name in again else 0.0)
+            t = ready + work + (extra if name.startswith("layer") else 0.0)
+            self.compute += work
             if grads.get(name):
                 t = self._reduce(grads[name], t)
-        for c in tail:
-            t_p2p = self._t(c)
-            self.exposed["pp p2p"] += t_p2p
-            t += t_p2p
         return t
 
     def finish(self, t: float) -> tuple[float, dict[str, float]]:
@@ -473,3 +461,30 @@ def throughput(cfg: Config, bd: Breakdown) -> dict[str, float]:
         "tokens_per_s": tokens / bd.step_time_s,
         "tflops_per_gpu": flops / bd.step_time_s / cfg.parallel.world_size / 1e12,
     }
+
+
+def _sort_collectives(colls) -> tuple[dict, dict, list[Coll], list[Coll]]:
+    """One op's collectives by role: ZeRO gathers and gradient reductions per unit, the PP p2p after it, and
+    the unit-less TP/CP calls of its layers (in issue order)."""
+    zero: dict[str, list[Coll]] = defaultdict(list)
+    grads: dict[str, list[Coll]] = defaultdict(list)
+    tail: list[Coll] = []
+    per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan", "cp_halo")]
+    for u, c in colls:
+        if u is not None:
+            (grads if c.kind == "grad" else zero)[u].append(c)
+        elif c.kind == "pp":
+            tail.append(c)
+    return zero, grads, tail, per_layer
+
+
+def _unit_order(units: dict, kind: str, zero: dict, grads: dict) -> list[str]:
+    """The units in compute order: forward, or reversed with the head first in a backward; the start units
+    (embedding) before a forward and after a backward."""
+    order = list(units) if kind == "F" else list(reversed(list(units)))
+    starts = [n for n in START_UNITS if n in zero or (kind == "B" and n in grads)]
+    if kind == "F":
+        return starts + order
+    if kind == "B":
+        return (["head"] if "head" in units else []) + [u for u in order if u != "head"] + starts
+    return order

@@ -162,6 +162,11 @@ def all_cases() -> list[Case]:
     """The full sweep; `ci` marks the CI subset: each kernel's default configuration (bf16, GLA chunk 64 at
     head dims 64/128/256, the ZeRO++ blocks int8/2048 and int4/64) and the shapes most at risk (the widest
     rows, more than 2^31 elements, more than 65535 chunks)."""
+    return _linear_attention_cases() + _quantizer_cases() + _pointwise_cases()
+
+
+def _linear_attention_cases() -> list[Case]:
+    """GLA and GDN chunk kernels."""
     cases = []
     # GLA: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid)
     for C in (16, 64, 128):
@@ -192,6 +197,12 @@ def all_cases() -> list[Case]:
     for what, B, T, H, D in big:  # the same shapes at risk as GLA's
         params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
         cases.append(Case("gdn", f"gdn C=16 K=V={D} bf16 h0 {what}", params, True, True))
+    return cases
+
+
+def _quantizer_cases() -> list[Case]:
+    """ZeRO++'s qwZ and qgZ quantizers."""
+    cases = []
     # ZeRO++ quantizers: qwZ int8 weights (block 2048), qgZ int4 gradients (block 64); 8 rows
     for bits, block in ((8, 2048), (4, 64)):
         for m, at_risk in ((1 << 24, False), (1 << 28, True)):  # 8 x 2^28 = 2^31 elements: at risk
@@ -207,6 +218,12 @@ def all_cases() -> list[Case]:
                     extra = "".join(f" {k}={v}" for k, v in kw.items())
                     params = dict(bits=bits, block=block, r=8, m=m, x_dtype=DTYPES[dt], op=op, **kw)
                     cases.append(Case("quantize", f"{op}{extra} {tag}", params, ci and at_risk, ci))
+    return cases
+
+
+def _pointwise_cases() -> list[Case]:
+    """Norms, RoPE, SwiGLU and the cross-entropy."""
+    cases = []
     # norms: widths up to 32768; 65540 rows x 32768 > 2^31 elements (bf16; fp32 at the widest rows only)
     for n in (1024, 2048, 4096, 8192, 16384, 32768):
         for dt in ("bf16", "fp32"):

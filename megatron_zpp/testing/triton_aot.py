@@ -197,122 +197,147 @@ def int32_offsets(ttir: str) -> list[str]:
     a tensor whose chunk would span more); products of ranges, constants and remainders by a constant only
     are bounded. Each as "file:line (offset type)", the source line of the addptr with its call sites.
     Empty: every offset that can outgrow 32 bits is 64-bit."""
-    locs: dict[str, str] = {}
-    deps: dict[str, set[str]] = {}
-    positions: set[str] = set()  # program ids, loop counters
-    arguments: set[str] = set()
-    constants: set[str] = set()
-    loops: list[tuple[str, list[str]]] = []  # (induction variable, its lower and upper bounds)
-    i32_products: dict[str, list[str]] = {}  # result -> its operands
-    addptrs: list[tuple[str, str, str]] = []  # (offset name, offset type, location)
-    stack: list[tuple[list[str], list[str]]] = []  # open regions: (results, loop-carried arguments)
+    scan = _TtirScan()
+    for raw in ttir.splitlines():
+        scan.line(raw)
+    return scan.risky_offsets()
 
-    scopes: list[dict[str, str]] = [{}]  # MLIR names are scoped by region: sibling regions reuse them
 
-    def define(name: str) -> str:
-        unique = f"{name}@{sum(len(x) for x in scopes)}.{len(scopes)}.{len(deps)}"
-        scopes[-1][name] = unique
-        deps.setdefault(unique, set())
+class _TtirScan:
+    """One pass over a kernel's TTIR: which values depend on which, the program ids, loop counters, kernel
+    arguments and constants, the i32 products and the addptrs' offsets."""
+
+    def __init__(self):
+        self.locs: dict[str, str] = {}
+        self.deps: dict[str, set[str]] = {}
+        self.positions: set[str] = set()  # program ids, loop counters
+        self.arguments: set[str] = set()
+        self.constants: set[str] = set()
+        self.loops: list[tuple[str, list[str]]] = []  # (induction variable, its lower and upper bounds)
+        self.i32_products: dict[str, list[str]] = {}  # result -> its operands
+        self.addptrs: list[tuple[str, str, str]] = []  # (offset name, offset type, location)
+        self.stack: list[tuple[list[str], list[str]]] = []  # open regions: (results, loop-carried arguments)
+        self.scopes: list[dict[str, str]] = [{}]  # MLIR names are scoped by region: sibling regions reuse them
+
+    def define(self, name: str) -> str:
+        unique = f"{name}@{sum(len(x) for x in self.scopes)}.{len(self.scopes)}.{len(self.deps)}"
+        self.scopes[-1][name] = unique
+        self.deps.setdefault(unique, set())
         return unique
 
-    def use(names) -> list[str]:
-        return [next((sc[n] for sc in reversed(scopes) if n in sc), n) for n in names]
+    def use(self, names) -> list[str]:
+        return [next((sc[n] for sc in reversed(self.scopes) if n in sc), n) for n in names]
 
-    def depend(name: str, on) -> None:
-        deps.setdefault(name, set()).update(on)
+    def depend(self, name: str, on) -> None:
+        self.deps.setdefault(name, set()).update(on)
 
-    for raw in ttir.splitlines():
+    def open_region(self, results: list[str], carried: list[str]) -> None:
+        self.stack.append((results, carried))
+        self.scopes.append({})
+
+    def line(self, raw: str) -> None:
         m = _LOC_DEF.match(raw)
         if m:
-            locs[m.group(1)] = m.group(2)
-            continue
+            self.locs[m.group(1)] = m.group(2)
+            return
         line, loc = raw.strip(), "unknown"
         t = _TRAILING_LOC.search(line)
         if t:
             loc = t.group(1)
             line = line[: t.start()] + (" " + t.group(2) if t.group(2) else "")
-        closes, opens = line.startswith("}"), line.endswith("{")
-        if closes and stack:
-            frame = stack.pop()
-            scopes.pop()
+        if not self._structure(line):
+            self._definition(line, loc)
+
+    def _structure(self, line: str) -> bool:
+        """Region ends, function and block headers, yields: True when `line` was one."""
+        opens = line.endswith("{")
+        if line.startswith("}") and self.stack:
+            frame = self.stack.pop()
+            self.scopes.pop()
             if opens:  # "} else {": the same op's next region
-                stack.append(frame)
-                scopes.append({})
-            continue
+                self.open_region(*frame)
+            return True
         if line.startswith("tt.func"):
-            scopes.append({})
-            arguments.update(define(n) for n in re.findall(r"%([\w$.-]+):", line))
-            stack.append(([], []))
-            continue
+            self.scopes.append({})
+            self.arguments.update(self.define(n) for n in re.findall(r"%([\w$.-]+):", line))
+            self.stack.append(([], []))
+            return True
         if line.startswith("^bb"):  # a block's arguments (tt.reduce's combine region)
             for n in re.findall(r"%([\w$.-]+):", line):
-                define(n)
-            continue
-        if line.startswith("scf.yield") and stack:
-            results, carried = stack[-1]
-            yielded = set(use(_NAME.findall(line.split(":", 1)[0])))
+                self.define(n)
+            return True
+        if line.startswith("scf.yield") and self.stack:
+            results, carried = self.stack[-1]
+            yielded = set(self.use(_NAME.findall(line.split(":", 1)[0])))
             for name in results + carried:
-                depend(name, yielded)
-            continue
+                self.depend(name, yielded)
+            return True
+        return False
+
+    def _definition(self, line: str, loc: str) -> None:
         d = _DEF.match(line)
         if d is None and line.startswith("scf.for"):  # a loop with no results
             d = re.match(r"()(.*)$", line)
         if d is None:
-            if opens:
-                stack.append(([], []))
-                scopes.append({})
-            continue
+            if line.endswith("{"):
+                self.open_region([], [])
+            return
         name, rhs = d.group(1), d.group(2)
         if rhs.startswith("scf.for"):
-            f = re.match(r"scf\.for %([\w$.-]+) = (.*?)(?: iter_args\((.*?)\))? (?:->|:)", rhs)
-            bounds = use(_NAME.findall(f.group(2).split(" step ")[0])) if f else []
-            inits = re.findall(r"%([\w$.-]+) = %([\w$.-]+)", (f.group(3) or "") if f else "")
-            inits = [(arg, use([init])[0]) for arg, init in inits]
-            result = define(name) if name else ""
-            scopes.append({})
-            carried = []
-            if f:
-                loops.append((define(f.group(1)), bounds))
-                for arg, init in inits:
-                    carried.append(define(arg))
-                    depend(carried[-1], {init})
-            stack.append(([result] if result else [], carried))
-            continue
-        operands = use(_NAME.findall(rhs.split(" : ", 1)[0] if " : " in rhs else rhs))
-        result = define(name)
-        if opens:  # scf.if, scf.while, tt.reduce ...: results from its operands and its yields
-            stack.append(([result], []))
-            scopes.append({})
+            self._loop(name, rhs)
+            return
+        operands = self.use(_NAME.findall(rhs.split(" : ", 1)[0] if " : " in rhs else rhs))
+        result = self.define(name)
+        if line.endswith("{"):  # scf.if, scf.while, tt.reduce ...: results from its operands and its yields
+            self.open_region([result], [])
         op = rhs.split(None, 1)[0].strip('"')
-        if op in ("arith.remsi", "arith.remui") and operands[-1] in constants:
+        if op in ("arith.remsi", "arith.remui") and operands[-1] in self.constants:
             operands = []  # x % constant: bounded by the constant, whatever x (a tile index decoded from a flat grid)
-        depend(result, set(operands))
+        self.depend(result, set(operands))
         if op == "arith.constant":
-            constants.add(result)
+            self.constants.add(result)
         elif op == "tt.get_program_id":
-            positions.add(result)
+            self.positions.add(result)
         elif op == "arith.muli" and _type_is_i32(rhs.rsplit(":", 1)[-1]):
-            i32_products[result] = operands
+            self.i32_products[result] = operands
         elif op == "tt.addptr":
             offset_type = rhs.split(" : ", 1)[-1].rsplit(",", 1)[-1].strip()
             if len(operands) == 2 and _type_is_i32(offset_type):
-                addptrs.append((operands[1], offset_type, loc))
+                self.addptrs.append((operands[1], offset_type, loc))
 
-    sized = _closure(arguments, deps)
-    position: set[str] = set()
-    while True:  # a loop counter is a position unless its bounds are constants or remainders by one
-        seeds = positions | {iv for iv, bounds in loops if any(b in sized or b in position for b in bounds)}
-        grown = _closure(seeds, deps)
-        if grown == position:
-            break
-        position = grown
+    def _loop(self, name: str, rhs: str) -> None:
+        f = re.match(r"scf\.for %([\w$.-]+) = (.*?)(?: iter_args\((.*?)\))? (?:->|:)", rhs)
+        bounds = self.use(_NAME.findall(f.group(2).split(" step ")[0])) if f else []
+        inits = re.findall(r"%([\w$.-]+) = %([\w$.-]+)", (f.group(3) or "") if f else "")
+        inits = [(arg, self.use([init])[0]) for arg, init in inits]
+        result = self.define(name) if name else ""
+        self.scopes.append({})
+        carried = []
+        if f:
+            self.loops.append((self.define(f.group(1)), bounds))
+            for arg, init in inits:
+                carried.append(self.define(arg))
+                self.depend(carried[-1], {init})
+        self.stack.append(([result] if result else [], carried))
 
-    def outgrows(operands: list[str]) -> bool:
-        return any(o in position for o in operands) or sum(o in sized for o in operands) >= 2
+    def risky_offsets(self) -> list[str]:
+        sized = _closure(self.arguments, self.deps)
+        position: set[str] = set()
+        while True:  # a loop counter is a position unless its bounds are constants or remainders by one
+            seeds = self.positions | {
+                iv for iv, bounds in self.loops if any(b in sized or b in position for b in bounds)
+            }
+            grown = _closure(seeds, self.deps)
+            if grown == position:
+                break
+            position = grown
 
-    risky = _closure({name for name, operands in i32_products.items() if outgrows(operands)}, deps)
-    found: dict[str, None] = {}
-    for offset, offset_type, loc in addptrs:
-        if offset in risky:
-            found[f"{_resolve_loc(loc, locs)} ({offset_type})"] = None
-    return list(found)
+        def outgrows(operands: list[str]) -> bool:
+            return any(o in position for o in operands) or sum(o in sized for o in operands) >= 2
+
+        risky = _closure({name for name, operands in self.i32_products.items() if outgrows(operands)}, self.deps)
+        found: dict[str, None] = {}
+        for offset, offset_type, loc in self.addptrs:
+            if offset in risky:
+                found[f"{_resolve_loc(loc, self.locs)} ({offset_type})"] = None
+        return list(found)

@@ -79,7 +79,7 @@ def evaluate(run, which: str = "valid") -> float | None:
         chunk.eval()
     losses = []
     for _ in range(iters):
-        losses += run_schedule(run.chunks, data, micro_batches, run.link, run.position_offset, forward_only=True)
+        losses += run_schedule(run.chunks, data, micro_batches, run.link, forward_only=True)
     data.close()  # its loader threads
     for chunk in run.chunks:
         chunk.train()

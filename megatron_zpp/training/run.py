@@ -21,7 +21,6 @@ from ..checkpoint import CheckpointError, LoadTarget, Restored, SaveState, load_
 from ..checkpoint.files import locate_checkpoint, saved_iterations
 from ..checkpoint.guard import guard_save_dir
 from ..config import Config, ConfigError
-from ..context_parallel.slices import sequence_slice
 from ..data.inputs import load_tokenizer
 from ..data.loader import BatchIterator
 from ..data.tokenizer import Tokenizer
@@ -62,7 +61,6 @@ class Run:
     valid_data: object
     state: TrainState  # iteration, consumed samples, loss scaler, ...: what the loop changes
     saves: SaveState = field(default_factory=SaveState)  # the last checkpoint, an --async-save in flight
-    position_offset: int = 0  # position of this CP rank's first token (its slice is contiguous)
     resharded_from: list[str] | None = None  # the layout changes a resharded --load went through
     exit_signal: ExitSignal | None = None  # installed at set-up, so a signal while loading is kept
     memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
@@ -127,7 +125,6 @@ def setup(cfg: Config) -> Run:
         valid_data,
         state,
         SaveState(last=restored.path if restored else None),
-        position_offset=sequence_slice(cfg.model.seq_length, groups.cp_rank, groups.cp.size).start,
         resharded_from=restored.resharded_from if restored else None,
         exit_signal=exit_signal,
         memory_snapshots=memory_snapshots,

@@ -54,7 +54,6 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
         run.train_data,
         micro_batches,
         run.link,
-        run.position_offset,
         on_backward=run.dp.set_last_micro_batch,  # the last micro-batch's backward may reduce (overlap)
         loss_scale=scaler.scale if scaler else 1.0,
     )

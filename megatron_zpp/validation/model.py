@@ -4,7 +4,7 @@ are not built here."""
 from __future__ import annotations
 
 from ..config import Config, ModelConfig
-from ..model.gated_deltanet import CONV_KERNEL
+from ..config_shapes import GDN_CONV_KERNEL as CONV_KERNEL
 from .common import derived, failed
 from .parallel import chunk_layer_counts
 
@@ -12,6 +12,7 @@ from .parallel import chunk_layer_counts
 def check_model(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    halo = m.mixer_of_kind(m.attention_type).halo_tokens  # the previous CP slice's tokens a convolution reads
     return failed(
         [
             (
@@ -58,9 +59,9 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
             ),
             (
-                m.attention_type != "gdn" or cp == 1 or m.seq_length // cp >= CONV_KERNEL - 1,
-                f"--attention-type gdn: sequence per CP rank {m.seq_length // cp} is shorter than the "
-                f"convolution's {CONV_KERNEL - 1} tokens it reads from the previous rank",
+                cp == 1 or m.seq_length // cp >= halo,
+                f"--attention-type {m.attention_type}: sequence per CP rank {m.seq_length // cp} is shorter than the "
+                f"convolution's {halo} tokens it reads from the previous rank",
             ),
             (
                 not p.sequence_parallel or (m.seq_length // cp) % tp == 0,

@@ -69,7 +69,7 @@ def _train(argv: list[str], world_size: int) -> dict:
         out["gathers_in_flight"] = sum(u._gather is not None for u in dp.units)  # left by the last step
         tokens = torch.zeros(1, 32, dtype=torch.long)
         with torch.no_grad():  # one forward: its pre-hooks must end every unit's gather before reading it
-            run.chunks[0](tokens=tokens, labels=tokens, hidden=None, position_offset=0)
+            run.chunks[0](tokens=tokens, labels=tokens, hidden=None)
         out["gathers_after_forward"] = sum(u._gather is not None or not u.gathered for u in dp.units)
     with dp.full_parameters():
         out["weights"] = {n: p.detach().double().numpy().copy() for c in run.chunks for n, p in c.named_parameters()}

@@ -53,7 +53,29 @@ def main() -> None:
     model, _ = build_peer_model(cfg)
     t = cfg.train
     num_micro = t.global_batch_size // (t.micro_batch_size * world)
-    ds_config = {
+    ds_config = _ds_config(cfg, a, num_micro)
+    opt = torch.optim.AdamW(adamw_param_groups(model, cfg), foreach=True, **adamw_kwargs(cfg))
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    batches = PeerBatches(cfg, rank, world)
+
+    _train(engine, optimizer, batches, probe, cfg, num_micro)
+    dist.barrier()
+    dist.destroy_process_group()
+    probe.finish(
+        system="deepspeed",
+        hpz=a.hpz,
+        dtype="bf16" if cfg.train.bf16 else "fp32",
+        communication_data_type=str(engine.communication_data_type),
+        grad_accum_dtype=str(engine.get_data_types()[1]),
+        deepspeed=deepspeed.__version__,
+        torch=torch.__version__,
+    )
+
+
+def _ds_config(cfg, a, num_micro: int) -> dict:
+    """DeepSpeed's ZeRO-3 (+ hpZ) config for our batch, clipping and dtype."""
+    t = cfg.train
+    return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": num_micro,
@@ -64,11 +86,15 @@ def main() -> None:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    opt = torch.optim.AdamW(adamw_param_groups(model, cfg), foreach=True, **adamw_kwargs(cfg))
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-    batches = PeerBatches(cfg, rank, world)
 
-    for it in range(t.train_iters):
+
+def _train(engine, optimizer, batches, probe, cfg, num_micro: int) -> None:
+    """Our schedule's iterations through DeepSpeed's engine, each timed by the probe."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for it in range(cfg.train.train_iters):
         probe.step_begin()
         for g in optimizer.param_groups:
             g["lr"] = lr_at(cfg, it)
@@ -88,17 +114,6 @@ def main() -> None:
                 f"{engine.get_global_grad_norm()} step {probe.step_times[-1]:.3f}s",
                 flush=True,
             )
-    dist.barrier()
-    dist.destroy_process_group()
-    probe.finish(
-        system="deepspeed",
-        hpz=a.hpz,
-        dtype="bf16" if cfg.train.bf16 else "fp32",
-        communication_data_type=str(engine.communication_data_type),
-        grad_accum_dtype=str(engine.get_data_types()[1]),
-        deepspeed=deepspeed.__version__,
-        torch=torch.__version__,
-    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,131 @@
+"""What a block's token mixer and FFN are, as numbers: one torch-free description of each kind.
+
+`ModelConfig.mixer(layer)` and `ModelConfig.ffn(layer)` return them; the layers build their projections
+from them, and perf (FLOPs), the memory estimator, the simulator (TP widths, CP scan, transition and halo
+bytes), validation and the exporters read the same object. A new mixer kind is one more branch of
+`mixer_shape` (its sections, state, transition, halo, FLOPs), its layer, its op and its tests.
+
+Widths are the full (unsplit) ones: every section of an input projection is split by heads over TP,
+except `replicated`, which each TP rank holds whole (GLA's low-rank gate's down-projection).
+Imports nothing of ours: config_model.py builds these from its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GDN_CONV_KERNEL = 4  # fla's and Qwen3-Next's short convolution
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    """One block's token mixer. `heads` are the heads split over TP (query heads of softmax attention,
+    the state's heads of a linear mixer); `key_dim` x `value_dim` the per-head state (linear mixers)."""
+
+    kind: str  # "softmax", "gla", "gdn"
+    sections: tuple[int, ...]  # the input projection's output sections, in order
+    out_width: int  # the output projection's input width
+    heads: int
+    key_dim: int
+    value_dim: int
+    kv_heads: int = 0  # softmax attention's key/value heads (GQA)
+    replicated: int = 0  # an input projection every TP rank holds whole (rows of W_down), 0: none
+    conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN: q | k | v), 0: none
+    conv_kernel: int = 0
+    transition: str = ""  # a CP slice's state transition: "decay" (diagonal, [K]), "dense" ([K, K]), "" none
+    chunk: int | None = None  # the chunked form's chunk length (linear mixers)
+
+    @property
+    def linear(self) -> bool:
+        """A recurrent state (chunked form, CP state scan) rather than softmax attention."""
+        return bool(self.transition)
+
+    @property
+    def halo_tokens(self) -> int:
+        """Tokens of the previous CP slice the convolution reads (0: none)."""
+        return self.conv_kernel - 1 if self.conv_kernel else 0
+
+    @property
+    def state_per_head(self) -> int:
+        return self.key_dim * self.value_dim if self.linear else 0
+
+    @property
+    def transition_per_head(self) -> int:
+        return {"decay": self.key_dim, "dense": self.key_dim * self.key_dim}.get(self.transition, 0)
+
+    @property
+    def scan_waits_for_local_pass(self) -> bool:
+        """GLA's CP scan hides behind its intra-chunk work; a dense transition (GDN) comes out of the local
+        pass, so the scan waits for it."""
+        return self.transition == "dense"
+
+    def projection_width(self, tp: int) -> int:
+        """The input projection's full output width as the simulator sees TP's products: the split sections
+        plus each rank's whole replicated one."""
+        return sum(self.sections) + tp * self.replicated
+
+    def forward_flops_per_token(self, hidden: int, seq: int) -> float:
+        """Model FLOPs of one token's forward (perf.py's rule: 2 per weight, causal softmax 2*T*width)."""
+        width = self.heads * self.key_dim
+        proj = 2 * (hidden * (sum(self.sections) + self.replicated) + self.out_width * hidden)
+        if self.kind == "softmax":
+            return proj + 2 * seq * width
+        if self.kind == "gla":  # the chunked form: C per key width, the state's two d x d products
+            low_up = 2 * self.replicated * width  # W_up: [r] -> width
+            return proj + low_up + 2 * width * (self.chunk + 2 * self.key_dim)
+        # Gated DeltaNet's WY form: k k^T, the W and U products, q k^T and the output's intra-chunk product
+        # (C each per key or value width); the state's three d x d products
+        return proj + 2 * width * (2 * self.chunk + 3 * self.key_dim)
+
+
+@dataclass(frozen=True)
+class FfnShape:
+    """One block's feed-forward network: dense today (a mixture of experts is one more kind)."""
+
+    kind: str  # "dense"
+    hidden: int  # the inner width (per expert for a mixture)
+    gated: bool  # SwiGLU: fc1 has gate | up sections
+
+    @property
+    def sections(self) -> tuple[int, ...]:
+        return (self.hidden, self.hidden) if self.gated else (self.hidden,)
+
+    def forward_flops_per_token(self, model_hidden: int) -> float:
+        return 2 * model_hidden * (sum(self.sections) + self.hidden)
+
+
+def mixer_shape(
+    kind: str, heads: int, head_dim: int, kv_heads: int, gla_gate_low_rank: int, chunk: int | None
+) -> MixerShape:
+    """The shape of a `kind` mixer of `heads` heads of `head_dim` channels."""
+    width = heads * head_dim
+    if kind == "softmax":  # q | k | v
+        sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim)
+        return MixerShape(kind, sections, width, heads, head_dim, head_dim, kv_heads=kv_heads)
+    if kind == "gla":  # q | k | v | output gate (| decay gate at full rank)
+        sections = (width,) * (4 if gla_gate_low_rank else 5)
+        return MixerShape(
+            kind,
+            sections,
+            width,
+            heads,
+            head_dim,
+            head_dim,
+            replicated=gla_gate_low_rank,
+            transition="decay",
+            chunk=chunk,
+        )
+    if kind == "gdn":  # q | k | v | output gate, and a | b per head; the convolution over q | k | v
+        sections = (width,) * 4 + (heads, heads)
+        return MixerShape(
+            kind,
+            sections,
+            width,
+            heads,
+            head_dim,
+            head_dim,
+            conv_channels=3 * width,
+            conv_kernel=GDN_CONV_KERNEL,
+            transition="dense",
+            chunk=chunk,
+        )
+    raise ValueError(f"unknown mixer kind {kind!r}")
