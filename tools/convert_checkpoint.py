@@ -184,7 +184,11 @@ def config_from_hf(hf: dict, hf_dir: str):
     why = [
         w
         for w, bad in [
-            (f"model_type {hf.get('model_type')!r} is not llama", hf.get("model_type") != "llama"),
+            (
+                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, "
+                f"{hf_remote.MODEL_TYPE} (our GLA/hybrid export)",
+                hf.get("model_type") != "llama",
+            ),
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
             ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
             ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
@@ -368,6 +372,28 @@ def _megatron(args) -> int:
     return 0
 
 
+VALID_PAIRS = {
+    ("megatron_zpp", "consolidated"),
+    ("megatron_zpp", "hf"),
+    ("megatron_zpp", "megatron"),
+    ("hf", "sharded"),
+    ("megatron", "sharded"),
+}
+
+
+def pair_error(source: str, to: str) -> str:
+    """Why --from `source` --to `to` is no conversion here, with the pairs that are."""
+    named = {"megatron_zpp": "our checkpoint", "hf": "a HF directory", "megatron": "a megatron-core checkpoint"}
+    if source == "megatron_zpp":  # the only wrong pair from ours: --to sharded
+        why = "our checkpoints are sharded already (pretrain_gpt.py --load reshards them to any layout)"
+    elif to == source:
+        why = f"--load is {named[source]} already"
+    else:
+        why = f"{named[source]} converts to our sharded checkpoint only (--to sharded; convert that one on)"
+    valid = "--from megatron_zpp --to consolidated|hf|megatron, --from hf --to sharded, --from megatron --to sharded"
+    return f"--from {source} --to {to}: {why}; the conversions are {valid}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -403,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
     )
     args = ap.parse_args(argv)
-    if (args.source != "megatron_zpp") != (args.to == "sharded"):
-        ap.error("--to sharded goes with --from hf or --from megatron (our own checkpoints are sharded already)")
+    if (args.source, args.to) not in VALID_PAIRS:
+        ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
     if "megatron" in (args.source, args.to):

@@ -63,6 +63,11 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         prefixes = [p.strip() for p in items[1::2]]
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+        if not math.isfinite(sum(weights)):
+            raise ValueError(
+                f"--data-path weights {weights}: their sum overflows to inf (the blend normalizes by it); "
+                "scale them down (only their ratios count)"
+            )
         if any(number(p) is not None for p in prefixes):
             raise ValueError(f"--data-path {data_path}: expected W1 PREFIX1 W2 PREFIX2 ..., found a number as a prefix")
         return prefixes, normalize(weights)
