@@ -117,7 +117,7 @@ def os_error_line(e: OSError, path: str) -> str:
     if e.errno == errno.ENOSPC:
         return f"no space left on device writing {where}"
     if e.errno == errno.EFBIG:
-        return f"file too large writing {where} (the file-size limit, ulimit -f)"
+        return f"file too large (the file-size limit, ulimit -f) writing {where}"
     if e.errno == errno.EDQUOT:
         return f"disk quota exceeded writing {where}"
     return f"{e.strerror or e} ({where})"
