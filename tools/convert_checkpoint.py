@@ -27,6 +27,11 @@
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
         step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py)
 
+The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
+in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
+iteration written, a newer `latest` or the other format is refused before any tensor is read; the result
+is written under a fresh .tmp and renamed into place at the end (megatron_zpp/checkpoint/convert_output.py).
+
 RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]) as HF
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
 vocabulary are never predicted in training; HF sees them as ordinary tokens).
