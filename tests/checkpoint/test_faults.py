@@ -35,7 +35,7 @@ import torch
 import pretrain_gpt
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.checkpoint import files, sharded
+from megatron_zpp.checkpoint import files, guard, sharded
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed
@@ -431,10 +431,12 @@ def _pretrain(argv) -> int:
         return int(e.code or 0)
 
 
-@pytest.fixture
-def saved_once(tmp_path):
-    """{format: root holding iteration 1 and `latest`} and a snapshot of those files."""
-    roots = {f: str(tmp_path / f) for f in FORMATS}
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """{format: root holding iteration 1 and `latest`} and a snapshot of those files (which every test
+    here checks are left as they were)."""
+    base = tmp_path_factory.mktemp("disk")
+    roots = {f: str(base / f) for f in FORMATS}
     for f, flags in FORMATS.items():
         assert _pretrain(DISK + flags + ["--train-iters", "1", "--save", roots[f]]) == 0
     return roots, {f: _files_of(r) for f, r in roots.items()}
@@ -479,7 +481,10 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous(saved_once, 
     monkeypatch.setattr(filesystem, "_write_item", short_write)
     monkeypatch.setattr(files.os, "statvfs", lambda path: full)
     for f, flags in FORMATS.items():
-        assert _pretrain(DISK + flags + ["--train-iters", "2", "--load", roots[f], "--save", roots[f]]) == 1
+        try:
+            assert _pretrain(DISK + flags + ["--train-iters", "2", "--load", roots[f], "--save", roots[f]]) == 1
+        finally:
+            guard.release_save_dirs()  # the failed run's --save lock, which only a process's end drops
         _one_line_and_kept(capfd.readouterr().err, roots[f], before[f], "no space left on device")
 
 
