@@ -24,7 +24,7 @@ from .mcore import TRACKER
 KINDS = ("file", "hf", "ours", "megatron")  # --to consolidated, hf, sharded, megatron
 ITER_DIR = re.compile(r"iter_[0-9]{7,}")
 POINTER = {"ours": "latest", "megatron": TRACKER}  # the file a root's newest iteration is named in
-FORMAT_NAME = {"ours": "megatron_zpp", "megatron": "megatron-core torch_dist"}
+FORMAT_NAME = {"ours": "megatron_zpp", "megatron": "megatron-core torch_dist", "hf": "HF (config.json + safetensors)"}
 
 
 class OutputError(CheckpointError):
@@ -41,11 +41,14 @@ def _is_iteration_dir(path: str) -> str | None:
 
 
 def _formats_in(root: str) -> set[str]:
-    """The checkpoint formats a root holds: by its pointer files and its iteration directories."""
+    """The checkpoint formats a root holds: by its pointer files, its iteration directories, a HF model's files."""
     found = {kind for kind, name in POINTER.items() if os.path.exists(os.path.join(root, name))}
-    for name in os.listdir(root):
+    names = os.listdir(root)
+    for name in names:
         if ITER_DIR.fullmatch(name) and (kind := _is_iteration_dir(os.path.join(root, name))):
             found.add(kind)
+    if "config.json" in names and any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        found.add("hf")
     return found
 
 

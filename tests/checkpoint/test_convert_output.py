@@ -62,6 +62,7 @@ REFUSED = [  # (argv with {names} of `made`, what the one error line says)
     ("--from megatron --load {mlm} --to sharded --save {ours}", "--output {ours} already holds iter_0000007: the"),
     ("--from megatron --load {mlm} --to sharded --save {mixed}", "holds a megatron-core torch_dist checkpoint: the"),
     ("--from hf --load {hf} --to sharded --save {ours}", "its latest names iteration 7, newer than the 0 this"),
+    ("--from megatron --load {mlm} --to sharded --save {hf}", "--output {hf} holds a HF (config.json + safetensors)"),
     ("--load {ours} --to megatron --save {ours}/iter_0000007", "is an iteration directory of a megatron_zpp"),
     ("--load {ours} --to megatron --save {imported}", "holds a megatron_zpp checkpoint: the converter never mixes"),
     ("--load {ours} --to megatron --save {mlm}", "--output {mlm} already holds iter_0000007"),
