@@ -92,7 +92,7 @@ def write_error(e: BaseException, path: str) -> OSError | None:
     """The OSError behind a failed write to `path` (None when `e` is none): `e` itself; the `os error N`
     safetensors' writer names; or a write torch's zip writer found short ("unexpected pos": the errno
     is lost), taken as a full disk when the file system has no space left, else as the file-size limit
-    when one is set."""
+    when one is set, else named as a short write."""
     if isinstance(e, OSError):
         return e
     text = str(e)
@@ -107,8 +107,10 @@ def write_error(e: BaseException, path: str) -> OSError | None:
     except OSError:
         full = False
     limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
-    code = errno.ENOSPC if full or not limited else errno.EFBIG
-    return OSError(code, f"{os.strerror(code)} (a short write: {text.strip()[-60:]})", path)
+    if full or limited:
+        code = errno.ENOSPC if full else errno.EFBIG
+        return OSError(code, os.strerror(code), path)
+    return OSError(errno.EIO, f"a write stopped short ({text.strip()[-40:]}: a quota, a network file system?)", path)
 
 
 def os_error_line(e: OSError, path: str) -> str:
