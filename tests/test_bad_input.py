@@ -129,6 +129,8 @@ def files(tmp_path_factory):
         write(d / name / "latest", text)
     os.mkdir(d / "empty_dir")
     os.mkdir(d / "hf_empty")
+    os.mkdir(d / "hf_bogus")
+    write(d / "hf_bogus" / "config.json", b'{"model_type": "bogus", "num_attention_heads": 4, "hidden_size": 32}')
     f["ckpt_meta"] = str(d / "ckpt")
     os.makedirs(d / "ckpt" / "iter_0000001")
     write(d / "ckpt" / "latest", b"iter_0000001")
@@ -433,11 +435,25 @@ CASES = [
         lambda f: ["--from", "hf", "--load", f["dir"] + "/hf_empty", "--to", "sharded", "--output", f["dir"] + "/s"],
         "config.json",
     ),
+    ("pretrain", lambda f: pretrain("--data-path", "1e308", f["good"], "1e308", f["good"]), "their sum overflows"),
     (
         "convert",
-        lambda f: ["--load", f["dir"], "--to", "sharded", "--output", f["dir"] + "/s"],
-        "--to sharded goes with --from hf",
+        lambda f: ["--from", "hf", "--load", f["dir"] + "/hf_bogus", "--to", "sharded", "--output", f["dir"] + "/s"],
+        "model_type 'bogus' is none of those imported: llama, gpt2, megatron_zpp_gla (our GLA/hybrid export)",
     ),
+] + [  # every wrong --from/--to pair: its own reason, and the pairs that are conversions
+    ("convert", lambda f, a=a, b=b: ["--from", a, "--load", f["dir"], "--to", b, "--output", f["dir"] + "/s"], why)
+    for a, b, why in [
+        ("megatron_zpp", "sharded", "--to sharded: our checkpoints are sharded already (pretrain_gpt.py --load"),
+        ("hf", "hf", "--load is a HF directory already; the conversions are --from megatron_zpp --to consolidated|"),
+        ("megatron", "megatron", "--load is a megatron-core checkpoint already; the conversions are"),
+        *[(a, b, f"{a} --to {b}: a") for a, b in [("hf", "consolidated"), ("hf", "megatron"), ("megatron", "hf")]],
+        (
+            "megatron",
+            "consolidated",
+            "a megatron-core checkpoint converts to our sharded checkpoint only (--to sharded",
+        ),
+    ]
 ]
 MAINS = {
     "pretrain": pretrain_gpt.main,

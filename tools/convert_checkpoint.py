@@ -27,6 +27,11 @@
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
         step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py)
 
+The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
+in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
+iteration written, a newer `latest` or the other format is refused before any tensor is read; the result
+is written under a fresh .tmp and renamed into place at the end (megatron_zpp/checkpoint/convert_output.py).
+
 RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]) as HF
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
 vocabulary are never predicted in training; HF sees them as ordinary tokens).
@@ -48,6 +53,8 @@ import torch
 from megatron_zpp import hf_remote
 from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2, mcore
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
+from megatron_zpp.checkpoint.convert_output import check_output, staged
+from megatron_zpp.checkpoint.files import find_checkpoint, os_error_line
 from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_zpp.progress import progress
 
@@ -184,7 +191,11 @@ def config_from_hf(hf: dict, hf_dir: str):
     why = [
         w
         for w, bad in [
-            (f"model_type {hf.get('model_type')!r} is not llama", hf.get("model_type") != "llama"),
+            (
+                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, "
+                f"{hf_remote.MODEL_TYPE} (our GLA/hybrid export)",
+                hf.get("model_type") != "llama",
+            ),
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
             ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
             ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
@@ -350,25 +361,98 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
     return hf["architectures"][0]
 
 
-def _megatron(args) -> int:
-    """--from megatron / --to megatron: megatron-core's torch_dist checkpoints (checkpoint/mcore.py)."""
+def _megatron(args, stage: str) -> str:
+    """--from megatron / --to megatron: megatron-core's torch_dist checkpoints (checkpoint/mcore.py), written
+    as a whole root under `stage`; the line to print."""
+    if args.source == "megatron":
+        out, done = mcore.import_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
+    else:
+        out, done = mcore.export_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
+    line = ""
+    if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
+        line = (f"dropped {len(done['dropped'])} pickled objects (_extra_state: Transformer Engine's FP8 scales, "
+                f"None in the local spec; rng_state): {', '.join(done['dropped'][:2])}, ...\n")  # fmt: skip
+    what = "weights and Adam state" if done["optimizer"] else "weights only"
+    final = os.path.join(args.output, os.path.basename(out))
+    return line + f"wrote {final} ({what}: {done['tensors']} tensors, iteration {done['iteration']})"
+
+
+def _from_hf(args, stage: str) -> str:
+    state, out = import_hf(args.load, stage)
+    n = sum(t.numel() for t in state.values())
+    final = os.path.join(args.output, os.path.basename(out))
+    return f"wrote {final} (weights-only checkpoint: {len(state)} tensors, {n / 1e6:.2f}M parameters)"
+
+
+def _from_ours(args, stage: str) -> str:
+    """--to consolidated or hf: the full single-rank weights of our checkpoint, written to `stage`."""
     try:
-        if args.source == "megatron":
-            out, done = mcore.import_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
-        else:
-            out, done = mcore.export_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
-    except (CheckpointError, OSError) as e:
+        state, config = consolidate(args.load)
+    except CheckpointError as e:  # no checkpoint there, or a damaged one: one line
+        raise CheckpointError(f"--load {e}") from None
+    what = args.to
+    if args.to == "consolidated":
+        torch.save({"config": config, "model": state}, stage)
+    else:
+        what = f"hf {export_hf(state, config, stage, args.tokenizer_model)}"
+    n = sum(t.numel() for t in state.values())
+    return f"wrote {args.output} ({what}: {len(state)} tensors, {n / 1e6:.2f}M parameters)"
+
+
+VALID_PAIRS = {
+    ("megatron_zpp", "consolidated"): _from_ours,
+    ("megatron_zpp", "hf"): _from_ours,
+    ("megatron_zpp", "megatron"): _megatron,
+    ("hf", "sharded"): _from_hf,
+    ("megatron", "sharded"): _megatron,
+}
+OUTPUT_KIND = {"consolidated": "file", "hf": "hf", "sharded": "ours", "megatron": "megatron"}
+
+
+def pair_error(source: str, to: str) -> str:
+    """Why --from `source` --to `to` is no conversion here, with the pairs that are."""
+    named = {"megatron_zpp": "our checkpoint", "hf": "a HF directory", "megatron": "a megatron-core checkpoint"}
+    if source == "megatron_zpp":  # the only wrong pair from ours: --to sharded
+        why = "our checkpoints are sharded already (pretrain_gpt.py --load reshards them to any layout)"
+    elif to == source:
+        why = f"--load is {named[source]} already"
+    else:
+        why = f"{named[source]} converts to our sharded checkpoint only (--to sharded; convert that one on)"
+    valid = "--from megatron_zpp --to consolidated|hf|megatron, --from hf --to sharded, --from megatron --to sharded"
+    return f"--from {source} --to {to}: {why}; the conversions are {valid}"
+
+
+def iteration_written(args) -> int | None:
+    """The iteration a conversion to a checkpoint root writes, read before any tensor (None: not a root, or
+    known only once the conversion read it: a megatron-core `release` directory)."""
+    if args.to == "sharded" and args.source == "hf":
+        return 0
+    if args.to == "sharded":
+        name = os.path.basename(os.path.normpath(mcore.iteration_dir(args.load)))
+        return int(name[len("iter_") :]) if name.startswith("iter_") and name[5:].isdigit() else None
+    if args.to == "megatron":
+        return int(find_checkpoint(args.load)[1]["iteration"])
+    return None
+
+
+def convert(args) -> int:
+    """Check the output, convert into a fresh .tmp, put it in place (checkpoint/convert_output.py)."""
+    kind = OUTPUT_KIND[args.to]
+    try:
+        check_output(args.load, args.output, kind, iteration_written(args))
+        with staged(args.load, args.output, kind) as stage:
+            line = VALID_PAIRS[(args.source, args.to)](args, stage)
+    except (ConversionError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
-        print(f"dropped {len(done['dropped'])} pickled objects (_extra_state: Transformer Engine's FP8 scales, None "
-              f"in the local spec; rng_state): {', '.join(done['dropped'][:2])}, ...")  # fmt: skip
-    what = "weights and Adam state" if done["optimizer"] else "weights only"
-    print(f"wrote {out} ({what}: {done['tensors']} tensors, iteration {done['iteration']})")
+    except OSError as e:
+        print(f"error: {os_error_line(e, args.output)}", file=sys.stderr)
+        return 2
+    print(line)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--from",
@@ -390,7 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sharded: our checkpoint format (only --from hf or megatron); megatron: megatron-core's torch_dist",
     )
     ap.add_argument(
-        "--output", "--save", required=True, help="FILE.pt for consolidated, a directory for hf, sharded and megatron"
+        "--output",
+        "--save",
+        required=True,
+        help="FILE.pt for consolidated, a directory for hf, a checkpoint root for sharded and megatron; never "
+        "overwritten: a new path, or a root of the same format that lacks the iteration written",
     )
     ap.add_argument(
         "--no-optim",
@@ -402,40 +490,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
-    if (args.source != "megatron_zpp") != (args.to == "sharded"):
-        ap.error("--to sharded goes with --from hf or --from megatron (our own checkpoints are sharded already)")
+    if (args.source, args.to) not in VALID_PAIRS:
+        ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
-    if "megatron" in (args.source, args.to):
-        return _megatron(args)
-    try:
-        if args.source == "hf":
-            state, out = import_hf(args.load, args.output)
-            n = sum(t.numel() for t in state.values())
-            print(f"wrote {out} (weights-only checkpoint: {len(state)} tensors, {n / 1e6:.2f}M parameters)")
-            return 0
-    except (ConversionError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        state, config = consolidate(args.load)
-    except CheckpointError as e:  # no checkpoint there, or a damaged one: one line
-        print(f"error: --load {e}", file=sys.stderr)
-        return 2
-    if args.to == "consolidated":
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        torch.save({"config": config, "model": state}, args.output)
-    else:
-        try:
-            kind = export_hf(state, config, args.output, args.tokenizer_model)
-        except ConversionError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    n = sum(t.numel() for t in state.values())
-    what = f"hf {kind}" if args.to == "hf" else args.to
-    print(f"wrote {args.output} ({what}: {len(state)} tensors, {n / 1e6:.2f}M parameters)")
-    return 0
+    return convert(args)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import time
 from megatron_zpp import memory
 from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
-from megatron_zpp.testing.dry_run import CODE_PATHS, auto_ranks, dry_run
+from megatron_zpp.testing.dry_run import CODE_PATHS, auto_ranks, auto_ranks_at_least, dry_run
 
 
 def _usable_cpus() -> int:
@@ -148,11 +148,16 @@ def main(argv=None) -> int:
     if ours.steps > (cfg.train.train_iters or 0):  # --mock-data holds --train-iters steps of samples
         print(f"error: --steps {ours.steps} is more than --train-iters {cfg.train.train_iters}", file=sys.stderr)
         return 2
-    ranks = auto_ranks(cfg, ours.world_size) if ours.ranks == ["auto"] else [int(r) for r in ours.ranks]
-    if len(ranks) > ours.max_ranks:
-        how = "--ranks auto picks" if ours.ranks == ["auto"] else "--ranks names"
+    auto = ours.ranks == ["auto"]
+    least = auto_ranks_at_least(cfg, ours.world_size) if auto else len(ours.ranks)  # O(1), before O(world) work
+    ranks: list[int] = []
+    if least <= ours.max_ranks:
+        ranks = auto_ranks(cfg, ours.world_size) if auto else [int(r) for r in ours.ranks]
+    if not ranks or len(ranks) > ours.max_ranks:
+        how = "--ranks auto picks" if auto else "--ranks names"
+        count = len(ranks) if ranks else f"at least {least}"
         print(
-            f"error: {how} {len(ranks)} ranks, more than --max-ranks {ours.max_ranks} "
+            f"error: {how} {count} ranks, more than --max-ranks {ours.max_ranks} "
             f"(about 2 s each on one core): raise --max-ranks or name fewer with --ranks",
             file=sys.stderr,
         )

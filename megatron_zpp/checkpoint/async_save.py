@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .files import save_failure
+
 
 def to_host(x, pin: bool):
     """A copy of `x` (nested dicts, lists, tuples of tensors and plain values) whose tensors live in
@@ -69,11 +71,7 @@ class SaveJob:
             try:
                 self.digest = write()
             except OSError as e:
-                where = f" ({e.filename})" if e.filename else ""
-                self.problem = (
-                    f"cannot save iteration {self.iteration} to {self.directory}: {e.strerror or e}{where}; "
-                    "free space or give another --save"
-                )
+                self.problem = save_failure(e, self.iteration, self.directory)
             except Exception as e:  # noqa: BLE001  (reported at the seal, on every rank)
                 self.problem = f"cannot save iteration {self.iteration} to {self.directory}: {type(e).__name__}: {e}"
 

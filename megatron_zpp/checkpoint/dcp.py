@@ -29,10 +29,11 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .files import DCP_FORMAT, CheckpointError, sha256_of
+from .files import DCP_FORMAT, CheckpointError, sha256_of, write_error
 from .layout import RankLayout, Slot
 
 __all__ = ["DCP_FORMAT", "DCP_FORMATS", "Pieces", "load", "save", "state_dict_of"]
@@ -180,8 +181,22 @@ def save(state: dict, tmp: str, group=None, alone: bool = False) -> None:
     `alone`: this process writes the whole state, whether or not a process group exists (a converter)."""
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     no_dist = alone or not torch.distributed.is_initialized()
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException: it would escape `except Exception`
+        raise _save_failure(e, tmp) from None
+
+
+def _save_failure(e: CheckpointException, tmp: str) -> Exception:
+    """What DCP's save failed of: the OSError of a failed write (a full disk: torch's zip writer says only
+    "unexpected pos"), else a CheckpointError naming the first rank's error."""
+    causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+    for cause in causes:
+        if isinstance(cause, BaseException) and (err := write_error(cause, tmp)) is not None:
+            return err
+    first = causes[0] if causes else e
+    return CheckpointError(f"DCP could not save {tmp}: {type(first).__name__}: {str(first).strip()[-200:]}")
 
 
 def writer_group(run):

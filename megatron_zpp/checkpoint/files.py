@@ -9,10 +9,12 @@ the dict's shape) as JSON in the header's "megatron_zpp" entry.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import resource
 import threading
 
 import torch
@@ -77,9 +79,56 @@ def new_file_mode() -> int:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    """safetensors' save_file, which creates its files 0600, then the usual mode (0644 under umask 022)."""
-    save_file(tensors, path, metadata=metadata)
+    """safetensors' save_file, which creates its files 0600, then the usual mode (0644 under umask 022).
+    A failed write (its Rust writer raises SafetensorError, no OSError) is the OSError it names."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except Exception as e:  # noqa: BLE001  (SafetensorError: its text names the OS error)
+        raise (write_error(e, path) or e) from None
     os.chmod(path, new_file_mode())
+
+
+def write_error(e: BaseException, path: str) -> OSError | None:
+    """The OSError behind a failed write to `path` (None when `e` is none): `e` itself; the `os error N`
+    safetensors' writer names; or a write torch's zip writer found short ("unexpected pos": the errno
+    is lost), taken as a full disk when the file system has no space left, else as the file-size limit
+    when one is set, else named as a short write."""
+    if isinstance(e, OSError):
+        return e
+    text = str(e)
+    if m := re.search(r"os error (\d+)", text):
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), path)
+    if "unexpected pos" not in text:
+        return None
+    try:
+        st = os.statvfs(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+        full = st.f_bavail * st.f_frsize < (1 << 20)
+    except OSError:
+        full = False
+    limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+    if full or limited:
+        code = errno.ENOSPC if full else errno.EFBIG
+        return OSError(code, os.strerror(code), path)
+    return OSError(errno.EIO, f"a write stopped short ({text.strip()[-40:]}: a quota, a network file system?)", path)
+
+
+def os_error_line(e: OSError, path: str) -> str:
+    """One line for an OSError met reading or writing `path` (e.filename where it names one)."""
+    where = e.filename or path
+    if e.errno == errno.ENOSPC:
+        return f"no space left on device writing {where}"
+    if e.errno == errno.EFBIG:
+        return f"file too large (the file-size limit, ulimit -f) writing {where}"
+    if e.errno == errno.EDQUOT:
+        return f"disk quota exceeded writing {where}"
+    return f"{e.strerror or e} ({where})"
+
+
+def save_failure(e: OSError, iteration: int, directory: str) -> str:
+    """The one line of a save an OSError stopped (a full disk, a read-only file system)."""
+    why = os_error_line(e, directory)
+    return f"cannot save iteration {iteration} to {directory}: {why}; free space or give another --save"
 
 
 def fsync_write(path: str, data: bytes) -> None:

@@ -64,6 +64,7 @@ from .files import (
     rank_file,
     read_latest,
     read_rank_file,
+    save_failure,
     train_state_of,
     write_meta,
     write_rank_file,
@@ -119,14 +120,12 @@ def _rank_state(run, host: bool) -> dict:
         "iteration": run.state.iteration,
         "consumed_samples": run.state.consumed_samples,
         "layout": layout_of(run.cfg),
-        "model": host_snapshot(state["model"], run.device) if host else _clone(state["model"]),
+        "model": host_snapshot(state["model"], run.device)
+        if host
+        else {k: t.detach().clone() for k, t in state["model"].items()},
         "optimizer": host_snapshot(optimizer, run.device) if host else optimizer,
         "rng": get_rng_state() if t.save_rng else {},
     }
-
-
-def _clone(tensors: dict) -> dict:
-    return {k: t.detach().clone() for k, t in tensors.items()}
 
 
 def _start(directory: str, iteration: int) -> tuple[str, str]:
@@ -207,9 +206,7 @@ def save_checkpoint(run, directory: str) -> str:
     if run.cfg.train.ckpt_format in DCP_FORMATS:
         _save_dcp(run, job, state)
         return final
-    if job.bad:  # such a file is not written, and no rank seals the save
-        pass
-    else:
+    if not job.bad:  # a file with a non-finite tensor is not written, and no rank seals the save
         written = []
         write = lambda: written.append(write_rank_file(tmp, run.rank, state))  # noqa: E731
         job.problem = _os_problem(write, job.iteration, directory)
@@ -293,7 +290,9 @@ def _save_dcp(run, job: SaveJob, state: dict) -> None:
     sd = _dcp_state(run, job, state)
     try:
         dcp.save(sd, job.tmp)
-    except Exception as e:  # noqa: BLE001  (DCP raises on every rank alike: a full disk, an unwritable dir)
+    except OSError as e:  # a full disk (dcp.save names DCP's failed write so)
+        problem = save_failure(e, job.iteration, job.directory)
+    except Exception as e:  # noqa: BLE001  (DCP raises on every rank alike)
         problem = f"cannot save iteration {job.iteration} to {job.directory}: {type(e).__name__}: {e}"
     _agree_saved(run, problem, job.directory, job.tmp)
     if run.rank == 0:
@@ -323,9 +322,7 @@ def _os_problem(action, iteration: int, directory: str) -> str | None:
     try:
         action()
     except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
-        why = f"{e.strerror or e}{where}; free space or give another --save"
-        return f"cannot save iteration {iteration} to {directory}: {why}"
+        return save_failure(e, iteration, directory)
     return None
 
 
@@ -366,19 +363,9 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
         raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
     final, tmp = _start(directory, 0)
     _fresh_dir(tmp)
-    digest = write_rank_file(
-        tmp,
-        0,
-        {
-            "rank": 0,
-            "iteration": 0,
-            "consumed_samples": 0,
-            "layout": layout_of(cfg),
-            "optimizer": {},
-            "rng": {},
-            "model": {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()},
-        },
-    )
+    model = {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}
+    state = {"rank": 0, "iteration": 0, "consumed_samples": 0, "layout": layout_of(cfg), "model": model}
+    digest = write_rank_file(tmp, 0, {**state, "optimizer": {}, "rng": {}})
     _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], {rank_file(0): digest})
     return final
 

@@ -4,7 +4,8 @@ Semantics follow Megatron: weights are normalized; each dataset of a blend is bu
 share of the requested samples plus 0.5%; sample t of the blend comes from the dataset whose
 count lags its weight the most (greedy largest deficit), so after any N samples each dataset's
 fraction is within 1/N of its weight. Without weights, one epoch of each dataset is blended in
-proportion to its samples (Megatron's rule); past one epoch, here, more epochs in that proportion.
+proportion to its samples (Megatron's rule, sample for sample); asked for more, megatron-core's blend
+falls short, and here that epoch's samples follow again, each further pass in its own order.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
         prefixes = [p.strip() for p in items[1::2]]
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+        if not math.isfinite(sum(weights)):
+            raise ValueError(
+                f"--data-path weights {weights}: their sum overflows to inf (the blend normalizes by it); "
+                "scale them down (only their ratios count)"
+            )
         if any(number(p) is not None for p in prefixes):
             raise ValueError(f"--data-path {data_path}: expected W1 PREFIX1 W2 PREFIX2 ..., found a number as a prefix")
         return prefixes, normalize(weights)
@@ -123,6 +129,7 @@ class BlendedDataset(torch.utils.data.Dataset):
             save_arrays(paths, arrays, self.description)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
+        self.repeated = ""  # how repeat_passes extended it, for the start-up line
 
     def __len__(self) -> int:
         return len(self.dataset_index)
@@ -157,7 +164,7 @@ def _blended_split(prefixes, weights, s, want, fractions, seq_length, seed, cach
     """Split `s` of a blend, as Megatron's BlendedMegatronDatasetBuilder: weighted, each dataset built
     with ceil(ceil(want x weight) x (1 + SURPLUS)) samples and the blend `sum(ceil(want x weight))`
     long; unweighted, one epoch of each, blended in proportion to their samples (where `want` asks for
-    more, Megatron's blend falls short; here the datasets go on to more epochs as a weighted blend's do)."""
+    more, Megatron's blend falls short; here that stream is followed by reshuffled passes of itself)."""
     raw = weights if weights is not None else [epoch_samples(p, s, fractions, seq_length) for p in prefixes]
     # A dataset with no documents in this split drops out and the others are renormalized.
     members = [(p, wi) for p, wi in zip(prefixes, raw) if wi > 0 and split_tokens(p, s, fractions) > 0]
@@ -166,8 +173,8 @@ def _blended_split(prefixes, weights, s, want, fractions, seq_length, seed, cach
     raw = [wi for _, wi in members]
     # Megatron normalizes a weighted blend's weights once more in BlendedDataset, not here.
     shares = raw if weights is not None and len(members) == len(prefixes) else normalize(raw)
-    if weights is None and 0 < want <= sum(raw):  # Megatron's one epoch of each
-        per, size = raw, want
+    if weights is None and want > 0:  # Megatron's one epoch of each
+        per, size = raw, min(want, sum(raw))
     else:
         used = [math.ceil(want * sh) for sh in shares]
         per = [math.ceil(n * (1 + SURPLUS)) for n in used]
@@ -180,7 +187,24 @@ def _blended_split(prefixes, weights, s, want, fractions, seq_length, seed, cach
     if size is None:
         size = max(0, int(min((len(d) - 1) / sh for d, sh in zip(datasets, shares))))
     blend_weights = raw if weights is None else shares  # Megatron's BlendedDataset gets the sizes themselves
-    return BlendedDataset(datasets, blend_weights, size, SPLITS[s], cache_dir, build)
+    blend = BlendedDataset(datasets, blend_weights, size, SPLITS[s], cache_dir, build)
+    if weights is None and want > size:
+        repeat_passes(blend, want, seed)
+    return blend
+
+
+def repeat_passes(blend: BlendedDataset, want: int, seed: int) -> None:
+    """An unweighted blend asked for more than its one epoch of each dataset (megatron-core's builder
+    stops there): `blend`'s samples drawn again, each pass after the first in its own order (a permutation
+    seeded by `seed` and the pass), until it holds `want`; the first pass stays megatron-core's stream."""
+    n = len(blend)
+    order = [np.arange(n)]
+    for k in range(1, -(-want // n)):
+        order.append(np.random.RandomState((seed + k) % 2**32).permutation(n))
+    pick = np.concatenate(order)[:want]
+    blend.dataset_index = blend.dataset_index[pick]
+    blend.dataset_sample_index = blend.dataset_sample_index[pick]
+    blend.repeated = f" ({want / n:.3g} passes of megatron-core's {n:,}-sample blend, reshuffled after the first)"
 
 
 def build_split_datasets(prefixes, weights, fractions, seq_length, seed, num_samples, cache_dir, build, mmap_bin=True):

@@ -77,5 +77,8 @@ def describe_splits(datasets, split: str, seq_length: int) -> list[str]:
             continue
         members = zip(ds.weights, ds.datasets) if isinstance(ds, BlendedDataset) else [(None, ds)]
         sources = " + ".join(d.summary() if w is None else f"{w:.4g} x {d.summary()}" for w, d in members)
-        lines.append(f"data {name}: {len(ds):,} samples of {seq_length}+1 tokens from {sources}; --split {split}")
+        again = getattr(ds, "repeated", "")  # an unweighted blend past one epoch of it
+        lines.append(
+            f"data {name}: {len(ds):,} samples{again} of {seq_length}+1 tokens from {sources}; --split {split}"
+        )
     return lines

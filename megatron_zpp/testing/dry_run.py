@@ -110,9 +110,14 @@ def auto_ranks(cfg: Config, world_size: int) -> list[int]:
         for d in picks["dp"]
         for p in picks["pp"]
     }
-    for kind in ("tp", "cp", "dp", "pp"):
-        ranks.update(topo.groups([kind])[0])
+    for kind in ("tp", "cp", "dp", "pp"):  # rank 0's group: the others' coordinates 0 (O(group), not O(world))
+        ranks.update(topo.rank_of(**{kind: i}) for i in range(s[kind]))
     return sorted(ranks)
+
+
+def auto_ranks_at_least(cfg: Config, world_size: int) -> int:
+    """A lower bound of len(auto_ranks(...)) in O(1): it holds a whole group of each kind."""
+    return max(topology_from_config(cfg, world_size).sizes.values())
 
 
 @contextlib.contextmanager

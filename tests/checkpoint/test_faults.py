@@ -13,6 +13,9 @@ resuming from what it left gives what an uninterrupted run gives.
   after that step with a checkpoint of it, and resuming gives the uninterrupted run's losses.
 * hung peer: a rank that stays alive but stops taking part makes the other fail after
   --distributed-timeout-minutes (gloo's own message quotes the wait) with a line saying so.
+* full disk during a synchronous save (both formats): ENOSPC as safetensors and DCP's zip writer report
+  it, and the real writers under RLIMIT_FSIZE in a process of their own: one line naming the cause and
+  the file, the failed save's .tmp removed, the previous checkpoint and `latest` as they were.
 """
 
 import contextlib
@@ -32,7 +35,7 @@ import torch
 import pretrain_gpt
 from megatron_zpp import training
 from megatron_zpp.arguments import parse_args
-from megatron_zpp.checkpoint import files, sharded
+from megatron_zpp.checkpoint import files, guard, sharded
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed
@@ -411,3 +414,108 @@ def test_kill_during_async_write_keeps_previous_checkpoint(tmp_path):
     for start, resumed, plain in run_distributed(_resume_and_plain, 2, argv, ckpt, timeout=NO_HANG_S):
         assert start == (2, 2 * 4)
         assert resumed == plain[2:]
+
+
+# ---- a full disk during a synchronous save ------------------------------------------------
+DISK = (
+    "--mock-data --device cpu --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128 "
+    "--num-layers 2 --global-batch-size 2 --micro-batch-size 1 --save-interval 1 --peak-tflops 1 --eval-iters 0"
+).split()
+FORMATS = {"zpp": [], "torch_dist": ["--ckpt-format", "torch_dist"]}
+
+
+def _pretrain(argv) -> int:
+    try:
+        return pretrain_gpt.main(argv) or 0
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory):
+    """{format: root holding iteration 1 and `latest`} and a snapshot of those files (which every test
+    here checks are left as they were)."""
+    base = tmp_path_factory.mktemp("disk")
+    roots = {f: str(base / f) for f in FORMATS}
+    for f, flags in FORMATS.items():
+        assert _pretrain(DISK + flags + ["--train-iters", "1", "--save", roots[f]]) == 0
+    return roots, {f: _files_of(r) for f, r in roots.items()}
+
+
+def _files_of(root) -> dict[str, bytes]:
+    out = {}
+    for d, _, names in os.walk(root):
+        out.update({os.path.join(d, n): open(os.path.join(d, n), "rb").read() for n in names if n != ".lock"})
+    return out
+
+
+def _one_line_and_kept(err: str, root: str, before: dict, cause: str) -> None:
+    """One error line naming the cause and the file, the failed save's .tmp gone, iteration 1 and `latest` intact."""
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert re.fullmatch(
+        rf"error: rank 0: cannot save iteration 2 to {re.escape(root)}: {cause} writing {re.escape(root)}/iter_0000002"
+        rf"\.tmp\S*; free space or give another --save; {re.escape(root)}/latest still names iter_0000001",
+        lines[0],
+    ), lines[0]
+    assert _files_of(root) == before and not [n for n in os.listdir(root) if n.endswith(".tmp")]
+
+
+def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous(saved_once, monkeypatch, capfd):
+    """ENOSPC as each writer reports it: safetensors' SafetensorError ("os error 28"), and torch's zip writer
+    inside DCP ("unexpected pos", the errno lost; a CheckpointException, a BaseException) on a full file system."""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint import filesystem
+
+    roots, before = saved_once
+    capfd.readouterr()
+
+    def no_space(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def short_write(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    full = os.statvfs_result((4096, 4096, 100, 0, 0, 100, 0, 0, 0, 255))
+    monkeypatch.setattr(files, "save_file", no_space)
+    monkeypatch.setattr(filesystem, "_write_item", short_write)
+    monkeypatch.setattr(files.os, "statvfs", lambda path: full)
+    for f, flags in FORMATS.items():
+        try:
+            assert _pretrain(DISK + flags + ["--train-iters", "2", "--load", roots[f], "--save", roots[f]]) == 1
+        finally:
+            guard.release_save_dirs()  # the failed run's --save lock, which only a process's end drops
+        _one_line_and_kept(capfd.readouterr().err, roots[f], before[f], "no space left on device")
+
+
+def test_file_size_limit_during_a_save_in_a_real_process(saved_once):
+    """The real writers under RLIMIT_FSIZE (SIGXFSZ ignored, so a write past it fails with EFBIG): the
+    same one line (naming the limit), nothing written kept, the previous checkpoint intact."""
+    roots, before = saved_once
+    limit = 64 << 10  # below a rank file of this model with its AdamW state
+
+    def limited():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    runs = [
+        DISK + flags + ["--train-iters", "2", "--load", roots[f], "--save", roots[f]] for f, flags in FORMATS.items()
+    ]
+    both = (  # one process, one import of torch: a run per format, each ending in SystemExit
+        "import json, sys, pretrain_gpt\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    try:\n        pretrain_gpt.main(argv)\n"
+        "    except SystemExit as e:\n        print(f'exit {e.code}', file=sys.stderr, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", both, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300, preexec_fn=limited,
+    )  # fmt: skip
+    parts = out.stderr.split("exit ")
+    assert out.returncode == 0 and len(parts) == 3 and all(p.startswith("1\n") for p in parts[1:]), out.stderr[-3000:]
+    for f, err in zip(FORMATS, parts[:2]):
+        _one_line_and_kept(err, roots[f], before[f], r"file too large \(the file-size limit, ulimit -f\)")

@@ -102,7 +102,7 @@ def test_full_disk_during_a_save_fails_every_rank_and_keeps_latest(tmp_path):
     errors = run_distributed(_disk_full_on_last_rank, 2, ["--save", ck, "--train-iters", "4"])
     kept = f"{ck}/latest still names iter_0000002"
     assert errors[1].startswith(
-        f"error: cannot save iteration 4 to {ck}: No space left on device ({ck}/iter_0000004.tmp"
+        f"error: cannot save iteration 4 to {ck}: no space left on device writing {ck}/iter_0000004.tmp"
     )
     assert errors[1].endswith(f"free space or give another --save; {kept}"), errors[1]
     assert errors[0] == f"error: rank(s) [1] could not write their files; {kept}"

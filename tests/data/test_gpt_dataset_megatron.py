@@ -2,7 +2,8 @@
 `megatron`, installed by tools/setup_env.sh), sample for sample, on .bin/.idx files our writer makes:
 a corpus read for several epochs with its last epoch mostly used (shuffled with the others) and
 barely used (shuffled apart), a weighted three-corpus blend split three ways, and an unweighted
-blend within one epoch of each (past it Megatron's blend falls short of the samples asked)."""
+blend within one epoch of each and past it (there megatron-core's blend falls short of the samples asked;
+ours is its stream, then reshuffled passes of it)."""
 
 import types
 import warnings
@@ -10,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from megatron_zpp.data.builder import build_gpt_datasets
+from megatron_zpp.data.builder import build_gpt_datasets, describe_splits
 from megatron_zpp.data.gpt_dataset import separate_final_epoch
 from tests.data.test_gpt_dataset import make_corpus
 
@@ -100,3 +101,29 @@ def test_unweighted_blend_as_megatron_within_one_epoch(tmp_path):
         assert [len(d.document_index) for d in a.datasets] == [len(d.indices) for d in b.datasets]  # 1 epoch
         np.testing.assert_array_equal(a.dataset_index, b.dataset_index)
     assert_same_samples(ours, theirs)
+
+
+def test_unweighted_blend_past_one_epoch_starts_as_megatron(tmp_path):
+    """Asked for 2.5 epochs of the blend: megatron-core's builder gives one (the sum of the datasets'
+    epochs); ours is that stream sample for sample, then passes over the same samples, each reshuffled."""
+    prefixes = [make_corpus(str(tmp_path / f"d{i}"), num_docs=n, seed=i, tag=i + 1) for i, n in enumerate((50, 30))]
+    theirs = megatron_splits(prefixes, None, "80,10,10", (10**6, 4, 3), str(tmp_path / "megatron"))
+    epoch = len(theirs[0])
+    want = epoch * 5 // 2
+    ours = build_gpt_datasets(prefixes, "80,10,10", SEQ, SEED, (want, 4, 3), str(tmp_path / "ours"), True, lambda: None)
+    train = ours[0]
+    assert len(train) == want and epoch == sum(len(d) for d in theirs[0].datasets)  # megatron-core: one epoch
+    pairs = np.stack([train.dataset_index, train.dataset_sample_index], axis=1)
+    np.testing.assert_array_equal(pairs[:epoch, 0], theirs[0].dataset_index)
+    np.testing.assert_array_equal(pairs[:epoch, 1], theirs[0].dataset_sample_index)
+    for i in range(epoch):
+        np.testing.assert_array_equal(train[i], megatron_tokens(theirs[0], i), err_msg=f"sample {i}")
+    first = sorted(map(tuple, pairs[:epoch]))
+    for k in (1, 2):  # the next pass whole, the last half-pass: the first pass's samples, in another order
+        part = pairs[k * epoch : (k + 1) * epoch]
+        assert sorted(map(tuple, part)) == first if k == 1 else set(map(tuple, part)) <= set(first)
+        assert not np.array_equal(part, pairs[: len(part)])
+    line = describe_splits(ours, "80,10,10", SEQ)[0]
+    assert line.startswith(f"data train: {want:,} samples (2.5 passes of megatron-core's {epoch:,}-sample blend, "), (
+        line
+    )

@@ -235,3 +235,27 @@ def test_bad_tool_arguments_are_one_line_before_any_work(argv, line, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
     assert captured.err.startswith(line), captured.err
+
+
+def test_max_ranks_is_checked_before_the_ranks_are_picked(monkeypatch, capsys):
+    """A million ranks under --ranks auto: refused from the group sizes alone (O(1)), before auto_ranks
+    or any walk over the world's groups runs; rank 0's groups are picked without walking the world."""
+    from megatron_zpp.topology import Topology
+
+    def never(*a, **k):
+        raise AssertionError("O(world) work before the --max-ranks check")
+
+    monkeypatch.setattr(tool, "auto_ranks", never)
+    monkeypatch.setattr(Topology, "groups", never)
+    million = [*WIDE, "--global-batch-size", "15625"]  # TP8 x PP8 x DP15625
+    assert tool.main(["--world-size", str(10**6), "--ranks", "auto", *million]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --ranks auto picks at least 15625 ranks, more than --max-ranks 512 (about 2 s each on one "
+                   "core): raise --max-ranks or name fewer with --ranks"], err  # fmt: skip
+    monkeypatch.undo()
+    cfg = parse_config(WIDE, 512, run=False)
+    monkeypatch.setattr(Topology, "groups", never)  # auto_ranks takes rank 0's groups by their coordinates
+    picked = auto_ranks(cfg, 512)
+    monkeypatch.undo()
+    topo = topology_from_config(cfg, 512)
+    assert all(set(topo.groups([k])[0]) <= set(picked) for k in ("tp", "cp", "dp", "pp"))
