@@ -16,8 +16,8 @@ import re
 import sys
 import traceback
 
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_config
 from megatron_zpp.data.inputs import check_inputs
 from megatron_zpp.logging_utils import fail, log
 from megatron_zpp.validation import launch_env

@@ -231,8 +231,8 @@ def bench_layout(rank: int, world: int, a: dict, name: str, reshard_src: str | N
     import torch.distributed.checkpoint as dcp
 
     from megatron_zpp import training
-    from megatron_zpp.arguments import parse_args
     from megatron_zpp.checkpoint import LoadTarget, load_checkpoint, save_checkpoint
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.validation import validate
     from megatron_zpp.zero import DDPEngine
 

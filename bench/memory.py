@@ -1,8 +1,8 @@
-"""The memory estimator (megatron_zpp/memory.py) against measured peaks, per layout and recompute mode.
+"""The memory estimator (megatron_zpp/planning/memory.py) against measured peaks, per layout and recompute mode.
 
 Each run trains 2 steps under LiveBytes (live tensor storage bytes, entered before the model is
 built, so parameters, optimizer states and every buffer count); the measured peak is that of the
-second step, per rank. The estimate is megatron_zpp.memory.estimate_rank for the same rank's
+second step, per rank. The estimate is megatron_zpp.planning.memory.estimate_rank for the same rank's
 pipeline stage and CP slice. Printed per layout: the rank with the largest measured peak, its
 estimate and the ratio, and the worst ratio over all ranks.
 
@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from megatron_zpp import live_bytes, memory, training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp import training
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.planning import live_bytes, memory
 from megatron_zpp.training.step import train_step
 from megatron_zpp.validation import validate
 

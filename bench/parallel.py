@@ -61,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def our_config(a: dict, world: int, extra: list[str]):
-    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.validation import validate
 
     argv = (

@@ -106,7 +106,7 @@ def worker(argv: list[str], modes: list[str], out: str) -> None:
     import torch
 
     from megatron_zpp import training
-    from megatron_zpp.arguments import parse_config
+    from megatron_zpp.config.arguments import parse_config
     from megatron_zpp.context_parallel.slices import sequence_slice
 
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -23,9 +23,9 @@ import os
 import sys
 import time
 
-from megatron_zpp.arguments import parse_args
-from megatron_zpp.simulator import preset, simulate
-from megatron_zpp.simulator.hardware import EMULATED_JSON
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.planning.simulator import preset, simulate
+from megatron_zpp.planning.simulator.hardware import EMULATED_JSON
 from megatron_zpp.testing.calibration import calibrate, measure_runs, wait_for_cluster
 from megatron_zpp.testing.cluster import parse_rate
 from megatron_zpp.validation import validate

@@ -107,7 +107,7 @@ LEDGER = CommLedger()
 
 class CollectiveOrder:
     """--check-collective-order: each group's sequence of collectives (op, phase, elements,
-    dtype) since the last check, on this rank. `keep` (a dry run, megatron_zpp/testing/dry_run.py):
+    dtype) since the last check, on this rank. `keep` (a dry run, megatron_zpp/planning/dry_run.py):
     record whatever the flag says, collectives in `seq` and point-to-point messages in `p2p`
     ("send"/"recv", group peer, elements, dtype, tag), for the dry run to compare across ranks."""
 

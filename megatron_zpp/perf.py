@@ -6,7 +6,7 @@ weight (output layer included, embedding lookup excluded) costs 2 FLOPs per toke
 forward; causal softmax attention 2*T*width per token (QK^T and AV, half of the full
 square); GLA in the chunked form ~2*width*(C + 2*head_dim) per token (C = chunk); Gated DeltaNet's
 WY form ~2*width*(2C + 3*head_dim). Each mixer's and FFN's terms are their shapes'
-(config_shapes.py: `forward_flops_per_token`)."""
+(config/shapes.py: `forward_flops_per_token`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import shlex
 
 import numpy as np
 
-from megatron_zpp.arguments import build_parser
+from megatron_zpp.config.arguments import build_parser
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +30,7 @@ def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
         return "ok", ""
     kind, why, group = parser.megatron[action.dest]
     if kind == "valued":
-        from megatron_zpp.megatron_flags import valued_outcome
+        from megatron_zpp.config.megatron_flags import valued_outcome
 
         is_noop, why = valued_outcome(why, value[0], group)
         return ("noop" if is_noop else "refused"), why

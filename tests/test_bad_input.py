@@ -510,7 +510,7 @@ def test_bad_launch_environment_and_refusals_on_every_rank(monkeypatch):
 
 def test_good_inputs_pass_the_checks(files):
     """The checks refuse only bad input: the good pair with NullTokenizer, int32 ids with the sentencepiece model."""
-    from megatron_zpp.arguments import parse_config
+    from megatron_zpp.config.arguments import parse_config
     from megatron_zpp.data.inputs import check_inputs
 
     check_inputs(parse_config(pretrain("--data-path", files["good"]), 1))
@@ -559,7 +559,7 @@ def test_compressed_corpora_read_like_plain(files, tmp_path):
 
 def test_failure_hint_names_a_checkpoint_only_when_one_exists(tmp_path):
     """A lost peer or a timeout says where to resume: the last checkpoint, or that none was saved."""
-    from megatron_zpp.arguments import parse_config
+    from megatron_zpp.config.arguments import parse_config
 
     ck = str(tmp_path / "ck")
     hint = lambda *a: pretrain_gpt._resume_hint(parse_config(pretrain("--mock-data", *a), 1))  # noqa: E731

@@ -6,7 +6,7 @@ import glob
 import os
 import re
 
-from megatron_zpp.arguments import build_parser
+from megatron_zpp.config.arguments import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]

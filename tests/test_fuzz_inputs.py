@@ -24,10 +24,9 @@ import pytest
 import torch
 import yaml
 
-from megatron_zpp import arguments
-from megatron_zpp.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.checkpoint.files import CheckpointError, read_meta
-from megatron_zpp.config import SECTIONS, ConfigError
+from megatron_zpp.config import SECTIONS, ConfigError, arguments
+from megatron_zpp.config.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from megatron_zpp.data.inputs import check_data_path
 from megatron_zpp.model import GPT

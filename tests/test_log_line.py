@@ -15,8 +15,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, TrainConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.perf import peak_tflops
 from megatron_zpp.training.determinism import apply_deterministic_mode
 from megatron_zpp.training.evaluation import evaluations_done, valid_samples_needed

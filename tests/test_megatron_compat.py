@@ -11,17 +11,10 @@ import numpy as np
 import pytest
 
 from megatron_zpp import training
-from megatron_zpp.arguments import build_parser, parse_args, parse_config
 from megatron_zpp.config import ConfigError, ModelConfig
+from megatron_zpp.config.arguments import build_parser, parse_args, parse_config
+from megatron_zpp.config.megatron_flags import MEGATRON_ARGUMENTS, MEGATRON_COMMIT, NOOPS, REFUSED, VALUED, classify
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
-from megatron_zpp.megatron_flags import (
-    MEGATRON_ARGUMENTS,
-    MEGATRON_COMMIT,
-    NOOPS,
-    REFUSED,
-    VALUED,
-    classify,
-)
 from megatron_zpp.validation import validate
 from tests.megatron_fixtures import fates, fixture_lines, tiny_gpt2_files
 from tests.old_defaults import OLD_DEFAULTS

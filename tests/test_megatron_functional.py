@@ -12,8 +12,8 @@ import math
 import pytest
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_config
 from tests.dist import run_distributed
 from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files, tiny_sentencepiece_model
 

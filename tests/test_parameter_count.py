@@ -5,10 +5,10 @@ parameters for these flags, where RoPE without biases has 428,160."""
 
 import pytest
 
-from megatron_zpp import memory
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
-from megatron_zpp.simulator.collectives import rank_step
+from megatron_zpp.planning import memory
+from megatron_zpp.planning.simulator.collectives import rank_step
 from megatron_zpp.validation import validate
 
 ISSUE = "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64"

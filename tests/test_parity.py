@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_zpp import comm, training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.tensor_parallel import unshard
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed

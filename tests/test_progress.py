@@ -7,7 +7,7 @@ import os
 import numpy as np
 import torch
 
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.data import preprocess as preprocess_data
 from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.blended import build_blending_indices

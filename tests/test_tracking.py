@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.training import profiling
 from megatron_zpp.validation import validate
 from tests.test_training import TINY, run_training

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.training.loop import format_eta
 from megatron_zpp.validation import validate
 from tests.old_defaults import OLD_DEFAULTS

@@ -2,7 +2,7 @@
 (megatron_zpp/testing/cluster.py: two network namespaces joined by a tc-shaped veth; root needed).
 
     python tools/calibrate_cluster.py [--rate 1gbit] [--ranks 4] [--out PRESET.json]
-                                          (default: megatron_zpp/simulator/presets/emulated_cluster.json)
+                                          (default: megatron_zpp/planning/simulator/presets/emulated_cluster.json)
     python tools/calibrate_cluster.py --refit PRESET.json --out PRESET.json   # terms only, no cluster
 
 Measures, with 4 gloo ranks (2 per namespace) running at once as in training:
@@ -31,7 +31,7 @@ import json
 import os
 import sys
 
-from megatron_zpp.simulator.hardware import EMULATED_JSON
+from megatron_zpp.planning.simulator.hardware import EMULATED_JSON
 from megatron_zpp.testing.calibration import calibrate, refit, wait_for_cluster
 
 

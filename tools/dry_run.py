@@ -1,6 +1,6 @@
 """Dry-run a layout before launching it: the real set-up and training step(s) of chosen ranks of an
 N-rank job, one after another in this process (or in --jobs worker processes), on torch's fake
-process group and fake tensors (megatron_zpp/testing/dry_run.py). The same flags as
+process group and fake tensors (megatron_zpp/planning/dry_run.py). The same flags as
 pretrain_gpt.py (with --mock-data), plus
 
     --world-size N       ranks of the launch (default: $WORLD_SIZE or 1)
@@ -38,10 +38,10 @@ import os
 import sys
 import time
 
-from megatron_zpp import memory
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
-from megatron_zpp.testing.dry_run import CODE_PATHS, auto_ranks, auto_ranks_at_least, dry_run
+from megatron_zpp.config.arguments import parse_config
+from megatron_zpp.planning import memory
+from megatron_zpp.planning.dry_run import CODE_PATHS, auto_ranks, auto_ranks_at_least, dry_run
 
 
 def _usable_cpus() -> int:

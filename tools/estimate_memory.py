@@ -7,7 +7,7 @@
         --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 \\
         --global-batch-size 256 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --bf16
 
-Prints, for the worst pipeline stage (named), the bytes of each term (megatron_zpp/memory.py
+Prints, for the worst pipeline stage (named), the bytes of each term (megatron_zpp/planning/memory.py
 says how each is counted), the peak, and the other stages' peaks; then the start-up peak (what
 the rank holds when set-up ends, plus the one full parameter the init draws at a time). Nothing is allocated: the
 model is built on the meta device.
@@ -22,9 +22,9 @@ import argparse
 import os
 import sys
 
-from megatron_zpp import memory
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_config
+from megatron_zpp.planning import memory
 
 ASSUMPTIONS = (
     "assumptions: live tensor bytes only (what the CPU validation measures, bench/memory.py). Not modelled on GPU: "

@@ -3,7 +3,7 @@ pretrain_gpt.py, plus
 
     --world-size N          ranks (default: $WORLD_SIZE or 1)
     --system NAME           cluster preset: v100-ib100, v100-ib400, v100-ib800, frontier, a100,
-                            h100, h200, emulated (megatron_zpp/simulator/presets/emulated_cluster.json, written
+                            h100, h200, emulated (megatron_zpp/planning/simulator/presets/emulated_cluster.json, written
                             by tools/calibrate_cluster.py)    [default: h100]
     --system-file PATH      the JSON of an emulated preset other than the checked-in one
     --link-gbps G           override the inter-node bandwidth per node (Gbit/s)
@@ -19,7 +19,7 @@ Prints the step time and its parts (compute, exposed communication by kind, pipe
 bubble, step-end work), tokens/s, model TFLOP/s per GPU and MFU (against --peak-tflops when
 given, else the preset's dense bf16/fp16 data-sheet peak; --peak-tflops changes only MFU's
 denominator, not the preset's compute rate), and the bytes per rank per link
-class (the ledger's byte model: what --comm-report would record). megatron_zpp/simulator/
+class (the ledger's byte model: what --comm-report would record). megatron_zpp/planning/simulator/
 model.py states the overlap model. --ranks-per-node defaults to the preset's node size.
 The flags are checked as pretrain_gpt.py checks them, less what only a run reads or writes (the
 data, the tokenizer's files, the checkpoint directories): every examples/configs/*.yaml is accepted
@@ -33,9 +33,9 @@ import json
 import os
 import sys
 
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
-from megatron_zpp.simulator import preset, simulate, throughput
+from megatron_zpp.config.arguments import parse_config
+from megatron_zpp.planning.simulator import preset, simulate, throughput
 
 
 def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

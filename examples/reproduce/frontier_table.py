@@ -3,7 +3,7 @@ Frontier with Low-Bandwidth Partitioning", arXiv 2501.04266) beside our simulato
 
     python examples/reproduce/frontier_table.py
 
-Frontier nodes (preset "frontier", megatron_zpp/simulator/hardware.py): 8 MI250X GCDs, the two
+Frontier nodes (preset "frontier", megatron_zpp/planning/simulator/hardware.py): 8 MI250X GCDs, the two
 GCDs of a package joined by 200 GB/s Infinity Fabric (tier0), GCDs across packages by 50 GB/s,
 4 x 25 GB/s Slingshot NICs per node. Our mapping of the three partitioning schemes:
 

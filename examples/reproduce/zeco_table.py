@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import sys
 
-from megatron_zpp.simulator import preset
-from megatron_zpp.simulator.collectives import rank_groups
-from megatron_zpp.simulator.model import scan_time
+from megatron_zpp.planning.simulator import preset
+from megatron_zpp.planning.simulator.collectives import rank_groups
+from megatron_zpp.planning.simulator.model import scan_time
 from megatron_zpp.testing.paper_tables import config, run, table
 
 MODEL = (

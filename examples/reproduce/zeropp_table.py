@@ -4,7 +4,7 @@
 
 The paper's cluster: 24 DGX-2 nodes of 16 V100 SXM3 32 GB (384 GPUs), NVSwitch inside a
 node, 1/4/8 InfiniBand links of 100 Gbit/s per node (presets v100-ib100/400/800,
-megatron_zpp/simulator/hardware.py); an 18B GPT-2 (DeepSpeed's ZeRO++ tutorial, deepspeed.ai/
+megatron_zpp/planning/simulator/hardware.py); an 18B GPT-2 (DeepSpeed's ZeRO++ tutorial, deepspeed.ai/
 tutorials/zeropp: 40 layers, hidden 6144) at 1K tokens per GPU (micro-batch 2 x 512).
 ZeRO++ = qwZ (int8 weights, block 2048 here) + hpZ over the node (16) + qgZ (int4 gradients,
 2 levels). The paper's numbers used (and where they come from):

@@ -344,7 +344,7 @@ def _field_problem(name: str, value, tp) -> str | None:
 def _config_problem(config: dict) -> str | None:
     """The first setting of meta["config"] whose type is not its field's (settings whose default is
     None may hold any JSON value); unknown sections and settings are config_from_dict's to name."""
-    from ..config import Config  # config.py imports nothing of ours
+    from ..config import Config  # the config package imports nothing of ours
 
     defaults = Config().to_dict()
     for section, values in config.items():

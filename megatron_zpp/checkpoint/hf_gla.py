@@ -23,7 +23,7 @@ import shutil
 import torch
 
 from .. import hf_remote
-from ..config_shapes import GDN_CONV_KERNEL
+from ..config.shapes import GDN_CONV_KERNEL
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

@@ -169,9 +169,9 @@ def measure_runs(cluster: Cluster, runs: dict, world: int, rounds: int = 3, log=
 
 
 def _sim(preset: dict, argv: list[str], rate: str, world: int, **terms) -> float:
-    from megatron_zpp.arguments import parse_args
-    from megatron_zpp.simulator import simulate
-    from megatron_zpp.simulator.hardware import Cluster as SimCluster
+    from megatron_zpp.config.arguments import parse_args
+    from megatron_zpp.planning.simulator import simulate
+    from megatron_zpp.planning.simulator.hardware import Cluster as SimCluster
     from megatron_zpp.validation import validate
 
     cl = SimCluster.from_json({**preset, **terms})

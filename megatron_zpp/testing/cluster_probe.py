@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
 from megatron_zpp.ops.quantize import dequantize_sum_wire, dequantize_wire, quantize_wire
 from megatron_zpp.perf import flops_per_token

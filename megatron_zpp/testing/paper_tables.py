@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from megatron_zpp.arguments import parse_args
-from megatron_zpp.simulator import preset, simulate, throughput
-from megatron_zpp.simulator.collectives import rank_step
-from megatron_zpp.simulator.model import node_egress
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.planning.simulator import preset, simulate, throughput
+from megatron_zpp.planning.simulator.collectives import rank_step
+from megatron_zpp.planning.simulator.model import node_egress
 from megatron_zpp.topology import topology_from_config
 from megatron_zpp.validation import validate
 

@@ -367,8 +367,8 @@ def open_gates(dirs: list[str], k: int, procs: list, deadline: float) -> str | N
 
 def refusal(args: list[str], world: int) -> str | None:
     """pretrain_gpt.py's own configuration check, before any process starts: its message if it refuses."""
-    from megatron_zpp.arguments import parse_args
     from megatron_zpp.config import ConfigError
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.validation import validate
 
     try:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..batch_schedule import parse_step_schedule
 from ..config import SECTIONS, Config, ConfigError, default_gla_chunk_size
+from ..config.batch_schedule import parse_step_schedule
 from ..data.tokenizer import infer_tokenizer_type
 from .checkpoint import check_checkpointing
 from .common import failed, launch_device_type

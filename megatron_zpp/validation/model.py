@@ -4,7 +4,7 @@ are not built here."""
 from __future__ import annotations
 
 from ..config import Config, ModelConfig
-from ..config_shapes import GDN_CONV_KERNEL as CONV_KERNEL
+from ..config.shapes import GDN_CONV_KERNEL as CONV_KERNEL
 from .common import derived, failed
 from .parallel import chunk_layer_counts
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..batch_schedule import parse_step_schedule
 from ..config import Config, TrainConfig
+from ..config.batch_schedule import parse_step_schedule
 from ..optim.schedules import schedule_errors
 from .common import derived, failed
 

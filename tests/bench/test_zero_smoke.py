@@ -67,7 +67,7 @@ def test_peer_model_is_ours_and_refuses_megatron_defaults():
     import pytest
     import torch
 
-    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.data.tokenizer import pad_vocab_size
     from megatron_zpp.model import GPT, count_parameters, init_weights
     from megatron_zpp.testing.peers.model import LLAMA_FLAGS, build_peer_model, peer_shape_mismatch

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.config import Config
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed

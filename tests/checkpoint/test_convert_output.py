@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model.gpt import GPT
 from megatron_zpp.validation import validate
 from tools import convert_checkpoint as tool

@@ -16,11 +16,11 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, files
 from megatron_zpp.checkpoint.consolidate import consolidate
 from megatron_zpp.checkpoint.dcp import flat_boxes, slot_boxes
 from megatron_zpp.checkpoint.layout import Slot
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.tensor_parallel.layers import shard
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed

@@ -34,8 +34,8 @@ import torch
 
 import pretrain_gpt
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import files, guard, sharded
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
 from tests.dist import RankFailure, run_distributed

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint.consolidate import consolidate
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.validation import validate
 

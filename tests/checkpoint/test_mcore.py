@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.consolidate import consolidate
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.data.mock import MockGPTDataset
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.validation import validate

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import files
 from megatron_zpp.checkpoint.consolidate import consolidate
 from megatron_zpp.config import ModelConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
 from megatron_zpp.validation import validate
 

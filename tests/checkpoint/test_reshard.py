@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, save_checkpoint
 from megatron_zpp.checkpoint.consolidate import consolidate
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.old_defaults import OLD_DEFAULTS

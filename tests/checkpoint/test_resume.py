@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import CheckpointError, files
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.old_defaults import OLD_DEFAULTS_WITH_DROPOUT

@@ -196,7 +196,7 @@ def test_no_mmap_bin_files_reads_the_file(tmp_path):
 
 
 def test_no_mmap_bin_files_flag_reaches_the_datasets(tmp_path):
-    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.data.builder import build_gpt_datasets
 
     assert parse_args(["--no-mmap-bin-files"]).data.mmap_bin_files is False

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.data import preprocess as preprocess_data
 from megatron_zpp.data import tokenizer_training as train_tokenizer
 from megatron_zpp.data.inputs import check_inputs

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.kernels import cross_entropy, gla, norm, quantize, rope, swiglu
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.ops import dispatch

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.training.builders import compile_model
 from megatron_zpp.validation import validate

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import ParallelContext, init_weights
 from megatron_zpp.model.documents import Documents
 from megatron_zpp.model.gated_deltanet import GatedDeltaNet

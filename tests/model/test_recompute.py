@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_zpp import recompute
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, ModelConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.tensor_parallel import random as tp_random
 from megatron_zpp.validation import validate

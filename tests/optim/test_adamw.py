@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import OptimConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.optim import optimizer as adamw
 from megatron_zpp.optim.optimizer import MixedPrecisionAdamW, adamw_kind, build_adamw
 from megatron_zpp.validation import validate

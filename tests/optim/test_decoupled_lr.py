@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 

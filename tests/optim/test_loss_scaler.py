@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.checkpoint import save_checkpoint
 from megatron_zpp.config import TrainConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.optim.loss_scaler import LossScaler
 from megatron_zpp.training import builders
 from megatron_zpp.validation import validate

@@ -7,7 +7,7 @@ line naming what differs and whose win; and a checkpoint saved without --decoupl
 import pytest
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 from tests.optim.test_decoupled_lr import DLR, LR, TINY
 from tests.optim.test_schedules import megatron_lr

@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError, OptimConfig, TrainConfig
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.optim import learning_rate, learning_rate_at_samples, rates_at
 from megatron_zpp.optim.schedules import (
     lr_at,

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from megatron_zpp.arguments import parse_config
-from megatron_zpp.testing.dry_run import auto_ranks, check, dry_run, fused_attention, run_rank
+from megatron_zpp.config.arguments import parse_config
+from megatron_zpp.planning.dry_run import auto_ranks, check, dry_run, fused_attention, run_rank
 from megatron_zpp.topology import topology_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,8 +80,9 @@ def test_fake_peaks_are_the_real_runs_live_bytes():
     not the model's) and on its second (cache hits)."""
     import dataclasses as dc
 
-    from megatron_zpp import live_bytes, training
-    from megatron_zpp.testing.dry_run import fake_world
+    from megatron_zpp import training
+    from megatron_zpp.planning import live_bytes
+    from megatron_zpp.planning.dry_run import fake_world
     from megatron_zpp.training.step import train_step
 
     argv = TINY + "--num-layers 2 --hidden-size 80 --seq-length 72 --global-batch-size 1".split()
@@ -104,7 +105,7 @@ def test_attention_with_dropout_keeps_what_the_fused_kernel_keeps():
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_zpp.live_bytes import LiveBytes
+    from megatron_zpp.planning.live_bytes import LiveBytes
 
     b, h, s, d = 1, 8, 1024, 64
     real = F.scaled_dot_product_attention

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

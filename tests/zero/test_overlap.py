@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from megatron_zpp import comm, training
-from megatron_zpp.arguments import parse_args, parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args, parse_config
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.old_defaults import OLD_DEFAULTS

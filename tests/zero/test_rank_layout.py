@@ -6,7 +6,7 @@ come from the rank's model rebuilt on the meta device, as the checkpoint code ge
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.pipeline_parallel import build_rank_chunks, stand_in_context
 from megatron_zpp.tensor_parallel.layers import shard
 from megatron_zpp.training.builders import training_dtype

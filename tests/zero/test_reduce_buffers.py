@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 from megatron_zpp.zero.reduce_buffers import Lease, ReduceBuffers
 from tests.dist import run_distributed

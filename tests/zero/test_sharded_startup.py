@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_zpp import live_bytes, memory, training
-from megatron_zpp.arguments import parse_args
+from megatron_zpp import training
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model.init import copy_tp_range
+from megatron_zpp.planning import live_bytes, memory
 from megatron_zpp.tensor_parallel import shard
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed

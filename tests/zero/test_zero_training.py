@@ -14,8 +14,8 @@
 import numpy as np
 import pytest
 
-from megatron_zpp.arguments import parse_config
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_config
 from tests.dist import run_distributed
 from tests.old_defaults import OLD_DEFAULTS
 from tests.test_parity import assert_close_relative, full_weights, train_and_collect

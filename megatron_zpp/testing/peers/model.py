@@ -104,7 +104,7 @@ def to_peer_names(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
 
 def parse_model_args(argv: list[str]):
     """Our Config from the same flags pretrain_gpt.py gets (ZeRO flags left out)."""
-    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.validation import validate
 
     return validate(parse_args(argv), int(os.environ.get("WORLD_SIZE", 1)))

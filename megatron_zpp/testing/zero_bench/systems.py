@@ -215,7 +215,7 @@ def model_args(a, iters: int, dtype: str) -> list[str]:
 
 def model_config(a):
     """(our ModelConfig of the bench's model, as pretrain_gpt.py parses model_args; its padded vocabulary)."""
-    from megatron_zpp.arguments import parse_args
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.data.tokenizer import pad_vocab_size
     from megatron_zpp.validation import validate
 
@@ -231,8 +231,8 @@ def count_params(a) -> int:
 
 def ours_refusal(args: list[str], world: int) -> str | None:
     """pretrain_gpt.py's own config check (no processes): its message if it refuses."""
-    from megatron_zpp.arguments import parse_args
     from megatron_zpp.config import ConfigError
+    from megatron_zpp.config.arguments import parse_args
     from megatron_zpp.validation import validate
 
     try:

@@ -1,4 +1,4 @@
-"""The step-time simulator (megatron_zpp/simulator/):
+"""The step-time simulator (megatron_zpp/planning/simulator/):
 
 * its per-step bytes per (role, phase, op, link) equal a real --comm-report ledger exactly,
   for ZeRO++ (qwZ + hpZ + qgZ over 2 emulated nodes), ZeRO-3 with PP 1F1B and CP All-Scan,
@@ -17,13 +17,13 @@ import os
 
 import pytest
 
-from megatron_zpp.arguments import parse_args
-from megatron_zpp.simulator import ledger_rows, preset, simulate
-from megatron_zpp.simulator.schedule import uniform_pipeline
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.planning.simulator import ledger_rows, preset, simulate
+from megatron_zpp.planning.simulator.schedule import uniform_pipeline
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = (
     "--mock-data --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 --seq-length 32 "
     "--vocab-size 128 --make-vocab-size-divisible-by 32 --gla-chunk-size 8 --num-layers 2 "
@@ -104,7 +104,7 @@ def test_side_streams_hide_the_quantizer_on_an_accelerator():
 def test_reductions_in_flight_cover_every_hop():
     """Three tiers: three reductions in flight (the engine's and the simulator's rule), so the
     outermost hop is never issued and waited for in the same call; a flag below it is raised."""
-    from megatron_zpp.simulator.model import reductions_in_flight
+    from megatron_zpp.planning.simulator.model import reductions_in_flight
 
     argv = BASE + "--zero-stage 3 --zero-quantized-gradients --ranks-per-node 4 --zero-hierarchy 2".split()
     assert reductions_in_flight(validate(parse_args(argv), 8)) == 3
@@ -252,8 +252,8 @@ def test_sp_backward_gathers_hide_behind_their_matmuls():
     column-parallel backward (qkv and fc1 of each layer, the output layer) the input's re-gather hides
     behind the input-gradient matmul and the gradient's reduce-scatter behind the weight-gradient one:
     2 b s h w / TP FLOPs each (w: the product's full width) at the preset's sustained rate."""
-    from megatron_zpp.simulator import rank_step
-    from megatron_zpp.simulator.model import coll_time
+    from megatron_zpp.planning.simulator import rank_step
+    from megatron_zpp.planning.simulator.model import coll_time
 
     L, h, s, b, heads, kv, ffn, vocab, world = 4, 1024, 512, 2, 16, 4, 2816, 32000, 16
     cfg = _cfg(
@@ -284,9 +284,9 @@ def test_emulated_preset_ships_as_package_data():
     """The emulated preset is read from the installed package (importlib.resources), not from bench/."""
     from importlib import resources
 
-    from megatron_zpp.simulator.hardware import EMULATED_JSON
+    from megatron_zpp.planning.simulator.hardware import EMULATED_JSON
 
-    data = resources.files("megatron_zpp.simulator").joinpath("presets", "emulated_cluster.json")
+    data = resources.files("megatron_zpp.planning.simulator").joinpath("presets", "emulated_cluster.json")
     assert data.is_file() and os.path.samefile(str(data), EMULATED_JSON)
     emulated = preset("emulated")
     assert emulated.name == "emulated" and emulated.ranks_per_node == 2

@@ -1,4 +1,4 @@
-"""megatron_zpp/config.py and megatron_zpp/arguments.py: validation errors name the flag
+"""megatron_zpp/config.py and megatron_zpp/config/arguments.py: validation errors name the flag
 to change, derived values, Megatron flags, YAML files, and the CLI's error exit."""
 
 import os
@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from megatron_zpp.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.config import Config, ConfigError
+from megatron_zpp.config.arguments import load_yaml, parse_args, parse_config
 from megatron_zpp.validation import validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make(**settings) -> Config:

@@ -7,7 +7,7 @@ bytes), validation and the exporters read the same object. A new mixer kind is o
 
 Widths are the full (unsplit) ones: every section of an input projection is split by heads over TP,
 except `replicated`, which each TP rank holds whole (GLA's low-rank gate's down-projection).
-Imports nothing of ours: config_model.py builds these from its fields."""
+Imports nothing of ours: config/model.py builds these from its fields."""
 
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ PRESETS = {
     "h200": lambda: _nvidia("h200-dgx", 989.4, 450e9, 400, 4.8e12, 0.40),
 }
 # package data: read with importlib.resources; the path is where tools/calibrate_cluster.py writes it
-EMULATED_PRESET = resources.files("megatron_zpp.simulator").joinpath("presets", "emulated_cluster.json")
+EMULATED_PRESET = resources.files("megatron_zpp.planning.simulator").joinpath("presets", "emulated_cluster.json")
 EMULATED_JSON = str(EMULATED_PRESET)
 
 

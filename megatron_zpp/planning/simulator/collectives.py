@@ -26,7 +26,7 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
 
 Each collective's bytes are `comm.model_bytes` of its (op, group size, buffer) and its
 link is the ledger's (topology.Topology.link_class of the group, or of the pair for p2p),
-so the simulator and a --comm-report ledger agree exactly (tests/test_simulator.py).
+so the simulator and a --comm-report ledger agree exactly (tests/planning/test_simulator.py).
 Not modelled: a full-recompute rerun's ZeRO-3 gathers are counted as backward gathers
 (the ledger may file some of them under "zero_bwd_allgather:recompute").
 """
@@ -37,18 +37,18 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .. import comm
-from ..config import Config
-from ..config_shapes import MixerShape
-from ..data.tokenizer import pad_vocab_size
+from ... import comm
+from ...config import Config
+from ...config.shapes import MixerShape
+from ...data.tokenizer import pad_vocab_size
+from ...ops.quantize import wire_bytes
+from ...topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
+from ...zero.ddp_engine import default_bucket_numel
+from ...zero.gather import QWZ_BITS
+from ...zero.grad_buffer import bucket_bounds
+from ...zero.grad_reduce import QGZ_BITS
+from ...zero.sharded_params import START_UNITS, flat_geometry, model_units, pad_block, shard_segments
 from ..memory import stage_model
-from ..ops.quantize import wire_bytes
-from ..topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
-from ..zero.ddp_engine import default_bucket_numel
-from ..zero.gather import QWZ_BITS
-from ..zero.grad_buffer import bucket_bounds
-from ..zero.grad_reduce import QGZ_BITS
-from ..zero.sharded_params import START_UNITS, flat_geometry, model_units, pad_block, shard_segments
 from .schedule import Op, StageSchedule, stage_ops
 
 

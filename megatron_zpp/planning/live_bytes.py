@@ -1,6 +1,6 @@
 """Measured memory: the live tensor storage bytes of a run and their peak, on CPU (real tensors) or under
-FakeTensorMode (a dry run). megatron_zpp.memory's estimates are checked against these (bench/memory.py,
-tests/test_memory.py, the dry run's meter in testing/dry_run.py)."""
+FakeTensorMode (a dry run). megatron_zpp.planning.memory's estimates are checked against these (bench/memory.py,
+tests/planning/test_memory.py, the dry run's meter in planning/dry_run.py)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class FakeLiveBytes(_LiveStorage):
     a counter on FakeTensorMode.dispatch instead of a Python mode on the stack. The ops inside
     (a decomposition's intermediates when its dispatch cache misses: work no device kernel does)
     are not counted, so a rank's figures do not depend on what ran before it in the process.
-    The dry run's meter (testing/dry_run.py)."""
+    The dry run's meter (planning/dry_run.py)."""
 
     def __enter__(self):
         from torch._subclasses.fake_tensor import FakeTensorMode

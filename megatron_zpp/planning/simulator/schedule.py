@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pipeline_parallel.schedules import (
+from ...pipeline_parallel.schedules import (
     forward_backward_1f1b,
     forward_backward_interleaved,
     forward_backward_no_pipelining,

@@ -1,12 +1,13 @@
 """ModelConfig: the GPT's shape, attention, norm, activations, recompute and Megatron's model
-flags. Re-exported by config.py (import it from there); imports nothing of ours but config_fields."""
+flags. Re-exported by the config package (import it from there); imports nothing of ours but
+config/fields.py and config/shapes.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_fields import opt
-from .config_shapes import FfnShape, MixerShape, mixer_shape
+from .fields import opt
+from .shapes import FfnShape, MixerShape, mixer_shape
 
 
 def default_gla_chunk_size(device_type: str) -> int:

@@ -4,9 +4,9 @@ Each field carries its command-line flag (Megatron-LM's name where Megatron has 
 concept, DeepSpeed's for ZeRO) and its help text; `arguments.py` builds the parser from
 these dataclasses, so a setting is declared exactly once. validation/ derives the values
 that follow from others and checks every section against the world size before any
-process group exists. ModelConfig (config_model.py), TrainConfig and LogConfig (config_train.py)
+process group exists. ModelConfig (config/model.py), TrainConfig and LogConfig (config/train.py)
 live in modules of their own and are re-exported here: import every config name from this module.
-Imports nothing of ours but those, config_fields.py and batch_schedule.py (the config leaves).
+Imports nothing of ours but those, config/fields.py and batch_schedule.py (the config leaves).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .config_fields import ConfigError, opt
-from .config_model import ModelConfig, default_gla_chunk_size
-from .config_train import LogConfig, TrainConfig
+from .fields import ConfigError, opt
+from .model import ModelConfig, default_gla_chunk_size
+from .train import LogConfig, TrainConfig
 
 __all__ = [
     "SECTIONS",

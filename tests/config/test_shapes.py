@@ -1,11 +1,11 @@
-"""The mixer and FFN shapes (config_shapes.py) against what the layers build: every reader outside the layer
+"""The mixer and FFN shapes (config/shapes.py) against what the layers build: every reader outside the layer
 (perf, memory, simulator, validation, exporters) trusts them, so they are checked against the built modules'
 parameters at TP 1 and 2, and the per-kind numbers against the papers' forms written out here."""
 
 import pytest
 import torch
 
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
 from megatron_zpp.pipeline_parallel.stages import stand_in_context
 from megatron_zpp.validation import validate

@@ -1,5 +1,5 @@
 """How a config field is declared (`opt`: its default, CLI flag and help) and the error every
-check raises. Shared by config.py and the section modules it re-exports; imports nothing of ours."""
+check raises. Shared by the config package and the section modules it re-exports; imports nothing of ours."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """TrainConfig and LogConfig: the run (batches, iterations, precision, checkpoints, device) and its
-logging, tracking and profiling. Re-exported by config.py (import them from there); imports nothing
+logging, tracking and profiling. Re-exported by the config package (import them from there); imports nothing
 of ours but config_fields and batch_schedule."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import batch_schedule
-from .config_fields import opt
+from .fields import opt
 
 
 @dataclass

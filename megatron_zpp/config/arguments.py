@@ -17,10 +17,10 @@ import typing
 
 import yaml
 
-from .config import SECTIONS, Config, ConfigError, flag_of
+from ..topology import check_node_layout
+from ..validation import validate
+from . import SECTIONS, Config, ConfigError, flag_of
 from .megatron_flags import MEGATRON_ARGUMENTS, VALUED, classify, valued_outcome
-from .topology import check_node_layout
-from .validation import validate
 
 # Megatron-LM spellings accepted as aliases: flag -> (section, field, value).
 ALIASES = {
@@ -165,7 +165,7 @@ def _add_megatron_only(parser: argparse.ArgumentParser) -> None:
     refused = parser.add_argument_group(
         "Megatron-LM flags refused",
         "every other flag of Megatron-LM's parser is known and refused with one line saying why "
-        "(docs/megatron_compat.md; megatron_zpp/megatron_flags.py)",
+        "(docs/megatron_compat.md; megatron_zpp/config/megatron_flags.py)",
     )
     parser.megatron = {}
     for options, takes_value, group in MEGATRON_ARGUMENTS:

@@ -61,13 +61,13 @@ import dataclasses
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from ..config import Config
-from ..context_parallel import auto_blocks
-from ..data.tokenizer import pad_vocab_size
-from ..perf import flops_per_token
-from ..topology import Group, topology_from_config
-from ..zero.reduce_schedule import reductions_in_flight
-from ..zero.sharded_params import START_UNITS
+from ...config import Config
+from ...context_parallel import auto_blocks
+from ...data.tokenizer import pad_vocab_size
+from ...perf import flops_per_token
+from ...topology import Group, topology_from_config
+from ...zero.reduce_schedule import reductions_in_flight
+from ...zero.sharded_params import START_UNITS
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks, transition_bytes
 from .hardware import Cluster
 from .schedule import pipeline_time

@@ -3,8 +3,8 @@ update_train_iters, written out here step by step (NVIDIA/Megatron-LM d98e8a64dd
 
 import pytest
 
-from megatron_zpp.arguments import parse_args
 from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
 
 SCHEDULE = "0:16 2.4K:32 4K:48"  # tokens; at --seq-length 16: samples 0, 150, 250

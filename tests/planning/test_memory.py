@@ -1,13 +1,13 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
-(LiveBytes, entered before the model is built) within 10% of megatron_zpp.memory's estimate, for a
+(LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
 GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
 
 import pytest
 
-from megatron_zpp import live_bytes, memory
-from megatron_zpp.arguments import parse_args
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.planning import live_bytes, memory
 from megatron_zpp.validation import validate
 from tests.dist import run_distributed
 from tests.old_defaults import OLD_DEFAULTS

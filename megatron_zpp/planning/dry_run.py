@@ -38,11 +38,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .. import comm, live_bytes, memory, training
+from .. import comm, training
 from ..config import Config
-from ..simulator.collectives import rank_step
 from ..topology import topology_from_config
 from ..training.step import count_step, train_step
+from . import live_bytes, memory
+from .simulator.collectives import rank_step
 
 GROUP = tuple[str, tuple[int, ...]]  # (role, global ranks), comm.ORDER's key
 

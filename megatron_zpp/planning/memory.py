@@ -7,7 +7,7 @@ batch b, the sequence s, the hidden size h, heads, kv heads, head dim d, the FFN
 vocabulary V and the training dtype's bytes e, derived from what each op of OUR model saves
 for its backward (see `softmax_layer`, `gla_layer` and `gdn_layer`, GDN's context-parallel operator
 included), and checked against measured peaks
-(bench/memory.py, tests/test_memory.py; live_bytes.LiveBytes measures on CPU).
+(bench/memory.py, tests/planning/test_memory.py; live_bytes.LiveBytes measures on CPU).
 
 The peak is the larger of two moments of the backward of the step's last micro-batch in
 flight: its start (every micro-batch in flight keeps its activations; the output layer's
@@ -35,16 +35,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from . import recompute
-from .config import Config
-from .config_shapes import GDN_CONV_KERNEL
-from .data.tokenizer import pad_vocab_size
-from .model.init import full_shape
-from .ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
-from .ops.gla_chunked import sub_block
-from .pipeline_parallel.stages import build_rank_chunks, stage_chunks, stand_in_context
-from .zero.reduce_schedule import reductions_in_flight
-from .zero.sharded_params import flat_geometry, model_units, pad_block
+from .. import recompute
+from ..config import Config
+from ..config.shapes import GDN_CONV_KERNEL
+from ..data.tokenizer import pad_vocab_size
+from ..model.init import full_shape
+from ..ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
+from ..ops.gla_chunked import sub_block
+from ..pipeline_parallel.stages import build_rank_chunks, stage_chunks, stand_in_context
+from ..zero.reduce_schedule import reductions_in_flight
+from ..zero.sharded_params import flat_geometry, model_units, pad_block
 
 GiB = 2**30
 GDN_HALO = GDN_CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads
