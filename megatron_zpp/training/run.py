@@ -36,6 +36,7 @@ from ..optim.schedules import checkpoint_schedule, schedule_resume_warning
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
+from ..validation.checkpoint import missing_checkpoint
 from ..zero import DataParallelEngine, build_engine
 from .builders import build_data, build_model, build_stage_link
 from .determinism import apply_deterministic_mode
@@ -147,7 +148,7 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 
 
 def _load(target: LoadTarget) -> Restored | None:
-    """--load: a checkpoint, or nothing only where --load is --save (the first start of a requeued job)."""
+    """--load: a checkpoint, or (as Megatron-LM) none: a warning, and the run starts from scratch."""
     t, rank = target.cfg.train, target.rank
     restored = load_checkpoint(target, t.load, t.ckpt_step) if t.load else None
     if not restored and t.pretrained_checkpoint:  # Megatron's: finetune from it while --load holds nothing
@@ -163,16 +164,12 @@ def _load(target: LoadTarget) -> Restored | None:
         log(f"loaded {restored.description}", rank)
         return restored
     assert t.load is not None  # without --load, --pretrained-checkpoint has loaded or raised above
-    if _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
-        log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", rank)
-    else:
-        what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
-        why = " (--exit-on-missing-checkpoint)" if t.exit_on_missing_checkpoint else ""
-        raise CheckpointError(
-            f"--load {t.load}: {what}{why}; give a checkpoint root or an iteration directory in it, "
-            "or drop --load to start from scratch"
-        )
-    return restored
+    what = missing_checkpoint(t.load)
+    if t.exit_on_missing_checkpoint:  # validation.check_load refuses it before any work; the directory changed since
+        raise CheckpointError(f"--load {t.load}: {what} (--exit-on-missing-checkpoint)")
+    also = " (it is also --save: a requeued job's first start)" if _same_dir(t.load, t.save) else ""
+    log(f"warning: --load {t.load}: {what}{also}: starting from scratch (--exit-on-missing-checkpoint: an error)", rank)
+    return None
 
 
 def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int) -> tuple | None:

@@ -65,3 +65,57 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
             "(torch.distributed.checkpoint, keyed by the single-rank model's names) or zpp (the default)",
         ),
     ]
+
+
+MCORE_CONVERT = "python tools/convert_checkpoint.py --from megatron --to sharded --load {load} --output DIR"
+
+
+def check_load(cfg: Config) -> list[str]:
+    """--load and --pretrained-checkpoint as a run will read them, before any process exists. As Megatron-LM,
+    a --load that holds no checkpoint (absent, empty, no tracker) starts from scratch (the run warns), an
+    error only with --exit-on-missing-checkpoint; a checkpoint it cannot read is an error."""
+    t = cfg.train
+    errors = []
+    if t.load:
+        found, problem = find_load(t.load, t.ckpt_step)
+        if problem:
+            errors.append(problem)
+        elif found is None and t.exit_on_missing_checkpoint:
+            errors.append(f"--load {t.load}: {missing_checkpoint(t.load)} (--exit-on-missing-checkpoint)")
+    if t.pretrained_checkpoint:
+        found, problem = find_load(t.pretrained_checkpoint, None, "--pretrained-checkpoint")
+        if problem or found is None:
+            errors.append(problem or f"--pretrained-checkpoint {t.pretrained_checkpoint}: "
+                          f"{missing_checkpoint(t.pretrained_checkpoint)}")  # fmt: skip
+    return errors
+
+
+def missing_checkpoint(directory: str) -> str:
+    """Why `directory` (where find_load found nothing) holds no checkpoint: the words of the one line."""
+    import os
+
+    if not os.path.exists(directory):
+        return "does not exist"
+    return "holds no checkpoint (no 'latest', no meta.json)"
+
+
+def find_load(directory: str, step: int | None, flag: str = "--load") -> tuple[str | None, str | None]:
+    """(what `directory` holds: 'ours', 'mcore' (a megatron-core torch_dist checkpoint: its tracker file
+    or an iteration dir with DCP's .metadata and no meta.json of ours) or None for no checkpoint, why it
+    cannot be read or None): files.locate_checkpoint's rule, then megatron-core's."""
+    import os
+
+    from ..checkpoint.files import CheckpointError, iter_name, locate_checkpoint
+    from ..checkpoint.mcore import TRACKER
+
+    has = lambda *names: os.path.isfile(os.path.join(directory, *names))  # noqa: E731
+    if has(TRACKER) and not has("latest") or has(".metadata") and not has("meta.json"):
+        if step is not None and has(TRACKER) and not has(iter_name(step), ".metadata"):
+            return None, f"--ckpt-step {step}: {os.path.join(directory, iter_name(step))} holds no checkpoint"
+        return "mcore", None
+    try:
+        if locate_checkpoint(directory, step) is not None:
+            return "ours", None
+    except CheckpointError as e:
+        return None, str(e) if directory in str(e) else f"{flag} {directory}: {e}"
+    return None, None
