@@ -108,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (section, name, convert) in VALUE_ALIASES.items():
         aliases.add_argument(
             flag,
-            dest=f"{section}.{name}",
+            dest=f"alias.{flag}",  # _value_aliases sets the setting: both given, they must agree
             type=convert,
             default=argparse.SUPPRESS,
             metavar="N",
-            help=f"the same as {flag_of(section, name)} N",
+            help=f"the same as {flag_of(section, name)} N (giving both with other values is an error)",
         )
     _add_megatron_only(parser)
     return parser
@@ -368,6 +368,22 @@ def _unknown(extra: list[str], piece: list[str], flags: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extra)}{where}"
 
 
+def _value_aliases(args: dict) -> list[str]:
+    """The VALUE_ALIASES given, moved onto their settings in the parsed `args`; one line where a setting is
+    also given under its own flag with another value (argparse would keep the later one silently)."""
+    errors = []
+    for flag, (section, name, _) in VALUE_ALIASES.items():
+        if f"alias.{flag}" not in args:
+            continue
+        value, dest = args.pop(f"alias.{flag}"), f"{section}.{name}"
+        if dest in args and args[dest] != value:
+            errors.append(
+                f"{flag} {value} and {flag_of(section, name)} {args[dest]} disagree (the same setting): give one"
+            )
+        args[dest] = value
+    return errors
+
+
 def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
     """argv (and --config YAML) -> (an unvalidated Config, every error line). A value that fails
     its type or choices leaves its setting at the default and is one error line."""
@@ -388,7 +404,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
             errors.append(_unknown(extra, piece, flags))
     args = vars(args)
     refused, noops = megatron_only(args, parser.megatron)
-    errors += refused
+    errors += refused + _value_aliases(args)
     values = {}
     if args.get("config"):
         try:

@@ -67,6 +67,7 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
     ]
 
 
+# what converts a megatron-core checkpoint once (--load converts one on the fly; --pretrained-checkpoint does not)
 MCORE_CONVERT = "python tools/convert_checkpoint.py --from megatron --to sharded --load {load} --output DIR"
 
 
@@ -83,10 +84,14 @@ def check_load(cfg: Config) -> list[str]:
         elif found is None and t.exit_on_missing_checkpoint:
             errors.append(f"--load {t.load}: {missing_checkpoint(t.load)} (--exit-on-missing-checkpoint)")
     if t.pretrained_checkpoint:
-        found, problem = find_load(t.pretrained_checkpoint, None, "--pretrained-checkpoint")
+        p = t.pretrained_checkpoint
+        found, problem = find_load(p, None, "--pretrained-checkpoint")
+        if found == "mcore":
+            problem = f"--pretrained-checkpoint {p}: a megatron-core checkpoint: convert it first with " + (
+                MCORE_CONVERT.format(load=p)
+            )
         if problem or found is None:
-            errors.append(problem or f"--pretrained-checkpoint {t.pretrained_checkpoint}: "
-                          f"{missing_checkpoint(t.pretrained_checkpoint)}")  # fmt: skip
+            errors.append(problem or f"--pretrained-checkpoint {p}: {missing_checkpoint(p)}")
     return errors
 
 
@@ -106,12 +111,15 @@ def find_load(directory: str, step: int | None, flag: str = "--load") -> tuple[s
     import os
 
     from ..checkpoint.files import CheckpointError, iter_name, locate_checkpoint
-    from ..checkpoint.mcore import TRACKER
+    from ..checkpoint.mcore import TRACKER, iteration_dir
 
     has = lambda *names: os.path.isfile(os.path.join(directory, *names))  # noqa: E731
     if has(TRACKER) and not has("latest") or has(".metadata") and not has("meta.json"):
-        if step is not None and has(TRACKER) and not has(iter_name(step), ".metadata"):
-            return None, f"--ckpt-step {step}: {os.path.join(directory, iter_name(step))} holds no checkpoint"
+        source = os.path.join(directory, iter_name(step)) if step is not None else directory
+        try:  # the tracker names an iteration dir that holds DCP's metadata
+            iteration_dir(source)
+        except (CheckpointError, ValueError) as e:
+            return None, f"{flag} {directory}: a megatron-core checkpoint that cannot be read: {e}"
         return "mcore", None
     try:
         if locate_checkpoint(directory, step) is not None:
