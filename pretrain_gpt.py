@@ -59,8 +59,7 @@ def _main(argv):
     except ConfigError as e:  # this rank's own environment: it says so itself
         fail(str(e))
     try:
-        cfg = parse_config(argv, world)
-        check_inputs(cfg)  # data files and tokenizer: before any process group or model exists
+        cfg = parse_config(argv, world, inputs=check_inputs)  # and the data files and tokenizer, in one pass
     except ConfigError as e:
         refuse(e, rank)
 

@@ -14,6 +14,7 @@ import difflib
 import sys
 import types
 import typing
+from collections.abc import Callable
 
 import yaml
 
@@ -432,15 +433,20 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def parse_config(argv: list[str] | None, world_size: int, run: bool = True) -> Config:
+def parse_config(
+    argv: list[str] | None, world_size: int, run: bool = True, inputs: Callable[[Config], None] | None = None
+) -> Config:
     """argv -> a validated Config, node layout included: every check that needs no process
     group, so a bad setting costs one error line before any work. The flags' errors and the
-    checks' come in one ConfigError, so a user reruns once. run=False: the planning tools'
-    checks (validate's, without what only a run reads or writes)."""
+    checks' (`inputs` too: the input files' check of a launch, run where the settings pass) come
+    in one ConfigError, so a user reruns once. run=False: the planning tools' checks (validate's,
+    without what only a run reads or writes)."""
     cfg, errors = _parse(argv)
     try:
         validate(cfg, world_size, run=run)
         check_node_layout(cfg)
+        if inputs is not None:  # the settings it reads are valid (a refused flag set nothing)
+            inputs(cfg)
     except ConfigError as e:
         errors += str(e).splitlines()
     if errors:
