@@ -74,7 +74,8 @@ MCORE_CONVERT = "python tools/convert_checkpoint.py --from megatron --to sharded
 def check_load(cfg: Config) -> list[str]:
     """--load and --pretrained-checkpoint as a run will read them, before any process exists. As Megatron-LM,
     a --load that holds no checkpoint (absent, empty, no tracker) starts from scratch (the run warns), an
-    error only with --exit-on-missing-checkpoint; a checkpoint it cannot read is an error."""
+    error only with --exit-on-missing-checkpoint; a megatron-core tracker naming no checkpoint is an error
+    (the load reads and checks ours, and says what is wrong with it in a CheckpointError)."""
     t = cfg.train
     errors = []
     if t.load:
@@ -107,23 +108,20 @@ def missing_checkpoint(directory: str) -> str:
 def find_load(directory: str, step: int | None, flag: str = "--load") -> tuple[str | None, str | None]:
     """(what `directory` holds: 'ours', 'mcore' (a megatron-core torch_dist checkpoint: its tracker file
     or an iteration dir with DCP's .metadata and no meta.json of ours) or None for no checkpoint, why it
-    cannot be read or None): files.locate_checkpoint's rule, then megatron-core's."""
+    cannot be read or None). Ours is what files.locate_checkpoint finds (a meta.json, a 'latest', or the
+    --ckpt-step iteration): reading and checking it is the load's (a CheckpointError naming the file)."""
     import os
 
-    from ..checkpoint.files import CheckpointError, iter_name, locate_checkpoint
+    from ..checkpoint.files import CheckpointError, iter_name
     from ..checkpoint.mcore import TRACKER, iteration_dir
 
     has = lambda *names: os.path.isfile(os.path.join(directory, *names))  # noqa: E731
-    if has(TRACKER) and not has("latest") or has(".metadata") and not has("meta.json"):
+    latest = os.path.exists(os.path.join(directory, "latest"))
+    if has(TRACKER) and not latest or has(".metadata") and not has("meta.json"):
         source = os.path.join(directory, iter_name(step)) if step is not None else directory
         try:  # the tracker names an iteration dir that holds DCP's metadata
             iteration_dir(source)
         except (CheckpointError, ValueError) as e:
             return None, f"{flag} {directory}: a megatron-core checkpoint that cannot be read: {e}"
         return "mcore", None
-    try:
-        if locate_checkpoint(directory, step) is not None:
-            return "ours", None
-    except CheckpointError as e:
-        return None, str(e) if directory in str(e) else f"{flag} {directory}: {e}"
-    return None, None
+    return ("ours" if latest or has("meta.json") or step is not None else None), None
