@@ -14,6 +14,7 @@ when --save is given and exits 130 with one line per rank; a second Ctrl-C stops
 import os
 import re
 import sys
+import time
 import traceback
 
 from megatron_zpp.config import ConfigError
@@ -38,20 +39,35 @@ def main(argv=None):
         sys.exit(130)
 
 
+# a rank other than 0 that refuses a command line waits this long for rank 0 to say it (torchrun then stops it)
+PEER_WAIT_S = 10.0
+
+
+def refuse(e: ConfigError, rank: int) -> None:
+    """A refused command line (every line of it), said once: by rank 0, which exits 2. The other ranks
+    refuse the same line, so they wait quietly for the launcher to stop them once rank 0 has exited
+    (torchrun does at once); one still running after PEER_WAIT_S (rank 0 saw no problem: a file that differs
+    between nodes, or a launcher that waits for every task) says its own lines, prefixed with its rank."""
+    if rank != 0:
+        time.sleep(PEER_WAIT_S)
+    fail(str(e).replace("\n", "\nerror: "))
+
+
 def _main(argv):
     try:
-        _, world = launch_env(os.environ)
-        cfg = parse_config(argv, world)
-        check_inputs(cfg)  # data files and tokenizer: before any process group or model exists
+        rank, world = launch_env(os.environ)
+    except ConfigError as e:  # this rank's own environment: it says so itself
+        fail(str(e))
+    try:
+        cfg = parse_config(argv, world, inputs=check_inputs)  # and the data files and tokenizer, in one pass
     except ConfigError as e:
-        fail(str(e).replace("\n", "\nerror: "))
+        refuse(e, rank)
 
     from megatron_zpp import training
     from megatron_zpp.checkpoint import CheckpointError
     from megatron_zpp.data.indexed_dataset import IndexedDatasetError
     from megatron_zpp.tensor_parallel.layers import TokenIdError
 
-    rank = int(os.environ.get("RANK", 0))
     if cfg.megatron_noops:  # one line: docs/megatron_compat.md says why each is one
         log(
             f"Megatron-LM flags accepted as no-ops (what they ask for always happens): {', '.join(cfg.megatron_noops)}",
@@ -72,7 +88,7 @@ def _main(argv):
         training.shutdown()
         log("done", run.rank)
     except ConfigError as e:  # a setting found invalid during set-up: alike on every rank
-        fail(str(e))
+        refuse(e, rank)
     except (training.NonFiniteStepError, TokenIdError) as e:  # each rank that finds it says it
         fail(f"rank {rank}: {e}", code=1)
     except CheckpointError as e:

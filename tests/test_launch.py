@@ -1,7 +1,8 @@
 """The launch recipes run as a cluster would run them, on 2 emulated nodes of 1 CPU rank each
 (gloo): the SLURM batch script under a fake `srun`/`scontrol` (tasks started with the variables
 SLURM gives them; SIGUSR1 as `#SBATCH --signal=USR1@120` delivers it), then the plain
-multi-node torchrun recipe (one torchrun per node, c10d rendezvous). Ctrl-C (SIGINT) as torchrun
+multi-node torchrun recipe (one torchrun per node, c10d rendezvous); a refused command line under
+torchrun, said once. Ctrl-C (SIGINT) as torchrun
 forwards it to every rank: each finishes the step, the run saves when --save is given, one line
 per rank, exit 130; a second Ctrl-C stops at once."""
 
@@ -135,6 +136,26 @@ def test_torchrun_multinode_recipe_on_two_nodes(tmp_path):
     assert "world 2 = TP 1 x CP 1 x DP 2 x PP 1" in out and "2 node(s) of 1 ranks" in out
     assert "iteration        2/       2" in out
     assert (tmp_path / "run" / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+
+
+def test_torchrun_refusal_is_said_once_in_one_pass(tmp_path):
+    """A refused command line under torchrun with 2 ranks: every problem (a Megatron flag not built, a value,
+    the --load check) in one pass, said once by rank 0 (the other rank waits quietly and torchrun stops it);
+    nothing written to --load."""
+    load = tmp_path / "none"
+    argv = [*TINY, "--mock-data", "--train-iters", "2", "--load", str(load), "--exit-on-missing-checkpoint"]
+    argv += ["--use-mup", "--seed", "-1"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "pretrain_gpt.py", *argv]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode != 0 and 'pretrain_gpt.py", line' not in out.stderr  # torchrun's own traceback only
+    assert len(errors) == 3 and errors[0].startswith("error: rank 0: --use-mup: the muP parametrization is not built")
+    assert "exitcode  : 2" in out.stderr and "(SIGTERM)" in out.stderr, out.stderr[-3000:]  # rank 1: stopped, quiet
+    assert "--seed -1 must be in [0, 2^32)" in "\n".join(errors)
+    assert f"--load {load}: does not exist (--exit-on-missing-checkpoint)" in errors[-1]
+    assert not load.exists()
 
 
 def _sigint_after_step(step: int, times: int = 1):

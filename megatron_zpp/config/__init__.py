@@ -245,6 +245,12 @@ class OptimConfig:
         "--weight-decay",
         "AdamW weight decay (not applied to norms and biases), with --weight-decay-incr-style constant",
     )
+    apply_wd_to_qk_layernorm: bool = opt(
+        False,
+        "--apply-wd-to-qk-layernorm",
+        "weight decay on the query/key norms of --qk-layernorm too (Megatron's rule, Qwen3-Next's recipe); "
+        "every other norm weight and bias stays undecayed",
+    )
     start_weight_decay: float | None = opt(
         None, "--start-weight-decay", "weight decay of the first step (--weight-decay-incr-style linear or cosine)"
     )

@@ -14,6 +14,7 @@ import difflib
 import sys
 import types
 import typing
+from collections.abc import Callable
 
 import yaml
 
@@ -108,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (section, name, convert) in VALUE_ALIASES.items():
         aliases.add_argument(
             flag,
-            dest=f"{section}.{name}",
+            dest=f"alias.{flag}",  # _value_aliases sets the setting: both given, they must agree
             type=convert,
             default=argparse.SUPPRESS,
             metavar="N",
-            help=f"the same as {flag_of(section, name)} N",
+            help=f"the same as {flag_of(section, name)} N (giving both with other values is an error)",
         )
     _add_megatron_only(parser)
     return parser
@@ -368,6 +369,22 @@ def _unknown(extra: list[str], piece: list[str], flags: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extra)}{where}"
 
 
+def _value_aliases(args: dict) -> list[str]:
+    """The VALUE_ALIASES given, moved onto their settings in the parsed `args`; one line where a setting is
+    also given under its own flag with another value (argparse would keep the later one silently)."""
+    errors = []
+    for flag, (section, name, _) in VALUE_ALIASES.items():
+        if f"alias.{flag}" not in args:
+            continue
+        value, dest = args.pop(f"alias.{flag}"), f"{section}.{name}"
+        if dest in args and args[dest] != value:
+            errors.append(
+                f"{flag} {value} and {flag_of(section, name)} {args[dest]} disagree (the same setting): give one"
+            )
+        args[dest] = value
+    return errors
+
+
 def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
     """argv (and --config YAML) -> (an unvalidated Config, every error line). A value that fails
     its type or choices leaves its setting at the default and is one error line."""
@@ -388,7 +405,7 @@ def _parse(argv: list[str] | None) -> tuple[Config, list[str]]:
             errors.append(_unknown(extra, piece, flags))
     args = vars(args)
     refused, noops = megatron_only(args, parser.megatron)
-    errors += refused
+    errors += refused + _value_aliases(args)
     values = {}
     if args.get("config"):
         try:
@@ -416,15 +433,20 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def parse_config(argv: list[str] | None, world_size: int, run: bool = True) -> Config:
+def parse_config(
+    argv: list[str] | None, world_size: int, run: bool = True, inputs: Callable[[Config], None] | None = None
+) -> Config:
     """argv -> a validated Config, node layout included: every check that needs no process
     group, so a bad setting costs one error line before any work. The flags' errors and the
-    checks' come in one ConfigError, so a user reruns once. run=False: the planning tools'
-    checks (validate's, without what only a run reads or writes)."""
+    checks' (`inputs` too: the input files' check of a launch, run where the settings pass) come
+    in one ConfigError, so a user reruns once. run=False: the planning tools' checks (validate's,
+    without what only a run reads or writes)."""
     cfg, errors = _parse(argv)
     try:
         validate(cfg, world_size, run=run)
         check_node_layout(cfg)
+        if inputs is not None:  # the settings it reads are valid (a refused flag set nothing)
+            inputs(cfg)
     except ConfigError as e:
         errors += str(e).splitlines()
     if errors:

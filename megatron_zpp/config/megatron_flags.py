@@ -132,11 +132,21 @@ VALUED = {
     ),
     "--distributed-backend": (("nccl", "gloo"), "the backend follows the device: NCCL on CUDA, gloo on CPU"),
     "--optimizer": (("adam",), "the optimizer is AdamW, as Megatron's adam (decoupled weight decay)"),
+    "--num-distributed-optimizer-instances": (
+        ("1",),
+        "one distributed-optimizer instance: the optimizer state is sharded over the whole data-parallel group",
+    ),
 }
 VALUE_REFUSED = {
     ("--transformer-impl", "inference_optimized"): "the inference-optimized layers are not built: use local",
     ("--distributed-backend", None): "the backend follows the device (NCCL on CUDA, gloo on CPU): drop it",
     ("--optimizer", None): "only AdamW is built (--optimizer adam): drop it",
+    ("--num-distributed-optimizer-instances", None): (
+        "one distributed-optimizer instance only: the optimizer state is sharded over the whole data-parallel group "
+        "(--use-distributed-optimizer, --zero-stage 1/2/3); Megatron's N instances, each sharding over DP/N ranks "
+        "with gradients all-reduced between them, are not built (ZeRO++ hpZ, --zero-hpz-partition-size, keeps the "
+        "weight gathers inside a node): drop it"
+    ),
 }
 
 # refused by name: flag -> why and what to use
@@ -312,7 +322,6 @@ FAMILIES = [
                 "--outer-dp-sharding-strategy",
                 "--enable-full-sharding-in-hsdp",
                 "--suggested-communication-unit-size",
-                "--num-distributed-optimizer-instances",
             ),
         ),
     ),
@@ -347,7 +356,7 @@ FAMILIES = [
         _any(
             _starts("--window-", "--yarn-", "--no-yarn-", "--relative-attention-", "--rope-", "--no-rope-freq"),
             _starts("--qk-", "--rotary-seq-len-", "--rotary-interleaved", "--use-rope-scaling", "--softmax-type"),
-            _named("--attention-output-gate", "--apply-wd-to-qk-layernorm"),
+            _named("--attention-output-gate"),
         ),
     ),
     (

@@ -70,7 +70,7 @@ class ModelConfig:
         0,
         "--softmax-attention-every",
         "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
-        "attention; 0 = none",
+        "attention; 0 = none (1, all softmax, and K > --num-layers, none, run with a warning, as in megatron-core)",
     )
     gla_chunk_size: int | None = opt(
         None,

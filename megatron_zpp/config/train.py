@@ -113,7 +113,8 @@ class TrainConfig:
         None,
         "--load",
         "checkpoint to resume from: a checkpoint root (the directory with 'latest') or one iteration directory in "
-        "it; one that holds no checkpoint is an error unless it is also --save (a first start of a requeued job)",
+        "it, ours or megatron-core's torch_dist (converted on the fly); one that holds no checkpoint starts from "
+        "scratch with a warning, as Megatron-LM (--exit-on-missing-checkpoint: an error)",
     )
     override_checkpoint: bool = opt(
         False,
@@ -160,8 +161,8 @@ class TrainConfig:
     exit_on_missing_checkpoint: bool = opt(
         False,
         "--exit-on-missing-checkpoint",
-        "a --load that holds no checkpoint is an error even where it is also --save (by default that is the "
-        "first start of a requeued job, from scratch)",
+        "a --load that holds no checkpoint (absent, empty, no 'latest' or tracker) is an error (by default the run "
+        "warns and starts from scratch, as Megatron-LM's)",
     )
     override_ckpt_iteration: int | None = opt(
         None,

@@ -1,14 +1,16 @@
 """AdamW on fp32 master weights, and the one rule for its parameter groups.
 
-Weight decay applies to matrices (>= 2-D) only, not to norm weights and biases; AdamW
-numbers its parameters decayed first (`adamw_order`), which is also how a checkpoint's
+Weight decay applies to matrices (>= 2-D) only, not to norm weights and biases (Megatron's
+rule: no decay for 1-D parameters and `*.bias`); with --apply-wd-to-qk-layernorm the query/key
+norms decay too (`qk_norm_params`, Megatron's `q_layernorm.`/`k_layernorm.` names). AdamW
+numbers its parameters by dimension, matrices first (`adamw_order`), which is also how a checkpoint's
 optimizer state is indexed (checkpoint/layout.py reads it from here). The groups are the
 runs of that numbering with one (decayed, decoupled) class: two groups (decayed, not)
-without --decoupled-lr; with it the word embedding and the untied output layer
-(`decoupled_lr_params`, Megatron's is_embedding_or_output_parameter) get groups of their own,
-so the numbering, and every checkpoint, stays the same. Each group says which rates it takes
-(`set_rates`): "decoupled" (the decoupled learning rate) and "wd_mult" (1 or 0 times the
-scheduled weight decay), as Megatron's param groups do.
+without --decoupled-lr or --apply-wd-to-qk-layernorm; with them the word embedding and the untied
+output layer (`decoupled_lr_params`, Megatron's is_embedding_or_output_parameter) and the
+query/key norms get groups of their own, so the numbering, and every checkpoint, stays the same.
+Each group says which rates it takes (`set_rates`): "decoupled" (the decoupled learning rate)
+and "wd_mult" (1 or 0 times the scheduled weight decay), as Megatron's param groups do.
 
 For an fp32 model the master weights are the parameters themselves. For bf16 the
 optimizer keeps an fp32 copy of each parameter, steps it with the fp32 main gradient,
@@ -74,13 +76,28 @@ def decoupled_lr_params(chunk) -> set[int]:
     return {id(m.weight) for m in mods if m is not None}
 
 
-def adamw_groups(params: list, ndims: list[int], decoupled: list[bool] | None = None) -> list[dict]:
-    """`params` (with their model parameters' `ndims`, whether each is `decoupled`) in AdamW's
-    numbering, cut into runs of one class: {"params", "wd_mult", "decoupled"} each."""
+def qk_norm_params(chunk) -> set[int]:
+    """ids of the parameters of a model chunk's query/key norms (--qk-layernorm), which
+    --apply-wd-to-qk-layernorm decays (Megatron's names: `q_layernorm.`, `k_layernorm.`; ours: `q_norm.`, `k_norm.`)."""
+    return {
+        id(p)
+        for _, block in chunk.parts().layers
+        for name, p in block.mixer.named_parameters()
+        if name.startswith(("q_norm.", "k_norm."))
+    }
+
+
+def adamw_groups(
+    params: list, ndims: list[int], decoupled: list[bool] | None = None, decayed_1d: list[bool] | None = None
+) -> list[dict]:
+    """`params` (with their model parameters' `ndims`, whether each is `decoupled`, whether a 1-D one
+    decays all the same: `decayed_1d`) in AdamW's numbering, cut into runs of one class: {"params",
+    "wd_mult", "decoupled"} each."""
     decoupled = decoupled or [False] * len(params)
+    decayed_1d = decayed_1d or [False] * len(params)
     groups: list[dict] = []
     for i in adamw_order(ndims):
-        kind = (1.0 if ndims[i] >= 2 else 0.0, bool(decoupled[i]))
+        kind = (1.0 if ndims[i] >= 2 or decayed_1d[i] else 0.0, bool(decoupled[i]))
         if not groups or (groups[-1]["wd_mult"], groups[-1]["decoupled"]) != kind:
             groups.append({"params": [], "wd_mult": kind[0], "decoupled": kind[1]})
         groups[-1]["params"].append(params[i])
@@ -97,10 +114,17 @@ def build_adamw(
     cfg: OptimConfig,
     kind: str | None = None,
     decoupled: list[bool] | None = None,
+    qk_norm: list[bool] | None = None,
 ) -> tuple[torch.optim.Optimizer, str]:
     """AdamW over fp32 `params` whose model parameters have `ndims` dimensions (`decoupled`: which
-    take --decoupled-lr), and its name. The rates are the first step's until `set_rates`."""
-    groups = adamw_groups(params, ndims, decoupled if cfg.decoupled_lr is not None else None)
+    take --decoupled-lr; `qk_norm`: which are query/key norms), and its name. The rates are the first
+    step's until `set_rates`."""
+    groups = adamw_groups(
+        params,
+        ndims,
+        decoupled if cfg.decoupled_lr is not None else None,
+        qk_norm if cfg.apply_wd_to_qk_layernorm else None,
+    )
     wd = cfg.weight_decay_span()[0]
     for g in groups:
         decoupled_lr = g["decoupled"] and cfg.decoupled_lr is not None
@@ -151,14 +175,22 @@ set_lr = set_rates  # the old name (a float: every group's lr)
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimConfig, decoupled: set[int] = frozenset()):
-        """`decoupled`: ids of the parameters that take --decoupled-lr (`decoupled_lr_params`)."""
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        cfg: OptimConfig,
+        decoupled: set[int] = frozenset(),
+        qk_norms: set[int] = frozenset(),
+    ):
+        """`decoupled`: ids of the parameters that take --decoupled-lr (`decoupled_lr_params`); `qk_norms`:
+        of the query/key norms (`qk_norm_params`)."""
         self.params = [p for p in params if p.requires_grad]
         self.masters = [
             p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
         ]
         flags = [id(p) in decoupled for p in self.params]
-        self.opt, self.name = build_adamw(self.masters, [p.ndim for p in self.params], cfg, decoupled=flags)
+        qk = [id(p) in qk_norms for p in self.params]
+        self.opt, self.name = build_adamw(self.masters, [p.ndim for p in self.params], cfg, decoupled=flags, qk_norm=qk)
 
     @torch.no_grad()
     def step(self, rates: Rates | float) -> None:

@@ -1,7 +1,8 @@
 """A run: everything one rank trains with, set up from a validated config.
 
     cfg -> distributed init -> groups -> tokenizer -> model (init from the single-rank
-    weights) -> data-parallel engine -> checkpoint (--load) -> data iterators
+    weights) -> data-parallel engine -> checkpoint (--load: ours, or megatron-core's converted on
+    the fly) -> data iterators
 
 With --load, setup restores the checkpoint (model and optimizer into the engine; the RNG
 streams, iteration and data position into a TrainState) before the data iterator is built,
@@ -10,6 +11,7 @@ after (the loop changes its TrainState)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -35,11 +37,14 @@ from ..optim.schedules import checkpoint_schedule, schedule_resume_warning
 from ..pipeline_parallel import StageLink
 from ..tensor_parallel.random import seed_parallel_rng
 from ..topology import ProcessGroups
+from ..validation.checkpoint import find_load, missing_checkpoint
+from ..validation.model import model_warnings
 from ..zero import DataParallelEngine, build_engine
 from .builders import build_data, build_model, build_stage_link
 from .determinism import apply_deterministic_mode
 from .distributed import ExitSignal, init_distributed
 from .evaluation import resume_valid_position
+from .mcore_load import converted
 from .profiling import MemorySnapshots, check_device
 from .state import TrainState
 
@@ -92,13 +97,12 @@ def setup(cfg: Config) -> Run:
     link = build_stage_link(cfg, groups, device)
     dp = build_engine(cfg, chunks, groups, init)
     state = TrainState(loss_scaler=LossScaler.from_config(cfg.train))
-    restored = None
+    restored, schedule = None, None
     if cfg.train.load or cfg.train.pretrained_checkpoint:  # model, optimizer, RNG, position
-        restored = _load(LoadTarget(cfg, groups, device, dp, tokenizer.padded_vocab_size))
+        restored, schedule = _restore(LoadTarget(cfg, groups, device, dp, tokenizer.padded_vocab_size))
     if restored:
         state.load_state_dict(restored.train_state)
         state.pending_rng_state, state.resumed_from = restored.rng_state, restored.path
-    schedule = _schedule_from_checkpoint(cfg, restored, groups.rank)
     if cfg.train.save:
         _guard_save(cfg, groups, device, restored, state.iteration)
     resume_valid_position(cfg.train, state)
@@ -143,10 +147,28 @@ def _same_dir(a: str | None, b: str | None) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _load(target: LoadTarget) -> Restored | None:
-    """--load: a checkpoint, or nothing only where --load is --save (the first start of a requeued job)."""
+def _restore(target: LoadTarget) -> tuple[Restored | None, tuple | None]:
+    """--load or --pretrained-checkpoint restored, and the schedule of the checkpoint loaded
+    (_schedule_from_checkpoint). A megatron-core torch_dist --load is converted on the fly (mcore_load)."""
     t, rank = target.cfg.train, target.rank
-    restored = load_checkpoint(target, t.load, t.ckpt_step) if t.load else None
+    if not (t.load and find_load(t.load, t.ckpt_step)[0] == "mcore"):
+        restored = _load(target, t.load)
+        return restored, _schedule_from_checkpoint(target.cfg, restored, rank)
+    with converted(target, t.load) as (root, source):
+        try:
+            restored = _load(target, root)
+        except CheckpointError as e:  # it names the temporary conversion: name --load instead
+            raise CheckpointError(f"--load {t.load} (a megatron-core checkpoint, converted): {e}") from None
+        schedule = _schedule_from_checkpoint(target.cfg, restored, rank)
+    assert restored is not None  # the conversion holds one
+    return dataclasses.replace(restored, path=source), schedule  # the run resumed from Megatron's directory
+
+
+def _load(target: LoadTarget, load: str | None) -> Restored | None:
+    """--load (`load`: the directory load_checkpoint reads): a checkpoint, or (as Megatron-LM) none: a
+    warning, and the run starts from scratch."""
+    t, rank = target.cfg.train, target.rank
+    restored = load_checkpoint(target, load, t.ckpt_step) if load else None
     if not restored and t.pretrained_checkpoint:  # Megatron's: finetune from it while --load holds nothing
         restored = load_checkpoint(target, t.pretrained_checkpoint, finetune=True)
         if not restored:
@@ -160,16 +182,12 @@ def _load(target: LoadTarget) -> Restored | None:
         log(f"loaded {restored.description}", rank)
         return restored
     assert t.load is not None  # without --load, --pretrained-checkpoint has loaded or raised above
-    if _same_dir(t.load, t.save) and not t.exit_on_missing_checkpoint:
-        log(f"no checkpoint in {os.path.abspath(t.load)} yet (it is also --save): starting from scratch", rank)
-    else:
-        what = "does not exist" if not os.path.exists(t.load) else "holds no checkpoint (no 'latest', no meta.json)"
-        why = " (--exit-on-missing-checkpoint)" if t.exit_on_missing_checkpoint else ""
-        raise CheckpointError(
-            f"--load {t.load}: {what}{why}; give a checkpoint root or an iteration directory in it, "
-            "or drop --load to start from scratch"
-        )
-    return restored
+    what = missing_checkpoint(t.load)
+    if t.exit_on_missing_checkpoint:  # validation.check_load refuses it before any work; the directory changed since
+        raise CheckpointError(f"--load {t.load}: {what} (--exit-on-missing-checkpoint)")
+    also = " (it is also --save: a requeued job's first start)" if _same_dir(t.load, t.save) else ""
+    log(f"warning: --load {t.load}: {what}{also}: starting from scratch (--exit-on-missing-checkpoint: an error)", rank)
+    return None
 
 
 def _schedule_from_checkpoint(cfg: Config, restored: Restored | None, rank: int) -> tuple | None:
@@ -238,6 +256,8 @@ def _log_setup(run: Run, n_params: int) -> None:
         rank,
     )
     log(f"{run.dp.describe()}; optimizer: {run.dp.optimizer_name}", rank)
+    for warning in model_warnings(cfg):
+        log(f"warning: {warning}", rank)
 
 
 def _precision(cfg: Config) -> str:

@@ -16,7 +16,7 @@ import math
 from ..config import SECTIONS, Config, ConfigError, default_gla_chunk_size
 from ..config.batch_schedule import parse_step_schedule
 from ..data.tokenizer import infer_tokenizer_type
-from .checkpoint import check_checkpointing
+from .checkpoint import check_checkpointing, check_load
 from .common import failed, launch_device_type
 from .data import check_data, check_run_paths
 from .log import check_device_needs, check_log
@@ -55,11 +55,11 @@ def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
 
     run=False (the planning tools: tools/estimate_memory.py, tools/simulate_scaling.py) skips the
     checks of what only a run reads or writes: data, tokenizer files, checkpoint directories
-    (check_run_paths). Raises ConfigError listing every problem, each naming the flags to change.
+    (check_run_paths, check_load). Raises ConfigError listing every problem, each naming the flags to change.
     """
     errors = _check_numbers(cfg) or _check_sizes(cfg)
-    if errors:  # the checks below divide by these sizes (and cast nan or 1e20 to int)
-        raise ConfigError("\n".join(errors))
+    if errors:  # the checks below divide by these sizes (and cast nan or 1e20 to int); --load's needs none
+        raise ConfigError("\n".join(errors + (check_load(cfg) if run else [])))
     derive(cfg, world_size)
     for check in (
         check_layout,
@@ -79,7 +79,7 @@ def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
     ):
         errors += check(cfg, world_size)
     if run:
-        errors += check_run_paths(cfg) + check_device_needs(cfg, launch_device_type(cfg.train.device))
+        errors += check_run_paths(cfg) + check_load(cfg) + check_device_needs(cfg, launch_device_type(cfg.train.device))
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg

@@ -65,3 +65,63 @@ def _checkpoint_flag_checks(t) -> list[tuple[bool, str]]:
             "(torch.distributed.checkpoint, keyed by the single-rank model's names) or zpp (the default)",
         ),
     ]
+
+
+# what converts a megatron-core checkpoint once (--load converts one on the fly; --pretrained-checkpoint does not)
+MCORE_CONVERT = "python tools/convert_checkpoint.py --from megatron --to sharded --load {load} --output DIR"
+
+
+def check_load(cfg: Config) -> list[str]:
+    """--load and --pretrained-checkpoint as a run will read them, before any process exists. As Megatron-LM,
+    a --load that holds no checkpoint (absent, empty, no tracker) starts from scratch (the run warns), an
+    error only with --exit-on-missing-checkpoint; a megatron-core tracker naming no checkpoint is an error
+    (the load reads and checks ours, and says what is wrong with it in a CheckpointError)."""
+    t = cfg.train
+    errors = []
+    if t.load:
+        found, problem = find_load(t.load, t.ckpt_step)
+        if problem:
+            errors.append(problem)
+        elif found is None and t.exit_on_missing_checkpoint:
+            errors.append(f"--load {t.load}: {missing_checkpoint(t.load)} (--exit-on-missing-checkpoint)")
+    if t.pretrained_checkpoint:
+        p = t.pretrained_checkpoint
+        found, problem = find_load(p, None, "--pretrained-checkpoint")
+        if found == "mcore":
+            problem = f"--pretrained-checkpoint {p}: a megatron-core checkpoint: convert it first with " + (
+                MCORE_CONVERT.format(load=p)
+            )
+        if problem or found is None:
+            errors.append(problem or f"--pretrained-checkpoint {p}: {missing_checkpoint(p)}")
+    return errors
+
+
+def missing_checkpoint(directory: str) -> str:
+    """Why `directory` (where find_load found nothing) holds no checkpoint: the words of the one line."""
+    import os
+
+    if not os.path.exists(directory):
+        return "does not exist"
+    return "holds no checkpoint (no 'latest', no meta.json)"
+
+
+def find_load(directory: str, step: int | None, flag: str = "--load") -> tuple[str | None, str | None]:
+    """(what `directory` holds: 'ours', 'mcore' (a megatron-core torch_dist checkpoint: its tracker file
+    or an iteration dir with DCP's .metadata and no meta.json of ours) or None for no checkpoint, why it
+    cannot be read or None). Ours is what files.locate_checkpoint finds (a meta.json, a 'latest', or the
+    --ckpt-step iteration): reading and checking it is the load's (a CheckpointError naming the file)."""
+    import os
+
+    from ..checkpoint.files import CheckpointError, iter_name
+    from ..checkpoint.mcore import TRACKER, iteration_dir
+
+    has = lambda *names: os.path.isfile(os.path.join(directory, *names))  # noqa: E731
+    latest = os.path.exists(os.path.join(directory, "latest"))
+    if has(TRACKER) and not latest or has(".metadata") and not has("meta.json"):
+        source = os.path.join(directory, iter_name(step)) if step is not None else directory
+        try:  # the tracker names an iteration dir that holds DCP's metadata
+            iteration_dir(source)
+        except (CheckpointError, ValueError) as e:
+            return None, f"{flag} {directory}: a megatron-core checkpoint that cannot be read: {e}"
+        return "mcore", None
+    return ("ours" if latest or has("meta.json") or step is not None else None), None

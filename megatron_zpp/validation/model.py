@@ -207,3 +207,19 @@ def check_megatron_model(cfg: Config, world_size: int) -> list[str]:
             ),
         ]
     )
+
+
+def model_warnings(cfg: Config) -> list[str]:
+    """What Megatron-LM accepts without a word but likely is a slip: one start-up line each (the run goes on,
+    as Megatron's would). A hybrid period of 1 leaves no linear-attention layer, one past --num-layers no
+    softmax layer (megatron-core's own pattern: layer i is softmax attention where (i + 1) % N == 0)."""
+    m = cfg.model
+    k, kind = m.softmax_attention_every, m.attention_type.upper()
+    if m.attention_type == "softmax" or not k or 1 < k <= m.num_layers:
+        return []
+    spelled = f"--softmax-attention-every {k} (Megatron's --linear-attention-freq {k})"
+    if k == 1:
+        return [
+            f"{spelled}: every layer is softmax attention, no {kind} layer is left (--attention-type {kind.lower()})"
+        ]
+    return [f"{spelled} is past --num-layers {m.num_layers}: no layer is softmax attention, all are {kind}"]

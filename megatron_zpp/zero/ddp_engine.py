@@ -18,7 +18,7 @@ import torch
 
 from ..model.init import materialize
 from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
-from ..optim.optimizer import decoupled_lr_params
+from ..optim.optimizer import decoupled_lr_params, qk_norm_params
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked, numbered_layout, param_slot
 from .grad_buffer import GradBuffer
@@ -60,7 +60,8 @@ class DDPEngine(DataParallelEngine):
             for c, chunk in enumerate(chunks):
                 chunk.register_full_backward_pre_hook(self._backward_hook(c))
         decoupled = set().union(*(decoupled_lr_params(c) for c in chunks))
-        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg, decoupled)
+        qk_norms = set().union(*(qk_norm_params(c) for c in chunks))
+        self.optimizer = MixedPrecisionAdamW(self.params, optim_cfg, decoupled, qk_norms)
         self.optimizer_name = self.optimizer.name
         self.clip = optim_cfg.clip_grad
 

@@ -46,7 +46,7 @@ import torch
 
 from ..model.init import materialize
 from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_rates
-from ..optim.optimizer import decoupled_lr_params
+from ..optim.optimizer import decoupled_lr_params, qk_norm_params
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked
 from .gather_schedule import GatherSchedule, install_gather_waits
@@ -110,16 +110,18 @@ class ZeroEngine(DataParallelEngine):
     def _build_optimizer(self, optim_cfg) -> None:
         """AdamW over views of the fp32 master shards, one per trainable parameter piece in the shard."""
         self.opt_segments = []  # (unit, a, b, fp32 master view): AdamW steps these views of the shards
-        ndims, decoupled = [], []  # per segment: its parameter's ndim, whether it takes --decoupled-lr
+        ndims, decoupled, qk = [], [], []  # per segment: its parameter's ndim, --decoupled-lr, a query/key norm
         decoupled_ids = set().union(*(decoupled_lr_params(c) for c in self.chunks))
+        qk_ids = set().union(*(qk_norm_params(c) for c in self.chunks))
         for unit in self.units:
             for p, a, b, _ in unit.segments():
                 if p.requires_grad:
                     self.opt_segments.append((unit, a, b, torch.nn.Parameter(unit.master[a:b])))
                     ndims.append(unit.ndims[id(p)])
                     decoupled.append(id(p) in decoupled_ids)
+                    qk.append(id(p) in qk_ids)
         self.optimizer, self.optimizer_name = build_adamw(
-            [v for *_, v in self.opt_segments], ndims, optim_cfg, decoupled=decoupled
+            [v for *_, v in self.opt_segments], ndims, optim_cfg, decoupled=decoupled, qk_norm=qk
         )
 
     # what the tests and the benches look at: the reductions' pool, schedule and mode
