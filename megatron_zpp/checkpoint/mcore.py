@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from . import mcore_optimizer
 from .dcp import _single_process_quiet as quiet
 from .files import CheckpointError, iter_name
 
@@ -178,10 +179,16 @@ def read_common(path: str) -> dict:
     legacy = os.path.join(path, "common.pt")
     if os.path.isfile(legacy):
         return _unpickle(legacy)
+    return read_objects(path, [COMMON_KEY])[COMMON_KEY]
+
+
+def read_objects(path: str, keys: list[str]) -> dict:
+    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`."""
     planner = _BytesAsRead(flatten_state_dict=False)
     with quiet():
-        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
-    return _unpickle(planner.read[COMMON_KEY])[0]
+        dcp.load({k: io.BytesIO() for k in keys}, storage_reader=dcp.FileSystemReader(path), planner=planner,
+                 no_dist=True)  # fmt: skip
+    return {k: _unpickle(planner.read[k])[0] for k in keys}
 
 
 class _BytesAsRead(DefaultLoadPlanner):
@@ -324,18 +331,11 @@ def _model_keys(cfg) -> set[str]:
     return set(TOP_KEYS.values()) | set(LAYER_KEYS.values())
 
 
-def _has_moments(tensors: dict) -> bool:
-    return f"optimizer.state.exp_avg.{TOP_KEYS['embedding.weight']}" in tensors
-
-
 def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
     why = [
         f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
     ]
-    if "optimizer" in common and not _has_moments(tensors):
-        why.append("its optimizer state is not kept per parameter (the distributed optimizer's dp_reshardable "
-                   "buffers): convert the weights with --no-optim")  # fmt: skip
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
@@ -361,33 +361,21 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         why = [w for w in why if "optimizer" not in w]
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
-    masters = "optimizer.state.fp32_param."  # bf16/fp16 runs: the fp32 masters are the weights
+    adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
     model = {k: v for k, v in tensors.items() if k in _model_keys(cfg)}
-    model.update({k[len(masters) :]: v for k, v in tensors.items() if k.startswith(masters)})
+    model.update(adam.masters if adam else mcore_optimizer.masters(tensors))  # bf16/fp16 runs: the fp32 masters
     weights = from_mcore({k: v.float() for k, v in model.items()}, cfg)
     moments, step = None, None
-    state = (common.get("optimizer") or {}).get("state") or {}
-    if with_optimizer and _has_moments(tensors):
-        per_kind = {
-            kind: from_mcore(
-                {
-                    k[len(f"optimizer.state.{kind}.") :]: v.float()
-                    for k, v in tensors.items()
-                    if k.startswith(f"optimizer.state.{kind}.")
-                },
-                cfg,
-            )  # fmt: skip
-            for kind in MOMENTS
-        }
-        moments = {n: {kind: per_kind[kind][n] for kind in MOMENTS} for n in weights}
-        step = float(state.get("common_step", common.get("iteration", 0)))
+    if adam is not None:
+        per_kind = {kind: from_mcore(adam.moments[kind], cfg) for kind in MOMENTS}
+        moments, step = {n: {kind: per_kind[kind][n] for kind in MOMENTS} for n in weights}, adam.step
     iteration = int(common.get("iteration", 0))
     scheduler = common.get("opt_param_scheduler") or {}
     consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
     out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
     dropped = [k for k in object_keys(path) if k != COMMON_KEY]  # extra states (TE's FP8 scales), RNG states
     done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
-    return out, done | {"dropped": dropped}
+    return out, done | {"dropped": dropped, "step": step, "optimizer_format": adam.sharding if adam else None}
 
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:

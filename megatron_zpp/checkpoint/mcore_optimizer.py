@@ -1,0 +1,232 @@
+"""megatron-core's Adam state in a torch_dist checkpoint: fp32 masters, both moments and the step, read from
+each optimizer megatron-core 0.19 writes and written for its DistributedOptimizer (mcore.py moves the weights).
+
+What megatron-core writes (read off its own `dist_checkpointing.save`, tests/checkpoint/test_mcore_distopt.py):
+
+* FP32Optimizer / Float16OptimizerWithFloat16Params (no `--use-distributed-optimizer`): per model tensor,
+  `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` and in bf16/fp16 the masters
+  `optimizer.state.fp32_param.<model key>`; the common state's `optimizer` ({"param_groups", "state"},
+  nested once more under "optimizer" for Float16) holds `state.common_step`, absent when Adam never stepped.
+* DistributedOptimizer, `fully_reshardable` (`--dist-ckpt-optim-fully-reshardable`): the same per-tensor
+  keys with the masters as `optimizer.state.param.<model key>` (fp32, whatever the model's dtype); the
+  common state's `optimizer.optimizer.param_groups[*].step` is Adam's step.
+* DistributedOptimizer, `dp_reshardable` (Megatron-LM's default): one flat fp32 tensor per gradient bucket
+  and kind, `optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_(<param>, <grad>).bucket_idx_<k>.
+  {param,exp_avg,exp_avg_sq}`, of the bucket's unpadded length; pickled objects beside them under the
+  same prefix: `per_bucket_numel_unpadded` and `optimizer` (its `param_groups[*].step`). A bucket holds the
+  model's parameters in reverse registration order, each starting at a multiple of 64 elements. There are
+  no per-parameter offsets in the file: they are laid out here from the model's parameter order (the local
+  spec's or Transformer Engine's, which fuses the norms into linear_qkv/linear_fc1) and the buckets'
+  lengths, and the layout is accepted only where every master rounds to the checkpoint's own weight.
+
+The format is named by the common state's `content_metadata.distrib_optim_sharding_type` (or
+`optimizer.param_state_sharding_type`). Anything else is refused by name, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .files import CheckpointError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FULLY, DP = "fully_reshardable", "dp_reshardable"
+MASTERS = ("optimizer.state.fp32_param.", "optimizer.state.param.")  # Float16Optimizer's, DistributedOptimizer's
+FLAT = "optimizer.distributed."
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+_Q, _P, _F1, _F2 = (f"decoder.layers.{m}." for m in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                                                     "mlp.linear_fc1", "mlp.linear_fc2"))  # fmt: skip
+_QK = [f"decoder.layers.self_attention.{n}_layernorm.{w}" for n in "qk" for w in ("weight", "bias")]
+# a layer's parameters in registration order: the local spec (separate norm modules) and Transformer Engine's
+# (the norms inside linear_qkv/linear_fc1, after linear_proj)
+LAYER_ORDER = {
+    "local": [_Q + "layer_norm_weight", _Q + "layer_norm_bias", _P + "weight", _P + "bias", _Q + "weight",
+              _Q + "bias", *_QK, _F1 + "layer_norm_weight", _F1 + "layer_norm_bias", _F1 + "weight", _F1 + "bias",
+              _F2 + "weight", _F2 + "bias"],
+    "transformer_engine": [_P + "weight", _P + "bias", _Q + "layer_norm_weight", _Q + "layer_norm_bias",
+                           _Q + "weight", _Q + "bias", *_QK, _F1 + "layer_norm_weight", _F1 + "layer_norm_bias",
+                           _F1 + "weight", _F1 + "bias", _F2 + "weight", _F2 + "bias"],
+}  # fmt: skip
+FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+
+
+@dataclasses.dataclass
+class AdamState:
+    """Adam's state of a megatron-core checkpoint, by megatron-core's global model keys."""
+
+    masters: dict[str, torch.Tensor]  # fp32; empty where the checkpoint holds none (fp32 runs, FP32Optimizer)
+    moments: dict[str, dict[str, torch.Tensor]]  # kind -> key -> fp32
+    step: float
+    sharding: str  # "fully_reshardable", "dp_reshardable" or "none" (the non-distributed optimizers)
+
+
+def sharding_type(common: dict) -> str:
+    """The distributed optimizer's format of a checkpoint's common state; "none" for the other optimizers."""
+    kind = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    return kind or (common.get("optimizer") or {}).get("param_state_sharding_type") or "none"
+
+
+def _groups_step(groups: list, where: str) -> float | None:
+    steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+    if len(steps) > 1:
+        raise CheckpointError(f"{where}: its parameter groups hold different Adam steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def adam_step(optimizer: dict, where: str) -> float:
+    """Adam's step of a megatron-core optimizer state: `param_groups[*].step` (distributed optimizer) or
+    `state.common_step` (the others, which write none before the first step), at either nesting."""
+    inner = optimizer.get("optimizer") if isinstance(optimizer.get("optimizer"), dict) else optimizer
+    step = _groups_step(inner.get("param_groups") or [], where)
+    common = (inner.get("state") or {}).get("common_step")
+    if step is None and common is not None:
+        step = float(common)
+    if step is None and "state" not in inner:
+        raise CheckpointError(f"{where}: no Adam step (no param_groups[*].step, no state.common_step)")
+    return 0.0 if step is None else step
+
+
+def read_adam(path: str, common: dict, tensors: dict[str, torch.Tensor], args, read_objects) -> AdamState | None:
+    """Adam's masters, moments and step of megatron-core's checkpoint `path` (its common state and global
+    tensors read; `read_objects(path, keys)` reads its pickled objects); None when it holds no optimizer state."""
+    kind = sharding_type(common)
+    if kind == DP:
+        return _read_flat(path, tensors, args, read_objects)
+    if kind not in ("none", FULLY):
+        raise CheckpointError(
+            f"{path}: the distributed optimizer's {kind} format is not read here "
+            "(re-save with --dist-ckpt-optim-fully-reshardable, or convert with --no-optim)"
+        )
+    if "optimizer" not in common:
+        return None
+    moments = {m: _prefixed(tensors, f"optimizer.state.{m}.") for m in MOMENTS}
+    if not moments["exp_avg"]:
+        raise CheckpointError(f"{path}: its optimizer state holds no optimizer.state.exp_avg.* tensors")
+    return AdamState(masters(tensors), moments, adam_step(common["optimizer"], path), kind)
+
+
+def masters(tensors: dict) -> dict[str, torch.Tensor]:
+    """The fp32 masters kept per model tensor (either optimizer's name), by global model keys."""
+    out: dict = {}
+    for prefix in MASTERS:
+        out |= _prefixed(tensors, prefix)
+    return out
+
+
+def _prefixed(tensors: dict, prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# ---- dp_reshardable: the flat buckets ----------------------------------------------------------
+def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
+    flat = {k: v for k, v in tensors.items() if k.startswith(FLAT)}
+    if not flat:
+        raise CheckpointError(f"{path}: its dp_reshardable optimizer state has no flat buffers ({FLAT}*)")
+    groups = sorted({k.split(".")[2] for k in flat})
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    if (
+        groups != ["dp_group_idx_0"]
+        or (tp, pp) != (1, 1)
+        or getattr(args, "virtual_pipeline_model_parallel_size", None)
+    ):
+        raise CheckpointError(
+            f"{path}: dp_reshardable optimizer state written at TP{tp} x PP{pp} ({len(groups)} model-parallel "
+            "groups): its flat buffers are read here at TP1 x PP1 only; re-save with "
+            "--dist-ckpt-optim-fully-reshardable (any layout) or convert with --no-optim"
+        )
+    prefix = f"{FLAT}dp_group_idx_0."
+    names = [f"{prefix}{n}/shard_0_1" for n in ("optimizer", "per_bucket_numel_unpadded")]
+    missing = [n for n in names if n not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata]
+    if missing:
+        raise CheckpointError(f"{path}: no {', '.join(missing)} (the distributed optimizer's metadata)")
+    opt, buffers = (read_objects(path, names)[n] for n in names)
+    buckets = sorted({k[: k.rindex(".")] for k in flat})
+    if len(buffers) != 1 or len(next(iter(buffers[0].values()))) != len(buckets):
+        raise CheckpointError(f"{path}: {len(buckets)} flat buckets in {len(buffers)} buffers; one buffer of "
+                              "one parameter dtype is read here (no experts, no fp8 parameters)")  # fmt: skip
+    lengths = next(iter(buffers[0].values()))
+    step = _groups_step(opt.get("param_groups") or [], path)
+    if step is None:
+        raise CheckpointError(f"{path}: {prefix}optimizer holds no param_groups[*].step (Adam's step)")
+    bucket_keys = [f"{prefix}gbuf_idx_0.dtype_{next(iter(buffers[0]))}.bucket_idx_{i}" for i in range(len(lengths))]
+    why = []
+    for impl in _impls(args):
+        order = model_order(tensors, impl, bool(getattr(args, "untie_embeddings_and_output_weights", False)))
+        spans = layout(order, lengths, tensors)
+        if isinstance(spans, str):
+            why.append(f"{impl}: {spans}")
+            continue
+        state = {kind: _unflatten(flat, bucket_keys, kind, spans, tensors) for kind in ("param", *MOMENTS)}
+        wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
+        if not wrong:
+            return AdamState(state["param"], {m: state[m] for m in MOMENTS}, step, DP)
+        why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")
+    raise CheckpointError(f"{path}: its dp_reshardable buffers match no megatron-core parameter layout "
+                          f"({'; '.join(why)}); convert with --no-optim")  # fmt: skip
+
+
+def _impls(args) -> list[str]:
+    """The layer specs to try, the args' own first (Megatron-LM's --transformer-impl)."""
+    first = getattr(args, "transformer_impl", "transformer_engine")
+    return [first, *(k for k in LAYER_ORDER if k != first)] if first in LAYER_ORDER else list(LAYER_ORDER)
+
+
+def model_order(tensors: dict, impl: str, untied: bool) -> list[tuple[str, int | None]]:
+    """megatron-core's GPTModel parameters in registration order, as (global key, layer or None): those
+    the checkpoint holds (biases, norms' biases, position embeddings), the output layer when `untied`."""
+    layers = tensors[_Q + "weight"].shape[0]
+    order: list[tuple[str, int | None]] = [(k, None) for k in FIRST if k in tensors]
+    for i in range(layers):
+        order += [(k, i) for k in LAYER_ORDER[impl] if k in tensors]
+    last = LAST if untied else LAST[:-1]
+    return order + [(k, None) for k in last if k in tensors]
+
+
+def _shape(tensors: dict, key: str, layer: int | None) -> torch.Size:
+    return tensors[key].shape if layer is None else tensors[key].shape[1:]
+
+
+def layout(order: list, lengths: list[int], tensors: dict) -> dict | str:
+    """{(key, layer): (bucket, start, numel)}: the parameters in reverse order, each from a multiple of 64,
+    a bucket closed where its unpadded length ends; or why `lengths` do not fit."""
+    spans, bucket, pos = {}, 0, 0
+    for key, layer in reversed(order):
+        if bucket == len(lengths):
+            return f"parameters left after {len(lengths)} buckets"
+        start = -(-pos // 64) * 64
+        numel = _shape(tensors, key, layer).numel()
+        spans[key, layer], pos = (bucket, start, numel), start + numel
+        if pos > lengths[bucket]:
+            return f"{key} ends at {pos}, past its bucket's {lengths[bucket]} elements"
+        if -(-pos // 64) * 64 >= lengths[bucket]:
+            bucket, pos = bucket + 1, 0
+    return spans if bucket == len(lengths) else f"{len(lengths) - bucket} buckets left unfilled"
+
+
+def _unflatten(flat: dict, bucket_keys: list, kind: str, spans: dict, tensors: dict) -> dict[str, torch.Tensor]:
+    """One kind's global tensors (layers stacked) cut out of the flat buckets by `spans`."""
+    out: dict[str, list] = {}
+    for (key, layer), (bucket, start, numel) in spans.items():
+        piece = flat[f"{bucket_keys[bucket]}.{kind}"][start : start + numel].float().view(_shape(tensors, key, layer))
+        if layer is None:
+            out[key] = [piece]
+        else:
+            out.setdefault(key, [None] * tensors[key].shape[0])[layer] = piece
+    return {k: torch.stack(v) if k.startswith("decoder.layers.") else v[0] for k, v in out.items()}
+
+
+# ---- writing: the DistributedOptimizer's fully_reshardable state --------------------------------
+def write_fully_reshardable(masters: dict, moments: dict, step: float, groups: list[dict]) -> tuple[dict, dict]:
+    """(tensors, common-state entries) of megatron-core's DistributedOptimizer in the fully_reshardable
+    format: fp32 `masters` and `moments` (kind -> key -> tensor) by global keys, Adam's `step` in every group."""
+    tensors = {f"optimizer.state.param.{k}": v.float() for k, v in masters.items()}
+    for kind in MOMENTS:
+        tensors |= {f"optimizer.state.{kind}.{k}": v.float() for k, v in moments[kind].items()}
+    optimizer = {"param_groups": [g | {"step": float(step)} for g in groups]}
+    common = {"optimizer": {"optimizer": optimizer, "param_state_sharding_type": FULLY},
+              "content_metadata": {"distrib_optim_sharding_type": FULLY, **CONTENT_METADATA}}  # fmt: skip
+    return tensors, common
