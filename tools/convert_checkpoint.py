@@ -18,14 +18,19 @@
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
     python tools/convert_checkpoint.py --from megatron --load mlm_ckpt --to sharded --save ckpt [--no-optim]
-        a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; the
-        non-distributed Adam optimizer's state) -> our --ckpt-format torch_dist checkpoint: weights (the
-        fp32 masters in bf16 runs), Adam's moments and step, iteration and consumed samples (the LR
-        schedule's position); the model settings are read from the checkpoint's args
+        a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; Adam's
+        state of the non-distributed optimizer, or of --use-distributed-optimizer in either format:
+        fully_reshardable at any layout, dp_reshardable written at TP1 x PP1, any DP) -> our --ckpt-format
+        torch_dist checkpoint: weights (the fp32 masters in bf16/fp16 runs), Adam's moments and step (the
+        checkpoint's own), iteration and consumed samples (the LR schedule's position); the model
+        settings are read from the checkpoint's args
     python tools/convert_checkpoint.py --load ckpt --to megatron --save mlm_ckpt [--no-optim]
+                                       [--use-distributed-optimizer]
         ours (any format and layout) -> a megatron-core torch_dist checkpoint that Megatron-LM's
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
-        step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py)
+        step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py); with
+        --use-distributed-optimizer, Adam's state as megatron-core's DistributedOptimizer keeps it
+        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it)
 
 RoPE needs no permutation of the q/k rows: we rotate the pairs (x[i], x[i + d/2]) as HF
 Llama's rotate_half does. The vocabulary is the padded one (the rows past the tokenizer's
@@ -356,7 +361,9 @@ def _megatron(args) -> int:
         if args.source == "megatron":
             out, done = mcore.import_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
         else:
-            out, done = mcore.export_checkpoint(args.load, args.output, with_optimizer=not args.no_optim)
+            out, done = mcore.export_checkpoint(
+                args.load, args.output, not args.no_optim, distributed_optimizer=args.use_distributed_optimizer
+            )
     except (CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -364,7 +371,8 @@ def _megatron(args) -> int:
         print(f"dropped {len(done['dropped'])} pickled objects (_extra_state: Transformer Engine's FP8 scales, None "
               f"in the local spec; rng_state): {', '.join(done['dropped'][:2])}, ...")  # fmt: skip
     what = "weights and Adam state" if done["optimizer"] else "weights only"
-    print(f"wrote {out} ({what}: {done['tensors']} tensors, iteration {done['iteration']})")
+    adam = f", Adam step {done['step']:g} ({done['optimizer_format']})" if done.get("step") is not None else ""
+    print(f"wrote {out} ({what}: {done['tensors']} tensors, iteration {done['iteration']}{adam})")
     return 0
 
 
@@ -398,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--from megatron, --to megatron: the weights only (no Adam state; the iteration is kept)",
     )
     ap.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="--to megatron: Adam's state as megatron-core's DistributedOptimizer keeps it (fully_reshardable), "
+        "for a Megatron-LM run with --use-distributed-optimizer",
+    )
+    ap.add_argument(
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
@@ -407,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--to sharded goes with --from hf or --from megatron (our own checkpoints are sharded already)")
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
+    if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):
+        ap.error("--use-distributed-optimizer goes with --to megatron, without --no-optim (it names Adam's format)")
     if "megatron" in (args.source, args.to):
         return _megatron(args)
     try:

@@ -430,10 +430,13 @@ def _scheduler_state(cfg, consumed: int) -> dict:
             "wd_incr_style": o.weight_decay_incr_style, "wd_incr_steps": int(s.wd_incr)}  # fmt: skip
 
 
-def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
+def export_checkpoint(
+    load: str, save: str, with_optimizer: bool = True, distributed_optimizer: bool = False
+) -> tuple[str, dict]:
     """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
-    as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer. Returns (its
-    directory, a summary)."""
+    as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer, or with
+    `distributed_optimizer` its DistributedOptimizer in the fully_reshardable format (mcore_optimizer.py).
+    Returns (its directory, a summary)."""
     from .layout import config_from_dict
 
     weights, moments, step, meta = our_full_state(load)
@@ -450,7 +453,12 @@ def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         "iteration": meta["iteration"],
         "num_floating_point_operations_so_far": 0,
     }
-    if moments is not None:
+    if moments is not None and distributed_optimizer:
+        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg) for kind in MOMENTS}
+        state, optim = mcore_optimizer.write_fully_reshardable(masters, per_kind, float(step or 0), _param_groups(cfg))
+        tensors.update(state)
+        common.update(optim, opt_param_scheduler=_scheduler_state(cfg, meta["consumed_samples"]))
+    elif moments is not None:
         for kind in MOMENTS:
             mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg)
             tensors.update({f"optimizer.state.{kind}.{k}": v for k, v in mcore.items()})
@@ -461,5 +469,7 @@ def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
     common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)
+    if distributed_optimizer:
+        vars(common["args"]).update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
     out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)
     return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
