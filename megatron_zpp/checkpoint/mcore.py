@@ -20,9 +20,14 @@ keys; DCP reshards):
 * linear_qkv's rows grouped per query group: [groups, (q heads per group + 2) x head_dim] (q heads,
   k, v of group 0, then of group 1, ...); ours are [q | k | v], each head-major. linear_fc1 with
   SwiGLU is [gate | up], as ours;
-* the optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params, not the distributed optimizer's
-  flat buffers): `optimizer.state.exp_avg.<model key>`, `optimizer.state.exp_avg_sq.<model key>` and,
-  in bf16/fp16, `optimizer.state.fp32_param.<model key>` (the masters), shaped as the model tensors.
+* Adam's state, read and written by mcore_optimizer.py: FP32Optimizer / Float16OptimizerWithFloat16Params
+  keep `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` and, in bf16/fp16, the fp32 masters
+  `optimizer.state.fp32_param.<model key>`, shaped as the model tensors, the step in `state.common_step`;
+  the DistributedOptimizer (`--use-distributed-optimizer`) keeps the same per-tensor keys with the masters
+  as `optimizer.state.param.*` (`fully_reshardable`), or flat per-bucket tensors (`dp_reshardable`,
+  Megatron-LM's default), its step in `param_groups[*].step`. The import takes the masters (not the
+  bf16 weights) and the checkpoint's own step (never the iteration); the export writes the
+  non-distributed optimizer's state, or with `distributed_optimizer` the fully_reshardable one.
 """
 
 from __future__ import annotations

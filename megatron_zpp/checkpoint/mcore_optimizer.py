@@ -80,7 +80,8 @@ def _groups_step(groups: list, where: str) -> float | None:
 def adam_step(optimizer: dict, where: str) -> float:
     """Adam's step of a megatron-core optimizer state: `param_groups[*].step` (distributed optimizer) or
     `state.common_step` (the others, which write none before the first step), at either nesting."""
-    inner = optimizer.get("optimizer") if isinstance(optimizer.get("optimizer"), dict) else optimizer
+    nested = optimizer.get("optimizer")
+    inner: dict = nested if isinstance(nested, dict) else optimizer
     step = _groups_step(inner.get("param_groups") or [], where)
     common = (inner.get("state") or {}).get("common_step")
     if step is None and common is not None:
