@@ -378,7 +378,8 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     scheduler = common.get("opt_param_scheduler") or {}
     consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
     out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
-    dropped = [k for k in object_keys(path) if k != COMMON_KEY]  # extra states (TE's FP8 scales), RNG states
+    dropped = adam.dropped if adam else []  # the fp16 loss scale; extra states (TE's FP8 scales), RNG states:
+    dropped += [k for k in object_keys(path) if k != COMMON_KEY and not k.startswith(mcore_optimizer.FLAT)]
     done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
     return out, done | {"dropped": dropped, "step": step, "optimizer_format": adam.sharding if adam else None}
 

@@ -62,6 +62,10 @@ class AdamState:
     moments: dict[str, dict[str, torch.Tensor]]  # kind -> key -> fp32
     step: float
     sharding: str  # "fully_reshardable", "dp_reshardable" or "none" (the non-distributed optimizers)
+    dropped: list[str] = dataclasses.field(default_factory=list)  # what the checkpoint holds that is not carried
+
+
+SCALER = "grad_scaler (fp16's dynamic loss scale: the run restarts it from --initial-loss-scale)"
 
 
 def sharding_type(common: dict) -> str:
@@ -107,7 +111,8 @@ def read_adam(path: str, common: dict, tensors: dict[str, torch.Tensor], args, r
     moments = {m: _prefixed(tensors, f"optimizer.state.{m}.") for m in MOMENTS}
     if not moments["exp_avg"]:
         raise CheckpointError(f"{path}: its optimizer state holds no optimizer.state.exp_avg.* tensors")
-    return AdamState(masters(tensors), moments, adam_step(common["optimizer"], path), kind)
+    dropped = [SCALER] if "grad_scaler" in common["optimizer"] else []
+    return AdamState(masters(tensors), moments, adam_step(common["optimizer"], path), kind, dropped)
 
 
 def masters(tensors: dict) -> dict[str, torch.Tensor]:
@@ -141,7 +146,8 @@ def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
         )
     prefix = f"{FLAT}dp_group_idx_0."
     names = [f"{prefix}{n}/shard_0_1" for n in ("optimizer", "per_bucket_numel_unpadded")]
-    missing = [n for n in names if n not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata]
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [n for n in names if n not in stored]
     if missing:
         raise CheckpointError(f"{path}: no {', '.join(missing)} (the distributed optimizer's metadata)")
     opt, buffers = (read_objects(path, names)[n] for n in names)
@@ -164,7 +170,8 @@ def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
         state = {kind: _unflatten(flat, bucket_keys, kind, spans, tensors) for kind in ("param", *MOMENTS)}
         wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
         if not wrong:
-            return AdamState(state["param"], {m: state[m] for m in MOMENTS}, step, DP)
+            dropped = [SCALER] if f"{prefix}grad_scaler/shard_0_1" in stored else []
+            return AdamState(state["param"], {m: state[m] for m in MOMENTS}, step, DP, dropped)
         why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")
     raise CheckpointError(f"{path}: its dp_reshardable buffers match no megatron-core parameter layout "
                           f"({'; '.join(why)}); convert with --no-optim")  # fmt: skip

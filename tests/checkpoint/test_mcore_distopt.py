@@ -88,10 +88,10 @@ def _distopt_shims():
     _CudaIsCpu().__enter__()  # for the rest of this rank's process
 
 
-def _trainer(cfg):
-    """megatron-core's bf16 GPTModel in its DDP, DistributedOptimizer and OptimizerParamScheduler, as
-    Megatron-LM builds them for these flags with --bf16 --use-distributed-optimizer
-    --accumulate-allreduce-grads-in-fp32."""
+def _trainer(cfg, distributed: bool = True):
+    """megatron-core's bf16 GPTModel in its DDP, DistributedOptimizer (or, not `distributed`, its
+    Float16OptimizerWithFloat16Params) and OptimizerParamScheduler, as Megatron-LM builds them for these
+    flags with --bf16 [--use-distributed-optimizer] --accumulate-allreduce-grads-in-fp32."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -100,12 +100,13 @@ def _trainer(cfg):
     model = _mcore_model(cfg)
     model.config.bf16, model.config.params_dtype = True, torch.bfloat16
     model = model.to(torch.bfloat16)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     o, g = cfg.optim, cfg.train.global_batch_size
     oc = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=True, use_distributed_optimizer=True,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=True,
+        use_distributed_optimizer=distributed,
     )  # fmt: skip
     opt = get_megatron_optimizer(oc, [ddp])
     sched = OptimizerParamScheduler(
@@ -170,15 +171,33 @@ def _held(model, opt) -> dict:
     return {"state": out, "step": steps}
 
 
+def _held_float16(model, opt) -> dict:
+    """The same of megatron-core's Float16OptimizerWithFloat16Params (per parameter: its fp32 master and
+    Adam's state of that master)."""
+    inner = opt.chained_optimizers[0]
+    keys = {id(sh.data): sh.key for sh in model.sharded_state_dict().values() if not sh.key.endswith("_extra_state")}
+    layer = {id(p): int(n.split(".")[2]) if n.startswith("decoder.layers.") else 0 for n, p in model.named_parameters()}
+    out: dict = {k: {} for k in KINDS}
+    for params, masters in zip(inner.float16_groups, inner.fp32_from_float16_groups):
+        for param, master in zip(params, masters):
+            state = {"param": master, **{k: inner.optimizer.state[master][k] for k in mcore_optimizer.MOMENTS}}
+            for kind, value in state.items():
+                out[kind].setdefault(keys[id(param)], {})[layer[id(param)]] = value.detach().clone()
+    stacked = {kind: {k: torch.stack([v[i] for i in sorted(v)]) if k.startswith("decoder.layers.") else v[0]
+                      for k, v in out[kind].items()} for kind in KINDS}  # fmt: skip
+    steps = {float(s["step"]) for s in inner.optimizer.state.values()}
+    return {"state": stacked, "step": steps}
+
+
 def _save(cfg, model, opt, sched, root, fmt):
     from megatron.core import dist_checkpointing
 
-    metadata = {"distrib_optim_sharding_type": fmt, **mcore_optimizer.CONTENT_METADATA}
+    metadata = {"distrib_optim_sharding_type": fmt, **mcore_optimizer.CONTENT_METADATA} if fmt else {}
     sd = {"model": model.sharded_state_dict(metadata=metadata)}
     sd["optimizer"] = opt.sharded_state_dict(sd, metadata=metadata)
     args = _megatron_args(cfg)
     fully = fmt == mcore_optimizer.FULLY
-    vars(args).update(bf16=True, tensor_model_parallel_size=1, use_distributed_optimizer=True,
+    vars(args).update(bf16=True, tensor_model_parallel_size=1, use_distributed_optimizer=bool(fmt),
                       dist_ckpt_optim_fully_reshardable=fully, transformer_impl="local")  # fmt: skip
     sd.update(args=args, checkpoint_version=3.0, iteration=MEGATRON_ITERS, opt_param_scheduler=sched.state_dict(),
               num_floating_point_operations_so_far=0)  # fmt: skip
@@ -229,12 +248,20 @@ def _all_cases(rank, world, root):
 
     cfg = _cfg(FLAGS, world)
     parallel_state.initialize_model_parallel(1, 1)  # TP1, DP2
+    model, ddp, opt, sched = _trainer(cfg, distributed=False)  # the non-distributed bf16 optimizer first
+    _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
+    float16 = _held_float16(model, opt)
+    _save(cfg, model, opt, sched, os.path.join(root, "float16"), None)
+    if rank == 0:
+        summary = mcore.import_checkpoint(os.path.join(root, "float16"), os.path.join(root, "float16-ours"))[1]
+        float16 = (float16, summary, _ours_by_mcore_key(os.path.join(root, "float16-ours"), cfg))
+    torch.distributed.barrier()
     model, ddp, opt, sched = _trainer(cfg)
     written = _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
     held = _held(model, opt)
     for fmt in FORMATS:
         _save(cfg, model, opt, sched, os.path.join(root, fmt), fmt)
-    out = {"written": written, "held": held if rank == 0 else None, "imported": {}}
+    out = {"written": written, "held": held if rank == 0 else None, "imported": {}, "float16": float16}
     for fmt in FORMATS:
         if rank == 0:
             summary = mcore.import_checkpoint(os.path.join(root, fmt), os.path.join(root, f"{fmt}-ours"))[1]
@@ -281,6 +308,17 @@ def test_import_holds_megatrons_masters_moments_and_step_bitwise(results, fmt):
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), kind
     # the masters are not the bf16 weights: the import would be off by up to a bf16 rounding without them
     assert any(not torch.equal(m, m.bfloat16().float()) for m in imported["state"]["param"].values())
+
+
+def test_float16_optimizer_imports_its_masters_and_step_bitwise(results):
+    """The non-distributed bf16 optimizer (Float16OptimizerWithFloat16Params): its masters are
+    `optimizer.state.fp32_param.*`, its step `optimizer.optimizer.state.common_step` (nested once more than
+    FP32Optimizer's)."""
+    held, summary, imported = results["float16"]
+    assert summary["optimizer_format"] == "none" and summary["step"] == MEGATRON_ITERS == imported["step"]
+    assert held["step"] == {float(MEGATRON_ITERS)}
+    for kind in KINDS:
+        assert _max_diff(imported["state"][kind], held["state"][kind]) == 0.0, kind
 
 
 def test_three_steps_here_equal_megatrons_own_resume(results):
