@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from .files import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+KINDS = ("param", *MOMENTS)  # the distributed optimizer's names: the fp32 master, the moments
 FULLY, DP = "fully_reshardable", "dp_reshardable"
 MASTERS = ("optimizer.state.fp32_param.", "optimizer.state.param.")  # Float16Optimizer's, DistributedOptimizer's
 FLAT = "optimizer.distributed."
@@ -128,53 +129,68 @@ def _prefixed(tensors: dict, prefix: str) -> dict[str, torch.Tensor]:
 
 
 # ---- dp_reshardable: the flat buckets ----------------------------------------------------------
+# the tensor-parallel split of a global key (megatron-core's column-/row-parallel linears, its vocab-parallel
+# embedding and output layer): the dimension a TP rank holds 1/TP of; the others are whole on every rank
+TP_DIM = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0, _Q + "weight": 0, _Q + "bias": 0,
+          _P + "weight": 1, _F1 + "weight": 0, _F1 + "bias": 0, _F2 + "weight": 1}  # fmt: skip
+
+
 def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
     flat = {k: v for k, v in tensors.items() if k.startswith(FLAT)}
     if not flat:
         raise CheckpointError(f"{path}: its dp_reshardable optimizer state has no flat buffers ({FLAT}*)")
     groups = sorted({k.split(".")[2] for k in flat})
     tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
-    if (
-        groups != ["dp_group_idx_0"]
-        or (tp, pp) != (1, 1)
-        or getattr(args, "virtual_pipeline_model_parallel_size", None)
-    ):
+    if groups != [f"dp_group_idx_{g}" for g in range(tp)] or pp != 1:
         raise CheckpointError(
             f"{path}: dp_reshardable optimizer state written at TP{tp} x PP{pp} ({len(groups)} model-parallel "
-            "groups): its flat buffers are read here at TP1 x PP1 only; re-save with "
+            "groups): its flat buffers are read here at PP1 (any TP, any DP) only; re-save with "
             "--dist-ckpt-optim-fully-reshardable (any layout) or convert with --no-optim"
         )
-    prefix = f"{FLAT}dp_group_idx_0."
-    names = [f"{prefix}{n}/shard_0_1" for n in ("optimizer", "per_bucket_numel_unpadded")]
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    buffers = [_flat_group(path, f"{FLAT}dp_group_idx_{g}.", flat, stored, read_objects) for g in range(tp)]
+    steps = {step for _, _, step in buffers}
+    if len(steps) != 1:
+        raise CheckpointError(f"{path}: its tensor-parallel ranks hold different Adam steps {sorted(steps)}")
+    swiglu = bool(getattr(args, "swiglu", False))
+    why = []
+    for impl in _impls(args):
+        order = model_order(tensors, impl, bool(getattr(args, "untie_embeddings_and_output_weights", False)))
+        shards = []
+        for rank, (lengths, bucket_keys, _) in enumerate(buffers):
+            spans = layout(order, lengths, lambda k, i: _local_shape(tensors, k, i, tp))
+            if isinstance(spans, str):
+                why.append(f"{impl}: TP rank {rank}: {spans}")
+                break
+            shards.append({kind: _cut(flat, bucket_keys, kind, spans, tensors, tp) for kind in KINDS})
+        if len(shards) < tp:
+            continue
+        state = {kind: _whole([s[kind] for s in shards], swiglu) for kind in KINDS}
+        wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
+        if not wrong:
+            dropped = [SCALER] if f"{FLAT}dp_group_idx_0.grad_scaler/shard_0_1" in stored else []
+            return AdamState(state["param"], {m: state[m] for m in MOMENTS}, steps.pop(), DP, dropped)
+        why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")
+    raise CheckpointError(f"{path}: its dp_reshardable buffers match no megatron-core parameter layout "
+                          f"({'; '.join(why)}); convert with --no-optim")  # fmt: skip
+
+
+def _flat_group(path: str, prefix: str, flat: dict, stored, read_objects) -> tuple[list[int], list[str], float]:
+    """(its buckets' unpadded lengths, their keys, Adam's step) of one model-parallel group's flat state."""
+    names = [f"{prefix}{n}/shard_0_1" for n in ("optimizer", "per_bucket_numel_unpadded")]
     missing = [n for n in names if n not in stored]
     if missing:
         raise CheckpointError(f"{path}: no {', '.join(missing)} (the distributed optimizer's metadata)")
     opt, buffers = (read_objects(path, names)[n] for n in names)
-    buckets = sorted({k[: k.rindex(".")] for k in flat})
+    buckets = {k[: k.rindex(".")] for k in flat if k.startswith(prefix)}
     if len(buffers) != 1 or len(next(iter(buffers[0].values()))) != len(buckets):
-        raise CheckpointError(f"{path}: {len(buckets)} flat buckets in {len(buffers)} buffers; one buffer of "
-                              "one parameter dtype is read here (no experts, no fp8 parameters)")  # fmt: skip
-    lengths = next(iter(buffers[0].values()))
+        raise CheckpointError(f"{path}: {len(buckets)} flat buckets in {len(buffers)} buffers under {prefix}; one "
+                              "buffer of one parameter dtype is read here (no experts, no fp8 parameters)")  # fmt: skip
+    ((dtypes, lengths),) = buffers[0].items()
     step = _groups_step(opt.get("param_groups") or [], path)
     if step is None:
         raise CheckpointError(f"{path}: {prefix}optimizer holds no param_groups[*].step (Adam's step)")
-    bucket_keys = [f"{prefix}gbuf_idx_0.dtype_{next(iter(buffers[0]))}.bucket_idx_{i}" for i in range(len(lengths))]
-    why = []
-    for impl in _impls(args):
-        order = model_order(tensors, impl, bool(getattr(args, "untie_embeddings_and_output_weights", False)))
-        spans = layout(order, lengths, tensors)
-        if isinstance(spans, str):
-            why.append(f"{impl}: {spans}")
-            continue
-        state = {kind: _unflatten(flat, bucket_keys, kind, spans, tensors) for kind in ("param", *MOMENTS)}
-        wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
-        if not wrong:
-            dropped = [SCALER] if f"{prefix}grad_scaler/shard_0_1" in stored else []
-            return AdamState(state["param"], {m: state[m] for m in MOMENTS}, step, DP, dropped)
-        why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")
-    raise CheckpointError(f"{path}: its dp_reshardable buffers match no megatron-core parameter layout "
-                          f"({'; '.join(why)}); convert with --no-optim")  # fmt: skip
+    return lengths, [f"{prefix}gbuf_idx_0.dtype_{dtypes}.bucket_idx_{i}" for i in range(len(lengths))], step
 
 
 def _impls(args) -> list[str]:
@@ -194,19 +210,24 @@ def model_order(tensors: dict, impl: str, untied: bool) -> list[tuple[str, int |
     return order + [(k, None) for k in last if k in tensors]
 
 
-def _shape(tensors: dict, key: str, layer: int | None) -> torch.Size:
-    return tensors[key].shape if layer is None else tensors[key].shape[1:]
+def _local_shape(tensors: dict, key: str, layer: int | None, tp: int) -> torch.Size:
+    """A TP rank's shape of a global key's tensor (one layer's, for the stacked layer keys)."""
+    shape = list(tensors[key].shape if layer is None else tensors[key].shape[1:])
+    if key in TP_DIM:
+        shape[TP_DIM[key]] //= tp
+    return torch.Size(shape)
 
 
-def layout(order: list, lengths: list[int], tensors: dict) -> dict | str:
+def layout(order: list, lengths: list[int], shape) -> dict | str:
     """{(key, layer): (bucket, start, numel)}: the parameters in reverse order, each from a multiple of 64,
-    a bucket closed where its unpadded length ends; or why `lengths` do not fit."""
+    a bucket closed where its unpadded length ends (`shape(key, layer)`: a parameter's); or why `lengths`
+    do not fit."""
     spans, bucket, pos = {}, 0, 0
     for key, layer in reversed(order):
         if bucket == len(lengths):
             return f"parameters left after {len(lengths)} buckets"
         start = -(-pos // 64) * 64
-        numel = _shape(tensors, key, layer).numel()
+        numel = shape(key, layer).numel()
         spans[key, layer], pos = (bucket, start, numel), start + numel
         if pos > lengths[bucket]:
             return f"{key} ends at {pos}, past its bucket's {lengths[bucket]} elements"
@@ -215,16 +236,31 @@ def layout(order: list, lengths: list[int], tensors: dict) -> dict | str:
     return spans if bucket == len(lengths) else f"{len(lengths) - bucket} buckets left unfilled"
 
 
-def _unflatten(flat: dict, bucket_keys: list, kind: str, spans: dict, tensors: dict) -> dict[str, torch.Tensor]:
-    """One kind's global tensors (layers stacked) cut out of the flat buckets by `spans`."""
-    out: dict[str, list] = {}
-    for (key, layer), (bucket, start, numel) in spans.items():
-        piece = flat[f"{bucket_keys[bucket]}.{kind}"][start : start + numel].float().view(_shape(tensors, key, layer))
-        if layer is None:
-            out[key] = [piece]
+def _cut(flat: dict, bucket_keys: list, kind: str, spans: dict, tensors: dict, tp: int) -> dict:
+    """{(key, layer): one TP rank's fp32 tensor} of one kind, cut out of its flat buckets by `spans`."""
+    return {
+        (key, layer): flat[f"{bucket_keys[bucket]}.{kind}"][start : start + n]
+        .float()
+        .view(_local_shape(tensors, key, layer, tp))
+        for (key, layer), (bucket, start, n) in spans.items()
+    }
+
+
+def _whole(shards: list[dict], swiglu: bool) -> dict[str, torch.Tensor]:
+    """The global tensors (layers stacked) of the TP ranks' `shards`: the split keys concatenated along
+    their dimension (SwiGLU's fc1: each rank holds [its gate rows | its up rows]), the others rank 0's."""
+    out: dict[str, dict] = {}
+    for key, layer in shards[0]:
+        parts = [s[key, layer] for s in shards]
+        if key not in TP_DIM:
+            whole = parts[0]
+        elif swiglu and key.startswith(_F1):
+            halves = [p.chunk(2) for p in parts]
+            whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         else:
-            out.setdefault(key, [None] * tensors[key].shape[0])[layer] = piece
-    return {k: torch.stack(v) if k.startswith("decoder.layers.") else v[0] for k, v in out.items()}
+            whole = torch.cat(parts, TP_DIM[key])
+        out.setdefault(key, {})[layer] = whole
+    return {k: torch.stack([v[i] for i in sorted(v)]) if None not in v else v[None] for k, v in out.items()}
 
 
 # ---- writing: the DistributedOptimizer's fully_reshardable state --------------------------------

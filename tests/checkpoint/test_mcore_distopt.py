@@ -88,7 +88,7 @@ def _distopt_shims():
     _CudaIsCpu().__enter__()  # for the rest of this rank's process
 
 
-def _trainer(cfg, distributed: bool = True):
+def _trainer(cfg, distributed: bool = True, tp: int = 1):
     """megatron-core's bf16 GPTModel in its DDP, DistributedOptimizer (or, not `distributed`, its
     Float16OptimizerWithFloat16Params) and OptimizerParamScheduler, as Megatron-LM builds them for these
     flags with --bf16 [--use-distributed-optimizer] --accumulate-allreduce-grads-in-fp32."""
@@ -97,7 +97,7 @@ def _trainer(cfg, distributed: bool = True):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     torch.manual_seed(11)
-    model = _mcore_model(cfg)
+    model = _mcore_model(cfg, tp)
     model.config.bf16, model.config.params_dtype = True, torch.bfloat16
     model = model.to(torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
@@ -118,11 +118,14 @@ def _trainer(cfg, distributed: bool = True):
 
 
 def _steps(cfg, ddp, opt, sched, first: int, last: int) -> list[tuple[float, float]]:
-    """Megatron-LM's train step at DP2: this rank's micro-batches (1 sample each) of every global batch in
+    """Megatron-LM's train step: this DP rank's micro-batches (1 sample each) of every global batch in
     [first, last), each loss (mean per-token cross-entropy) over the number of micro-batches, gradients in
     the fp32 buffers reduce-scattered, the DistributedOptimizer's step (clipping inside), the scheduler.
     Returns each step's (global mean loss, lr)."""
-    g, rank, world = cfg.train.global_batch_size, torch.distributed.get_rank(), torch.distributed.get_world_size()
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_group()
+    g, rank, world = cfg.train.global_batch_size, dp.rank(), dp.size()
     data, micro = MockGPTDataset(last * g, SEQ, 100, cfg.train.seed), g // world
     steps = []
     for it in range(first, last):
@@ -139,7 +142,7 @@ def _steps(cfg, ddp, opt, sched, first: int, last: int) -> list[tuple[float, flo
         lr = opt.param_groups[0]["lr"]
         assert opt.step()[0]
         sched.step(increment=g)
-        torch.distributed.all_reduce(total)
+        torch.distributed.all_reduce(total, group=dp)
         steps.append((total.item() / world, lr))
     return steps
 
@@ -189,7 +192,7 @@ def _held_float16(model, opt) -> dict:
     return {"state": stacked, "step": steps}
 
 
-def _save(cfg, model, opt, sched, root, fmt):
+def _save(cfg, model, opt, sched, root, fmt, tp: int = 1):
     from megatron.core import dist_checkpointing
 
     metadata = {"distrib_optim_sharding_type": fmt, **mcore_optimizer.CONTENT_METADATA} if fmt else {}
@@ -197,7 +200,7 @@ def _save(cfg, model, opt, sched, root, fmt):
     sd["optimizer"] = opt.sharded_state_dict(sd, metadata=metadata)
     args = _megatron_args(cfg)
     fully = fmt == mcore_optimizer.FULLY
-    vars(args).update(bf16=True, tensor_model_parallel_size=1, use_distributed_optimizer=bool(fmt),
+    vars(args).update(bf16=True, tensor_model_parallel_size=tp, use_distributed_optimizer=bool(fmt),
                       dist_ckpt_optim_fully_reshardable=fully, transformer_impl="local")  # fmt: skip
     sd.update(args=args, checkpoint_version=3.0, iteration=MEGATRON_ITERS, opt_param_scheduler=sched.state_dict(),
               num_floating_point_operations_so_far=0)  # fmt: skip
@@ -242,26 +245,55 @@ def _ours_by_mcore_key(load, cfg) -> dict:
     return {"state": out, "step": step}
 
 
+def _float16_case(rank, cfg, root):
+    """megatron-core's non-distributed bf16 optimizer at DP2: (what it holds, the import's summary and state)."""
+    model, ddp, opt, sched = _trainer(cfg, distributed=False)
+    _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
+    held = _held_float16(model, opt)
+    _save(cfg, model, opt, sched, os.path.join(root, "float16"), None)
+    out = None
+    if rank == 0:
+        summary = mcore.import_checkpoint(os.path.join(root, "float16"), os.path.join(root, "float16-ours"))[1]
+        out = (held, summary, _ours_by_mcore_key(os.path.join(root, "float16-ours"), cfg))
+    torch.distributed.barrier()
+    return out
+
+
+def _tp2_case(rank, cfg, root):
+    """The DistributedOptimizer at TP2 (DP1) trains 2 steps and saves both formats: {format: the import's
+    (summary, state)} (fully_reshardable is megatron-core's own model-space gather of the flat buffers)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(2, 1)
+    model, ddp, opt, sched = _trainer(cfg, tp=2)
+    _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
+    out = {}
+    for fmt in FORMATS:
+        _save(cfg, model, opt, sched, os.path.join(root, f"tp2-{fmt}"), fmt, tp=2)
+        if rank == 0:
+            summary = mcore.import_checkpoint(os.path.join(root, f"tp2-{fmt}"), os.path.join(root, f"tp2-{fmt}-ours"))
+            out[fmt] = (summary[1], _ours_by_mcore_key(os.path.join(root, f"tp2-{fmt}-ours"), cfg))
+        torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1)
+    return out
+
+
 def _all_cases(rank, world, root):
     _distopt_shims()
     from megatron.core import parallel_state
 
     cfg = _cfg(FLAGS, world)
     parallel_state.initialize_model_parallel(1, 1)  # TP1, DP2
-    model, ddp, opt, sched = _trainer(cfg, distributed=False)  # the non-distributed bf16 optimizer first
-    _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
-    float16 = _held_float16(model, opt)
-    _save(cfg, model, opt, sched, os.path.join(root, "float16"), None)
-    if rank == 0:
-        summary = mcore.import_checkpoint(os.path.join(root, "float16"), os.path.join(root, "float16-ours"))[1]
-        float16 = (float16, summary, _ours_by_mcore_key(os.path.join(root, "float16-ours"), cfg))
-    torch.distributed.barrier()
+    float16 = _float16_case(rank, cfg, root)
+    tp2 = _tp2_case(rank, cfg, root)
     model, ddp, opt, sched = _trainer(cfg)
     written = _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
     held = _held(model, opt)
     for fmt in FORMATS:
         _save(cfg, model, opt, sched, os.path.join(root, fmt), fmt)
-    out = {"written": written, "held": held if rank == 0 else None, "imported": {}, "float16": float16}
+    out = {"written": written, "held": held if rank == 0 else None, "imported": {}, "float16": float16, "tp2": tp2}
     for fmt in FORMATS:
         if rank == 0:
             summary = mcore.import_checkpoint(os.path.join(root, fmt), os.path.join(root, f"{fmt}-ours"))[1]
@@ -319,6 +351,15 @@ def test_float16_optimizer_imports_its_masters_and_step_bitwise(results):
     assert held["step"] == {float(MEGATRON_ITERS)}
     for kind in KINDS:
         assert _max_diff(imported["state"][kind], held["state"][kind]) == 0.0, kind
+
+
+def test_dp_reshardable_at_tp2_imports_as_megatrons_own_gather(results):
+    """At TP2 each tensor-parallel rank writes its own flat buffers of its shards (SwiGLU's fc1: [gate | up]
+    of its rows): the import equals that of the fully_reshardable checkpoint, megatron-core's own gather."""
+    (flat_summary, flat), (_, fully) = results["tp2"][mcore_optimizer.DP], results["tp2"][mcore_optimizer.FULLY]
+    assert flat_summary["optimizer_format"] == mcore_optimizer.DP and flat["step"] == fully["step"] == 2
+    for kind in KINDS:
+        assert _max_diff(flat["state"][kind], fully["state"][kind]) == 0.0, kind
 
 
 def test_three_steps_here_equal_megatrons_own_resume(results):
