@@ -386,19 +386,25 @@ def test_export_loads_into_megatrons_distributed_optimizer(results):
         assert _max_diff(loaded["state"][kind], ours["state"][kind]) == 0.0, kind
 
 
+@pytest.mark.parametrize("dtype", ["--bf16", "--fp16"])
 @pytest.mark.parametrize("distributed", [False, True])
-def test_step_is_the_checkpoints_not_the_iteration(tmp_path, capsys, distributed):
+def test_step_is_the_checkpoints_not_the_iteration(tmp_path, capsys, distributed, dtype):
     """Iteration 5 after 2 Adam steps (3 skipped, as an fp16 overflow skips them): the step comes back 2,
-    from state.common_step or param_groups[*].step; the fp32 masters come back bitwise, under either name."""
-    cfg = _cfg(FLAGS)
+    from state.common_step or param_groups[*].step; the fp32 masters of a bf16 or fp16 run come back
+    bitwise, under either optimizer's name (fp32_param, param)."""
+    cfg = _cfg(LLAMA_FLAGS + RUN + " " + dtype)
     gen = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
     moments = {n: {k: torch.rand(w.shape, generator=gen) for k in mcore.MOMENTS} for n, w in weights.items()}
     save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 2.0, 5, 20)
     to = ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]
     assert _convert(to + ["--use-distributed-optimizer"] * distributed) == 0
-    common = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))
-    assert mcore_optimizer.sharding_type(common) == (mcore_optimizer.FULLY if distributed else "none")
+    path = mcore.iteration_dir(str(tmp_path / "mlm"))
+    assert mcore_optimizer.sharding_type(mcore.read_common(path)) == (mcore_optimizer.FULLY if distributed else "none")
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    saved = mcore.read_tensors(path)
+    assert saved[qkv].dtype == (torch.bfloat16 if dtype == "--bf16" else torch.float16)
+    assert saved[f"optimizer.state.{'param' if distributed else 'fp32_param'}.{qkv}"].dtype == torch.float32
     back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
     assert _convert(back) == 0
     assert "iteration 5, Adam step 2 (" in capsys.readouterr().out
