@@ -27,6 +27,7 @@ the load: `_resume` gives each parameter its own tensor of the step megatron-cor
 param_groups (where TE's FusedAdam keeps it).
 """
 
+import argparse
 import os
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from megatron_zpp import training
-from megatron_zpp.checkpoint import mcore, mcore_optimizer
+from megatron_zpp.checkpoint import CheckpointError, mcore, mcore_optimizer
 from megatron_zpp.checkpoint.sharded import save_full_dcp
 from megatron_zpp.data.mock import MockGPTDataset
 from megatron_zpp.model import GPT
@@ -320,7 +321,8 @@ def _all_cases(rank, world, root):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_distributed(_all_cases, 2, str(tmp_path_factory.mktemp("distopt")), timeout=300)[0]
+    root = str(tmp_path_factory.mktemp("distopt"))
+    return run_distributed(_all_cases, 2, root, timeout=300)[0] | {"root": root}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -412,3 +414,26 @@ def test_step_is_the_checkpoints_not_the_iteration(tmp_path, capsys, distributed
     assert (step, meta["iteration"]) == (2.0, 5)
     assert all(torch.equal(got[n], w) for n, w in weights.items())
     assert all(torch.equal(got_moments[n][k], moments[n][k]) for n in weights for k in mcore.MOMENTS)
+
+
+def test_what_is_not_read_is_refused_by_name(results, monkeypatch):
+    """megatron-core's own dp_reshardable checkpoint, read with what would make it unreadable here: one
+    CheckpointError naming the cause, never a wrong layout read."""
+    path = mcore.iteration_dir(os.path.join(results["root"], mcore_optimizer.DP))
+    common, tensors = mcore.read_common(path), mcore.read_tensors(path)
+
+    def refusal(args) -> str:
+        with pytest.raises(CheckpointError) as e:
+            mcore_optimizer.read_adam(path, common, tensors, args, mcore.read_objects)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "written at TP1 x PP2" in refusal(
+        argparse.Namespace(**{**vars(common["args"]), "pipeline_model_parallel_size": 2})
+    )
+    # a layer order the buffers do not follow: its masters do not round to the weights, for either spec
+    monkeypatch.setitem(mcore_optimizer.LAYER_ORDER, "local", mcore_optimizer.LAYER_ORDER["local"][::-1])
+    monkeypatch.setitem(mcore_optimizer.LAYER_ORDER, "transformer_engine", mcore_optimizer.LAYER_ORDER["local"])
+    why = refusal(common["args"])
+    assert "match no megatron-core parameter layout" in why and "do not round to the checkpoint's weights" in why
+    assert "convert with --no-optim" in why
