@@ -137,37 +137,38 @@ TP_DIM = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0, _Q + 
           _P + "weight": 1, _F1 + "weight": 0, _F1 + "bias": 0, _F2 + "weight": 1}  # fmt: skip
 
 
+# Megatron-LM's args that place layers on pipeline stages other than evenly: not read here
+UNEVEN = ("virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+          "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")  # fmt: skip
+
+
 def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
     flat = {k: v for k, v in tensors.items() if k.startswith(FLAT)}
     if not flat:
         raise CheckpointError(f"{path}: its dp_reshardable optimizer state has no flat buffers ({FLAT}*)")
     groups = sorted({k.split(".")[2] for k in flat})
     tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
-    if groups != [f"dp_group_idx_{g}" for g in range(tp)] or pp != 1:
+    uneven = [f"--{n.replace('_', '-')}" for n in UNEVEN if getattr(args, n, None)]
+    layers = tensors[_Q + "weight"].shape[0]
+    if sorted(groups) != sorted(f"dp_group_idx_{g}" for g in range(tp * pp)) or uneven or layers % pp:
         raise CheckpointError(
             f"{path}: dp_reshardable optimizer state written at TP{tp} x PP{pp} ({len(groups)} model-parallel "
-            "groups): its flat buffers are read here at PP1 (any TP, any DP) only; re-save with "
-            "--dist-ckpt-optim-fully-reshardable (any layout) or convert with --no-optim"
+            f"groups{', ' + ' '.join(uneven) if uneven else ''}, {layers} layers): its flat buffers are read here "
+            "with the layers split evenly over the stages only; re-save with --dist-ckpt-optim-fully-reshardable "
+            "(any layout) or convert with --no-optim"
         )
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    buffers = [_flat_group(path, f"{FLAT}dp_group_idx_{g}.", flat, stored, read_objects) for g in range(tp)]
+    buffers = [_flat_group(path, f"{FLAT}dp_group_idx_{g}.", flat, stored, read_objects) for g in range(tp * pp)]
     steps = {step for _, _, step in buffers}
     if len(steps) != 1:
-        raise CheckpointError(f"{path}: its tensor-parallel ranks hold different Adam steps {sorted(steps)}")
-    swiglu = bool(getattr(args, "swiglu", False))
+        raise CheckpointError(f"{path}: its model-parallel ranks hold different Adam steps {sorted(steps)}")
     why = []
     for impl in _impls(args):
-        order = model_order(tensors, impl, bool(getattr(args, "untie_embeddings_and_output_weights", False)))
-        shards = []
-        for rank, (lengths, bucket_keys, _) in enumerate(buffers):
-            spans = layout(order, lengths, lambda k, i: _local_shape(tensors, k, i, tp))
-            if isinstance(spans, str):
-                why.append(f"{impl}: TP rank {rank}: {spans}")
-                break
-            shards.append({kind: _cut(flat, bucket_keys, kind, spans, tensors, tp) for kind in KINDS})
-        if len(shards) < tp:
+        state = _unflatten(flat, buffers, tensors, args, impl)
+        if isinstance(state, str):
+            why.append(f"{impl}: {state}")
             continue
-        state = {kind: _whole([s[kind] for s in shards], swiglu) for kind in KINDS}
         wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
         if not wrong:
             dropped = [SCALER] if f"{FLAT}dp_group_idx_0.grad_scaler/shard_0_1" in stored else []
@@ -175,6 +176,27 @@ def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
         why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")
     raise CheckpointError(f"{path}: its dp_reshardable buffers match no megatron-core parameter layout "
                           f"({'; '.join(why)}); convert with --no-optim")  # fmt: skip
+
+
+def _unflatten(flat: dict, buffers: list, tensors: dict, args, impl: str) -> dict | str:
+    """{kind: {global key: fp32 tensor}} of the model-parallel groups' flat `buffers` (group tp_rank +
+    TP x pp_rank, megatron-core's model-parallel rank), laid out as `impl`'s spec; or why they do not fit."""
+    tp, pp = getattr(args, "tensor_model_parallel_size", 1), getattr(args, "pipeline_model_parallel_size", 1)
+    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    pieces: dict = {kind: {} for kind in KINDS}
+    for stage in range(pp):
+        order = model_order(tensors, impl, untied, stage, pp)
+        shards = []
+        for rank in range(tp):
+            lengths, bucket_keys, _ = buffers[rank + tp * stage]
+            spans = layout(order, lengths, lambda k, i: _local_shape(tensors, k, i, tp))
+            if isinstance(spans, str):
+                return f"TP rank {rank}, stage {stage}: {spans}"
+            shards.append({kind: _cut(flat, bucket_keys, kind, spans, tensors, tp) for kind in KINDS})
+        for kind in KINDS:
+            pieces[kind] |= _whole([s[kind] for s in shards], bool(getattr(args, "swiglu", False)))
+    # a tied output layer's copy of the embedding (a last stage's) is dropped: the checkpoint names the first's
+    return {kind: {k: v for k, v in _stacked(pieces[kind]).items() if k in tensors} for kind in KINDS}
 
 
 def _flat_group(path: str, prefix: str, flat: dict, stored, read_objects) -> tuple[list[int], list[str], float]:
@@ -201,20 +223,26 @@ def _impls(args) -> list[str]:
     return [first, *(k for k in LAYER_ORDER if k != first)] if first in LAYER_ORDER else list(LAYER_ORDER)
 
 
-def model_order(tensors: dict, impl: str, untied: bool) -> list[tuple[str, int | None]]:
-    """megatron-core's GPTModel parameters in registration order, as (global key, layer or None): those
-    the checkpoint holds (biases, norms' biases, position embeddings), the output layer when `untied`."""
-    layers = tensors[_Q + "weight"].shape[0]
-    order: list[tuple[str, int | None]] = [(k, None) for k in FIRST if k in tensors]
-    for i in range(layers):
+def model_order(tensors: dict, impl: str, untied: bool, stage: int = 0, stages: int = 1) -> list:
+    """megatron-core's GPTModel parameters of pipeline `stage` (layers split evenly) in registration order,
+    as (global key, layer or None): those the checkpoint holds (biases, norms' biases, position embeddings),
+    the output layer when `untied` or, tied, on a last stage that is not the first (its copy of the
+    embedding, which megatron-core keeps in a bucket of its own)."""
+    layers = tensors[_Q + "weight"].shape[0] // stages
+    order: list[tuple[str, int | None]] = [(k, None) for k in FIRST if k in tensors and stage == 0]
+    for i in range(stage * layers, (stage + 1) * layers):
         order += [(k, i) for k in LAYER_ORDER[impl] if k in tensors]
-    last = LAST if untied else LAST[:-1]
-    return order + [(k, None) for k in last if k in tensors]
+    if stage < stages - 1:
+        return order
+    order += [(k, None) for k in LAST[:-1] if k in tensors]
+    return order + [(LAST[-1], None)] if untied or stages > 1 else order
 
 
 def _local_shape(tensors: dict, key: str, layer: int | None, tp: int) -> torch.Size:
-    """A TP rank's shape of a global key's tensor (one layer's, for the stacked layer keys)."""
-    shape = list(tensors[key].shape if layer is None else tensors[key].shape[1:])
+    """A TP rank's shape of a global key's tensor (one layer's, for the stacked layer keys; a tied output
+    layer's, the embedding's)."""
+    whole = tensors.get(key, tensors[FIRST[0]] if key == LAST[-1] else None)
+    shape = list(whole.shape if layer is None else whole.shape[1:])
     if key in TP_DIM:
         shape[TP_DIM[key]] //= tp
     return torch.Size(shape)
@@ -248,20 +276,27 @@ def _cut(flat: dict, bucket_keys: list, kind: str, spans: dict, tensors: dict, t
     }
 
 
-def _whole(shards: list[dict], swiglu: bool) -> dict[str, torch.Tensor]:
-    """The global tensors (layers stacked) of the TP ranks' `shards`: the split keys concatenated along
-    their dimension (SwiGLU's fc1: each rank holds [its gate rows | its up rows]), the others rank 0's."""
-    out: dict[str, dict] = {}
+def _whole(shards: list[dict], swiglu: bool) -> dict:
+    """{(key, layer): global tensor} of the TP ranks' `shards`: the split keys concatenated along their
+    dimension (SwiGLU's fc1: each rank holds [its gate rows | its up rows]), the others rank 0's."""
+    out = {}
     for key, layer in shards[0]:
         parts = [s[key, layer] for s in shards]
         if key not in TP_DIM:
-            whole = parts[0]
+            out[key, layer] = parts[0]
         elif swiglu and key.startswith(_F1):
             halves = [p.chunk(2) for p in parts]
-            whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            out[key, layer] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         else:
-            whole = torch.cat(parts, TP_DIM[key])
-        out.setdefault(key, {})[layer] = whole
+            out[key, layer] = torch.cat(parts, TP_DIM[key])
+    return out
+
+
+def _stacked(pieces: dict) -> dict[str, torch.Tensor]:
+    """{key: tensor} of {(key, layer): tensor}, the layers stacked."""
+    out: dict[str, dict] = {}
+    for (key, layer), t in pieces.items():
+        out.setdefault(key, {})[layer] = t
     return {k: torch.stack([v[i] for i in sorted(v)]) if None not in v else v[None] for k, v in out.items()}
 
 

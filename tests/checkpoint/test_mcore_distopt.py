@@ -89,7 +89,7 @@ def _distopt_shims():
     _CudaIsCpu().__enter__()  # for the rest of this rank's process
 
 
-def _trainer(cfg, distributed: bool = True, tp: int = 1):
+def _trainer(cfg, distributed: bool = True, tp: int = 1, stage: int | None = None):
     """megatron-core's bf16 GPTModel in its DDP, DistributedOptimizer (or, not `distributed`, its
     Float16OptimizerWithFloat16Params) and OptimizerParamScheduler, as Megatron-LM builds them for these
     flags with --bf16 [--use-distributed-optimizer] --accumulate-allreduce-grads-in-fp32."""
@@ -98,7 +98,7 @@ def _trainer(cfg, distributed: bool = True, tp: int = 1):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     torch.manual_seed(11)
-    model = _mcore_model(cfg, tp)
+    model = _mcore_model(cfg, tp, stage)
     model.config.bf16, model.config.params_dtype = True, torch.bfloat16
     model = model.to(torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
@@ -193,7 +193,7 @@ def _held_float16(model, opt) -> dict:
     return {"state": stacked, "step": steps}
 
 
-def _save(cfg, model, opt, sched, root, fmt, tp: int = 1):
+def _save(cfg, model, opt, sched, root, fmt, tp: int = 1, pp: int = 1):
     from megatron.core import dist_checkpointing
 
     metadata = {"distrib_optim_sharding_type": fmt, **mcore_optimizer.CONTENT_METADATA} if fmt else {}
@@ -201,7 +201,8 @@ def _save(cfg, model, opt, sched, root, fmt, tp: int = 1):
     sd["optimizer"] = opt.sharded_state_dict(sd, metadata=metadata)
     args = _megatron_args(cfg)
     fully = fmt == mcore_optimizer.FULLY
-    vars(args).update(bf16=True, tensor_model_parallel_size=tp, use_distributed_optimizer=bool(fmt),
+    vars(args).update(bf16=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                      use_distributed_optimizer=bool(fmt),
                       dist_ckpt_optim_fully_reshardable=fully, transformer_impl="local")  # fmt: skip
     sd.update(args=args, checkpoint_version=3.0, iteration=MEGATRON_ITERS, opt_param_scheduler=sched.state_dict(),
               num_floating_point_operations_so_far=0)  # fmt: skip
@@ -260,21 +261,31 @@ def _float16_case(rank, cfg, root):
     return out
 
 
-def _tp2_case(rank, cfg, root):
-    """The DistributedOptimizer at TP2 (DP1) trains 2 steps and saves both formats: {format: the import's
-    (summary, state)} (fully_reshardable is megatron-core's own model-space gather of the flat buffers)."""
+def _layout_case(rank, cfg, root, tp: int, pp: int):
+    """The DistributedOptimizer at TP`tp` x PP`pp` (DP1; a stage a rank at PP2) takes 2 Adam steps on
+    random fp32 gradients in its own buffers (the layout is the test, not the data) and saves both
+    formats: {format: the import's (summary, state)} (fully_reshardable: megatron-core's own model-space
+    gather of the flat buffers)."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(2, 1)
-    model, ddp, opt, sched = _trainer(cfg, tp=2)
-    _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
-    out = {}
+    parallel_state.initialize_model_parallel(tp, pp)
+    model, ddp, opt, sched = _trainer(cfg, tp=tp, stage=rank if pp > 1 else None)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(MEGATRON_ITERS):
+        for buffer in ddp.buffers:
+            buffer.grad_data.copy_(torch.randn(buffer.grad_data.shape, generator=gen) * 1e-2)
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+        sched.step(increment=cfg.train.global_batch_size)
+    out, name = {}, f"tp{tp}pp{pp}"
     for fmt in FORMATS:
-        _save(cfg, model, opt, sched, os.path.join(root, f"tp2-{fmt}"), fmt, tp=2)
+        _save(cfg, model, opt, sched, os.path.join(root, f"{name}-{fmt}"), fmt, tp=tp, pp=pp)
         if rank == 0:
-            summary = mcore.import_checkpoint(os.path.join(root, f"tp2-{fmt}"), os.path.join(root, f"tp2-{fmt}-ours"))
-            out[fmt] = (summary[1], _ours_by_mcore_key(os.path.join(root, f"tp2-{fmt}-ours"), cfg))
+            summary = mcore.import_checkpoint(
+                os.path.join(root, f"{name}-{fmt}"), os.path.join(root, f"{name}-{fmt}-o")
+            )
+            out[fmt] = (summary[1], _ours_by_mcore_key(os.path.join(root, f"{name}-{fmt}-o"), cfg))
         torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 1)
@@ -288,13 +299,13 @@ def _all_cases(rank, world, root):
     cfg = _cfg(FLAGS, world)
     parallel_state.initialize_model_parallel(1, 1)  # TP1, DP2
     float16 = _float16_case(rank, cfg, root)
-    tp2 = _tp2_case(rank, cfg, root)
+    layouts = {"tp2": _layout_case(rank, cfg, root, 2, 1), "pp2": _layout_case(rank, cfg, root, 1, 2)}
     model, ddp, opt, sched = _trainer(cfg)
     written = _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
     held = _held(model, opt)
     for fmt in FORMATS:
         _save(cfg, model, opt, sched, os.path.join(root, fmt), fmt)
-    out = {"written": written, "held": held if rank == 0 else None, "imported": {}, "float16": float16, "tp2": tp2}
+    out = {"written": written, "held": held if rank == 0 else None, "imported": {}, "float16": float16, **layouts}
     for fmt in FORMATS:
         if rank == 0:
             summary = mcore.import_checkpoint(os.path.join(root, fmt), os.path.join(root, f"{fmt}-ours"))[1]
@@ -355,10 +366,12 @@ def test_float16_optimizer_imports_its_masters_and_step_bitwise(results):
         assert _max_diff(imported["state"][kind], held["state"][kind]) == 0.0, kind
 
 
-def test_dp_reshardable_at_tp2_imports_as_megatrons_own_gather(results):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_dp_reshardable_at_tp2_and_pp2_imports_as_megatrons_own_gather(results, layout):
     """At TP2 each tensor-parallel rank writes its own flat buffers of its shards (SwiGLU's fc1: [gate | up]
-    of its rows): the import equals that of the fully_reshardable checkpoint, megatron-core's own gather."""
-    (flat_summary, flat), (_, fully) = results["tp2"][mcore_optimizer.DP], results["tp2"][mcore_optimizer.FULLY]
+    of its rows), at PP2 each stage of its layers: the import equals that of the fully_reshardable
+    checkpoint, megatron-core's own gather."""
+    (flat_summary, flat), (_, fully) = results[layout][mcore_optimizer.DP], results[layout][mcore_optimizer.FULLY]
     assert flat_summary["optimizer_format"] == mcore_optimizer.DP and flat["step"] == fully["step"] == 2
     for kind in KINDS:
         assert _max_diff(flat["state"][kind], fully["state"][kind]) == 0.0, kind
@@ -428,9 +441,11 @@ def test_what_is_not_read_is_refused_by_name(results, monkeypatch):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    assert "written at TP1 x PP2" in refusal(
+    assert "written at TP1 x PP2 (1 model-parallel groups" in refusal(
         argparse.Namespace(**{**vars(common["args"]), "pipeline_model_parallel_size": 2})
     )
+    uneven = argparse.Namespace(**{**vars(common["args"]), "decoder_first_pipeline_num_layers": 1})
+    assert "--decoder-first-pipeline-num-layers" in refusal(uneven)
     # a layer order the buffers do not follow: its masters do not round to the weights, for either spec
     monkeypatch.setitem(mcore_optimizer.LAYER_ORDER, "local", mcore_optimizer.LAYER_ORDER["local"][::-1])
     monkeypatch.setitem(mcore_optimizer.LAYER_ORDER, "transformer_engine", mcore_optimizer.LAYER_ORDER["local"])
