@@ -20,7 +20,7 @@
     python tools/convert_checkpoint.py --from megatron --load mlm_ckpt --to sharded --save ckpt [--no-optim]
         a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; Adam's
         state of the non-distributed optimizer, or of --use-distributed-optimizer in either format:
-        fully_reshardable at any layout, dp_reshardable written at PP1, any TP and DP) -> our --ckpt-format
+        fully_reshardable and dp_reshardable, any TP/PP/DP with the layers split evenly) -> our --ckpt-format
         torch_dist checkpoint: weights (the fp32 masters in bf16/fp16 runs), Adam's moments and step (the
         checkpoint's own), iteration and consumed samples (the LR schedule's position); the model
         settings are read from the checkpoint's args

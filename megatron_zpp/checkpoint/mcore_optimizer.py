@@ -18,8 +18,8 @@ What megatron-core writes (read off its own `dist_checkpointing.save`, tests/che
   no per-parameter offsets in the file: they are laid out here from the model's parameter order (the local
   spec's or Transformer Engine's, which fuses the norms into linear_qkv/linear_fc1) and the buckets'
   lengths, and the layout is accepted only where every master rounds to the checkpoint's own weight. At
-  TP > 1 each tensor-parallel rank writes its shards' buffers (`dp_group_idx_<tp rank>`, at PP1 the
-  model-parallel rank), joined as `TP_DIM` says; PP > 1 is refused (its stages' groups are not read here).
+  TP x PP > 1 each model-parallel rank writes its stage's shards (`dp_group_idx_<tp rank + TP x pp rank>`),
+  joined over TP as `TP_DIM` says; uneven or virtual pipeline stages are refused.
 
 The format is named by the common state's `content_metadata.distrib_optim_sharding_type` (or
 `optimizer.param_state_sharding_type`). Anything else is refused by name, never dropped.
