@@ -241,7 +241,7 @@ def model_order(tensors: dict, impl: str, untied: bool, stage: int = 0, stages: 
 def _local_shape(tensors: dict, key: str, layer: int | None, tp: int) -> torch.Size:
     """A TP rank's shape of a global key's tensor (one layer's, for the stacked layer keys; a tied output
     layer's, the embedding's)."""
-    whole = tensors.get(key, tensors[FIRST[0]] if key == LAST[-1] else None)
+    whole = tensors[key] if key in tensors else tensors[FIRST[0]]  # absent: a tied output layer
     shape = list(whole.shape if layer is None else whole.shape[1:])
     if key in TP_DIM:
         shape[TP_DIM[key]] //= tp
