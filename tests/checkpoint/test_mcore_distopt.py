@@ -4,9 +4,12 @@ megatron-core itself (0.19.2, the test extra).
 One 2-rank gloo job: megatron-core's GPTModel (local spec, bf16 parameters, fp32 gradient buffers) in its
 DistributedDataParallel, its DistributedOptimizer (get_megatron_optimizer) and scheduler train 2 steps and
 save with `dist_checkpointing.save` in both formats (fully_reshardable and dp_reshardable, Megatron-LM's
-default); the converter imports each; megatron-core resumes the dp_reshardable one at DP2 for 3 steps (the
-reference) and our loop resumes its import at DP2 (ZeRO-1, bf16) for the same 3 steps; the converter exports
-that with --use-distributed-optimizer and megatron-core's DistributedOptimizer loads it at DP2.
+default); the converter imports each; megatron-core resumes each at DP2 for 3 steps (the reference) and
+our loop resumes the dp_reshardable import at DP2 (ZeRO-1, bf16) for the same 3 steps; the converter exports
+that with --use-distributed-optimizer and megatron-core's DistributedOptimizer loads it at DP2. Before that,
+in the same job: megatron-core's non-distributed bf16 optimizer (Float16OptimizerWithFloat16Params) at DP2,
+and the DistributedOptimizer at TP2 and at PP2 (2 Adam steps on random gradients in its buffers), whose
+dp_reshardable imports must equal their fully_reshardable ones (megatron-core's own gather).
 
 What megatron-core's optimizer holds is read with its own gather (`get_parameter_state_dp_zero`) and its own
 buffer offsets (`param_index_map`), placed at the global keys its model's sharded state dict names.
