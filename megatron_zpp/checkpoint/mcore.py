@@ -184,11 +184,15 @@ def read_common(path: str) -> dict:
     legacy = os.path.join(path, "common.pt")
     if os.path.isfile(legacy):
         return _unpickle(legacy)
-    return read_objects(path, [COMMON_KEY])[COMMON_KEY]
+    planner = _BytesAsRead(flatten_state_dict=False)
+    with quiet():
+        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+    return _unpickle(planner.read[COMMON_KEY])[0]
 
 
 def read_objects(path: str, keys: list[str]) -> dict:
-    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`."""
+    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`, as
+    `read_common` reads its own (the distributed optimizer's metadata, mcore_optimizer.py)."""
     planner = _BytesAsRead(flatten_state_dict=False)
     with quiet():
         dcp.load({k: io.BytesIO() for k in keys}, storage_reader=dcp.FileSystemReader(path), planner=planner,
