@@ -476,6 +476,8 @@ def export_checkpoint(
             tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
         step_tensor = torch.tensor(float(step or 0))  # torch's Adam keeps its step as a float tensor
         common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
+        if low:  # Float16OptimizerWithFloat16Params nests its torch state once more (its masters are tensors)
+            common["optimizer"] = {"optimizer": common["optimizer"]}
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
     common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)

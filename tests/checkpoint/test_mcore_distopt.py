@@ -216,12 +216,20 @@ def _save(cfg, model, opt, sched, root, fmt, tp: int = 1, pp: int = 1):
     torch.distributed.barrier()
 
 
-def _resume(cfg, root):
+def _resume(cfg, root, distributed: bool = True):
     """megatron-core's trainer at DP2 loaded from `root` as Megatron-LM's load_checkpoint does (the format
     named by the checkpoint's content metadata)."""
     from megatron.core import dist_checkpointing
 
-    model, ddp, opt, sched = _trainer(cfg)
+    model, ddp, opt, sched = _trainer(cfg, distributed)
+    if not distributed:  # Float16OptimizerWithFloat16Params: its own sharded_state_dict sets its state up
+        path = mcore.iteration_dir(root)
+        sd = {"model": model.sharded_state_dict()}
+        sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=True)
+        loaded = dist_checkpointing.load(sd, path)
+        model.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+        return model, opt
     # without Apex/TE, DistributedOptimizer.state_dict() takes Adam's step from torch's per-parameter state,
     # empty before a first step: megatron-core's own dummy state (zero gradients, one step), which the load
     # replaces in place (masters, moments, step; the model's weights come from the checkpoint)
@@ -329,7 +337,11 @@ def _all_cases(rank, world, root):
     torch.distributed.barrier()
     back_model, _, back_opt, _ = _resume(cfg, os.path.join(root, "back"))
     back = _held(back_model, back_opt)
-    out["back"] = (back, _ours_by_mcore_key(ours, cfg)) if rank == 0 else None
+    if rank == 0:  # and without --use-distributed-optimizer: the non-distributed bf16 optimizer's format
+        mcore.export_checkpoint(ours, os.path.join(root, "back16"))
+    torch.distributed.barrier()
+    back16 = _held_float16(*_resume(cfg, os.path.join(root, "back16"), distributed=False))
+    out["back"] = {"distributed": back, "float16": back16, "ours": _ours_by_mcore_key(ours, cfg) if rank == 0 else None}
     return out
 
 
@@ -397,8 +409,11 @@ def test_three_steps_here_equal_megatrons_own_resume(results):
         assert _max_diff(after["state"][kind], ref["state"][kind]) <= 1e-2 * scale, kind
 
 
-def test_export_loads_into_megatrons_distributed_optimizer(results):
-    loaded, ours = results["back"]
+@pytest.mark.parametrize("optimizer", ["distributed", "float16"])
+def test_export_loads_into_megatrons_optimizers(results, optimizer):
+    """--use-distributed-optimizer: its DistributedOptimizer (fully_reshardable) at DP2; without: its
+    Float16OptimizerWithFloat16Params (the masters as fp32_param, the step nested as it nests it)."""
+    loaded, ours = results["back"][optimizer], results["back"]["ours"]
     assert loaded["step"] == {ours["step"]} == {5.0}
     for kind in KINDS:
         assert _max_diff(loaded["state"][kind], ours["state"][kind]) == 0.0, kind
