@@ -111,11 +111,31 @@ def read_adam(path: str, common: dict, tensors: dict[str, torch.Tensor], args, r
         )
     if "optimizer" not in common:
         return None
+    _check_dtypes(path, {k: v for k, v in tensors.items() if k.startswith("optimizer.state.")})
     moments = {m: _prefixed(tensors, f"optimizer.state.{m}.") for m in MOMENTS}
     if not moments["exp_avg"]:
         raise CheckpointError(f"{path}: its optimizer state holds no optimizer.state.exp_avg.* tensors")
+    kept = masters(tensors)
+    wrong = [k for k, m in kept.items() if k in tensors and not torch.equal(m.to(tensors[k].dtype), tensors[k])]
+    if wrong:
+        raise CheckpointError(f"{path}: the fp32 masters of {', '.join(wrong[:3])} do not round to its weights")
     dropped = [SCALER] if "grad_scaler" in common["optimizer"] else []
-    return AdamState(masters(tensors), moments, adam_step(common["optimizer"], path), kind, dropped)
+    return AdamState(kept, moments, adam_step(common["optimizer"], path), kind, dropped)
+
+
+def _check_dtypes(path: str, state: dict) -> None:
+    """Refuse optimizer state that is not fp32 masters and floating-point moments (megatron-core's
+    --use-precision-aware-optimizer keeps int16 remainders of the masters, or fp8 moments)."""
+    master = (".param", *(p[len("optimizer") :] for p in MASTERS))  # flat buckets' "param", per tensor's two
+
+    def unread(key: str, t: torch.Tensor) -> bool:
+        is_master = key.endswith(master[0]) or any(m in key for m in master[1:])
+        return not t.is_floating_point() or t.element_size() < 2 or is_master and t.dtype != torch.float32
+
+    bad = [f"{k} ({v.dtype})" for k, v in state.items() if unread(k, v)]
+    if bad:
+        raise CheckpointError(f"{path}: optimizer state not read here (fp32 masters and bf16/fp16/fp32 moments "
+                              f"are): {', '.join(bad[:3])}; convert with --no-optim")  # fmt: skip
 
 
 def masters(tensors: dict) -> dict[str, torch.Tensor]:
@@ -158,6 +178,7 @@ def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
             "with the layers split evenly over the stages only; re-save with --dist-ckpt-optim-fully-reshardable "
             "(any layout) or convert with --no-optim"
         )
+    _check_dtypes(path, flat)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     buffers = [_flat_group(path, f"{FLAT}dp_group_idx_{g}.", flat, stored, read_objects) for g in range(tp * pp)]
     steps = {step for _, _, step in buffers}

@@ -470,3 +470,15 @@ def test_what_is_not_read_is_refused_by_name(results, monkeypatch):
     why = refusal(common["args"])
     assert "match no megatron-core parameter layout" in why and "do not round to the checkpoint's weights" in why
     assert "convert with --no-optim" in why
+
+
+def test_masters_that_are_not_fp32_or_not_the_weights_are_refused(results):
+    """--use-precision-aware-optimizer's int16 remainders in place of masters, or masters that do not round
+    to the checkpoint's own weights: refused by name, in one line."""
+    path = mcore.iteration_dir(os.path.join(results["root"], mcore_optimizer.FULLY))
+    common, tensors = mcore.read_common(path), mcore.read_tensors(path)
+    key = "optimizer.state.param.decoder.final_layernorm.weight"
+    for value, cause in ((tensors[key].to(torch.int16), "(torch.int16)"), (tensors[key] + 0.1, "do not round")):
+        with pytest.raises(CheckpointError, match="decoder.final_layernorm.weight") as e:
+            mcore_optimizer.read_adam(path, common, tensors | {key: value}, common["args"], mcore.read_objects)
+        assert cause in str(e.value) and "\n" not in str(e.value)
