@@ -45,6 +45,7 @@ from megatron_zpp.checkpoint.sharded import save_full_dcp
 from megatron_zpp.data.mock import MockGPTDataset
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import (
+    GPT_FLAGS,
     LLAMA_FLAGS,
     MEGATRON_ITERS,
     ROWS,
@@ -202,7 +203,8 @@ def _save(cfg, model, opt, sched, root, fmt, tp: int = 1, pp: int = 1):
     metadata = {"distrib_optim_sharding_type": fmt, **mcore_optimizer.CONTENT_METADATA} if fmt else {}
     sd = {"model": model.sharded_state_dict(metadata=metadata)}
     sd["optimizer"] = opt.sharded_state_dict(sd, metadata=metadata)
-    args = _megatron_args(cfg)
+    # Megatron-LM's args as test_mcore writes them (Llama); the GPT config's through the converter's writer
+    args = _megatron_args(cfg) if cfg.model.activation == "swiglu" else mcore.args_from_config(cfg, 0, 0, ROWS)
     fully = fmt == mcore_optimizer.FULLY
     vars(args).update(bf16=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                       use_distributed_optimizer=bool(fmt),
@@ -272,7 +274,7 @@ def _float16_case(rank, cfg, root):
     return out
 
 
-def _layout_case(rank, cfg, root, tp: int, pp: int):
+def _layout_case(rank, cfg, root, tp: int, pp: int, name: str):
     """The DistributedOptimizer at TP`tp` x PP`pp` (DP1; a stage a rank at PP2) takes 2 Adam steps on
     random fp32 gradients in its own buffers (the layout is the test, not the data) and saves both
     formats: {format: the import's (summary, state)} (fully_reshardable: megatron-core's own model-space
@@ -289,7 +291,7 @@ def _layout_case(rank, cfg, root, tp: int, pp: int):
         ddp.finish_grad_sync()
         assert opt.step()[0]
         sched.step(increment=cfg.train.global_batch_size)
-    out, name = {}, f"tp{tp}pp{pp}"
+    out = {}
     for fmt in FORMATS:
         _save(cfg, model, opt, sched, os.path.join(root, f"{name}-{fmt}"), fmt, tp=tp, pp=pp)
         if rank == 0:
@@ -310,7 +312,9 @@ def _all_cases(rank, world, root):
     cfg = _cfg(FLAGS, world)
     parallel_state.initialize_model_parallel(1, 1)  # TP1, DP2
     float16 = _float16_case(rank, cfg, root)
-    layouts = {"tp2": _layout_case(rank, cfg, root, 2, 1), "pp2": _layout_case(rank, cfg, root, 1, 2)}
+    gpt = _cfg(GPT_FLAGS + RUN + " --bf16", world)  # tied embedding (a last stage's copy), biases, positions
+    layouts = {name: _layout_case(rank, c, root, tp, pp, name)
+               for name, c, tp, pp in (("tp2", cfg, 2, 1), ("pp2", cfg, 1, 2), ("gpt-pp2", gpt, 1, 2))}  # fmt: skip
     model, ddp, opt, sched = _trainer(cfg)
     written = _steps(cfg, ddp, opt, sched, 0, MEGATRON_ITERS)
     held = _held(model, opt)
@@ -381,7 +385,7 @@ def test_float16_optimizer_imports_its_masters_and_step_bitwise(results):
         assert _max_diff(imported["state"][kind], held["state"][kind]) == 0.0, kind
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "gpt-pp2"])
 def test_dp_reshardable_at_tp2_and_pp2_imports_as_megatrons_own_gather(results, layout):
     """At TP2 each tensor-parallel rank writes its own flat buffers of its shards (SwiGLU's fc1: [gate | up]
     of its rows), at PP2 each stage of its layers: the import equals that of the fully_reshardable
