@@ -18,14 +18,19 @@
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
     python tools/convert_checkpoint.py --from megatron --load mlm_ckpt --to sharded --save ckpt [--no-optim]
-        a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; the
-        non-distributed Adam optimizer's state) -> our --ckpt-format torch_dist checkpoint: weights (the
-        fp32 masters in bf16 runs), Adam's moments and step, iteration and consumed samples (the LR
-        schedule's position); the model settings are read from the checkpoint's args
+        a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist, any TP/PP; Adam's
+        state of the non-distributed optimizer, or of --use-distributed-optimizer in either format:
+        fully_reshardable and dp_reshardable, any TP/PP/DP with the layers split evenly) -> our --ckpt-format
+        torch_dist checkpoint: weights (the fp32 masters in bf16/fp16 runs), Adam's moments and step (the
+        checkpoint's own), iteration and consumed samples (the LR schedule's position); the model
+        settings are read from the checkpoint's args
     python tools/convert_checkpoint.py --load ckpt --to megatron --save mlm_ckpt [--no-optim]
+                                       [--use-distributed-optimizer]
         ours (any format and layout) -> a megatron-core torch_dist checkpoint that Megatron-LM's
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
-        step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py)
+        step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py); with
+        --use-distributed-optimizer, Adam's state as megatron-core's DistributedOptimizer keeps it
+        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it)
 
 The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
 in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
@@ -367,14 +372,17 @@ def _megatron(args, stage: str) -> str:
     if args.source == "megatron":
         out, done = mcore.import_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
     else:
-        out, done = mcore.export_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
+        out, done = mcore.export_checkpoint(
+            args.load, stage, not args.no_optim, distributed_optimizer=args.use_distributed_optimizer
+        )
     line = ""
     if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
         line = (f"dropped {len(done['dropped'])} pickled objects (_extra_state: Transformer Engine's FP8 scales, "
                 f"None in the local spec; rng_state): {', '.join(done['dropped'][:2])}, ...\n")  # fmt: skip
     what = "weights and Adam state" if done["optimizer"] else "weights only"
+    adam = f", Adam step {done['step']:g} ({done['optimizer_format']})" if done.get("step") is not None else ""
     final = os.path.join(args.output, os.path.basename(out))
-    return line + f"wrote {final} ({what}: {done['tensors']} tensors, iteration {done['iteration']})"
+    return line + f"wrote {final} ({what}: {done['tensors']} tensors, iteration {done['iteration']}{adam})"
 
 
 def _from_hf(args, stage: str) -> str:
@@ -486,6 +494,12 @@ def _parser() -> argparse.ArgumentParser:
         help="--from megatron, --to megatron: the weights only (no Adam state; the iteration is kept)",
     )
     ap.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="--to megatron: Adam's state as megatron-core's DistributedOptimizer keeps it (fully_reshardable), "
+        "for a Megatron-LM run with --use-distributed-optimizer",
+    )
+    ap.add_argument(
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
@@ -500,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
+    if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):
+        ap.error("--use-distributed-optimizer goes with --to megatron, without --no-optim (it names Adam's format)")
     return convert(args)
 
 

@@ -20,9 +20,14 @@ keys; DCP reshards):
 * linear_qkv's rows grouped per query group: [groups, (q heads per group + 2) x head_dim] (q heads,
   k, v of group 0, then of group 1, ...); ours are [q | k | v], each head-major. linear_fc1 with
   SwiGLU is [gate | up], as ours;
-* the optimizer (FP32Optimizer / Float16OptimizerWithFloat16Params, not the distributed optimizer's
-  flat buffers): `optimizer.state.exp_avg.<model key>`, `optimizer.state.exp_avg_sq.<model key>` and,
-  in bf16/fp16, `optimizer.state.fp32_param.<model key>` (the masters), shaped as the model tensors.
+* Adam's state, read and written by mcore_optimizer.py: FP32Optimizer / Float16OptimizerWithFloat16Params
+  keep `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` and, in bf16/fp16, the fp32 masters
+  `optimizer.state.fp32_param.<model key>`, shaped as the model tensors, the step in `state.common_step`;
+  the DistributedOptimizer (`--use-distributed-optimizer`) keeps the same per-tensor keys with the masters
+  as `optimizer.state.param.*` (`fully_reshardable`), or flat per-bucket tensors (`dp_reshardable`,
+  Megatron-LM's default), its step in `param_groups[*].step`. The import takes the masters (not the
+  bf16 weights) and the checkpoint's own step (never the iteration); the export writes the
+  non-distributed optimizer's state, or with `distributed_optimizer` the fully_reshardable one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from . import mcore_optimizer
 from .dcp import _single_process_quiet as quiet
 from .files import CheckpointError, iter_name
 
@@ -184,6 +190,16 @@ def read_common(path: str) -> dict:
     return _unpickle(planner.read[COMMON_KEY])[0]
 
 
+def read_objects(path: str, keys: list[str]) -> dict:
+    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`, as
+    `read_common` reads its own (the distributed optimizer's metadata, mcore_optimizer.py)."""
+    planner = _BytesAsRead(flatten_state_dict=False)
+    with quiet():
+        dcp.load({k: io.BytesIO() for k in keys}, storage_reader=dcp.FileSystemReader(path), planner=planner,
+                 no_dist=True)  # fmt: skip
+    return {k: _unpickle(planner.read[k])[0] for k in keys}
+
+
 class _BytesAsRead(DefaultLoadPlanner):
     """DCP's planner, but a pickled object is kept as its bytes in `read` (DCP's own would unpickle it
     with weights_only=False, running whatever code it names): `_unpickle` reads it."""
@@ -324,18 +340,11 @@ def _model_keys(cfg) -> set[str]:
     return set(TOP_KEYS.values()) | set(LAYER_KEYS.values())
 
 
-def _has_moments(tensors: dict) -> bool:
-    return f"optimizer.state.exp_avg.{TOP_KEYS['embedding.weight']}" in tensors
-
-
 def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
     why = [
         f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
     ]
-    if "optimizer" in common and not _has_moments(tensors):
-        why.append("its optimizer state is not kept per parameter (the distributed optimizer's dp_reshardable "
-                   "buffers): convert the weights with --no-optim")  # fmt: skip
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
@@ -361,33 +370,22 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         why = [w for w in why if "optimizer" not in w]
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
-    masters = "optimizer.state.fp32_param."  # bf16/fp16 runs: the fp32 masters are the weights
+    adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
     model = {k: v for k, v in tensors.items() if k in _model_keys(cfg)}
-    model.update({k[len(masters) :]: v for k, v in tensors.items() if k.startswith(masters)})
+    model.update(adam.masters if adam else mcore_optimizer.masters(tensors))  # bf16/fp16 runs: the fp32 masters
     weights = from_mcore({k: v.float() for k, v in model.items()}, cfg)
     moments, step = None, None
-    state = (common.get("optimizer") or {}).get("state") or {}
-    if with_optimizer and _has_moments(tensors):
-        per_kind = {
-            kind: from_mcore(
-                {
-                    k[len(f"optimizer.state.{kind}.") :]: v.float()
-                    for k, v in tensors.items()
-                    if k.startswith(f"optimizer.state.{kind}.")
-                },
-                cfg,
-            )  # fmt: skip
-            for kind in MOMENTS
-        }
-        moments = {n: {kind: per_kind[kind][n] for kind in MOMENTS} for n in weights}
-        step = float(state.get("common_step", common.get("iteration", 0)))
+    if adam is not None:
+        per_kind = {kind: from_mcore(adam.moments[kind], cfg) for kind in MOMENTS}
+        moments, step = {n: {kind: per_kind[kind][n] for kind in MOMENTS} for n in weights}, adam.step
     iteration = int(common.get("iteration", 0))
     scheduler = common.get("opt_param_scheduler") or {}
     consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
     out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
-    dropped = [k for k in object_keys(path) if k != COMMON_KEY]  # extra states (TE's FP8 scales), RNG states
+    dropped = adam.dropped if adam else []  # the fp16 loss scale; extra states (TE's FP8 scales), RNG states:
+    dropped += [k for k in object_keys(path) if k != COMMON_KEY and not k.startswith(mcore_optimizer.FLAT)]
     done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
-    return out, done | {"dropped": dropped}
+    return out, done | {"dropped": dropped, "step": step, "optimizer_format": adam.sharding if adam else None}
 
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
@@ -442,10 +440,13 @@ def _scheduler_state(cfg, consumed: int) -> dict:
             "wd_incr_style": o.weight_decay_incr_style, "wd_incr_steps": int(s.wd_incr)}  # fmt: skip
 
 
-def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
+def export_checkpoint(
+    load: str, save: str, with_optimizer: bool = True, distributed_optimizer: bool = False
+) -> tuple[str, dict]:
     """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
-    as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer. Returns (its
-    directory, a summary)."""
+    as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer, or with
+    `distributed_optimizer` its DistributedOptimizer in the fully_reshardable format (mcore_optimizer.py).
+    Returns (its directory, a summary)."""
     from .layout import config_from_dict
 
     weights, moments, step, meta = our_full_state(load)
@@ -462,7 +463,12 @@ def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         "iteration": meta["iteration"],
         "num_floating_point_operations_so_far": 0,
     }
-    if moments is not None:
+    if moments is not None and distributed_optimizer:
+        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg) for kind in MOMENTS}
+        state, optim = mcore_optimizer.write_fully_reshardable(masters, per_kind, float(step or 0), _param_groups(cfg))
+        tensors.update(state)
+        common.update(optim, opt_param_scheduler=_scheduler_state(cfg, meta["consumed_samples"]))
+    elif moments is not None:
         for kind in MOMENTS:
             mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg)
             tensors.update({f"optimizer.state.{kind}.{k}": v for k, v in mcore.items()})
@@ -470,8 +476,12 @@ def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
             tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
         step_tensor = torch.tensor(float(step or 0))  # torch's Adam keeps its step as a float tensor
         common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
+        if low:  # Float16OptimizerWithFloat16Params nests its torch state once more (its masters are tensors)
+            common["optimizer"] = {"optimizer": common["optimizer"]}
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
     common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)
+    if distributed_optimizer:
+        vars(common["args"]).update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
     out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)
     return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
