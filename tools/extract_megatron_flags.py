@@ -1,4 +1,4 @@
-"""Write megatron_zpp/megatron_flags.json: every option string of Megatron-LM's real parser.
+"""Write megatron_zpp/config/megatron_flags.json: every option string of Megatron-LM's real parser.
 
 Run by hand (not in CI) against a Megatron-LM source tree, e.g. from a bare mirror:
 
@@ -21,7 +21,9 @@ import sys
 import typing
 import warnings
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zpp", "megatron_flags.json")
+OUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zpp", "config", "megatron_flags.json"
+)
 
 
 def megatron_parser() -> argparse.ArgumentParser:
