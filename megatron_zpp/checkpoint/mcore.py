@@ -297,23 +297,41 @@ def config_from_args(args: argparse.Namespace, rows: int):
     return cfg
 
 
-def args_from_config(cfg, iteration: int, consumed: int, rows: int) -> argparse.Namespace:
-    """Megatron-LM's args of our run (our settings under their own, Megatron's, names, plus the args
-    megatron derives: swiglu, padded_vocab_size, consumed samples), as its checkpoints pickle them."""
+def args_from_config(cfg, iteration: int, consumed: int, rows: int, with_optimizer: bool = True) -> argparse.Namespace:
+    """Megatron-LM's args of our run, as its checkpoints pickle them: our settings under their own (Megatron's)
+    names, then every arg that Megatron-LM's `load_checkpoint` (`check_checkpoint_args`, RNG and optimizer
+    choices) and `load_args_from_checkpoint` read, valued as Megatron-LM's parser and `validate_args` give them
+    for the command line of this model (tests/checkpoint/test_mcore_megatron_lm.py holds them to that parser)."""
     ns = {k: v for section in cfg.to_dict().values() for k, v in section.items()}
-    m = cfg.model
+    m, d = cfg.model, cfg.data
     ns.update(
+        # no tokenizer flag given (mock data: we infer NullTokenizer): Megatron's parser leaves it None
+        tokenizer_type=None
+        if d.tokenizer_type_inferred and not (d.vocab_file or d.tokenizer_model)
+        else d.tokenizer_type,
         swiglu=m.activation == "swiglu",
         squared_relu=m.activation == "squared_relu",
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
-        num_query_groups=m.kv_heads,
+        # Megatron keeps this True unless --no-position-embedding, which validate_args refuses but with RoPE;
+        # no positions at all are --position-embedding-type none there too
+        add_position_embedding=True,
+        use_rotary_position_embeddings=False,  # the deprecated flag: --position-embedding-type rope says it
+        num_query_groups=m.kv_heads if m.group_query_attention else 1,  # Megatron's default when not GQA
+        add_qkv_bias=m.add_bias_linear or m.add_qkv_bias,  # validate_args: --add-bias-linear implies it
         kv_channels=m.head_dim,
         ffn_hidden_size=m.ffn_size,
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,  # a flag Megatron requires
+        rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer() else m.rotary_base,  # type=int there
+        apply_query_key_layer_scaling=False,
         padded_vocab_size=rows,
         iteration=iteration,
         consumed_train_samples=consumed,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
         ckpt_format="torch_dist",
         use_distributed_optimizer=False,
+        data_parallel_random_init=False,
+        no_save_optim=None if with_optimizer else True,  # Megatron's load then skips the optimizer
+        no_save_rng=True,  # no RNG state is written: Megatron's load then starts its streams from the seed
         params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
     )
     return argparse.Namespace(**ns)
@@ -472,6 +490,6 @@ def export_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
-    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)
+    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None)
     out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)
     return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
