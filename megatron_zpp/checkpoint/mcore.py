@@ -30,9 +30,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import pathlib
-import types
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,7 +37,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .dcp import _single_process_quiet as quiet
+from .dcp import saved_keys
 from .files import CheckpointError, iter_name
+from .pickled import SafeReader, dcp_load, unpickle_common
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject("common_state", (1,), (0,))
@@ -140,48 +139,31 @@ def iteration_dir(load: str) -> str:
     if os.path.isfile(tracker):
         with open(tracker) as f:
             text = f.read().strip()
+        if text != "release" and not (text.isascii() and text.isdigit()):
+            raise CheckpointError(f"{tracker} holds {text[:40]!r}: neither an iteration number nor 'release'")
         load = os.path.join(load, "release" if text == "release" else iter_name(int(text)))
     if not os.path.isfile(os.path.join(load, ".metadata")):
         raise CheckpointError(f"{load}: no megatron-core torch_dist checkpoint (no .metadata, no {TRACKER})")
     return load
 
 
-def _safe_globals(with_megatron: bool) -> list:
-    """The classes a megatron-core common state may pickle that weights_only loading allows: the standard
-    library's; `with_megatron`, megatron-core's own list too (its enums) when it is installed."""
-    classes: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO]
-    if not with_megatron:
-        return classes
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-    except ImportError:
-        return classes
-    return classes + list(SAFE_GLOBALS)
-
-
-def _unpickle(data: str | io.BytesIO) -> Any:
-    """torch.load(weights_only=True) with the standard library's classes a Megatron-LM args may hold, and
-    megatron-core's own (its enums) when a first try names one and megatron-core is installed."""
-    for extra in (False, True):
-        if isinstance(data, io.BytesIO):
-            data.seek(0)
-        try:
-            with torch.serialization.safe_globals(_safe_globals(extra)):
-                return torch.load(data, weights_only=True)
-        except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
-            error = e
-    raise CheckpointError(f"its common state cannot be read without unpickling code: {error}") from None
-
-
 def read_common(path: str) -> dict:
     """The common (non-tensor) state: `common.pt` (older megatron-core) or the `common_state` object."""
     legacy = os.path.join(path, "common.pt")
     if os.path.isfile(legacy):
-        return _unpickle(legacy)
+        return _common(unpickle_common(legacy), legacy)
+    if COMMON_KEY not in saved_keys(path):
+        raise CheckpointError(f"{path}: no common state ({COMMON_KEY}, or common.pt): not a megatron-core checkpoint")
     planner = _BytesAsRead(flatten_state_dict=False)
-    with quiet():
-        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
-    return _unpickle(planner.read[COMMON_KEY])[0]
+    dcp_load({COMMON_KEY: io.BytesIO()}, path, planner=planner)
+    common = unpickle_common(planner.read[COMMON_KEY])
+    return _common(common[0] if isinstance(common, list) and common else common, path)
+
+
+def _common(common, where: str) -> dict:
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{where}: its common state is a {type(common).__name__}, not megatron-core's dict")
+    return common
 
 
 class _BytesAsRead(DefaultLoadPlanner):
@@ -198,14 +180,13 @@ class _BytesAsRead(DefaultLoadPlanner):
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = saved_keys(path)
     state = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    with quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    dcp_load(state, path)
     return state
 
 
@@ -247,8 +228,7 @@ def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: d
 
 def object_keys(path: str) -> list[str]:
     """The pickled objects' keys of a megatron-core directory (its extra states and common state)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return sorted(k for k, v in metadata.items() if isinstance(v, BytesStorageMetadata))
+    return sorted(k for k, v in saved_keys(path).items() if isinstance(v, BytesStorageMetadata))
 
 
 # ---- the run's settings: Megatron-LM's args <-> our config ----------------------------------
@@ -357,7 +337,46 @@ def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
-    return why + unsupported(cfg)
+    why += unsupported(cfg)
+    return why or (_shape_errors(tensors, cfg) if "embedding.word_embeddings.weight" in tensors else [])
+
+
+def expected_shapes(cfg, rows: int) -> dict[str, tuple]:
+    """{megatron-core key: global shape} of the model `cfg` describes (embedding rows `rows`), layers stacked."""
+    from ..model import GPT
+
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg.model, rows)
+    except (ArithmeticError, AssertionError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"its args describe no model that can be built: {type(e).__name__}: {e}") from None
+    return {k: tuple(v.shape) for k, v in to_mcore(dict(model.named_parameters()), cfg).items()}
+
+
+def _shape_errors(tensors: dict, cfg) -> list[str]:
+    """Each tensor (model, and the optimizer's per parameter) whose shape the args do not give, and each tensor
+    the args' model has that is not there, by key (the first few)."""
+    m, rows = cfg.model, tensors["embedding.word_embeddings.weight"].shape[0]
+    want = expected_shapes(cfg, rows)
+    stacked = set(LAYER_KEYS.values())
+    if not m.untie_embeddings_and_output_weights:  # a tied copy some layouts write
+        want_out = {"output_layer.weight": want["embedding.word_embeddings.weight"]}
+    else:
+        want_out = {}
+    why = [f"no {k}, which its args' model has" for k in sorted(want) if k not in tensors]
+    for key, t in sorted(tensors.items()):
+        model_key = next((key[len(p) :] for p in _OPTIMIZER_PREFIXES if key.startswith(p)), key)
+        shape, expected = tuple(t.shape), want.get(model_key, want_out.get(model_key))
+        if expected is None or shape == expected:
+            continue
+        if model_key in stacked and shape[:1] != expected[:1]:
+            why.append(f"{key} stacks {shape[0] if shape else 0} layers where its args say --num-layers {m.num_layers}")
+        else:
+            why.append(f"{key} is {list(shape)} where its args give {list(expected)}")
+    return why[:3] + ([f"and {len(why) - 3} more"] if len(why) > 3 else [])
+
+
+_OPTIMIZER_PREFIXES = tuple(f"optimizer.state.{k}." for k in (*MOMENTS, "fp32_param"))
 
 
 def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
@@ -424,7 +443,7 @@ def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
         state: dict = {}
         planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
         with quiet():
-            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+            _load_state_dict(state, storage_reader=SafeReader(path), planner=planner, no_dist=True)
         opt = state.get("optimizer")
         return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
     saved = SavedCheckpoint(path, meta)

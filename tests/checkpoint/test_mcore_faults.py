@@ -1,0 +1,128 @@
+"""Damaged and crafted torch_dist checkpoints, megatron-core's (`--from megatron`) and ours (`--to megatron`):
+tools/convert_checkpoint.py exits 2 with one line naming the file and the cause, no traceback, writes nothing,
+and no pickled code runs (a crafted `.metadata` whose unpickling would create a file creates none)."""
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from megatron_zpp.checkpoint import files, mcore
+from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.model import GPT
+from tests.checkpoint.test_mcore import LLAMA_FLAGS, ROWS, RUN, _cfg, _convert
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Our torch_dist checkpoint (weights and moments) and its --to megatron export."""
+    root = tmp_path_factory.mktemp("saved")
+    cfg = _cfg(LLAMA_FLAGS + RUN)
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+    moments = {n: {k: torch.rand(w.shape, generator=gen) for k in mcore.MOMENTS} for n, w in weights.items()}
+    save_full_dcp(str(root / "ours"), cfg, weights, moments, 3.0, 3, 12)
+    assert _convert(["--load", str(root / "ours"), "--to", "megatron", "--save", str(root / "mlm")]) == 0
+    return root, cfg, weights
+
+
+def _copy(saved, tmp_path, which="mlm"):
+    shutil.copytree(saved[0] / which, tmp_path / which)
+    path = tmp_path / which / "iter_0000003"
+    return path, next(p for p in path.iterdir() if p.suffix == ".distcp")
+
+
+def _one_line(capsys, argv) -> str:
+    assert _convert(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in captured.out + err, err
+    return err
+
+
+def _import(capsys, tmp_path) -> str:
+    err = _one_line(capsys, ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded",
+                             "--save", str(tmp_path / "out")])  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def _payload(marker) -> bytes:
+    """A pickle whose loading runs a shell command that creates `marker`."""
+
+    class Crafted:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    return pickle.dumps(Crafted())
+
+
+def test_damaged_megatron_checkpoint_is_one_line_naming_the_file(saved, tmp_path, capsys):
+    path, distcp = _copy(saved, tmp_path)
+    data = distcp.read_bytes()
+    distcp.write_bytes(data[: len(data) // 2])
+    err = _import(capsys, tmp_path)
+    assert f"checkpoint file {distcp} is truncated: {len(data) // 2} bytes" in err
+    distcp.unlink()
+    assert f"checkpoint file {distcp} is missing" in _import(capsys, tmp_path)
+    distcp.write_bytes(data)
+    metadata = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    assert f"{path / '.metadata'} is truncated or corrupted" in _import(capsys, tmp_path)
+    (path / ".metadata").write_bytes(metadata)
+    (tmp_path / "mlm" / mcore.TRACKER).write_text("3a\n")
+    assert f"{tmp_path / 'mlm' / mcore.TRACKER} holds '3a': neither an iteration number nor 'release'" in _import(
+        capsys, tmp_path
+    )
+
+
+def test_crafted_metadata_runs_nothing(saved, tmp_path, capsys):
+    """The crafted file does run its command under a plain pickle.load (what DCP's reader calls); ours refuses
+    its global by name and the command never runs, in megatron-core's checkpoint and in ours."""
+    proof = tmp_path / "ran-under-pickle"
+    pickle.loads(_payload(proof))
+    assert proof.exists()
+    path, _ = _copy(saved, tmp_path)
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(_payload(marker))
+    err = _import(capsys, tmp_path)
+    assert f"{path / '.metadata'}: refused: its pickle names posix.system" in err and not marker.exists()
+    ours, _ = _copy(saved, tmp_path, "ours")
+    (ours / ".metadata").write_bytes(_payload(marker))
+    meta = json.loads((ours / "meta.json").read_text())
+    meta["files"][".metadata"] = files.sha256_of(str(ours / ".metadata"))  # sealed as a save would
+    files.write_meta(str(ours), meta)
+    err = _one_line(capsys, ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "x")])
+    assert f"{ours / '.metadata'}: refused: its pickle names posix.system" in err and not marker.exists()
+    assert not (tmp_path / "x").exists()
+
+
+def test_damaged_own_checkpoint_is_one_line_naming_the_file(saved, tmp_path, capsys):
+    ours, distcp = _copy(saved, tmp_path, "ours")
+    distcp.write_bytes(distcp.read_bytes()[:100])
+    err = _one_line(capsys, ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "x")])
+    assert f"checkpoint file {distcp} is corrupted or truncated" in err and not (tmp_path / "x").exists()
+
+
+def _write(root, cfg_tensors, cfg_args):
+    """A megatron-core checkpoint of `cfg_tensors`' weights whose args are `cfg_args`'."""
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(cfg_tensors.model, ROWS)
+    weights = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+    args = mcore.args_from_config(cfg_args, 3, 12, ROWS)
+    mcore.write(str(root), 3, mcore.to_mcore(weights, cfg_tensors), {"args": args, "iteration": 3}, 2)
+
+
+def test_args_that_disagree_with_the_tensors_are_refused_by_key(tmp_path, capsys):
+    cfg = _cfg(LLAMA_FLAGS)
+    _write(tmp_path / "mlm", cfg, _cfg(LLAMA_FLAGS.replace("--ffn-hidden-size 48", "--ffn-hidden-size 64")))
+    err = _import(capsys, tmp_path)
+    assert "decoder.layers.mlp.linear_fc1.weight is [2, 96, 32] where its args give [2, 128, 32]" in err
+    assert "decoder.layers.mlp.linear_fc2.weight is [2, 32, 48] where its args give [2, 32, 64]" in err
+    shutil.rmtree(tmp_path / "mlm")
+    _write(tmp_path / "mlm", cfg, _cfg(LLAMA_FLAGS.replace("--num-layers 2", "--num-layers 3")))
+    err = _import(capsys, tmp_path)
+    assert "decoder.layers.mlp.linear_fc1.weight stacks 2 layers where its args say --num-layers 3" in err
