@@ -4,7 +4,7 @@ Two pickles are read, ours (`--ckpt-format torch_dist`) and megatron-core's alik
 
 * DCP's `.metadata` (`torch.distributed.checkpoint.FileSystemReader.read_metadata` would `pickle.load` it):
   `SafeReader` reads it with an unpickler that resolves only DCP's metadata classes and the torch types they
-  hold (`METADATA_GLOBALS`); any other global (a function to call: `os.system`, `builtins.exec`, ...) is
+  hold, and the save plans megatron-core keeps there (`METADATA_GLOBALS`); any other global (a function to call: `os.system`, `builtins.exec`, ...) is
   refused by name in one line before it is resolved, so nothing of it runs. Then every data file the
   metadata places bytes in must be inside the directory, exist and be long enough (`check_storage`), so a
   missing or truncated `.distcp` is one line naming it, before any tensor is read.
@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 
 from .files import CheckpointError
 
@@ -41,12 +42,20 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     storage info, torch.Size, the dtypes, the layout decoder and the checkpoint id's path."""
     classes = [getattr(dcp_metadata, n) for n in dcp_metadata.__all__ if isinstance(getattr(dcp_metadata, n), type)]
     classes += [dcp_metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size]
+    # megatron-core keeps its save plans in the metadata (planner_data): DCP's plan dataclasses, not the planners
+    plans = ("WriteItemType", "LoadItemType", "BytesIOWriteData", "TensorWriteData", "WriteItem", "ReadItem")
+    classes += [getattr(dcp_planner, n) for n in (*plans, "SavePlan", "LoadPlan")]
     classes += [pathlib.PosixPath, pathlib.PurePosixPath, collections.OrderedDict]
     out: dict[tuple[str, str], Any] = {(c.__module__, c.__qualname__): c for c in classes}
     dtypes = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
     out.update({("torch", n): d for n, d in dtypes.items()})
     out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    out[("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")] = _MCoreSavePlan
     return out
+
+
+class _MCoreSavePlan:
+    """megatron-core's empty MCoreSavePlan, which its older checkpoints' metadata name (read without megatron)."""
 
 
 METADATA_GLOBALS = _metadata_globals()
