@@ -4,8 +4,9 @@ Two pickles are read, ours (`--ckpt-format torch_dist`) and megatron-core's alik
 
 * DCP's `.metadata` (`torch.distributed.checkpoint.FileSystemReader.read_metadata` would `pickle.load` it):
   `SafeReader` reads it with an unpickler that resolves only DCP's metadata classes and the torch types they
-  hold, and the save plans megatron-core keeps there (`METADATA_GLOBALS`); any other global (a function to call: `os.system`, `builtins.exec`, ...) is
-  refused by name in one line before it is resolved, so nothing of it runs. Then every data file the
+  hold, and the save plans megatron-core keeps there (`METADATA_GLOBALS`); any other global (a function to
+  call: `os.system`, `builtins.exec`, ...) is refused by name in one line before it is resolved, so nothing
+  of it runs. Then every data file the
   metadata places bytes in must be inside the directory, exist and be long enough (`check_storage`), so a
   missing or truncated `.distcp` is one line naming it, before any tensor is read.
 * megatron-core's common state object (`common_state`, or `common.pt`): `torch.load(weights_only=True)` with

@@ -7,7 +7,16 @@ One single-rank gloo job: for a RoPE Llama-like config and the learned-position 
 model; megatron-core's GPTModel (local spec, built from `core_transformer_config_from_args`), its FP32
 optimizer and `get_optimizer_param_scheduler` are loaded by `megatron.training.checkpointing.load_checkpoint`.
 The tests compare its logits with ours, its Adam moments and scheduler with what we wrote, and every arg
-that `checkpointing.py` reads from a checkpoint's args (found in its source) with the parser's.
+that `checkpointing.py` reads from a checkpoint's args (found in its source) with the parser's; then the
+loaded model, optimizer and scheduler train the remaining 2 iterations as Megatron-LM's step does (test_mcore's
+`_mcore_steps`) beside our loop resuming our checkpoint: the same losses and learning rates.
+
+Megatron-LM's `training.train_step` itself is not run: on CPU it would need torch's tensor factories
+redirected, as megatron-core allocates on a literal 'cuda' in the DDP grad buffers
+(param_and_grad_buffer.py: torch.zeros(device="cuda"), torch.cuda.current_stream()), the optimizer's flags and
+loss scale (optimizer.py: found_inf, _dummy_overflow_buf, _scale_one, _scale), gradient clipping
+(clip_grads.py: total_norm, dummy_overflow_buf), the schedule's token count (schedules.py: total_num_tokens)
+and the rerun state machine (rerun_state_machine.py); what would then run is no longer what a GPU runs.
 """
 
 import contextlib
@@ -16,9 +25,11 @@ import re
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
+from megatron_zpp import training
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.sharded import save_full_dcp
 from megatron_zpp.model import GPT
@@ -30,6 +41,7 @@ from tests.checkpoint.test_mcore import (
     _close,
     _cpu_shims,
     _mcore_forward,
+    _mcore_steps,
     _our_logits,
     _probe,
     _zero_moments,
@@ -171,16 +183,20 @@ def _load_case(root, flags):
     opt, sched = _megatron_optimizer(args, model)
     with contextlib.redirect_stdout(None):
         iteration, _ = checkpointing.load_checkpoint([model], opt, sched)
+    out = {"iteration": (iteration, args.consumed_train_samples, sched.num_steps), "args": _args_diff(exported, args)}
     with torch.no_grad():
-        logits = (_our_logits(cfg, weights), _mcore_forward(model.eval(), _probe()))
-    out = {
-        "iteration": (iteration, args.consumed_train_samples, sched.num_steps),
-        "logits": logits,
-        "moments": _moments_by_mcore_key(model, opt, moments, cfg),
-        "args": _args_diff(exported, args),
-    }
+        out["logits"] = (_our_logits(cfg, weights), _mcore_forward(model.eval(), _probe()))
+    out["moments"] = _moments_by_mcore_key(model, opt, moments, cfg)
+    theirs = _mcore_steps(cfg, model.train(), opt, sched, ITERATION, cfg.train.train_iters)
+    out["steps"] = (_our_resume(root, flags), theirs)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _our_resume(root, flags) -> list[tuple[float, float]]:
+    """Our loop resuming our checkpoint to --train-iters: each step's (loss, lr)."""
+    run = training.setup(_cfg(f"{flags}{RUN} --ckpt-format torch_dist --load {root}/ours --save {root}/resumed", 1))
+    return [(h["loss"], h["lr"]) for h in training.train(run)]
 
 
 def _moments_by_mcore_key(model, opt, moments, cfg):
@@ -250,3 +266,5 @@ def test_megatron_lm_load_checkpoint_reads_our_export(results, name):
     ours, theirs = r["logits"]
     assert ours.shape == theirs.shape and _close(ours, theirs), (ours - theirs).abs().max().item()
     assert r["moments"] and all(torch.equal(a, b) for a, b in r["moments"].values())
+    ours, theirs = r["steps"]  # megatron-core's model and optimizer as loaded, stepped as Megatron-LM does
+    assert len(ours) == len(theirs) == 2 and np.allclose(ours, theirs, rtol=1e-6, atol=0), (ours, theirs)
