@@ -7,7 +7,8 @@ One single-rank gloo job: for a RoPE Llama-like config and the learned-position 
 model; megatron-core's GPTModel (local spec, built from `core_transformer_config_from_args`), its FP32
 optimizer and `get_optimizer_param_scheduler` are loaded by `megatron.training.checkpointing.load_checkpoint`.
 The tests compare its logits with ours, its Adam moments and scheduler with what we wrote, and every arg
-that `checkpointing.py` reads from a checkpoint's args (found in its source) with the parser's; then the
+that `checkpointing.py` reads from a checkpoint's args (found in its source) with the parser's, and with
+`--use-checkpoint-args` and no model flag, the model settings its `load_args_from_checkpoint` reads; then the
 loaded model, optimizer and scheduler train the remaining 2 iterations as Megatron-LM's step does (test_mcore's
 `_mcore_steps`) beside our loop resuming our checkpoint: the same losses and learning rates.
 
@@ -86,9 +87,10 @@ def _load_shims(checkpointing):
     checkpointing.read_metadata = on_cpu
 
 
-def _megatron_args(flags: str, load: str):
-    """Megatron-LM's args of `flags` plus --load, from its own parser and validate_args."""
-    arguments, _, global_vars = _megatron_lm()
+def _megatron_args(flags: str, load: str, from_checkpoint: bool = False):
+    """Megatron-LM's args of `flags` plus --load, from its own parser and validate_args (`from_checkpoint`:
+    --use-checkpoint-args, the model's settings read by its load_args_from_checkpoint, as its initialize does)."""
+    arguments, checkpointing, global_vars = _megatron_lm()
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator,
         init_num_microbatches_calculator,
@@ -100,6 +102,9 @@ def _megatron_args(flags: str, load: str):
     try:
         with contextlib.redirect_stdout(None):
             args = arguments.parse_args()
+            if from_checkpoint:
+                args.use_checkpoint_args = True
+                args, _ = checkpointing.load_args_from_checkpoint(args)
             arguments.validate_args(args, {})
     finally:
         sys.argv = saved
@@ -110,6 +115,15 @@ def _megatron_args(flags: str, load: str):
     return args
 
 
+def _from_checkpoint_diff(load: str, full) -> dict[str, tuple]:
+    """{name: (Megatron-LM's arg, the full command line's)} for each model setting load_args_from_checkpoint
+    reads that differs, the command line giving only data, training and implementation flags."""
+    names = sorted(n for n in _read_names()["set"] - set(RUN_STATE) if hasattr(full, n))  # Megatron-LM's flags
+    args = _megatron_args("--mock-data --vocab-size 100 --make-vocab-size-divisible-by 32 ", load, True)
+    _megatron_lm()[2].set_args(full)
+    return {n: (getattr(args, n, None), getattr(full, n)) for n in names if getattr(args, n, None) != getattr(full, n)}
+
+
 def _read_names() -> dict[str, set[str]]:
     """The args Megatron-LM's checkpointing.py reads from a checkpoint's args, from its source:
     {"compared": check_checkpoint_args' (an attribute that must be there), "set": load_args_from_checkpoint's
@@ -117,11 +131,14 @@ def _read_names() -> dict[str, set[str]]:
     _, checkpointing, _ = _megatron_lm()
     with open(checkpointing.__file__) as f:
         src = f.read()
-    return {
+    names = {
         "compared": set(re.findall(r"_compare\('(\w+)'", src)),
         "set": set(re.findall(r"_set_arg\('(\w+)'", src)),
         "read": set(re.findall(r"getattr\((?:ckpt_args|checkpoint_args|state_dict\['args'\]), '(\w+)'", src)),
     }
+    assert {"num_layers", "add_position_embedding"} <= names["compared"], "Megatron-LM's check_checkpoint_args moved"
+    assert {"swiglu", "num_query_groups", "position_embedding_type"} <= names["set"], "load_args_from_checkpoint moved"
+    return names
 
 
 def _megatron_model(args):
@@ -184,6 +201,7 @@ def _load_case(root, flags):
     with contextlib.redirect_stdout(None):
         iteration, _ = checkpointing.load_checkpoint([model], opt, sched)
     out = {"iteration": (iteration, args.consumed_train_samples, sched.num_steps), "args": _args_diff(exported, args)}
+    out["from_checkpoint"] = _from_checkpoint_diff(os.path.join(root, "mlm"), args)
     with torch.no_grad():
         out["logits"] = (_our_logits(cfg, weights), _mcore_forward(model.eval(), _probe()))
     out["moments"] = _moments_by_mcore_key(model, opt, moments, cfg)
@@ -261,7 +279,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_megatron_lm_load_checkpoint_reads_our_export(results, name):
     r = results[name]
-    assert r["args"] == {}
+    assert r["args"] == {} and r["from_checkpoint"] == {}
     assert r["iteration"] == (ITERATION, CONSUMED, CONSUMED)
     ours, theirs = r["logits"]
     assert ours.shape == theirs.shape and _close(ours, theirs), (ours - theirs).abs().max().item()
