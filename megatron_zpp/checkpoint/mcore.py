@@ -109,8 +109,11 @@ def to_mcore(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out = {TOP_KEYS[k]: v for k, v in state.items() if k in TOP_KEYS}
     for suffix, key in LAYER_KEYS.items():
         per_layer = [state.get(f"layers.{i}.{suffix}") for i in range(m.num_layers)]
-        if per_layer[0] is None:
+        if all(t is None for t in per_layer):
             continue
+        if any(t is None for t in per_layer):  # a damaged checkpoint: name the tensor, not torch.stack's error
+            lost = next(i for i, t in enumerate(per_layer) if t is None)
+            raise CheckpointError(f"the checkpoint holds no layers.{lost}.{suffix}, which the model of its config has")
         if suffix.startswith("mixer.qkv"):
             per_layer = [qkv_to_mcore(t, m) for t in per_layer]
         out[key] = torch.stack(per_layer)

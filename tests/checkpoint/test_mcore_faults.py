@@ -10,10 +10,12 @@ import shutil
 import pytest
 import torch
 
-from megatron_zpp.checkpoint import files, mcore
+from megatron_zpp import training
+from megatron_zpp.checkpoint import CheckpointError, files, mcore
 from megatron_zpp.checkpoint.sharded import save_full_dcp
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import LLAMA_FLAGS, ROWS, RUN, _cfg, _convert
+from tests.dist import run_distributed
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +128,24 @@ def test_args_that_disagree_with_the_tensors_are_refused_by_key(tmp_path, capsys
     _write(tmp_path / "mlm", cfg, _cfg(LLAMA_FLAGS.replace("--num-layers 2", "--num-layers 3")))
     err = _import(capsys, tmp_path)
     assert "decoder.layers.mlp.linear_fc1.weight stacks 2 layers where its args say --num-layers 3" in err
+
+
+def _load_error(rank, world, root):
+    try:
+        training.setup(_cfg(f"{LLAMA_FLAGS}{RUN} --ckpt-format torch_dist --load {root}", world))
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_missing_layer_is_named_not_blamed_on_the_vocabulary(saved, tmp_path, capsys):
+    """Our torch_dist checkpoint whose DCP files lack one layer's tensor (its meta.json is sound): the load
+    and the export name that tensor."""
+    root, cfg, weights = saved
+    lost = "layers.1.mlp.fc2.weight"
+    save_full_dcp(str(tmp_path / "ours"), cfg, {n: w for n, w in weights.items() if n != lost}, None, None, 3, 12)
+    error = run_distributed(_load_error, 1, str(tmp_path / "ours"))[0]
+    assert f"holds no model.{lost}, which this run's model has" in error and "vocabulary" not in error
+    err = _one_line(capsys, ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "x")])
+    assert f"the checkpoint holds no {lost}, which the model of its config has" in err
+    assert not (tmp_path / "x").exists()
