@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .dcp import _single_process_quiet as quiet
 from .dcp import saved_keys
-from .files import CheckpointError, iter_name
+from .files import CheckpointError, iter_name, nonfinite_tensors
 from .pickled import SafeReader, dcp_load, unpickle_common
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -182,7 +182,8 @@ class _BytesAsRead(DefaultLoadPlanner):
 
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process."""
+    """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process; each
+    finite (its files carry no checksum: damaged bytes read as NaN are refused by key)."""
     metadata = saved_keys(path)
     state = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
@@ -190,6 +191,9 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
         if isinstance(v, TensorStorageMetadata)
     }
     dcp_load(state, path)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise CheckpointError(f"{path}: non-finite values (inf or NaN) in {', '.join(sorted(bad)[:3])}: damaged")
     return state
 
 

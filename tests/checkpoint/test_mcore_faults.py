@@ -70,6 +70,9 @@ def test_damaged_megatron_checkpoint_is_one_line_naming_the_file(saved, tmp_path
     assert f"checkpoint file {distcp} is truncated: {len(data) // 2} bytes" in err
     distcp.unlink()
     assert f"checkpoint file {distcp} is missing" in _import(capsys, tmp_path)
+    half = len(data) // 2  # among the tensors' bytes
+    distcp.write_bytes(data[:half] + b"\xff" * 8 + data[half + 8 :])  # no checksum there: the bytes read as NaN
+    assert f"{path}: non-finite values (inf or NaN) in " in _import(capsys, tmp_path)
     distcp.write_bytes(data)
     metadata = (path / ".metadata").read_bytes()
     (path / ".metadata").write_bytes(metadata[: len(metadata) // 2])
