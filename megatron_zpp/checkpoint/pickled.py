@@ -99,7 +99,7 @@ def check_storage(root: str, metadata: dcp_metadata.Metadata) -> None:
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
-        if not rel or os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+        if not rel or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
             raise CheckpointError(f"{os.path.join(root, '.metadata')}: names a data file outside {root}: {rel!r}")
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(needed.items()):

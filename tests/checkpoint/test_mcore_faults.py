@@ -2,6 +2,7 @@
 tools/convert_checkpoint.py exits 2 with one line naming the file and the cause, no traceback, writes nothing,
 and no pickled code runs (a crafted `.metadata` whose unpickling would create a file creates none)."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megatron_zpp import training
-from megatron_zpp.checkpoint import CheckpointError, files, mcore
+from megatron_zpp.checkpoint import CheckpointError, files, mcore, pickled
 from megatron_zpp.checkpoint.sharded import save_full_dcp
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import LLAMA_FLAGS, ROWS, RUN, _cfg, _convert
@@ -152,3 +153,12 @@ def test_a_missing_layer_is_named_not_blamed_on_the_vocabulary(saved, tmp_path, 
     err = _one_line(capsys, ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "x")])
     assert f"the checkpoint holds no {lost}, which the model of its config has" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_metadata_naming_a_file_outside_the_directory_is_refused(saved, tmp_path, capsys):
+    path, _ = _copy(saved, tmp_path)
+    metadata = pickled.read_metadata(str(path / ".metadata"))
+    outside = {k: dataclasses.replace(v, relative_path="../../ours/x.distcp") for k, v in metadata.storage_data.items()}
+    metadata.storage_data = outside
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert f"{path / '.metadata'}: names a data file outside {path}: '../../ours/x.distcp'" in _import(capsys, tmp_path)
