@@ -23,10 +23,8 @@ pickled.SafeReader (DCP's classes only; no pickled code runs) after meta.json's 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +34,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from .files import DCP_FORMAT, CheckpointError, sha256_of
 from .layout import RankLayout, Slot
 from .pickled import SafeReader
+from .pickled import single_process_quiet as _single_process_quiet
 
 __all__ = ["DCP_FORMAT", "DCP_FORMATS", "Pieces", "load", "save", "state_dict_of"]
 DCP_FORMATS = ("torch_dist", "torch_dcp")
@@ -208,14 +207,6 @@ def load(state: dict, path: str) -> None:
     """Collective: DCP reads into the boxes of `state` (in place)."""
     with _single_process_quiet():
         dcp.load(state, storage_reader=SafeReader(path), no_dist=not torch.distributed.is_initialized())
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns on every single-process save and load (no process group): that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:

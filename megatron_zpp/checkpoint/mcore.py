@@ -36,10 +36,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .dcp import _single_process_quiet as quiet
 from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
 from .pickled import SafeReader, dcp_load, unpickle_common
+from .pickled import single_process_quiet as quiet
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject("common_state", (1,), (0,))

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import os
 import pathlib
 import pickle
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -128,11 +130,9 @@ class SafeReader(dcp.FileSystemReader):
 def dcp_load(state: dict, path: str, planner=None, no_dist: bool = True, loader=None) -> None:
     """DCP's load of `state` from `path` through `SafeReader`; a file DCP cannot read is one line naming `path`
     (`loader`: DCP's private `_load_state_dict`, for its empty-state-dict planner)."""
-    from .dcp import _single_process_quiet
-
     reader = SafeReader(path)
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             if loader is None:
                 dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
             else:
@@ -153,6 +153,14 @@ def _first_failure(e: Exception) -> BaseException:
     """The first rank's exception of DCP's CheckpointException ({rank: (exception, traceback)})."""
     first = next(iter((getattr(e, "failures", None) or {}).values()), e)
     return first[0] if isinstance(first, tuple) else first
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """DCP warns on every single-process save and load (no process group): that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def unpickle_common(data: str | io.BytesIO, with_megatron: bool = True) -> Any:
