@@ -154,12 +154,12 @@ def read_common(path: str) -> dict:
     """The common (non-tensor) state: `common.pt` (older megatron-core) or the `common_state` object."""
     legacy = os.path.join(path, "common.pt")
     if os.path.isfile(legacy):
-        return _common(unpickle_common(legacy), legacy)
+        return _common(unpickle_common(legacy, legacy), legacy)
     if COMMON_KEY not in saved_keys(path):
         raise CheckpointError(f"{path}: no common state ({COMMON_KEY}, or common.pt): not a megatron-core checkpoint")
     planner = _BytesAsRead(flatten_state_dict=False)
     dcp_load({COMMON_KEY: io.BytesIO()}, path, planner=planner)
-    common = unpickle_common(planner.read[COMMON_KEY])
+    common = unpickle_common(planner.read[COMMON_KEY], f"{path} ({COMMON_KEY})")
     return _common(common[0] if isinstance(common, list) and common else common, path)
 
 
@@ -171,7 +171,7 @@ def _common(common, where: str) -> dict:
 
 class _BytesAsRead(DefaultLoadPlanner):
     """DCP's planner, but a pickled object is kept as its bytes in `read` (DCP's own would unpickle it
-    with weights_only=False, running whatever code it names): `_unpickle` reads it."""
+    with weights_only=False, running whatever code it names): `pickled.unpickle_common` reads it."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

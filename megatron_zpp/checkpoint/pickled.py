@@ -163,9 +163,9 @@ def single_process_quiet():
         yield
 
 
-def unpickle_common(data: str | io.BytesIO, with_megatron: bool = True) -> Any:
+def unpickle_common(data: str | io.BytesIO, where: str, with_megatron: bool = True) -> Any:
     """torch.load(weights_only=True) with `COMMON_GLOBALS`, and megatron-core's own (its enums) when a first try
-    names one and megatron-core is installed."""
+    names one and megatron-core is installed; a refusal is one line naming `where` and the global."""
     for extra in (False, True) if with_megatron else (False,):
         if isinstance(data, io.BytesIO):
             data.seek(0)
@@ -174,7 +174,9 @@ def unpickle_common(data: str | io.BytesIO, with_megatron: bool = True) -> Any:
                 return torch.load(data, weights_only=True)
         except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
             error = e
-    raise CheckpointError(f"its common state cannot be read without unpickling code: {error}") from None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    why = next((line for line in lines if "GLOBAL" in line or "global" in line), lines[0] if lines else "")
+    raise CheckpointError(f"{where}: its common state is not read, as that would run pickled code: {why}") from None
 
 
 def _common_globals(with_megatron: bool) -> list:

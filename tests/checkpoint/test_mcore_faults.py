@@ -53,6 +53,15 @@ def _import(capsys, tmp_path) -> str:
     return err
 
 
+class _Crafted:
+    """A common state entry whose unpickling would run a shell command that creates `marker`."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
 def _payload(marker) -> bytes:
     """A pickle whose loading runs a shell command that creates `marker`."""
 
@@ -96,6 +105,15 @@ def test_crafted_metadata_runs_nothing(saved, tmp_path, capsys):
     (path / ".metadata").write_bytes(_payload(marker))
     err = _import(capsys, tmp_path)
     assert f"{path / '.metadata'}: refused: its pickle names posix.system" in err and not marker.exists()
+    shutil.rmtree(tmp_path / "mlm")
+    cfg = _cfg(LLAMA_FLAGS)
+    weights = {n: torch.zeros(p.shape) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+    common = {"args": mcore.args_from_config(cfg, 3, 12, ROWS), "iteration": _Crafted()}
+    _Crafted.marker = str(marker)
+    mcore.write(str(tmp_path / "mlm"), 3, mcore.to_mcore(weights, cfg), common, 2)
+    err = _import(capsys, tmp_path)
+    assert "(common_state/shard_0_1): its common state is not read, as that would run pickled code" in err
+    assert "posix.system" in err and not marker.exists()
     ours, _ = _copy(saved, tmp_path, "ours")
     (ours / ".metadata").write_bytes(_payload(marker))
     meta = json.loads((ours / "meta.json").read_text())
