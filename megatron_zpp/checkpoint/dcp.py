@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .files import DCP_FORMAT, CheckpointError, sha256_of
 from .layout import RankLayout, Slot
-from .pickled import SafeReader
+from .pickled import SafeReader, dcp_load
 from .pickled import single_process_quiet as _single_process_quiet
 
 __all__ = ["DCP_FORMAT", "DCP_FORMATS", "Pieces", "load", "save", "state_dict_of"]
@@ -205,8 +205,7 @@ def saved_keys(path: str) -> dict[str, object]:
 
 def load(state: dict, path: str) -> None:
     """Collective: DCP reads into the boxes of `state` (in place)."""
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=SafeReader(path), no_dist=not torch.distributed.is_initialized())
+    dcp_load(state, path, no_dist=not torch.distributed.is_initialized())
 
 
 def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:
@@ -218,5 +217,5 @@ def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:
     check_files(path, meta)
     state: dict = {}
     planner = _EmptyStateDictLoadPlanner(keys={"model"})
-    _load_state_dict(state, storage_reader=SafeReader(path), planner=planner, no_dist=True)
+    dcp_load(state, path, planner=planner, loader=_load_state_dict)
     return state["model"]

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
-from .pickled import SafeReader, dcp_load, unpickle_common
+from .pickled import dcp_load, unpickle_common
 from .pickled import single_process_quiet as quiet
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -172,6 +172,8 @@ def _common(common, where: str) -> dict:
 class _BytesAsRead(DefaultLoadPlanner):
     """DCP's planner, but a pickled object is kept as its bytes in `read` (DCP's own would unpickle it
     with weights_only=False, running whatever code it names): `pickled.unpickle_common` reads it."""
+
+    keeps_bytes = True  # pickled.SafeReader hands it the bytes as they are
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -449,8 +451,7 @@ def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
         check_files(path, meta)
         state: dict = {}
         planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
-        with quiet():
-            _load_state_dict(state, storage_reader=SafeReader(path), planner=planner, no_dist=True)
+        dcp_load(state, path, planner=planner, loader=_load_state_dict)
         opt = state.get("optimizer")
         return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
     saved = SavedCheckpoint(path, meta)

@@ -126,6 +126,34 @@ class SafeReader(dcp.FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        if not getattr(planner, "keeps_bytes", False):  # DCP's own planners unpickle with weights_only=False
+            planner = _WeightsOnlyBytes(planner, str(self.path))
+        return super().read_data(plan, planner)
+
+
+class _WeightsOnlyBytes:
+    """A load planner whose pickled objects (DCP's BYTE_IO items, which its default planner unpickles with
+    torch.load(weights_only=False)) are first read with weights_only=True: one naming a global that could run
+    code is refused by key before the planner unpickles it; the rest goes to the planner as it is."""
+
+    def __init__(self, planner, path: str):
+        self._planner, self._path = planner, path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001  (pickle's errors name the global it refused)
+            raise CheckpointError(
+                f"{self._path}: {read_item.dest_index.fqn} is a pickled object that would run code when read: "
+                f"{_refusal(e)}"
+            ) from None
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
 
 def dcp_load(state: dict, path: str, planner=None, no_dist: bool = True, loader=None) -> None:
     """DCP's load of `state` from `path` through `SafeReader`; a file DCP cannot read is one line naming `path`
@@ -174,9 +202,15 @@ def unpickle_common(data: str | io.BytesIO, where: str, with_megatron: bool = Tr
                 return torch.load(data, weights_only=True)
         except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
             error = e
+    raise CheckpointError(
+        f"{where}: its common state is not read, as that would run pickled code: {_refusal(error)}"
+    ) from None
+
+
+def _refusal(error: Exception) -> str:
+    """The line of torch's (several-line) weights_only refusal that names the global."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    why = next((line for line in lines if "GLOBAL" in line or "global" in line), lines[0] if lines else "")
-    raise CheckpointError(f"{where}: its common state is not read, as that would run pickled code: {why}") from None
+    return next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
 
 
 def _common_globals(with_megatron: bool) -> list:

@@ -2,6 +2,7 @@
 tools/convert_checkpoint.py exits 2 with one line naming the file and the cause, no traceback, writes nothing,
 and no pickled code runs (a crafted `.metadata` whose unpickling would create a file creates none)."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -180,3 +181,35 @@ def test_metadata_naming_a_file_outside_the_directory_is_refused(saved, tmp_path
     metadata.storage_data = outside
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     assert f"{path / '.metadata'}: names a data file outside {path}: '../../ours/x.distcp'" in _import(capsys, tmp_path)
+
+
+def test_a_crafted_pickled_object_in_our_checkpoint_runs_nothing(saved, tmp_path, capsys):
+    """Our torch_dist checkpoint with a pickled object added under "model." (its .metadata declaring it,
+    meta.json resealed): DCP's own planner would unpickle it with weights_only=False (torch's dcp_to_torch_save
+    runs its command); our reads refuse it by key and run nothing."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    ours, distcp = _copy(saved, tmp_path, "ours")
+    metadata = pickled.read_metadata(str(ours / ".metadata"))
+    marker, proof = tmp_path / "ran", tmp_path / "ran-under-dcp"
+    offset = distcp.stat().st_size
+    for path, mark in ((ours, proof), (ours, marker)):
+        payload = _payload(mark)
+        (path / distcp.name).write_bytes((path / distcp.name).read_bytes()[:offset] + payload)
+        metadata.state_dict_metadata["model.crafted"] = BytesStorageMetadata()
+        metadata.planner_data["model.crafted"] = ("model", "crafted")
+        metadata.storage_data[MetadataIndex("model.crafted")] = _StorageInfo(distcp.name, offset, len(payload))
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        if mark == proof:
+            with contextlib.suppress(CheckpointException):  # torch.load's first unpickle runs it, then fails
+                dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
+            assert proof.exists()
+    meta = json.loads((ours / "meta.json").read_text())
+    meta["files"] = {f: files.sha256_of(str(ours / f)) for f in meta["files"]}  # resealed, as a save would
+    files.write_meta(str(ours), meta)
+    err = _one_line(capsys, ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "x")])
+    assert f"{ours}: model.crafted is a pickled object that would run code when read: Unsupported" in err
+    assert not marker.exists() and not (tmp_path / "x").exists()
