@@ -319,7 +319,7 @@ def args_from_config(cfg, iteration: int, consumed: int, rows: int, with_optimiz
         ckpt_format="torch_dist",
         use_distributed_optimizer=False,
         data_parallel_random_init=False,
-        no_save_optim=None if with_optimizer else True,  # Megatron's load then skips the optimizer
+        no_save_optim=None if with_optimizer else True,  # as --no-save-optim writes (load with --no-load-optim)
         no_save_rng=True,  # no RNG state is written: Megatron's load then starts its streams from the seed
         params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
     )

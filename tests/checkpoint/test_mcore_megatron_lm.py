@@ -207,8 +207,28 @@ def _load_case(root, flags):
     out["moments"] = _moments_by_mcore_key(model, opt, moments, cfg)
     theirs = _mcore_steps(cfg, model.train(), opt, sched, ITERATION, cfg.train.train_iters)
     out["steps"] = (_our_resume(root, flags), theirs)
+    out["weights_only"] = _weights_only(root, flags, cfg, weights)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _weights_only(root, flags, cfg, weights):
+    """The --no-optim export, loaded as Megatron-LM loads its own --no-save-optim checkpoints (with
+    --no-load-optim: its load_checkpoint reads the optimizer otherwise): the weights, Adam's moments left as they
+    were (none: a fresh Adam). ((ours, its logits), the moments' largest value)."""
+    _, checkpointing, _ = _megatron_lm()
+    there = os.path.join(root, "weights")
+    mcore.export_checkpoint(os.path.join(root, "ours"), there, with_optimizer=False)
+    args = _megatron_args(flags + " --no-load-optim", there)
+    torch.manual_seed(2)
+    model = _megatron_model(args)
+    opt, sched = _megatron_optimizer(args, model)
+    with contextlib.redirect_stdout(None):
+        checkpointing.load_checkpoint([model], opt, sched)
+    with torch.no_grad():
+        logits = (_our_logits(cfg, weights), _mcore_forward(model.eval(), _probe()))
+    moments = [s[k].abs().max().item() for s in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return logits, max(moments, default=0.0)  # none at all: a fresh Adam
 
 
 def _our_resume(root, flags) -> list[tuple[float, float]]:
@@ -284,5 +304,7 @@ def test_megatron_lm_load_checkpoint_reads_our_export(results, name):
     ours, theirs = r["logits"]
     assert ours.shape == theirs.shape and _close(ours, theirs), (ours - theirs).abs().max().item()
     assert r["moments"] and all(torch.equal(a, b) for a, b in r["moments"].values())
+    (ours, theirs), moments = r["weights_only"]  # the --no-optim export: weights, no Adam state
+    assert _close(ours, theirs) and moments == 0.0
     ours, theirs = r["steps"]  # megatron-core's model and optimizer as loaded, stepped as Megatron-LM does
     assert len(ours) == len(theirs) == 2 and np.allclose(ours, theirs, rtol=1e-6, atol=0), (ours, theirs)
