@@ -10,7 +10,8 @@ The tests compare its logits with ours, its Adam moments and scheduler with what
 that `checkpointing.py` reads from a checkpoint's args (found in its source) with the parser's, and with
 `--use-checkpoint-args` and no model flag, the model settings its `load_args_from_checkpoint` reads; then the
 loaded model, optimizer and scheduler train the remaining 2 iterations as Megatron-LM's step does (test_mcore's
-`_mcore_steps`) beside our loop resuming our checkpoint: the same losses and learning rates.
+`_mcore_steps`) beside our loop resuming our checkpoint: the same losses and learning rates. The --no-optim
+export loads with --no-load-optim (as Megatron-LM's own --no-save-optim checkpoints): the same logits.
 
 Megatron-LM's `training.train_step` itself is not run: on CPU it would need torch's tensor factories
 redirected, as megatron-core allocates on a literal 'cuda' in the DDP grad buffers
