@@ -17,15 +17,14 @@ format_utils) turns the directory into one torch.save file of full tensors.
 
 Around DCP's files the directory is ours: written in iter_XXXXXXX.tmp/, sealed with meta.json
 (the config, iteration, samples, each DCP file's sha256) and meta.json.sha256, then renamed and
-named by `latest`, as the zpp format is (sharded.py).
+named by `latest`, as the zpp format is (sharded.py). DCP's `.metadata` pickle is read by
+pickled.SafeReader (DCP's classes only; no pickled code runs) after meta.json's sha256s are checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,6 +34,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .files import DCP_FORMAT, CheckpointError, sha256_of, write_error
 from .layout import RankLayout, Slot
+from .pickled import SafeReader, dcp_load
+from .pickled import single_process_quiet as _single_process_quiet
 
 __all__ = ["DCP_FORMAT", "DCP_FORMATS", "Pieces", "load", "save", "state_dict_of"]
 DCP_FORMATS = ("torch_dist", "torch_dcp")
@@ -165,7 +166,8 @@ def dcp_files(path: str) -> dict[str, str]:
 
 
 def check_files(path: str, meta: dict) -> None:
-    """Every DCP file meta.json lists is there with its sha256."""
+    """Every DCP file meta.json lists is there with its sha256, then the `.metadata` reads without running
+    pickled code and names data files that are there in full (pickled.SafeReader)."""
     for name, digest in meta["files"].items():
         fpath = os.path.join(path, name)
         if not os.path.exists(fpath):
@@ -174,6 +176,7 @@ def check_files(path: str, meta: dict) -> None:
             raise CheckpointError(
                 f"checkpoint file {fpath} is corrupted or truncated: its sha256 does not match meta.json"
             )
+    saved_keys(path)
 
 
 def save(state: dict, tmp: str, group=None, alone: bool = False) -> None:
@@ -212,21 +215,12 @@ def writer_group(run):
 
 def saved_keys(path: str) -> dict[str, object]:
     """{flattened key: its DCP storage metadata} of a saved directory."""
-    return dict(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    return dict(SafeReader(path).read_metadata().state_dict_metadata)
 
 
 def load(state: dict, path: str) -> None:
     """Collective: DCP reads into the boxes of `state` (in place)."""
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not torch.distributed.is_initialized())
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns on every single-process save and load (no process group): that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+    dcp_load(state, path, no_dist=not torch.distributed.is_initialized())
 
 
 def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:
@@ -238,5 +232,5 @@ def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:
     check_files(path, meta)
     state: dict = {}
     planner = _EmptyStateDictLoadPlanner(keys={"model"})
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+    dcp_load(state, path, planner=planner, loader=_load_state_dict)
     return state["model"]

@@ -35,9 +35,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import pathlib
-import types
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,8 +42,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from . import mcore_optimizer
-from .dcp import _single_process_quiet as quiet
-from .files import CheckpointError, iter_name
+from .dcp import saved_keys
+from .files import CheckpointError, iter_name, nonfinite_tensors
+from .pickled import dcp_load, unpickle_common
+from .pickled import single_process_quiet as quiet
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject("common_state", (1,), (0,))
@@ -116,8 +115,11 @@ def to_mcore(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     out = {TOP_KEYS[k]: v for k, v in state.items() if k in TOP_KEYS}
     for suffix, key in LAYER_KEYS.items():
         per_layer = [state.get(f"layers.{i}.{suffix}") for i in range(m.num_layers)]
-        if per_layer[0] is None:
+        if all(t is None for t in per_layer):
             continue
+        if any(t is None for t in per_layer):  # a damaged checkpoint: name the tensor, not torch.stack's error
+            lost = next(i for i, t in enumerate(per_layer) if t is None)
+            raise CheckpointError(f"the checkpoint holds no layers.{lost}.{suffix}, which the model of its config has")
         if suffix.startswith("mixer.qkv"):
             per_layer = [qkv_to_mcore(t, m) for t in per_layer]
         out[key] = torch.stack(per_layer)
@@ -146,63 +148,50 @@ def iteration_dir(load: str) -> str:
     if os.path.isfile(tracker):
         with open(tracker) as f:
             text = f.read().strip()
+        if text != "release" and not (text.isascii() and text.isdigit()):
+            raise CheckpointError(f"{tracker} holds {text[:40]!r}: neither an iteration number nor 'release'")
         load = os.path.join(load, "release" if text == "release" else iter_name(int(text)))
     if not os.path.isfile(os.path.join(load, ".metadata")):
         raise CheckpointError(f"{load}: no megatron-core torch_dist checkpoint (no .metadata, no {TRACKER})")
     return load
 
 
-def _safe_globals(with_megatron: bool) -> list:
-    """The classes a megatron-core common state may pickle that weights_only loading allows: the standard
-    library's; `with_megatron`, megatron-core's own list too (its enums) when it is installed."""
-    classes: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO]
-    if not with_megatron:
-        return classes
-    try:
-        from megatron.core.safe_globals import SAFE_GLOBALS
-    except ImportError:
-        return classes
-    return classes + list(SAFE_GLOBALS)
-
-
-def _unpickle(data: str | io.BytesIO) -> Any:
-    """torch.load(weights_only=True) with the standard library's classes a Megatron-LM args may hold, and
-    megatron-core's own (its enums) when a first try names one and megatron-core is installed."""
-    for extra in (False, True):
-        if isinstance(data, io.BytesIO):
-            data.seek(0)
-        try:
-            with torch.serialization.safe_globals(_safe_globals(extra)):
-                return torch.load(data, weights_only=True)
-        except Exception as e:  # noqa: BLE001  (pickle's errors name the class it refused)
-            error = e
-    raise CheckpointError(f"its common state cannot be read without unpickling code: {error}") from None
-
-
 def read_common(path: str) -> dict:
     """The common (non-tensor) state: `common.pt` (older megatron-core) or the `common_state` object."""
     legacy = os.path.join(path, "common.pt")
     if os.path.isfile(legacy):
-        return _unpickle(legacy)
+        return _common(unpickle_common(legacy, legacy), legacy)
+    if COMMON_KEY not in saved_keys(path):
+        raise CheckpointError(f"{path}: no common state ({COMMON_KEY}, or common.pt): not a megatron-core checkpoint")
     planner = _BytesAsRead(flatten_state_dict=False)
-    with quiet():
-        dcp.load({COMMON_KEY: io.BytesIO()}, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
-    return _unpickle(planner.read[COMMON_KEY])[0]
+    dcp_load({COMMON_KEY: io.BytesIO()}, path, planner=planner)
+    common = unpickle_common(planner.read[COMMON_KEY], f"{path} ({COMMON_KEY})")
+    return _common(common[0] if isinstance(common, list) and common else common, path)
+
+
+def _common(common, where: str) -> dict:
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{where}: its common state is a {type(common).__name__}, not megatron-core's dict")
+    return common
 
 
 def read_objects(path: str, keys: list[str]) -> dict:
-    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`, as
+    """megatron-core's pickled objects `keys` (DCP keys: `<name>/shard_0_1`) of the directory `path`, read as
     `read_common` reads its own (the distributed optimizer's metadata, mcore_optimizer.py)."""
     planner = _BytesAsRead(flatten_state_dict=False)
-    with quiet():
-        dcp.load({k: io.BytesIO() for k in keys}, storage_reader=dcp.FileSystemReader(path), planner=planner,
-                 no_dist=True)  # fmt: skip
-    return {k: _unpickle(planner.read[k])[0] for k in keys}
+    dcp_load({k: io.BytesIO() for k in keys}, path, planner=planner)
+    out = {}
+    for k in keys:
+        obj = unpickle_common(planner.read[k], f"{path} ({k})")
+        out[k] = obj[0] if isinstance(obj, list) and obj else obj
+    return out
 
 
 class _BytesAsRead(DefaultLoadPlanner):
     """DCP's planner, but a pickled object is kept as its bytes in `read` (DCP's own would unpickle it
-    with weights_only=False, running whatever code it names): `_unpickle` reads it."""
+    with weights_only=False, running whatever code it names): `pickled.unpickle_common` reads it."""
+
+    keeps_bytes = True  # pickled.SafeReader hands it the bytes as they are
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -213,15 +202,18 @@ class _BytesAsRead(DefaultLoadPlanner):
 
 
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process; each
+    finite (its files carry no checksum: damaged bytes read as NaN are refused by key)."""
+    metadata = saved_keys(path)
     state = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
-    with quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    dcp_load(state, path)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise CheckpointError(f"{path}: non-finite values (inf or NaN) in {', '.join(sorted(bad)[:3])}: damaged")
     return state
 
 
@@ -263,8 +255,7 @@ def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: d
 
 def object_keys(path: str) -> list[str]:
     """The pickled objects' keys of a megatron-core directory (its extra states and common state)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return sorted(k for k, v in metadata.items() if isinstance(v, BytesStorageMetadata))
+    return sorted(k for k, v in saved_keys(path).items() if isinstance(v, BytesStorageMetadata))
 
 
 # ---- the run's settings: Megatron-LM's args <-> our config ----------------------------------
@@ -313,23 +304,41 @@ def config_from_args(args: argparse.Namespace, rows: int):
     return cfg
 
 
-def args_from_config(cfg, iteration: int, consumed: int, rows: int) -> argparse.Namespace:
-    """Megatron-LM's args of our run (our settings under their own, Megatron's, names, plus the args
-    megatron derives: swiglu, padded_vocab_size, consumed samples), as its checkpoints pickle them."""
+def args_from_config(cfg, iteration: int, consumed: int, rows: int, with_optimizer: bool = True) -> argparse.Namespace:
+    """Megatron-LM's args of our run, as its checkpoints pickle them: our settings under their own (Megatron's)
+    names, then every arg that Megatron-LM's `load_checkpoint` (`check_checkpoint_args`, RNG and optimizer
+    choices) and `load_args_from_checkpoint` read, valued as Megatron-LM's parser and `validate_args` give them
+    for the command line of this model (tests/checkpoint/test_mcore_megatron_lm.py holds them to that parser)."""
     ns = {k: v for section in cfg.to_dict().values() for k, v in section.items()}
-    m = cfg.model
+    m, d = cfg.model, cfg.data
     ns.update(
+        # no tokenizer flag given (mock data: we infer NullTokenizer): Megatron's parser leaves it None
+        tokenizer_type=None
+        if d.tokenizer_type_inferred and not (d.vocab_file or d.tokenizer_model)
+        else d.tokenizer_type,
         swiglu=m.activation == "swiglu",
         squared_relu=m.activation == "squared_relu",
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
-        num_query_groups=m.kv_heads,
+        # Megatron keeps this True unless --no-position-embedding, which validate_args refuses but with RoPE;
+        # no positions at all are --position-embedding-type none there too
+        add_position_embedding=True,
+        use_rotary_position_embeddings=False,  # the deprecated flag: --position-embedding-type rope says it
+        num_query_groups=m.kv_heads if m.group_query_attention else 1,  # Megatron's default when not GQA
+        add_qkv_bias=m.add_bias_linear or m.add_qkv_bias,  # validate_args: --add-bias-linear implies it
         kv_channels=m.head_dim,
         ffn_hidden_size=m.ffn_size,
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,  # a flag Megatron requires
+        rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer() else m.rotary_base,  # type=int there
+        apply_query_key_layer_scaling=False,
         padded_vocab_size=rows,
         iteration=iteration,
         consumed_train_samples=consumed,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
         ckpt_format="torch_dist",
         use_distributed_optimizer=False,
+        data_parallel_random_init=False,
+        no_save_optim=None if with_optimizer else True,  # as --no-save-optim writes (load with --no-load-optim)
+        no_save_rng=True,  # no RNG state is written: Megatron's load then starts its streams from the seed
         params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
     )
     return argparse.Namespace(**ns)
@@ -348,7 +357,46 @@ def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
-    return why + unsupported(cfg)
+    why += unsupported(cfg)
+    return why or (_shape_errors(tensors, cfg) if "embedding.word_embeddings.weight" in tensors else [])
+
+
+def expected_shapes(cfg, rows: int) -> dict[str, tuple]:
+    """{megatron-core key: global shape} of the model `cfg` describes (embedding rows `rows`), layers stacked."""
+    from ..model import GPT
+
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg.model, rows)
+    except (ArithmeticError, AssertionError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"its args describe no model that can be built: {type(e).__name__}: {e}") from None
+    return {k: tuple(v.shape) for k, v in to_mcore(dict(model.named_parameters()), cfg).items()}
+
+
+def _shape_errors(tensors: dict, cfg) -> list[str]:
+    """Each tensor (model, and the optimizer's per parameter) whose shape the args do not give, and each tensor
+    the args' model has that is not there, by key (the first few)."""
+    m, rows = cfg.model, tensors["embedding.word_embeddings.weight"].shape[0]
+    want = expected_shapes(cfg, rows)
+    stacked = set(LAYER_KEYS.values())
+    if not m.untie_embeddings_and_output_weights:  # a tied copy some layouts write
+        want_out = {"output_layer.weight": want["embedding.word_embeddings.weight"]}
+    else:
+        want_out = {}
+    why = [f"no {k}, which its args' model has" for k in sorted(want) if k not in tensors]
+    for key, t in sorted(tensors.items()):
+        model_key = next((key[len(p) :] for p in _OPTIMIZER_PREFIXES if key.startswith(p)), key)
+        shape, expected = tuple(t.shape), want.get(model_key, want_out.get(model_key))
+        if expected is None or shape == expected:
+            continue
+        if model_key in stacked and shape[:1] != expected[:1]:
+            why.append(f"{key} stacks {shape[0] if shape else 0} layers where its args say --num-layers {m.num_layers}")
+        else:
+            why.append(f"{key} is {list(shape)} where its args give {list(expected)}")
+    return why[:3] + ([f"and {len(why) - 3} more"] if len(why) > 3 else [])
+
+
+_OPTIMIZER_PREFIXES = tuple(f"optimizer.state.{k}." for k in (*MOMENTS, "fp32_param"))
 
 
 def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
@@ -403,8 +451,7 @@ def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
         check_files(path, meta)
         state: dict = {}
         planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
-        with quiet():
-            _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=planner, no_dist=True)
+        dcp_load(state, path, planner=planner, loader=_load_state_dict)
         opt = state.get("optimizer")
         return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
     saved = SavedCheckpoint(path, meta)
@@ -480,7 +527,7 @@ def export_checkpoint(
             common["optimizer"] = {"optimizer": common["optimizer"]}
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
-    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows)
+    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None)
     if distributed_optimizer:
         vars(common["args"]).update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
     out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)

@@ -496,12 +496,12 @@ def _prepare_dcp(target: LoadTarget, path: str, meta: dict, weights_only: bool):
     lay = rank_layout(target.cfg, vocab, rank)
     for s in lay.slots:
         got = getattr(saved.get(f"model.{s.name}"), "size", None)
-        if got is None or tuple(got) != tuple(s.full_shape):
-            raise CheckpointError(
-                f"{path}: model.{s.name} is saved as {tuple(got) if got else 'nothing'}, this run's is "
-                f"{tuple(s.full_shape)} (a torch_dist checkpoint reshards at the same padded vocabulary: "
-                "--make-vocab-size-divisible-by x TP)"
-            )
+        if got is None or tuple(got) != tuple(s.full_shape):  # the padded vocabulary is named where it matters
+            vocab = s.name in ("embedding.weight", "output.weight")
+            raise CheckpointError(f"{path}: holds no model.{s.name}, which this run's model has" if got is None else
+                                  f"{path}: model.{s.name} is saved as {tuple(got)}, this run's {tuple(s.full_shape)}"
+                                  + (" (torch_dist reshards at the same padded vocabulary: "
+                                     "--make-vocab-size-divisible-by x TP)" if vocab else ""))  # fmt: skip
     has_optimizer = "optimizer.step" in saved
     changes = layout_changes(meta, target.cfg)
     dtype = torch.float16 if target.cfg.train.fp16 else torch.bfloat16 if target.cfg.train.bf16 else torch.float32
