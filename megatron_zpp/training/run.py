@@ -82,11 +82,7 @@ def setup(cfg: Config) -> Run:
     t = cfg.train
     exit_signal = ExitSignal(t.exit_signal_handler, t.exit_signal, device, t.exit_duration_in_mins, started_at)
     exit_signal.install()
-    check_device(cfg, device)
-    try:
-        set_kernels(cfg.train.kernels, device)
-    except KernelUnavailable as e:
-        raise ConfigError(str(e)) from None
+    _check_device_and_kernels(cfg, device)
     memory_snapshots = MemorySnapshots(cfg, groups.rank, device)  # before the model: its allocations too
     if cfg.data.tokenizer_type_inferred:
         log(f"--tokenizer-type {cfg.data.tokenizer_type} (inferred: {cfg.data.tokenizer_type_inferred})", groups.rank)
@@ -97,12 +93,7 @@ def setup(cfg: Config) -> Run:
     link = build_stage_link(cfg, groups, device)
     dp = build_engine(cfg, chunks, groups, init)
     state = TrainState(loss_scaler=LossScaler.from_config(cfg.train))
-    restored, schedule = None, None
-    if cfg.train.load or cfg.train.pretrained_checkpoint:  # model, optimizer, RNG, position
-        restored, schedule = _restore(LoadTarget(cfg, groups, device, dp, tokenizer.padded_vocab_size))
-    if restored:
-        state.load_state_dict(restored.train_state)
-        state.pending_rng_state, state.resumed_from = restored.rng_state, restored.path
+    restored, schedule = _restore_into(state, LoadTarget(cfg, groups, device, dp, tokenizer.padded_vocab_size))
     if cfg.train.save:
         _guard_save(cfg, groups, device, restored, state.iteration)
     resume_valid_position(cfg.train, state)
@@ -139,6 +130,28 @@ def setup(cfg: Config) -> Run:
     if deterministic:
         log(deterministic, run.rank)
     return run
+
+
+def _check_device_and_kernels(cfg: Config, device) -> None:
+    """The device the launch gave, and --kernels on it (one ConfigError line when they cannot run)."""
+    check_device(cfg, device)
+    try:
+        set_kernels(cfg.train.kernels, device)
+    except KernelUnavailable as e:
+        raise ConfigError(str(e)) from None
+
+
+def _restore_into(state: TrainState, target: LoadTarget):
+    """--load / --pretrained-checkpoint: the model, optimizer, RNG and position into `state`; (what was
+    restored, the checkpoint's LR schedule), both None without a load."""
+    cfg = target.cfg
+    if not (cfg.train.load or cfg.train.pretrained_checkpoint):
+        return None, None
+    restored, schedule = _restore(target)
+    if restored:
+        state.load_state_dict(restored.train_state)
+        state.pending_rng_state, state.resumed_from = restored.rng_state, restored.path
+    return restored, schedule
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:

@@ -156,20 +156,6 @@ def chunk_layer_counts(cfg: Config) -> list[int]:
 
 def check_zero(cfg: Config, world_size: int) -> list[str]:
     z = cfg.zero
-    zero_group = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # replicas of each weight
-    hpz, tiers = z.zero_hpz_partition_size, z.zero_hierarchy
-    zpp = [
-        f
-        for f, on in [
-            ("--zero-param-persistence step", z.zero_param_persistence == "step"),
-            ("--zero-quantized-weights", z.zero_quantized_weights),
-            ("--zero-hpz-partition-size", hpz > 1),
-            ("--zero-quantized-gradients", z.zero_quantized_gradients),
-            ("--zero-gradient-stochastic-rounding", z.zero_gradient_stochastic_rounding),
-            ("--zero-hierarchy", bool(tiers)),
-        ]
-        if on
-    ]
     return failed(
         [
             (
@@ -196,6 +182,30 @@ def check_zero(cfg: Config, world_size: int) -> list[str]:
                 "--overlap-param-gather applies to ZeRO-1/2 (the all-gather of the updated weights after the step); "
                 "ZeRO-3 gathers unit by unit with prefetch already, plain DP gathers nothing: drop it",
             ),
+        ]
+    ) + _check_zeropp(cfg)
+
+
+def _check_zeropp(cfg: Config) -> list[str]:
+    """ZeRO++ (qwZ, hpZ, qgZ) and the hierarchy: ZeRO-3 only, their block sizes, hpZ and the tiers dividing the
+    ZeRO group."""
+    z = cfg.zero
+    zero_group = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # replicas of each weight
+    hpz, tiers = z.zero_hpz_partition_size, z.zero_hierarchy
+    zpp = [
+        f
+        for f, on in [
+            ("--zero-param-persistence step", z.zero_param_persistence == "step"),
+            ("--zero-quantized-weights", z.zero_quantized_weights),
+            ("--zero-hpz-partition-size", hpz > 1),
+            ("--zero-quantized-gradients", z.zero_quantized_gradients),
+            ("--zero-gradient-stochastic-rounding", z.zero_gradient_stochastic_rounding),
+            ("--zero-hierarchy", bool(tiers)),
+        ]
+        if on
+    ]
+    return failed(
+        [
             (hpz >= 1, "--zero-hpz-partition-size must be >= 1"),
             (
                 z.zero_gradient_quantization_block_size >= 2 and z.zero_gradient_quantization_block_size % 2 == 0,
