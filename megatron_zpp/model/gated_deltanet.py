@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from .. import recompute
 from ..config import ModelConfig, default_gla_chunk_size
-from ..context_parallel.gdn import gdn_context_parallel, previous_tokens
+from ..context_parallel.gdn import gdn_context_parallel
+from ..context_parallel.halo import previous_tokens
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark

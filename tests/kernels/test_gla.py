@@ -1,7 +1,7 @@
 """Triton GLA chunk kernels (megatron_zpp/kernels/gla.py) under TRITON_INTERPRET=1 on CPU tensors.
 
 Each building block of megatron_zpp/ops/gla.py with the kernels against the same block with the PyTorch
-reference, and chunk_gla forward + backward against the fp64 token loop (recurrent_gla). Tolerances are
+reference, and chunk_gla forward + backward against the fp64 token loop (naive_recurrent_gla). Tolerances are
 norm-wise relative errors: 1e-5 for fp32 (measured <= ~1e-6), bf16 inputs 1e-5 between the two fp32-computing
 paths and 1e-2 against fp64 (bf16 rounding of o and of the gradients).
 """
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp.context_parallel.gla import ContextParallelGLA
+from megatron_zpp.kernels import chunk_common
 from megatron_zpp.kernels import gla as gla_kernels
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gla import (
@@ -20,8 +21,8 @@ from megatron_zpp.ops.gla import (
     chunk_gla_fwd_states,
     chunk_gla_local,
     gla_state_correction,
-    recurrent_gla,
 )
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dh0")
 CPU = torch.device("cpu")
@@ -114,7 +115,7 @@ def run_chunk_gla(fn, q, k, v, g, h0, do, dS, **kw):
 
 
 def fp64_token_loop(q, k, v, g, h0, do, dS):
-    return run_chunk_gla(recurrent_gla, *(x.double() for x in (q, k, v, g, h0, do, dS)))
+    return run_chunk_gla(naive_recurrent_gla, *(x.double() for x in (q, k, v, g, h0, do, dS)))
 
 
 @pytest.mark.parametrize("kind", ["mild", "strong", "reset"])
@@ -142,8 +143,9 @@ def test_chunk_gla_bf16_matches_the_fp64_token_loop(kernels_on):
 @pytest.mark.parametrize("kind", ["mild", "reset"])
 def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, kind):
     """A GPU launch on bf16 inputs feeds its dots bf16 operands (fp32 accumulation): the interpreter emulates that
-    rounding (kernels/gla.py _round_bf16), and the result stays within bf16's tolerance of the fp64 recurrence."""
-    monkeypatch.setattr(gla_kernels, "EMULATE_BF16_DOTS", True)
+    rounding (kernels/chunk_common.py round_bf16), and the result stays within bf16's tolerance of the fp64
+    recurrence."""
+    monkeypatch.setattr(chunk_common, "EMULATE_BF16_DOTS", True)
     inputs = case(kind, T=64, K=16, V=24, dtype=torch.bfloat16, seed=2)
     got = run_chunk_gla(chunk_gla, *inputs, chunk_size=32)
     assert kernels_on["bwd"] == 1
