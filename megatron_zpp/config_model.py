@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from .config_fields import opt
 
 
-def default_gla_chunk_size(device_type: str) -> int:
-    """--gla-chunk-size when not given: 64 on CUDA (the Triton kernels), 16 on CPU (see its help)."""
+def default_linear_chunk_size(device_type: str) -> int:
+    """--linear-chunk-size when not given: 64 on CUDA (the Triton kernels), 16 on CPU (see its help)."""
     return 64 if device_type == "cuda" else 16
 
 
@@ -70,13 +70,15 @@ class ModelConfig:
         "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
         "attention; 0 = none",
     )
-    gla_chunk_size: int | None = opt(
+    linear_chunk_size: int | None = opt(
         None,
-        "--gla-chunk-size",
-        "chunk length of the chunked GLA (and GDN) form; default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
+        "--linear-chunk-size",
+        "chunk length of the chunked linear-attention forms (GLA and GDN; --gla-chunk-size, its former name, is "
+        "read too); default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
         "and head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
         "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
         "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference",
+        renamed_from="gla_chunk_size",
     )
     gla_gate_low_rank: int = opt(
         0,

@@ -43,10 +43,10 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
         elif cfg.layer_kind(layer) == "gdn":
             heads = cfg.num_attention_heads
             forward += 2 * (h * (4 * width + 2 * heads) + width * h) + 2 * width * (
-                2 * cfg.gla_chunk_size + 3 * cfg.head_dim
+                2 * cfg.linear_chunk_size + 3 * cfg.head_dim
             )
         else:
-            forward += 2 * (5 * h * width + width * h) + 2 * width * (cfg.gla_chunk_size + 2 * cfg.head_dim)
+            forward += 2 * (5 * h * width + width * h) + 2 * width * (cfg.linear_chunk_size + 2 * cfg.head_dim)
         forward += 2 * mlp
     return 3.0 * forward
 

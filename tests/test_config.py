@@ -125,7 +125,7 @@ ERROR_CASES = [
         ["--sequence-parallel"],
     ),
     (dict(parallel__context_parallel_size=3, model__seq_length=256), 3, ["--seq-length", "--context-parallel-size"]),
-    (dict(model__attention_type="gla", model__seq_length=100, model__gla_chunk_size=16), 1, ["--gla-chunk-size"]),
+    (dict(model__attention_type="gla", model__seq_length=100, model__linear_chunk_size=16), 1, ["--linear-chunk-size"]),
     (dict(model__seq_length=512, model__max_position_embeddings=256), 1, ["--seq-length", "--max-position-embeddings"]),
     (dict(model__softmax_attention_every=2), 1, ["--softmax-attention-every", "--attention-type"]),
     (dict(parallel__order="tp-dp-pp"), 1, ["--parallel-order"]),

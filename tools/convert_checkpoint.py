@@ -46,7 +46,8 @@ import typing
 import torch
 
 from megatron_zpp import hf_remote
-from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2, mcore
+from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gpt2, mcore
+from megatron_zpp.checkpoint import hf_remote_export as hf_gla
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.data.tokenizer import SENTENCEPIECE_TYPES
 from megatron_zpp.progress import progress

@@ -48,7 +48,7 @@ def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> 
 
 
 def test_gdn_layer_matches_token_loop():
-    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8)
     layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()

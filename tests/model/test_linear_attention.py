@@ -32,7 +32,7 @@ def token_loop_gla(layer: GatedLinearAttention, x: torch.Tensor, low_rank: int) 
 
 @pytest.mark.parametrize("low_rank", [0, 4])
 def test_gla_layer_matches_token_loop(low_rank):
-    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8, gla_gate_low_rank=low_rank)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8, gla_gate_low_rank=low_rank)
     layer = GatedLinearAttention(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()

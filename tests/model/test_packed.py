@@ -41,7 +41,7 @@ KINDS = {
 
 def config(kind: str, chunk: int = 8) -> ModelConfig:
     return old_model(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, gla_chunk_size=chunk, **KINDS[kind]
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, linear_chunk_size=chunk, **KINDS[kind]
     )
 
 
