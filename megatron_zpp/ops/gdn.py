@@ -77,10 +77,6 @@ def _kernels():
     return gdn
 
 
-def _fp32(t: Tensor, *shape: int) -> Tensor:
-    return t.new_empty(shape, dtype=torch.float32)
-
-
 @dispatch.kernel_op("gdn_fwd")
 def _fwd_kernel(
     q: Tensor,
@@ -99,7 +95,7 @@ def _fwd_kernel(
 def _(q, k, v, g, beta, initial_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return _fp32(q, B, T, H, V), _fp32(q, B, H, K, V)
+    return dispatch.fake_fp32(q, B, T, H, V), dispatch.fake_fp32(q, B, H, K, V)
 
 
 @dispatch.kernel_op("gdn_bwd")
@@ -122,8 +118,8 @@ def _bwd_kernel(
 def _(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq, dk = _fp32(q, B, T, H, K), _fp32(q, B, T, H, K)
-    return dq, dk, _fp32(q, B, T, H, V), _fp32(q, B, T, H), _fp32(q, B, T, H), _fp32(q, B, H, K, V)
+    shapes = ((B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V))  # dq dk dv dg dbeta dh0
+    return tuple(dispatch.fake_fp32(q, *shape) for shape in shapes)
 
 
 def _reference_fwd(q, k, v, g, beta, initial_state, scale, chunk_size):

@@ -94,10 +94,6 @@ def _kernels():
     return gla
 
 
-def _fp32(t: Tensor, *shape: int) -> Tensor:
-    return t.new_empty(shape, dtype=torch.float32)
-
-
 @dispatch.kernel_op("gla_fwd_states")
 def _fwd_states_kernel(
     k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None, chunk_size: int
@@ -109,7 +105,7 @@ def _fwd_states_kernel(
 def _(k, v, g, initial_state, chunk_size):
     B, T, H, K = k.shape
     V = v.shape[-1]
-    return _fp32(k, B, H, T // chunk_size, K, V), _fp32(k, B, H, K, V)
+    return dispatch.fake_fp32(k, B, H, T // chunk_size, K, V), dispatch.fake_fp32(k, B, H, K, V)
 
 
 @dispatch.kernel_op("gla_fwd_output")
@@ -121,7 +117,7 @@ def _fwd_output_kernel(
 
 @_fwd_output_kernel.register_fake
 def _(q, k, v, g, states_in, scale, chunk_size):
-    return _fp32(q, *q.shape[:3], v.shape[-1])
+    return dispatch.fake_fp32(q, *q.shape[:3], v.shape[-1])
 
 
 @dispatch.kernel_op("gla_bwd")
@@ -144,8 +140,8 @@ def _bwd_kernel(
 def _(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq, dk, dg = (_fp32(q, B, T, H, K) for _ in range(3))
-    return dq, dk, _fp32(q, B, T, H, V), dg, _fp32(q, B, H, K, V)
+    dq, dk, dg = (dispatch.fake_fp32(q, B, T, H, K) for _ in range(3))
+    return dq, dk, dispatch.fake_fp32(q, B, T, H, V), dg, dispatch.fake_fp32(q, B, H, K, V)
 
 
 def chunk_gla_fwd_states(
