@@ -1,4 +1,4 @@
-"""What the chunked linear-attention ops share (GLA: gla_chunked.py, Gated DeltaNet: gdn_chunked.py), as fla's
+"""What the chunked linear-attention ops share (GLA's and Gated DeltaNet's *_chunked.py and *_naive.py), as fla's
 `ops/common`: the compute dtype, the input and chunk-size checks, and the chunk layout [B, T, H, ...] <->
 [B, H, N, C, ...] (N chunks of C tokens). Pure tensor code, no autograd, no mixer's math."""
 

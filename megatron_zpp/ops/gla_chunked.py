@@ -1,9 +1,10 @@
 """The chunked GLA computation on [B, H, N, C, D] blocks (N chunks of C tokens), pure tensor code
-in the compute dtype (fp32, fp64 for fp64 inputs), no autograd inside: the chunk layout, segment
-sums and decays, the state scans over chunks, the forward and the backward, and their stages
-(ChunkGLAForward, ChunkGLABackward) for code that interleaves them with communication (the
-context-parallel All-Scan). ops/gla.py builds the public building blocks and the autograd
-Functions on them, and dispatches to the Triton kernels.
+in the compute dtype (fp32, fp64 for fp64 inputs), no autograd inside (the chunk layout and the
+checks: ops/chunking.py, shared with Gated DeltaNet): segment sums and decays, the state scans
+over chunks, the forward and the backward, and their stages (ChunkGLAForward, ChunkGLABackward)
+for code that interleaves them with communication (the context-parallel All-Scan). ops/gla.py
+builds the public building blocks and the autograd Functions on them, and dispatches to the Triton
+kernels.
 
 Numerics: decays are never differences of long cumulative sums. Inside a chunk, in sub-blocks
 of ~sqrt(C) tokens, the pairwise decay exp(sum_{j<s<=i} g_s) of two tokens of one sub-block is
