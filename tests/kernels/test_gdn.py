@@ -18,20 +18,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    """--kernels triton (the interpreter), and a count of the kernel wrappers' calls."""
-    calls = {"fwd": 0, "bwd": 0}
-    for name in calls:
-        original = getattr(gdn_kernels, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(gdn_kernels, name, counted)
-    dispatch.set_kernels("triton", CPU)
-    yield calls
-    dispatch.set_kernels("auto", CPU)
+def kernels_on(count_calls):
+    """A count of the kernel wrappers' calls (conftest.py switches to the Triton kernels, the interpreter)."""
+    return count_calls(gdn_kernels, ("fwd", "bwd"))
 
 
 @pytest.mark.parametrize(

@@ -29,20 +29,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    """--kernels triton (the interpreter), and a count of the kernel wrappers' calls."""
-    calls = {"fwd_states": 0, "fwd_output": 0, "bwd": 0}
-    for name in calls:
-        original = getattr(gla_kernels, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(gla_kernels, name, counted)
-    dispatch.set_kernels("triton", CPU)
-    yield calls
-    dispatch.set_kernels("auto", CPU)
+def kernels_on(count_calls):
+    """A count of the kernel wrappers' calls (conftest.py switches to the Triton kernels, the interpreter)."""
+    return count_calls(gla_kernels, ("fwd_states", "fwd_output", "bwd"))
 
 
 def gates(kind, shape, gen):
