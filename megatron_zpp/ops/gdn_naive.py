@@ -7,24 +7,15 @@ the kernels are tested against, in any dtype (fp64 for the tests), autograd thro
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .chunking import check_shapes, compute_dtype
 
 __all__ = ["naive_recurrent_gdn"]
 
 
-def naive_recurrent_gdn(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token reference. Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] or None).
+def naive_recurrent_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """Token-by-token reference, fla's signature: q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H], scale (None:
+    K**-0.5), initial_state [B,H,K,V] or None. Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] or None).
 
     The transition is applied as S - b k (k^T S), never forming a_t (I - b k k^T): a -inf gate (a_t = 0)
     multiplies the state by exactly 0, the same reset as the chunked forms."""

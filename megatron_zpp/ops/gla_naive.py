@@ -7,23 +7,15 @@ against, in any dtype (fp64 for the tests), autograd through it.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .chunking import check_shapes, compute_dtype
 
 __all__ = ["naive_recurrent_gla"]
 
 
-def naive_recurrent_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token reference. Returns (o [B,T,H,V], final state [B,H,K,V] or None)."""
+def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    """Token-by-token reference, fla's signature: q, k, g [B,T,H,K], v [B,T,H,V], scale (None: K**-0.5),
+    initial_state [B,H,K,V] or None. Returns (o [B,T,H,V], final state [B,H,K,V] or None)."""
     check_shapes(q, k, v, initial_state, True, g=g)
     B, T, H, K = q.shape
     V = v.shape[-1]
