@@ -32,7 +32,7 @@ Rows, every one on the same tensors (each rank its own slice, the same seed in e
 What is measured, on every rank, all rows interleaved in every iteration (a load change hits all alike):
   e2e         the operator: dist.barrier(), then gla_context_parallel forward + backward (loss o.sum(),
               autograd; the scan runs in its background thread under the local work), wall time
-  comm-only   the scan alone: the same scan object the operator builds (context_parallel.gla.make_scan:
+  comm-only   the scan alone: the same scan object the operator builds (context_parallel.scans.make_scan:
               AllScan(cp, K), GatherScan, RingScan) on random states of the operator's sizes (S_loc and
               dS_corr [B,H,K,V] fp32, log gamma [B,H,K]): dist.barrier(), scan.forward, dist.barrier(),
               scan.backward, each timed; --comm-reps repetitions per iteration. It includes the scan's own
@@ -186,7 +186,7 @@ def ledger_bytes(fn) -> dict:
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """Every row's e2e times, comm-only (forward, backward) times and ledger bytes on this rank."""
     from megatron_zpp.context_parallel import auto_blocks
-    from megatron_zpp.context_parallel.gla import make_scan
+    from megatron_zpp.context_parallel.scans import make_scan
     from megatron_zpp.topology import Topology, build_groups
 
     torch.set_num_threads(1)

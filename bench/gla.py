@@ -16,7 +16,7 @@ Measured per (T, dtype, system):
           once without warmup (n=1)
   mem     bytes saved for backward (torch.autograd.graph.saved_tensors_hooks around the forward; unique
           storages, the inputs included) as a multiple of one [B, T, H, D] fp32 tensor
-  err     norm-wise relative error ||got - ref|| / ||ref|| against an fp64 recurrence (our recurrent_gla in
+  err     norm-wise relative error ||got - ref|| / ||ref|| against an fp64 recurrence (our naive_recurrent_gla in
           fp64 on the same inputs, upcast): max over o, dq, dk, dv, dg at T <= --ref-grad-max-t, o only at
           T <= --ref-fwd-max-t; SDPA against SDPA in fp64
 Skips: every system is first probed at T=512 and 1024 (fp32); a cell's call time is extrapolated from
@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_zpp.ops.gla import chunk_gla, recurrent_gla
-from megatron_zpp.ops.gla_chunked import check_shapes, compute_dtype
+from megatron_zpp.ops.chunking import check_shapes, compute_dtype
+from megatron_zpp.ops.gla import chunk_gla
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 from megatron_zpp.testing.verdict import ALLOW_FLAG, ALLOW_HELP, Absent, exit_status, verdict
 
 B, H, D, CHUNK = 1, 8, 64, 16
@@ -104,7 +105,7 @@ def _chunk_forward(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, initial_state: Tensor | None, chunk_size: int
 ) -> tuple[Tensor, Tensor]:
     """Chunked GLA in the compute dtype. Returns (o [B,T,H,V] compute dtype, S_T)."""
-    check_shapes(q, k, v, g, initial_state)
+    check_shapes(q, k, v, initial_state, True, g=g)
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -150,9 +151,9 @@ def _chunk_forward(
 
 
 def _fla(q, k, v, g):
-    from fla.ops.gla.naive import naive_recurrent_gla  # imported on first use: it takes seconds (triton)
+    from fla.ops.gla.naive import naive_recurrent_gla as fla_naive  # imported on first use: it takes seconds (triton)
 
-    return naive_recurrent_gla(q, k, v, g)[0]
+    return fla_naive(q, k, v, g)[0]
 
 
 SYSTEMS: dict[str, Callable[..., Tensor]] = {
@@ -224,10 +225,14 @@ def rel_err(got: Tensor, ref: Tensor) -> float:
 
 
 def reference(system: str, case, with_grads: bool) -> list[Tensor]:
-    """fp64 outputs (and grads of q, k, v, g) on the same inputs: recurrent_gla, or SDPA for sdpa."""
+    """fp64 outputs (and grads of q, k, v, g) on the same inputs: naive_recurrent_gla, or SDPA for sdpa."""
     leaves = [x.detach().double().requires_grad_(with_grads) for x in leaves_for(system, case)]
     with torch.set_grad_enabled(with_grads):
-        o = recurrent_gla(*leaves)[0] if system != "sdpa" else F.scaled_dot_product_attention(*leaves, is_causal=True)
+        o = (
+            naive_recurrent_gla(*leaves)[0]
+            if system != "sdpa"
+            else F.scaled_dot_product_attention(*leaves, is_causal=True)
+        )
     if not with_grads:
         return [o]
     o.backward(cotangent_for(system, case).double())

@@ -144,7 +144,7 @@ def main(argv=None) -> None:
         ("--warmup", 3),
         ("--seed", 1234),
         ("--softmax-attention-every", 0),
-        ("--gla-chunk-size", 16),
+        ("--linear-chunk-size", 16),
     ]:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--num-query-groups", type=int, default=None, help="GQA kv heads (default: = heads; no peer)")
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         softmax_attention_every=a.softmax_attention_every,
         group_query_attention=a.num_query_groups is not None,
         num_query_groups=a.num_query_groups,
-        gla_chunk_size=a.gla_chunk_size,
+        linear_chunk_size=a.linear_chunk_size,
         # the figures' block (this project's former defaults), the SwiGLU width rounded up as it was
         normalization="RMSNorm",
         activation="swiglu",

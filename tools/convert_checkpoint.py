@@ -56,7 +56,8 @@ import typing
 import torch
 
 from megatron_zpp import hf_remote
-from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gla, hf_gpt2, mcore
+from megatron_zpp.checkpoint import CheckpointError, hf_files, hf_gpt2, mcore
+from megatron_zpp.checkpoint import hf_remote_export as hf_gla
 from megatron_zpp.checkpoint.consolidate import config_from_dict, consolidate
 from megatron_zpp.checkpoint.convert_output import check_output, staged
 from megatron_zpp.checkpoint.files import find_checkpoint, os_error_line

@@ -11,7 +11,7 @@ its place in the DP x CP group comes from the rank grid.
 
 from __future__ import annotations
 
-from ..config import Config
+from ..config import Config, former_names
 from ..model.init import full_shape
 from ..pipeline_parallel import build_rank_chunks, stand_in_context
 from ..topology import Topology, topology_from_config
@@ -28,7 +28,9 @@ def config_from_dict(d: dict) -> Config:
         obj = getattr(cfg, section, None)
         if obj is None:
             raise CheckpointError(f"checkpoint config has an unknown section {section!r}")
+        renamed = former_names(section)  # configs saved before a rename
         for name, value in values.items():
+            name = renamed.get(name, name)
             if not hasattr(obj, name):
                 raise CheckpointError(f"checkpoint config has an unknown setting {section}.{name}")
             setattr(obj, name, value)

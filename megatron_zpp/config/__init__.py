@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .fields import ConfigError, opt
-from .model import ModelConfig, default_gla_chunk_size
+from .model import ModelConfig, default_linear_chunk_size
 from .train import LogConfig, TrainConfig
 
 __all__ = [
@@ -30,8 +30,9 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "ZeroConfig",
-    "default_gla_chunk_size",
+    "default_linear_chunk_size",
     "flag_of",
+    "former_names",
     "opt",
 ]
 
@@ -376,3 +377,13 @@ def flag_of(section: str, name: str) -> str:
         if f.name == name:
             return f.metadata["flag"]
     raise KeyError(name)
+
+
+def former_names(section: str) -> dict[str, str]:
+    """{former name: field name} of a section's renamed settings (opt's `renamed_from`): the former flag, YAML key
+    and checkpoint config key still set the field."""
+    return {
+        f.metadata["renamed_from"]: f.name
+        for f in dataclasses.fields(SECTIONS[section])
+        if "renamed_from" in f.metadata
+    }

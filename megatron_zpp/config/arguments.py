@@ -129,15 +129,14 @@ def _spelled(flag: str, value) -> str:
 def _add_field(group, dest: str, f: dataclasses.Field, tp) -> None:
     """One config field's flag (absent flags set nothing, so YAML values stand)."""
     meta, default = f.metadata, argparse.SUPPRESS
+    flags = [meta["flag"]] + (["--" + meta["renamed_from"].replace("_", "-")] if "renamed_from" in meta else [])
     shown = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     help_text = meta["help"] if "default" in meta["help"] else f"{meta['help']} (default: {shown})"
     if tp is bool:
-        group.add_argument(
-            meta["flag"], dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text
-        )
+        group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
     elif typing.get_origin(tp) is list or tp is list:
         group.add_argument(
-            meta["flag"],
+            *flags,
             dest=dest,
             nargs=meta.get("nargs", "+"),
             type=meta.get("type", str),
@@ -147,7 +146,7 @@ def _add_field(group, dest: str, f: dataclasses.Field, tp) -> None:
         )
     else:
         group.add_argument(
-            meta["flag"],
+            *flags,
             dest=dest,
             type=tp,
             choices=meta.get("choices"),
@@ -244,6 +243,8 @@ def _flag_index() -> dict[str, tuple[str, str]]:
             if "flag" in f.metadata:
                 index[f.metadata["flag"].lstrip("-").replace("-", "_")] = (section, f.name)
                 index[f.name] = (section, f.name)
+                if "renamed_from" in f.metadata:  # a former name (YAML files written before the rename)
+                    index[f.metadata["renamed_from"]] = (section, f.name)
     return index
 
 

@@ -11,7 +11,9 @@ class ConfigError(ValueError):
 
 
 def opt(default, flag: str, help: str, **kw):
-    """A config field with its CLI flag. kw: choices, nargs, type (element type for lists), metavar."""
+    """A config field with its CLI flag. kw: choices, nargs, type (element type for lists), metavar, renamed_from
+    (the field's former name: its flag --former-name and YAML key former_name still set it, and a checkpoint's
+    config with the former key loads)."""
     meta = {"flag": flag, "help": help, **kw}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)

@@ -10,8 +10,8 @@ from .fields import opt
 from .shapes import FfnShape, MixerShape, mixer_shape
 
 
-def default_gla_chunk_size(device_type: str) -> int:
-    """--gla-chunk-size when not given: 64 on CUDA (the Triton kernels), 16 on CPU (see its help)."""
+def default_linear_chunk_size(device_type: str) -> int:
+    """--linear-chunk-size when not given: 64 on CUDA (the Triton kernels), 16 on CPU (see its help)."""
     return 64 if device_type == "cuda" else 16
 
 
@@ -72,13 +72,15 @@ class ModelConfig:
         "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
         "attention; 0 = none (1, all softmax, and K > --num-layers, none, run with a warning, as in megatron-core)",
     )
-    gla_chunk_size: int | None = opt(
+    linear_chunk_size: int | None = opt(
         None,
-        "--gla-chunk-size",
-        "chunk length of the chunked GLA (and GDN) form; default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
+        "--linear-chunk-size",
+        "chunk length of the chunked linear-attention forms (GLA and GDN; --gla-chunk-size, its former name, is "
+        "read too); default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
         "and head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
         "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
         "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference",
+        renamed_from="gla_chunk_size",
     )
     gla_gate_low_rank: int = opt(
         0,
@@ -260,7 +262,7 @@ class ModelConfig:
             self.head_dim,
             self.kv_heads,
             self.gla_gate_low_rank,
-            self.gla_chunk_size,
+            self.linear_chunk_size,
         )
 
     def ffn(self, layer: int) -> FfnShape:

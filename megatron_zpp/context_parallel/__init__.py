@@ -14,6 +14,7 @@ while the local work runs (forward and backward). Softmax attention under CP
 
 from .all_scan import auto_blocks
 from .attention import attention_context_parallel
-from .gla import ALGOS, gla_context_parallel
+from .gla import gla_context_parallel
+from .scans import ALGOS, make_scan
 
-__all__ = ["gla_context_parallel", "attention_context_parallel", "auto_blocks", "ALGOS"]
+__all__ = ["gla_context_parallel", "attention_context_parallel", "auto_blocks", "ALGOS", "make_scan"]

@@ -38,8 +38,7 @@ from torch import Tensor
 
 from .. import comm
 from ..topology import Group
-
-FWD_TAG, BWD_TAG = 0, 1 << 12  # block i travels with tag base + i (forward/backward kept apart)
+from .p2p import SCAN_BWD_TAG, SCAN_FWD_TAG, exchange
 
 # One p2p message of n bytes costs about alpha + n / bandwidth: (alpha s, bandwidth B/s) per
 # (device type, link class). GPU: NVLink and 200 Gbit/s InfiniBand; CPU: gloo over TCP,
@@ -73,7 +72,7 @@ def pipelined_chain(
     blocks `span` of x_in (a transition's apply or apply_transposed); returns x_in [B,H,K,V]."""
     src, dst = cp.rank - step, cp.rank + step
     has_src, has_dst = 0 <= src < cp.size, 0 <= dst < cp.size
-    tag = FWD_TAG if step > 0 else BWD_TAG
+    tag = SCAN_FWD_TAG if step > 0 else SCAN_BWD_TAG  # block i: tag + i
     # block-major layout: every block is one contiguous buffer
     loc = local.movedim(dim, 0)
     x_in = torch.zeros(loc.shape, dtype=local.dtype, device=local.device)
@@ -83,7 +82,7 @@ def pipelined_chain(
     edges = [n * i // blocks for i in range(blocks + 1)]
     spans = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
     if has_src:  # block 0 alone; then each step sends block i with the receive of block i+1
-        _exchange([comm.Recv(x_in[spans[0][0] : spans[0][1]], src, tag)], cp, phase)
+        exchange([comm.Recv(x_in[spans[0][0] : spans[0][1]], src, tag)], cp, phase)
     for i, (a, b) in enumerate(spans):
         ops = []
         if has_dst:
@@ -92,13 +91,8 @@ def pipelined_chain(
         if has_src and i + 1 < len(spans):
             c, d = spans[i + 1]
             ops.append(comm.Recv(x_in[c:d], src, tag + i + 1))
-        _exchange(ops, cp, phase)
+        exchange(ops, cp, phase)
     return x_in.movedim(0, dim)
-
-
-def _exchange(ops: list, cp: Group, phase: str) -> None:
-    for work in comm.p2p(ops, cp, phase):
-        work.wait()
 
 
 class AllScan:

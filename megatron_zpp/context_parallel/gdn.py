@@ -22,8 +22,7 @@ dS_out and dM = dS_out S_in^T, and the local operator's backward carries them on
 The scan waits for the local operator (M and U come out of the same pass as o_loc), so its
 latency is not hidden behind local work as GLA's is (gla.py).
 
-The short convolution before the operator reads kernel-1 tokens of the previous slice: they come
-by point-to-point from rank p-1 (`previous_tokens`), and their gradient goes back the same way.
+The short convolution before the operator reads kernel-1 tokens of the previous slice: halo.py.
 """
 
 from __future__ import annotations
@@ -31,35 +30,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import comm, recompute
-from ..ops.gdn import chunk_gdn, chunk_gdn_uses_kernels
+from .. import recompute
+from ..ops.gdn import chunk_gdn
 from ..topology import Group
-from .gla import ALGOS, make_scan
+from .scans import check_algo, make_scan
 from .transition import Dense
-
-HALO_FWD, HALO_BWD = "cp_halo_fwd", "cp_halo_bwd"
-HALO_TAG = 1 << 13  # apart from the scans' tags (all_scan.py)
 
 
 def local_affine(q, k, v, g, beta, scale: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype
-    (fp32, or fp64 for fp64 inputs). One chunk_gdn call on [v, 0_K] from [0, I_K]; two (v from zero,
-    0_K from I_K) where the kernels take V columns but not V + K."""
+    (fp32, or fp64 for fp64 inputs): one chunk_gdn call on [v, 0_K] from [0, I_K] (it runs the V + K
+    columns in the kernels' widths itself)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
-    zeros_k = v.new_zeros(B, T, H, K)
-    wide = torch.cat([v, zeros_k], dim=-1)
-    if chunk_gdn_uses_kernels(q, k, wide, g, beta, chunk_size) or not chunk_gdn_uses_kernels(
-        q, k, v, g, beta, chunk_size
-    ):
-        h0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
-        o, S = chunk_gdn(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
-        return o[..., :V], o[..., V:], S[..., :V], S[..., V:]
-    o_loc, U = chunk_gdn(q, k, v, g, beta, scale, None, True, chunk_size, out_dtype=dt)
-    r, M = chunk_gdn(q, k, zeros_k, g, beta, scale, eye, True, chunk_size, out_dtype=dt)
-    return o_loc, r, U, M
+    wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
+    h0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
+    o, S = chunk_gdn(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
+    return o[..., :V], o[..., V:], S[..., :V], S[..., V:]
 
 
 class EnteringState(torch.autograd.Function):
@@ -105,8 +94,7 @@ def gdn_context_parallel(
     chunk_size. Returns this rank's slice of chunk_gdn over the whole sequence, o [B, T_local, H, V]
     in v's dtype or out_dtype. `initial_state` [B,H,K,V] enters rank 0's slice (only rank 0 reads
     it). `blocks`: all-scan's block count along V (0: auto_blocks). Gradients are exact."""
-    if algo not in ALGOS:
-        raise ValueError(f"unknown CP algorithm {algo!r}; choose one of {ALGOS}")
+    check_algo(algo)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cp is None or cp.size == 1:
         return chunk_gdn(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
@@ -124,47 +112,3 @@ def scanned_gdn(q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk
     S_in = EnteringState.apply(U, M, None if head is None else head.to(U.dtype), scan)
     o = o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
     return o.to(v.dtype if out_dtype is None else out_dtype)
-
-
-class PreviousTokens(torch.autograd.Function):
-    """apply(x [B,T,C], width, cp) -> [B,width,C]: the last `width` tokens of rank p-1's slice (zeros
-    on rank 0); the backward sends their gradient back to p-1, which adds it to its last tokens."""
-
-    @staticmethod
-    def forward(ctx, x, width, cp):
-        ctx.width, ctx.cp, ctx.length = width, cp, x.shape[1]
-        kept = recompute.recall()
-        if kept is not None:
-            return kept
-        halo = x.new_zeros(x.shape[0], width, x.shape[2])
-        ops = []
-        if cp.rank > 0:
-            ops.append(comm.Recv(halo, cp.rank - 1, HALO_TAG))
-        if cp.rank < cp.size - 1:
-            ops.append(comm.Send(x[:, -width:].contiguous(), cp.rank + 1, HALO_TAG))
-        _wait(ops, cp, HALO_FWD)
-        return recompute.remember(halo)
-
-    @staticmethod
-    def backward(ctx, d_halo):
-        cp, width = ctx.cp, ctx.width
-        d_tail = d_halo.new_zeros(d_halo.shape)
-        ops = []
-        if cp.rank < cp.size - 1:
-            ops.append(comm.Recv(d_tail, cp.rank + 1, HALO_TAG))
-        if cp.rank > 0:
-            ops.append(comm.Send(d_halo.contiguous(), cp.rank - 1, HALO_TAG))
-        _wait(ops, cp, HALO_BWD)
-        d_x = d_tail.new_zeros(d_tail.shape[0], ctx.length, d_tail.shape[2])
-        d_x[:, -width:] = d_tail
-        return d_x, None, None
-
-
-def _wait(ops: list, cp: Group, phase: str) -> None:
-    for work in comm.p2p(ops, cp, phase):
-        work.wait()
-
-
-def previous_tokens(x: Tensor, width: int, cp: Group) -> Tensor:
-    """The `width` tokens before this rank's slice x [B,T,C] (zeros before the sequence), T >= width."""
-    return PreviousTokens.apply(x, width, cp)

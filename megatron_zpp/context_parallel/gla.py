@@ -39,12 +39,8 @@ from ..ops.gla import (
     chunk_gla_uses_kernels,
 )
 from ..topology import Group
-from .all_scan import AllScan, auto_blocks
-from .lasp2 import GatherScan
-from .ring import RingScan
+from .scans import check_algo, make_scan
 from .transition import Decay
-
-ALGOS = ("all-scan", "all-gather", "ring")
 
 
 class _Known:
@@ -169,18 +165,6 @@ def _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do):
     return dq, dk + dk_s, dv + dv_s, dg, d_head
 
 
-def make_scan(algo: str, cp: Group, blocks: int, state_bytes: int, device: torch.device, extent: int):
-    """The state scan of `algo`; all-scan with blocks 0 picks its block count (auto_blocks over `extent`,
-    the state dimension its blocks cut)."""
-    if algo == "all-scan":
-        return AllScan(cp, blocks or auto_blocks(state_bytes, cp, device, extent))
-    if algo == "all-gather":
-        return GatherScan(cp)
-    if algo == "ring":
-        return RingScan(cp)
-    raise ValueError(f"unknown CP algorithm {algo!r}; choose one of {ALGOS}")
-
-
 def gla_context_parallel(
     q: Tensor,
     k: Tensor,
@@ -201,8 +185,7 @@ def gla_context_parallel(
     reads it (and only there does it get a gradient). `blocks` is used by all-scan only (0:
     auto_blocks). Gradients of q, k, v, g (and initial_state) are exact.
     """
-    if algo not in ALGOS:
-        raise ValueError(f"unknown CP algorithm {algo!r}; choose one of {ALGOS}")
+    check_algo(algo)
     if cp is None or cp.size == 1:
         return chunk_gla(q, k, v, g, scale, initial_state, chunk_size=chunk_size)[0]
     B, _, H, K = q.shape

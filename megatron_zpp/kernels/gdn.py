@@ -5,7 +5,7 @@ Layout as in megatron_zpp/ops/gdn.py: q, k [B, T, H, K] and v, do [B, T, H, V] r
 token and head strides (only the last dim must be contiguous); g and beta are copied once to fp32 [B, H, T].
 Per-chunk intermediates are fp32 [B, H, T, D] (D = C for T and A, K for W, V for U, v_new, dv_new) and
 states [B, H, N, K, V]. Every kernel accumulates in fp32; dot operands are bf16 for bf16 inputs on a GPU and
-exact fp32 products ("ieee", not tf32) for fp32 inputs (kernels/gla_common.py's _dot). The triangular inverse
+exact fp32 products ("ieee", not tf32) for fp32 inputs (kernels/chunk_common.py's dot). The triangular inverse
 is fp32 forward substitution. Every grid is one axis over (tile, chunk, batch * head); program ids and base
 offsets are 64-bit.
 
@@ -33,9 +33,9 @@ import torch
 import triton
 
 from . import target
+from .chunk_common import bf16_dots, contiguous_fp32, strided
 from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_state_grads_kernel, _gdn_bwd_states_kernel, _gdn_bwd_wy_kernel
 from .gdn_fwd import _gdn_fwd_states_kernel, _gdn_output_kernel, _gdn_prepare_kernel
-from .gla import _bf16_dots, _strided
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int]:
@@ -102,7 +102,7 @@ class _Forward:
 
     def __init__(self, q, k, v, g, beta, initial_state, chunk_size, bf16):
         C = chunk_size
-        (q, sq), (k, sk), (v, sv) = _strided(q, C), _strided(k, C), _strided(v, C)
+        (q, sq), (k, sk), (v, sv) = strided(q, C), strided(k, C), strided(v, C)
         B, T, H, K = q.shape
         V, N = v.shape[-1], T // C
         g, beta = _per_head(g), _per_head(beta)
@@ -114,7 +114,7 @@ class _Forward:
             q, k, v, g, beta, self.T, self.A, self.W, self.U, T, N, *sq, *sk, *sv,
             H=H, K=K, V=V, C=C, BF16=bf16, **cfg,
         )  # fmt: skip
-        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        h0 = contiguous_fp32(initial_state)
         self.states = torch.empty(B, H, N, K, V, **f32)
         self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
         cfg = _config("fwd_states", C, K, V, bf16, q.device)
@@ -129,7 +129,7 @@ class _Forward:
 def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
     """(o [B, T, H, V] fp32, final_state [B, H, K, V] fp32)."""
     C = chunk_size
-    bf16 = _bf16_dots(q.device, q, k, v)
+    bf16 = bf16_dots(q.device, q, k, v)
     f = _Forward(q, k, v, g, beta, initial_state, C, bf16)
     B, T, H, K = f.q.shape
     V, N = f.v.shape[-1], T // C
@@ -146,13 +146,13 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     """(dq, dk, dv [B, T, H, .], dg, dbeta [B, T, H], d_initial_state [B, H, K, V]), fp32; do / d_final_state
     None are zero."""
     C = chunk_size
-    bf16 = _bf16_dots(q.device, q, k, v, do)
+    bf16 = bf16_dots(q.device, q, k, v, do)
     f = _Forward(q, k, v, g, beta, initial_state, C, bf16)
     B, T, H, K = f.q.shape
     V, N = f.v.shape[-1], T // C
     has_do = do is not None
-    do, so = _strided(do, C) if has_do else (f.v, f.sv)  # v: a placeholder when there is no do
-    dS = None if d_final_state is None else d_final_state.to(torch.float32).contiguous()
+    do, so = strided(do, C) if has_do else (f.v, f.sv)  # v: a placeholder when there is no do
+    dS = contiguous_fp32(d_final_state)
     f32 = dict(dtype=torch.float32, device=q.device)
     d_ends, dv_new = torch.empty(B, H, N, K, V, **f32), torch.empty(B, H, T, V, **f32)
     dh0 = torch.empty(B, H, K, V, **f32)

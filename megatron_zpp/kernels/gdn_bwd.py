@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .chunk_common import dot, load_rows
 from .gdn_fwd import _chunk_gates
-from .gla_common import _dot, _load_rows
 
 
 @triton.jit
@@ -45,25 +45,25 @@ def _gdn_bwd_states_kernel(
         tl.store(end_ptr + kv, dS, mask=mkv)
         start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
         total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
-        dv_new = _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None], dS, BF16)
+        dv_new = dot(load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None], dS, BF16)
         dS = dS * total
         if SPLIT:
             tl.store(end_ptr + kv2, dS2, mask=mkv2)
-            dv_new += _dot(_load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None], dS2, BF16)
+            dv_new += dot(load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None], dS2, BF16)
             dS2 = dS2 * total
         if HAS_DO:
-            do = _load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
-            A = _load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-            dv_new += _dot(tl.trans(A), do, BF16)
-            q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt) * start[:, None]
-            dS += _dot(tl.trans(q_start), do, BF16)
+            do = load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
+            A = load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
+            dv_new += dot(tl.trans(A), do, BF16)
+            q_start = load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt) * start[:, None]
+            dS += dot(tl.trans(q_start), do, BF16)
             if SPLIT:
-                q_start = _load_rows(q_ptr + i_n * C * sqt, rc, rk2, all_rows, mk2, sqt) * start[:, None]
-                dS2 += _dot(tl.trans(q_start), do, BF16)
+                q_start = load_rows(q_ptr + i_n * C * sqt, rc, rk2, all_rows, mk2, sqt) * start[:, None]
+                dS2 += dot(tl.trans(q_start), do, BF16)
         tl.store(dvnew_ptr + tok * V + rc[:, None] * V + rv[None, :], dv_new, mask=mv[None, :])
-        dS -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
+        dS -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
         if SPLIT:
-            dS2 -= _dot(tl.trans(_load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
+            dS2 -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
     tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
     if SPLIT:
         tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
@@ -91,7 +91,7 @@ def _gdn_bwd_state_grads_kernel(
     tok = i_bh * T + row0
     start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
     beta = tl.load(beta_ptr + tok + rc)
-    inv = _load_rows(T_ptr + tok * C, rc, rc, all_rows, all_rows, C)
+    inv = load_rows(T_ptr + tok * C, rc, rc, all_rows, all_rows, C)
     S_ptr = states_ptr + (i_bh * N + i_n) * (K * V)
     dE_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
     q_ptr += b * sqb + h * sqh + row0 * sqt
@@ -110,20 +110,20 @@ def _gdn_bwd_state_grads_kernel(
         dW = tl.zeros([C, BK], dtype=tl.float32)
         for v0 in range(0, V, BV):
             mv = v0 + rv < V
-            S = _load_rows(S_ptr + k0 * V + v0, rk, rv, mk, mv, V)
-            dE = _load_rows(dE_ptr + k0 * V + v0, rk, rv, mk, mv, V)
+            S = load_rows(S_ptr + k0 * V + v0, rk, rv, mk, mv, V)
+            dE = load_rows(dE_ptr + k0 * V + v0, rk, rv, mk, mv, V)
             if HAS_DO:
-                dq += _dot(_load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(S), BF16)
-            dk_end += _dot(_load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(dE), BF16)
-            dW -= _dot(_load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(S), BF16)
+                dq += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(S), BF16)
+            dk_end += dot(load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(dE), BF16)
+            dW -= dot(load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(S), BF16)
             d_total += tl.sum(dE * S, axis=0)
-        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
-        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        q_tile = load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
         k_w = k_tile * (beta * start)[:, None]
         dq = dq * start[:, None]
         dk_end = dk_end * end[:, None]
-        dk_w = _dot(tl.trans(inv), dW, BF16)
-        dTw += _dot(dW, tl.trans(k_w), BF16)
+        dk_w = dot(tl.trans(inv), dW, BF16)
+        dTw += dot(dW, tl.trans(k_w), BF16)
         dG += tl.sum(dq * q_tile, axis=1) + tl.sum(dk_w * k_w, axis=1)
         dsuf += tl.sum(dk_end * k_tile, axis=1)
         dbeta += tl.sum(dk_w * k_tile * start[:, None], axis=1)
@@ -164,13 +164,13 @@ def _gdn_bwd_wy_kernel(
     dbeta = tl.load(dbeta_ptr + tok + rc)
     for v0 in range(0, V, BV):
         mv = v0 + rv < V
-        dv_new = _load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
-        vv = _load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
+        dv_new = load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+        vv = load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
         if HAS_DO:
-            v_new = _load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
-            dA += _dot(_load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(v_new), BF16)
-        dT += _dot(dv_new, tl.trans(vv * beta[:, None]), BF16)
-        dv_u = _dot(inv_t, dv_new, BF16)
+            v_new = load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+            dA += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(v_new), BF16)
+        dT += dot(dv_new, tl.trans(vv * beta[:, None]), BF16)
+        dv_u = dot(inv_t, dv_new, BF16)
         dbeta += tl.sum(dv_u * vv, axis=1)
         tl.store(dv_ptr + out_rows[:, None] * V + v0 + rv[None, :], dv_u * beta[:, None], mask=mv[None, :])
     tl.store(dA_ptr + tok * C + cc, dA)
@@ -178,7 +178,7 @@ def _gdn_bwd_wy_kernel(
     for r0 in range(0, C, 16):  # dL in blocks of 16 rows: two chained [C, C] dots at once spill
         rr = r0 + tl.arange(0, 16)
         inv_t_rows = tl.load(T_ptr + tok * C + rc[None, :] * C + rr[:, None])  # rows rr of T^T
-        dL = -_dot(_dot(inv_t_rows, dT, BF16), inv_t, BF16)
+        dL = -dot(dot(inv_t_rows, dT, BF16), inv_t, BF16)
         dL = tl.where(rr[:, None] > rc[None, :], dL, 0.0)
         tl.store(dTw_ptr + tok * C + rr[:, None] * C + rc[None, :], dL)  # over dT in its buffer
 
@@ -206,8 +206,8 @@ def _gdn_bwd_chunk_kernel(
     k_ptr += b * skb + h * skh + row0 * skt
     kk = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, k0 + rk < K, skt)
-        kk += _dot(k_tile, tl.trans(k_tile), BF16)
+        k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, k0 + rk < K, skt)
+        kk += dot(k_tile, tl.trans(k_tile), BF16)
     # dg and dbeta are finished before the last K loop: fewer [C, C] tiles live at once
     _, _, pair = _chunk_gates(g_ptr + tok, rc, C)
     kk = tl.where(strict, kk * pair, 0.0)
@@ -229,11 +229,11 @@ def _gdn_bwd_chunk_kernel(
     dA_pair = dA * pair
     for k0 in range(0, K, BK):
         mk = k0 + rk < K
-        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
-        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        q_tile = load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
         kd = out_rows[:, None] * K + k0 + rk[None, :]
-        dq = tl.load(dq_ptr + kd, mask=mk[None, :], other=0.0) + _dot(dA_pair, k_tile, BF16)
-        dk = tl.load(dk_ptr + kd, mask=mk[None, :], other=0.0) + _dot(tl.trans(dA_pair), q_tile, BF16)
-        dk += _dot(dkk, k_tile, BF16) + _dot(tl.trans(dkk), k_tile, BF16)
+        dq = tl.load(dq_ptr + kd, mask=mk[None, :], other=0.0) + dot(dA_pair, k_tile, BF16)
+        dk = tl.load(dk_ptr + kd, mask=mk[None, :], other=0.0) + dot(tl.trans(dA_pair), q_tile, BF16)
+        dk += dot(dkk, k_tile, BF16) + dot(tl.trans(dkk), k_tile, BF16)
         tl.store(dq_ptr + kd, dq, mask=mk[None, :])
         tl.store(dk_ptr + kd, dk, mask=mk[None, :])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gla_common import _device_fn, _dot, _load_rows
+from .chunk_common import device_fn, dot, load_rows
 
 
-@_device_fn
+@device_fn
 def _chunk_gates(g_ptr, rc, C: tl.constexpr):
     """g of one chunk [C] -> (exp(G_i) from the chunk start, exp(suf_j) to its end, the pair decays [i, j]:
     exp(sum_{j<s<=i} g_s) for j <= i, else 0). Every exponent is a sum of g <= 0 accumulated over its own
@@ -23,7 +23,7 @@ def _chunk_gates(g_ptr, rc, C: tl.constexpr):
     return start, end, pair
 
 
-@_device_fn
+@device_fn
 def _unit_lower_inverse(L, rc, C: tl.constexpr):
     """(I + L)^-1 of a strictly lower [C, C] tile by forward substitution, row by row in fp32."""
     eye = rc[:, None] == rc[None, :]
@@ -60,9 +60,9 @@ def _gdn_prepare_kernel(
     qk = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
         mk = k0 + rk < K
-        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
-        kk += _dot(k_tile, tl.trans(k_tile), BF16)
-        qk += _dot(_load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt), tl.trans(k_tile), BF16)
+        k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        kk += dot(k_tile, tl.trans(k_tile), BF16)
+        qk += dot(load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt), tl.trans(k_tile), BF16)
     L = tl.where(rc[:, None] > rc[None, :], beta[:, None] * kk * pair, 0.0)
     inv = _unit_lower_inverse(L, rc, C)
     cc = rc[:, None] * C + rc[None, :]
@@ -70,14 +70,14 @@ def _gdn_prepare_kernel(
     tl.store(A_ptr + tok * C + cc, qk * pair)
     for k0 in range(0, K, BK):
         mk = k0 + rk < K
-        k_tile = _load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
-        W = _dot(inv, k_tile * (beta * start)[:, None], BF16)
+        k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, mk, skt)
+        W = dot(inv, k_tile * (beta * start)[:, None], BF16)
         tl.store(W_ptr + tok * K + k0 + rc[:, None] * K + rk[None, :], W, mask=mk[None, :])
     v_ptr += b * svb + h * svh + row0 * svt
     for v0 in range(0, V, BV):
         mv = v0 + rv < V
-        vv = _load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
-        U = _dot(inv, vv * beta[:, None], BF16)
+        vv = load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
+        U = dot(inv, vv * beta[:, None], BF16)
         tl.store(U_ptr + tok * V + v0 + rc[:, None] * V + rv[None, :], U, mask=mv[None, :])
 
 
@@ -111,17 +111,17 @@ def _gdn_fwd_states_kernel(
         tl.store(state_ptr + kv, S, mask=mkv)
         start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
         total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
-        v_new = _load_rows(U_ptr + tok * V, rc, rv, all_rows, mv, V)
-        v_new -= _dot(_load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K), S, BF16)
+        v_new = load_rows(U_ptr + tok * V, rc, rv, all_rows, mv, V)
+        v_new -= dot(load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K), S, BF16)
         if SPLIT:
             tl.store(state_ptr + kv2, S2, mask=mkv2)
-            v_new -= _dot(_load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K), S2, BF16)
+            v_new -= dot(load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K), S2, BF16)
         tl.store(vnew_ptr + tok * V + rc[:, None] * V + rv[None, :], v_new, mask=mv[None, :])
-        k_end = _load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None]
-        S = S * total + _dot(tl.trans(k_end), v_new, BF16)
+        k_end = load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None]
+        S = S * total + dot(tl.trans(k_end), v_new, BF16)
         if SPLIT:
-            k_end = _load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None]
-            S2 = S2 * total + _dot(tl.trans(k_end), v_new, BF16)
+            k_end = load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None]
+            S2 = S2 * total + dot(tl.trans(k_end), v_new, BF16)
     tl.store(final_ptr + i_bh * (K * V) + kv, S, mask=mkv)
     if SPLIT:
         tl.store(final_ptr + i_bh * (K * V) + kv2, S2, mask=mkv2)
@@ -142,14 +142,14 @@ def _gdn_output_kernel(
     mv, all_rows = rv < V, rc < C
     tok = i_bh * T + i_n * C
     start, _, _ = _chunk_gates(g_ptr + tok, rc, C)
-    A = _load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-    o = _dot(A, _load_rows(vnew_ptr + tok * V, rc, rv, all_rows, mv, V), BF16)
+    A = load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
+    o = dot(A, load_rows(vnew_ptr + tok * V, rc, rv, all_rows, mv, V), BF16)
     q_ptr += b * sqb + h * sqh + i_n * C * sqt
     states_ptr += (i_bh * N + i_n) * (K * V)
     for k0 in range(0, K, BK):
         mk = k0 + rk < K
-        q_tile = _load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
-        S = _load_rows(states_ptr + k0 * V, rk, rv, mk, mv, V)
-        o += _dot(q_tile * start[:, None], S, BF16)
+        q_tile = load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
+        S = load_rows(states_ptr + k0 * V, rk, rv, mk, mv, V)
+        o += dot(q_tile * start[:, None], S, BF16)
     o_rows = (b * T + i_n * C + rc) * H + h
     tl.store(o_ptr + o_rows[:, None] * V + rv[None, :], scale * o, mask=mv[None, :])

@@ -1,5 +1,6 @@
 """Triton kernels for chunked gated linear attention (GLA), forward and backward: the launch wrappers and
-their tile table. The kernels are in gla_fwd.py and gla_bwd.py, their shared device helpers in gla_common.py.
+their tile table. The kernels are in gla_fwd.py and gla_bwd.py; the device helpers they share with the Gated
+DeltaNet kernels in chunk_common.py.
 
 Layout as in megatron_zpp/ops/gla.py: q, k, g [B, T, H, K], v [B, T, H, V], read with their own batch, token
 and head strides (the GLA layer's q, k, v are views of one projection output: read in place, never copied;
@@ -37,8 +38,8 @@ import torch
 import triton
 
 from . import target
+from .chunk_common import LOG_TINY_FP32, SUB_BLOCK, bf16_dots, contiguous_fp32, strided
 from .gla_bwd import _bwd_states_kernel, _dqkg_kernel, _dv_kernel, _intra_grad_kernel, _score_grad_kernel
-from .gla_common import LOG_TINY_FP32, SUB_BLOCK
 from .gla_fwd import _fwd_states_kernel, _intra_scores_kernel, _output_kernel
 
 # ----------------------------------------------------------------------------------------
@@ -125,40 +126,14 @@ def gpu_tiles(kernel: str, C: int, K: int, V: int, bf16: int) -> dict[str, int]:
     return cfg
 
 
-EMULATE_BF16_DOTS = False  # tests: the interpreter rounds dot operands to bf16 as a GPU launch does
-
-
-def _bf16_dots(device: torch.device, *tensors: torch.Tensor | None) -> int:
-    """The kernels' BF16 mode (see _dot): 1, bf16 dot operands (fp32 accumulation) when the inputs are bf16, on a
-    GPU; fp32 inputs get exact fp32 products (0; not tf32). The interpreter computes in fp32 (0), or emulates
-    the GPU's bf16 operands (2) under EMULATE_BF16_DOTS."""
-    if not all(t.dtype == torch.bfloat16 for t in tensors if t is not None):
-        return 0
-    if target.gpu(device) is not None:
-        return 1
-    return 2 if EMULATE_BF16_DOTS else 0
-
-
-def _strided(x: torch.Tensor, C: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """x [B, T, H, D] as the kernels read it, with its (batch, token, head) strides: any strides with a
-    contiguous last dim (a projection's view is read in place, not copied); a chunk's rows must span < 2^31."""
-    if x.stride(-1) != 1 or max(x.stride(1), x.stride(2)) * max(C, x.shape[2]) >= 2**31:
-        x = x.contiguous()
-    return x, (x.stride(0), x.stride(1), x.stride(2))
-
-
-def _state(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.to(torch.float32).contiguous()
-
-
 def fwd_states(k, v, g, initial_state, chunk_size):
     """(states_in [B,H,N,K,V], final_state [B,H,K,V]) fp32."""
     C = chunk_size
-    (k, sk), (v, sv), (g, sg) = _strided(k, C), _strided(v, C), _strided(g, C)
+    (k, sk), (v, sv), (g, sg) = strided(k, C), strided(v, C), strided(g, C)
     h0 = None if initial_state is None else initial_state.contiguous()
     B, T, H, K = k.shape
     V, N = v.shape[-1], T // C
-    bf16 = _bf16_dots(k.device, k, v)
+    bf16 = bf16_dots(k.device, k, v)
     cfg = _config("fwd_states", C, K, V, bf16, k.device)
     NK, NV = triton.cdiv(K, cfg["BK"]), triton.cdiv(V, cfg["BV"])
     states = k.new_empty(B, H, N, K, V, dtype=torch.float32)
@@ -173,9 +148,9 @@ def fwd_states(k, v, g, initial_state, chunk_size):
 def intra_scores(q, k, g, chunk_size):
     """A [B, T, H, C] fp32: the intra-chunk scores (row t, column j of t's chunk), 0 above the diagonal."""
     C = chunk_size
-    (q, sq), (k, sk), (g, sg) = _strided(q, C), _strided(k, C), _strided(g, C)
+    (q, sq), (k, sk), (g, sg) = strided(q, C), strided(k, C), strided(g, C)
     B, T, H, K = q.shape
-    bf16 = _bf16_dots(q.device, q, k)
+    bf16 = bf16_dots(q.device, q, k)
     A = q.new_zeros(B, T, H, C, dtype=torch.float32)
     _intra_scores_kernel[(C // SUB_BLOCK * (T // C) * B * H,)](
         q, k, g, A, T, T // C, *sq, *sk, *sg,
@@ -187,11 +162,11 @@ def intra_scores(q, k, g, chunk_size):
 def fwd_output(q, k, v, g, states_in, scale, chunk_size, *, out_dtype=torch.float32):
     """o [B, T, H, V] (fp32, or out_dtype) = scale * (A @ v + (q * exp(prefix)) @ states_in)."""
     C = chunk_size
-    (q, sq), (v, sv), (g, sg) = _strided(q, C), _strided(v, C), _strided(g, C)
-    states_in = _state(states_in)
+    (q, sq), (v, sv), (g, sg) = strided(q, C), strided(v, C), strided(g, C)
+    states_in = contiguous_fp32(states_in)
     B, T, H, K = q.shape
     V, N = v.shape[-1], T // C
-    bf16 = _bf16_dots(q.device, q, v)
+    bf16 = bf16_dots(q.device, q, v)
     cfg = _config("output", C, K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
     A = intra_scores(q, k, g, C)
@@ -205,15 +180,15 @@ def fwd_output(q, k, v, g, states_in, scale, chunk_size, *, out_dtype=torch.floa
 def bwd(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in=None):
     """(dq, dk, dv, dg, d_initial_state), fp32; do / d_final_state None are zero."""
     C = chunk_size
-    (q, sq), (k, sk), (v, sv), (g, sg) = (_strided(x, C) for x in (q, k, v, g))
+    (q, sq), (k, sk), (v, sv), (g, sg) = (strided(x, C) for x in (q, k, v, g))
     has_do = do is not None
-    do, so = _strided(do, C) if has_do else (v, sv)  # v: a placeholder when there is no do
+    do, so = strided(do, C) if has_do else (v, sv)  # v: a placeholder when there is no do
     B, T, H, K = q.shape
     V, N = v.shape[-1], T // C
-    bf16 = _bf16_dots(q.device, q, k, v, do)
+    bf16 = bf16_dots(q.device, q, k, v, do)
     if states_in is None:
         states_in = fwd_states(k, v, g, initial_state, C)[0]
-    states_in, dS = _state(states_in), _state(d_final_state)
+    states_in, dS = contiguous_fp32(states_in), contiguous_fp32(d_final_state)
     d_ends = q.new_empty(B, H, N, K, V, dtype=torch.float32)
     dh0 = q.new_empty(B, H, K, V, dtype=torch.float32)
     cfg = _config("bwd_states", C, K, V, bf16, q.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gla_common import _blocks_between, _dot, _exclusive_suffix, _load_rows, _pair_decays
+from .chunk_common import blocks_between, dot, exclusive_suffix, load_rows, pair_decays
 
 
 @triton.jit
@@ -34,12 +34,12 @@ def _bwd_states_kernel(
     d_ends_ptr += (i_bh * N + last) * (K * V)
     for _ in range(N):  # the pointers step back one chunk per step
         tl.store(d_ends_ptr + kv, dS, mask=mkv)
-        gg = _load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
+        gg = load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
         dS = dS * tl.exp(tl.sum(gg, axis=0))[:, None]
         if HAS_DO:
-            qq = _load_rows(q_ptr, rc, rk, all_rows, mk, sqt) * tl.exp(tl.cumsum(gg, axis=0))
-            dd = _load_rows(do_ptr, rc, rv, all_rows, mv, sot)
-            dS += _dot(tl.trans(qq * scale), dd, BF16)
+            qq = load_rows(q_ptr, rc, rk, all_rows, mk, sqt) * tl.exp(tl.cumsum(gg, axis=0))
+            dd = load_rows(do_ptr, rc, rv, all_rows, mv, sot)
+            dS += dot(tl.trans(qq * scale), dd, BF16)
         d_ends_ptr -= kv64
         q_ptr -= c64 * sqt
         g_ptr -= c64 * sgt
@@ -65,9 +65,9 @@ def _score_grad_kernel(
     for v0 in range(0, V, BV):
         rv = v0 + tl.arange(0, BV)
         mv = rv < V
-        dd = _load_rows(do_ptr, rr, rv, all_r, mv, sot)
-        vv = _load_rows(v_ptr, rc, rv, all_c, mv, svt)
-        acc += _dot(dd, tl.trans(vv), BF16)
+        dd = load_rows(do_ptr, rr, rv, all_r, mv, sot)
+        vv = load_rows(v_ptr, rc, rv, all_c, mv, svt)
+        acc += dot(dd, tl.trans(vv), BF16)
     acc = tl.where(rr[:, None] >= rc[None, :], acc * scale, 0.0)
     dA_ptr += ((b * T + row0) * H + h) * C
     tl.store(dA_ptr + rr[:, None] * (H * C) + rc[None, :], acc)
@@ -94,16 +94,16 @@ def _dv_kernel(
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < K
-        k_out = tl.exp(_exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
-        kk = _load_rows(k_ptr, rc, rk, all_rows, mk, skt) * k_out
-        acc += _dot(kk, _load_rows(d_ends_ptr, rk, rv, mk, mv, V), BF16)
+        k_out = tl.exp(exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
+        kk = load_rows(k_ptr, rc, rk, all_rows, mk, skt) * k_out
+        acc += dot(kk, load_rows(d_ends_ptr, rk, rv, mk, mv, V), BF16)
     if HAS_DO:
         do_ptr += b * sob + row0 * sot + h * soh
         A_ptr += ((b * T + row0) * H + h) * C
         for i0 in range(0, C, BC):  # the scores' rows (queries i0 .. i0 + BC)
             ri = i0 + tl.arange(0, BC)
-            a = _load_rows(A_ptr, ri, rc, ri < C, all_rows, H * C) * scale
-            acc += _dot(tl.trans(a), _load_rows(do_ptr, ri, rv, ri < C, mv, sot), BF16)
+            a = load_rows(A_ptr, ri, rc, ri < C, all_rows, H * C) * scale
+            acc += dot(tl.trans(a), load_rows(do_ptr, ri, rv, ri < C, mv, sot), BF16)
     dv_ptr += ((b * T + row0) * H + h) * V
     tl.store(dv_ptr + rc[:, None] * (H * V) + rv[None, :], acc, mask=all_rows[:, None] & mv[None, :])
 
@@ -128,33 +128,33 @@ def _intra_grad_kernel(
     rows_i = i_i * BT + rt
     all_t = rt < BT
     n_sub = C // BT
-    da_diag = _load_rows(dA_ptr, rows_i, i_i * BT + rt, all_t, all_t, H * C)
+    da_diag = load_rows(dA_ptr, rows_i, i_i * BT + rt, all_t, all_t, H * C)
     for k0 in range(0, K, BK):  # each key tile is finished in registers and stored once
         rk = k0 + tl.arange(0, BK)
         mk = rk < K
-        qq = _load_rows(q_ptr, rows_i, rk, all_t, mk, sqt)
-        kk = _load_rows(k_ptr, rows_i, rk, all_t, mk, skt)
-        gg = _load_rows(g_ptr, rows_i, rk, all_t, mk, sgt)
+        qq = load_rows(q_ptr, rows_i, rk, all_t, mk, sqt)
+        kk = load_rows(k_ptr, rows_i, rk, all_t, mk, skt)
+        gg = load_rows(g_ptr, rows_i, rk, all_t, mk, sgt)
         dq = tl.zeros([BT, BK], dtype=tl.float32)
         for j_blk in range(0, i_i):  # keys in earlier sub-blocks
             rows_j = j_blk * BT + rt
-            between = _blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
-            k_fac = tl.exp(_exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
-            k_earlier = _load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
-            da = _load_rows(dA_ptr, rows_i, j_blk * BT + rt, all_t, all_t, H * C)
-            dq += _dot(da, k_earlier, BF16)
+            between = blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
+            k_fac = tl.exp(exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
+            k_earlier = load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
+            da = load_rows(dA_ptr, rows_i, j_blk * BT + rt, all_t, all_t, H * C)
+            dq += dot(da, k_earlier, BF16)
         dq = dq * tl.exp(tl.cumsum(gg, axis=0))
         dk = tl.zeros([BT, BK], dtype=tl.float32)
         for i_blk in range(i_i + 1, n_sub):  # queries in later sub-blocks
             rows_q = i_blk * BT + rt
-            between = _blocks_between(g_ptr, rk, mk, (i_i + 1) * BT, i_blk * BT, C, sgt)
-            q_fac = tl.exp(tl.cumsum(_load_rows(g_ptr, rows_q, rk, all_t, mk, sgt), axis=0) + between[None, :])
-            q_later = _load_rows(q_ptr, rows_q, rk, all_t, mk, sqt) * q_fac
-            da = _load_rows(dA_ptr, rows_q, i_i * BT + rt, all_t, all_t, H * C)
-            dk += _dot(tl.trans(da), q_later, BF16)
-        dk = dk * tl.exp(_exclusive_suffix(g_ptr, rows_i, rk, mk, BT, sgt))
+            between = blocks_between(g_ptr, rk, mk, (i_i + 1) * BT, i_blk * BT, C, sgt)
+            q_fac = tl.exp(tl.cumsum(load_rows(g_ptr, rows_q, rk, all_t, mk, sgt), axis=0) + between[None, :])
+            q_later = load_rows(q_ptr, rows_q, rk, all_t, mk, sqt) * q_fac
+            da = load_rows(dA_ptr, rows_q, i_i * BT + rt, all_t, all_t, H * C)
+            dk += dot(tl.trans(da), q_later, BF16)
+        dk = dk * tl.exp(exclusive_suffix(g_ptr, rows_i, rk, mk, BT, sgt))
         # pairs j < i inside the sub-block (the same-token pairs are the caller's)
-        w = da_diag[:, :, None] * _pair_decays(gg, BT, False)
+        w = da_diag[:, :, None] * pair_decays(gg, BT, False)
         dq += tl.sum(w * kk[None, :, :], axis=1)
         dk += tl.sum(w * qq[:, None, :], axis=0)
         out = out_base + rows_i[:, None] * (H * K) + rk[None, :]
@@ -186,25 +186,25 @@ def _dqkg_kernel(
     for v0 in range(0, V, BV):
         rv = v0 + tl.arange(0, BV)
         mv = rv < V
-        D = _load_rows(d_ends_ptr, rk, rv, mk, mv, V)
-        S = _load_rows(states_ptr, rk, rv, mk, mv, V)
-        dk_inter += _dot(_load_rows(v_ptr, rc, rv, all_rows, mv, svt), tl.trans(D), BF16)
+        D = load_rows(d_ends_ptr, rk, rv, mk, mv, V)
+        S = load_rows(states_ptr, rk, rv, mk, mv, V)
+        dk_inter += dot(load_rows(v_ptr, rc, rv, all_rows, mv, svt), tl.trans(D), BF16)
         entering += tl.sum(S * D, axis=1)
         if HAS_DO:
-            dq_inter += _dot(_load_rows(do_ptr, rc, rv, all_rows, mv, sot), tl.trans(S), BF16)
+            dq_inter += dot(load_rows(do_ptr, rc, rv, all_rows, mv, sot), tl.trans(S), BF16)
     q_ptr += b * sqb + row0 * sqt + h * sqh
     k_ptr += b * skb + row0 * skt + h * skh
     g_ptr += b * sgb + row0 * sgt + h * sgh
-    kk = _load_rows(k_ptr, rc, rk, all_rows, mk, skt)
-    gg = _load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
-    dk_inter *= tl.exp(_exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
+    kk = load_rows(k_ptr, rc, rk, all_rows, mk, skt)
+    gg = load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
+    dk_inter *= tl.exp(exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
     k_dk = kk * dk_inter
     # dg_t = sum_{j<t} k_j dk_inter_j + gamma sum_V S_in d_ends + revcumsum_t(q dq - k dk_intra), chunk-local
     # (the reference's rearrangement); the exclusive prefix is cumsum - own term: finite terms, round-off only.
     dg = tl.cumsum(k_dk, axis=0) - k_dk + (tl.exp(tl.sum(gg, axis=0)) * entering)[None, :]
     out = ((b * T + row0) * H + h) * K + rc[:, None] * (H * K) + rk[None, :]
     if HAS_DO:
-        qq = _load_rows(q_ptr, rc, rk, all_rows, mk, sqt)
+        qq = load_rows(q_ptr, rc, rk, all_rows, mk, sqt)
         dq = tl.load(dq_ptr + out, mask=mk[None, :], other=0.0)
         dq += dq_inter * scale * tl.exp(tl.cumsum(gg, axis=0))
         dk = tl.load(dk_ptr + out, mask=mk[None, :], other=0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gla_common import _blocks_between, _dot, _exclusive_suffix, _load_rows, _pair_decays
+from .chunk_common import blocks_between, dot, exclusive_suffix, load_rows, pair_decays
 
 
 @triton.jit
@@ -33,12 +33,12 @@ def _fwd_states_kernel(
     c64, kv64 = i_bh * 0 + C, i_bh * 0 + K * V  # 64-bit steps: the pointers advance one chunk per step
     for _ in range(N):
         tl.store(states_ptr + kv, S, mask=mkv)
-        kk = _load_rows(k_ptr, rc, rk, all_rows, mk, skt)
-        gg = _load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
-        k_out = tl.exp(_exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
-        vv = _load_rows(v_ptr, rc, rv, all_rows, mv, svt)
+        kk = load_rows(k_ptr, rc, rk, all_rows, mk, skt)
+        gg = load_rows(g_ptr, rc, rk, all_rows, mk, sgt)
+        k_out = tl.exp(exclusive_suffix(g_ptr, rc, rk, mk, C, sgt))
+        vv = load_rows(v_ptr, rc, rv, all_rows, mv, svt)
         S = S * tl.exp(tl.sum(gg, axis=0))[:, None]
-        S += _dot(tl.trans(kk * k_out), vv, BF16)
+        S += dot(tl.trans(kk * k_out), vv, BF16)
         states_ptr += kv64
         k_ptr += c64 * skt
         g_ptr += c64 * sgt
@@ -71,20 +71,20 @@ def _intra_scores_kernel(
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             mk = rk < K
-            q_in = tl.exp(tl.cumsum(_load_rows(g_ptr, rows_i, rk, all_t, mk, sgt), axis=0))
-            qq = _load_rows(q_ptr, rows_i, rk, all_t, mk, sqt) * q_in
-            between = _blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
-            k_fac = tl.exp(_exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
-            kk = _load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
-            acc += _dot(qq, tl.trans(kk), BF16)
+            q_in = tl.exp(tl.cumsum(load_rows(g_ptr, rows_i, rk, all_t, mk, sgt), axis=0))
+            qq = load_rows(q_ptr, rows_i, rk, all_t, mk, sqt) * q_in
+            between = blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
+            k_fac = tl.exp(exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
+            kk = load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
+            acc += dot(qq, tl.trans(kk), BF16)
         tl.store(A_ptr + rows_i[:, None] * (H * C) + (j_blk * BT + rt)[None, :], acc)
     acc = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in range(0, K, DBK):  # the diagonal sub-block: all its pairs at once, [i, j, key] tiles
         rk = k0 + tl.arange(0, DBK)
         mk = rk < K
-        qq = _load_rows(q_ptr, rows_i, rk, all_t, mk, sqt)
-        kk = _load_rows(k_ptr, rows_i, rk, all_t, mk, skt)
-        decay = _pair_decays(_load_rows(g_ptr, rows_i, rk, all_t, mk, sgt), BT, True)
+        qq = load_rows(q_ptr, rows_i, rk, all_t, mk, sqt)
+        kk = load_rows(k_ptr, rows_i, rk, all_t, mk, skt)
+        decay = pair_decays(load_rows(g_ptr, rows_i, rk, all_t, mk, sgt), BT, True)
         acc += tl.sum(qq[:, None, :] * kk[None, :, :] * decay, axis=2)
     tl.store(A_ptr + rows_i[:, None] * (H * C) + (i_i * BT + rt)[None, :], acc)
 
@@ -111,13 +111,13 @@ def _output_kernel(
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         mk = rk < K
-        q_in = tl.exp(tl.cumsum(_load_rows(g_ptr, rc, rk, all_rows, mk, sgt), axis=0))
-        qq = _load_rows(q_ptr, rc, rk, all_rows, mk, sqt) * q_in
-        acc += _dot(qq, _load_rows(states_ptr, rk, rv, mk, mv, V), BF16)
+        q_in = tl.exp(tl.cumsum(load_rows(g_ptr, rc, rk, all_rows, mk, sgt), axis=0))
+        qq = load_rows(q_ptr, rc, rk, all_rows, mk, sqt) * q_in
+        acc += dot(qq, load_rows(states_ptr, rk, rv, mk, mv, V), BF16)
     A_ptr += ((b * T + row0) * H + h) * C
     for c0 in range(0, C, BC):  # the scores in column blocks (keys c0 .. c0 + BC)
         rj = c0 + tl.arange(0, BC)
-        a = _load_rows(A_ptr, rc, rj, all_rows, rj < C, H * C)
-        acc += _dot(a, _load_rows(v_ptr, rj, rv, rj < C, mv, svt), BF16)
+        a = load_rows(A_ptr, rc, rj, all_rows, rj < C, H * C)
+        acc += dot(a, load_rows(v_ptr, rj, rv, rj < C, mv, svt), BF16)
     o_ptr += ((b * T + row0) * H + h) * V
     tl.store(o_ptr + rc[:, None] * (H * V) + rv[None, :], acc * scale, mask=all_rows[:, None] & mv[None, :])

@@ -13,7 +13,7 @@ convolution reads no token of an earlier document.
 Context parallelism (context_parallel/gdn.py): the operator's state goes over the CP ranks by --cp-algo
 (All-Scan, all-gather or ring), and the convolution reads the previous rank's last kernel-1 tokens.
 
---attention-type gdn (hybrids with --softmax-attention-every); chunk length --gla-chunk-size."""
+--attention-type gdn (hybrids with --softmax-attention-every); chunk length --linear-chunk-size."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import recompute
-from ..config import ModelConfig, default_gla_chunk_size
-from ..context_parallel.gdn import gdn_context_parallel, previous_tokens
+from ..config import ModelConfig, default_linear_chunk_size
+from ..context_parallel.gdn import gdn_context_parallel
+from ..context_parallel.halo import previous_tokens
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
@@ -34,7 +35,7 @@ from .documents import Documents
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        self.ctx, self.chunk_size, self.eps = ctx, cfg.gla_chunk_size, cfg.norm_epsilon
+        self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.norm_epsilon
         self.selective = cfg.recompute_granularity == "selective"
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         shape, std = cfg.mixer_of_kind("gdn"), cfg.init_method_std
@@ -90,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         return causal_conv(torch.cat([halo, qkv], dim=1), self.conv, doc)[:, lead:]
 
     def _mix(self, q, k, v, g, beta) -> torch.Tensor:
-        ctx, chunk, T = self.ctx, self.chunk_size or default_gla_chunk_size(q.device.type), q.shape[1]
+        ctx, chunk, T = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type), q.shape[1]
         out_dtype = torch.promote_types(v.dtype, torch.float32)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
             return gdn_context_parallel(

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import recompute
-from ..config import ModelConfig, default_gla_chunk_size
+from ..config import ModelConfig, default_linear_chunk_size
 from ..context_parallel import gla_context_parallel
 from ..ops.gla import chunk_gla
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -39,7 +39,7 @@ class GatedLinearAttention(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
-        self.chunk_size, self.normalizer, self.eps = cfg.gla_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
+        self.chunk_size, self.normalizer, self.eps = cfg.linear_chunk_size, cfg.gla_gate_normalizer, cfg.norm_epsilon
         # None (a config that skipped validation's derive): the default of the device the forward runs on
         self.low_rank = cfg.gla_gate_low_rank
         self.selective = cfg.recompute_granularity == "selective"
@@ -84,7 +84,7 @@ class GatedLinearAttention(nn.Module):
 
     def _mix(self, q, k, v, g) -> torch.Tensor:
         ctx, T = self.ctx, q.shape[1]
-        chunk = self.chunk_size or default_gla_chunk_size(q.device.type)
+        chunk = self.chunk_size or default_linear_chunk_size(q.device.type)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
             return gla_context_parallel(q, k, v, g, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk)
         pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged

@@ -1,6 +1,15 @@
 """Pure-PyTorch operators."""
 
-from megatron_zpp.ops.gdn import chunk_gdn, naive_recurrent_gdn
-from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction, recurrent_gla
+from megatron_zpp.ops.gdn import chunk_gdn
+from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
+from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 
-__all__ = ["recurrent_gla", "chunk_gla", "chunk_gla_local", "gla_state_correction", "naive_recurrent_gdn", "chunk_gdn"]
+__all__ = [
+    "naive_recurrent_gla",
+    "chunk_gla",
+    "chunk_gla_local",
+    "gla_state_correction",
+    "naive_recurrent_gdn",
+    "chunk_gdn",
+]

@@ -108,6 +108,11 @@ def kernel_op(name: str, mutates_args: tuple[str, ...] = ()):
     return register
 
 
+def fake_fp32(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A fake's fp32 output of `shape` on `like`'s device (the kernels write fp32 whatever their inputs)."""
+    return like.new_empty(shape, dtype=torch.float32)
+
+
 def register(op: str, covers: str) -> None:
     """Declare an op with a Triton kernel; `covers` says what it takes (e.g. "fp32/bf16, any width")."""
     _ops[op] = covers

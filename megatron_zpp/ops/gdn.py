@@ -10,7 +10,7 @@ token) and b_t = beta_t in (0, 1). The layer L2-normalises q and k; this op does
 q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype (or
 out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp32).
 
-    naive_recurrent_gdn   the token loop (any dtype; the tests' fp64 reference)
+    naive_recurrent_gdn   the token loop (ops/gdn_naive.py; any dtype; the tests' fp64 reference)
     chunk_gdn             chunked WY/UT form with its own backward (ops/gdn_chunked.py describes it); the
                           Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`)
 
@@ -22,8 +22,8 @@ o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. 
 
 since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
 transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
-The Triton kernels take V <= 128: at K = V = 128 make it two calls, (v, no initial state) for (o_loc, U_loc) and
-(0_K, I_K) for (scale q^T P_t, M), each within the kernels' widths.
+The Triton kernels take V <= 128 (KERNEL_V): chunk_gdn runs a wider V (V + K = 256 at K = V = 128) in column
+groups of 128, exactly, since the state's columns never mix; the caller makes one call whatever the widths.
 """
 
 from __future__ import annotations
@@ -32,22 +32,21 @@ import torch
 from torch import Tensor
 
 from . import dispatch
+from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
 from .gdn_chunked import (
     Decays,
     bwd_chunks,
     bwd_states,
-    check_shapes,
-    from_chunks,
     fwd_output,
     fwd_states,
     prepare,
-    to_chunks,
 )
-from .gla_chunked import check_chunk_size, compute_dtype
 
-__all__ = ["naive_recurrent_gdn", "chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction"]
+__all__ = ["chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction"]
 
-dispatch.register("gdn", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K and V <= 128")
+dispatch.register("gdn", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
+
+KERNEL_V = 128  # the kernels' widest V: chunk_gdn runs a wider V in column groups of this width
 
 
 def _use_kernel(chunk_size: int, q: Tensor, v: Tensor, *others: Tensor | None) -> bool:
@@ -62,23 +61,20 @@ def _use_kernel(chunk_size: int, q: Tensor, v: Tensor, *others: Tensor | None) -
         and C & (C - 1) == 0
         and q.shape[1] > 0
         and K <= 128
-        and V <= 128
+        and V <= KERNEL_V
     )
 
 
 def chunk_gdn_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> bool:
-    """Whether chunk_gdn runs the Triton kernels for these inputs (else the chunked PyTorch form)."""
-    return _use_kernel(chunk_size, q, v, k, g, beta)
+    """Whether chunk_gdn runs the Triton kernels for these inputs (else the chunked PyTorch form); a V wider than
+    the kernels' runs in column groups."""
+    return _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta)
 
 
 def _kernels():
     from ..kernels import gdn  # lazily: triton is needed only once a kernel runs
 
     return gdn
-
-
-def _fp32(t: Tensor, *shape: int) -> Tensor:
-    return t.new_empty(shape, dtype=torch.float32)
 
 
 @dispatch.kernel_op("gdn_fwd")
@@ -99,7 +95,7 @@ def _fwd_kernel(
 def _(q, k, v, g, beta, initial_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return _fp32(q, B, T, H, V), _fp32(q, B, H, K, V)
+    return dispatch.fake_fp32(q, B, T, H, V), dispatch.fake_fp32(q, B, H, K, V)
 
 
 @dispatch.kernel_op("gdn_bwd")
@@ -122,40 +118,8 @@ def _bwd_kernel(
 def _(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq, dk = _fp32(q, B, T, H, K), _fp32(q, B, T, H, K)
-    return dq, dk, _fp32(q, B, T, H, V), _fp32(q, B, T, H), _fp32(q, B, T, H), _fp32(q, B, H, K, V)
-
-
-def naive_recurrent_gdn(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token reference. Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] or None).
-
-    The transition is applied as S - b k (k^T S), never forming a_t (I - b k k^T): a -inf gate (a_t = 0)
-    multiplies the state by exactly 0, the same reset as the chunked forms."""
-    check_shapes(q, k, v, g, beta, initial_state)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    dt = compute_dtype(q, k, v, g, beta, initial_state)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    outs = []
-    for t in range(T):
-        kt, bt = k[:, t], beta[:, t, :, None]
-        S = g[:, t].exp()[..., None, None] * S
-        v_new = bt * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S))  # b (v - S^T k)
-        S = S + kt[..., None] * v_new[..., None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * scale)
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V, dtype=dt)
-    return o.to(v.dtype), (S if output_final_state else None)
+    shapes = ((B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H), (B, T, H), (B, H, K, V))  # dq dk dv dg dbeta dh0
+    return tuple(dispatch.fake_fp32(q, *shape) for shape in shapes)
 
 
 def _reference_fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
@@ -193,7 +157,7 @@ class ChunkGDNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype=None):
-        check_shapes(q, k, v, g, beta, initial_state)
+        check_shapes(q, k, v, initial_state, False, g=g, beta=beta)
         check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         ctx.save_for_backward(q, k, v, g, beta, initial_state)
@@ -230,10 +194,19 @@ def chunk_gdn(
     chunk_size: int = 64,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked GDN (same result as `naive_recurrent_gdn`). T must be a multiple of chunk_size.
+    """Chunked GDN (same result as `gdn_naive.naive_recurrent_gdn`). T must be a multiple of chunk_size.
 
     Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
     q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
     """
-    o, final_state = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)
+    V = v.shape[-1]
+    if V <= KERNEL_V or not _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, initial_state):
+        o, final_state = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)
+        return o, (final_state if output_final_state else None)
+    # The kernels take KERNEL_V value columns: a column of the state never mixes with another (the transitions
+    # act on the K rows) and o's columns are q^T times the state's, so wider V runs exactly in column groups.
+    groups = v.split(KERNEL_V, dim=-1)
+    states = [None] * len(groups) if initial_state is None else initial_state.split(KERNEL_V, dim=-1)
+    outs = [ChunkGDNFunction.apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
+    o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
     return o, (final_state if output_final_state else None)

@@ -30,32 +30,6 @@ import torch
 from torch import Tensor
 
 
-def check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None) -> None:
-    if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"q, k must share shape [B, T, H, K]; got {tuple(q.shape)}, {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] matching q's [B, T, H]; got {tuple(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if tuple(x.shape) != tuple(q.shape[:3]):
-            raise ValueError(f"{name} must be [B, T, H] = {tuple(q.shape[:3])}; got {tuple(x.shape)}")
-    B, _, H, K = q.shape
-    if h0 is not None and tuple(h0.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}; got {tuple(h0.shape)}")
-
-
-def to_chunks(x: Tensor, chunk_size: int, dt: torch.dtype) -> Tensor:
-    """[B, T, H, D] -> [B, H, N, C, D], or [B, T, H] -> [B, H, N, C], in dt, contiguous."""
-    B, T, H = x.shape[:3]
-    x = x.to(dt).reshape(B, T // chunk_size, chunk_size, H, *x.shape[3:]).movedim(3, 1)
-    return x.contiguous()
-
-
-def from_chunks(x: Tensor) -> Tensor:
-    """[B, H, N, C, D] -> [B, T, H, D], or [B, H, N, C] -> [B, T, H]."""
-    B, H, N, C = x.shape[:4]
-    return x.movedim(1, 3).reshape(B, N * C, H, *x.shape[4:])
-
-
 class Decays:
     """The exponents of one chunking of g [..., C] (every one a sum of g <= 0) and their exps."""
 

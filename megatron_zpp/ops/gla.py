@@ -47,23 +47,10 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .gla_chunked import (
-    ChunkGLABackward,
-    ChunkGLAForward,
-    bwd,
-    check_chunk_size,
-    check_shapes,
-    chunk_decay,
-    compute_dtype,
-    from_chunks,
-    fwd_intra,
-    fwd_output,
-    fwd_states,
-    to_chunks,
-)
+from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
+from .gla_chunked import ChunkGLABackward, ChunkGLAForward, bwd, chunk_decay, fwd_intra, fwd_output, fwd_states
 
 __all__ = [
-    "recurrent_gla",
     "chunk_gla",
     "chunk_gla_local",
     "gla_state_correction",
@@ -107,10 +94,6 @@ def _kernels():
     return gla
 
 
-def _fp32(t: Tensor, *shape: int) -> Tensor:
-    return t.new_empty(shape, dtype=torch.float32)
-
-
 @dispatch.kernel_op("gla_fwd_states")
 def _fwd_states_kernel(
     k: Tensor, v: Tensor, g: Tensor, initial_state: Tensor | None, chunk_size: int
@@ -122,7 +105,7 @@ def _fwd_states_kernel(
 def _(k, v, g, initial_state, chunk_size):
     B, T, H, K = k.shape
     V = v.shape[-1]
-    return _fp32(k, B, H, T // chunk_size, K, V), _fp32(k, B, H, K, V)
+    return dispatch.fake_fp32(k, B, H, T // chunk_size, K, V), dispatch.fake_fp32(k, B, H, K, V)
 
 
 @dispatch.kernel_op("gla_fwd_output")
@@ -134,7 +117,7 @@ def _fwd_output_kernel(
 
 @_fwd_output_kernel.register_fake
 def _(q, k, v, g, states_in, scale, chunk_size):
-    return _fp32(q, *q.shape[:3], v.shape[-1])
+    return dispatch.fake_fp32(q, *q.shape[:3], v.shape[-1])
 
 
 @dispatch.kernel_op("gla_bwd")
@@ -157,34 +140,8 @@ def _bwd_kernel(
 def _(q, k, v, g, initial_state, do, d_final_state, scale, chunk_size, states_in):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dq, dk, dg = (_fp32(q, B, T, H, K) for _ in range(3))
-    return dq, dk, _fp32(q, B, T, H, V), dg, _fp32(q, B, H, K, V)
-
-
-def recurrent_gla(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token reference. Returns (o [B,T,H,V], final state [B,H,K,V] or None)."""
-    check_shapes(q, k, v, g, initial_state)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    dt = compute_dtype(q, k, v, g, initial_state)
-    v_dtype = v.dtype
-    q, k, v, g = (x.to(dt) for x in (q, k, v, g))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    outs = []
-    for t in range(T):
-        S = g[:, t].exp()[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * scale)
-    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
-    return o.to(v_dtype), (S if output_final_state else None)
+    dq, dk, dg = (dispatch.fake_fp32(q, B, T, H, K) for _ in range(3))
+    return dq, dk, dispatch.fake_fp32(q, B, T, H, V), dg, dispatch.fake_fp32(q, B, H, K, V)
 
 
 def chunk_gla_fwd_states(
@@ -195,7 +152,7 @@ def chunk_gla_fwd_states(
     k, g: [B, T, H, K]; v: [B, T, H, V]; initial_state: [B, H, K, V] or None (zeros).
     Returns (states_in [B, H, N, K, V], final_state [B, H, K, V]), fp32 (fp64 for fp64 inputs).
     """
-    check_shapes(k, k, v, g, initial_state)
+    check_shapes(k, k, v, initial_state, True, g=g)
     check_chunk_size(k.shape[1], chunk_size)
     if _use_kernel(chunk_size, v, k, g, initial_state):
         return _fwd_states_kernel(k, v, g, initial_state, chunk_size)
@@ -214,7 +171,7 @@ def chunk_gla_fwd_output(
     or None for the intra-chunk part only (zero entering states). Returns o [B, T, H, V] in fp32
     (fp64 for fp64 inputs). scale None means K**-0.5.
     """
-    check_shapes(q, k, v, g, None)
+    check_shapes(q, k, v, None, True, g=g)
     check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _use_kernel(chunk_size, v, q, k, g, states_in):
@@ -256,7 +213,7 @@ def chunk_gla_bwd(
     Linear in (do, d_final_state): bwd(do, dS) == bwd(do, None) + bwd(None, dS). With do None
     there is no intra-chunk work: only the reverse state scan and per-chunk matmuls.
     """
-    check_shapes(q, k, v, g, initial_state)
+    check_shapes(q, k, v, initial_state, True, g=g)
     check_chunk_size(q.shape[1], chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _use_kernel(chunk_size, v, q, k, g, initial_state, do, d_final_state, states_in):
@@ -285,7 +242,7 @@ class ChunkGLAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, chunk_size, out_dtype=None):
-        check_shapes(q, k, v, g, initial_state)
+        check_shapes(q, k, v, initial_state, True, g=g)
         check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         ctx.save_for_backward(q, k, v, g, initial_state)
@@ -354,7 +311,7 @@ def chunk_gla(
     chunk_size: int = 16,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked GLA (same result as `recurrent_gla`). T must be a multiple of chunk_size.
+    """Chunked GLA (same result as `gla_naive.naive_recurrent_gla`). T must be a multiple of chunk_size.
 
     Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). out_dtype
     fp32 for bf16 inputs keeps the fp32 output as computed (no bf16 rounding; o's gradient is still taken

@@ -1,9 +1,10 @@
 """The chunked GLA computation on [B, H, N, C, D] blocks (N chunks of C tokens), pure tensor code
-in the compute dtype (fp32, fp64 for fp64 inputs), no autograd inside: the chunk layout, segment
-sums and decays, the state scans over chunks, the forward and the backward, and their stages
-(ChunkGLAForward, ChunkGLABackward) for code that interleaves them with communication (the
-context-parallel All-Scan). ops/gla.py builds the public building blocks and the autograd
-Functions on them, and dispatches to the Triton kernels.
+in the compute dtype (fp32, fp64 for fp64 inputs), no autograd inside (the chunk layout and the
+checks: ops/chunking.py, shared with Gated DeltaNet): segment sums and decays, the state scans
+over chunks, the forward and the backward, and their stages (ChunkGLAForward, ChunkGLABackward)
+for code that interleaves them with communication (the context-parallel All-Scan). ops/gla.py
+builds the public building blocks and the autograd Functions on them, and dispatches to the Triton
+kernels.
 
 Numerics: decays are never differences of long cumulative sums. Inside a chunk, in sub-blocks
 of ~sqrt(C) tokens, the pairwise decay exp(sum_{j<s<=i} g_s) of two tokens of one sub-block is
@@ -31,45 +32,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-
-def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """fp64 if any input is fp64, else fp32 (bf16/fp16 accumulate in fp32)."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
-def check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h0: Tensor | None) -> None:
-    if q.dim() != 4 or q.shape != k.shape or q.shape != g.shape:
-        raise ValueError(
-            f"q, k, g must share shape [B, T, H, K]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}"
-        )
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, V] matching q's [B, T, H]; got {tuple(v.shape)}")
-    B, _, H, K = q.shape
-    if h0 is not None and tuple(h0.shape) != (B, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, K, V]; got {tuple(h0.shape)}")
-
-
-def check_chunk_size(T: int, chunk_size: int) -> None:
-    if chunk_size <= 0 or T % chunk_size != 0:
-        raise ValueError(f"sequence length T={T} must be a multiple of chunk_size={chunk_size}")
-
+from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
 
 # ----------------------------------------------------------------------------------------
-# Layout and segment sums
-
-
-def to_chunks(x: Tensor, chunk_size: int, dt: torch.dtype) -> Tensor:
-    """[B, T, H, D] -> [B, H, N, C, D] in dt, contiguous: one matmul-friendly block per chunk."""
-    B, T, H, D = x.shape
-    return x.to(dt).reshape(B, T // chunk_size, chunk_size, H, D).permute(0, 3, 1, 2, 4).contiguous()
-
-
-def from_chunks(x: Tensor) -> Tensor:
-    """[B, H, N, C, D] -> [B, T, H, D]."""
-    B, H, N, C, D = x.shape
-    return x.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, D)
+# Segment sums
 
 
 def _suffix_sum_exclusive(x: Tensor, dim: int) -> Tensor:
@@ -372,7 +338,7 @@ class ChunkGLAForward:
     """
 
     def __init__(self, q, k, v, g, scale: float | None, chunk_size: int):
-        check_shapes(q, k, v, g, None)
+        check_shapes(q, k, v, None, True, g=g)
         check_chunk_size(q.shape[1], chunk_size)
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
         dt = compute_dtype(q, k, v, g)
@@ -419,7 +385,7 @@ class ChunkGLABackward:
         chunk_size: int,
         initial_state: Tensor | None = None,
     ):
-        check_shapes(q, k, v, g, initial_state)
+        check_shapes(q, k, v, initial_state, True, g=g)
         check_chunk_size(q.shape[1], chunk_size)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         dt = compute_dtype(q, k, v, g, states_in)

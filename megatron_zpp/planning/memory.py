@@ -102,7 +102,7 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         low_rank=m.gla_gate_low_rank,
         dropout=m.hidden_dropout > 0,
         masked=cp > 1 or cfg.data.reset_attention_mask,
-        chunk=m.gla_chunk_size,
+        chunk=m.linear_chunk_size,
         swiglu=m.activation == "swiglu",
         layer_norm=m.normalization == "LayerNorm",
         rope=m.position_embedding_type == "rope",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import SECTIONS, Config, ConfigError, default_gla_chunk_size
+from ..config import SECTIONS, Config, ConfigError, default_linear_chunk_size
 from ..config.batch_schedule import parse_step_schedule
 from ..data.tokenizer import infer_tokenizer_type
 from .checkpoint import check_checkpointing, check_load
@@ -94,8 +94,8 @@ def derive(cfg: Config, world_size: int) -> None:
     _derive_pipeline_split(cfg)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    if m.gla_chunk_size is None:  # by the device the run will use (--device auto: CUDA when available)
-        m.gla_chunk_size = default_gla_chunk_size(launch_device_type(t.device))
+    if m.linear_chunk_size is None:  # by the device the run will use (--device auto: CUDA when available)
+        m.linear_chunk_size = default_linear_chunk_size(launch_device_type(t.device))
     if t.step_batch_size_schedule and m.seq_length >= 1:
         try:
             t.batch_steps = parse_step_schedule(t.step_batch_size_schedule, m.seq_length)
@@ -141,7 +141,7 @@ INT64 = 1 << 63
 # lower bounds of the numbers no section check bounds: (section, field) -> (bound, bound allowed)
 LOWER_BOUNDS = {
     ("model", "ffn_hidden_size"): (1, True),
-    ("model", "gla_chunk_size"): (1, True),
+    ("model", "linear_chunk_size"): (1, True),
     ("model", "make_vocab_size_divisible_by"): (1, True),
     ("model", "norm_epsilon"): (0, False),
     ("model", "init_method_std"): (0, True),

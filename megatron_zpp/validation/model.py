@@ -55,8 +55,9 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
             ),
             (
-                m.attention_type == "softmax" or (m.seq_length // cp) % derived(m.gla_chunk_size) == 0,
-                f"sequence per CP rank {m.seq_length // cp} is not divisible by --gla-chunk-size {m.gla_chunk_size}",
+                m.attention_type == "softmax" or (m.seq_length // cp) % derived(m.linear_chunk_size) == 0,
+                f"sequence per CP rank {m.seq_length // cp} is not divisible by "
+                f"--linear-chunk-size {m.linear_chunk_size}",
             ),
             (
                 cp == 1 or m.seq_length // cp >= halo,

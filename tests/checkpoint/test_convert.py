@@ -330,7 +330,7 @@ def test_hf_remote_import_round_trip(remote, kind, tmp_path):
 
 
 def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
-    from megatron_zpp.checkpoint import hf_gla
+    from megatron_zpp.checkpoint import hf_remote_export
 
     hf = {
         "model_type": "megatron_zpp_gla",
@@ -339,23 +339,23 @@ def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
         "num_hidden_layers": 3,
         "layer_types": ["full_attention", "linear_attention", "linear_attention"],
     }
-    with pytest.raises(hf_gla.RemoteConversionError, match="softmax attention at every K-th layer"):
-        hf_gla.config_from_remote(hf)
+    with pytest.raises(hf_remote_export.RemoteConversionError, match="softmax attention at every K-th layer"):
+        hf_remote_export.config_from_remote(hf)
     (tmp_path / "config.json").write_text(json.dumps(hf))  # the tool: one line, exit code 2
     args = ["--from", "hf", "--load", str(tmp_path), "--to", "sharded", "--output", str(tmp_path / "out")]
     assert _tool("convert_checkpoint").main(args) == 2
     assert capsys.readouterr().err.startswith(f"error: cannot import {tmp_path}: layer_types")
     hf["layer_types"] = ["linear_attention"] * 3
-    with pytest.raises(hf_gla.RemoteConversionError, match="config.json has no 'intermediate_size'"):
-        hf_gla.config_from_remote(hf)
+    with pytest.raises(hf_remote_export.RemoteConversionError, match="config.json has no 'intermediate_size'"):
+        hf_remote_export.config_from_remote(hf)
     cfg = rope_config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
     state = {n: p.detach() for n, p in GPT(cfg.model, 64).named_parameters()}
-    theirs = hf_gla.to_remote_state(state, cfg)
-    with pytest.raises(hf_gla.RemoteConversionError, match="does not have: model.layers.0.attn.extra"):
-        hf_gla.from_remote_state({**theirs, "model.layers.0.attn.extra": torch.zeros(1)}, cfg)
-    with pytest.raises(hf_gla.RemoteConversionError, match="no HF name for layers.0.mixer.extra"):
-        hf_gla.to_remote_state({**state, "layers.0.mixer.extra": torch.zeros(1)}, cfg)
+    theirs = hf_remote_export.to_remote_state(state, cfg)
+    with pytest.raises(hf_remote_export.RemoteConversionError, match="does not have: model.layers.0.attn.extra"):
+        hf_remote_export.from_remote_state({**theirs, "model.layers.0.attn.extra": torch.zeros(1)}, cfg)
+    with pytest.raises(hf_remote_export.RemoteConversionError, match="no HF name for layers.0.mixer.extra"):
+        hf_remote_export.to_remote_state({**state, "layers.0.mixer.extra": torch.zeros(1)}, cfg)
 
 
 def test_hf_remote_export_carries_the_tokenizer(tmp_path):

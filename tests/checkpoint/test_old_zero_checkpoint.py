@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from megatron_zpp import training
 from megatron_zpp.checkpoint import files
 from megatron_zpp.checkpoint.consolidate import consolidate
-from megatron_zpp.config import ModelConfig
+from megatron_zpp.config import ModelConfig, former_names
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
 from megatron_zpp.validation import validate
@@ -33,7 +33,8 @@ UNIT_PREFIXES = {
 
 def test_old_zero3_shards_are_the_parameters_in_unit_order():
     state, config = consolidate(FIXTURE)
-    model = ModelConfig(**config["model"])
+    renamed = former_names("model")  # the config was saved before some settings were renamed
+    model = ModelConfig(**{renamed.get(k, k): v for k, v in config["model"].items()})
     order = [n for n, _ in GPT(model, 64).named_parameters()]  # the model's own order, no layout code
     raw = [load_file(os.path.join(FIXTURE, "iter_0000002", files.rank_file(r))) for r in range(2)]
     keys = sorted(

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_zpp.config import Config, ConfigError
-from megatron_zpp.config.arguments import load_yaml, parse_args, parse_config
+from megatron_zpp.config.arguments import build_parser, load_yaml, parse_args, parse_config
 from megatron_zpp.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,7 +125,7 @@ ERROR_CASES = [
         ["--sequence-parallel"],
     ),
     (dict(parallel__context_parallel_size=3, model__seq_length=256), 3, ["--seq-length", "--context-parallel-size"]),
-    (dict(model__attention_type="gla", model__seq_length=100, model__gla_chunk_size=16), 1, ["--gla-chunk-size"]),
+    (dict(model__attention_type="gla", model__seq_length=100, model__linear_chunk_size=16), 1, ["--linear-chunk-size"]),
     (dict(model__seq_length=512, model__max_position_embeddings=256), 1, ["--seq-length", "--max-position-embeddings"]),
     (dict(model__softmax_attention_every=2), 1, ["--softmax-attention-every", "--attention-type"]),
     (dict(parallel__order="tp-dp-pp"), 1, ["--parallel-order"]),
@@ -462,3 +462,17 @@ def test_gdn_context_parallelism_needs_the_convolution_halo():
     argv = "--mock-data --attention-type gdn --context-parallel-size 16 --seq-length 32 --gla-chunk-size 2"
     assert "shorter than the convolution's 3 tokens" in line_with(errors_of(parse_args(argv.split()), 16), "gdn")
     validate(parse_args("--mock-data --attention-type gdn --context-parallel-size 2".split()), 2)
+
+
+def test_linear_chunk_size_keeps_its_former_name(tmp_path):
+    # --gla-chunk-size, the YAML key gla_chunk_size and a checkpoint's config saved with it all set linear_chunk_size;
+    # the former and the current name together are a setting given twice
+    from megatron_zpp.checkpoint.layout import config_from_dict
+
+    for argv in (["--linear-chunk-size", "8"], ["--gla-chunk-size", "8"]):
+        assert parse_args(argv).model.linear_chunk_size == 8, argv
+    assert load_yaml(write(tmp_path, "model:\n  gla_chunk_size: 8\n")) == {"model.linear_chunk_size": 8}
+    with pytest.raises(ConfigError, match="a second time"):
+        load_yaml(write(tmp_path, "gla_chunk_size: 8\nlinear_chunk_size: 16\n"))
+    assert config_from_dict({"model": {"gla_chunk_size": 8}}).model.linear_chunk_size == 8
+    assert "--linear-chunk-size LINEAR_CHUNK_SIZE, --gla-chunk-size" in " ".join(build_parser().format_help().split())

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp import comm
-from megatron_zpp.context_parallel.gdn import gdn_context_parallel, previous_tokens
-from megatron_zpp.ops.gdn import naive_recurrent_gdn
+from megatron_zpp.context_parallel.gdn import gdn_context_parallel
+from megatron_zpp.context_parallel.halo import previous_tokens
+from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
 
@@ -127,19 +128,3 @@ def test_single_rank_and_bad_algo():
     torch.testing.assert_close(o, naive_recurrent_gdn(q, k, v, g, beta, initial_state=h0)[0])
     with pytest.raises(ValueError, match="unknown CP algorithm"):
         gdn_context_parallel(q, k, v, g, beta, None, algo="zigzag")
-
-
-def test_local_affine_split_in_two_calls_equals_one(monkeypatch):
-    # Where the kernels take V columns but not V + K (K = V = 128 on CUDA), local_affine makes two calls; here the
-    # reference path stands in for the kernels (V <= 4 "fits", V + K does not): the same four results, and gradients.
-    from megatron_zpp.context_parallel import gdn as cp_gdn
-
-    q, k, v, g, beta, _, _ = make_inputs(2 * T_LOCAL, torch.float64, "reset")
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    one = cp_gdn.local_affine(*leaves, 0.3, CHUNK)
-    grads_one = torch.autograd.grad(sum((t * t).sum() for t in one), leaves)
-    monkeypatch.setattr(cp_gdn, "chunk_gdn_uses_kernels", lambda q, k, v, *a: v.shape[-1] <= V)
-    two = cp_gdn.local_affine(*leaves, 0.3, CHUNK)
-    grads_two = torch.autograd.grad(sum((t * t).sum() for t in two), leaves)
-    for a, b in zip(one + grads_one, two + grads_two):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -136,7 +136,7 @@ def test_operator_is_chunk_gla_from_the_scanned_state(dtype, gates, tol):
     # S_in whose loss also reads the final state; the scan is sent the gradient of S_in from o alone.
     # Slice T = 24, chunk 8, odd K = 5, V = 3; max-abs error relative to the reference's max.
     from megatron_zpp.context_parallel.gla import ContextParallelGLA
-    from megatron_zpp.ops.gla import recurrent_gla
+    from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 
     gen = torch.Generator().manual_seed(5)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -147,9 +147,9 @@ def test_operator_is_chunk_gla_from_the_scanned_state(dtype, gates, tol):
     )
     q, k, v, g, do = (x.to(dtype) for x in (q, k, v, g, do))
     leaves = [x.double().requires_grad_() for x in (q, k, v, g, S_in)]
-    o_ref, ht = recurrent_gla(*leaves[:4], 0.4, leaves[4], True)
+    o_ref, ht = naive_recurrent_gla(*leaves[:4], 0.4, leaves[4], True)
     ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht * dS_out).sum(), leaves)
-    sent_ref = torch.autograd.grad((recurrent_gla(*leaves[:4], 0.4, leaves[4])[0] * do.double()).sum(), leaves[4])
+    sent_ref = torch.autograd.grad((naive_recurrent_gla(*leaves[:4], 0.4, leaves[4])[0] * do.double()).sum(), leaves[4])
 
     scan = FixedScan(S_in, dS_out)
     got_leaves = [x.clone().requires_grad_() for x in (q, k, v, g)] + [S_in.to(dtype).requires_grad_()]

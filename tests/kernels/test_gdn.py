@@ -8,8 +8,8 @@ for bf16 inputs between the two fp32-computing paths; 2e-2 against fp64 with bf1
 import pytest
 import torch
 
+from megatron_zpp.kernels import chunk_common
 from megatron_zpp.kernels import gdn as gdn_kernels
-from megatron_zpp.kernels import gla as gla_kernels
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gdn import chunk_gdn, chunk_gdn_uses_kernels
 from tests.ops.test_gdn import NAMES, case, fp64_token_loop, rel_err, run
@@ -18,20 +18,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    """--kernels triton (the interpreter), and a count of the kernel wrappers' calls."""
-    calls = {"fwd": 0, "bwd": 0}
-    for name in calls:
-        original = getattr(gdn_kernels, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(gdn_kernels, name, counted)
-    dispatch.set_kernels("triton", CPU)
-    yield calls
-    dispatch.set_kernels("auto", CPU)
+def kernels_on(count_calls):
+    """A count of the kernel wrappers' calls (conftest.py switches to the Triton kernels, the interpreter)."""
+    return count_calls(gdn_kernels, ("fwd", "bwd"))
 
 
 @pytest.mark.parametrize(
@@ -69,7 +58,7 @@ def test_bf16_matches_the_chunked_reference(kernels_on):
 def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, gate):
     """A GPU launch on bf16 inputs feeds its dots bf16 operands (fp32 accumulation); the interpreter emulates that
     rounding, and the result stays within bf16's tolerance of the fp64 recurrence."""
-    monkeypatch.setattr(gla_kernels, "EMULATE_BF16_DOTS", True)
+    monkeypatch.setattr(chunk_common, "EMULATE_BF16_DOTS", True)
     inputs = case(gate, "mixed", T=32, K=16, V=24, dtype=torch.bfloat16, seed=3)
     got = run(chunk_gdn, *inputs, chunk_size=16)
     assert kernels_on == {"fwd": 1, "bwd": 1}
@@ -111,6 +100,31 @@ def test_gpu_tiles_strided_views_and_absent_cotangents(kernels_on, monkeypatch):
         assert a.shape == b.shape and torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
     for name, a, b in zip(NAMES[2:], only_state, ref_state):
         assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def test_wide_values_run_in_column_groups(kernels_on, monkeypatch):
+    """A V wider than the kernels take runs in column groups (here 16 wide: V = 24 as 16 + 8), on the kernels, with
+    the results and gradients of the unsplit chunked reference; and local_affine, whose V + K columns (8 + 16)
+    split so, equals its reference (the four results and the gradients)."""
+    from megatron_zpp.context_parallel.gdn import local_affine
+    from megatron_zpp.ops import gdn as gdn_ops
+
+    monkeypatch.setattr(gdn_ops, "KERNEL_V", 16)
+    inputs = case("reset", "mixed", T=32, K=8, V=24, seed=5)
+    got = run(chunk_gdn, *inputs, chunk_size=16)
+    assert kernels_on == {"fwd": 2, "bwd": 2} and chunk_gdn_uses_kernels(*inputs[:5], 16)
+    q, k, v, g, beta, *_ = case("mixed", "mixed", T=32, K=16, V=8, seed=6)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    affine = local_affine(*leaves, 0.3, 16)
+    affine_grads = torch.autograd.grad(sum((t * t).sum() for t in affine), leaves)
+    assert kernels_on == {"fwd": 4, "bwd": 4}
+    dispatch.set_kernels("torch", CPU)
+    for name, a, b in zip(NAMES, got, run(chunk_gdn, *inputs, chunk_size=16)):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+    ref = local_affine(*leaves, 0.3, 16)
+    ref_grads = torch.autograd.grad(sum((t * t).sum() for t in ref), leaves)
+    for i, (a, b) in enumerate(zip(affine + affine_grads, ref + ref_grads)):
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-5, (i, rel_err(a, b))
 
 
 def test_calls_the_kernels_do_not_take_fall_back(kernels_on):

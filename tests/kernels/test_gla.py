@@ -1,7 +1,7 @@
 """Triton GLA chunk kernels (megatron_zpp/kernels/gla.py) under TRITON_INTERPRET=1 on CPU tensors.
 
 Each building block of megatron_zpp/ops/gla.py with the kernels against the same block with the PyTorch
-reference, and chunk_gla forward + backward against the fp64 token loop (recurrent_gla). Tolerances are
+reference, and chunk_gla forward + backward against the fp64 token loop (naive_recurrent_gla). Tolerances are
 norm-wise relative errors: 1e-5 for fp32 (measured <= ~1e-6), bf16 inputs 1e-5 between the two fp32-computing
 paths and 1e-2 against fp64 (bf16 rounding of o and of the gradients).
 """
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zpp.context_parallel.gla import ContextParallelGLA
+from megatron_zpp.kernels import chunk_common
 from megatron_zpp.kernels import gla as gla_kernels
 from megatron_zpp.ops import dispatch
 from megatron_zpp.ops.gla import (
@@ -20,28 +21,17 @@ from megatron_zpp.ops.gla import (
     chunk_gla_fwd_states,
     chunk_gla_local,
     gla_state_correction,
-    recurrent_gla,
 )
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dh0")
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def kernels_on(monkeypatch):
-    """--kernels triton (the interpreter), and a count of the kernel wrappers' calls."""
-    calls = {"fwd_states": 0, "fwd_output": 0, "bwd": 0}
-    for name in calls:
-        original = getattr(gla_kernels, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(gla_kernels, name, counted)
-    dispatch.set_kernels("triton", CPU)
-    yield calls
-    dispatch.set_kernels("auto", CPU)
+def kernels_on(count_calls):
+    """A count of the kernel wrappers' calls (conftest.py switches to the Triton kernels, the interpreter)."""
+    return count_calls(gla_kernels, ("fwd_states", "fwd_output", "bwd"))
 
 
 def gates(kind, shape, gen):
@@ -114,7 +104,7 @@ def run_chunk_gla(fn, q, k, v, g, h0, do, dS, **kw):
 
 
 def fp64_token_loop(q, k, v, g, h0, do, dS):
-    return run_chunk_gla(recurrent_gla, *(x.double() for x in (q, k, v, g, h0, do, dS)))
+    return run_chunk_gla(naive_recurrent_gla, *(x.double() for x in (q, k, v, g, h0, do, dS)))
 
 
 @pytest.mark.parametrize("kind", ["mild", "strong", "reset"])
@@ -142,8 +132,9 @@ def test_chunk_gla_bf16_matches_the_fp64_token_loop(kernels_on):
 @pytest.mark.parametrize("kind", ["mild", "reset"])
 def test_bf16_dot_operands_match_the_fp64_token_loop(kernels_on, monkeypatch, kind):
     """A GPU launch on bf16 inputs feeds its dots bf16 operands (fp32 accumulation): the interpreter emulates that
-    rounding (kernels/gla.py _round_bf16), and the result stays within bf16's tolerance of the fp64 recurrence."""
-    monkeypatch.setattr(gla_kernels, "EMULATE_BF16_DOTS", True)
+    rounding (kernels/chunk_common.py round_bf16), and the result stays within bf16's tolerance of the fp64
+    recurrence."""
+    monkeypatch.setattr(chunk_common, "EMULATE_BF16_DOTS", True)
     inputs = case(kind, T=64, K=16, V=24, dtype=torch.bfloat16, seed=2)
     got = run_chunk_gla(chunk_gla, *inputs, chunk_size=32)
     assert kernels_on["bwd"] == 1

@@ -24,7 +24,7 @@ def loss_and_grads(mode: str, cfg: ModelConfig, tokens, labels):
 def test_hybrid_gpt_step_on_triton_kernels_equals_torch():
     cfg = old_model(
         num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64,
-        attention_type="gla", softmax_attention_every=2, gla_chunk_size=16,
+        attention_type="gla", softmax_attention_every=2, linear_chunk_size=16,
     )  # fmt: skip
     data = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0))
     tokens, labels = data[:, :-1], data[:, 1:]

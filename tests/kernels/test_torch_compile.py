@@ -31,7 +31,7 @@ from tests.test_training import TINY
 
 CFG = old_model(
     num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64,
-    attention_type="gla", softmax_attention_every=2, gla_chunk_size=16,
+    attention_type="gla", softmax_attention_every=2, linear_chunk_size=16,
 )  # fmt: skip
 VOCAB = 64
 # the launch wrappers the model step calls (the quantizers belong to the ZeRO engines, outside the model)
@@ -210,7 +210,7 @@ def test_gdn_model_step_under_fake_tensor_mode():
     """A GDN hybrid's step on fake tensors runs Gated DeltaNet's kernel ops (their fakes), forward and backward."""
     cfg = old_model(
         num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64,
-        attention_type="gdn", softmax_attention_every=2, gla_chunk_size=16,
+        attention_type="gdn", softmax_attention_every=2, linear_chunk_size=16,
     )  # fmt: skip
     with FakeTensorMode(), KernelOpsSeen() as ops:
         model = GPT(cfg, VOCAB)

@@ -39,7 +39,7 @@ def test_compiled_blocks_equal_eager():
         seq_length=32,
         attention_type="gla",
         softmax_attention_every=2,
-        gla_chunk_size=8,
+        linear_chunk_size=8,
     )
     eager, compiled = GPT(cfg, 128), GPT(cfg, 128)
     init_weights(eager, 7)

@@ -13,6 +13,7 @@ from megatron_zpp.model.gated_deltanet import GatedDeltaNet
 from megatron_zpp.model.init import RankInit, materialize
 from megatron_zpp.pipeline_parallel import build_rank_chunks, stand_in_context
 from megatron_zpp.tensor_parallel.layers import unshard
+from tests.model import assert_matches_with_grads
 from tests.old_defaults import old_model
 
 
@@ -48,7 +49,7 @@ def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> 
 
 
 def test_gdn_layer_matches_token_loop():
-    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8)
     layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()
@@ -61,11 +62,7 @@ def test_gdn_layer_matches_token_loop():
     doc = torch.tensor([[0] * 10 + [1] * 9 + [2] * 2])
     x = torch.randn(1, T, 32, dtype=torch.float64, requires_grad=True)
     out, ref = layer(x, documents=Documents(doc_ids=doc)), token_loop_gdn(layer, x, doc)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
-    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-11)
+    assert_matches_with_grads(layer, x, out, ref, (1e-9, 1e-11), (1e-8, 1e-11))
 
 
 def test_gate_init_draws_megatrons_A_range_and_flas_dt():

@@ -12,7 +12,7 @@ VOCAB = 96
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, gla_chunk_size=8)
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, linear_chunk_size=8)
     base.update(kw)
     return old_model(**base)
 

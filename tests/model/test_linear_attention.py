@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from megatron_zpp.model import ParallelContext, init_weights
 from megatron_zpp.model.linear_attention import GatedLinearAttention
+from tests.model import assert_matches_with_grads
 from tests.old_defaults import old_model
 
 
@@ -32,7 +33,7 @@ def token_loop_gla(layer: GatedLinearAttention, x: torch.Tensor, low_rank: int) 
 
 @pytest.mark.parametrize("low_rank", [0, 4])
 def test_gla_layer_matches_token_loop(low_rank):
-    cfg = old_model(hidden_size=32, num_attention_heads=2, gla_chunk_size=8, gla_gate_low_rank=low_rank)
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8, gla_gate_low_rank=low_rank)
     layer = GatedLinearAttention(cfg, ParallelContext(), out_std=0.02)
     init_weights(layer, seed=3)
     layer = layer.double()
@@ -42,11 +43,7 @@ def test_gla_layer_matches_token_loop(low_rank):
             layer.gate_bias.uniform_(-2, 2)
     x = torch.randn(2, 24, 32, dtype=torch.float64, requires_grad=True)
     out, ref = layer(x), token_loop_gla(layer, x, low_rank)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert_matches_with_grads(layer, x, out, ref, (1e-10, 1e-12), (1e-9, 1e-12))
 
 
 def test_low_rank_gate_parameters():

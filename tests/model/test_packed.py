@@ -23,7 +23,8 @@ from megatron_zpp.context_parallel import gla_context_parallel
 from megatron_zpp.data.documents import build_documents
 from megatron_zpp.model import GPT, ParallelContext, init_weights
 from megatron_zpp.ops import dispatch
-from megatron_zpp.ops.gla import chunk_gla, chunk_gla_uses_kernels, recurrent_gla
+from megatron_zpp.ops.gla import chunk_gla, chunk_gla_uses_kernels
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 from megatron_zpp.topology import Topology, build_groups
 from tests.dist import run_distributed
 from tests.old_defaults import old_model
@@ -40,7 +41,7 @@ KINDS = {
 
 def config(kind: str, chunk: int = 8) -> ModelConfig:
     return old_model(
-        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, gla_chunk_size=chunk, **KINDS[kind]
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, linear_chunk_size=chunk, **KINDS[kind]
     )
 
 
@@ -141,7 +142,7 @@ def test_gla_hard_resets_are_finite_and_exact(kernels):
     for b in range(len(LENGTHS)):
         for s, e in spans(b):
             doc = [x[b : b + 1, s:e].double().requires_grad_() for x in (q, k, v, g)]
-            ref_o = recurrent_gla(*doc)[0]
+            ref_o = naive_recurrent_gla(*doc)[0]
             ref_grads = torch.autograd.grad((ref_o * do[b : b + 1, s:e].double()).sum(), doc)
             torch.testing.assert_close(o[b : b + 1, s:e].double(), ref_o, rtol=1e-4, atol=1e-5)
             for name, got, ref in zip("qkvg", grads, ref_grads):
@@ -178,7 +179,7 @@ def _cp_worker(rank, world):
     leaves, do, starts = gla_inputs()
     sl = slice(cp.rank * T // 2, (cp.rank + 1) * T // 2)
     ref_leaves = [x.double().requires_grad_() for x in leaves]
-    ref_o = recurrent_gla(*ref_leaves)[0]
+    ref_o = naive_recurrent_gla(*ref_leaves)[0]
     ref = [ref_o] + list(torch.autograd.grad((ref_o * do.double()).sum(), ref_leaves))
     for kernels in ("torch", "triton"):
         local = [x[:, sl].clone().requires_grad_() for x in leaves]

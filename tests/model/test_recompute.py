@@ -42,7 +42,7 @@ def _single_rank(**recompute_cfg):
         num_attention_heads=4,
         num_query_groups=2,
         seq_length=32,
-        gla_chunk_size=8,
+        linear_chunk_size=8,
         hidden_dropout=0.1,
         attention_dropout=0.1,
         **HYBRID_CFG,
@@ -107,9 +107,8 @@ def test_saved_activations_shrink():
     """What the forward keeps for the backward (saved tensors, by storage): full < selective < none."""
 
     def saved_bytes(**mode):
-        cfg = old_model(
-            num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, gla_chunk_size=8, **HYBRID_CFG, **mode
-        )
+        shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, linear_chunk_size=8)
+        cfg = old_model(**shape, **HYBRID_CFG, **mode)
         model = GPT(cfg, 96)
         init_weights(model, 0)
         storages = {}

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.ops.gdn import ChunkGDNFunction, chunk_gdn, naive_recurrent_gdn
+from megatron_zpp.ops.gdn import ChunkGDNFunction, chunk_gdn
+from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 

@@ -16,8 +16,8 @@ from megatron_zpp.ops.gla import (
     chunk_gla_fwd_states,
     chunk_gla_local,
     gla_state_correction,
-    recurrent_gla,
 )
+from megatron_zpp.ops.gla_naive import naive_recurrent_gla
 
 
 def make_inputs(B=2, T=32, H=2, K=8, V=6, dtype=torch.float64, g_min=None, seed=0, with_state=True):
@@ -58,7 +58,7 @@ def assert_close_all(a, b, rtol, atol):
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_matches_recurrent_fp64(chunk_size, with_state):
     inp = make_inputs(T=32, with_state=with_state)
-    ref = run_with_grads(recurrent_gla, *inp)
+    ref = run_with_grads(naive_recurrent_gla, *inp)
     out = run_with_grads(chunk_gla, *inp, chunk_size=chunk_size)
     assert_close_all(out, ref, rtol=1e-10, atol=1e-10)
 
@@ -67,7 +67,7 @@ def test_chunk_matches_recurrent_fp64(chunk_size, with_state):
 def test_strong_decay_fp64_and_finite(chunk_size):
     # g down to -50 per token over T=256: cumulative decays reach ~-1e4 within a chunk.
     inp = make_inputs(B=1, T=256, H=2, K=8, V=4, g_min=-50.0)
-    ref = run_with_grads(recurrent_gla, *inp)
+    ref = run_with_grads(naive_recurrent_gla, *inp)
     out = run_with_grads(chunk_gla, *inp, chunk_size=chunk_size)
     assert_close_all(out, ref, rtol=1e-10, atol=1e-10)
     for t in [out[0], out[1], *out[2]]:
@@ -87,7 +87,7 @@ def test_fp32_matches_fp64():
     q, k, v, g, h0 = make_inputs(B=2, T=64, H=2, K=16, V=16, dtype=torch.float32)
     out32 = run_with_grads(chunk_gla, q, k, v, g, h0)
     up = [x.detach().double().requires_grad_() for x in (q, k, v, g, h0)]
-    ref = run_with_grads(recurrent_gla, *up)
+    ref = run_with_grads(naive_recurrent_gla, *up)
     for a, b in zip([out32[0], out32[1], *out32[2]], [ref[0], ref[1], *ref[2]]):
         assert a.dtype == torch.float32
         err = (a.double() - b).abs().max() / b.abs().max()
@@ -125,7 +125,7 @@ def test_local_plus_correction(chunk_size):
 def test_sequence_split_chains_states(P):
     # Emulates sequence parallelism: each slice runs locally, states are chained serially.
     q, k, v, g, h0 = make_inputs(T=64, g_min=-2.0)
-    o_ref, ht_ref = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     state, outs = h0, []
     for sl in torch.arange(64).chunk(P):
         qs, ks, vs, gs = (x[:, sl] for x in (q, k, v, g))
@@ -147,7 +147,7 @@ def test_bf16_runs_and_is_close():
     o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     q64, k64, v64, g64, h64 = (x.detach().double() for x in (q, k, v, g, h0))
-    o_ref, ht_ref = recurrent_gla(q64, k64, v64, g64, initial_state=h64, output_final_state=True)
+    o_ref, ht_ref = naive_recurrent_gla(q64, k64, v64, g64, initial_state=h64, output_final_state=True)
     assert ((o.double() - o_ref).abs().max() / o_ref.abs().max()) < 2e-2
     assert ((ht.double() - ht_ref).abs().max() / ht_ref.abs().max()) < 1e-4
     o.float().sum().backward()
@@ -161,7 +161,7 @@ def test_defaults_and_errors():
     assert ht is None and o.shape == v.shape
     o2, _ = chunk_gla(q, k, v, g, scale=q.shape[-1] ** -0.5)
     torch.testing.assert_close(o, o2)
-    o3, _ = recurrent_gla(q, k, v, g, scale=2.0)
+    o3, _ = naive_recurrent_gla(q, k, v, g, scale=2.0)
     torch.testing.assert_close(chunk_gla(q, k, v, g, scale=2.0)[0], o3)
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         chunk_gla(q, k, v, g, chunk_size=5)
@@ -209,7 +209,7 @@ def rel_err(got, ref):
 def fp64_reference(kind):
     """Token loop in fp64 (autograd) on the fp32 inputs of gate_case(kind), upcast."""
     inp = [x.detach().double().requires_grad_() for x in gate_case(kind)]
-    return [t.detach() for t in flat(run_with_grads(recurrent_gla, *inp))]
+    return [t.detach() for t in flat(run_with_grads(naive_recurrent_gla, *inp))]
 
 
 @pytest.mark.parametrize("chunk_size", [8, 16, 64])
@@ -268,7 +268,7 @@ def test_bf16_inputs_grads_close_to_fp64():
     # bf16 in, fp32 inside: o and gradients come back in bf16, within bf16 rounding of the fp64 recurrence.
     inp = gate_case("mild", T=64, dtype=torch.bfloat16)
     got = flat(run_with_grads(chunk_gla, *inp, chunk_size=16))
-    ref = flat(run_with_grads(recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
+    ref = flat(run_with_grads(naive_recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
     dtypes = [torch.bfloat16, torch.float32, *(x.dtype for x in inp)]
     for name, a, b, dt in zip(OUTPUT_NAMES, got, ref, dtypes):
         assert a.dtype == dt, name
@@ -291,25 +291,27 @@ def test_local_plus_correction_fp32(kind):
 
     inp = gate_case(kind, T=64)
     got = flat(run_with_grads(decomposed, *inp, chunk_size=16))
-    ref = flat(run_with_grads(recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
+    ref = flat(run_with_grads(naive_recurrent_gla, *(x.detach().double().requires_grad_() for x in inp)))
     for name, a, b in zip(OUTPUT_NAMES, got, ref):
         assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 
 def test_matches_fla_naive_reference():
-    from fla.ops.gla.naive import naive_recurrent_gla  # a dev dependency; imported here: it takes seconds (triton)
+    from fla.ops.gla.naive import (
+        naive_recurrent_gla as fla_naive,
+    )  # a dev dependency; imported here: it takes seconds (triton)
 
     q, k, v, g, h0 = make_inputs(T=32)
     o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     # fla's naive reference uses the same [B, T, H, K] layout in recent versions.
-    o_ref, ht_ref = naive_recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    o_ref, ht_ref = fla_naive(q, k, v, g, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o, o_ref.to(o.dtype), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ht, ht_ref.to(ht.dtype), rtol=1e-5, atol=1e-5)
     # Forward and every gradient in fp32 against fla's token loop (fp32 too), mild and strong gates.
     for kind in ("mild", "strong"):
         inp = gate_case(kind, T=64, dtype=torch.float32)
         got = run_with_grads(chunk_gla, *inp, chunk_size=16)
-        ref = run_with_grads(naive_recurrent_gla, *inp)
+        ref = run_with_grads(fla_naive, *inp)
         for name, a, b in zip(OUTPUT_NAMES, flat(got), flat(ref)):
             assert rel_err(a, b) <= 1e-5, (kind, name, rel_err(a, b))
 
@@ -326,9 +328,9 @@ def test_staged_blocks_chain_to_the_token_loop(kind, dtype, tol):
     do = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(dtype)
     dS = torch.randn(h0.shape, generator=gen, dtype=torch.float64).to(h0.dtype)
     leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
-    o_ref, ht_ref = recurrent_gla(*leaves[:4], scale, leaves[4], True)
+    o_ref, ht_ref = naive_recurrent_gla(*leaves[:4], scale, leaves[4], True)
     ref = torch.autograd.grad((o_ref * do.double()).sum() + (ht_ref * dS.double()).sum(), leaves)
-    ref_do = torch.autograd.grad((recurrent_gla(*leaves[:4], scale, leaves[4])[0] * do.double()).sum(), leaves[4])
+    ref_do = torch.autograd.grad((naive_recurrent_gla(*leaves[:4], scale, leaves[4])[0] * do.double()).sum(), leaves[4])
 
     fwd = ChunkGLAForward(q, k, v, g, scale, C)
     assert rel_err(fwd.final_state, chunk_gla_fwd_states(k, v, g, None, C)[1]) <= tol  # what the scan sends

@@ -243,7 +243,7 @@ def _block_worker(rank, world, kind, low_rank):
         seq_length=32,
         ffn_hidden_size=128,
         attention_type=kind,
-        gla_chunk_size=8,
+        linear_chunk_size=8,
         gla_gate_low_rank=low_rank,
     )
     B, S, H = 2, 32, 64

@@ -226,7 +226,7 @@ class _RankTimer:
             again = {f"layer{ids[j]}" for a, b, r in chunk.block_groups if r for j in range(a, b)}
             self.rerun.append(again)
         heads_width = m.num_attention_heads * m.head_dim
-        self.gla_core = 2 * heads_width * (m.gla_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
+        self.gla_core = 2 * heads_width * (m.linear_chunk_size + 2 * m.head_dim) / rate  # perf.py's GLA term, per token
 
     def _layer_overhead(self, linear: bool) -> float:
         return self.cl.per_layer_s + (self.cl.gla_layer_s if linear else 0.0)

@@ -2,7 +2,8 @@
 transformers remote-code model: megatron_zpp/hf_remote/ (configuration + modeling file, plain
 PyTorch) copied next to model.safetensors, with config.json's auto_map naming them.
 
-    hf = remote_config(cfg, vocab, tokenizer)   # config.json (model_type megatron_zpp_gla)
+    hf = remote_config(cfg, vocab, tokenizer)   # config.json (model_type megatron_zpp_gla, for every mixer:
+                                                # the name exports have always carried, so old ones load)
     to_remote_state(state, cfg)                 # our single-rank names -> the remote model's
     from_remote_state(hf_state, cfg)            # and back (bitwise: splits and concatenations)
     config_from_remote(hf)                      # our Config of such a config.json
@@ -77,7 +78,7 @@ def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
         "max_position_embeddings": m.max_position_embeddings or m.seq_length,
         "gla_gate_low_rank": m.gla_gate_low_rank,
         "gla_gate_normalizer": m.gla_gate_normalizer,
-        "gla_chunk_size": m.gla_chunk_size,
+        "gla_chunk_size": m.linear_chunk_size,  # the remote config's key, unchanged
         "linear_attention_type": "gdn" if m.attention_type == "gdn" else "gla",
         "linear_conv_kernel": GDN_CONV_KERNEL,
         "initializer_range": m.init_method_std,
@@ -258,7 +259,7 @@ def _config_from_remote(hf: dict):
     m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (remote_unsupported)
     m.openai_gelu = hf.get("gelu_approximate", "tanh") == "tanh"  # without biases, Megatron's tanh gelu is this one
     m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
-    m.gla_chunk_size = hf["gla_chunk_size"]
+    m.linear_chunk_size = hf["gla_chunk_size"]
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
     return cfg

@@ -1,0 +1,109 @@
+"""What the chunked linear-attention kernels share (GLA: gla*.py, Gated DeltaNet: gdn*.py), as fla's
+`ops/common`. Device helpers: masked fp32 row loads, the dot of either precision (and its bf16 emulation for
+the interpreter), the in-chunk decays (segment sums of g accumulated over their own tokens). Host helpers of
+the launch wrappers: the dot mode of a launch (`bf16_dots`), inputs read in place with their strides
+(`strided`), states as fp32 contiguous (`contiguous_fp32`). kernels/gla.py and kernels/gdn.py describe their
+layouts and numerics."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import target
+
+SUB_BLOCK = 16  # tokens per sub-block of the intra-chunk tiles (the smallest tl.dot tile)
+LOG_TINY_FP32 = math.log(torch.finfo(torch.float32).tiny)  # dg is 0 below this gate (as the reference)
+
+
+def device_fn(fn):
+    """@triton.jit for a helper called from kernels; a plain function under the CPU interpreter, which would
+    otherwise re-patch triton.language on every call of a jit helper (milliseconds each)."""
+    return fn if os.environ.get("TRITON_INTERPRET") == "1" else triton.jit(fn)
+
+
+@device_fn
+def load_rows(ptr, rows, cols, row_mask, col_mask, stride):
+    """x[rows, cols] of a view with row stride `stride` (columns contiguous) as fp32, 0 outside the masks."""
+    x = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    return x.to(tl.float32)
+
+
+@device_fn
+def round_bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: bf16 operands emulated for the interpreter."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@device_fn
+def dot(a, b, BF16: tl.constexpr):
+    """a @ b accumulated in fp32. BF16 1: bf16 operands (tensor cores), for bf16 inputs on a GPU; 2: the same
+    operand rounding emulated in fp32 (the interpreter's bf16 arithmetic is unreliable; the products of two bf16
+    values are exact in fp32); 0: exact fp32 products ("ieee", not tf32)."""
+    if BF16 == 1:
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif BF16 == 2:
+        out = tl.dot(round_bf16(a), round_bf16(b), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@device_fn
+def exclusive_suffix(g_ptr, rows, cols, col_mask, n_rows: tl.constexpr, stride):
+    """sum_{s > r} g_s over a block of n_rows consecutive tokens: a reverse cumsum of g loaded one token later."""
+    local = tl.arange(0, n_rows)
+    g_next = load_rows(g_ptr, rows + 1, cols, local < n_rows - 1, col_mask, stride)
+    return tl.cumsum(g_next, axis=0, reverse=True)
+
+
+@device_fn
+def blocks_between(g_ptr, cols, col_mask, lo, hi, C: tl.constexpr, stride):
+    """sum of g over the chunk's local tokens lo <= s < hi (0 when hi <= lo): [BK]."""
+    local = tl.arange(0, C)
+    x = load_rows(g_ptr, local, cols, (local >= lo) & (local < hi), col_mask, stride)
+    return tl.sum(x, axis=0)
+
+
+@device_fn
+def pair_decays(g, BT: tl.constexpr, SAME_TOKEN: tl.constexpr):
+    """g [BT, BK] of one sub-block -> [i, j, BK]: exp(sum_{j<s<=i} g_s) for j < i (and 1 for j == i when
+    SAME_TOKEN), else 0. Each segment sum is a cumsum of g masked to s > j: accumulated over its own tokens."""
+    rt = tl.arange(0, BT)
+    after_j = rt[:, None, None] > rt[None, :, None]  # [s or i, j, 1]
+    seg = tl.cumsum(tl.where(after_j, g[:, None, :], 0.0), axis=0)
+    keep = (rt[:, None, None] >= rt[None, :, None]) if SAME_TOKEN else after_j
+    return tl.where(keep, tl.exp(seg), 0.0)
+
+
+EMULATE_BF16_DOTS = False  # tests: the interpreter rounds dot operands to bf16 as a GPU launch does
+
+
+def bf16_dots(device: torch.device, *tensors: torch.Tensor | None) -> int:
+    """The kernels' BF16 mode (see dot): 1, bf16 dot operands (fp32 accumulation) when the inputs are bf16, on a
+    GPU; fp32 inputs get exact fp32 products (0; not tf32). The interpreter computes in fp32 (0), or emulates
+    the GPU's bf16 operands (2) under EMULATE_BF16_DOTS."""
+    if not all(t.dtype == torch.bfloat16 for t in tensors if t is not None):
+        return 0
+    if target.gpu(device) is not None:
+        return 1
+    return 2 if EMULATE_BF16_DOTS else 0
+
+
+def strided(x: torch.Tensor, C: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """x [B, T, H, D] as the kernels read it, with its (batch, token, head) strides: any strides with a
+    contiguous last dim (a projection's view is read in place, not copied); a chunk's rows must span < 2^31."""
+    if x.stride(-1) != 1 or max(x.stride(1), x.stride(2)) * max(C, x.shape[2]) >= 2**31:
+        x = x.contiguous()
+    return x, (x.stride(0), x.stride(1), x.stride(2))
+
+
+def contiguous_fp32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A state (initial state, final-state gradient) as the kernels read it: fp32, contiguous; None stays None."""
+    return None if x is None else x.to(torch.float32).contiguous()
