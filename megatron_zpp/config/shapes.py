@@ -101,31 +101,13 @@ def mixer_shape(
     if kind == "softmax":  # q | k | v
         sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim)
         return MixerShape(kind, sections, width, heads, head_dim, head_dim, kv_heads=kv_heads)
+    # a linear mixer: a K x V state per head (K = V = head dim), run in chunks
+    linear = dict(heads=heads, key_dim=head_dim, value_dim=head_dim, chunk=chunk)
     if kind == "gla":  # q | k | v | output gate (| decay gate at full rank)
         sections = (width,) * (4 if gla_gate_low_rank else 5)
-        return MixerShape(
-            kind,
-            sections,
-            width,
-            heads,
-            head_dim,
-            head_dim,
-            replicated=gla_gate_low_rank,
-            transition="decay",
-            chunk=chunk,
-        )
+        return MixerShape(kind, sections, width, replicated=gla_gate_low_rank, transition="decay", **linear)
     if kind == "gdn":  # q | k | v | output gate, and a | b per head; the convolution over q | k | v
         sections = (width,) * 4 + (heads, heads)
-        return MixerShape(
-            kind,
-            sections,
-            width,
-            heads,
-            head_dim,
-            head_dim,
-            conv_channels=3 * width,
-            conv_kernel=GDN_CONV_KERNEL,
-            transition="dense",
-            chunk=chunk,
-        )
+        conv = dict(conv_channels=3 * width, conv_kernel=GDN_CONV_KERNEL)
+        return MixerShape(kind, sections, width, transition="dense", **conv, **linear)
     raise ValueError(f"unknown mixer kind {kind!r}")
