@@ -183,6 +183,24 @@ def test_config_is_a_leaf():
     assert graph["megatron_zpp.config.fields"] == set() and graph["megatron_zpp.config.batch_schedule"] == set()
 
 
+def test_what_the_wheel_ships_imports_nothing_it_leaves_out():
+    """pyproject's packages.find exclude keeps the bench harnesses out of the wheel: no shipped module may need them."""
+    with open("pyproject.toml") as f:  # (tomllib is Python 3.11+)
+        block = re.search(r"\[tool\.setuptools\.packages\.find\].*?\nexclude = \[(.*?)\]", f.read(), re.S)
+    left_out = [e.rstrip("*") for e in re.findall(r'"([^"]+)"', block.group(1))]
+    assert "megatron_zpp.testing.peers" in left_out
+
+    def out(module: str) -> bool:
+        return any(
+            module == e or module.startswith(e + ".") or (e.endswith(".") and module.startswith(e)) for e in left_out
+        )
+
+    graph = import_graph()
+    for module, imports in graph.items():
+        if module.startswith("megatron_zpp") and not out(module):
+            assert not [m for m in imports if out(m)], f"{module} (shipped) imports {[m for m in imports if out(m)]}"
+
+
 def test_the_package_root_holds_at_most_nine_modules():
     """What is not comm, topology or a small shared helper lives in a subpackage (config/, planning/, ...)."""
     root = sorted(f for f in os.listdir("megatron_zpp") if f.endswith(".py"))
