@@ -1,0 +1,69 @@
+"""The local half of token dispatch (megatron-core's moe_utils order): tokens gathered expert-major so each
+expert's tokens are contiguous (in token order inside an expert), the experts run, and the results are
+weighted by their routing probabilities and summed back into token order.
+
+Capacity dropping (megatron-core's `apply_router_token_dropping`, drop policy "probs"): each expert keeps
+at most capacity = ceil(tokens * topk / E * capacity_factor) tokens, the highest-probability ones (ties to
+the lower token index); with `pad_to_capacity` every expert takes exactly `capacity` rows (the padding rows
+carry probability 0, so they add nothing). Under a capacity factor large enough that capacity > tokens,
+nothing is dropped.
+
+The unpermute is deterministic: each token's (at most `slots`) weighted expert outputs are written to
+distinct slots of a [tokens, slots, H] buffer and summed over the slots in expert order (no atomics)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """megatron-core's get_capacity over the routed token copies (tokens x topk)."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def drop_tokens(
+    probs: torch.Tensor, routing_map: torch.Tensor, topk: int, capacity_factor: float, pad_to_capacity: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, routing_map) [N, E] with each expert's tokens past its capacity dropped (or padded up to it)."""
+    num_tokens, num_experts = probs.shape
+    cap = capacity(num_tokens, num_experts, topk, capacity_factor)
+    if cap > num_tokens:
+        keep = torch.ones_like(routing_map)
+    else:
+        order = torch.sort(probs, dim=0, descending=True, stable=True)[1][:cap]
+        keep = torch.zeros_like(routing_map).scatter_(0, order, True)
+    new_map = keep if pad_to_capacity else routing_map & keep
+    return probs * new_map, new_map
+
+
+@dataclass
+class Permutation:
+    """Where each row of the permuted tokens came from."""
+
+    token_index: torch.Tensor  # [M] int64: the source token of each permuted row
+    slot: torch.Tensor  # [M] int64: its place among its token's experts (0 = the lowest expert index)
+    probs: torch.Tensor  # [M] fp32: its routing probability
+    tokens_per_expert: torch.Tensor  # [E] int64
+    num_tokens: int
+    slots: int  # most experts one token can reach (topk, or E when padding to capacity)
+
+
+def permute(
+    x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, slots: int
+) -> tuple[torch.Tensor, Permutation]:
+    """x [N, H], probs/routing_map [N, E] -> (the tokens expert-major [M, H], how to undo it)."""
+    expert, token = routing_map.T.nonzero(as_tuple=True)  # row-major over [E, N]: expert-major, tokens in order
+    slot = (routing_map.cumsum(dim=1) - 1)[token, expert]
+    perm = Permutation(token, slot, probs[token, expert], routing_map.sum(dim=0), x.shape[0], slots)
+    return x.index_select(0, token), perm
+
+
+def unpermute(y: torch.Tensor, perm: Permutation, dtype: torch.dtype) -> torch.Tensor:
+    """y [M, H] -> [N, H] in `dtype`: sum over each token's experts of prob * expert output, in fp32."""
+    weighted = y.float() * perm.probs.unsqueeze(-1)
+    buffer = y.new_zeros(perm.num_tokens, perm.slots, y.shape[-1], dtype=torch.float32)
+    buffer = buffer.index_put((perm.token_index, perm.slot), weighted)
+    return buffer.sum(dim=1).to(dtype)
