@@ -39,7 +39,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: {problem}")
 
 
-def _problem(c: MoEConfig) -> str | None:  # noqa: PLR0911 (one check per line reads best)
+def _problem(c: MoEConfig) -> str | None:
     """The first inconsistency, in one line naming the flag, else None."""
     if c.num_experts < 1 or not 1 <= c.topk <= c.num_experts:
         return f"--moe-router-topk {c.topk} must lie in 1..--num-experts ({c.num_experts})"

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .config import MoEConfig
 from .experts import GroupedExperts
-from .permute import drop_tokens, permute, unpermute
+from .permute import capacity, drop_tokens, permute, unpermute
 from .router import TopKRouter
 from .shared_expert import SharedExpert
 
@@ -29,10 +29,12 @@ class MoELayer(nn.Module):
         cfg, tokens = self.cfg, x.reshape(-1, x.shape[-1])
         routing = self.router(x)
         probs, routing_map = routing.probs, routing.routing_map
+        num_out: int | None = tokens.shape[0] * cfg.topk  # dropless: known without a host sync
         if cfg.capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, cfg.topk, cfg.capacity_factor, cfg.pad_to_capacity)
-        slots = cfg.num_experts if cfg.pad_to_capacity else cfg.topk
-        permuted, perm = permute(tokens, probs, routing_map, slots)
+            cap = capacity(tokens.shape[0], cfg.num_experts, cfg.topk, cfg.capacity_factor)
+            num_out = cfg.num_experts * min(cap, tokens.shape[0]) if cfg.pad_to_capacity else None
+        permuted, perm = permute(tokens, probs, routing_map, cfg.topk, num_out)
         out = unpermute(self.experts(permuted, perm.tokens_per_expert), perm, x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)

@@ -8,8 +8,13 @@ the lower token index); with `pad_to_capacity` every expert takes exactly `capac
 carry probability 0, so they add nothing). Under a capacity factor large enough that capacity > tokens,
 nothing is dropped.
 
-The unpermute is deterministic: each token's (at most `slots`) weighted expert outputs are written to
-distinct slots of a [tokens, slots, H] buffer and summed over the slots in expert order (no atomics)."""
+No host sync where the routed row count is known: `num_out` = tokens x topk without dropping, experts x
+capacity with padding (megatron-core's argsort permute); after dropping without padding it is counted.
+
+The unpermute is deterministic: each token's (at most topk) weighted expert outputs are written to
+distinct slots of a [tokens, topk + 1, H] buffer and summed over the first topk slots in expert order (no
+atomics). A row of probability 0 (a padding row; a routed row whose product is 0 anyway) goes to the last,
+discarded slot: padding never widens the buffer, and a non-finite padding row cannot reach a token."""
 
 from __future__ import annotations
 
@@ -44,26 +49,31 @@ class Permutation:
     """Where each row of the permuted tokens came from."""
 
     token_index: torch.Tensor  # [M] int64: the source token of each permuted row
-    slot: torch.Tensor  # [M] int64: its place among its token's experts (0 = the lowest expert index)
+    slot: torch.Tensor  # [M] int64: its place among its token's nonzero experts (0 = the lowest index; topk: none)
     probs: torch.Tensor  # [M] fp32: its routing probability
     tokens_per_expert: torch.Tensor  # [E] int64
     num_tokens: int
-    slots: int  # most experts one token can reach (topk, or E when padding to capacity)
+    topk: int
 
 
 def permute(
-    x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, slots: int
+    x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, topk: int, num_out: int | None = None
 ) -> tuple[torch.Tensor, Permutation]:
-    """x [N, H], probs/routing_map [N, E] -> (the tokens expert-major [M, H], how to undo it)."""
-    expert, token = routing_map.T.nonzero(as_tuple=True)  # row-major over [E, N]: expert-major, tokens in order
-    slot = (routing_map.cumsum(dim=1) - 1)[token, expert]
-    perm = Permutation(token, slot, probs[token, expert], routing_map.sum(dim=0), x.shape[0], slots)
+    """x [N, H], probs/routing_map [N, E] -> (the tokens expert-major [M, H], how to undo it). `num_out`: the
+    number of routed rows when known (see above), else counted (a host sync)."""
+    num_tokens = routing_map.shape[0]
+    num_out = int(routing_map.sum()) if num_out is None else num_out
+    flat = routing_map.T.reshape(-1).argsort(descending=True, stable=True)[:num_out]  # expert-major, tokens in order
+    expert, token = flat // num_tokens, flat % num_tokens
+    weighted = routing_map & (probs != 0)
+    slot = torch.where(weighted, weighted.cumsum(dim=1) - 1, topk)[token, expert]
+    perm = Permutation(token, slot, probs[token, expert], routing_map.sum(dim=0), num_tokens, topk)
     return x.index_select(0, token), perm
 
 
 def unpermute(y: torch.Tensor, perm: Permutation, dtype: torch.dtype) -> torch.Tensor:
     """y [M, H] -> [N, H] in `dtype`: sum over each token's experts of prob * expert output, in fp32."""
     weighted = y.float() * perm.probs.unsqueeze(-1)
-    buffer = y.new_zeros(perm.num_tokens, perm.slots, y.shape[-1], dtype=torch.float32)
+    buffer = y.new_zeros(perm.num_tokens, perm.topk + 1, y.shape[-1], dtype=torch.float32)
     buffer = buffer.index_put((perm.token_index, perm.slot), weighted)
-    return buffer.sum(dim=1).to(dtype)
+    return buffer[:, : perm.topk].sum(dim=1).to(dtype)

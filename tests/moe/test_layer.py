@@ -116,15 +116,22 @@ def test_capacity_dropping_equals_megatron_core(capacity_factor, pad):
         assert ours[1].sum() <= 40 * K // 2  # half the routed copies at most survive
 
 
-def test_permute_unpermute_equal_megatron_core():
+@pytest.mark.parametrize("drop", ["dropless", "dropped", "padded"])
+def test_permute_unpermute_equal_megatron_core(drop):
     probs, routing_map = _routed(topk=3)
+    num_out = 120
+    if drop != "dropless":
+        probs, routing_map = drop_tokens(probs, routing_map, 3, 0.5, pad_to_capacity=drop == "padded")
+        num_out = int(routing_map.sum())
     x = torch.randn(40, H)
-    permuted, perm = permute(x, probs, routing_map, 3)
-    ref, ref_probs, ref_index, _, _ = mcore.permute(x, routing_map, probs, num_out_tokens=120)
-    assert torch.equal(permuted, ref) and torch.equal(perm.token_index, ref_index)
-    assert torch.equal(perm.probs, ref_probs) and perm.tokens_per_expert.tolist() == routing_map.sum(0).tolist()
+    pad = drop == "padded"
+    for n in (num_out, None):  # given (no host sync) or counted
+        permuted, perm = permute(x, probs, routing_map, 3, n)
+        ref, ref_probs, ref_index, _, _ = mcore.permute(x, routing_map, probs, num_out_tokens=num_out, drop_and_pad=pad)
+        assert torch.equal(permuted, ref) and torch.equal(perm.token_index, ref_index)
+        assert torch.equal(perm.probs, ref_probs) and torch.equal(perm.tokens_per_expert, routing_map.sum(0))
     y = torch.randn_like(permuted)
-    expected = mcore.unpermute(y, ref_index, x.shape, probs=probs, routing_map=routing_map)
+    expected = mcore.unpermute(y, ref_index, x.shape, probs=probs, routing_map=routing_map, drop_and_pad=pad)
     torch.testing.assert_close(unpermute(y, perm, torch.float32), expected, rtol=1e-6, atol=1e-6)
 
 
