@@ -90,3 +90,23 @@ def test_compiles_for_sm80_sm90_without_spills():
         assert kernels == {r["kernel"] for r in rows if r["arch"] == arch}, arch
     bad = {(r["kernel"], r["arch"], r["config"]): r["problems"] for r in rows if r["problems"]}
     assert not bad, bad
+
+
+def test_kernel_ops_schema_and_fake_match_the_kernel():
+    """The two custom ops (torch.compile sees each as one opaque node): schema, fake and AOT dispatch."""
+    from megatron_zpp.ops import dispatch
+
+    sizes = torch.tensor([3, 0, 5])
+    x, w, dy = torch.randn(8, 16), torch.randn(3, 16, 24), torch.randn(8, 24)
+    offsets = ops.group_offsets(sizes)
+    calls = {
+        "grouped_mm_fwd": [(x, w, offsets, False), (dy, w, offsets, True)],
+        "grouped_mm_wgrad": [(x, dy, offsets, torch.float32)],
+    }
+    for name, arg_lists in calls.items():
+        for args in arg_lists:
+            torch.library.opcheck(
+                dispatch.KERNEL_OPS[name],
+                args,
+                test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+            )

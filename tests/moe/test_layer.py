@@ -160,3 +160,22 @@ def test_layer_on_the_triton_kernels_equals_transformers():
     finally:
         dispatch.set_kernels("auto", torch.device("cpu"))
     torch.testing.assert_close(out, hf(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(capacity_factor=1.0, pad_to_capacity=True)], ids=["dropless", "padded"])
+def test_layer_step_under_fake_tensor_mode(kw):
+    """Shapes only (the memory estimator's and the dry run's way): no host sync on the kernel path, dropless
+    or padded to capacity; forward and backward reach every parameter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_zpp.ops import dispatch
+
+    dispatch.set_kernels("triton", torch.device("cpu"))
+    try:
+        with FakeTensorMode():
+            layer = MoELayer(MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F, aux_loss_coeff=0.01, **kw))
+            out, losses = layer(torch.randn(2, 8, H))
+            (out.sum() + sum(losses.values())).backward()
+    finally:
+        dispatch.set_kernels("auto", torch.device("cpu"))
+    assert out.shape == (2, 8, H) and all(p.grad.shape == p.shape for p in layer.parameters())
