@@ -96,14 +96,18 @@ def _gmm_wgrad_kernel(
     tl.store(dw_ptr + dw_offs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
 
-def _tiles(device: torch.device, bf16: bool) -> dict[str, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): 128 x 128 x 64 bf16 tiles on a GPU (the usual tensor-core
-    tile; 64-wide K for fp32, whose tiles are twice the bytes); small tiles under the interpreter."""
+def _tiles(device: torch.device, bf16: bool, *dims: int) -> dict[str, int]:
+    """Tile widths, warps and stages, chosen by the compile check (no spills on sm_80 or sm_90): 128 x 128 x 64
+    bf16 tiles on a GPU when every width and row stride is a multiple of 16 elements (vectorised, pipelined
+    loads); exact fp32 products run on FMA units and hold their operands in registers, so fp32 takes 32 x 64 x
+    32; an unaligned width or stride (scalar, masked loads) 32 x 32 x 32; small tiles under the interpreter."""
     if target.gpu(device) is None:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+    if not all(d % 16 == 0 for d in dims):
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
     if bf16:
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
 
 
 def _bf16(device: torch.device, *tensors: torch.Tensor) -> bool:
@@ -117,7 +121,7 @@ def gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, trans_w: bool =
     K, N = (w.shape[2], w.shape[1]) if trans_w else (w.shape[1], w.shape[2])
     stride_wk, stride_wn = (w.stride(2), w.stride(1)) if trans_w else (w.stride(1), w.stride(2))
     y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
-    cfg = _tiles(x.device, _bf16(x.device, x, w))
+    cfg = _tiles(x.device, _bf16(x.device, x, w), K, N, x.stride(0), max(w.stride(1), w.stride(2)), y.stride(0))
     if x.shape[0] and N:
         grid = (triton.cdiv(x.shape[0], cfg["BLOCK_M"]) + G, triton.cdiv(N, cfg["BLOCK_N"]))
         _gmm_kernel[grid](
@@ -131,7 +135,7 @@ def gmm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, dtype: t
     """dW [G, K, N] in `dtype`: dW[g] = x[rows_g]^T @ dy[rows_g] (x [M, K], dy [M, N], unit column strides)."""
     G, K, N = offsets.shape[0] - 1, x.shape[1], dy.shape[1]
     dw = torch.empty(G, K, N, device=x.device, dtype=dtype)
-    cfg = _tiles(x.device, _bf16(x.device, x, dy))
+    cfg = _tiles(x.device, _bf16(x.device, x, dy), K, N, x.stride(0), dy.stride(0))
     n_tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
     if G and K and N:
         _gmm_wgrad_kernel[(triton.cdiv(K, cfg["BLOCK_K"]) * n_tiles_n, G)](
