@@ -14,7 +14,9 @@ capacity with padding (megatron-core's argsort permute); after dropping without 
 The unpermute is deterministic: each token's (at most topk) weighted expert outputs are written to
 distinct slots of a [tokens, topk + 1, H] buffer and summed over the first topk slots in expert order (no
 atomics). A row of probability 0 (a padding row; a routed row whose product is 0 anyway) goes to the last,
-discarded slot: padding never widens the buffer, and a non-finite padding row cannot reach a token."""
+discarded slot: padding never widens the buffer, and a non-finite padding row cannot reach a token. The
+permutation's backward (a token's gradient is the sum over its copies) runs the same way, in fp32, instead
+of index_select's backward (index_add, atomic adds in no fixed order on a GPU)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,27 @@ class Permutation:
     topk: int
 
 
+def _slot_sum(rows: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, num_tokens: int, topk: int):
+    """sum over each token's rows (fp32, in slot order) of `rows` [M, H] -> [N, H] fp32."""
+    buffer = rows.new_zeros(num_tokens, topk + 1, rows.shape[-1], dtype=torch.float32)
+    return buffer.index_put((token, slot), rows.float())[:, :topk].sum(dim=1)
+
+
+class _Gather(torch.autograd.Function):
+    """x.index_select(0, token) with a deterministic backward (the slot sum)."""
+
+    @staticmethod
+    def forward(ctx, x, token, slot, topk):
+        ctx.save_for_backward(token, slot)
+        ctx.topk, ctx.num_tokens = topk, x.shape[0]
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, dy):
+        token, slot = ctx.saved_tensors
+        return _slot_sum(dy, token, slot, ctx.num_tokens, ctx.topk).to(dy.dtype), None, None, None
+
+
 def permute(
     x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, topk: int, num_out: int | None = None
 ) -> tuple[torch.Tensor, Permutation]:
@@ -68,12 +91,10 @@ def permute(
     weighted = routing_map & (probs != 0)
     slot = torch.where(weighted, weighted.cumsum(dim=1) - 1, topk)[token, expert]
     perm = Permutation(token, slot, probs[token, expert], routing_map.sum(dim=0), num_tokens, topk)
-    return x.index_select(0, token), perm
+    return _Gather.apply(x, token, slot, topk), perm
 
 
 def unpermute(y: torch.Tensor, perm: Permutation, dtype: torch.dtype) -> torch.Tensor:
     """y [M, H] -> [N, H] in `dtype`: sum over each token's experts of prob * expert output, in fp32."""
     weighted = y.float() * perm.probs.unsqueeze(-1)
-    buffer = y.new_zeros(perm.num_tokens, perm.topk + 1, y.shape[-1], dtype=torch.float32)
-    buffer = buffer.index_put((perm.token_index, perm.slot), weighted)
-    return buffer[:, : perm.topk].sum(dim=1).to(dtype)
+    return _slot_sum(weighted, perm.token_index, perm.slot, perm.num_tokens, perm.topk).to(dtype)
