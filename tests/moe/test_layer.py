@@ -179,3 +179,36 @@ def test_layer_step_under_fake_tensor_mode(kw):
     finally:
         dispatch.set_kernels("auto", torch.device("cpu"))
     assert out.shape == (2, 8, H) and all(p.grad.shape == p.shape for p in layer.parameters())
+
+
+def test_capacity_ties_keep_the_lower_token():
+    """Equal probabilities at the capacity boundary: the lower token index stays (every layout drops alike)."""
+    probs = torch.zeros(6, 2)
+    probs[:, 0] = torch.tensor([0.5, 0.7, 0.5, 0.5, 0.9, 0.5])
+    routing_map = probs > 0
+    _, kept = drop_tokens(probs, routing_map, topk=1, capacity_factor=1.0)  # capacity ceil(6 / 2) = 3
+    assert kept[:, 0].nonzero().flatten().tolist() == [0, 1, 4]
+
+
+def test_bf16_layer_on_the_kernels_is_close_to_fp32():
+    """bf16 activations and experts on the Triton kernels (router in fp32) against the fp32 layer: the bf16
+    rounding of inputs, weights and outputs, no more."""
+    from megatron_zpp.ops import dispatch
+
+    torch.manual_seed(3)
+    cfg = MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F, shared_expert_size=20, shared_expert_gate=True)
+    fp32 = MoELayer(cfg, init_std=0.3, out_std=0.3)
+    bf16 = MoELayer(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in bf16.named_parameters():
+            p.copy_(dict(fp32.named_parameters())[name])
+    x = torch.randn(2, 16, H)
+    dispatch.set_kernels("triton", torch.device("cpu"))
+    try:
+        out = bf16(x.bfloat16())[0]
+    finally:
+        dispatch.set_kernels("auto", torch.device("cpu"))
+    ref = fp32(x.bfloat16().float())[0]
+    assert out.dtype == torch.bfloat16
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, err
