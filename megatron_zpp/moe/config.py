@@ -59,6 +59,8 @@ def _problem(c: MoEConfig) -> str | None:
             )
     if c.enable_expert_bias and c.score_function != "sigmoid":
         return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as megatron-core)"
+    if c.topk == 1 and c.score_function == "softmax" and not c.pre_softmax:
+        return "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax (a softmax over one score is 1)"
     if c.pre_softmax and c.score_function != "softmax":
         return "--moe-router-pre-softmax applies to the softmax score function only"
     if c.capacity_factor is not None and c.capacity_factor <= 0:

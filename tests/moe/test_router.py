@@ -147,3 +147,5 @@ def test_bad_config_is_one_line():
         _cfg(enable_expert_bias=True)
     with pytest.raises(ValueError, match="--moe-router-topk 9 must lie in 1..--num-experts"):
         _cfg(topk=9)
+    with pytest.raises(ValueError, match="--moe-router-topk 1 with softmax needs --moe-router-pre-softmax"):
+        _cfg(topk=1)  # megatron-core refuses it too: the probabilities would be 1, their gradient 0
