@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zpp.kernels import cross_entropy, gdn, gla, norm, quantize, rope, swiglu
+from megatron_zpp.kernels import cross_entropy, gdn, gla, grouped_gemm, norm, quantize, rope, swiglu
 from megatron_zpp.ops.quantize import wire_bytes
 
 META = torch.device("meta")
@@ -122,6 +122,17 @@ def ce_case(rows, V, dtype):
     return run
 
 
+def grouped_gemm_case(M, G, K, N, dtype):
+    def run():
+        x, w, dy = empty(M, K, dtype=dtype), empty(G, K, N, dtype=dtype), empty(M, N, dtype=dtype)
+        offsets = empty(G + 1, dtype=torch.int64)
+        grouped_gemm.gmm(x, w, offsets)  # forward
+        grouped_gemm.gmm(dy, w, offsets, trans_w=True)  # dX
+        grouped_gemm.gmm_wgrad(x, dy, offsets, dtype)  # dW
+
+    return run
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -151,11 +162,16 @@ DEVICE_BYTES = {
     "rope": lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12),
     "swiglu": lambda rows, F, dtype: rows * F * (9 * _size(dtype) + 24),
     "cross_entropy": lambda rows, V, dtype: rows * V * (3 * _size(dtype) + 12),
+    # x, dx, y, dy and W, dW (kernel and reference), plus fp32 copies of the largest for the reference's upcasts
+    "grouped_gemm": lambda M, G, K, N, dtype: (
+        (2 * M * (K + N) + 4 * G * K * N) * _size(dtype) + 3 * 4 * max(M * K, M * N, G * K * N)
+    ),
 }
 
 RUNNERS = {"gla": gla_case, "quantize": quant_case, "norm": norm_case, "rope": rope_case, "swiglu": swiglu_case}
 RUNNERS["cross_entropy"] = ce_case
 RUNNERS["gdn"] = gdn_case
+RUNNERS["grouped_gemm"] = grouped_gemm_case
 
 
 def all_cases() -> list[Case]:
@@ -252,4 +268,17 @@ def _pointwise_cases() -> list[Case]:
             ci = (dt == "bf16" and V == 50304) or V == 256000  # the widest vocabulary in both dtypes
             params = dict(rows=rows, V=V, dtype=DTYPES[dt])
             cases.append(Case("cross_entropy", f"cross_entropy [{rows},{V}] {dt}", params, ci, ci))
+    # grouped GEMM (the MoE experts): Qwen3-MoE-like fc1 (h 2048 -> 2 x 768, 128 experts) and fc2, a ragged
+    # shape (widths not multiples of 16: other tiles), and M x K > 2^31 (270000 routed tokens x 8192); the CI
+    # subset holds one config of each tile choice (bf16 aligned, fp32 aligned, unaligned)
+    for M, G, K, N, at_risk in (
+        (32768, 128, 2048, 1536, False),
+        (32768, 128, 768, 2048, False),
+        (1000, 7, 1000, 333, False),
+        (270000, 8, 8192, 1024, True),
+    ):
+        for dt in ("bf16", "fp32"):
+            ci = (dt == "bf16" and (at_risk or K == 2048)) or M == 1000 or (dt == "fp32" and K == 2048)
+            params = dict(M=M, G=G, K=K, N=N, dtype=DTYPES[dt])
+            cases.append(Case("grouped_gemm", f"grouped_gemm [{M},{K}]x[{G},{K},{N}] {dt}", params, ci, ci))
     return cases

@@ -1,0 +1,72 @@
+"""What one MoE layer needs to know, in megatron-core's terms (the names follow its `--moe-*` flags).
+The model config will fill it from the flags once they are wired; until then the flags stay refused by
+megatron_flags.py and this dataclass is built directly (tests, the later EP work)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int  # --num-experts
+    hidden_size: int
+    ffn_hidden_size: int  # --moe-ffn-hidden-size (one expert's width)
+    topk: int = 2  # --moe-router-topk
+    score_function: str = "softmax"  # --moe-router-score-function
+    pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k (no renorm)
+    topk_scaling_factor: float | None = None  # --moe-router-topk-scaling-factor
+    num_groups: int | None = None  # --moe-router-num-groups (device-limited routing)
+    group_topk: int | None = None  # --moe-router-group-topk
+    enable_expert_bias: bool = False  # --moe-router-enable-expert-bias (aux-loss-free balancing)
+    bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate
+    load_balancing_type: str = "aux_loss"  # --moe-router-load-balancing-type
+    aux_loss_coeff: float = 0.0  # --moe-aux-loss-coeff
+    z_loss_coeff: float | None = None  # --moe-z-loss-coeff
+    capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: no dropping)
+    pad_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity
+    activation: str = "swiglu"  # swiglu (--swiglu) or gelu
+    shared_expert_size: int | None = None  # --moe-shared-expert-intermediate-size
+    shared_expert_gate: bool = False  # --moe-shared-expert-gate (Qwen3-Next's sigmoid gate)
+
+    def __post_init__(self) -> None:
+        problem = _problem(self)
+        if problem:
+            raise ValueError(f"MoEConfig: {problem}")
+
+
+def _problem(c: MoEConfig) -> str | None:
+    """The first inconsistency, in one line naming the flag, else None."""
+    if c.num_experts < 1 or not 1 <= c.topk <= c.num_experts:
+        return f"--moe-router-topk {c.topk} must lie in 1..--num-experts ({c.num_experts})"
+    if c.score_function not in SCORE_FUNCTIONS:
+        return f"--moe-router-score-function {c.score_function}: expected one of {', '.join(SCORE_FUNCTIONS)}"
+    if c.load_balancing_type not in LOAD_BALANCING:
+        return f"--moe-router-load-balancing-type {c.load_balancing_type}: expected one of {', '.join(LOAD_BALANCING)}"
+    if c.activation not in ACTIVATIONS:
+        return f"activation {c.activation}: an expert is swiglu or gelu"
+    if (c.num_groups is None) != (c.group_topk is None):
+        return "--moe-router-num-groups and --moe-router-group-topk go together"
+    if c.num_groups is not None and c.group_topk is not None:
+        if c.num_experts % c.num_groups or not 1 <= c.group_topk <= c.num_groups or c.topk % c.group_topk:
+            return (
+                f"--moe-router-num-groups {c.num_groups} must divide --num-experts {c.num_experts}, "
+                f"and --moe-router-group-topk {c.group_topk} must lie in 1..num_groups and divide --moe-router-topk"
+            )
+    if c.enable_expert_bias and c.score_function != "sigmoid":
+        return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as megatron-core)"
+    if c.topk == 1 and c.score_function == "softmax" and not c.pre_softmax:
+        return "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax (a softmax over one score is 1)"
+    if c.pre_softmax and c.score_function != "softmax":
+        return "--moe-router-pre-softmax applies to the softmax score function only"
+    if c.capacity_factor is not None and c.capacity_factor <= 0:
+        return f"--moe-expert-capacity-factor {c.capacity_factor} must be positive"
+    if c.pad_to_capacity and c.capacity_factor is None:
+        return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
+    if c.shared_expert_gate and not c.shared_expert_size:
+        return "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"
+    return None
