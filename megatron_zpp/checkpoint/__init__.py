@@ -1,6 +1,6 @@
 """Checkpoints: sharded save; load at the same layout (exact resume) or at another one
-(resharded). See save.py for the format and the save path, load.py for the load path,
-files.py for the rank-file codec, reshard.py and layout.py for resharding.
+(resharded). See save.py for the format and the save path, load.py for the load path (one LoadPlan
+per load, both formats), files.py for the rank-file codec, reshard.py and layout.py for resharding.
 
 load_checkpoint fills the engine given in its LoadTarget and returns the rest of what it
 restored (Restored: the train state, the RNG streams); it writes nothing into the run. The

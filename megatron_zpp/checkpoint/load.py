@@ -5,6 +5,7 @@ any other layout is resharded (reshard.py, or DCP itself for torch_dist)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from .files import (
     read_rank_file,
     train_state_of,
 )
-from .layout import layout_changes, rank_layout
+from .layout import RankLayout, layout_changes, rank_layout
 from .reshard import SavedCheckpoint, check_same_model, rank_state_for
 from .rng import get_rng_state
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # for the annotations only
     from ..topology import ProcessGroups
     from ..zero import DataParallelEngine
 
-__all__ = ["LoadTarget", "Restored", "load_checkpoint"]
+__all__ = ["LoadPlan", "LoadTarget", "Restored", "load_checkpoint", "plan_load"]
 
 
 @dataclass(frozen=True)
@@ -106,38 +107,94 @@ def _restore(target: LoadTarget, path: str, state: dict) -> None:
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def _read_state(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> tuple[dict, str, bool]:
-    """(this rank's state to restore, how it was read, whether it has AdamW state), checked; with
-    `weights_only` (--no-load-optim, --finetune) the AdamW state is not read (moments) or dropped."""
-    vocab = target.padded_vocab_size
-    check_same_model(path, meta, target.cfg, vocab)
+def _nothing_left() -> None:
+    """A plan whose tensors were read while planning (zpp) has nothing left to read."""
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """One rank's load of one checkpoint, whatever its format: what it restores (`keys`: its tensors, as the
+    format names them, read from `files`), whether the checkpoint holds AdamW state, how this run's layout
+    differs from the saved one (computed once, here), and the state the engine takes. zpp's tensors are
+    read while planning (each rank its own files, before the ranks agree that every one could);
+    torch_dist's are read by `restore`, DCP's collective read into the buffers planned here."""
+
+    path: str  # the iteration dir
+    meta: dict  # its meta.json
+    changes: list[str]  # layout_changes ([]: saved at this layout)
+    files: tuple[str, ...]  # the checkpoint files this rank reads from
+    keys: tuple[str, ...]  # the tensors it restores ("/model/chunk0.embedding.weight", "model.embedding.weight")
+    has_optimizer: bool  # the checkpoint holds AdamW state (restored unless weights only)
+    state: dict  # {"model", "optimizer", "rng"}: what the engine takes, and this rank's RNG streams
+    read: Callable[[], None] = _nothing_left  # torch_dist: DCP's collective read into `state`
+
+    @property
+    def how(self) -> str:
+        """How the checkpoint is read, in words, for the log."""
+        by_dcp = self.meta["format"] == DCP_FORMAT
+        if not self.changes:
+            return "torch_dist, same layout" if by_dcp else "same layout"
+        resharded = "torch_dist, resharded by DCP" if by_dcp else "resharded"
+        return f"{resharded} ({', '.join(self.changes)}); RNG streams start from this layout's seeds"
+
+    def restore(self, target: LoadTarget) -> dict | None:
+        """Collective for torch_dist (every rank, once all agreed that each could plan its part): read what
+        is left, hand the engine its state; returns the RNG streams read (None: not saved, or resharded)."""
+        self.read()
+        _restore(target, self.path, self.state)
+        return self.state.get("rng") or None
+
+
+def _train_dtype(cfg) -> torch.dtype:
+    return torch.float16 if cfg.train.fp16 else torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def _tensor_names(state: dict, sep: str, prefix: str = "") -> tuple[str, ...]:
+    """The names of a nested state dict's tensors, its keys joined by `sep` (as the format names them)."""
+    out: list[str] = []
+    for k, v in state.items():
+        name = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out += _tensor_names(v, sep, name)
+        elif isinstance(v, torch.Tensor):
+            out.append(name)
+    return tuple(out)
+
+
+def plan_load(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> LoadPlan:
+    """This rank's plan for the checkpoint at `path` (its `meta`), checked against this run (the same model,
+    tensors of this layout's shapes); with `weights_only` (--no-load-optim, --finetune) the AdamW state is
+    not restored. Raises CheckpointError; collective for no format."""
+    check_same_model(path, meta, target.cfg, target.padded_vocab_size)
     changes = layout_changes(meta, target.cfg)
+    if meta["format"] == DCP_FORMAT:
+        return _plan_dcp(target, path, meta, changes, weights_only)
     if changes:
-        saved = SavedCheckpoint(path, meta)
-        has_optimizer = saved.step is not None
-        if weights_only:
-            saved.step = None  # the fp32 masters only
-        dtype = torch.float16 if target.cfg.train.fp16 else torch.bfloat16 if target.cfg.train.bf16 else torch.float32
-        state = rank_state_for(saved, target.cfg, vocab, target.rank, dtype)
-        how = f"resharded ({', '.join(changes)}); RNG streams start from this layout's seeds"
-        optimizer = {} if weights_only else {"state": state["optimizer_state"]}
-        return {"model": state["model"], "optimizer": optimizer}, how, has_optimizer
+        return _plan_reshard(target, path, meta, changes, weights_only)
     state = read_rank_file(path, meta, target.rank, map_location=target.device)
     _check_tensors(target, path, meta, state["model"])
     has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
+    state = {"model": state["model"], "optimizer": {} if weights_only else state["optimizer"], "rng": state.get("rng")}
+    keys = tuple("/" + k for k in _tensor_names(state, "/"))
+    return LoadPlan(path, meta, changes, (rank_file(target.rank),), keys, has_optimizer, state)
+
+
+def _plan_reshard(target: LoadTarget, path: str, meta: dict, changes: list[str], weights_only: bool) -> LoadPlan:
+    """A zpp checkpoint of another layout: this rank's state rebuilt from the full tensors (reshard.py); the
+    RNG streams stay this run's (they belong to the saving run's ranks)."""
+    saved = SavedCheckpoint(path, meta)
+    has_optimizer = saved.step is not None
     if weights_only:
-        state["optimizer"] = {}
-    return state, "same layout", has_optimizer
+        saved.step = None  # the fp32 masters only
+    rebuilt = rank_state_for(saved, target.cfg, target.padded_vocab_size, target.rank, _train_dtype(target.cfg))
+    optimizer = {} if weights_only else {"state": rebuilt["optimizer_state"]}
+    state = {"model": rebuilt["model"], "optimizer": optimizer, "rng": None}
+    keys = tuple("/" + k for k in _tensor_names(state, "/"))
+    return LoadPlan(path, meta, changes, saved.files_read(), keys, has_optimizer, state)
 
 
-def _prepare_dcp(target: LoadTarget, path: str, meta: dict, weights_only: bool):
-    """A torch_dist checkpoint: checked (sha256s, every tensor's saved shape), and the buffers DCP
-    will fill; returns (the collective load to run once every rank agreed, how, has AdamW state)."""
-    vocab, rank = target.padded_vocab_size, target.rank
-    check_same_model(path, meta, target.cfg, vocab)
-    dcp.check_files(path, meta)
-    saved = dcp.saved_keys(path)
-    lay = rank_layout(target.cfg, vocab, rank)
+def _check_dcp_shapes(path: str, saved: dict, lay: RankLayout) -> None:
+    """Every tensor of this rank's layout is in the torch_dist checkpoint at its full shape."""
     for s in lay.slots:
         got = getattr(saved.get(f"model.{s.name}"), "size", None)
         if got is None or tuple(got) != tuple(s.full_shape):  # the padded vocabulary is named where it matters
@@ -146,9 +203,18 @@ def _prepare_dcp(target: LoadTarget, path: str, meta: dict, weights_only: bool):
                                   f"{path}: model.{s.name} is saved as {tuple(got)}, this run's {tuple(s.full_shape)}"
                                   + (" (torch_dist reshards at the same padded vocabulary: "
                                      "--make-vocab-size-divisible-by x TP)" if vocab else ""))  # fmt: skip
+
+
+def _plan_dcp(target: LoadTarget, path: str, meta: dict, changes: list[str], weights_only: bool) -> LoadPlan:
+    """A torch_dist checkpoint: checked (sha256s, every tensor's saved shape), and the buffers that DCP's
+    collective read (LoadPlan.restore) fills: the RNG streams only at the same layout."""
+    rank = target.rank
+    dcp.check_files(path, meta)
+    saved = dcp.saved_keys(path)
+    lay = rank_layout(target.cfg, target.padded_vocab_size, rank)
+    _check_dcp_shapes(path, saved, lay)
     has_optimizer = "optimizer.step" in saved
-    changes = layout_changes(meta, target.cfg)
-    dtype = torch.float16 if target.cfg.train.fp16 else torch.bfloat16 if target.cfg.train.bf16 else torch.float32
+    dtype = _train_dtype(target.cfg)
     model = {k: torch.zeros(shape, dtype=torch.float32 if m else dtype) for k, (shape, m) in lay.tensors.items()}
     moments = None
     if has_optimizer and not weights_only:
@@ -157,25 +223,18 @@ def _prepare_dcp(target: LoadTarget, path: str, meta: dict, weights_only: bool):
     rng_saved = any(k.startswith(f"rng.rank{rank}.") for k in saved)
     rng = get_rng_state() if rng_saved and not changes else None  # the structure DCP fills
     sd = dcp.state_dict_of(lay, model, moments, rng, rank)
+    state = {"model": model, "optimizer": {"state": moments} if moments else {}, "rng": None}
 
-    def finish() -> dict:
+    def read() -> None:
         dcp.load(sd, path)
         for s in lay.slots:  # plain DP in 16 bits: the training-dtype weight from its fp32 master
             if s.master_key:
                 model[s.key].copy_(model[s.master_key])
-        for state in (moments or {}).values():
-            state["step"] = sd["optimizer"]["step"].clone()
-        return {
-            "model": model,
-            "optimizer": {"state": moments} if moments else {},
-            "rng": sd.get("rng", {}).get(f"rank{rank}"),
-        }
+        for m in (moments or {}).values():
+            m["step"] = sd["optimizer"]["step"].clone()
+        state["rng"] = sd.get("rng", {}).get(f"rank{rank}")
 
-    if changes:
-        how = f"torch_dist, resharded by DCP ({', '.join(changes)}); RNG streams start from this layout's seeds"
-    else:
-        how = "torch_dist, same layout"
-    return finish, how, has_optimizer
+    return LoadPlan(path, meta, changes, tuple(meta["files"]), _tensor_names(sd, "."), has_optimizer, state, read)
 
 
 def _what_loaded(t, finetune: bool, has_optimizer: bool, has_rng: bool) -> str:
@@ -198,31 +257,26 @@ def load_checkpoint(
     names (files.locate_checkpoint: an iteration dir, or the one `latest` or `iteration` names in a
     root), saved at this layout or (resharded) at any other, and return the rest of what it restored:
     the train state (iteration, samples consumed, loss scaler, ...) and the RNG streams; None (and
-    nothing changed) when there is no checkpoint. Every rank reads and checks its part first; if any
+    nothing changed) when there is no checkpoint. Every rank plans (and checks) its part first; if any
     cannot, all raise CheckpointError. --no-load-optim, --no-load-rng and --finetune (neither, and
     iteration 0; `finetune` overrides it: --pretrained-checkpoint) skip their parts."""
     t = target.cfg.train
     finetune = t.finetune if finetune is None else finetune
-    found, error = None, None
+    plan, error = None, None
     try:
         found = locate_checkpoint(directory, iteration)
         if found:
-            read = _prepare_dcp if found[1]["format"] == DCP_FORMAT else _read_state
-            state, how, has_optimizer = read(target, *found, weights_only=finetune or not t.load_optim)
+            plan = plan_load(target, *found, weights_only=finetune or not t.load_optim)
     except CheckpointError as e:
         error = e
     _agree(target, error)
-    if found is None:
+    if plan is None:
         return None
-    path, meta = found
-    if callable(state):  # torch_dist: DCP's collective read, every rank having checked its part
-        state = state()
-    _restore(target, path, state)
-    rng = state.get("rng") or None
+    rng = plan.restore(target)
     # as Megatron: a finetune starts at iteration 0, a fresh W&B run, a fresh loss scale; the loss scaler
     # is the optimizer's (--no-load-optim: a fresh one)
-    train_state = {} if finetune else train_state_of(meta, with_loss_scaler=t.load_optim)
-    what = _what_loaded(t, finetune, has_optimizer, rng is not None)
+    train_state = {} if finetune else train_state_of(plan.meta, with_loss_scaler=t.load_optim)
+    what = _what_loaded(t, finetune, plan.has_optimizer, rng is not None)
     if t.override_ckpt_iteration is not None:  # Megatron's: the data replays from that iteration on
         at = t.override_ckpt_iteration
         assert t.global_batch_size is not None  # validation resolves it
@@ -231,12 +285,12 @@ def load_checkpoint(
     at, consumed = train_state.get("iteration", 0), train_state.get("consumed_samples", 0)
     batch = t.global_batch_at(consumed)  # a ramp-up resumes at its batch size
     return Restored(
-        path,
-        f"{path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {how}; {what}",
+        plan.path,
+        f"{plan.path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {plan.how}; {what}",
         train_state,
         # set just before the first step (training/step.py), so that nothing the set-up draws after this
         # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
         rng if t.load_rng and not finetune else None,
-        layout_changes(meta, target.cfg) or None,  # resharded: RNG states stay this run's fresh seeds
-        legacy_warning(meta),  # a checkpoint saved before meta.json.sha256: loaded, unverified
+        plan.changes or None,  # resharded: RNG states stay this run's fresh seeds
+        legacy_warning(plan.meta),  # a checkpoint saved before meta.json.sha256: loaded, unverified
     )
