@@ -46,8 +46,8 @@ as our checkpoint holds with os.write (16 MiB blocks) and one fsync, into a file
 filesystem, while the other ranks wait at the barrier; for loads, one sequential read of that
 file, warm or cold. Other byte counts (DCP's, the reshard source's) scale its time by their
 bytes. "/lim" = time / limit time.
-"Where the time goes": this process's time inside sharded._rank_state (clone), safetensors'
-save_file, os.fsync, files.sha256_of, RankFile.state (safetensors load), sharded._restore
+"Where the time goes": this process's time inside save._rank_state (clone), safetensors'
+save_file, os.fsync, files.sha256_of, RankFile.state (safetensors load), load._restore
 and reshard.rank_state_for (wrapped with timers, rank 0, the median repeat); DCP calls
 torch.save/torch.load/fsync.
 GB/s = bytes of the checkpoint directory (every file) / time. 4 ranks time-share 2 cores:
@@ -141,19 +141,19 @@ def dcp_apply(run, state: dict, dedup: bool) -> None:
 @contextlib.contextmanager
 def phase_timers():
     """Times the parts of our save/load in this process: yields {phase: seconds}, accumulated."""
-    from megatron_zpp.checkpoint import files, sharded
+    from megatron_zpp.checkpoint import files, load, save
 
     acc: dict[str, float] = {}
     patched = [
-        (sharded, "_rank_state", "clone state"),
+        (save, "_rank_state", "clone state"),
         (files, "save_file", "safetensors save"),
         (torch, "save", "torch.save"),
         (os, "fsync", "fsync"),
         (files, "sha256_of", "sha256"),
         (files.RankFile, "state", "safetensors load"),
         (torch, "load", "torch.load"),
-        (sharded, "_restore", "copy into model"),
-        (sharded, "rank_state_for", "reshard"),
+        (load, "_restore", "copy into model"),
+        (load, "rank_state_for", "reshard"),
     ]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
 

@@ -18,7 +18,10 @@ from ..topology import Topology, topology_from_config
 from ..zero import RankLayout, Slot, engine_class
 from .files import CheckpointError
 
-__all__ = ["RankLayout", "Slot", "config_from_dict", "model_shapes", "rank_layout", "topology_of"]
+__all__ = [
+    "RankLayout", "Slot", "config_from_dict", "layout_changes", "layout_of", "model_shapes", "rank_layout",
+    "topology_of",
+]  # fmt: skip
 
 
 def config_from_dict(d: dict) -> Config:
@@ -86,3 +89,32 @@ def rank_layout(
         cache[c["tp"], c["pp"]] = build_chunks(cfg, vocab, c["tp"], c["pp"])
     members = next(g for g in topo.groups(["dp", "cp"]) if rank in g)
     return engine_class(cfg).slots(cfg, cache[c["tp"], c["pp"]], members.index(rank), len(members))
+
+
+def layout_of(cfg) -> dict:
+    """Everything that decides which tensor lives on which rank with which shape."""
+    p = cfg.parallel
+    layout = {
+        "world_size": p.world_size,
+        "tp": p.tensor_model_parallel_size,
+        "pp": p.pipeline_model_parallel_size,
+        "cp": p.context_parallel_size,
+        "dp": p.data_parallel_size,
+        "order": p.order,
+        "zero_stage": None,  # these two are the engine's (layout_key); here for their place in meta.json
+        "vpp": p.num_layers_per_virtual_pipeline_stage,
+        "first_stage_layers": p.decoder_first_pipeline_num_layers,
+        "last_stage_layers": p.decoder_last_pipeline_num_layers,
+        "zero_quantization_block_size": None,
+    }
+    layout.update(engine_class(cfg).layout_key(cfg))
+    return layout
+
+
+def layout_changes(meta: dict, cfg) -> list[str]:
+    """How this run's layout differs from the checkpoint's ([] when it is the same)."""
+    saved, now = meta["layout"], layout_of(cfg)
+    changed = [k for k in now if saved.get(k) != now[k]]
+    if "zero_stage" in changed:  # the block size only matters when both sides shard: not news here
+        changed = [k for k in changed if k != "zero_quantization_block_size"]
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in changed]

@@ -27,7 +27,7 @@ import torch
 from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
 from ..zero import Slot, engine_class
-from .files import DCP_FORMAT, CheckpointError, RankFile, open_rank_file
+from .files import DCP_FORMAT, CheckpointError, RankFile, open_rank_file, rank_file
 from .layout import RankLayout, config_from_dict, model_shapes, rank_layout, topology_of
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
@@ -68,6 +68,10 @@ class SavedCheckpoint:
 
     def names(self) -> list[str]:
         return list(self.index)
+
+    def files_read(self) -> tuple[str, ...]:
+        """The rank files opened so far (each once its sha256 was checked)."""
+        return tuple(rank_file(r) for r in sorted(self._files))
 
     def _file(self, rank: int) -> RankFile:
         if rank not in self._files:  # opened once, read one tensor at a time

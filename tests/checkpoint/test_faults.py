@@ -34,7 +34,7 @@ import torch
 
 import pretrain_gpt
 from megatron_zpp import training
-from megatron_zpp.checkpoint import files, guard, sharded
+from megatron_zpp.checkpoint import files, guard, save
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.training import loop
 from megatron_zpp.validation import validate
@@ -216,7 +216,7 @@ SAVE_ITERS = 6
 def _die_in_second_save(rank, world_size, argv):
     """Rank 1 writes half of its file of the second save (iteration 4), then SIGKILLs itself."""
     if rank == 1:
-        write = sharded.write_rank_file
+        write = save.write_rank_file
 
         def write_half_then_die(tmp, rank_, state):
             if files.iter_name(4) in tmp:
@@ -228,7 +228,7 @@ def _die_in_second_save(rank, world_size, argv):
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(tmp, rank_, state)
 
-        sharded.write_rank_file = write_half_then_die
+        save.write_rank_file = write_half_then_die
     pretrain_gpt.main(argv)
 
 
@@ -339,7 +339,7 @@ def test_hung_peer_times_out(tmp_path, capfd):
 def _async_behind_training(rank, world_size, argv):
     """The writes of the save at iteration 2 wait until step 3 has run: training went on meanwhile."""
     stepped, waited = threading.Event(), []
-    write, step = sharded.write_rank_file, loop.train_step
+    write, step = save.write_rank_file, loop.train_step
 
     def write_after_next_step(tmp, rank_, state):
         if files.iter_name(2) in tmp:
@@ -352,12 +352,12 @@ def _async_behind_training(rank, world_size, argv):
             stepped.set()
         return out
 
-    sharded.write_rank_file, loop.train_step = write_after_next_step, step_and_tell
+    save.write_rank_file, loop.train_step = write_after_next_step, step_and_tell
     try:
         run = training.setup(validate(parse_args(argv), world_size))
         losses = [h["loss"] for h in training.train(run)]
     finally:
-        sharded.write_rank_file, loop.train_step = write, step
+        save.write_rank_file, loop.train_step = write, step
     return waited, losses
 
 
@@ -381,7 +381,7 @@ def _die_in_second_async_write(rank, world_size, argv):
     """Rank 1's writer thread writes half of its file of the second save (iteration 4), then SIGKILLs
     the process, training having gone on meanwhile."""
     if rank == 1:
-        write = sharded.write_rank_file
+        write = save.write_rank_file
 
         def write_half_then_die(tmp, rank_, state):
             if files.iter_name(4) in tmp:
@@ -391,7 +391,7 @@ def _die_in_second_async_write(rank, world_size, argv):
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(tmp, rank_, state)
 
-        sharded.write_rank_file = write_half_then_die
+        save.write_rank_file = write_half_then_die
     pretrain_gpt.main(argv)
 
 

@@ -89,16 +89,16 @@ def test_second_live_writer_is_refused(tmp_path):
 
 def _disk_full_on_last_rank(rank, world, argv):
     """The last rank's second save finds the disk full."""
-    from megatron_zpp.checkpoint import sharded
+    from megatron_zpp.checkpoint import save
 
-    write = sharded.write_rank_file
+    write = save.write_rank_file
 
     def full(tmp, r, state):
         if r == world - 1 and state["iteration"] == 4:
             raise OSError(28, "No space left on device", f"{tmp}/rank_{r:05d}.safetensors")
         return write(tmp, r, state)
 
-    sharded.write_rank_file = full
+    save.write_rank_file = full
     return _run(rank, world, argv)[0]
 
 
