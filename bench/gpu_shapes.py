@@ -28,6 +28,7 @@ from megatron_zpp.ops import quantize as q_ops
 from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
 from megatron_zpp.ops.gdn import chunk_gdn
 from megatron_zpp.ops.gla import chunk_gla
+from megatron_zpp.ops.grouped_gemm import grouped_mm
 from megatron_zpp.ops.norm import layer_norm, rms_norm
 from megatron_zpp.ops.rope import apply_rope
 from megatron_zpp.ops.swiglu import swiglu
@@ -192,8 +193,22 @@ def check_cross_entropy(device, rows, V, dtype):
     return {name: rel_err(a, b) for name, a, b in zip(["max", "sum_exp", "target", "dx"], got, ref)}
 
 
+def check_grouped_gemm(device, M, G, K, N, dtype):
+    """The experts' grouped GEMM: uneven groups (one empty), forward, dX and dW against the per-expert loop."""
+    gen = torch.Generator().manual_seed(61)
+    cuts = torch.sort(torch.randint(0, M + 1, (G - 1,), generator=gen)).values
+    sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([M])]))
+    sizes[G // 2] += sizes[0]  # group 0 empty: the kernels must skip it
+    sizes[0] = 0
+    x, w = randn((M, K), device, dtype, 62, K**-0.5), randn((G, K, N), device, dtype, 63)
+    dy = randn((M, N), device, dtype, 64)
+    sizes = sizes.to(device)
+    got, ref = both(device, lambda: grads(lambda x, w: grouped_mm(x, w, sizes), [x, w], [dy]))
+    return {name: rel_err(a, b) for name, a, b in zip(["y", "dx", "dw"], got, ref)}
+
+
 CHECKS = {"gla": check_gla, "gdn": check_gdn, "quantize": check_quantize, "norm": check_norm, "rope": check_rope}
-CHECKS |= {"swiglu": check_swiglu, "cross_entropy": check_cross_entropy}
+CHECKS |= {"swiglu": check_swiglu, "cross_entropy": check_cross_entropy, "grouped_gemm": check_grouped_gemm}
 
 
 def scaled(family: str, p: dict, s: int) -> dict:
@@ -209,6 +224,8 @@ def scaled(family: str, p: dict, s: int) -> dict:
         p |= {"rows": max(4, p["rows"] // s)}
     elif family == "rope":
         p |= {"B": 1, "T": max(8, p["T"] // s), "H": min(p["H"], 4)}
+    elif family == "grouped_gemm":
+        p |= {"M": max(2 * p["G"], p["M"] // s), "K": max(16, p["K"] // s), "N": max(16, p["N"] // s)}
     return p
 
 

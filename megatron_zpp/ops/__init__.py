@@ -4,6 +4,7 @@ from megatron_zpp.ops.gdn import chunk_gdn
 from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
 from megatron_zpp.ops.gla import chunk_gla, chunk_gla_local, gla_state_correction
 from megatron_zpp.ops.gla_naive import naive_recurrent_gla
+from megatron_zpp.ops.grouped_gemm import grouped_mm
 
 __all__ = [
     "naive_recurrent_gla",
@@ -12,4 +13,5 @@ __all__ = [
     "gla_state_correction",
     "naive_recurrent_gdn",
     "chunk_gdn",
+    "grouped_mm",
 ]
