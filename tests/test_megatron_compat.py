@@ -532,7 +532,7 @@ def test_megatron_gdn_hybrid_is_ours_with_megatrons_layer_pattern_and_defaults()
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_zpp.validation.model import _MEGATRON_GDN_DEFAULTS
+    from megatron_zpp.config.megatron_flags import _MEGATRON_GDN_DEFAULTS
 
     for freq in (1, 3, 4, 8):
         m = parse_config(f"{GDN_BASE} {MEGATRON_GDN} --linear-attention-freq {freq}".split(), 1).model

@@ -4,6 +4,7 @@ tensors, and `all_cases()`, the full sweep with its CI subset marked."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -154,24 +155,26 @@ def _gdn_bytes(B, T, H, D, C, dtype, h0):
     return B * T * H * D * per_token + B * H * states + T * D * per_token + states
 
 
-DEVICE_BYTES = {
-    "gla": _gla_bytes,
-    "gdn": _gdn_bytes,
-    "quantize": _quantize_bytes,
-    "norm": lambda rows, n, dtype, rms: rows * n * (6 * _size(dtype) + 12),
-    "rope": lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12),
-    "swiglu": lambda rows, F, dtype: rows * F * (9 * _size(dtype) + 24),
-    "cross_entropy": lambda rows, V, dtype: rows * V * (3 * _size(dtype) + 12),
+# per kernel family: the launches of one case (on CPU tensors: the compile test intercepts them) and the device
+# bytes its real-shape check needs (bench/gpu_shapes.py: the kernel and the reference)
+FAMILIES = {
+    "gla": (gla_case, _gla_bytes),
+    "gdn": (gdn_case, _gdn_bytes),
+    "quantize": (quant_case, _quantize_bytes),
+    "norm": (norm_case, lambda rows, n, dtype, rms: rows * n * (6 * _size(dtype) + 12)),
+    "rope": (rope_case, lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12)),
+    "swiglu": (swiglu_case, lambda rows, F, dtype: rows * F * (9 * _size(dtype) + 24)),
+    "cross_entropy": (ce_case, lambda rows, V, dtype: rows * V * (3 * _size(dtype) + 12)),
     # x, dx, y, dy and W, dW (kernel and reference), plus fp32 copies of the largest for the reference's upcasts
-    "grouped_gemm": lambda M, G, K, N, dtype: (
-        (2 * M * (K + N) + 4 * G * K * N) * _size(dtype) + 3 * 4 * max(M * K, M * N, G * K * N)
+    "grouped_gemm": (
+        grouped_gemm_case,
+        lambda M, G, K, N, dtype: (
+            (2 * M * (K + N) + 4 * G * K * N) * _size(dtype) + 3 * 4 * max(M * K, M * N, G * K * N)
+        ),
     ),
 }
-
-RUNNERS = {"gla": gla_case, "quantize": quant_case, "norm": norm_case, "rope": rope_case, "swiglu": swiglu_case}
-RUNNERS["cross_entropy"] = ce_case
-RUNNERS["gdn"] = gdn_case
-RUNNERS["grouped_gemm"] = grouped_gemm_case
+RUNNERS = {family: runner for family, (runner, _) in FAMILIES.items()}
+DEVICE_BYTES = {family: nbytes for family, (_, nbytes) in FAMILIES.items()}
 
 
 def all_cases() -> list[Case]:
@@ -181,38 +184,34 @@ def all_cases() -> list[Case]:
     return _linear_attention_cases() + _quantizer_cases() + _pointwise_cases()
 
 
+# the linear-attention kernel families' sweeps: chunk lengths, head dims (K = V), and which heads the CI subset
+# holds at the default configuration (C = 64, bf16). GDN's kernels take C 16-64 and K, V <= 128, its widest
+# heads in the CI subset; GLA's every width
+LINEAR_SWEEPS = {
+    "gla": ((16, 64, 128), (64, 128, 256), (64, 128, 256)),
+    "gdn": ((16, 32, 64), (64, 128), (128,)),
+}
+# at risk, at sizes that fit one 80 GB GPU (device_bytes): > 2^31 state elements (5*16*2048 chunks*128*128
+# = 2.7e9) and > 65535 chunks in one sequence (2 heads of K=V=64: the chunk count is the risk, not the width)
+LINEAR_AT_RISK = [
+    ("[5,32768,16] >2^31 state elements", 5, 32768, 16, 128),
+    ("[1,1048576,2] 65536 chunks", 1, 1 << 20, 2, 64),
+]
+
+
 def _linear_attention_cases() -> list[Case]:
-    """GLA and GDN chunk kernels."""
+    """The GLA and GDN chunk kernels: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid), then the
+    shapes at risk."""
     cases = []
-    # GLA: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid)
-    for C in (16, 64, 128):
-        for D in (64, 128, 256):
-            for dt in ("bf16", "fp32"):
-                for h0 in (False, True):
-                    default = C == 64 and dt == "bf16"
-                    name = f"gla C={C} K=V={D} {dt}{' h0' if h0 else ''} [2,4096,16]"
-                    cases.append(
-                        Case("gla", name, dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0), default, default)
-                    )
-    # at risk, at sizes that fit one 80 GB GPU (device_bytes): > 2^31 state elements (5*16*2048 chunks*128*128
-    # = 2.7e9) and > 65535 chunks in one sequence (2 heads of K=V=64: the chunk count is the risk, not the width)
-    big = [("[5,32768,16] >2^31 state elements", 5, 32768, 16, 128), ("[1,1048576,2] 65536 chunks", 1, 1 << 20, 2, 64)]
-    for what, B, T, H, D in big:
-        params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
-        cases.append(Case("gla", f"gla C=16 K=V={D} bf16 h0 {what}", params, True, True))
-    # GDN (Gated DeltaNet): the kernels take C 16-64 and K, V <= 128; the default C = 64 in bf16 is strict, its
-    # widest heads (K = V = 128) in the CI subset
-    for C in (16, 32, 64):
-        for D in (64, 128):
-            for dt in ("bf16", "fp32"):
-                for h0 in (False, True):
-                    default = C == 64 and dt == "bf16"
-                    name = f"gdn C={C} K=V={D} {dt}{' h0' if h0 else ''} [2,4096,16]"
-                    params = dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0)
-                    cases.append(Case("gdn", name, params, default and D == 128, default))
-    for what, B, T, H, D in big:  # the same shapes at risk as GLA's
-        params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
-        cases.append(Case("gdn", f"gdn C=16 K=V={D} bf16 h0 {what}", params, True, True))
+    for family, (chunks, dims, ci_dims) in LINEAR_SWEEPS.items():
+        for C, D, dt, h0 in itertools.product(chunks, dims, ("bf16", "fp32"), (False, True)):
+            default = C == 64 and dt == "bf16"
+            name = f"{family} C={C} K=V={D} {dt}{' h0' if h0 else ''} [2,4096,16]"
+            params = dict(B=2, T=4096, H=16, D=D, C=C, dtype=DTYPES[dt], h0=h0)
+            cases.append(Case(family, name, params, default and D in ci_dims, default))
+        for what, B, T, H, D in LINEAR_AT_RISK:
+            params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
+            cases.append(Case(family, f"{family} C=16 K=V={D} bf16 h0 {what}", params, True, True))
     return cases
 
 

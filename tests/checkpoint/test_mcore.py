@@ -502,7 +502,7 @@ def test_exported_checkpoint_loads_at_two_pipeline_stages(results):
 def test_megatrons_gdn_args_are_read_only_with_its_variant():
     """Megatron-LM's args hold its GDN shape defaults whatever the model (megatron-core's TransformerConfig
     fields): a GPT checkpoint's import ignores them, as Megatron does; a GDN one is refused by name."""
-    from megatron_zpp.validation.model import check_megatron_gdn
+    from megatron_zpp.config.megatron_flags import check_megatron_gdn
 
     cfg = _cfg(LLAMA_FLAGS)
     args = mcore.args_from_config(cfg, 3, 12, ROWS)
