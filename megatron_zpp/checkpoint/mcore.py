@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from . import mcore_optimizer
 from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
+from .full_state import full_state
 from .pickled import dcp_load, unpickle_common
 from .pickled import single_process_quiet as quiet
 
@@ -205,8 +206,8 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a megatron-core torch_dist directory, full (global) shapes, read in this process; each
     finite (its files carry no checksum: damaged bytes read as NaN are refused by key)."""
     metadata = saved_keys(path)
-    state = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
+    state = {  # zeros: bytes no saved chunk covers (a flat bucket's padding) must not read as NaN garbage
+        k: torch.zeros(v.size, dtype=v.properties.dtype)
         for k, v in metadata.items()
         if isinstance(v, TensorStorageMetadata)
     }
@@ -438,29 +439,9 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
     """(full fp32 weights, AdamW moments by name or None, AdamW's step or None, meta.json) of our
-    checkpoint `load`, any format and layout, read in this process."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from .dcp import check_files
-    from .files import DCP_FORMAT, find_checkpoint
-    from .reshard import SavedCheckpoint
-
-    path, meta = find_checkpoint(load)
-    if meta["format"] == DCP_FORMAT:
-        check_files(path, meta)
-        state: dict = {}
-        planner = _EmptyStateDictLoadPlanner(keys={"model", "optimizer"})
-        dcp_load(state, path, planner=planner, loader=_load_state_dict)
-        opt = state.get("optimizer")
-        return state["model"], opt["state"] if opt else None, float(opt["step"]) if opt else None, meta
-    saved = SavedCheckpoint(path, meta)
-    full = {name: saved.full(name) for name in saved.names()}
-    weights = {n: f["param"] for n, f in full.items()}
-    if saved.step is None:
-        return weights, None, None, meta
-    moments = {n: {k: f[k] for k in MOMENTS} for n, f in full.items()}
-    return weights, moments, float(saved.step), meta
+    checkpoint `load`, any format and layout (full_state.py)."""
+    s = full_state(load, optimizer=True)
+    return s.weights, s.moments, s.step, s.meta
 
 
 def _param_groups(cfg) -> list[dict]:
