@@ -8,11 +8,13 @@ HF exports. The zpp format: every rank file is checked against meta.json's sha25
 (nothing unpickled); `reshard.SavedCheckpoint` reassembles each parameter (the reader that reshards a
 checkpoint on load) from the fp32 masters. torch_dist: the DCP files are checked the same way; the full
 tensors are allocated from DCP's metadata (their global shapes) and filled by DCP's public `load`, which
-reads each from the boxes the ranks wrote (`.metadata` unpickled by pickled.SafeReader).
+reads each from the boxes the ranks wrote (`.metadata` unpickled by pickled.SafeReader, which also refuses
+a pickled object that would run code, by key).
 """
 
 from __future__ import annotations
 
+import io
 import sys
 from dataclasses import dataclass
 
@@ -62,23 +64,30 @@ def full_state(ckpt_dir: str, optimizer: bool = False) -> FullState:
     return FullState(weights, moments, float(saved.step), meta, path)
 
 
+def _placeholder(item) -> torch.Tensor | io.BytesIO:
+    """What DCP loads a saved item into: a tensor of its full shape, or (an object) bytes to unpickle."""
+    if isinstance(item, TensorStorageMetadata):
+        return torch.empty(item.size, dtype=item.properties.dtype)
+    return io.BytesIO()
+
+
 def _dcp_full(path: str, meta: dict, optimizer: bool) -> tuple[dict, dict | None, float | None]:
     """(weights, moments or None, step or None) of a torch_dist directory (dcp.py's state dict layout:
     model.<name>, optimizer.step, optimizer.state.<name>.<moment>), loaded into full-shaped tensors."""
     check_files(path, meta)
-    model: dict[str, torch.Tensor] = {}
-    moments: dict[str, dict[str, torch.Tensor]] = {}
+    model: dict = {}
+    moments: dict[str, dict] = {}
     opt: dict = {"state": moments}
     for key, item in saved_keys(path).items():
-        if not isinstance(item, TensorStorageMetadata):
-            continue  # the RNG streams (objects): read back at the same layout only, by load.py
-        empty = torch.empty(item.size, dtype=item.properties.dtype)
+        # an object (not a tensor) under model or optimizer is read too, so SafeReader refuses a crafted one
+        # by key; the RNG streams are read back at the same layout only, by load.py
+        empty = _placeholder(item)
         if key.startswith("model."):
             model[key[len("model.") :]] = empty
         elif optimizer and key == "optimizer.step":
             opt["step"] = empty
         elif optimizer and key.startswith("optimizer.state."):
-            name, kind = key[len("optimizer.state.") :].rsplit(".", 1)
+            name, _, kind = key[len("optimizer.state.") :].rpartition(".")
             moments.setdefault(name, {})[kind] = empty
     state: dict = {"model": model, "optimizer": opt} if "step" in opt else {"model": model}
     dcp_load(state, path)

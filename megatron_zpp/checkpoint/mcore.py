@@ -56,13 +56,12 @@ from .formats.mcore import (
     to_mcore,
     unsupported,
 )
-from .full_state import full_state
+from .full_state import MOMENTS, full_state
 from .pickled import dcp_load, unpickle_common
 from .pickled import single_process_quiet as quiet
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject("common_state", (1,), (0,))
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # ---- reading a megatron-core checkpoint -----------------------------------------------------
