@@ -221,16 +221,3 @@ def saved_keys(path: str) -> dict[str, object]:
 def load(state: dict, path: str) -> None:
     """Collective: DCP reads into the boxes of `state` (in place)."""
     dcp_load(state, path, no_dist=not torch.distributed.is_initialized())
-
-
-def full_weights(path: str, meta: dict) -> dict[str, torch.Tensor]:
-    """{single-rank name: full fp32 weight} of a torch_dist checkpoint, read in this one process."""
-    # what torch's own dcp_to_torch_save calls: a planner that builds the state dict from the metadata
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    check_files(path, meta)
-    state: dict = {}
-    planner = _EmptyStateDictLoadPlanner(keys={"model"})
-    dcp_load(state, path, planner=planner, loader=_load_state_dict)
-    return state["model"]

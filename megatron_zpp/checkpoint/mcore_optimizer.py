@@ -32,7 +32,7 @@ import dataclasses
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .files import CheckpointError
+from .files import CheckpointError, nonfinite_tensors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 KINDS = ("param", *MOMENTS)  # the distributed optimizer's names: the fp32 master, the moments
@@ -192,6 +192,10 @@ def _read_flat(path: str, tensors: dict, args, read_objects) -> AdamState:
             continue
         wrong = [k for k, m in state["param"].items() if not torch.equal(m.to(tensors[k].dtype), tensors[k])]
         if not wrong:
+            if bad := nonfinite_tensors({m: state[m] for m in MOMENTS}):  # the masters equal the finite weights
+                raise CheckpointError(
+                    f"{path}: non-finite values (inf or NaN) in {', '.join(sorted(bad)[:3])}: damaged"
+                )
             dropped = [SCALER] if f"{FLAT}dp_group_idx_0.grad_scaler/shard_0_1" in stored else []
             return AdamState(state["param"], {m: state[m] for m in MOMENTS}, steps.pop(), DP, dropped)
         why.append(f"{impl}: the masters of {', '.join(wrong[:3])} do not round to the checkpoint's weights")

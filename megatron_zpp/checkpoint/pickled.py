@@ -155,16 +155,12 @@ class _WeightsOnlyBytes:
         self._planner.load_bytes(read_item, value)
 
 
-def dcp_load(state: dict, path: str, planner=None, no_dist: bool = True, loader=None) -> None:
-    """DCP's load of `state` from `path` through `SafeReader`; a file DCP cannot read is one line naming `path`
-    (`loader`: DCP's private `_load_state_dict`, for its empty-state-dict planner)."""
+def dcp_load(state: dict, path: str, planner=None, no_dist: bool = True) -> None:
+    """DCP's load of `state` from `path` through `SafeReader`; a file DCP cannot read is one line naming `path`."""
     reader = SafeReader(path)
     try:
         with single_process_quiet():
-            if loader is None:
-                dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
-            else:
-                loader(state, storage_reader=reader, planner=planner, no_dist=no_dist)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointError:
         raise
     except dcp.api.CheckpointException as e:

@@ -330,7 +330,7 @@ def test_hf_remote_import_round_trip(remote, kind, tmp_path):
 
 
 def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
-    from megatron_zpp.checkpoint import hf_remote_export
+    from megatron_zpp.checkpoint.formats import remote as hf_remote_export
 
     hf = {
         "model_type": "megatron_zpp_gla",

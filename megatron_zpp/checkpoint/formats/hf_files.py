@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..progress import progress
+from ...progress import progress
+from .base import ConversionError
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes a weight may have
@@ -31,8 +32,7 @@ CONFIG_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float6
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-class HFImportError(ValueError):
-    """A HF directory that cannot be imported; the message names the file, tensor and fault."""
+HFImportError = ConversionError  # a fault of the files: one conversion error, as every refusal
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,16 @@ import copy
 
 import torch
 
+from .base import ConversionError, special_token_ids
+
+NAME = "gpt2"
+ARCHITECTURE = "GPT2LMHeadModel"
+
 # HF's activation_function -> F.gelu's approximate
 HF_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
-class GPT2ConversionError(ValueError):
-    """A config GPT-2 cannot hold, or that we cannot hold; the message says why."""
-
-
-def gpt2_unsupported(cfg) -> list[str]:
+def unsupported(cfg) -> list[str]:
     """Why a model cannot be exported as GPT-2 (empty when it can)."""
     m = cfg.model
     checks = [
@@ -40,10 +41,11 @@ def gpt2_unsupported(cfg) -> list[str]:
     return [why for ok, why in checks if not ok]
 
 
-def gpt2_config(cfg, vocab: int, special: dict) -> dict:
+def config(cfg, vocab: int, tokenizer=None) -> dict:
+    """config.json of the GPT2LMHeadModel of `cfg` (vocab: the padded vocabulary)."""
     m = cfg.model
     return {
-        "architectures": ["GPT2LMHeadModel"],
+        "architectures": [ARCHITECTURE],
         "model_type": "gpt2",
         "vocab_size": vocab,
         "n_positions": m.max_position_embeddings or m.seq_length,
@@ -62,7 +64,7 @@ def gpt2_config(cfg, vocab: int, special: dict) -> dict:
         "torch_dtype": "float32",
         "dtype": "float32",
         "use_cache": True,
-    } | special
+    } | special_token_ids(tokenizer)
 
 
 def _pairs(cfg) -> list[tuple[str, str, bool]]:
@@ -105,7 +107,7 @@ def fold_layernorm_1p(state: dict, cfg) -> tuple[dict, object]:
     return {n: (w + 1 if _is_norm_weight(n) else w) for n, w in state.items()}, cfg
 
 
-def to_gpt2_state(state: dict, cfg) -> dict[str, torch.Tensor]:
+def to_theirs(state: dict, cfg) -> dict[str, torch.Tensor]:
     """Our single-rank names -> GPT2LMHeadModel's (Conv1D weights transposed), 1p folded in first."""
     state, cfg = fold_layernorm_1p(state, cfg)
     return {
@@ -114,16 +116,16 @@ def to_gpt2_state(state: dict, cfg) -> dict[str, torch.Tensor]:
     }
 
 
-def from_gpt2_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's names -> ours: the inverse of `to_gpt2_state` (plain LayerNorm weights)."""
+def from_theirs(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's names -> ours: the inverse of `to_theirs` (plain LayerNorm weights)."""
     return {
         ours: (hf[theirs].t() if conv1d else hf[theirs]).float().contiguous() for ours, theirs, conv1d in _pairs(cfg)
     }
 
 
-def config_from_gpt2(hf: dict):
+def config_from(hf: dict):
     """Our Config of the GPT-2 a HF config.json describes; refuses what we cannot hold."""
-    from ..config import Config
+    from ...config import Config
 
     act = hf.get("activation_function", "gelu_new")
     why = [
@@ -137,7 +139,7 @@ def config_from_gpt2(hf: dict):
         if bad
     ]
     if why:
-        raise GPT2ConversionError("; ".join(why))
+        raise ConversionError("; ".join(why))
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["n_layer"], hf["n_embd"], hf["n_head"]
@@ -153,3 +155,7 @@ def config_from_gpt2(hf: dict):
     m.position_embedding_type, m.add_bias_linear, m.apply_layernorm_1p = "learned_absolute", True, False
     m.bias_gelu_fusion = HF_ACTIVATIONS[act] == "tanh"  # Megatron's fused bias-gelu is the tanh form
     return cfg
+
+
+to_gpt2_state = to_theirs  # the old names (tests/test_fuzz_inputs.py)
+GPT2ConversionError = ConversionError

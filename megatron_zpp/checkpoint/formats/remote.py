@@ -2,11 +2,11 @@
 transformers remote-code model: megatron_zpp/hf_remote/ (configuration + modeling file, plain
 PyTorch) copied next to model.safetensors, with config.json's auto_map naming them.
 
-    hf = remote_config(cfg, vocab, tokenizer)   # config.json (model_type megatron_zpp_gla, for every mixer:
+    hf = config(cfg, vocab, tokenizer)          # config.json (model_type megatron_zpp_gla, for every mixer:
                                                 # the name exports have always carried, so old ones load)
-    to_remote_state(state, cfg)                 # our single-rank names -> the remote model's
-    from_remote_state(hf_state, cfg)            # and back (bitwise: splits and concatenations)
-    config_from_remote(hf)                      # our Config of such a config.json
+    to_theirs(state, cfg)                       # our single-rank names -> the remote model's
+    from_theirs(hf_state, cfg)                  # and back (bitwise: splits and concatenations)
+    config_from(hf)                             # our Config of such a config.json
 
 Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
@@ -23,17 +23,16 @@ import shutil
 
 import torch
 
-from .. import hf_remote
-from ..config.shapes import GDN_CONV_KERNEL
+from ... import hf_remote
+from ...config.shapes import GDN_CONV_KERNEL
+from .base import ConversionError, special_token_ids
 
+NAME = "remote"
+ARCHITECTURE = hf_remote.ARCHITECTURE
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-class RemoteConversionError(ValueError):
-    """A tensor or setting the conversion cannot map; the message names it."""
-
-
-def remote_unsupported(cfg) -> list[str]:
+def unsupported(cfg) -> list[str]:
     """Why a model cannot be exported with our remote code (empty when it can): it holds no linear
     biases and no learned positions, and rotates its softmax layers' q, k with RoPE."""
     m = cfg.model
@@ -55,7 +54,7 @@ def layer_types(cfg) -> list[str]:
     return [LINEAR if m.layer_kind(i) in ("gla", "gdn") else FULL for i in range(m.num_layers)]
 
 
-def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
+def config(cfg, vocab: int, tokenizer=None) -> dict:
     """config.json of the remote-code model of `cfg` (vocab: the padded vocabulary)."""
     m = cfg.model
     out = {
@@ -88,15 +87,6 @@ def remote_config(cfg, vocab: int, tokenizer=None) -> dict:
         "use_cache": True,
     }
     return out | special_token_ids(tokenizer)
-
-
-def special_token_ids(tokenizer) -> dict:
-    """config.json's bos/eos/pad ids from our tokenizer (EOD is HF's eos); {} without one."""
-    if tokenizer is None:
-        return {}
-    ids = {"bos_token_id": getattr(tokenizer, "bos", None), "eos_token_id": tokenizer.eod}
-    ids["pad_token_id"] = getattr(tokenizer, "pad", None)
-    return {k: v for k, v in ids.items() if v is not None}
 
 
 def write_remote_code(output: str) -> None:
@@ -168,7 +158,7 @@ def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
     return out
 
 
-def to_remote_state(state: dict, cfg) -> dict[str, torch.Tensor]:
+def to_theirs(state: dict, cfg) -> dict[str, torch.Tensor]:
     """Our single-rank names -> the remote model's (fused rows split); every tensor must be mapped."""
     out = {theirs: state[ours] for ours, theirs in _plain_pairs(cfg)}
     used = {ours for ours, _ in _plain_pairs(cfg)}
@@ -176,12 +166,12 @@ def to_remote_state(state: dict, cfg) -> dict[str, torch.Tensor]:
         out.update(zip(names, state[ours].split(rows, dim=0)))
         used.add(ours)
     if left := sorted(set(state) - used):
-        raise RemoteConversionError(f"no HF name for {', '.join(left)}")
+        raise ConversionError(f"no HF name for {', '.join(left)}")
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
-def from_remote_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """The remote model's names -> our single-rank names: the inverse of `to_remote_state`."""
+def from_theirs(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """The remote model's names -> our single-rank names: the inverse of `to_theirs`."""
     try:
         out = {ours: hf[theirs] for ours, theirs in _plain_pairs(cfg)}
         used = {theirs for _, theirs in _plain_pairs(cfg)}
@@ -189,9 +179,9 @@ def from_remote_state(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tenso
             out[ours] = torch.cat([hf[n] for n in names])
             used.update(names)
     except KeyError as e:
-        raise RemoteConversionError(f"tensor {e} is missing") from None
+        raise ConversionError(f"tensor {e} is missing") from None
     if left := sorted(set(hf) - used):
-        raise RemoteConversionError(f"tensors this model does not have: {', '.join(left)}")
+        raise ConversionError(f"tensors this model does not have: {', '.join(left)}")
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
@@ -206,16 +196,16 @@ def _hybrid_period(kinds: list[str], linear: str) -> tuple[str, int] | None:
     return None
 
 
-def config_from_remote(hf: dict):
+def config_from(hf: dict):
     """Our Config of the remote-code model a config.json describes; refuses what we cannot hold."""
     try:
         return _config_from_remote(hf)
     except KeyError as e:
-        raise RemoteConversionError(f"config.json has no {e}") from None
+        raise ConversionError(f"config.json has no {e}") from None
 
 
 def _config_from_remote(hf: dict):
-    from ..config import Config
+    from ...config import Config
 
     heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
     linear = hf.get("linear_attention_type", "gla")
@@ -244,7 +234,7 @@ def _config_from_remote(hf: dict):
         if bad
     ]
     if why:
-        raise RemoteConversionError("; ".join(why))
+        raise ConversionError("; ".join(why))
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
@@ -256,10 +246,15 @@ def _config_from_remote(hf: dict):
     m.attention_type, m.softmax_attention_every = period
     m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
     m.rotary_base = float(hf.get("rope_theta", 10000.0))
-    m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (remote_unsupported)
+    m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (unsupported)
     m.openai_gelu = hf.get("gelu_approximate", "tanh") == "tanh"  # without biases, Megatron's tanh gelu is this one
     m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
     m.linear_chunk_size = hf["gla_chunk_size"]
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
     return cfg
+
+
+# the old names (tests/checkpoint/test_convert.py, tests/test_fuzz_inputs.py)
+to_remote_state, from_remote_state, config_from_remote = to_theirs, from_theirs, config_from
+RemoteConversionError = ConversionError

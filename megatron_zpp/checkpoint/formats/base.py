@@ -1,0 +1,54 @@
+"""What every converter of ours speaks: one protocol, one error.
+
+A format module (formats/gpt2.py, llama.py, remote.py, mcore.py) maps our single-rank state (the names
+GPT(cfg.model, V).named_parameters() gives, full fp32 tensors: full_state.py) to another project's names
+and back:
+
+    NAME                          # "gpt2", "llama", "remote", "mcore"
+    unsupported(cfg) -> [why]     # what of our model it cannot hold, one reason each (empty: it holds it)
+    to_theirs(state, cfg)         # our names -> theirs
+    from_theirs(theirs, cfg)      # theirs -> ours, the inverse (bitwise: splits, concatenations, transposes)
+
+The HF formats also write and read a config.json (`HFFormat`): `config(cfg, vocab, tokenizer)` and
+`config_from(hf)` (our Config of one; refuses what we cannot hold). megatron-core's config is the run's
+argparse Namespace (formats/mcore.py: `args_from_config`, `config_from_args`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..files import CheckpointError
+
+
+class ConversionError(CheckpointError, ValueError):
+    """A model, setting or tensor a conversion cannot map; the message names it (one line)."""
+
+
+class Format(Protocol):
+    NAME: str
+
+    def unsupported(self, cfg) -> list[str]: ...
+
+    def to_theirs(self, state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]: ...
+
+    def from_theirs(self, theirs: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]: ...
+
+
+class HFFormat(Format, Protocol):
+    ARCHITECTURE: str  # config.json's architectures[0]
+
+    def config(self, cfg, vocab: int, tokenizer=None) -> dict: ...
+
+    def config_from(self, hf: dict): ...
+
+
+def special_token_ids(tokenizer) -> dict:
+    """config.json's bos/eos/pad ids from our tokenizer (EOD is HF's eos); {} without one."""
+    if tokenizer is None:
+        return {}
+    ids = {"bos_token_id": getattr(tokenizer, "bos", None), "eos_token_id": tokenizer.eod}
+    ids["pad_token_id"] = getattr(tokenizer, "pad", None)
+    return {k: v for k, v in ids.items() if v is not None}
