@@ -96,7 +96,7 @@ def _run_tools(tmp_path):
     state = {k: v.detach() for k, v in GPT(cfg.model, 128).named_parameters()}
     convert_checkpoint.from_hf_state(convert_checkpoint.to_hf_state(state, cfg), cfg)
     from megatron_zpp.checkpoint.consolidate import consolidate
-    from megatron_zpp.checkpoint.sharded import save_weights
+    from megatron_zpp.checkpoint.save import save_weights
 
     save_weights(str(tmp_path / "ckpt"), cfg, state)
     assert set(consolidate(str(tmp_path / "ckpt"))[0]) == set(state)

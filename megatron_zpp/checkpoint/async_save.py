@@ -2,7 +2,7 @@
 
 The save copies this rank's state to host memory (pinned on CUDA) in the step's thread, then a
 thread writes the rank file from that copy while training goes on. Nothing is sealed from the
-thread: sharded.finish_async_save, which every rank calls at the same points (the start of the next
+thread: save.finish_async_save, which every rank calls at the same points (the start of the next
 save, the end of train(), an early stop), joins the thread and only then gathers the digests and
 lets rank 0 write meta.json and move `latest`. A process killed while the thread writes leaves the
 iteration's .tmp directory unsealed: `latest` still names the previous complete checkpoint.

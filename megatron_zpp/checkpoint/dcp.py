@@ -17,7 +17,7 @@ format_utils) turns the directory into one torch.save file of full tensors.
 
 Around DCP's files the directory is ours: written in iter_XXXXXXX.tmp/, sealed with meta.json
 (the config, iteration, samples, each DCP file's sha256) and meta.json.sha256, then renamed and
-named by `latest`, as the zpp format is (sharded.py). DCP's `.metadata` pickle is read by
+named by `latest`, as the zpp format is (save.py). DCP's `.metadata` pickle is read by
 pickled.SafeReader (DCP's classes only; no pickled code runs) after meta.json's sha256s are checked.
 """
 

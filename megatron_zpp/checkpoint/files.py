@@ -1,5 +1,5 @@
 """The files of a sharded checkpoint: names, the rank-file codec (safetensors, nothing
-pickled), checksums and meta.json. A leaf: the save/load logic (sharded.py), the
+pickled), checksums and meta.json. A leaf: the save/load logic (save.py, load.py), the
 resharding reader (reshard.py) and the layout description (layout.py) all build on it.
 
 A rank file stores a nested dict: every tensor under its path in the dict (e.g.

@@ -241,7 +241,7 @@ _OPTIMIZER_PREFIXES = tuple(f"optimizer.state.{k}." for k in (*MOMENTS, "fp32_pa
 def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tuple[str, dict]:
     """megatron-core's torch_dist checkpoint `load` -> our torch_dist checkpoint under `save` (weights,
     AdamW's moments and step, iteration and consumed samples). Returns (its directory, a summary)."""
-    from .sharded import save_full_dcp
+    from .save import save_full_dcp
 
     path = iteration_dir(load)
     common = read_common(path)

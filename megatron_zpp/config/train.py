@@ -126,7 +126,7 @@ class TrainConfig:
     ckpt_step: int | None = opt(
         None, "--ckpt-step", "with --load: load this iteration instead of the one `latest` names"
     )
-    # Megatron-LM's checkpointing flags; sharded.py and async_save.py use them
+    # Megatron-LM's checkpointing flags; checkpoint/save.py, load.py and async_save.py use them
     ckpt_format: str = opt(
         "zpp",
         "--ckpt-format",

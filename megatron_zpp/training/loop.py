@@ -16,7 +16,7 @@ import torch
 
 from .. import comm
 from ..checkpoint import save_checkpoint
-from ..checkpoint.sharded import finish_async_save
+from ..checkpoint.save import finish_async_save
 from ..logging_utils import MetricsSink, log
 from ..optim import global_grad_norm, rates_at
 from ..perf import flops_per_token, memory_gib, memory_report, memory_stats, peak_tflops

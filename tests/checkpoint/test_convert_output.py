@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_zpp.checkpoint import mcore
-from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model.gpt import GPT
 from megatron_zpp.validation import validate

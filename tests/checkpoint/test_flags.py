@@ -14,7 +14,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.checkpoint import files
-from megatron_zpp.checkpoint.sharded import save_weights
+from megatron_zpp.checkpoint.save import save_weights
 from megatron_zpp.config import ConfigError
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.validation import validate
@@ -168,7 +168,7 @@ def test_pretrained_checkpoint_and_exit_on_missing(tmp_path):
 
 
 def _async_nonfinite(rank, world, root):
-    from megatron_zpp.checkpoint.sharded import finish_async_save, save_checkpoint
+    from megatron_zpp.checkpoint.save import finish_async_save, save_checkpoint
 
     run, _ = _setup(["--save", root, "--train-iters", "1", "--async-save"])
     next(iter(run.dp.model_state_dict().values())).view(-1)[0] = float("nan")

@@ -439,7 +439,7 @@ def _convert(argv):
 def test_tool_round_trip_keeps_weights_moments_and_position(dtype, tmp_path, capsys):
     """Ours -> --to megatron -> --from megatron: the weights, Adam's moments and step, the iteration and
     samples come back bitwise (in bf16, the fp32 masters travel as megatron's fp32_param)."""
-    from megatron_zpp.checkpoint.sharded import save_full_dcp
+    from megatron_zpp.checkpoint.save import save_full_dcp
 
     cfg = _cfg(LLAMA_FLAGS + RUN + " " + dtype)
     gen = torch.Generator().manual_seed(0)

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_zpp import training
 from megatron_zpp.checkpoint import CheckpointError, mcore, mcore_optimizer
-from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.data.mock import MockGPTDataset
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import (

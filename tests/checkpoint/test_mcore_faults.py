@@ -14,7 +14,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.checkpoint import CheckpointError, files, mcore, pickled
-from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import LLAMA_FLAGS, ROWS, RUN, _cfg, _convert
 from tests.dist import run_distributed

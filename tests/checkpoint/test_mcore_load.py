@@ -15,7 +15,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.checkpoint import mcore
-from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT
 from megatron_zpp.validation import validate

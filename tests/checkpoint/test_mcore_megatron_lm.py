@@ -33,7 +33,7 @@ import torch
 
 from megatron_zpp import training
 from megatron_zpp.checkpoint import mcore
-from megatron_zpp.checkpoint.sharded import save_full_dcp
+from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT
 from tests.checkpoint.test_mcore import (
     GPT_FLAGS,

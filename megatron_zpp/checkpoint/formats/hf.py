@@ -83,7 +83,7 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     """(our weights, checkpoint dir) of a HF Llama, GPT-2 or remote-code GLA/hybrid directory, saved as a
     weights-only checkpoint. Every fault is one line: "cannot import <hf_dir>: <what>"."""
-    from ..sharded import save_weights
+    from ..save import save_weights
 
     try:
         hf_cfg = hf_files.read_config(hf_dir)
