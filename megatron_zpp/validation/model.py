@@ -11,7 +11,7 @@ from .parallel import chunk_layer_counts
 
 def check_model(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    tp, cp, s = p.tensor_model_parallel_size, p.context_parallel_size, m.seq_length // p.context_parallel_size
     halo = m.mixer_of_kind(m.attention_type).halo_tokens  # the previous CP slice's tokens a convolution reads
     return failed(
         [
@@ -55,9 +55,8 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
             ),
             (
-                m.attention_type == "softmax" or (m.seq_length // cp) % derived(m.linear_chunk_size) == 0,
-                f"sequence per CP rank {m.seq_length // cp} is not divisible by "
-                f"--linear-chunk-size {m.linear_chunk_size}",
+                m.attention_type == "softmax" or s % derived(m.linear_chunk_size) == 0,
+                f"sequence per CP rank {s} is not divisible by --linear-chunk-size {m.linear_chunk_size}",
             ),
             (
                 cp == 1 or m.seq_length // cp >= halo,
