@@ -11,7 +11,7 @@ Imports nothing of ours: config/model.py builds these from its fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GDN_CONV_KERNEL = 4  # fla's and Qwen3-Next's short convolution
 
@@ -69,6 +69,7 @@ class MixerShape:
         proj = 2 * (hidden * (sum(self.sections) + self.replicated) + self.out_width * hidden)
         if self.kind == "softmax":
             return proj + 2 * seq * width
+        assert self.chunk is not None, "a linear mixer's FLOPs need its chunk (validation derives it)"
         if self.kind == "gla":  # the chunked form: C per key width, the state's two d x d products
             low_up = 2 * self.replicated * width  # W_up: [r] -> width
             return proj + low_up + 2 * width * (self.chunk + 2 * self.key_dim)
@@ -102,12 +103,13 @@ def mixer_shape(
         sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim)
         return MixerShape(kind, sections, width, heads, head_dim, head_dim, kv_heads=kv_heads)
     # a linear mixer: a K x V state per head (K = V = head dim), run in chunks
-    linear = dict(heads=heads, key_dim=head_dim, value_dim=head_dim, chunk=chunk)
+    linear = MixerShape(kind, (), width, heads, head_dim, head_dim, chunk=chunk)
     if kind == "gla":  # q | k | v | output gate (| decay gate at full rank)
         sections = (width,) * (4 if gla_gate_low_rank else 5)
-        return MixerShape(kind, sections, width, replicated=gla_gate_low_rank, transition="decay", **linear)
+        return replace(linear, sections=sections, replicated=gla_gate_low_rank, transition="decay")
     if kind == "gdn":  # q | k | v | output gate, and a | b per head; the convolution over q | k | v
         sections = (width,) * 4 + (heads, heads)
-        conv = dict(conv_channels=3 * width, conv_kernel=GDN_CONV_KERNEL)
-        return MixerShape(kind, sections, width, transition="dense", **conv, **linear)
+        return replace(
+            linear, sections=sections, conv_channels=3 * width, conv_kernel=GDN_CONV_KERNEL, transition="dense"
+        )
     raise ValueError(f"unknown mixer kind {kind!r}")
