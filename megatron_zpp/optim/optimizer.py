@@ -79,12 +79,7 @@ def decoupled_lr_params(chunk) -> set[int]:
 def qk_norm_params(chunk) -> set[int]:
     """ids of the parameters of a model chunk's query/key norms (--qk-layernorm), which
     --apply-wd-to-qk-layernorm decays (Megatron's names: `q_layernorm.`, `k_layernorm.`; ours: `q_norm.`, `k_norm.`)."""
-    return {
-        id(p)
-        for _, block in chunk.parts().layers
-        for name, p in block.mixer.named_parameters()
-        if name.startswith(("q_norm.", "k_norm."))
-    }
+    return {id(p) for name, p in chunk.named_parameters() if ".mixer.q_norm." in name or ".mixer.k_norm." in name}
 
 
 def adamw_groups(
