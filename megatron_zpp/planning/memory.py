@@ -77,6 +77,7 @@ class Dims:
     rope: bool = True  # RoPE rotates q and k into new tensors (learned or no positions: views of qkv)
     cp: int = 1  # context-parallel ranks
     cp_gather: bool = False  # --cp-algo all-gather: every rank's state transition is kept for the backward
+    linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
 
     @property
     def width(self) -> int:
@@ -108,7 +109,12 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         rope=m.position_embedding_type == "rope",
         cp=cp,
         cp_gather=p.cp_algo == "all-gather",
+        linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
     )
+
+
+def _linear_proj(mixer, tp: int) -> int:
+    return sum(mixer.sections) // tp + mixer.replicated
 
 
 # ---------------------------------------------------------------- activations (closed forms)
@@ -162,7 +168,7 @@ def gla_layer(x: Dims, selective: bool) -> int:
     g), the operator's output in fp32, rms_norm's fp32 x * rstd and rstd, the output gate's two
     factors (e); norm2, the MLP, hidden dropout masks."""
     bs, w = x.b * x.s, x.width
-    proj = linear_input(x) + x.e * bs * ((4 if x.low_rank else 5) * w + x.low_rank + w)
+    proj = linear_input(x) + x.e * bs * (x.linear_proj + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if (x.low_rank or x.e != 4) else 0
@@ -178,7 +184,7 @@ def gdn_layer(x: Dims, selective: bool) -> int:
     output, the head norm's normalised and weighted products and silu(gate) (4 fp32 width; the gate's fp32
     copy for bf16); norm2, the MLP, hidden dropout masks."""
     bs, w = x.b * x.s, x.width
-    proj = linear_input(x) + x.e * bs * (5 * w + 2 * x.heads)
+    proj = linear_input(x) + x.e * bs * (x.linear_proj + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if x.e != 4 else 0
@@ -212,7 +218,7 @@ def gdn_backward_live(x: Dims) -> int:
     to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the operator
     of context_parallel/gdn.py, 22.2 + 11.6 C/d + 7.0 d/C, and `gdn_cp_saved`."""
     bs, w, C, d = x.b * x.s, x.width, x.chunk, x.d
-    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + 4 * w + 2 * x.heads)
+    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + x.linear_proj)
     kept += gdn_conv_saved(x) + x.e * bs * 5 * w + bs * 40 * x.heads + gdn_cp_saved(x)
     if x.cp > 1:  # the local pass on V + K value columns: a wider working set (same fit, context_parallel/gdn.py)
         return kept + int(4 * bs * w * (22.2 + 11.6 * C / d + 7.0 * d / C))
@@ -286,7 +292,7 @@ def gla_backward_live(x: Dims) -> int:
     product forming dk (3), the entering states and their gradient (2 d / C)."""
     bs, w, C = x.b * x.s, x.width, x.chunk
     c = sub_block(C)
-    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + (4 if x.low_rank else 5) * w + x.low_rank)
+    kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + x.linear_proj)
     kept += bs * ((4 * w if (x.low_rank or x.e != 4) else 0) + 8 * w)
     units = 6 + 2 + (c - 1) / 2 + 2 + 2 * (C // c) + C / x.d + 3 + 2 * x.d / C
     return kept + int(4 * bs * w * units)
