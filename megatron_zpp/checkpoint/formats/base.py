@@ -52,3 +52,18 @@ def special_token_ids(tokenizer) -> dict:
     ids = {"bos_token_id": getattr(tokenizer, "bos", None), "eos_token_id": tokenizer.eod}
     ids["pad_token_id"] = getattr(tokenizer, "pad", None)
     return {k: v for k, v in ids.items() if v is not None}
+
+
+def decoder_config(hf: dict):
+    """Our Config with what every HF decoder config.json we import says alike: layers, width, (GQA) heads, the
+    MLP width, vocabulary and positions; dropout 0 (the exports hold none; a format may set its own)."""
+    from ...config import Config
+
+    cfg = Config()
+    m, heads = cfg.model, hf["num_attention_heads"]
+    m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hf["hidden_size"], heads
+    m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
+    m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
+    return cfg

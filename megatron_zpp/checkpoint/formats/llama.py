@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...progress import progress
-from .base import ConversionError, special_token_ids
+from .base import ConversionError, decoder_config, special_token_ids
 
 NAME = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -121,7 +121,6 @@ def from_theirs(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
 def config_from(hf: dict):
     """Our Config of the Llama model a HF config.json describes; refuses what we cannot hold."""
     from ... import hf_remote
-    from ...config import Config
 
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     why = [
@@ -144,13 +143,9 @@ def config_from(hf: dict):
     ]
     if why:
         raise ConversionError("; ".join(why))
-    cfg = Config()
+    cfg = decoder_config(hf)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
-    m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
-    m.hidden_dropout, m.attention_dropout = 0.0, float(hf.get("attention_dropout", 0.0))  # Llama trains without
-    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
-    m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
+    m.attention_dropout = float(hf.get("attention_dropout", 0.0))  # Llama trains without
     m.norm_epsilon, m.rotary_base = hf.get("rms_norm_eps", 1e-6), float(hf.get("rope_theta", 10000.0))
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.attention_type = "RMSNorm", "swiglu", "softmax"

@@ -25,7 +25,7 @@ import torch
 
 from ... import hf_remote
 from ...config.shapes import GDN_CONV_KERNEL
-from .base import ConversionError, special_token_ids
+from .base import ConversionError, decoder_config, special_token_ids
 
 NAME = "remote"
 ARCHITECTURE = hf_remote.ARCHITECTURE
@@ -205,8 +205,6 @@ def config_from(hf: dict):
 
 
 def _config_from_remote(hf: dict):
-    from ...config import Config
-
     heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
     linear = hf.get("linear_attention_type", "gla")
     period = _hybrid_period(kinds, linear) if set(kinds) <= {LINEAR, FULL} and linear in ("gla", "gdn") else None
@@ -235,13 +233,8 @@ def _config_from_remote(hf: dict):
     ]
     if why:
         raise ConversionError("; ".join(why))
-    cfg = Config()
+    cfg = decoder_config(hf)  # dropout 0: the exported model has none (Megatron's default is 0.1)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hidden, heads
-    m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
-    m.hidden_dropout = m.attention_dropout = 0.0  # the exported model has none (Megatron's default is 0.1)
-    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
-    m.max_position_embeddings = m.seq_length = hf.get("max_position_embeddings", m.seq_length)
     assert period is not None  # refused above otherwise
     m.attention_type, m.softmax_attention_every = period
     m.normalization, m.norm_epsilon, m.activation = hf["normalization"], hf["norm_eps"], hf["activation"]
