@@ -163,7 +163,7 @@ REFUSED = {
     "--model-parallel-size": "deprecated in Megatron-LM: use --tensor-model-parallel-size",
     "--checkpoint-activations": "deprecated in Megatron-LM: use --recompute-granularity full",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 here: drop it",
-    "--save-tokens-per-expert-interval": "mixture of experts is not built (dense MLPs only): drop it",
+    "--save-tokens-per-expert-interval": "not built: the log line carries each MoE layer's min/max expert load; drop it",
     "--dist-ckpt-format": "deprecated in Megatron-LM: use --ckpt-format",
     **dict.fromkeys(
         [
@@ -231,7 +231,7 @@ FAMILIES = [
     ),
     (
         "MoE",
-        "mixture of experts is not built (dense MLPs only): drop it",
+        "this option of Megatron's mixture of experts is not built (those in --help are): drop it",
         _any(
             _groups("moe"),
             _starts("--moe-", "--num-experts", "--expert-", "--inference-moe-", "--ep-overlap-"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fields import opt
+from .moe import MoEFields
 from .shapes import FfnShape, MixerShape, mixer_shape
 
 
@@ -16,7 +17,7 @@ def default_linear_chunk_size(device_type: str) -> int:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MoEFields):
     num_layers: int = opt(4, "--num-layers", "number of transformer layers")
     hidden_size: int = opt(128, "--hidden-size", "model width")
     num_attention_heads: int = opt(4, "--num-attention-heads", "attention heads (query heads)")
@@ -266,5 +267,10 @@ class ModelConfig:
         )
 
     def ffn(self, layer: int) -> FfnShape:
-        """The feed-forward network of global layer `layer` (dense in every layer today)."""
-        return FfnShape("dense", self.ffn_size, self.activation == "swiglu")
+        """The feed-forward network of global layer `layer`: a dense MLP, or routed experts (--num-experts,
+        --moe-layer-freq) with their top-k and the shared expert's width."""
+        gated = self.activation == "swiglu"
+        if not self.is_moe_layer(layer):
+            return FfnShape("dense", self.ffn_size, gated)
+        shared = self.moe_shared_expert_intermediate_size or 0
+        return FfnShape("moe", self.expert_ffn_size, gated, self.num_experts or 0, self.moe_router_topk, shared)

@@ -38,6 +38,17 @@ class ParallelConfig:
         None, "--decoder-last-pipeline-num-layers", "layers on the last pipeline stage (default: even split)"
     )
     context_parallel_size: int = opt(1, "--context-parallel-size", "CP: ranks that split each sequence")
+    expert_model_parallel_size: int = opt(
+        1,
+        "--expert-model-parallel-size",
+        "EP: ranks that split the routed experts of each MoE layer, carved (as Megatron) from the TP x CP x DP ranks "
+        "of a pipeline stage; the ranks holding the same experts form the expert-data-parallel group",
+    )
+    expert_tensor_parallel_size: int | None = opt(
+        None,
+        "--expert-tensor-parallel-size",
+        "ranks that split each routed expert's width (default --tensor-model-parallel-size, as Megatron)",
+    )
     sequence_parallel: bool = opt(False, "--sequence-parallel", "Megatron sequence parallelism in norm/dropout regions")
     cp_algo: str = opt(
         "all-scan",

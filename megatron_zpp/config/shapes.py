@@ -80,18 +80,28 @@ class MixerShape:
 
 @dataclass(frozen=True)
 class FfnShape:
-    """One block's feed-forward network: dense today (a mixture of experts is one more kind)."""
+    """One block's feed-forward network: a dense MLP, or a mixture of experts (each token through `topk` of
+    `num_experts` experts of width `hidden`, plus a dense shared expert of width `shared_hidden` if nonzero)."""
 
-    kind: str  # "dense"
+    kind: str  # "dense" or "moe"
     hidden: int  # the inner width (per expert for a mixture)
     gated: bool  # SwiGLU: fc1 has gate | up sections
+    num_experts: int = 0
+    topk: int = 0
+    shared_hidden: int = 0
 
     @property
     def sections(self) -> tuple[int, ...]:
         return (self.hidden, self.hidden) if self.gated else (self.hidden,)
 
     def forward_flops_per_token(self, model_hidden: int) -> float:
-        return 2 * model_hidden * (sum(self.sections) + self.hidden)
+        """Matmul FLOPs of one token's forward: the MLP it passes through (top-k experts and the shared one,
+        and the router's logits for a mixture)."""
+        per_mlp = 2 * model_hidden * (sum(self.sections) + self.hidden)
+        if self.kind == "dense":
+            return per_mlp
+        shared = 2 * model_hidden * (self.shared_hidden * (3 if self.gated else 2))
+        return self.topk * per_mlp + shared + 2 * model_hidden * self.num_experts
 
 
 def mixer_shape(

@@ -118,13 +118,21 @@ class RankInit:
 
     `chunks` name the parameters (named_parameters: global layer indices, so every layout seeds
     alike); `fill(p, dest, start)` writes elements [start, start + len(dest)) of this TP rank's
-    flattened shard of p's init into the 1-D `dest`, drawing p's full weight for the call only."""
+    flattened shard of p's init into the 1-D `dest`, drawing p's full weight for the call only.
+    Routed experts' weights are split over expert TP (`expert_tp`: this rank's (rank, size) in it)."""
 
-    def __init__(self, chunks, seed: int, tp_rank: int, tp_size: int, device: torch.device):
-        self.seed, self.tp_rank, self.tp_size, self.device = seed, tp_rank, tp_size, torch.device(device)
+    def __init__(
+        self, chunks, seed: int, tp_rank: int, tp_size: int, device: torch.device, expert_tp: tuple[int, int] = (0, 1)
+    ):
+        self.seed, self.device = seed, torch.device(device)
+        self.tp, self.expert_tp = (tp_rank, tp_size), expert_tp
         # by parameter, read now: a unit empties its parameters' data once it owns their values
         self.names = {id(p): n for c in chunks for n, p in c.named_parameters()}
-        self.full_shapes = {id(p): full_shape(p, tp_size) for c in chunks for p in c.parameters()}
+        self.full_shapes = {id(p): full_shape(p, self.split(p)[1]) for c in chunks for p in c.parameters()}
+
+    def split(self, p: nn.Parameter) -> tuple[int, int]:
+        """(rank, size) of the group `p`'s tp_split cuts it over: expert TP for a routed expert, else TP."""
+        return self.expert_tp if getattr(p, "expert_parallel", False) else self.tp
 
     @torch.no_grad()
     def fill(self, p: nn.Parameter, dest: torch.Tensor, start: int = 0) -> None:
@@ -135,7 +143,7 @@ class RankInit:
             dest.zero_()
         else:
             full = full_init(self.names[id(p)], self.full_shapes[id(p)], rule, self.seed)
-            copy_tp_range(dest, full, getattr(p, "tp_split", None), self.tp_rank, self.tp_size, start)
+            copy_tp_range(dest, full, getattr(p, "tp_split", None), *self.split(p), start)
 
 
 def swap_in(p: nn.Parameter, data: torch.Tensor) -> None:

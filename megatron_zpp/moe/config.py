@@ -70,3 +70,37 @@ def _problem(c: MoEConfig) -> str | None:
     if c.shared_expert_gate and not c.shared_expert_size:
         return "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"
     return None
+
+
+def from_model_config(m) -> MoEConfig:
+    """The MoE layer's settings from the model config's --num-experts / --moe-* fields (config/moe.py)."""
+    return MoEConfig(
+        num_experts=m.num_experts,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.expert_ffn_size,
+        topk=m.moe_router_topk,
+        score_function=m.moe_router_score_function,
+        pre_softmax=m.moe_router_pre_softmax,
+        topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        num_groups=m.moe_router_num_groups,
+        group_topk=m.moe_router_group_topk,
+        enable_expert_bias=m.moe_router_enable_expert_bias,
+        bias_update_rate=m.moe_router_bias_update_rate,
+        load_balancing_type=m.moe_router_load_balancing_type,
+        aux_loss_coeff=m.moe_aux_loss_coeff,
+        z_loss_coeff=m.moe_z_loss_coeff,
+        capacity_factor=m.moe_expert_capacity_factor,
+        pad_to_capacity=m.moe_pad_expert_input_to_capacity,
+        activation="swiglu" if m.activation == "swiglu" else "gelu",
+        shared_expert_size=m.moe_shared_expert_intermediate_size,
+        shared_expert_gate=m.moe_shared_expert_gate,
+    )
+
+
+def config_problem(m) -> str | None:
+    """The first inconsistency of the model config's MoE fields as the layer sees them, in one line."""
+    try:
+        from_model_config(m)
+    except ValueError as e:
+        return str(e).removeprefix("MoEConfig: ")
+    return None

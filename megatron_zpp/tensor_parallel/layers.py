@@ -48,6 +48,12 @@ def mark(
     return param
 
 
+def is_expert(param) -> bool:
+    """A routed expert's weight (moe/experts.py): held by its expert-parallel rank only, split over the
+    expert-TP group (not TP), its gradient summed over the expert-data-parallel group (not DP x CP)."""
+    return getattr(param, "expert_parallel", False)
+
+
 def shard(full: torch.Tensor, tp_split: tuple | None, rank: int, size: int) -> torch.Tensor:
     """This TP rank's piece of a full tensor."""
     if tp_split is None or size == 1:

@@ -40,8 +40,8 @@ def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
 
 def rank_init(cfg: Config, groups: ProcessGroups, chunks: list[GPT], device: torch.device) -> RankInit:
     """What fills this rank's parameters on `device`: the single-rank weights of the seed, cut to its
-    TP rank (model/init.py)."""
-    return RankInit(chunks, cfg.train.seed, groups.tp_rank, groups.tp.size, device)
+    TP rank (model/init.py), a routed expert's to its expert-TP rank."""
+    return RankInit(chunks, cfg.train.seed, groups.tp_rank, groups.tp.size, device, (groups.etp.rank, groups.etp.size))
 
 
 def build_model(

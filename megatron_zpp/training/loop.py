@@ -184,15 +184,16 @@ def _norms(run: Run) -> dict:
     """--log-params-norm, --log-num-zeros-in-grad: collectives on every rank at every step they are on."""
     out = {}
     if run.cfg.log.log_params_norm:
-        out["params_norm"] = global_grad_norm(*run.dp.counted_tensors("params"), phase="params_norm")
+        out["params_norm"] = global_grad_norm(run.dp.counted_parts("params"), phase="params_norm")
     if run.cfg.log.log_num_zeros_in_grad:
-        grads, groups = run.dp.counted_tensors("grads")
-        zeros = torch.zeros(1, dtype=torch.float64, device=run.device)
-        for g in grads:
-            zeros += (g == 0).sum()
-        for group in groups:
-            comm.all_reduce(zeros, group, "num_zeros")
-        out["num_zeros"] = int(zeros.item())
+        out["num_zeros"] = 0
+        for grads, groups in run.dp.counted_parts("grads"):
+            zeros = torch.zeros(1, dtype=torch.float64, device=run.device)
+            for g in grads:
+                zeros += (g == 0).sum()
+            for group in groups:
+                comm.all_reduce(zeros, group, "num_zeros")
+            out["num_zeros"] += int(zeros.item())
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 from ..model.init import materialize
 from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counted_once, finalize_model_grads
 from ..optim.optimizer import decoupled_lr_params, qk_norm_params
+from ..tensor_parallel.layers import is_expert
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked, numbered_layout, param_slot
 from .grad_buffer import GradBuffer
@@ -51,10 +52,15 @@ class DDPEngine(DataParallelEngine):
             materialize(chunks, init)
         chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
         self.params = [p for ps in chunk_params for p in ps]
+        self.moe = any(c.cfg.num_experts for c in chunks)  # alike on every rank: the norm's collectives
         self.overlap = zero_cfg.overlap_grad_reduce and groups.dp_cp.size > 1
         bucket = (zero_cfg.ddp_bucket_size or default_bucket_numel(groups.dp_cp.size)) if self.overlap else None
         wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32
-        self.grads = GradBuffer(chunk_params, groups.dp_cp, bucket, wire)
+        dense = [[p for p in ps if not is_expert(p)] for ps in chunk_params]
+        self.grads = GradBuffer(dense, groups.dp_cp, bucket, wire)
+        # routed experts: summed over the ranks holding the same experts, averaged over the model replicas
+        experts = [[p for p in ps if is_expert(p)] for ps in chunk_params]
+        self.expert_grads = GradBuffer(experts, groups.edp, bucket, wire, groups.dp_cp.size) if self.moe else None
         if self.overlap:
             warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
             for c, chunk in enumerate(chunks):
@@ -73,42 +79,61 @@ class DDPEngine(DataParallelEngine):
             else f"{len(self.grads.buckets)} bucket(s) after the backward"
         )
         wire = str(self.grads.wire).removeprefix("torch.")
+        experts = ""
+        if self.expert_grads is not None:
+            e = self.groups.edp
+            experts = f"; routed experts' gradients over the expert-data-parallel group ({e.size} ranks, {e.link})"
         return (
             f"data parallel: plain, fp32 gradients all-reduced in {wire} over DP x CP ({g.size} ranks, {g.link}): {how}"
+            + experts
         )
 
     def _backward_hook(self, c: int):
         def hook(module, grad_output):
             if self.grads.last[c]:  # the step's last backward of the chunk: start its buckets at its end
-                torch.autograd.Variable._execution_engine.queue_callback(lambda: self.grads.flush(c))
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._flush(c))
 
         return hook
 
+    def _buffers(self) -> list[GradBuffer]:
+        return [self.grads] + ([self.expert_grads] if self.expert_grads is not None else [])
+
+    def _flush(self, c: int) -> None:
+        for buffer in self._buffers():
+            buffer.flush(c)
+
     def zero_grad(self) -> None:
-        self.grads.zero()
+        for buffer in self._buffers():
+            buffer.zero()
 
     def set_last_micro_batch(self, chunk: int, last: bool) -> None:
         if self.overlap:
-            self.grads.set_last_micro_batch(chunk, last)
+            for buffer in self._buffers():
+                buffer.set_last_micro_batch(chunk, last)
 
     def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         g = self.groups
-        self.grads.finish()
+        for buffer in self._buffers():
+            buffer.finish()
         tied_embeddings = [part.tied_embedding for part in (c.parts() for c in self.chunks)]
         tied = [e.weight.main_grad for e in tied_embeddings if e is not None and e.weight.requires_grad]
         finalize_model_grads([p.main_grad for p in self.params if getattr(p, "tp_partial_grad", False)], tied, g)
-        counted = [p.main_grad for p in self.params if counted_once(p, g.tp_rank, g.is_first_stage)]
-        norm = clip_by_global_norm(counted, [p.main_grad for p in self.params], [g.mp], self.clip, loss_scale)
+        parts = self.counted_parts("grads")
+        norm = clip_by_global_norm(parts, [p.main_grad for p in self.params], self.clip, loss_scale)
         check = check_step(loss, norm, g.world, self.params[0].device, loss_scale, skip_nonfinite)
         if check.applied:
             self.optimizer.step(lr)
         return check
 
-    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+    def counted_parts(self, kind: str) -> list[tuple[list[torch.Tensor], list]]:
         g = self.groups
         pairs = zip(self.optimizer.params, self.optimizer.masters)
         once = [(p, m) for p, m in pairs if counted_once(p, g.tp_rank, g.is_first_stage)]
-        return [m if kind == "params" else p.main_grad for p, m in once], [g.mp]
+        dense = [m if kind == "params" else p.main_grad for p, m in once if not is_expert(p)]
+        if not self.moe:
+            return [(dense, [g.mp])]
+        experts = [m if kind == "params" else p.main_grad for p, m in once if is_expert(p)]
+        return [(dense, [g.mp]), (experts, [g.expert_mp])]
 
     # ---- state -------------------------------------------------------------------------
     @staticmethod

@@ -63,8 +63,9 @@ class RankLayout:
 
 
 def param_slot(chunk, key: str, lo: int, hi: int, name: str, p, start: int, master_key: str | None = None) -> Slot:
-    """The slot of parameter `p` (named `name` in its model chunk), its AdamW index still unset."""
-    tp = chunk.ctx.tp
+    """The slot of parameter `p` (named `name` in its model chunk), its AdamW index still unset. A routed
+    expert's tp_split cuts it over expert TP."""
+    tp = chunk.ctx.etp if getattr(p, "expert_parallel", False) else chunk.ctx.tp
     tp_size = 1 if tp is None else tp.size
     return Slot(
         key=key,
@@ -138,10 +139,11 @@ class DataParallelEngine(ABC):
         before clipping, what was finite, whether AdamW stepped). With `loss_scale` (--fp16) the
         gradients are first divided by it."""
 
-    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+    def counted_parts(self, kind: str) -> list[tuple[list[torch.Tensor], list]]:
         """("params" | "grads"): this rank's fp32 master weights or gradients (after `step`, before the
         next `zero_grad`), each parameter counted once over TP/PP and DP shards as the gradient norm
-        counts it, and the groups to sum over (--log-params-norm, --log-num-zeros-in-grad)."""
+        counts it, with the groups to sum over: one part for the dense parameters and, in a model with
+        routed experts, one for them (--log-params-norm, --log-num-zeros-in-grad, the clipping)."""
         raise NotImplementedError(type(self).__name__)
 
     @abstractmethod

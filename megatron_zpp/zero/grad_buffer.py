@@ -61,14 +61,18 @@ class GradBuffer:
         group: Group,
         bucket_numel: int | None,
         wire: torch.dtype = torch.float32,
+        mean_over: int | None = None,
     ):
         """chunk_params: each model chunk's parameters (requires_grad) in model order;
         bucket_numel: elements per bucket (None: one bucket per chunk); wire: the dtype the
-        buckets are all-reduced in (--grad-reduce-in-bf16: bf16; they accumulate in fp32)."""
+        buckets are all-reduced in (--grad-reduce-in-bf16: bf16; they accumulate in fp32);
+        mean_over: what the sum is divided by (default the group's size; routed experts summed over
+        the expert-data-parallel group are divided by DP x CP, the model replicas)."""
         self.group, self.wire = group, wire
+        self.mean_over = group.size if mean_over is None else mean_over
         order = [(c, p) for c in reversed(range(len(chunk_params))) for p in reversed(chunk_params[c])]
         self.params = [p for _, p in order]
-        device = self.params[0].device
+        device = self.params[0].device if self.params else None
         self.data = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32, device=device)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
@@ -151,5 +155,5 @@ class GradBuffer:
             if bucket.wire is not None:
                 bucket.data.copy_(bucket.wire)
         self._reset()
-        if self.group.size > 1:
-            self.data.div_(self.group.size)
+        if self.mean_over > 1:
+            self.data.div_(self.mean_over)

@@ -77,7 +77,8 @@ def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
     emb = by_name.get("embedding")
     order = [emb] if emb is not None and chunk.post_process and not chunk.pre_process else []
     order += [by_name["head"]] if "head" in by_name else []
-    order += reversed([u for u in units if u.module is not None])
+    for block in reversed([u for u in units if u.module is not None]):  # a block's experts end before it
+        order += block.companions + [block]
     order += [emb] if emb is not None and emb not in order else []
     return order + [u for u in units if u not in order]
 
@@ -220,13 +221,13 @@ class ReduceSchedule:
         lease = self.buffers.lease()
         flat = self.grads[unit].hand_over(lease)  # no gradient this micro-batch: zeros
         reduction: HierarchicalReduceScatter | ReduceScatter
-        if self.hops is not None:
+        if self.hops is not None and unit.group is self.group:
             phase = "qgz_grad" if self.bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
                 flat, self.hops, phase, self.bits, self.block, self.stochastic, self.wire, self.streams, lease
             )
         else:
-            reduction = ReduceScatter(flat, self.group, "zero_grad_reducescatter", self.wire, self.streams[0], lease)
+            reduction = ReduceScatter(flat, unit.group, "zero_grad_reducescatter", self.wire, self.streams[0], lease)
         pending = PendingReduce(unit, reduction, lease)
         if self.enqueue_whole_chain:  # every hop enqueued now, on its stream; the host moves on
             pending.done = reduction.finish(unit.grad_shard)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..model.init import swap_in
+from ..tensor_parallel.layers import is_expert
 from ..topology import Group
 from .engine import RankLayout, numbered_layout, param_slot
 from .gather import PendingGather, SecondaryShard, all_gather_weights
@@ -62,7 +63,9 @@ START_UNITS = ("embedding", "position_embeddings")
 def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
     """(name, params, module) per unit of a model chunk (a GPT, walked by its `parts()`): the
     embedding (and the learned positions, see START_UNITS), each block, the head (final norm,
-    untied output layer). Blocks carry their module (stage 3 hooks it)."""
+    untied output layer). Blocks carry their module (stage 3 hooks it). A block with routed experts
+    also gives a unit of its expert weights, `layer{i}.experts` (is_expert_unit; sharded over the
+    expert-data-parallel group, gathered and freed with its block), right after the block's."""
     parts = chunk.parts()
     units = []
     if parts.embedding is not None:
@@ -70,11 +73,22 @@ def model_units(chunk) -> list[tuple[str, list, torch.nn.Module | None]]:
     if parts.position_embeddings is not None:  # a unit of its own: the tied twin has none
         units.append(("position_embeddings", list(parts.position_embeddings.parameters()), None))
     for idx, block in parts.layers:
-        units.append((f"layer{idx}", list(block.parameters()), block))
+        params = list(block.parameters())
+        units.append((f"layer{idx}", [p for p in params if not is_expert(p)], block))
+        experts = [p for p in params if is_expert(p)]
+        if experts:
+            units.append((f"layer{idx}{EXPERTS_SUFFIX}", experts, None))
     head = [p for m in (parts.final_norm, parts.output) if m is not None for p in m.parameters()]
     if head:
         units.append(("head", head, None))
     return units
+
+
+EXPERTS_SUFFIX = ".experts"
+
+
+def is_expert_unit(name: str) -> bool:
+    return name.endswith(EXPERTS_SUFFIX)
 
 
 def shard_layout(chunks, group_rank: int, group_size: int, block: int, key_of) -> RankLayout:
@@ -119,6 +133,7 @@ class FlatUnit:
         embedding whose twin is the output layer on the other end stage; `gather_stream`: the engine's
         all-gather stream (None: the current one)."""
         self.name, self.params, self.group, self.sharded_weights = name, params, group, sharded_weights
+        self.companions: list[FlatUnit] = []  # units gathered and freed with this one (a block's experts)
         self.qwz_block = qwz_block
         self.module, self.chunk, self.tied, self.gather_stream = module, chunk, tied, gather_stream
         p0 = params[0]
@@ -177,7 +192,10 @@ class FlatUnit:
 
     # ---- parameter gathering (stage 3) -----------------------------------------------
     def start_gather(self, backward: bool) -> None:
-        """Issue the all-gather of this unit's full weights (async; `wait_gather` ends it)."""
+        """Issue the all-gather of this unit's full weights (async; `wait_gather` ends it), its companions'
+        first."""
+        for unit in self.companions:
+            unit.start_gather(backward)
         if self.gathered or self._gather is not None:
             return
         if self._views is None:  # a sharded start-up: the first gather allocates the full buffer
@@ -195,6 +213,8 @@ class FlatUnit:
             self._gather = all_gather_weights(self.full, self.shard, self.group, phase, self.qwz_block, stream)
 
     def wait_gather(self) -> None:
+        for unit in self.companions:
+            unit.wait_gather()
         if self.gathered:
             return
         if self._gather is None:
@@ -211,7 +231,9 @@ class FlatUnit:
 
     def release(self) -> None:
         """Free the full weights (stage 3); the shard stays. A prefetch in flight is
-        finished first (its buffer is the storage being freed) and dropped."""
+        finished first (its buffer is the storage being freed) and dropped. Its companions too."""
+        for unit in self.companions:
+            unit.release()
         self._drop_gather()
         if self.sharded_weights and self.gathered:
             self.full.untyped_storage().resize_(0)

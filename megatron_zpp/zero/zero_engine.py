@@ -47,12 +47,13 @@ import torch
 from ..model.init import materialize
 from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, finalize_model_grads, set_rates
 from ..optim.optimizer import decoupled_lr_params, qk_norm_params
+from ..tensor_parallel.layers import is_expert
 from ..topology import ProcessGroups
 from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked
 from .gather_schedule import GatherSchedule, install_gather_waits
 from .reduce_buffers import ReduceBuffers
 from .reduce_schedule import ReduceSchedule
-from .sharded_params import FlatUnit, model_units, pad_block, shard_layout
+from .sharded_params import FlatUnit, is_expert_unit, model_units, pad_block, shard_layout
 from .stage_policy import stage_policy
 
 
@@ -68,6 +69,7 @@ class ZeroEngine(DataParallelEngine):
         self.chunks, self.groups = chunks, groups
         self.policy = stage_policy(zero_cfg.zero_stage)  # what the stage shards, when it reduces
         self.group = groups.dp_cp
+        self.moe = any(c.cfg.num_experts for c in chunks)  # alike on every rank: the norm's collectives
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         self.overlap_gather = zero_cfg.overlap_param_gather and not self.policy.sharded_weights
         self.clip = optim_cfg.clip_grad
@@ -86,17 +88,20 @@ class ZeroEngine(DataParallelEngine):
         self._build_optimizer(optim_cfg)
 
     def _build_units(self, c: int, chunk, zero_cfg, init) -> dict[str, FlatUnit]:
-        """Chunk number `c`'s units by name, in model order."""
+        """Chunk number `c`'s units by name, in model order. A block's routed experts are a unit of their own
+        over the expert-data-parallel group, gathered and freed with the block (its companion)."""
         hpz = self.groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
         qwz = zero_cfg.zero_quantization_block_size if zero_cfg.zero_quantized_weights else None
-        return {
-            name: FlatUnit(
+        units: dict[str, FlatUnit] = {}
+        for name, params, module in model_units(chunk):
+            expert = is_expert_unit(name)
+            units[name] = FlatUnit(
                 name,
                 params,
-                self.group,
+                self.groups.edp if expert else self.group,
                 self.policy.sharded_weights,
                 pad_block(zero_cfg),
-                hpz=hpz,
+                hpz=None if expert else hpz,
                 qwz_block=qwz,
                 init=init,
                 module=module,
@@ -104,8 +109,9 @@ class ZeroEngine(DataParallelEngine):
                 tied=name == "embedding" and chunk.tied,  # its twin on the other end stage
                 gather_stream=self.gather_stream,
             )
-            for name, params, module in model_units(chunk)
-        }
+            if expert:
+                units[name.rsplit(".", 1)[0]].companions.append(units[name])
+        return units
 
     def _build_optimizer(self, optim_cfg) -> None:
         """AdamW over views of the fp32 master shards, one per trainable parameter piece in the shard."""
@@ -185,14 +191,13 @@ class ZeroEngine(DataParallelEngine):
             u.grad_shard[a:b] for u in self.units for p, a, b, _ in u.segments() if getattr(p, "tp_partial_grad", False)
         ]
         finalize_model_grads(partial, [u.grad_shard for u in self.units if u.tied], self.groups)
-        for unit in self.units:
+        for unit in self.units:  # the mean over the model replicas (routed experts: summed over their group)
             unit.grad_shard.div_(self.group.size)
 
     def step(self, lr, loss_scale: float | None = None, loss: float = 0.0, skip_nonfinite: bool = True):
         self._finish_grads()
-        counted, groups = self.counted_tensors("grads")
         shards = [u.grad_shard for u in self.units]
-        norm = clip_by_global_norm(counted, shards, groups, self.clip, loss_scale)
+        norm = clip_by_global_norm(self.counted_parts("grads"), shards, self.clip, loss_scale)
         set_rates(self.optimizer, lr)  # optim.Rates (or one float lr)
         for unit, a, b, view in self.opt_segments:
             view.grad = unit.grad_shard[a:b]
@@ -205,15 +210,15 @@ class ZeroEngine(DataParallelEngine):
             unit.set_shard(unit.master, wait=not self.overlap_gather)
         return check
 
-    def counted_tensors(self, kind: str) -> tuple[list[torch.Tensor], list]:
+    def counted_parts(self, kind: str) -> list[tuple[list[torch.Tensor], list]]:
         g = self.groups
-        tensors = [
-            (u.master if kind == "params" else u.grad_shard)[a:b]
-            for u in self.units
-            for p, a, b, _ in u.segments()
-            if counted_once(p, g.tp_rank, g.is_first_stage)
-        ]
-        return tensors, [self.group, g.mp]
+        parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+        for u in self.units:
+            for p, a, b, _ in u.segments():
+                if counted_once(p, g.tp_rank, g.is_first_stage):
+                    parts[is_expert(p)].append((u.master if kind == "params" else u.grad_shard)[a:b])
+        dense = (parts[False], [self.group, g.mp])
+        return [dense, (parts[True], [g.edp, g.expert_mp])] if self.moe else [dense]
 
     # ---- state -------------------------------------------------------------------------
     @staticmethod

@@ -42,11 +42,11 @@ def test_global_grad_norm_matches_fp64_over_mixed_dtypes_and_shapes():
         torch.randn(11, generator=g).bfloat16() * 1e3,
         torch.randn(4, 6, generator=g) * 1e-3,
     ]
-    assert math.isclose(global_grad_norm(grads, []), fp64_norm(grads), rel_tol=1e-12)
+    assert math.isclose(global_grad_norm([(grads, [])]), fp64_norm(grads), rel_tol=1e-12)
 
 
 def test_global_grad_norm_of_nothing_is_zero():
-    assert global_grad_norm([], []) == 0.0
+    assert global_grad_norm([([], [])]) == 0.0
 
 
 def test_clip_scales_by_max_norm_over_norm_plus_eps_when_above():
@@ -69,7 +69,7 @@ def test_clip_by_global_norm_measures_counted_grads_and_clips_all():
     # a duplicate (e.g. the last stage's tied embedding) is clipped but not counted
     counted = torch.tensor([6.0, 8.0], dtype=torch.float64)
     duplicate = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    norm = clip_by_global_norm([counted], [counted, duplicate], [], max_norm=5.0)
+    norm = clip_by_global_norm([([counted], [])], [counted, duplicate], max_norm=5.0)
     assert norm == 10.0
     scale = 5.0 / (10.0 + 1e-6)
     assert torch.equal(counted, torch.tensor([6.0 * scale, 8.0 * scale], dtype=torch.float64))
@@ -89,7 +89,7 @@ def _tp2_norm(rank, world_size):
     split = SimpleNamespace(tp_split=(0, [4]), grad=FULL_SPLIT.chunk(2, dim=0)[groups.tp_rank].clone())
     replicated = SimpleNamespace(tp_split=None, grad=REPLICATED.clone())
     counted = [p.grad for p in (split, replicated) if counted_once(p, groups.tp_rank, groups.is_first_stage)]
-    return global_grad_norm(counted, [groups.mp])
+    return global_grad_norm([(counted, [groups.mp])])
 
 
 def test_tp2_norm_counts_split_shards_and_the_replicated_param_once():
