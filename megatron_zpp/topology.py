@@ -48,6 +48,43 @@ class Group:
         return len(self.ranks)
 
 
+@dataclass(frozen=True)
+class ParallelContext:
+    """The one object through which a model layer knows how it is split over ranks (re-exported by
+    model/context.py; it lives here, beside Group, so that the MoE layers in moe/ can take it without
+    importing the model package that builds them).
+
+    tp: the tensor-parallel group (None or size 1: no TP); sequence_parallel: Megatron's norm/dropout
+    regions sharded on the sequence over TP; cp: the context-parallel group (each rank holds a contiguous
+    slice of every sequence) with the GLA state-passing algorithm and its All-Scan block count.
+    Mixture of experts: ep (expert model parallel: the experts are split over it), etp (expert tensor
+    parallel: each expert's width is split over it), etp_ep (both: the allgather dispatcher's group),
+    tp_cp (the router's balancing losses are summed over it). The default is a single rank."""
+
+    tp: Group | None = None
+    sequence_parallel: bool = False
+    cp: Group | None = None
+    cp_algo: str = "all-scan"
+    all_scan_blocks: int = 0  # 0: chosen from the state size and the link
+    ep: Group | None = None
+    etp: Group | None = None
+    etp_ep: Group | None = None
+    tp_cp: Group | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's slice of the sequence: slices are contiguous and equal, in CP-rank order."""
+        return 0 if self.cp is None else self.cp.rank
+
+
 class Topology:
     """Arithmetic of the grid; no torch.distributed here."""
 
