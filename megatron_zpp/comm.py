@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -72,6 +73,14 @@ class CommLedger:
         rec.gloo_bytes += model_bytes(gloo_op or op, n, nbytes)
         rec.calls += 1
 
+    def add_sent(self, role: str, phase: str, op: str, link: str, sent: float):
+        """A call whose bytes sent are known exactly (an uneven all-to-all: the rows for the other ranks);
+        gloo moves the same."""
+        rec = self.records[(role, phase + self.phase_suffix, op, link)]
+        rec.bytes += sent
+        rec.gloo_bytes += sent
+        rec.calls += 1
+
     def step(self):
         self.steps += 1
 
@@ -117,9 +126,12 @@ class CollectiveOrder:
         self.seq: dict[tuple[str, tuple[int, ...]], list[str]] = defaultdict(list)
         self.p2p: dict[tuple[str, tuple[int, ...]], list[tuple]] = defaultdict(list)
 
-    def record(self, group: Group, op: str, phase: str, tensor: torch.Tensor) -> None:
+    def record(self, group: Group, op: str, phase: str, tensor: torch.Tensor, rows_vary: bool = False) -> None:
+        """rows_vary: the number of rows (dim 0) depends on the data (the MoE token all-to-all): recorded
+        as `v` rows of the fixed row size."""
         if self.enabled or self.keep:
-            desc = f"{op} {phase}{LEDGER.phase_suffix} {tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}"
+            size = f"v*{math.prod(tensor.shape[1:])}" if rows_vary else tensor.numel()
+            desc = f"{op} {phase}{LEDGER.phase_suffix} {size} x {str(tensor.dtype).removeprefix('torch.')}"
             self.seq[(group.role, group.ranks)].append(desc)
 
     def record_p2p(self, group: Group, op: str, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
@@ -298,14 +310,65 @@ def reduce_scatter(
     return None
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, phase: str, async_op: bool = False):
-    """Slice i (dim 0) of `input` goes to group rank i; slice j of `output` comes from j."""
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group,
+    phase: str,
+    async_op: bool = False,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+):
+    """Slice i (dim 0) of `input` goes to group rank i; slice j of `output` comes from j. With split sizes
+    (rows of dim 0 per group rank; both or neither) the slices are uneven (the MoE token exchange): the ledger
+    then records the rows this rank actually sends to the other members (its own slice stays), and the
+    collective order check records their sizes as `v` (data-dependent, legitimately different per rank; the
+    counts exchanged before it, of fixed size, are checked as usual)."""
+    if (output_split_sizes is None) != (input_split_sizes is None):
+        raise ValueError("all_to_all: give both output_split_sizes and input_split_sizes, or neither")
     if _skip(group):
         output.copy_(input)
         return _Done() if async_op else None
-    LEDGER.add(group.role, phase, "all_to_all", group.link, group.size, input.numel() * input.element_size())
-    ORDER.record(group, "all_to_all", phase, input)
-    return dist.all_to_all_single(output, input, group=group.handle, async_op=async_op)
+    if input_split_sizes is None:
+        LEDGER.add(group.role, phase, "all_to_all", group.link, group.size, input.numel() * input.element_size())
+        ORDER.record(group, "all_to_all", phase, input)
+        return dist.all_to_all_single(output, input, group=group.handle, async_op=async_op)
+    row_bytes = math.prod(input.shape[1:]) * input.element_size()
+    sent = (sum(input_split_sizes) - input_split_sizes[group.rank]) * row_bytes
+    LEDGER.add_sent(group.role, phase, "all_to_all", group.link, sent)
+    ORDER.record(group, "all_to_all", phase, input, rows_vary=True)
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group.handle, async_op=async_op
+    )
+
+
+def all_gather_v(input: torch.Tensor, counts: list[int], group: Group, phase: str) -> torch.Tensor:
+    """Every rank's `input` (counts[i] rows on group rank i, dim 0) concatenated in group-rank order: padded
+    to the largest count, all-gathered (what the ledger records), the padding dropped. Counts must be the
+    same list on every rank (exchanged before, with a fixed-size collective)."""
+    if _skip(group):
+        return input
+    most = max(counts)
+    padded = input.new_zeros(most, *input.shape[1:])
+    padded[: input.shape[0]] = input
+    out = input.new_empty(group.size * most, *input.shape[1:])
+    all_gather(out, padded, group, phase)
+    return torch.cat([out[i * most : i * most + c] for i, c in enumerate(counts)])
+
+
+def reduce_scatter_v(input: torch.Tensor, counts: list[int], group: Group, phase: str) -> torch.Tensor:
+    """The sum over the group of `input` (sum(counts) rows, group rank i's block of counts[i] rows after the
+    blocks of the ranks before it), of which this rank keeps its block: each block padded to the largest
+    count, reduce-scattered (what the ledger records), the padding dropped."""
+    if _skip(group):
+        return input
+    most = max(counts)
+    padded = input.new_zeros(group.size, most, *input.shape[1:])
+    for i, block in enumerate(torch.split(input, counts)):
+        padded[i, : counts[i]] = block
+    out = input.new_empty(most, *input.shape[1:])
+    reduce_scatter(out, padded.view(group.size * most, *input.shape[1:]), group, phase)
+    return out[: counts[group.rank]]
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group, phase: str, async_op: bool = False):

@@ -29,6 +29,19 @@ COMPOSITE = {
     "tp_cp": ("tp", "cp"),
     "mp": ("tp", "pp"),  # model-parallel: one model replica's shards (per CP rank)
     "tp_pp_cp": ("tp", "cp", "pp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),  # a whole pipeline stage: the expert-bias token counts are summed here
+}
+
+# The expert grid (Megatron's): within a pipeline stage, the stage's ranks in increasing global-rank order,
+# index i -> etp = i % ETP, ep = (i // ETP) % EP, edp = i // (ETP * EP); megatron-core's expert
+# RankGenerator (order tp-ep-dp-pp) when pp is the outermost axis. Its groups, as Megatron names them:
+EXPERT_AXES = ("etp", "ep", "edp", "pp")  # first fastest
+EXPERT_KINDS = {
+    "ep": ("ep",),  # expert model parallel: the experts are split over it, the token all-to-all runs in it
+    "etp": ("etp",),  # expert tensor parallel: each expert's width is split over it
+    "edp": ("edp",),  # expert data parallel: the ranks holding the same expert shard reduce its grads here
+    "etp_ep": ("etp", "ep"),  # expert tensor-and-model parallel: the allgather dispatcher's group
+    "expert_mp": ("etp", "ep", "pp"),  # every expert piece of the model once: the grad norm's expert squares
 }
 
 
@@ -48,6 +61,43 @@ class Group:
         return len(self.ranks)
 
 
+@dataclass(frozen=True)
+class ParallelContext:
+    """The one object through which a model layer knows how it is split over ranks (re-exported by
+    model/context.py; it lives here, beside Group, so that the MoE layers in moe/ can take it without
+    importing the model package that builds them).
+
+    tp: the tensor-parallel group (None or size 1: no TP); sequence_parallel: Megatron's norm/dropout
+    regions sharded on the sequence over TP; cp: the context-parallel group (each rank holds a contiguous
+    slice of every sequence) with the GLA state-passing algorithm and its All-Scan block count.
+    Mixture of experts: ep (expert model parallel: the experts are split over it), etp (expert tensor
+    parallel: each expert's width is split over it), etp_ep (both: the allgather dispatcher's group),
+    tp_cp (the router's balancing losses are summed over it). The default is a single rank."""
+
+    tp: Group | None = None
+    sequence_parallel: bool = False
+    cp: Group | None = None
+    cp_algo: str = "all-scan"
+    all_scan_blocks: int = 0  # 0: chosen from the state size and the link
+    ep: Group | None = None
+    etp: Group | None = None
+    etp_ep: Group | None = None
+    tp_cp: Group | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's slice of the sequence: slices are contiguous and equal, in CP-rank order."""
+        return 0 if self.cp is None else self.cp.rank
+
+
 class Topology:
     """Arithmetic of the grid; no torch.distributed here."""
 
@@ -60,12 +110,16 @@ class Topology:
         order: str = "tp-cp-dp-pp",
         ranks_per_node: int | None = None,
         sub_node_tiers: tuple[int, ...] = (),
+        ep: int = 1,
+        etp: int = 1,
     ):
         for name, v in [
             ("world size", world_size),
             ("tp", tp),
             ("cp", cp),
             ("pp", pp),
+            ("--expert-model-parallel-size", ep),
+            ("--expert-tensor-parallel-size", etp),
             ("ranks per node", 1 if ranks_per_node is None else ranks_per_node),
         ] + [("tier", t) for t in sub_node_tiers]:
             if v < 1:
@@ -92,6 +146,18 @@ class Topology:
         for axis in self.order:
             self.strides[axis] = stride
             stride *= self.sizes[axis]
+        stage = world_size // pp
+        if stage % (ep * etp):
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} does not "
+                f"divide the {stage} ranks of a pipeline stage (TP {tp} x CP {cp} x DP {self.sizes['dp']})"
+            )
+        self.expert_sizes = {"etp": etp, "ep": ep, "edp": stage // (ep * etp), "pp": pp}
+        seen = [0] * pp
+        self._stage_index = []  # each rank's place among its stage's ranks in increasing global-rank order
+        for r in range(world_size):
+            self._stage_index.append(seen[self.coords(r)["pp"]])
+            seen[self.coords(r)["pp"]] += 1
 
     # --- coordinates ---
     def coords(self, rank: int) -> dict[str, int]:
@@ -106,6 +172,22 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """(etp, ep, edp, pp) of `rank` in the expert grid (see EXPERT_AXES)."""
+        pp, i = self.coords(rank)["pp"], self._stage_index[rank]
+        etp, ep = self.expert_sizes["etp"], self.expert_sizes["ep"]
+        return {"etp": i % etp, "ep": (i // etp) % ep, "edp": i // (etp * ep), "pp": pp}
+
+    def expert_groups(self, axes) -> list[list[int]]:
+        """All groups of the expert grid whose members vary along `axes` (others fixed), each ordered
+        with the first axis of EXPERT_AXES fastest."""
+        buckets: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
+        for r in range(self.world_size):
+            c = self.expert_coords(r)
+            fixed = tuple(c[a] for a in EXPERT_AXES if a not in axes)
+            buckets.setdefault(fixed, []).append((tuple(c[a] for a in reversed(EXPERT_AXES)), r))
+        return sorted([r for _, r in sorted(members)] for members in buckets.values())
 
     # --- links ---
     def link_class(self, ranks) -> str:
@@ -196,6 +278,7 @@ class Topology:
     def all_group_kinds(self, dp_tiers: list[int] | None = None, hpz: int = 1) -> dict[str, list[list[int]]]:
         kinds = {a: self.groups([a]) for a in AXES}
         kinds.update({name: self.groups(axes) for name, axes in COMPOSITE.items()})
+        kinds.update({name: self.expert_groups(axes) for name, axes in EXPERT_KINDS.items()})
         kinds["embedding"] = self.embedding_groups()
         kinds["world"] = [list(range(self.world_size))]  # control plane: checkpoint digests
         try:
@@ -212,9 +295,10 @@ class Topology:
 @dataclass
 class ProcessGroups:
     """This rank's Group of every kind, created collectively on all ranks (build_groups). One field per
-    kind: the four axes, the composites of COMPOSITE, the world; the kinds not every rank or layout has
-    are None (embedding: the first and last pipeline stages; dp_intra/dp_inter: the ZeRO group spread
-    evenly over nodes; dp_hpz: --zero-hpz-partition-size > 1) or empty (dp_tiers: qgZ's hops)."""
+    kind: the four axes, the composites of COMPOSITE, the expert grid's EXPERT_KINDS, the world; the kinds
+    not every rank or layout has are None (embedding: the first and last pipeline stages; dp_intra/dp_inter:
+    the ZeRO group spread evenly over nodes; dp_hpz: --zero-hpz-partition-size > 1) or empty (dp_tiers:
+    qgZ's hops)."""
 
     topo: Topology
     rank: int
@@ -226,6 +310,12 @@ class ProcessGroups:
     tp_cp: Group
     mp: Group
     tp_pp_cp: Group
+    tp_dp_cp: Group
+    ep: Group  # EXPERT_KINDS' (size 1 without expert parallelism)
+    etp: Group
+    edp: Group
+    etp_ep: Group
+    expert_mp: Group
     world: Group  # control plane: checkpoint digests
     embedding: Group | None = None
     dp_intra: Group | None = None
@@ -236,10 +326,15 @@ class ProcessGroups:
     cp_rank: int = field(init=False)
     dp_rank: int = field(init=False)
     pp_rank: int = field(init=False)
+    ep_rank: int = field(init=False)
+    etp_rank: int = field(init=False)
+    edp_rank: int = field(init=False)
 
     def __post_init__(self):
         c = self.topo.coords(self.rank)
         self.tp_rank, self.cp_rank, self.dp_rank, self.pp_rank = c["tp"], c["cp"], c["dp"], c["pp"]
+        e = self.topo.expert_coords(self.rank)
+        self.ep_rank, self.etp_rank, self.edp_rank = e["ep"], e["etp"], e["edp"]
 
     @classmethod
     def from_kinds(cls, topo: Topology, rank: int, groups: dict[str, Group]) -> ProcessGroups:
@@ -322,6 +417,8 @@ def topology_from_config(cfg: Config, world_size: int | None = None, ranks_per_n
         order=p.order,
         ranks_per_node=rpn,
         sub_node_tiers=sub_node,
+        ep=getattr(p, "expert_model_parallel_size", 1),
+        etp=getattr(p, "expert_tensor_parallel_size", None) or p.tensor_model_parallel_size,
     )
 
 

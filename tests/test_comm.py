@@ -14,7 +14,7 @@ import torch
 
 from megatron_zpp import comm
 from megatron_zpp.comm import CommLedger, model_bytes
-from megatron_zpp.topology import Topology, build_groups
+from megatron_zpp.topology import Group, Topology, build_groups
 from tests.dist import run_distributed
 
 F32 = 4  # bytes per element
@@ -134,6 +134,7 @@ def _comm_4ranks(rank, world_size, report_dir):
         "world": _exercise(flat.dp, rank, "fwd"),
     }
     res["groups"] = {"tp": list(g.tp.ranks), "dp": list(g.dp.ranks), "world": list(flat.dp.ranks)}
+    res["uneven"] = _uneven(flat.dp, rank)
 
     # a report over two steps: all-reduce 1 KiB over all ranks twice, and a p2p ring twice
     comm.LEDGER.reset()
@@ -151,6 +152,32 @@ def _comm_4ranks(rank, world_size, report_dir):
     res["report"] = comm.gather_report(world_size)
     comm.write_report(os.path.join(report_dir, f"report_{rank}.json"), world_size, rank)
     return res
+
+
+def _rows(src: int, dst: int) -> torch.Tensor:
+    """The rows rank `src` sends rank `dst` in the uneven exchange: src + 2 dst rows (0 for src 0 to dst 0),
+    each [src, dst, row index]."""
+    n = src + 2 * dst
+    return torch.tensor([[src, dst, i] for i in range(n)], dtype=torch.float32).reshape(n, 3)
+
+
+def _uneven(group, rank):
+    """all_to_all with split sizes, all_gather_v and reduce_scatter_v on 4 ranks; ledger and order records."""
+    comm.LEDGER.reset()
+    comm.ORDER.keep, comm.ORDER.seq = True, type(comm.ORDER.seq)(list)
+    send = torch.cat([_rows(rank, j) for j in range(4)])
+    recv = torch.empty(sum(len(_rows(j, rank)) for j in range(4)), 3)
+    out_splits, in_splits = [len(_rows(j, rank)) for j in range(4)], [len(_rows(rank, j)) for j in range(4)]
+    comm.all_to_all(recv, send, group, "moe_dispatch", output_split_sizes=out_splits, input_split_sizes=in_splits)
+    counts = [1, 3, 0, 2]
+    mine = torch.full((counts[rank], 2), float(rank))
+    gathered = comm.all_gather_v(mine, counts, group, "moe_etp")
+    full = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) * (rank + 1)
+    scattered = comm.reduce_scatter_v(full, counts, group, "moe_etp")
+    order = comm.ORDER.seq.pop((group.role, group.ranks))
+    comm.ORDER.keep = False
+    ledger = {k[1] + "/" + k[2]: (r.bytes, r.gloo_bytes) for k, r in comm.LEDGER.records.items()}
+    return recv.tolist(), gathered.tolist(), scattered.tolist(), ledger, order
 
 
 @pytest.fixture(scope="module")
@@ -461,3 +488,27 @@ def test_skipped_calls_on_none_group():
     comm.reduce_scatter(out, torch.arange(6.0) * 2, None, "fwd")
     assert out.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
     assert comm.LEDGER.total() == 0.0 and not comm.LEDGER.records
+
+
+def test_uneven_all_to_all_gather_and_reduce_scatter(four_ranks):
+    """Rows reach their destinations in source order; the ledger counts the rows sent to the other ranks
+    (never the own slice) exactly, the padded all-gather and reduce-scatter their padded buffers; the
+    order records are the same on every rank although the row counts differ."""
+    counts = [1, 3, 0, 2]
+    for rank, res in enumerate(four_ranks):
+        recv, gathered, scattered, ledger, order = res["uneven"]
+        assert recv == torch.cat([_rows(j, rank) for j in range(4)]).tolist()
+        assert gathered == [[float(r)] * 2 for r in range(4) for _ in range(counts[r])]
+        full = torch.arange(12, dtype=torch.float32).view(6, 2) * 10  # sum over ranks of (rank + 1)
+        assert scattered == torch.split(full, counts)[rank].tolist()
+        sent_rows = sum(rank + 2 * j for j in range(4) if j != rank)
+        assert ledger["moe_dispatch/all_to_all"] == (sent_rows * 3 * 4, sent_rows * 3 * 4)
+        assert ledger["moe_etp/all_gather"][0] == 3 / 4 * (4 * 3 * 2 * 4)  # padded to 3 rows per rank
+        assert ledger["moe_etp/reduce_scatter"][0] == 3 / 4 * (4 * 3 * 2 * 4)
+        assert order == four_ranks[0]["uneven"][4] and order[0] == "all_to_all moe_dispatch v*3 x float32"
+
+
+def test_all_to_all_wants_both_split_lists():
+    g = Group("ep", (0, 1), 0, "intra_node")
+    with pytest.raises(ValueError, match="output_split_sizes and input_split_sizes"):
+        comm.all_to_all(torch.empty(2), torch.empty(2), g, "x", output_split_sizes=[1, 1])

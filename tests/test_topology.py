@@ -250,8 +250,10 @@ def test_group_link_classes_via_build_groups_without_processes():
 @pytest.mark.parametrize("rank", [0, 3, 6])
 def test_every_group_kind_is_a_field(rank):
     # the rank's groups by role are exactly the kinds the topology makes that hold it, each a static field
-    t = Topology(8, tp=2, pp=2, ranks_per_node=4)
+    t = Topology(8, tp=2, pp=2, ranks_per_node=4, ep=2)
     g = build_groups(t, rank, dp_tiers=[2], hpz=2)
+    assert (g.ep_rank, g.etp_rank, g.edp_rank) == (g.ep.rank, g.etp.rank, g.edp.rank) == (rank % 2, 0, rank // 2 % 2)
+    assert g.ep.link == "intra_node" and g.tp_dp_cp.size == 4 and g.expert_mp.size == 4
     kinds = {k: v for k, v in t.all_group_kinds([2], 2).items() if any(rank in m for m in v)}
     assert set(g.by_role()) == set(kinds) and {"dp_tier0", "dp_hpz", "world"} <= set(kinds)
     assert all(list(grp.ranks) in kinds[role] for role, grp in g.by_role().items())
@@ -439,3 +441,51 @@ def test_build_groups_all_reduce_stays_in_group(four_rank_groups):
         assert out["tp_sum"] == tp_sums[rank]
         assert out["dp_sum"] == dp_sums[rank]
         assert out["pp_sum"] == [float(rank + 1)]
+
+
+# ------------------------------------------------------------------ the expert grid (vs megatron-core)
+
+EXPERT_LAYOUTS = [  # world, tp, cp, pp, ep, etp
+    (8, 1, 1, 1, 2, 1),
+    (8, 1, 1, 1, 4, 2),
+    (8, 2, 1, 2, 2, 1),
+    (8, 2, 1, 1, 2, 2),
+    (16, 2, 2, 2, 4, 1),
+    (16, 2, 2, 1, 2, 4),
+    (16, 4, 1, 2, 2, 2),
+    (12, 2, 1, 3, 2, 1),
+]
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", EXPERT_LAYOUTS)
+def test_expert_groups_equal_megatron_core_rank_generator(world, tp, cp, pp, ep, etp):
+    """ep, etp, edp, etp_ep, expert_mp and tp_dp_cp against megatron-core's own RankGenerators (the dense
+    one of order tp-cp-ep-dp-pp with ep 1, the expert one with cp 1), as initialize_model_parallel builds them."""
+    from megatron.core.parallel_state import RankGenerator
+
+    t = Topology(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order="tp-cp-dp-pp")
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    kinds = t.all_group_kinds()
+    mcore = {"ep": "ep", "etp": "tp", "edp": "dp", "etp_ep": "tp-ep", "expert_mp": "tp-ep-pp"}
+    for ours, theirs in mcore.items():
+        assert kinds[ours] == sorted(expert.get_ranks(theirs)), ours
+    assert kinds["tp_dp_cp"] == sorted(dense.get_ranks("tp-cp-dp"))
+    for r in range(world):
+        c = t.expert_coords(r)
+        assert kinds["ep"][[r in g for g in kinds["ep"]].index(True)].index(r) == c["ep"]
+        assert kinds["edp"][[r in g for g in kinds["edp"]].index(True)].index(r) == c["edp"]
+
+
+def test_expert_grid_of_a_non_default_order_is_carved_from_the_stage_in_rank_order():
+    t = Topology(8, tp=2, pp=2, order="tp-pp-dp-cp", ep=2)  # stages {0,1,4,5} and {2,3,6,7}
+    kinds = t.all_group_kinds()
+    assert kinds["tp_dp_cp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert kinds["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and kinds["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert kinds["expert_mp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("ep,etp", [(3, 1), (2, 4), (8, 1)])
+def test_expert_grid_not_dividing_the_stage_is_refused_by_flag(ep, etp):
+    with pytest.raises(ValueError, match=r"--expert-model-parallel-size .* --expert-tensor-parallel-size .* stage"):
+        Topology(8, tp=2, pp=2, ep=ep, etp=etp)

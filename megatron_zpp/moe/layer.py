@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..topology import ParallelContext
 from .config import MoEConfig
 from .experts import GroupedExperts
 from .permute import capacity, drop_tokens, permute, unpermute
@@ -18,12 +19,20 @@ from .shared_expert import SharedExpert
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, init_std: float = 0.02, out_std: float = 0.02, dtype=torch.float32):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        ctx: ParallelContext | None = None,
+        init_std: float = 0.02,
+        out_std: float = 0.02,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
-        self.cfg = cfg
-        self.router = TopKRouter(cfg, init_std)
-        self.experts = GroupedExperts(cfg, init_std, out_std, dtype)
-        self.shared_expert = SharedExpert(cfg, init_std, out_std, dtype) if cfg.shared_expert_size else None
+        ctx = ParallelContext() if ctx is None else ctx
+        self.cfg, self.ctx = cfg, ctx
+        self.router = TopKRouter(cfg, init_std, ctx.sequence_parallel)
+        self.experts = GroupedExperts(cfg, ctx.ep, ctx.etp, init_std, out_std, dtype)
+        self.shared_expert = SharedExpert(cfg, ctx, init_std, out_std, dtype) if cfg.shared_expert_size else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, tokens = self.cfg, x.reshape(-1, x.shape[-1])
@@ -37,5 +46,5 @@ class MoELayer(nn.Module):
         permuted, perm = permute(tokens, probs, routing_map, cfg.topk, num_out)
         out = unpermute(self.experts(permuted, perm.tokens_per_expert), perm, x.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(tokens)
+            out = out + self.shared_expert(x).reshape_as(out)
         return out.view_as(x), routing.losses

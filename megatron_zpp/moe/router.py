@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..tensor_parallel.layers import mark
 from .config import MoEConfig
 
 
@@ -117,12 +118,15 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """Linear(h, E) without bias, kept and applied in fp32 whatever the activations' dtype."""
+    """Linear(h, E) without bias, kept and applied in fp32 whatever the activations' dtype. Replicated over
+    TP: under sequence parallelism each TP rank routes its own sequence shard, so the weight's gradient is a
+    partial sum per TP rank (marked `tp_partial_grad`, summed over TP by the gradient finalize)."""
 
-    def __init__(self, cfg: MoEConfig, init_std: float = 0.02):
+    def __init__(self, cfg: MoEConfig, init_std: float = 0.02, sequence_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        mark(self.weight, ("normal", init_std), tp_partial_grad=sequence_parallel)
         nn.init.normal_(self.weight, std=init_std)
         if cfg.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))

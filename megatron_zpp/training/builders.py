@@ -35,6 +35,10 @@ def parallel_context(cfg: Config, groups: ProcessGroups) -> ParallelContext:
         cp=groups.cp,
         cp_algo=p.cp_algo,
         all_scan_blocks=p.all_scan_blocks,
+        ep=groups.ep,
+        etp=groups.etp,
+        etp_ep=groups.etp_ep,
+        tp_cp=groups.tp_cp,
     )
 
 

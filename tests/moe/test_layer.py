@@ -39,8 +39,9 @@ def _ours_from(hf, family: str, norm_topk: bool = True) -> MoELayer:
     ours = MoELayer(cfg)
     with torch.no_grad():
         ours.router.weight.copy_(hf.gate.weight)
-        ours.experts.fc1.copy_(hf.experts.gate_up_proj.transpose(1, 2))  # [E, 2F, H] -> [E, H, 2F]
-        ours.experts.fc2.copy_(hf.experts.down_proj.transpose(1, 2))  # [E, H, F] -> [E, F, H]
+        for e in range(E):
+            ours.experts.fc1[str(e)].copy_(hf.experts.gate_up_proj[e].T)  # [2F, H] -> [H, 2F]
+            ours.experts.fc2[str(e)].copy_(hf.experts.down_proj[e].T)  # [H, F] -> [F, H]
         if shared:
             se = hf.shared_expert
             ours.shared_expert.fc1.weight.copy_(torch.cat([se.gate_proj.weight, se.up_proj.weight]))
@@ -69,7 +70,8 @@ def test_layer_equals_transformers(family, norm_topk):
     out.backward(dy)
     torch.testing.assert_close(x_ours.grad, x_hf.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours.router.weight.grad, hf.gate.weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ours.experts.fc2.grad, hf.experts.down_proj.grad.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    fc2_grad = torch.stack([ours.experts.fc2[str(e)].grad for e in range(E)])
+    torch.testing.assert_close(fc2_grad, hf.experts.down_proj.grad.transpose(1, 2), rtol=1e-6, atol=1e-6)
 
 
 def test_probs_before_the_activation_fails_by_orders_of_magnitude():
@@ -141,7 +143,7 @@ def test_losses_reach_the_router():
     out, losses = layer(torch.randn(2, 8, H))
     assert set(losses) == {"load_balancing_loss", "z_loss"}
     (out.sum() * 0 + sum(losses.values())).backward()
-    assert layer.router.weight.grad.abs().sum() > 0 and layer.experts.fc1.grad.abs().sum() == 0
+    assert layer.router.weight.grad.abs().sum() > 0 and all(p.grad.abs().sum() == 0 for p in layer.experts.fc1.values())
 
 
 def test_layer_on_the_triton_kernels_equals_transformers():
@@ -212,3 +214,25 @@ def test_bf16_layer_on_the_kernels_is_close_to_fp32():
     assert out.dtype == torch.bfloat16
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < 2e-2, err
+
+
+def test_parameters_are_named_by_global_expert_and_marked():
+    """The names the converters and the init rely on, and the marks the init, the finalize and the
+    checkpoints read (the expert weights split over ETP, reduced over the expert-data-parallel group)."""
+    cfg = MoEConfig(
+        num_experts=E, hidden_size=H, ffn_hidden_size=F, shared_expert_size=20, shared_expert_gate=True,
+        score_function="sigmoid", enable_expert_bias=True,
+    )  # fmt: skip
+    layer = MoELayer(cfg, init_std=0.01, out_std=0.005)
+    params = dict(layer.named_parameters())
+    experts = {f"experts.fc{i}.{e}" for i in (1, 2) for e in range(E)}
+    shared = {f"shared_expert.{n}.weight" for n in ("fc1", "fc2", "gate")}
+    assert set(params) == {"router.weight"} | experts | shared
+    assert "router.expert_bias" in dict(layer.named_buffers())
+    assert params["experts.fc1.5"].shape == (H, 2 * F) and params["experts.fc1.5"].tp_split == (1, (F, F))
+    assert params["experts.fc2.5"].shape == (F, H) and params["experts.fc2.5"].tp_split == (0, (F,))
+    assert params["experts.fc2.5"].init == ("normal", 0.005) and params["experts.fc1.0"].init == ("normal", 0.01)
+    assert all(getattr(p, "expert_parallel", False) == (n in experts) for n, p in params.items())
+    assert params["router.weight"].init == ("normal", 0.01) and params["shared_expert.fc1.weight"].tp_split == (
+        0, (20, 20),
+    )  # fmt: skip

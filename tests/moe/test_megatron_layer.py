@@ -73,8 +73,8 @@ def _copy_weights(ours: MoELayer, ref) -> None:
     with torch.no_grad():
         ref.router.weight.copy_(ours.router.weight)
         for i, expert in enumerate(ref.experts.local_experts):
-            expert.linear_fc1.weight.copy_(ours.experts.fc1[i].T)  # ours x @ W [H, 2F]; theirs [2F, H]
-            expert.linear_fc2.weight.copy_(ours.experts.fc2[i].T)
+            expert.linear_fc1.weight.copy_(ours.experts.fc1[str(i)].T)  # ours x @ W [H, 2F]; theirs [2F, H]
+            expert.linear_fc2.weight.copy_(ours.experts.fc2[str(i)].T)
         if ours.shared_expert is not None:
             ref.shared_experts.linear_fc1.weight.copy_(ours.shared_expert.fc1.weight)
             ref.shared_experts.linear_fc2.weight.copy_(ours.shared_expert.fc2.weight)
@@ -109,4 +109,5 @@ def test_layer_equals_megatron_core_moe_layer(kw):
     torch.testing.assert_close(x_ours.grad, x_ref.grad.transpose(0, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours.router.weight.grad, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
     ref_fc1 = torch.stack([e.linear_fc1.weight.grad.T for e in ref.experts.local_experts])
-    torch.testing.assert_close(ours.experts.fc1.grad, ref_fc1, rtol=1e-5, atol=1e-6)
+    ours_fc1 = torch.stack([ours.experts.fc1[str(i)].grad for i in range(E)])
+    torch.testing.assert_close(ours_fc1, ref_fc1, rtol=1e-5, atol=1e-6)
