@@ -112,7 +112,7 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
         "splits": splits,
         "ledger": ledger,
         "units": [(u.name, u.padded) for u in getattr(run.dp, "units", [])],  # ZeRO's flat buffers
-        "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank},
+        "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank, "etp": g.etp_rank},
     }
 
 

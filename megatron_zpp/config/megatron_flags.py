@@ -163,7 +163,7 @@ REFUSED = {
     "--model-parallel-size": "deprecated in Megatron-LM: use --tensor-model-parallel-size",
     "--checkpoint-activations": "deprecated in Megatron-LM: use --recompute-granularity full",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 here: drop it",
-    "--save-tokens-per-expert-interval": "not built: the log line carries each MoE layer's min/max expert load; drop it",
+    "--save-tokens-per-expert-interval": "not built: the log line carries the MoE layers' expert loads; drop it",
     "--dist-ckpt-format": "deprecated in Megatron-LM: use --ckpt-format",
     **dict.fromkeys(
         [

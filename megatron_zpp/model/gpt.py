@@ -4,7 +4,7 @@ A stack of pre-norm blocks: token embedding (+ learned absolute positions, Megat
 or RoPE inside attention; or no positions) -> dropout -> [norm -> mixer -> residual, norm -> MLP
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
-attention (config.layer_kind). Parallelism enters only through the layers and one
+attention (config.layer_kind); its MLP is dense or a mixture of experts (--num-experts, --moe-layer-freq). Parallelism enters only through the layers and one
 ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
 algorithm: each CP rank holds a contiguous slice of the sequence, at `ctx.cp_rank`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
@@ -33,6 +33,7 @@ from .documents import Documents
 from .gated_deltanet import GatedDeltaNet
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
+from .moe_mlp import MoEMLP
 from .norm import build_norm
 from .rope import rope_tables
 
@@ -46,7 +47,7 @@ class Block(nn.Module):
         self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)
         self.norm2 = norm()
-        self.mlp = MLP(cfg, ctx, out_std)
+        self.mlp = MoEMLP(cfg, layer, ctx, out_std) if cfg.is_moe_layer(layer) else MLP(cfg, ctx, out_std)
         # sequence-parallel activations differ per TP rank: their dropout masks must too
         self.dropout = _dropout(cfg, ctx.sequence_parallel)
 

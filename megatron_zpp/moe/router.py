@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..recompute import recomputing
 from ..tensor_parallel.layers import mark
 from .config import MoEConfig
 
@@ -128,20 +129,28 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         mark(self.weight, ("normal", init_std), tp_partial_grad=sequence_parallel)
         nn.init.normal_(self.weight, std=init_std)
+        # the tokens each expert received while training, since the last update_expert_bias (or reset by the
+        # training step: the log's expert load)
+        self.register_buffer(
+            "local_tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False
+        )
         if cfg.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
-            self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False
-            )
         else:
             self.expert_bias = None
+
+    def reset_buffers(self, device) -> None:
+        """The buffers of a router built on the meta device: the counts and the expert bias start at 0."""
+        self.local_tokens_per_expert = torch.zeros(self.cfg.num_experts, dtype=torch.float32, device=device)
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros(self.cfg.num_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [B, T, H] (or [N, H]) -> Routing over its B*T tokens, batch-major."""
         logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float())
         probs, routing_map = topk_routing(logits, self.cfg, self.expert_bias)
         losses = self._losses(logits, x.shape[0] if x.dim() == 3 else 1)
-        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not recomputing():  # a rerun routes the same tokens again
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         return Routing(probs, routing_map, losses)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..model.moe_mlp import aux_loss_scale
 from .p2p import StageLink
 
 
@@ -250,8 +251,9 @@ def run_schedule(
     loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     stage = Stage(chunks, batches, num_micro_batches, forward_only, on_backward, loss_scale)
-    if link is None or link.pp.size == 1:
-        return forward_backward_no_pipelining(stage)
-    if len(chunks) == 1:
-        return forward_backward_1f1b(stage, link)
-    return forward_backward_interleaved(stage, link)
+    with aux_loss_scale(loss_scale / num_micro_batches):  # the MoE router losses' gradient, as the loss's
+        if link is None or link.pp.size == 1:
+            return forward_backward_no_pipelining(stage)
+        if len(chunks) == 1:
+            return forward_backward_1f1b(stage, link)
+        return forward_backward_interleaved(stage, link)

@@ -126,6 +126,10 @@ def _log_line(run: Run, m: dict, interval: LogInterval, throughput: Throughput, 
     mfu = f"{100 * m['mfu']:.1f}% of {throughput.peak_desc}" if m["mfu"] is not None else "n/a"
     extra = f" num zeros: {m['num_zeros']} |" if "num_zeros" in m else ""
     extra += f" params norm: {m['params_norm']:.3f} |" if "params_norm" in m else ""
+    for name in ("load_balancing_loss", "z_loss"):  # Megatron's MoE names, then the worst expert load
+        extra += f" {name}: {m[name]:.6E} |" if name in m else ""
+    if "moe/expert_load_max_over_mean" in m:
+        extra += f" expert load max/mean: {m['moe/expert_load_max_over_mean']:.2f} |"
     skipped = f" skipped samples: {state.skipped_samples:12d} |" if state.skipped_samples else ""
     log(
         f"iteration {state.iteration:8d}/{t.train_iters:8d} | "
@@ -172,6 +176,7 @@ def _timed_step(run: Run, throughput: Throughput, timers: Timers) -> dict:
         "memory_gib": memory_gib(run.device),
         "next_lr": _next_lr(run),
         **_norms(run),
+        **run.moe_metrics,
     }
 
 

@@ -71,6 +71,7 @@ class Run:
     memory_snapshots: MemorySnapshots | None = None  # --record-memory-history (recording from set-up)
     # --use-checkpoint-opt_param-scheduler: optim.schedules.checkpoint_schedule
     checkpoint_schedule: tuple | None = None
+    moe_metrics: dict = field(default_factory=dict)  # the last step's router losses and expert loads (MoE)
     started_at: float = 0.0  # time.time() at setup: --exit-duration-in-mins counts from it, as Megatron's start
 
 

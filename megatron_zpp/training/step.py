@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 from ..checkpoint.rng import set_rng_state
+from ..model.moe_mlp import moe_step
 from ..optim import rates_at
 from ..pipeline_parallel import run_schedule
 
@@ -68,6 +69,9 @@ def train_step(run, timers=None) -> tuple[float, float, float]:
     check = run.dp.step(rates, scaler.scale if scaler else None, loss, run.cfg.train.check_for_nan_in_loss_and_grad)
     if run.cfg.zero.check_collective_order:  # every group's collectives of this step, compared across it
         comm.check_collective_order(run.groups)
+    if run.cfg.model.num_experts:  # the expert bias moves; the log's router losses and expert loads
+        run.moe_metrics.clear()  # a dict, kept on the (frozen) Run: the log line reads it
+        run.moe_metrics.update(moe_step(run.chunks, run.groups, micro_batches, run.cfg.model.num_layers))
     timers.stop("optimizer")
     empty_cache(run, 2)
     state.last_step_skipped = not check.applied

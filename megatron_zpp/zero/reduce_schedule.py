@@ -77,8 +77,10 @@ def backward_order(chunk, units: list[FlatUnit]) -> list[FlatUnit]:
     emb = by_name.get("embedding")
     order = [emb] if emb is not None and chunk.post_process and not chunk.pre_process else []
     order += [by_name["head"]] if "head" in by_name else []
-    for block in reversed([u for u in units if u.module is not None]):  # a block's experts end before it
-        order += block.companions + [block]
+    for block in reversed([u for u in units if u.module is not None]):
+        # a block's experts go right after it: their backward ends first, but the hooks issue a block's units
+        # at the backward of the block before it (issue_before), which must not take them before theirs ends
+        order += [block] + block.companions
     order += [emb] if emb is not None and emb not in order else []
     return order + [u for u in units if u not in order]
 

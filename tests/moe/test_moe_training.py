@@ -1,0 +1,77 @@
+"""A mixture-of-experts GPT trained at a parallel layout reproduces the single-rank run: the per-step losses
+and the final weights (experts reassembled by name from the ranks that hold them, over expert TP) equal the
+single-process run's, fp32, dropless routing, with the load-balancing and z losses on (their gradients reach
+the router through every layout's scaling) and gradient clipping active (the norm counts each expert once).
+
+One spawn per world size runs every layout of that size (tests/test_parity.py's harness)."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_zpp.tensor_parallel import unshard
+from tests.dist import run_distributed
+from tests.test_parity import BASE, KINDS, assert_close_relative, train_and_collect
+
+MOE = (
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 "
+    "--num-layers 4 --moe-layer-freq ([1]*3+[0])"
+).split()
+MODELS = {
+    "moe_gpt": KINDS["softmax"] + MOE,
+    "moe_gdn_hybrid": KINDS["gdn_hybrid"] + MOE + ["--moe-shared-expert-intermediate-size", "32"],
+}
+LAYOUTS = {  # world size: [(model, flags)]
+    2: [
+        ("moe_gpt", "--expert-tensor-parallel-size 1"),  # DP2, 2 micro-batches accumulated per rank
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"),
+        ("moe_gdn_hybrid", "--context-parallel-size 2"),
+        ("moe_gpt", "--pipeline-model-parallel-size 2"),
+        ("moe_gdn_hybrid", "--use-distributed-optimizer --zero-stage 3"),
+    ],
+}
+
+
+def collect(argv: list[str], world_size: int) -> dict:
+    out = train_and_collect(argv, world_size)
+    return out
+
+
+def _worker(rank, world_size, runs):
+    return [collect(argv, world_size) for argv in runs]
+
+
+def reassemble(results: list[dict]) -> dict[str, np.ndarray]:
+    """Full single-rank weights: each name's TP (or expert-TP) pieces, from the ranks that hold it; every
+    replica of a piece (DP, CP, the expert-data-parallel group, a tied embedding's last-stage copy) equal."""
+    pieces: dict[str, dict[int, np.ndarray]] = {}
+    for r in results:
+        for name, w in r["weights"].items():
+            split_rank = r["coords"]["etp" if ".experts." in name else "tp"]
+            seen = pieces.setdefault(name, {})
+            if split_rank in seen:
+                assert_close_relative(w, seen[split_rank], f"{name} (replica on {r['coords']})", tol=1e-6)
+            else:
+                seen[split_rank] = w
+    splits = {name: s for r in results for name, s in r["splits"].items()}
+    return {
+        name: unshard([torch.from_numpy(by[i]) for i in sorted(by)], splits[name]).numpy()
+        for name, by in pieces.items()
+    }
+
+
+@pytest.mark.parametrize("world", list(LAYOUTS))
+def test_moe_layouts_match_single_rank(world):
+    runs = [BASE + MODELS[model] + flags.split() for model, flags in LAYOUTS[world]]
+    per_rank = run_distributed(_worker, world, runs, timeout=900)
+    refs = {model: train_and_collect(BASE + MODELS[model], 1) for model in {m for m, _ in LAYOUTS[world]}}
+    for k, (model, flags) in enumerate(LAYOUTS[world]):
+        ref, results = refs[model], [r[k] for r in per_rank]
+        for r in results:
+            np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=f"{model} {flags} losses")
+        got = reassemble(results)
+        assert set(got) == set(ref["weights"]), f"{model} {flags}: {set(got) ^ set(ref['weights'])}"
+        for name, w in ref["weights"].items():
+            assert_close_relative(got[name], w, f"{model} {flags} {name}")
+    for ref in refs.values():
+        assert ref["losses"][-1] < ref["losses"][0]
