@@ -4,7 +4,8 @@ A stack of pre-norm blocks: token embedding (+ learned absolute positions, Megat
 or RoPE inside attention; or no positions) -> dropout -> [norm -> mixer -> residual, norm -> MLP
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
 cross-entropy. The mixer of each layer is causal softmax attention or gated linear
-attention (config.layer_kind); its MLP is dense or a mixture of experts (--num-experts, --moe-layer-freq). Parallelism enters only through the layers and one
+attention (config.layer_kind); its MLP is dense or a mixture of experts (--num-experts,
+--moe-layer-freq: model/moe_mlp.py). Parallelism enters only through the layers and one
 ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
 algorithm: each CP rank holds a contiguous slice of the sequence, at `ctx.cp_rank`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
