@@ -18,11 +18,16 @@ Every collective is an autograd function whose backward is the reverse collectiv
 sequence of collectives depends only on the configuration: the same ops on every rank of a group in the same
 order; the token exchanges' row counts depend on the routing and are known from the counts exchanged before
 them (a host sync, as megatron-core's; comm.ORDER records them as `v` rows). Capacity dropping and padding
-happen before dispatch, on each rank's own tokens (megatron-core's order)."""
+happen before dispatch, on each rank's own tokens (megatron-core's order).
+
+Shapes only (FakeTensorMode on torch's fake process group: the dry run and the memory estimate) the counts
+have no values: the dispatchers then read a stand-in, the routed rows spread evenly over the ranks and the
+experts (balanced routing), so the shapes, the ledger and the order of collectives still come out."""
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 from ..topology import Group
@@ -93,6 +98,14 @@ def sort_chunks(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, torch.arange(x.shape[0], device=x.device) + shift)
 
 
+def _host(counts: torch.Tensor, total: int) -> list[int]:
+    """counts [n] on the host (a sync); a fake tensor's stand-in: `total` rows spread evenly (balanced)."""
+    if not is_fake(counts):
+        return counts.tolist()
+    share, extra = divmod(total, counts.numel())
+    return [share + (i < extra) for i in range(counts.numel())]
+
+
 def _exchange_counts(counts: torch.Tensor, ep: Group | None) -> torch.Tensor:
     """counts [EP, E_local] (this rank's tokens for each EP rank's local experts) -> [EP, E_local]: the
     tokens each EP rank sends for this rank's local experts (a fixed-size all-to-all)."""
@@ -118,13 +131,14 @@ class AllToAllDispatcher:
         ep_size = _size(self.ep)
         sent = perm.tokens_per_expert.view(ep_size, self.num_local)
         received = _exchange_counts(sent, self.ep)  # [EP sources, E_local]
-        send_splits, recv_splits = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        send_splits = _host(sent.sum(dim=1), permuted.shape[0])
+        recv_splits = _host(received.sum(dim=1), permuted.shape[0])  # balanced: as many rows come as go
         h = _AllToAllV.apply(permuted, self.ep, recv_splits, send_splits, "moe_dispatch")
         grid = received.unsqueeze(0)  # [ETP sources, EP sources, E_local]
         if _size(self.etp) > 1:
             grid = torch.empty(_size(self.etp), *received.shape, dtype=received.dtype, device=received.device)
             comm.all_gather(grid.view(-1, self.num_local), received, self.etp, "moe_etp_counts")
-            etp_counts = grid.sum(dim=(1, 2)).tolist()
+            etp_counts = _host(grid.sum(dim=(1, 2)), sum(recv_splits) * _size(self.etp))
             h = _AllGatherV.apply(h, self.etp, etp_counts, "moe_etp_gather")
         sources = grid.view(-1, self.num_local)  # [ETP x EP sources, E_local], source-major
         per_expert = sources.sum(dim=0)
@@ -153,6 +167,8 @@ class AllGatherDispatcher:
         all_probs = _AllGatherV.apply(probs, self.group, counts, "moe_ag_probs")
         all_map = comm.all_gather_v(routing_map.to(torch.uint8), counts, self.group, "moe_ag_map").bool()
         mine = slice(self.local.start, self.local.stop)
-        permuted, perm = permute(all_tokens, all_probs[:, mine], all_map[:, mine], self.cfg.topk)  # counted
+        balanced = all_tokens.shape[0] * self.cfg.topk * len(self.local) // self.cfg.num_experts
+        num_rows = balanced if is_fake(all_map) else None  # else counted (a host sync)
+        permuted, perm = permute(all_tokens, all_probs[:, mine], all_map[:, mine], self.cfg.topk, num_rows)
         out = unpermute(experts(permuted, perm.tokens_per_expert), perm, tokens.dtype)
         return _ReduceScatterV.apply(out, self.group, counts, "moe_ag_scatter"), perm.tokens_per_expert

@@ -156,6 +156,8 @@ def _run_case(name: str, case: dict, rank: int, world: int) -> dict:
         "a2a_bytes": comm.LEDGER.total(phase="moe_dispatch", op="all_to_all"),
         "a2a_expected": _sent_rows(ref, cfg, x_all[mine], g.ep_rank, g.ep.size) * H * 4,
         "routed_rows": B * seq * cfg.topk,
+        "ag_bytes": comm.LEDGER.total(phase="moe_ag_tokens", op="all_gather"),
+        "ag_expected": (g.etp_ep.size - 1) * B * seq * H * 4,  # ring all-gather: every other member's tokens
         "order": {(role, ranks): list(s) for (role, ranks), s in comm.ORDER.seq.items()},
         "tokens_per_expert": layer.tokens_per_expert.tolist(),
     }
@@ -201,10 +203,12 @@ def test_layer_equals_the_single_rank_layer(runs):
             assert r["loss"] < 1e-7, (name, rank, r["loss"])
 
 
-def test_token_all_to_all_bytes_equal_the_routed_rows_sent_away(runs):
+def test_token_exchange_bytes_equal_the_closed_forms(runs):
+    """alltoall: the rows routed to other EP ranks; allgather: (n - 1) x the rank's tokens over etp_ep."""
     world, results = runs
     for name, case in CASES[world].items():
         if case["kw"].get("token_dispatcher") != "alltoall":
+            assert [res[name]["ag_bytes"] for res in results] == [res[name]["ag_expected"] for res in results], name
             continue
         sent = [res[name]["a2a_bytes"] for res in results]
         assert sent == [res[name]["a2a_expected"] for res in results], name
@@ -230,3 +234,38 @@ def test_every_rank_of_a_group_issues_the_same_collectives(runs):
 def test_skipping_the_expert_major_sort_fails_by_orders_of_magnitude(runs2):
     errors = [res["sabotage"] for res in runs2]
     assert min(errors) > 1e-2, errors  # against the 1e-6 the layer meets
+
+
+def _shapes_only(rank: int, world: int) -> dict:
+    """Ranks 0 and 3 of 4 on torch's fake process group under FakeTensorMode (the dry run's way): both
+    dispatchers run forward and backward on the balanced stand-in counts, and issue their collectives."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_zpp.ops import dispatch
+
+    out = {}
+    dispatch.set_kernels("triton", torch.device("cpu"))
+    for fake_rank in (0, 3):
+        dist.init_process_group("fake", store=FakeStore(), rank=fake_rank, world_size=4)
+        for name, (ep, etp, kind) in {"a2a": (4, 1, "alltoall"), "ag": (2, 2, "allgather")}.items():
+            comm.LEDGER.reset()
+            g = build_groups(Topology(4, ep=ep, etp=etp), fake_rank)
+            ctx = ParallelContext(ep=g.ep, etp=g.etp, etp_ep=g.etp_ep, tp_cp=g.tp_cp)
+            with FakeTensorMode():
+                layer = MoELayer(MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F, token_dispatcher=kind), ctx)
+                y, _ = layer(torch.randn(B, T, H))
+                y.sum().backward()
+            grads = all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
+            out[(fake_rank, name)] = (tuple(y.shape), grads, sorted({k[1] for k in comm.LEDGER.records}))
+        dist.destroy_process_group()
+    return out
+
+
+def test_both_dispatchers_run_shapes_only_on_the_fake_process_group():
+    res = run_distributed(_shapes_only, 1, init_group=False)[0]
+    for (rank, name), (shape, grads, phases) in res.items():
+        assert shape == (B, T, H) and grads, (rank, name)
+        want = {"moe_counts", "moe_dispatch", "moe_combine"} if name == "a2a" else {"moe_ag_tokens", "moe_ag_scatter"}
+        assert want <= set(phases) and any(p.endswith("_bwd") for p in phases), (rank, name, phases)
