@@ -50,6 +50,7 @@ CASES = {
         "ep2-etp2-alltoall": dict(ep=2, etp=2, kw=dict(token_dispatcher="alltoall", capacity_factor=0.5)),
         "ep2-etp2-allgather": dict(ep=2, etp=2, kw=dict(**LOSSES)),
         "ep2-tp2sp-alltoall": dict(ep=2, tp=2, kw=dict(token_dispatcher="alltoall", **SHARED, **LOSSES)),
+        "ep2-etp2-tp2sp-alltoall": dict(ep=2, etp=2, tp=2, kw=dict(token_dispatcher="alltoall", **SHARED, **LOSSES)),
         "ep2-tp2sp-allgather": dict(ep=2, tp=2, kw=dict(load_balancing_type="seq_aux_loss", **SHARED, **LOSSES)),
     },
 }
