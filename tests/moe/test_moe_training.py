@@ -21,13 +21,26 @@ MODELS = {
     "moe_gpt": KINDS["softmax"] + MOE,
     "moe_gdn_hybrid": KINDS["gdn_hybrid"] + MOE + ["--moe-shared-expert-intermediate-size", "32"],
 }
-LAYOUTS = {  # world size: [(model, flags)]
+A2A = " --moe-token-dispatcher-type alltoall"
+LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP x DP ranks, as Megatron
     2: [
         ("moe_gpt", "--expert-tensor-parallel-size 1"),  # DP2, 2 micro-batches accumulated per rank
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"),
         ("moe_gdn_hybrid", "--context-parallel-size 2"),
         ("moe_gpt", "--pipeline-model-parallel-size 2"),
         ("moe_gdn_hybrid", "--use-distributed-optimizer --zero-stage 3"),
+        ("moe_gpt", "--expert-model-parallel-size 2" + A2A),
+        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel"),  # expert TP 2 (= TP, Megatron's default)
+        ("moe_gdn_hybrid", "--context-parallel-size 2 --expert-model-parallel-size 2" + A2A),
+    ],
+    4: [
+        ("moe_gpt", "--expert-model-parallel-size 4" + A2A),
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+         "--expert-model-parallel-size 2" + A2A),
+        ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
+        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
     ],
 }
 
