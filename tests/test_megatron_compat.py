@@ -392,8 +392,8 @@ def test_value_dependent_flags_and_the_noops_given():
 
 def test_refusals_by_family():
     cases = {
-        "--num-experts": "mixture of experts is not built",
-        "--moe-grouped-gemm": "mixture of experts is not built",
+        "--moe-input-jitter-eps": "mixture of experts is not built",
+        "--moe-apply-probs-on-input": "mixture of experts is not built",
         "--fp8-recipe": "transformer-engine",
         "--tp-comm-overlap": "transformer-engine",
         "--mamba-state-dim": "Mamba",
