@@ -5,7 +5,7 @@ then from scratch): the ones whose features exist run 2 iterations on CPU ranks 
 transformer_engine` included (our local layers run, and the start-up log says so); the MLA, MTP, muP, Mamba-hybrid
 and FP8 ones, and Megatron's sinkhorn router, are refused in one pass, each flag by its reason. Mixtures of experts
 run at EP >= 2 and log their balancing loss and per-layer expert loads (Mixtral's release config: its TP x PP x EP
-layout shrunk to 4 ranks, as its header says).
+layout shrunk to 4 ranks, as its header says; Qwen3-30B-A3B's modelopt MODEL_ARGS, with a launcher's lines).
 
 World size = the layout's TP x PP x CP x DP with DP shrunk (1, or 2 where the config is TP1 PP1);
 fixtures of one world size run one after the other in one set of rank processes. Those of 4 ranks and
@@ -40,6 +40,7 @@ RUNS = {
     "gpt3_mcore_te_tp1_pp2_rope_embeddings": (2, {}),
     "gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (2, {}),
     "gpt3_mcore_te_tp1_pp1_uniform_full_recompute": (2, {}),
+    "qwen3_30b_a3b_modelopt_conf": (2, {}),  # Qwen3-MoE's shape at EP 2 (the conf file's MODEL_ARGS)
     "gpt3_mcore_tp2_pp2_uninstall_te": (4, {}),
     "gpt3_mcore_te_tp1_pp4_vp1": (4, {}),
     "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline": (4, {}),
@@ -52,7 +53,11 @@ RUNS = {
     "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, {}),
 }
 # MoE fixture -> (MoE layers, EP)
-MOE_RUNS = {"gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4), "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2)}
+MOE_RUNS = {
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4),
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2),
+    "qwen3_30b_a3b_modelopt_conf": (2, 2),
+}
 # the ones refused in one pass (checked without processes; their world size is the layout's)
 REFUSED = {
     "gpt3_mcore_te_tp2_pp1_gdn": (2, GDN_REFUSED),
@@ -117,10 +122,14 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("megatron_functional")
-    vocab, merges, _ = tiny_gpt2_files(d)
+    vocab, merges, bpe = tiny_gpt2_files(d)
     spm = tiny_sentencepiece_model(d / "spm")  # the 15B config's GPTSentencePieceTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = str(d / "hf")  # Qwen3's HuggingFaceTokenizer: the same BPE as a local HF directory
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(hf)
     data = tiny_dataset(str(d / "text_document"), documents=200)
-    return dict(data=data, vocab=vocab, merges=merges, spm=spm, root=d)
+    return dict(data=data, vocab=vocab, merges=merges, spm=spm, hf=hf, root=d)
 
 
 def paths_for(name: str, data: dict) -> dict:
@@ -132,6 +141,7 @@ def paths_for(name: str, data: dict) -> dict:
         vocab=data["vocab"],
         merges=data["merges"],
         spm=data["spm"],
+        hf=data["hf"],
         tb=run / "tb",
         ckpt=run / "ckpt",
         cache=run / "cache",
