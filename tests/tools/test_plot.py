@@ -190,7 +190,7 @@ def test_plot_metrics_tokens_axis_and_resume_marks(tmp_path):
 
 MOE_RUN = (
     "--mock-data --num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --vocab-size 128 "
-    "--make-vocab-size-divisible-by 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --device cpu "
+    "--make-vocab-size-divisible-by 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --device cpu "
     "--peak-tflops 1 --num-workers 0 --num-experts 4 --moe-ffn-hidden-size 16 --moe-layer-freq [0,1,1] "
     "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall "
     "--moe-expert-capacity-factor 1.0"
@@ -198,7 +198,7 @@ MOE_RUN = (
 
 
 def test_plot_metrics_draws_a_moe_runs_metrics(tmp_path):
-    """A tiny MoE run's metrics file (3 steps, MoE layers 1 and 2, capacity dropping): by default the MoE subplots
+    """A tiny MoE run's metrics file (2 steps, MoE layers 1 and 2, capacity dropping): by default the MoE subplots
     join the others; each layer's most/fewest tokens per expert, the balancing and z losses, the worst load over
     the mean and the dropped routes (in percent) are the file's numbers. Beside a dense run, only the MoE run has
     lines there."""
@@ -210,8 +210,8 @@ def test_plot_metrics_draws_a_moe_runs_metrics(tmp_path):
     cfg = parse_config(OLD_DEFAULTS + MOE_RUN.split() + ["--metrics-file", path], 1)
     training.train(training.setup(cfg))
     rows = plot_metrics.load_jsonl(path)
-    assert plot_metrics.moe_layers(rows) == [1, 2] and len(rows) == 3
-    dense = _metrics_run(3, 0)
+    assert plot_metrics.moe_layers(rows) == [1, 2] and len(rows) == 2
+    dense = _metrics_run(2, 0)
     fig = plot_metrics.plot_metrics([("moe", rows), ("dense", dense)])
     axes = {ax.get_title(): ax for ax in fig.axes}
     assert list(axes) == list(plot_metrics.METRICS.values()) + list(plot_metrics.MOE_METRICS.values())
@@ -220,7 +220,7 @@ def test_plot_metrics_draws_a_moe_runs_metrics(tmp_path):
         for bound in ("max", "min"):
             (line,) = _lines(loads, f"layer{i}:{bound}")
             assert list(line.get_ydata()) == [r[f"moe/expert_load_{bound}/layer{i}"] for r in rows]
-            assert list(line.get_xdata()) == [1, 2, 3]
+            assert list(line.get_xdata()) == [1, 2]
     for key, scale in [
         ("load_balancing_loss", 1),
         ("z_loss", 1),
