@@ -53,6 +53,9 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
         ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
+        # expert TP apart from attention TP: experts cut over 4 ranks, attention over 2
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4" + A2A),
+        ("moe_gpt", "--expert-tensor-parallel-size 2"),  # expert TP 2 without TP (allgather)
     ],
     8: [  # EP 8 over TP 2 (SP) x DP 4: each rank holds one of the 8 experts
         (
