@@ -16,7 +16,7 @@ from megatron_zpp.config.arguments import build_parser, parse_args, parse_config
 from megatron_zpp.config.megatron_flags import MEGATRON_ARGUMENTS, MEGATRON_COMMIT, NOOPS, REFUSED, VALUED, classify
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
 from megatron_zpp.validation import validate
-from tests.megatron_fixtures import fates, fixture_lines, tiny_dataset, tiny_gpt2_files, tiny_sentencepiece_model
+from tests.megatron_fixtures import check_flag_by_flag, fixture_lines, tiny_gpt2_files
 from tests.old_defaults import OLD_DEFAULTS
 
 FP8 = "FP8/FP4 and transformer-engine are not supported"
@@ -118,28 +118,6 @@ GPT3 = {
 }
 
 
-def check_flag_by_flag(lines: list[list[str]], expected: dict[str, str]) -> list[list[str]]:
-    """Assert each fixture flag's fate and that every refusal comes in one pass, one line each;
-    return the lines that are not refused."""
-    assert [ln[0] for ln in lines] == list(expected), "the fixture and the table list the same flags, in order"
-    got = fates(lines)
-    for flag, fate in expected.items():
-        have, why = got[flag]
-        if fate in ("ok", "noop"):
-            assert have == fate, (flag, have, why)
-        else:
-            assert have == "refused" and fate in why and ("drop it" in why or "use " in why), (flag, have, why)
-    refused = [flag for flag, (have, _) in got.items() if have == "refused"]
-    if not refused:
-        parse_args([tok for ln in lines for tok in ln])
-        return lines
-    with pytest.raises(ConfigError) as info:
-        parse_args([tok for ln in lines for tok in ln])
-    named = [ln.split(":")[0].split()[0] for ln in str(info.value).splitlines()]
-    assert sorted(named) == sorted(refused)  # one line per refused flag, naming it, all in one pass
-    return [ln for ln in lines if ln[0] not in refused]
-
-
 def test_llama3_8b_fixture_every_flag_and_run(tmp_path):
     paths = dict(cache=tmp_path / "cache", ckpt=tmp_path / "ckpt", tb=tmp_path / "tb")
     kept = check_flag_by_flag(fixture_lines("megatron_llama3_8b.args", **paths), LLAMA3)
@@ -182,48 +160,6 @@ def test_gpt3_175b_fixture_every_flag(tmp_path):
     # the step schedule's thresholds are tokens (seq length 64): 2.4B tokens = 37.5M samples at batch 16
     assert t.batch_steps[:2] == [(0, 16), (2_400_000_000 // 64, 320)] and t.global_batch_at(37_499_999) == 16
     assert t.global_batch_at(37_500_000) == 320 and t.global_batch_at(10**12) == 1536
-
-
-# in the script's order: settings ("ok") but the three no-ops
-MIXTRAL = dict.fromkeys(
-    (
-        "--use-mcore-models --disable-bias-linear --seq-length --max-position-embeddings --num-layers --hidden-size "
-        "--ffn-hidden-size --num-attention-heads --init-method-std --attention-dropout --hidden-dropout "
-        "--normalization --position-embedding-type --swiglu --untie-embeddings-and-output-weights "
-        "--group-query-attention --num-query-groups --no-masked-softmax-fusion --no-position-embedding "
-        "--rotary-base --num-experts --moe-router-topk --moe-router-load-balancing-type --moe-aux-loss-coeff "
-        "--moe-grouped-gemm --moe-token-dispatcher-type --overlap-param-gather --overlap-grad-reduce "
-        "--tokenizer-type --tokenizer-model --data-path --split --micro-batch-size --global-batch-size --lr "
-        "--train-iters --lr-decay-iters --lr-decay-style --min-lr --weight-decay --lr-warmup-iters --clip-grad "
-        "--bf16 --tensor-model-parallel-size --pipeline-model-parallel-size --expert-model-parallel-size "
-        "--use-distributed-optimizer --sequence-parallel --log-interval --save-interval --eval-interval "
-        "--eval-iters --save --load --tensorboard-dir --no-load-optim --no-load-rng "
-    ).split(),
-    "ok",
-) | {f: "noop" for f in ("--use-mcore-models", "--no-masked-softmax-fusion", "--no-position-embedding")}
-
-
-def test_mixtral_8x7b_script_every_flag_with_megatrons_meaning(tmp_path):
-    """examples/mixtral/train_mixtral_8x7b_distributed.sh at its layout (PP 4 x EP 8 = 32 ranks): every flag a
-    setting or a no-op, with Megatron's meaning: RoPE kept under --no-position-embedding (Megatron's validate_args
-    accepts it with rope only, where it changes nothing), Llama2Tokenizer a sentencepiece tokenizer whose
-    end-of-document is its eos, the experts split 8 ways over the data-parallel ranks."""
-    from megatron_zpp.data.tokenizer import build_tokenizer
-
-    spm = tiny_sentencepiece_model(tmp_path / "spm")
-    paths = dict(ckpt=tmp_path / "ckpt", spm=spm, data=tiny_dataset(str(tmp_path / "d")))
-    kept = check_flag_by_flag(fixture_lines("megatron_mixtral_8x7b.args", **paths), MIXTRAL)
-    cfg = parse_config([tok for ln in kept for tok in ln], 32)
-    m, p = cfg.model, cfg.parallel
-    assert m.position_embedding_type == "rope" and m.rotary_base == 1e6 and m.kv_heads == 2
-    assert (m.num_experts, m.moe_router_topk, m.moe_router_load_balancing_type) == (8, 2, "aux_loss")
-    assert m.moe_aux_loss_coeff == 1e-2 and m.moe_grouped_gemm and m.moe_token_dispatcher_type == "alltoall"
-    assert (p.pipeline_model_parallel_size, p.expert_model_parallel_size, p.data_parallel_size) == (4, 8, 8)
-    assert [m.is_moe_layer(i) for i in range(4)] == [True] * 4 and cfg.zero.zero_stage == 1
-    tok = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
-    assert cfg.data.tokenizer_type == "Llama2Tokenizer" and tok.eod == tok.sp.eos_id() >= 0
-    with pytest.raises(ConfigError, match="--no-position-embedding with --position-embedding-type learned_absolute"):
-        parse_config(["--mock-data", "--no-position-embedding"], 1)
 
 
 # Megatron-LM's defaults of the flags we share (d98e8a64dd). Ours must equal them but for DIFFERENT.
