@@ -1,8 +1,8 @@
 """Megatron-LM's MoE example script (examples/mixtral/train_mixtral_8x7b_distributed.sh, its argument list kept in
 tests/fixtures/megatron_mixtral_8x7b.args): every flag a setting or a no-op, with Megatron's meaning. Megatron's
 values below were read from NVIDIA/Megatron-LM d98e8a64dd (the script, megatron/training/arguments.py's
-validate_args and megatron/core/tokenizers/utils/build_tokenizer.py), not from our code. Its functional-test MoE
-configs run in tests/test_megatron_functional.py."""
+validate_args and megatron/core/tokenizers/utils/build_tokenizer.py), not from our code. Megatron's MoE kernel
+switches are no-ops. Its functional-test MoE configs run in tests/test_megatron_functional.py."""
 
 import pytest
 
@@ -50,3 +50,20 @@ def test_mixtral_8x7b_script_every_flag_with_megatrons_meaning(tmp_path):
     assert cfg.data.tokenizer_type == "Llama2Tokenizer" and tok.eod == tok.sp.eos_id() >= 0
     with pytest.raises(ConfigError, match="--no-position-embedding with --position-embedding-type learned_absolute"):
         parse_config(["--mock-data", "--no-position-embedding"], 1)
+
+
+def test_megatrons_moe_kernel_switches_are_noops_and_te_cross_entropy_is_refused():
+    """--moe-permute-fusion / --moe-router-fusion pick transformer-engine kernels of the same math as Megatron's
+    unfused path (ours), --moe-shared-expert-overlap a side stream; DeepSeek-V3's --cross-entropy-fusion-impl native
+    is Megatron's own fused cross-entropy, te is refused; the MoE options not built are refused by name."""
+    from megatron_zpp.config.arguments import parse_args
+
+    given = ["--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap"]
+    cfg = parse_args(given + ["--cross-entropy-fusion-impl", "native"])
+    assert cfg.megatron_noops == given + ["--cross-entropy-fusion-impl native"]
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--cross-entropy-fusion-impl", "te", "--moe-apply-probs-on-input", "--moe-input-jitter-eps", "0.1"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "--cross-entropy-fusion-impl te: transformer-engine's cross-entropy is not used here: use native"
+    assert [ln.split(":")[0] for ln in lines[1:]] == ["--moe-apply-probs-on-input", "--moe-input-jitter-eps"]
+    assert all("mixture of experts is not built" in ln for ln in lines[1:])
