@@ -25,12 +25,15 @@
         checkpoint's own), iteration and consumed samples (the LR schedule's position); the model
         settings are read from the checkpoint's args
     python tools/convert_checkpoint.py --load ckpt --to megatron --save mlm_ckpt [--no-optim]
-                                       [--use-distributed-optimizer]
+                                       [--use-distributed-optimizer] [--transformer-impl local]
         ours (any format and layout) -> a megatron-core torch_dist checkpoint that Megatron-LM's
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
         step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py); with
         --use-distributed-optimizer, Adam's state as megatron-core's DistributedOptimizer keeps it
-        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it)
+        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it). Models with
+        experts (--num-experts): the weights both ways (router, expert bias, routed and shared experts under
+        megatron-core's SequentialMLP/TEGroupedMLP sharded keys; --transformer-impl names the MoE layers' pre-MLP
+        norm), Adam's state refused (--no-optim)
 
 The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
 in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
@@ -72,7 +75,11 @@ def _megatron(args, stage: str) -> str:
         out, done = mcore.import_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
     else:
         out, done = mcore.export_checkpoint(
-            args.load, stage, not args.no_optim, distributed_optimizer=args.use_distributed_optimizer
+            args.load,
+            stage,
+            not args.no_optim,
+            distributed_optimizer=args.use_distributed_optimizer,
+            impl=args.transformer_impl or "transformer_engine",
         )
     line = ""
     if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
@@ -199,6 +206,14 @@ def _parser() -> argparse.ArgumentParser:
         "for a Megatron-LM run with --use-distributed-optimizer",
     )
     ap.add_argument(
+        "--transformer-impl",
+        default=None,
+        choices=["transformer_engine", "local"],
+        help="--to megatron: the --transformer-impl of the Megatron-LM run that loads it (default transformer_engine, "
+        "Megatron-LM's): it names an MoE layer's pre-MLP norm (pre_mlp_layernorm.weight with Transformer Engine, "
+        "mlp.linear_fc1.layer_norm_weight with the local spec); dense layers are named alike by both",
+    )
+    ap.add_argument(
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
@@ -213,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
+    if args.transformer_impl and args.to != "megatron":
+        ap.error("--transformer-impl goes with --to megatron (an import reads either spec's names)")
     if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):
         ap.error("--use-distributed-optimizer goes with --to megatron, without --no-optim (it names Adam's format)")
     return convert(args)

@@ -1,0 +1,198 @@
+"""megatron-core (0.19.2) torch_dist checkpoints of MoE models, both ways, against megatron-core's own GPTModel
+with its MoE layer spec (`get_gpt_decoder_block_spec`, local: SequentialMLP experts, the allgather dispatcher,
+SharedExpertMLP with its gate), fp32 on CPU.
+
+One single-rank gloo job imports megatron-core once and runs every case: our MoE GPT's weights written by our
+writer are loaded by megatron-core's `dist_checkpointing.load` (its logits must be ours), and a fresh
+megatron-core model saved by `dist_checkpointing.save` is read by our reader (our logits must be its). Cases:
+every layer MoE (megatron-core stacks the layers' keys) with a sigmoid router, expert bias and a gated shared
+expert; and a dense layer before two MoE ones (--moe-layer-freq as a list: megatron-core keys each layer on
+its own) with softmax top-2, under both specs' names for an MoE layer's pre-MLP norm: the local spec's
+(renamed into mlp.linear_fc1.layer_norm_weight by its sharded_state_dict_keys_map) and Transformer Engine's
+(pre_mlp_layernorm.weight: its MoE layers keep their own norm). The TE spec itself cannot be built here (no
+transformer-engine): its MoE layers' names are produced by the local spec's layers without that keys map.
+
+Shims (test_mcore._cpu_shims): megatron-core's buffers on torch.cuda.current_device() ('cpu' here), its
+save's CUDA synchronize and writer process queue.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_zpp.checkpoint import mcore
+from megatron_zpp.checkpoint.save import save_full_dcp
+from megatron_zpp.model import GPT, init_weights
+from tests.checkpoint.test_mcore import ROWS, SEQ, _cfg, _close, _convert, _cpu_shims, _fresh, _mcore_forward, _probe
+from tests.dist import run_distributed
+
+BASE = (
+    "--mock-data --num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 100 "
+    "--make-vocab-size-divisible-by 32 --normalization RMSNorm --swiglu --ffn-hidden-size 48 "
+    "--position-embedding-type rope --group-query-attention --num-query-groups 2 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
+    "--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2 "
+)
+CASES = {  # name: (our flags, the spec whose names the checkpoint uses)
+    "all_moe_sigmoid": (
+        BASE + "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-shared-expert-intermediate-size 40 --moe-shared-expert-gate",
+        "local",
+    ),
+    "mixed_local": (BASE + "--moe-layer-freq [0,1,1]", "local"),
+    "mixed_te": (BASE + "--moe-layer-freq [0,1,1] --moe-router-pre-softmax", "transformer_engine"),
+}
+
+
+def _mcore_moe_model(cfg, impl: str):
+    """megatron-core's GPTModel with its MoE decoder block spec (local modules, fp32) of our config; with
+    impl 'transformer_engine' its MoE layers keep pre_mlp_layernorm's own name, as TE's spec does."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    m = cfg.model
+    freq = [int(c) for c in m.moe_layer_freq if c.isdigit()] if "[" in m.moe_layer_freq else int(m.moe_layer_freq)
+    tc = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.kv_heads, ffn_hidden_size=m.ffn_size, normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        init_method_std=0.05, num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.expert_ffn_size,
+        moe_router_topk=m.moe_router_topk, moe_layer_freq=freq, moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax, moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+        moe_aux_loss_coeff=0.0,
+    )  # fmt: skip
+    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(
+        tc, spec, vocab_size=ROWS, max_sequence_length=SEQ, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False, parallel_output=False,
+    )  # fmt: skip
+    if impl == "transformer_engine":
+        for i, layer in enumerate(model.decoder.layers):
+            if m.is_moe_layer(i):  # TE's MoE layer: the attention's norm fused into linear_qkv, its own pre-MLP norm
+                keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+                layer.submodules_config = dataclasses.replace(layer.submodules_config, sharded_state_dict_keys_map=keys)
+    return model
+
+
+def _our_state(cfg) -> dict[str, torch.Tensor]:
+    """Our model's weights (and the routers' expert bias), every one off its init so that its mapping shows."""
+    ours = GPT(cfg.model, ROWS)
+    init_weights(ours, 3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for t in ours.state_dict().values():
+            t.add_(0.05 * torch.randn(t.shape, generator=gen))
+    return {n: t.detach().clone() for n, t in ours.state_dict().items()}
+
+
+def _logits(cfg, state):
+    model = GPT(cfg.model, ROWS)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(_probe())
+
+
+def _case(root, name, flags, impl):
+    from megatron.core import dist_checkpointing
+
+    cfg = _cfg(flags)
+    state = _our_state(cfg)
+    there = os.path.join(root, f"{name}-to")
+    tensors = mcore.to_mcore(state, cfg, impl)
+    mcore.write(there, 0, tensors, {}, cfg.model)
+    torch.manual_seed(1)
+    theirs = _mcore_moe_model(cfg, impl).eval()
+    loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, mcore.iteration_dir(there))
+    theirs.load_state_dict(loaded["model"])
+    with torch.no_grad():
+        out = {"to": (_logits(cfg, state), _mcore_forward(theirs, _probe()))}
+    torch.manual_seed(2)  # a fresh megatron-core model: its weights, our reader
+    theirs = _mcore_moe_model(cfg, impl).eval()
+    if cfg.model.moe_router_enable_expert_bias:
+        with torch.no_grad():
+            for layer in theirs.decoder.layers:
+                layer.mlp.router.expert_bias.copy_(torch.randn(cfg.model.num_experts))
+    back = _fresh(os.path.join(root, f"{name}-from"))
+    dist_checkpointing.save(theirs.sharded_state_dict(), back, validate_access_integrity=False)
+    read = mcore.read_tensors(back)
+    with torch.no_grad():
+        out["from"] = (_logits(cfg, mcore.from_mcore(read, cfg)), _mcore_forward(theirs, _probe()))
+    out["keys"] = (sorted(tensors), sorted(read))  # ours written, megatron-core's saved
+    out["transformer_impl"] = mcore.transformer_impl(read)
+    return out
+
+
+def _all_cases(rank, world, root):
+    _cpu_shims()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    return {name: _case(root, name, flags, impl) for name, (flags, impl) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_all_cases, 1, str(tmp_path_factory.mktemp("mcore_moe")), timeout=300)[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_logits_equal_megatron_core_both_ways(results, name):
+    r = results[name]
+    for way in ("to", "from"):
+        ours, theirs = r[way]
+        assert ours.shape == theirs.shape == (2, SEQ, ROWS)
+        assert _close(ours, theirs, 1e-5), (way, (ours - theirs).abs().max().item())
+    written, saved = r["keys"]
+    assert written == saved  # our writer's keys are those megatron-core's own save gives
+    assert r["transformer_impl"] == CASES[name][1]
+
+
+def test_moe_keys_are_megatron_cores_layouts(results):
+    stacked = results["all_moe_sigmoid"]["keys"][0]
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in stacked
+    assert "decoder.layers.mlp.shared_experts.gate_weight" in stacked
+    per_layer = results["mixed_te"]["keys"][0]
+    assert {"decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"} <= set(
+        per_layer
+    )
+    assert "decoder.layers.2.mlp.experts.experts.linear_fc2.weight" in per_layer
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_round_trip_is_bitwise(name):
+    """Ours -> megatron-core's keys -> ours: every tensor back bitwise (transposes, stacks, the qkv rows)."""
+    flags, impl = CASES[name]
+    cfg = _cfg(flags)
+    state = _our_state(cfg)
+    back = mcore.from_mcore(mcore.to_mcore(state, cfg, impl), cfg)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[n], t) for n, t in state.items())
+
+
+def test_tool_moe_round_trip_and_refusals(tmp_path, capsys):
+    """--to megatron --no-optim then --from megatron: the weights come back bitwise; the args carry the MoE
+    settings as Megatron-LM's parser gives them; Adam's state of an MoE model is refused by name."""
+    cfg = _cfg(CASES["mixed_te"][0])
+    weights = {n: t for n, t in _our_state(cfg).items()}
+    moments = {n: {k: torch.rand(w.shape) for k in mcore.MOMENTS} for n, w in weights.items()}
+    save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 7.0, 7, 28)
+    to = ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]
+    assert _convert(to) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Adam's state of a model with experts is not converted" in err
+    assert _convert(to + ["--no-optim"]) == 0
+    args = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))["args"]
+    assert (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, [0, 1, 1], 2, 24)
+    assert args.transformer_impl == "transformer_engine" and args.moe_router_pre_softmax
+    back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
+    assert _convert(back) == 0  # a --no-optim export holds no optimizer state: nothing to refuse
+    got, _, _, meta = mcore.our_full_state(str(tmp_path / "b"))
+    assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
+    assert meta["config"]["model"]["moe_layer_freq"] == "[0, 1, 1]" and meta["config"]["model"]["num_experts"] == 4
