@@ -189,7 +189,12 @@ def test_tool_moe_round_trip_and_refusals(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "Adam's state of a model with experts is not converted" in err
     assert _convert(to + ["--no-optim"]) == 0
     args = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))["args"]
-    assert (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, [0, 1, 1], 2, 24)
+    assert (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size) == (
+        4,
+        [0, 1, 1],
+        2,
+        24,
+    )
     assert args.transformer_impl == "transformer_engine" and args.moe_router_pre_softmax
     back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
     assert _convert(back) == 0  # a --no-optim export holds no optimizer state: nothing to refuse

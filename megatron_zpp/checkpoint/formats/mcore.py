@@ -332,13 +332,10 @@ def args_from_config(
         no_save_rng=True,  # no RNG state is written: Megatron's load then starts its streams from the seed
         params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
     )
-    if m.num_experts:  # what load_args_from_checkpoint takes, as Megatron-LM's parser and validate_args give it
-        text = str(m.moe_layer_freq).strip()
-        ns.update(
-            moe_layer_freq=int(text) if "[" not in text else moe_layer_pattern(text, m.num_layers),
-            moe_ffn_hidden_size=m.expert_ffn_size,
-            transformer_impl=impl,  # the spec whose MoE layers' pre-MLP norm key the checkpoint holds
-        )
+    text = str(m.moe_layer_freq).strip()  # as Megatron-LM's parser gives it: an int, or the list it evaluated
+    ns["moe_layer_freq"] = int(text) if "[" not in text else moe_layer_pattern(text, m.num_layers)
+    if m.num_experts:  # validate_args' default width; the spec whose MoE layers' pre-MLP norm key it holds
+        ns.update(moe_ffn_hidden_size=m.expert_ffn_size, transformer_impl=impl)
     return argparse.Namespace(**ns)
 
 
