@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from .base import ConversionError, special_token_ids
+from .base import ConversionError, experts_refusal, special_token_ids
 
 NAME = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -38,7 +38,7 @@ def unsupported(cfg) -> list[str]:
         (m.kv_heads == m.num_attention_heads, "it uses grouped-query attention; GPT-2 has one kv head per head"),
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
     ]
-    return [why for ok, why in checks if not ok]
+    return [why for ok, why in checks if not ok] + experts_refusal(cfg, "GPT-2")
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:
