@@ -190,7 +190,7 @@ def rope_theta(hf: dict) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def moe_config_from(hf: dict, experts: int, expert_width: int, pattern: list[int]):
+def moe_config_from(hf: dict, experts, expert_width: int, pattern: list[int]):
     """Our Config of a HF MoE decoder (the keys both formats read alike): softmax attention, RMSNorm, SwiGLU,
     RoPE, no biases; `pattern`: one 1 (MoE) or 0 (dense) per layer."""
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]

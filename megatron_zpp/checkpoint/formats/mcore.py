@@ -138,7 +138,7 @@ def _layer_to(state: dict, m, i: int, impl: str) -> dict[str, torch.Tensor]:
         if any(t is None for t in experts):  # a damaged checkpoint: name the tensor, not torch.stack's error
             lost = next(e for e, t in enumerate(experts) if t is None)
             raise CheckpointError(f"the checkpoint holds no {src}mlp.experts.{w}.{lost}, which its model has")
-        out[name] = torch.stack([t.T for t in experts])
+        out[name] = torch.stack([t.T for t in experts if t is not None])
     return out
 
 
