@@ -11,11 +11,15 @@ its own) with softmax top-2, under both specs' names for an MoE layer's pre-MLP 
 (renamed into mlp.linear_fc1.layer_norm_weight by its sharded_state_dict_keys_map) and Transformer Engine's
 (pre_mlp_layernorm.weight: its MoE layers keep their own norm). The TE spec itself cannot be built here (no
 transformer-engine): its MoE layers' names are produced by the local spec's layers without that keys map.
+Megatron-LM's own `load_checkpoint` (test_mcore_megatron_lm's harness) reads the --no-optim export of the mixed
+model: every arg its checkpointing.py reads equals its parser's for the MoE command line, and its MoE GPTModel
+gives our logits.
 
 Shims (test_mcore._cpu_shims): megatron-core's buffers on torch.cuda.current_device() ('cpu' here), its
 save's CUDA synchronize and writer process queue.
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -129,12 +133,50 @@ def _case(root, name, flags, impl):
     return out
 
 
+def _megatron_lm_loads(root):
+    """Megatron-LM's own load_checkpoint (test_mcore_megatron_lm's parser, shims and diffs) reads our --no-optim
+    export of the mixed model for --transformer-impl local: its args as its parser gives them for the MoE
+    command line, the model settings its load_args_from_checkpoint takes, and its MoE GPTModel's logits."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from tests.checkpoint import test_mcore_megatron_lm as mlm
+
+    arguments, checkpointing, _ = mlm._megatron_lm()  # first: its typing shim before megatron.training imports
+    mlm._load_shims(checkpointing)
+    flags = CASES["mixed_local"][0].replace(
+        "--hidden-dropout 0 --attention-dropout 0 ", "--max-position-embeddings 16 "
+    )
+    cfg = _cfg(flags + mlm.RUN)
+    state = {n: t for n, t in _our_state(cfg).items()}
+    save_full_dcp(os.path.join(root, "lm-ours"), cfg, state, None, None, mlm.ITERATION, mlm.CONSUMED)
+    there = os.path.join(root, "lm-mlm")
+    mcore.export_checkpoint(os.path.join(root, "lm-ours"), there, with_optimizer=False, impl="local")
+    args = mlm._megatron_args(flags + " --no-load-optim", there)
+    config = arguments.core_transformer_config_from_args(args)
+    torch.manual_seed(3)
+    model = GPTModel(
+        config, get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"),
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False, parallel_output=False,
+    )  # fmt: skip
+    with contextlib.redirect_stdout(None):
+        iteration, _ = checkpointing.load_checkpoint([model], None, None)
+    exported = mcore.read_common(mcore.iteration_dir(there))["args"]
+    with torch.no_grad():
+        logits = (_logits(cfg, state), _mcore_forward(model.eval(), _probe()))
+    diff = mlm._args_diff(exported, args) | mlm._from_checkpoint_diff(there, args)
+    diff.pop("no_save_optim", None)  # True: the --no-optim export's own state, as --no-save-optim writes
+    return {"iteration": iteration, "args": diff, "logits": logits, "moe": (args.num_experts, args.moe_layer_freq)}
+
+
 def _all_cases(rank, world, root):
     _cpu_shims()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
-    return {name: _case(root, name, flags, impl) for name, (flags, impl) in CASES.items()}
+    out = {name: _case(root, name, flags, impl) for name, (flags, impl) in CASES.items()}
+    return out | {"megatron_lm": _megatron_lm_loads(root)}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +194,14 @@ def test_moe_logits_equal_megatron_core_both_ways(results, name):
     written, saved = r["keys"]
     assert written == saved  # our writer's keys are those megatron-core's own save gives
     assert r["transformer_impl"] == CASES[name][1]
+
+
+def test_megatron_lm_load_checkpoint_reads_our_moe_export(results):
+    r = results["megatron_lm"]
+    assert r["args"] == {}, r["args"]  # every arg its checkpointing.py reads, as its parser gives them
+    assert r["iteration"] == 3 and r["moe"] == (4, [0, 1, 1])
+    ours, theirs = r["logits"]
+    assert ours.shape == theirs.shape and _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
 
 
 def test_moe_keys_are_megatron_cores_layouts(results):
