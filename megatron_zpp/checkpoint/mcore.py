@@ -258,7 +258,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     if not with_optimizer:
         why = [w for w in why if "optimizer" not in w]
     elif cfg.model.num_experts and ("optimizer" in common or any(k.startswith("optimizer.") for k in tensors)):
-        why.append(MOE_OPTIMIZER + "--no-optim")
+        why.append(MOE_OPTIMIZER + "with --no-optim (tools/convert_checkpoint.py) or --no-load-optim (a run's --load)")
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
@@ -281,7 +281,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
 
 MOE_OPTIMIZER = (
     "Adam's state of a model with experts is not converted (megatron-core keeps the experts' in a second optimizer "
-    "of its ChainedOptimizer, under its own parameter groups): convert the weights with "
+    "of its ChainedOptimizer, under its own parameter groups): the weights only, "
 )
 EXPERT_BIAS = "mlp.router.expert_bias"
 
@@ -360,7 +360,9 @@ def export_checkpoint(
     weights, moments, step, meta = our_full_state(load)
     moments = moments if with_optimizer else None
     cfg = config_from_dict(meta["config"])
-    why = unsupported(cfg) + ([MOE_OPTIMIZER + "--no-optim"] if moments is not None and cfg.model.num_experts else [])
+    why = unsupported(cfg) + (
+        [MOE_OPTIMIZER + "with --no-optim"] if moments is not None and cfg.model.num_experts else []
+    )
     if why:
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None

@@ -251,3 +251,14 @@ def test_tool_moe_round_trip_and_refusals(tmp_path, capsys):
     got, _, _, meta = mcore.our_full_state(str(tmp_path / "b"))
     assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
     assert meta["config"]["model"]["moe_layer_freq"] == "[0, 1, 1]" and meta["config"]["model"]["num_experts"] == 4
+    tensors = mcore.to_mcore(weights, cfg)  # megatron-core's checkpoint with Adam's state: refused, or weights only
+    tensors |= {f"optimizer.state.exp_avg.{k}": v for k, v in tensors.items()}
+    mcore.write(str(tmp_path / "adam"), 3, tensors, {"args": args, "iteration": 3}, cfg.model)
+    back = ["--from", "megatron", "--load", str(tmp_path / "adam"), "--to", "sharded", "--save", str(tmp_path / "c")]
+    assert _convert(back) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Adam's state of a model with experts is not converted" in err
+    assert "--no-load-optim (a run's --load)" in err
+    assert _convert(back + ["--no-optim"]) == 0
+    got, _, _, _ = mcore.our_full_state(str(tmp_path / "c"))
+    assert all(torch.equal(got[n], w) for n, w in weights.items())
