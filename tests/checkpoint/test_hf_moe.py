@@ -103,17 +103,24 @@ def _transformers_model(kind: str):
         vocab_size=ROWS, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
     )  # fmt: skip
+    qwen = dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4)
     if kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=40, moe_intermediate_size=24, num_experts=4, mlp_only_layers=[0],
-            norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+            **common, **qwen, mlp_only_layers=[0], norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
         )  # fmt: skip
+        return _perturbed(transformers.Qwen3MoeForCausalLM(cfg))
+    if kind == "qwen3_moe_step2":  # layers 1 and 3 sparse (Qwen3 counts its step from layer step - 1)
+        cfg = transformers.Qwen3MoeConfig(**common | {"num_hidden_layers": 4}, **qwen, decoder_sparse_step=2)
         return _perturbed(transformers.Qwen3MoeForCausalLM(cfg))
     cfg = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=4)
     return _perturbed(transformers.MixtralForCausalLM(cfg))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+IMPORTS = {"qwen3_moe": "[0, 1, 1]", "qwen3_moe_step2": "[0, 1, 0, 1]", "mixtral": "1"}  # kind: --moe-layer-freq
+
+
+@pytest.mark.parametrize("kind", list(IMPORTS))
 def test_transformers_model_imports_with_its_logits(kind, tmp_path):
     model = _transformers_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
@@ -124,8 +131,9 @@ def test_transformers_model_imports_with_its_logits(kind, tmp_path):
     cfg = _cfg_of(config)
     ours = _our_logits(cfg, weights)
     assert (theirs - ours).abs().max().item() < TOL
-    assert cfg.model.num_experts == 4 and cfg.model.qk_layernorm == (kind == "qwen3_moe")
-    assert cfg.model.moe_layer_freq == ("[0, 1, 1]" if kind == "qwen3_moe" else "1")
+    assert cfg.model.num_experts == 4 and cfg.model.qk_layernorm == kind.startswith("qwen3_moe")
+    assert cfg.model.moe_layer_freq == IMPORTS[kind]
+    assert cfg.model.moe_router_pre_softmax == (kind == "qwen3_moe_step2")  # norm_topk_prob false: no renorm
 
 
 def _cfg_of(config: dict):
