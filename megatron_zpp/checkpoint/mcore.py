@@ -367,6 +367,10 @@ def export_checkpoint(
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
     masters = to_mcore(_with_expert_bias(weights, cfg), cfg, impl)
+    if lost := sorted(set(expected_shapes(cfg, weights["embedding.weight"].shape[0], impl)) - set(masters)):
+        raise ConversionError(
+            f"cannot convert {load}: it holds no tensor for megatron-core's {lost[0]}, which its model has"
+        )
     tensors = {k: v.to(low) if low else v for k, v in masters.items()}  # the model in its training dtype
     common: dict = {
         "checkpoint_version": 3.0,

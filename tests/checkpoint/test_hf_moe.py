@@ -170,3 +170,14 @@ def test_import_refuses_what_we_cannot_hold_by_name(tmp_path):
     with pytest.raises(ConversionError, match="sliding_window 8: attention over a window is not built here"):
         hf_formats.import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
     assert not os.path.exists(tmp_path / "ours")
+
+
+def test_export_of_partial_experts_is_one_named_line(tmp_path, capsys):
+    """A checkpoint missing an expert (as one saved at EP > 1 consolidates today: only EP rank 0's share) is
+    refused by the tensor's name, nothing written."""
+    cfg = _cfg(EXPORTS["mixtral"][0])
+    weights = _our_weights(cfg)
+    del weights["layers.1.mlp.experts.fc2.3"]
+    with pytest.raises(ConversionError, match="the weights hold no layers.1.mlp.experts.fc2.3, which the model"):
+        hf_formats.export_hf(weights, cfg.to_dict(), str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf")

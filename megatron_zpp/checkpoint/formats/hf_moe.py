@@ -133,6 +133,8 @@ class Reads(dict):
 
     def __getitem__(self, name: str):
         self.read.add(name)
+        if name not in self:  # a damaged or partial state: named, not a KeyError's traceback
+            raise ConversionError(f"the weights hold no {name}, which the model of their config has")
         return super().__getitem__(name)
 
     def finished(self, out: dict) -> dict[str, torch.Tensor]:
