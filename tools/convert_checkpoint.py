@@ -7,13 +7,16 @@
         Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
         biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/formats/gpt2.py);
         softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
-        config.json + model.safetensors (+ tokenizer.model); every other model (GLA, hybrid,
+        config.json + model.safetensors (+ tokenizer.model); models with experts (--num-experts): transformers'
+        own Qwen3MoeForCausalLM (with --qk-layernorm) or MixtralForCausalLM (every layer sparse), the experts one
+        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); every other model (GLA, hybrid,
         LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
         AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF directory of any of these kinds (model.safetensors or its sharded index) -> a weights-only
+        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE and Mixtral
+        directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -173,8 +176,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="source",
         default="megatron_zpp",
         choices=["megatron_zpp", "hf", "megatron"],
-        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, or our GLA/hybrid "
-        "export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
+        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, Qwen3-MoE, Mixtral, "
+        "or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",
