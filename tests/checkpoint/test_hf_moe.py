@@ -10,7 +10,9 @@
 - what a class cannot hold is refused by name, before a file is written.
 """
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -163,11 +165,20 @@ def test_export_refuses_what_the_classes_cannot_hold_by_name(extra, named, tmp_p
     assert not os.path.exists(tmp_path / "hf")
 
 
-def test_import_refuses_what_we_cannot_hold_by_name(tmp_path):
-    model = _transformers_model("mixtral")
-    model.config.sliding_window = 8
+IMPORT_REFUSALS = [  # (kind, config.json change, what the line names)
+    ("mixtral", {"sliding_window": 8}, "sliding_window 8: attention over a window is not built here"),
+    ("qwen3_moe", {"head_dim": 16}, "head_dim 16 is not hidden_size / heads"),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "it scales RoPE"),
+]
+
+
+@pytest.mark.parametrize("kind,change,named", IMPORT_REFUSALS, ids=[r[2].split(":")[0] for r in IMPORT_REFUSALS])
+def test_import_refuses_what_we_cannot_hold_by_name(kind, change, named, tmp_path):
+    model = _transformers_model(kind)
     model.save_pretrained(str(tmp_path / "hf"))
-    with pytest.raises(ConversionError, match="sliding_window 8: attention over a window is not built here"):
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | change))
+    with pytest.raises(ConversionError, match=re.escape(named)):
         hf_formats.import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
     assert not os.path.exists(tmp_path / "ours")
 
