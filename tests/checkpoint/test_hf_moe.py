@@ -36,6 +36,8 @@ EXPORTS = {  # name: (our flags, the transformers class it becomes)
     "qwen3_moe": (BASE + "--qk-layernorm --moe-layer-freq [0,1,1]", "Qwen3MoeForCausalLM"),
     "qwen3_moe_no_renorm": (BASE + "--qk-layernorm --moe-router-pre-softmax", "Qwen3MoeForCausalLM"),
     "mixtral": (BASE, "MixtralForCausalLM"),
+    # Megatron's zero-centred norms (1 + w), the query/key head norms too: folded into the weights on the way
+    "qwen3_moe_1p": (BASE + "--qk-layernorm --apply-layernorm-1p", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -83,6 +85,9 @@ def test_export_equals_transformers_and_imports_back_bitwise(name, tmp_path):
     back = ["--from", "hf", "--load", str(tmp_path / "hf"), "--to", "sharded", "--output", str(tmp_path / "back")]
     assert _convert(back) == 0
     got, config = consolidate(str(tmp_path / "back"))
+    if cfg.model.apply_layernorm_1p:  # the import holds plain norms (1 + w written): the same model
+        assert (_our_logits(_cfg_of(config), got) - ours).abs().max().item() < TOL
+        return
     assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
     m = config["model"]
     assert (m["num_experts"], m["moe_router_topk"], m["moe_ffn_hidden_size"]) == (4, 2, 24)

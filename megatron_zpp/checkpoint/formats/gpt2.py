@@ -93,8 +93,10 @@ def _pairs(cfg) -> list[tuple[str, str, bool]]:
 
 
 def _is_norm_weight(name: str) -> bool:
-    """A block or final norm's weight (not GLA's head norm, which --apply-layernorm-1p leaves alone)."""
-    return name.endswith((".norm1.weight", ".norm2.weight")) or name == "final_norm.weight"
+    """A block, final or query/key head norm's weight (not GLA's head norm, which --apply-layernorm-1p leaves
+    alone; softmax attention builds its --qk-layernorm norms with the flag: model/attention.py)."""
+    norms = (".norm1.weight", ".norm2.weight", ".mixer.q_norm.weight", ".mixer.k_norm.weight")
+    return name.endswith(norms) or name == "final_norm.weight"
 
 
 def fold_layernorm_1p(state: dict, cfg) -> tuple[dict, object]:
