@@ -129,6 +129,7 @@ def _case(root, name, flags, impl):
     with torch.no_grad():
         out["from"] = (_logits(cfg, mcore.from_mcore(read, cfg)), _mcore_forward(theirs, _probe()))
     out["keys"] = (sorted(tensors), sorted(read))  # ours written, megatron-core's saved
+    out["objects"] = (mcore.object_keys(mcore.iteration_dir(there)), mcore.object_keys(back))  # the extra states
     out["transformer_impl"] = mcore.transformer_impl(read)
     return out
 
@@ -193,6 +194,8 @@ def test_moe_logits_equal_megatron_core_both_ways(results, name):
         assert _close(ours, theirs, 1e-5), (way, (ours - theirs).abs().max().item())
     written, saved = r["keys"]
     assert written == saved  # our writer's keys are those megatron-core's own save gives
+    ours, theirs = r["objects"]
+    assert set(ours) - {mcore.COMMON_KEY} == set(theirs) - {mcore.COMMON_KEY}  # and its None extra states
     assert r["transformer_impl"] == CASES[name][1]
 
 
