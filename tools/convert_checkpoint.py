@@ -83,6 +83,7 @@ def _megatron(args, stage: str) -> str:
             not args.no_optim,
             distributed_optimizer=args.use_distributed_optimizer,
             impl=args.transformer_impl or "transformer_engine",
+            expert_parallel=args.expert_model_parallel_size,
         )
     line = ""
     if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
@@ -217,6 +218,14 @@ def _parser() -> argparse.ArgumentParser:
         "mlp.linear_fc1.layer_norm_weight with the local spec); dense layers are named alike by both",
     )
     ap.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=None,
+        help="--to megatron, a model with experts: the --expert-model-parallel-size of the Megatron-LM run that "
+        "loads it (default: ours). Above 1 its Adam is a ChainedOptimizer of the dense and the experts' parameters, "
+        "at 1 one optimizer: the export's optimizer state is written for that run (the tensors are the same)",
+    )
+    ap.add_argument(
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
@@ -231,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
+    if args.expert_model_parallel_size is not None and (args.to != "megatron" or args.expert_model_parallel_size < 1):
+        ap.error("--expert-model-parallel-size goes with --to megatron and is at least 1")
     if args.transformer_impl and args.to != "megatron":
         ap.error("--transformer-impl goes with --to megatron (an import reads either spec's names)")
     if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):

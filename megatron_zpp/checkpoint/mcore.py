@@ -257,7 +257,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     why = _refusals(args, tensors, common, cfg)
     if not with_optimizer:
         why = [w for w in why if "optimizer" not in w]
-    elif cfg.model.num_experts and ("optimizer" in common or any(k.startswith("optimizer.") for k in tensors)):
+    elif cfg.model.num_experts and mcore_optimizer.sharding_type(common) != "none":
         why.append(MOE_OPTIMIZER + "with --no-optim (tools/convert_checkpoint.py) or --no-load-optim (a run's --load)")
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
@@ -280,8 +280,8 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
 
 
 MOE_OPTIMIZER = (
-    "Adam's state of a model with experts is not converted (megatron-core keeps the experts' in a second optimizer "
-    "of its ChainedOptimizer, under its own parameter groups): the weights only, "
+    "the distributed optimizer's Adam state of a model with experts is not converted (megatron-core's "
+    "ChainedOptimizer shards the experts' over the expert-data-parallel group; the non-distributed one's is): "
 )
 EXPERT_BIAS = "mlp.router.expert_bias"
 
@@ -332,6 +332,27 @@ def _param_groups(cfg) -> list[dict]:
     ]
 
 
+def _adam_common(cfg, step: float, nested: bool) -> dict:
+    """The common (non-tensor) state of Megatron-LM's non-distributed Adam: its parameter groups and step. When
+    the experts are expert-parallel (EP > 1, or an expert TP other than TP: megatron-core's linears then mark
+    them allreduce=False), get_megatron_optimizer builds a ChainedOptimizer of two, the dense parameters' groups
+    then the experts' (is_expert_parallel), saved as {0: ..., 1: ...}; else one optimizer holds them all. The
+    tensors keep the unprefixed optimizer.state.* keys either way (Megatron-LM saves with
+    chained_optim_avoid_prefix)."""
+
+    def one(groups: list[dict]) -> dict:
+        state = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}  # torch's float tensor
+        return {"optimizer": state} if nested else state  # Float16OptimizerWithFloat16Params nests it once more
+
+    p, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
+    if not (
+        cfg.model.num_experts and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)
+    ):
+        return one(_param_groups(cfg))
+    experts = {**_param_groups(cfg)[0], "is_expert_parallel": True}  # 2-D weights only (the experts hold no bias)
+    return {0: one(_param_groups(cfg)), 1: one([experts])}
+
+
 def _scheduler_state(cfg, consumed: int) -> dict:
     """Megatron's OptimizerParamScheduler.state_dict() of our schedule after `consumed` samples."""
     from ..optim.schedules import schedule_for
@@ -349,20 +370,23 @@ def export_checkpoint(
     with_optimizer: bool = True,
     distributed_optimizer: bool = False,
     impl: str = "transformer_engine",
+    expert_parallel: int | None = None,
 ) -> tuple[str, dict]:
     """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
     as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer, or with
     `distributed_optimizer` its DistributedOptimizer in the fully_reshardable format (mcore_optimizer.py);
-    `impl`: the --transformer-impl of the Megatron-LM run that loads it (an MoE layer's pre-MLP norm key).
-    Returns (its directory, a summary)."""
+    `impl`: the --transformer-impl of the Megatron-LM run that loads it (an MoE layer's pre-MLP norm key);
+    `expert_parallel`: its --expert-model-parallel-size (default: our run's), which decides whether its Adam is
+    one optimizer or a chain of two (`_adam_common`). Returns (its directory, a summary)."""
     from .layout import config_from_dict
 
     weights, moments, step, meta = our_full_state(load)
     moments = moments if with_optimizer else None
     cfg = config_from_dict(meta["config"])
-    why = unsupported(cfg) + (
-        [MOE_OPTIMIZER + "with --no-optim"] if moments is not None and cfg.model.num_experts else []
-    )
+    if expert_parallel is not None:
+        cfg.parallel.expert_model_parallel_size = expert_parallel
+    moe_adam = moments is not None and distributed_optimizer and cfg.model.num_experts
+    why = unsupported(cfg) + ([MOE_OPTIMIZER + "export it without --use-distributed-optimizer"] if moe_adam else [])
     if why:
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
@@ -378,20 +402,17 @@ def export_checkpoint(
         "num_floating_point_operations_so_far": 0,
     }
     if moments is not None and distributed_optimizer:
-        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg) for kind in MOMENTS}
+        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg, impl) for kind in MOMENTS}
         state, optim = mcore_optimizer.write_fully_reshardable(masters, per_kind, float(step or 0), _param_groups(cfg))
         tensors.update(state)
         common.update(optim, opt_param_scheduler=_scheduler_state(cfg, meta["consumed_samples"]))
     elif moments is not None:
         for kind in MOMENTS:
-            mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg)
+            mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg, impl)
             tensors.update({f"optimizer.state.{kind}.{k}": v for k, v in mcore.items()})
         if low:
             tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
-        step_tensor = torch.tensor(float(step or 0))  # torch's Adam keeps its step as a float tensor
-        common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
-        if low:  # Float16OptimizerWithFloat16Params nests its torch state once more (its masters are tensors)
-            common["optimizer"] = {"optimizer": common["optimizer"]}
+        common["optimizer"] = _adam_common(cfg, float(step or 0), low is not None)
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
     common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None, impl)

@@ -30,7 +30,18 @@ import torch.nn.functional as F
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT, init_weights
-from tests.checkpoint.test_mcore import ROWS, SEQ, _cfg, _close, _convert, _cpu_shims, _fresh, _mcore_forward, _probe
+from tests.checkpoint.test_mcore import (
+    ROWS,
+    SEQ,
+    _cfg,
+    _close,
+    _convert,
+    _cpu_shims,
+    _fresh,
+    _mcore_forward,
+    _probe,
+    _zero_moments,
+)
 from tests.dist import run_distributed
 
 BASE = (
@@ -171,13 +182,99 @@ def _megatron_lm_loads(root):
     return {"iteration": iteration, "args": diff, "logits": logits, "moe": (args.num_experts, args.moe_layer_freq)}
 
 
+def _mcore_chained_adam(model, step: float | None = None):
+    """Megatron-LM's non-distributed Adam, as get_megatron_optimizer builds it: a ChainedOptimizer of
+    FP32Optimizers, the dense parameters' groups, then (when megatron-core marked experts expert-parallel) the
+    experts' (is_expert_parallel), each built without its __init__'s CUDA loss scale (test_mcore's way); with
+    `step`, random moments at it."""
+    from megatron.core.optimizer import (
+        ChainedOptimizer,
+        FP32Optimizer,
+        MegatronOptimizer,
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    oc = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.1)
+    groups = _get_param_groups([model], oc, get_standard_config_overrides(oc))
+    chained = []
+    for experts in (False, True):
+        if not (mine := [g for g in groups if g["is_expert_parallel"] == experts]):
+            continue
+        adam = torch.optim.AdamW(mine, lr=1e-3)
+        opt = FP32Optimizer.__new__(FP32Optimizer)
+        MegatronOptimizer.__init__(opt, adam, oc, _zero_moments)
+        opt.is_stub_optimizer = False
+        chained.append(opt)
+    gen = torch.Generator().manual_seed(8)
+    for opt in chained if step is not None else []:
+        _zero_moments(opt.optimizer)  # the state's structure, as a step makes it
+        for p, state in opt.optimizer.state.items():
+            state.update(exp_avg=torch.randn(p.shape, generator=gen), exp_avg_sq=torch.rand(p.shape, generator=gen))
+            state["step"] = torch.tensor(step)
+    return ChainedOptimizer(chained)
+
+
+def _as_expert_parallel(model, ep: int):
+    """At EP > 1 megatron-core's expert linears mark their weights allreduce=False (tensor_parallel/layers.py),
+    which splits get_megatron_optimizer's groups into the ChainedOptimizer's second optimizer; one process here:
+    the marks an EP 2 run's ranks carry (every expert global, as its checkpoint keys are)."""
+    for name, p in model.named_parameters():
+        if ep > 1 and ".experts." in name:
+            p.allreduce = False
+    return model
+
+
+def _adam_both_ways(root, ep: int):
+    """megatron-core's MoE model and chained Adam saved as Megatron-LM saves (chained_optim_avoid_prefix) ->
+    our import -> our export -> a fresh megatron-core model and chained Adam load it: {param: (its moments back,
+    the originals)}, the loaded step and how many optimizers the chain has."""
+    from megatron.core import dist_checkpointing
+
+    flags = CASES["mixed_local"][0] + f" --lr 1e-3 --min-lr 1e-4 --weight-decay 0.1 --expert-model-parallel-size {ep}"
+    cfg = _cfg(flags, world=ep)
+    torch.manual_seed(4)
+    model = _as_expert_parallel(_mcore_moe_model(cfg, "local"), ep)
+    adam = _mcore_chained_adam(model, 5.0)
+    meta = {"chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+    sd = {"model": model.sharded_state_dict(metadata=meta)}
+    sd["optimizer"] = adam.sharded_state_dict(sd["model"], metadata=meta)
+    sd |= {"args": mcore.args_from_config(cfg, 5, 20, ROWS, True, "local"), "iteration": 5, "checkpoint_version": 3.0}
+    written = os.path.join(root, f"adam{ep}-mlm")
+    dist_checkpointing.save(sd, _fresh(os.path.join(written, "iter_0000005")))
+    with open(os.path.join(written, mcore.TRACKER), "w") as f:
+        f.write("5")
+    ours, back = os.path.join(root, f"adam{ep}-ours"), os.path.join(root, f"adam{ep}-back")
+    done = mcore.import_checkpoint(written, ours)[1]
+    mcore.export_checkpoint(ours, back, impl="local", expert_parallel=ep)  # the imported config is EP-free
+    torch.manual_seed(5)
+    fresh = _as_expert_parallel(_mcore_moe_model(cfg, "local"), ep)
+    loaded_adam = _mcore_chained_adam(fresh)
+    sd = {"model": fresh.sharded_state_dict(metadata=meta)}
+    sd["optimizer"] = loaded_adam.sharded_state_dict(sd["model"], is_loading=True, metadata=meta)
+    loaded = dist_checkpointing.load(sd, mcore.iteration_dir(back))
+    fresh.load_state_dict(loaded["model"])
+    loaded_adam.load_state_dict(loaded["optimizer"])
+    names = {p: n for n, p in fresh.named_parameters()}
+    originals = dict(model.named_parameters())
+    out = {}
+    for new, old in zip(loaded_adam.chained_optimizers, adam.chained_optimizers):
+        for p in (p for g in new.optimizer.param_groups for p in g["params"]):
+            was = old.optimizer.state[originals[names[p]]]
+            out[names[p]] = [(new.optimizer.state[p][k], was[k]) for k in mcore.MOMENTS]
+    steps = [float(o.optimizer.state[p]["step"]) for o in loaded_adam.chained_optimizers for p in o.optimizer.state]
+    return {"moments": out, "steps": sorted(set(steps)), "imported": done, "chain": len(adam.chained_optimizers)}
+
+
 def _all_cases(rank, world, root):
     _cpu_shims()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
     out = {name: _case(root, name, flags, impl) for name, (flags, impl) in CASES.items()}
-    return out | {"megatron_lm": _megatron_lm_loads(root)}
+    adam = {f"adam_ep{ep}": _adam_both_ways(root, ep) for ep in (1, 2)}
+    return out | adam | {"megatron_lm": _megatron_lm_loads(root)}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +304,19 @@ def test_megatron_lm_load_checkpoint_reads_our_moe_export(results):
     assert ours.shape == theirs.shape and _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_megatron_core_chained_adam_comes_back_bitwise(results, ep):
+    """megatron-core's non-distributed Adam (at EP 2 a ChainedOptimizer of the dense and the experts' groups) ->
+    ours -> megatron-core: every parameter's moments, the experts' included, bitwise, and the step."""
+    r = results[f"adam_ep{ep}"]
+    assert r["chain"] == (2 if ep > 1 else 1)
+    assert r["imported"]["optimizer"] and r["imported"]["step"] == 5.0
+    assert any("experts" in n for n in r["moments"]) and len(r["moments"]) == len(set(r["moments"]))
+    for name, pairs in r["moments"].items():
+        assert all(torch.equal(a, b) for a, b in pairs), name
+    assert r["steps"] == [5.0]
+
+
 def test_moe_keys_are_megatron_cores_layouts(results):
     stacked = results["all_moe_sigmoid"]["keys"][0]
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in stacked
@@ -230,38 +340,29 @@ def test_moe_round_trip_is_bitwise(name):
 
 
 def test_tool_moe_round_trip_and_refusals(tmp_path, capsys):
-    """--to megatron --no-optim then --from megatron: the weights come back bitwise; the args carry the MoE
-    settings as Megatron-LM's parser gives them; Adam's state of an MoE model is refused by name."""
+    """--to megatron then --from megatron: the weights, Adam's moments and step come back bitwise; the args carry
+    the MoE settings as Megatron-LM's parser gives them; the distributed optimizer's state of an MoE model is
+    refused by name."""
     cfg = _cfg(CASES["mixed_te"][0])
     weights = {n: t for n, t in _our_state(cfg).items()}
     moments = {n: {k: torch.rand(w.shape) for k in mcore.MOMENTS} for n, w in weights.items()}
     save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 7.0, 7, 28)
     to = ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]
-    assert _convert(to) == 2
+    assert _convert(to + ["--use-distributed-optimizer"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Adam's state of a model with experts is not converted" in err
-    assert _convert(to + ["--no-optim"]) == 0
-    args = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))["args"]
-    assert (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size) == (
-        4,
-        [0, 1, 1],
-        2,
-        24,
-    )
+    assert len(err.splitlines()) == 1 and "distributed optimizer's Adam state of a model with experts" in err
+    assert _convert(to + ["--expert-model-parallel-size", "2"]) == 0
+    common = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))
+    args = common["args"]
+    moe = (args.num_experts, args.moe_layer_freq, args.moe_router_topk, args.moe_ffn_hidden_size)
+    assert moe == (4, [0, 1, 1], 2, 24) and args.expert_model_parallel_size == 2
     assert args.transformer_impl == "transformer_engine" and args.moe_router_pre_softmax
+    groups = [[g["is_expert_parallel"] for g in o["param_groups"]] for o in common["optimizer"].values()]
+    assert groups == [[False, False], [True]]  # megatron-core's ChainedOptimizer: the dense groups, the experts'
     back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
-    assert _convert(back) == 0  # a --no-optim export holds no optimizer state: nothing to refuse
-    got, _, _, meta = mcore.our_full_state(str(tmp_path / "b"))
+    assert _convert(back) == 0
+    got, got_moments, step, meta = mcore.our_full_state(str(tmp_path / "b"))
     assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
+    assert all(torch.equal(got_moments[n][k], moments[n][k]) for n in weights for k in mcore.MOMENTS)
+    assert step == 7.0 and meta["iteration"] == 7 and meta["consumed_samples"] == 28
     assert meta["config"]["model"]["moe_layer_freq"] == "[0, 1, 1]" and meta["config"]["model"]["num_experts"] == 4
-    tensors = mcore.to_mcore(weights, cfg)  # megatron-core's checkpoint with Adam's state: refused, or weights only
-    tensors |= {f"optimizer.state.exp_avg.{k}": v for k, v in tensors.items()}
-    mcore.write(str(tmp_path / "adam"), 3, tensors, {"args": args, "iteration": 3}, cfg.model)
-    back = ["--from", "megatron", "--load", str(tmp_path / "adam"), "--to", "sharded", "--save", str(tmp_path / "c")]
-    assert _convert(back) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Adam's state of a model with experts is not converted" in err
-    assert "--no-load-optim (a run's --load)" in err
-    assert _convert(back + ["--no-optim"]) == 0
-    got, _, _, _ = mcore.our_full_state(str(tmp_path / "c"))
-    assert all(torch.equal(got[n], w) for n, w in weights.items())
