@@ -36,7 +36,8 @@
         (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it). Models with
         experts (--num-experts): the weights both ways (router, expert bias, routed and shared experts under
         megatron-core's SequentialMLP/TEGroupedMLP sharded keys; --transformer-impl names the MoE layers' pre-MLP
-        norm), Adam's state refused (--no-optim)
+        norm), and Adam's state of the non-distributed optimizer (one optimizer, or at --expert-model-parallel-size
+        > 1 megatron-core's ChainedOptimizer of the dense and the experts' groups); the distributed one's refused
 
 The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
 in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
