@@ -199,6 +199,17 @@ def _parser() -> argparse.ArgumentParser:
         help="FILE.pt for consolidated, a directory for hf, a checkpoint root for sharded and megatron; never "
         "overwritten: a new path, or a root of the same format that lacks the iteration written",
     )
+    _megatron_options(ap)
+    ap.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
+    )
+    return ap
+
+
+def _megatron_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the megatron-core conversions (--from megatron, --to megatron)."""
     ap.add_argument(
         "--no-optim",
         action="store_true",
@@ -226,12 +237,6 @@ def _parser() -> argparse.ArgumentParser:
         "loads it (default: ours). Above 1 its Adam is a ChainedOptimizer of the dense and the experts' parameters, "
         "at 1 one optimizer: the export's optimizer state is written for that run (the tensors are the same)",
     )
-    ap.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
-    )
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
