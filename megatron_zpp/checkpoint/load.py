@@ -101,7 +101,11 @@ def _restore(target: LoadTarget, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
         target.dp.load_state_dict(
-            {"model": {k: v.to(target.device) for k, v in state["model"].items()}, "optimizer": state.get("optimizer")}
+            {
+                "model": {k: v.to(target.device) for k, v in state["model"].items()},
+                "optimizer": state.get("optimizer"),
+                "buffers": state.get("buffers") or {},
+            }
         )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -174,7 +178,12 @@ def plan_load(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> 
     state = read_rank_file(path, meta, target.rank, map_location=target.device)
     _check_tensors(target, path, meta, state["model"])
     has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
-    state = {"model": state["model"], "optimizer": {} if weights_only else state["optimizer"], "rng": state.get("rng")}
+    state = {
+        "model": state["model"],
+        "optimizer": {} if weights_only else state["optimizer"],
+        "rng": state.get("rng"),
+        "buffers": state.get("buffers") or {},  # the routers' expert bias (saved before them: none)
+    }
     keys = tuple("/" + k for k in _tensor_names(state, "/"))
     return LoadPlan(path, meta, changes, (rank_file(target.rank),), keys, has_optimizer, state)
 
@@ -188,7 +197,7 @@ def _plan_reshard(target: LoadTarget, path: str, meta: dict, changes: list[str],
         saved.step = None  # the fp32 masters only
     rebuilt = rank_state_for(saved, target.cfg, target.padded_vocab_size, target.rank, _train_dtype(target.cfg))
     optimizer = {} if weights_only else {"state": rebuilt["optimizer_state"]}
-    state = {"model": rebuilt["model"], "optimizer": optimizer, "rng": None}
+    state = {"model": rebuilt["model"], "optimizer": optimizer, "rng": None, "buffers": rebuilt["buffers"]}
     keys = tuple("/" + k for k in _tensor_names(state, "/"))
     return LoadPlan(path, meta, changes, saved.files_read(), keys, has_optimizer, state)
 
@@ -222,8 +231,9 @@ def _plan_dcp(target: LoadTarget, path: str, meta: dict, changes: list[str], wei
                    for j, sh in enumerate(lay.opt_shapes)}  # fmt: skip
     rng_saved = any(k.startswith(f"rng.rank{rank}.") for k in saved)
     rng = get_rng_state() if rng_saved and not changes else None  # the structure DCP fills
-    sd = dcp.state_dict_of(lay, model, moments, rng, rank)
-    state = {"model": model, "optimizer": {"state": moments} if moments else {}, "rng": None}
+    buffers = {n: torch.zeros(shape) for n, shape in lay.buffers.items() if f"buffers.{n}" in saved}
+    sd = dcp.state_dict_of(lay, model, moments, rng, rank, buffers)
+    state = {"model": model, "optimizer": {"state": moments} if moments else {}, "rng": None, "buffers": buffers}
 
     def read() -> None:
         dcp.load(sd, path)

@@ -83,6 +83,10 @@ def _rank_state(run, host: bool) -> dict:
         else {k: t.detach().clone() for k, t in state["model"].items()},
         "optimizer": host_snapshot(optimizer, run.device) if host else optimizer,
         "rng": get_rng_state() if t.save_rng else {},
+        # the routers' expert bias (persistent buffers, by single-rank name): training state, saved whole
+        "buffers": host_snapshot(state["buffers"], run.device)
+        if host
+        else {k: b.detach().clone() for k, b in state["buffers"].items()},
     }
 
 
@@ -264,7 +268,7 @@ def _dcp_state(run, job: SaveJob, state: dict) -> dict:
     """This rank's state as DCP's state dict: boxes of the single-rank model's tensors."""
     lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
     moments = state["optimizer"].get("state") if state["optimizer"] else None
-    return dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
+    return dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank, state["buffers"])
 
 
 def _latest_iteration(directory: str) -> int | None:
