@@ -148,7 +148,7 @@ def _moe_shape(m) -> dict[str, tuple[str, object]]:
     pattern = "".join(map(str, moe_layer_pattern(m.moe_layer_freq, m.num_layers)))
     return {
         "--num-experts": (str(m.num_experts), m.num_experts),
-        "--moe-layer-freq": (f"{m.moe_layer_freq!r} (MoE layers {pattern})", pattern),
+        "--moe-layer-freq": (f"{m.moe_layer_freq} (MoE layers {pattern})", pattern),
         "--moe-ffn-hidden-size": (str(m.expert_ffn_size), m.expert_ffn_size),
         "--moe-shared-expert-intermediate-size": (
             str(m.moe_shared_expert_intermediate_size),
@@ -156,6 +156,15 @@ def _moe_shape(m) -> dict[str, tuple[str, object]]:
         ),
         "--moe-shared-expert-gate": (str(m.moe_shared_expert_gate), m.moe_shared_expert_gate),
     }
+
+
+WHAT = {
+    "--num-experts": "expert count",
+    "--moe-layer-freq": "MoE layer pattern",
+    "--moe-ffn-hidden-size": "expert width",
+    "--moe-shared-expert-intermediate-size": "shared expert width",
+    "--moe-shared-expert-gate": "shared expert without (or with) its gate",
+}
 
 
 def check_same_experts(path: str, saved_cfg, cfg) -> None:
@@ -167,8 +176,7 @@ def check_same_experts(path: str, saved_cfg, cfg) -> None:
         if value != now[flag][1]:
             raise CheckpointError(
                 f"{path} was saved with {flag} {was}, this run has {flag} {now[flag][0]}: experts reshard across "
-                "--expert-model-parallel-size and --expert-tensor-parallel-size, not to another "
-                f"{flag.removeprefix('--').replace('-', ' ')}"
+                f"--expert-model-parallel-size and --expert-tensor-parallel-size, not to another {WHAT[flag]}"
             )
 
 
