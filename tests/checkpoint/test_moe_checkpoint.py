@@ -60,8 +60,8 @@ LAYOUTS = {  # name: (world size, flags)
     ),
     "tp2_ep2_pp2_zero2": (
         8,
-        "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-        "--zero-stage 2",
+        "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --zero-stage 2",
     ),
 }
 
