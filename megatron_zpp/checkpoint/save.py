@@ -17,7 +17,7 @@ Format of a checkpoint directory DIR:
                                header's "megatron_zpp" entry): nothing is ever unpickled, and a
                                rank reads only the tensors it asks for
 
-A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng", "buffers"}
 (the first four cross-checked against meta.json on every read; meta.json's own sha256 is in
 meta.json.sha256 beside it):
 * "model", "optimizer": the data-parallel engine's state dict (zero/engine.py): plain DP
@@ -26,7 +26,9 @@ meta.json.sha256 beside it):
   freed full weights and hpZ's secondary shards are rebuilt, so not saved); and the torch
   AdamW state_dict;
 * "rng": torch CPU state, device state (or absent), the tensor-parallel stream's states,
-  numpy's and Python's global states (as tensors / lists).
+  numpy's and Python's global states (as tensors / lists);
+* "buffers": the model's persistent buffers by single-rank name (the routers' expert bias), whole on every
+  rank of their stage (absent from files saved before them).
 A weights-only checkpoint (`save_weights`, e.g. imported from HF) has both of the last empty.
 
 Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
