@@ -60,9 +60,9 @@ def topology_of(cfg: Config) -> Topology:
     return topology_from_config(cfg, ranks_per_node=cfg.parallel.world_size)
 
 
-def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int, ep_rank: int = 0, etp_rank=None) -> list:
+def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> list:
     """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only); with routed
-    experts, those of expert-parallel rank `ep_rank` and expert-TP rank `etp_rank` (None: the TP rank)."""
+    experts, those of expert-parallel rank `ep_rank` and expert-TP rank `etp_rank`."""
     return build_rank_chunks(cfg, vocab, pp_rank, stand_in_context(cfg, tp_rank, ep_rank=ep_rank, etp_rank=etp_rank))
 
 
@@ -89,7 +89,7 @@ def rank_layout(
     topo = topo or topology_of(cfg)
     c, e = topo.coords(rank), topo.expert_coords(rank)
     moe = bool(cfg.model.num_experts)
-    where = (c["tp"], c["pp"], e["ep"], e["etp"]) if moe else (c["tp"], c["pp"], 0, None)
+    where = (c["tp"], c["pp"], e["ep"], e["etp"]) if moe else (c["tp"], c["pp"], 0, 0)
     cache = chunk_cache if chunk_cache is not None else {}
     if where not in cache:
         cache[where] = build_chunks(cfg, vocab, *where[:2], *where[2:])

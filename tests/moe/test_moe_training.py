@@ -19,15 +19,47 @@ MOE = (
 ).split()
 MODELS = {
     "moe_gpt": KINDS["softmax"] + MOE,
+    "moe_gpt_8": KINDS["softmax"] + MOE + ["--num-experts", "8"],
+    # token dropping: an expert takes at most 1.0 x its even share of a rank's routes, the lowest probabilities
+    # dropped first, counted on each rank's own tokens (megatron-core's capacity)
+    "moe_gpt_capacity": KINDS["softmax"]
+    + MOE
+    + "--moe-expert-capacity-factor 1.0 --moe-token-dispatcher-type alltoall".split(),
     "moe_gdn_hybrid": KINDS["gdn_hybrid"] + MOE + ["--moe-shared-expert-intermediate-size", "32"],
 }
-LAYOUTS = {  # world size: [(model, flags)]
+A2A = " --moe-token-dispatcher-type alltoall"
+LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP x DP ranks, as Megatron
     2: [
         ("moe_gpt", "--expert-tensor-parallel-size 1"),  # DP2, 2 micro-batches accumulated per rank
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"),
         ("moe_gdn_hybrid", "--context-parallel-size 2"),
         ("moe_gpt", "--pipeline-model-parallel-size 2"),
         ("moe_gdn_hybrid", "--use-distributed-optimizer --zero-stage 3"),
+        ("moe_gpt", "--expert-model-parallel-size 2" + A2A),
+        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel"),  # expert TP 2 (= TP, Megatron's default)
+        ("moe_gdn_hybrid", "--context-parallel-size 2 --expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--expert-model-parallel-size 2 --moe-layer-recompute" + A2A),
+        ("moe_gpt_capacity", "--expert-model-parallel-size 2"),  # the same local tokens: the same drops
+        ("moe_gpt_capacity", "--pipeline-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
+    ],
+    4: [
+        ("moe_gpt", "--expert-model-parallel-size 4" + A2A),
+        (
+            "moe_gpt",
+            "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+            "--expert-model-parallel-size 2" + A2A,
+        ),
+        ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
+        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
+    ],
+    8: [  # EP 8 over TP 2 (SP) x DP 4: each rank holds one of the 8 experts
+        (
+            "moe_gpt_8",
+            "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
+            "--expert-model-parallel-size 8" + A2A,
+        ),
     ],
 }
 
@@ -75,3 +107,39 @@ def test_moe_layouts_match_single_rank(world):
             assert_close_relative(got[name], w, f"{model} {flags} {name}")
     for ref in refs.values():
         assert ref["losses"][-1] < ref["losses"][0]
+    if "moe_gpt_capacity" in refs:  # the layouts above drop exactly the reference's routes
+        assert all(0 < d < 0.5 for d in refs["moe_gpt_capacity"]["dropped"]), refs["moe_gpt_capacity"]["dropped"]
+
+
+def test_capacity_counted_per_sequence_parallel_shard_drops_other_routes():
+    """Megatron's capacity is counted on each rank's own tokens: under TP x SP a rank holds 1/TP of a sequence,
+    so its capacity and its drops differ from one rank's (docs/moe.md). Both drop; the rates are shown."""
+    flags = "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1".split()
+    (tp_sp,) = {
+        tuple(r[0]["dropped"]) for r in run_distributed(_worker, 2, [BASE + MODELS["moe_gpt_capacity"] + flags])
+    }
+    ref = train_and_collect(BASE + MODELS["moe_gpt_capacity"], 1)["dropped"]
+    print(f"dropped routes per step: one rank {np.round(ref, 4)}, TP2 x SP {np.round(tp_sp, 4)}")
+    assert all(0 < d < 0.5 for d in ref + list(tp_sp)) and list(tp_sp) != ref
+
+
+ZERO_PP = (
+    "--use-distributed-optimizer --zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 2 "
+    "--zero-quantized-gradients --zero-gradient-stochastic-rounding --ranks-per-node 2"
+).split()
+
+
+def test_moe_zeropp_on_expert_weights_within_its_bound():
+    """ZeRO++ on the expert-data-parallel groups, 4 ranks as 2 nodes: at EP 1 the experts' group is all 4
+    ranks (qgZ's int4 hops inside then across the nodes, hpZ's secondary shard inside a node), at EP 2 one
+    rank per node (one inter-node hop, no secondary shard). Losses within ZeRO++'s 2% of one rank's over 6
+    steps (tests/zero: the dense bound), and the ledger shows the expert units' traffic on those groups."""
+    runs = [BASE + MODELS["moe_gpt"] + ZERO_PP + flags.split() for flags in ("", "--expert-model-parallel-size 2")]
+    per_rank = run_distributed(_worker, 4, runs, timeout=900)
+    ref = np.array(train_and_collect(BASE + MODELS["moe_gpt"], 1)["losses"])
+    for k, roles in enumerate(({"edp_tier0", "edp_tier1", "edp_hpz"}, {"edp_tier0"})):
+        for r in (rank[k] for rank in per_rank):
+            dev = np.abs(np.array(r["losses"]) - ref) / ref
+            assert 0 < dev.max() < 0.02, (k, dev)  # quantized: off the reference, within the bound
+            used = {row["role"] for row in r["ledger"] if row["phase"].startswith(("qgz_", "zero_"))}
+            assert roles <= used, (k, used)
