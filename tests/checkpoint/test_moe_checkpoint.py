@@ -33,6 +33,7 @@ from megatron_zpp.zero import persistent_buffers
 from tests.checkpoint.test_resume import N as SAVED_AT
 from tests.checkpoint.test_resume import _first_leg, _second_leg, point_latest_at
 from tests.dist import run_distributed
+from tests.old_defaults import DROPOUT_OFF
 
 H, F, E = 32, 16, 4
 N = 2
@@ -203,21 +204,41 @@ def test_another_expert_count_is_refused_in_one_line(moe_checkpoint, case, monke
     assert os.path.exists(os.path.join(moe_checkpoint, "latest"))
 
 
-# ---- exact resume (bitwise) -----------------------------------------------------------------------
-RESUME = {  # name: (world size, flags)
-    "zero3_expert_bias": (2, ["--zero-stage", "3"]),
+# ---- exact resume (bitwise), and resumes at other EP / ETP sizes -------------------------------------
+# EP 2 over DP 4 with the alltoall dispatcher; ZeRO-3 shards the experts over the expert-data-parallel group
+# (2 ranks), the dense weights over DP (4); the expert bias moves every step. Dropout off, so that the resumes
+# at other layouts (fresh RNG streams) follow the same trajectory
+SOURCE = "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --zero-stage 3".split()
+RESUMED_AT = {  # the same checkpoint, resharded: EP 4 plain DP; EP 1 with expert TP 2 (= TP) and ZeRO-1
+    "ep4_plain": "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall",
+    "tp2_etp2_ep1_zero1": "--tensor-model-parallel-size 2 --sequence-parallel --zero-stage 1",
 }
+RTOL = 2e-5  # fp32 round-off: other reduction orders over TP, DP, EP and micro-batches
 
 
-@pytest.mark.parametrize("layout", list(RESUME))
-def test_exact_resume_with_expert_bias(layout, tmp_path):
-    world, extra = RESUME[layout]
-    argv, ckpt = BASE + extra + ["--train-iters", str(2 * SAVED_AT)], str(tmp_path / "ckpt")
-    first = run_distributed(_first_leg, world, argv, ckpt)  # saves every SAVED_AT steps
+def test_exact_resume_with_expert_bias_and_at_other_expert_layouts(tmp_path):
+    model, ckpt = BASE + DROPOUT_OFF + ["--train-iters", str(2 * SAVED_AT)], str(tmp_path / "ckpt")
+    argv = model + SOURCE
+    first = run_distributed(_first_leg, 4, argv, ckpt)  # uninterrupted, then saving every SAVED_AT steps
     point_latest_at(ckpt, SAVED_AT)
-    second = run_distributed(_second_leg, world, argv, ckpt)
+    second = run_distributed(_second_leg, 4, argv, ckpt)
     for (plain, saving), resumed in zip(first, second):
         assert saving["losses"] == plain["losses"], "saving changed the run"
         assert resumed["losses"] == plain["losses"][SAVED_AT:], "resumed losses differ"
         for name, w in plain["weights"].items():
             np.testing.assert_array_equal(resumed["weights"][name], w, err_msg=name)
+    losses = first[0][0]["losses"]
+    final = {n: w for plain, _ in first for n, w in plain["weights"].items()}  # each EP rank's experts
+    for name, flags in RESUMED_AT.items():
+        out = run_distributed(_second_leg, 4, model + flags.split(), ckpt)
+        torch.testing.assert_close(
+            torch.tensor(out[0]["losses"]), torch.tensor(losses[SAVED_AT:]), rtol=RTOL, atol=0, msg=name
+        )
+        if "tensor-model-parallel" in flags:
+            continue  # its weights are TP pieces: the losses above are its check
+        # the weights after 3 resumed steps (a lost AdamW moment moves a weight by about lr: 3e-3)
+        compared = {n for r in out for n in r["weights"]}
+        assert compared == set(final), name
+        for r in out:
+            for n, w in r["weights"].items():
+                np.testing.assert_allclose(w, final[n], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {n}")
