@@ -6,11 +6,12 @@ expert parallelism (EP) and expert tensor parallelism (ETP), and the refusal of 
   tp-cp-ep-dp-pp over ETP x EP x EDP x PP) and the experts' shapes written out here.
 * Resharding (4 gloo ranks, fp32): a run trained 2 steps at EP 1 with ZeRO-3 saves; its checkpoint is loaded
   and saved again along a chain of layouts (EP 2 plain DP, EP 4 ZeRO-3, TP2 x ETP2 x EP2 ZeRO-1 in torch_dist,
-  TP2 x SP x ETP1 x EP2 ZeRO-3, back to EP 1 plain DP); every save, consolidated with its AdamW moments,
+  TP2 x SP x ETP1 x EP2 ZeRO-3); every save, consolidated with its AdamW moments,
   equals the source bitwise (pure copies), and every rank holds the source's expert bias.
-* Exact resume: a MoE run with aux-loss-free balancing (the expert bias moves every step) saved after step N
-  and resumed gives bitwise the losses and weights of the uninterrupted run (tests/checkpoint/test_resume.py's
-  harness).
+* Exact resume: a MoE run at EP 2 (alltoall dispatcher) with ZeRO-3 over the expert-data-parallel group and
+  aux-loss-free balancing (the expert bias moves every step) saved after step N and resumed gives bitwise the
+  losses and weights of the uninterrupted run (tests/checkpoint/test_resume.py's harness); the same
+  checkpoint resumed at EP 4 (plain DP) and at EP 1 x ETP 2 (ZeRO-1) follows it to fp32 round-off.
 * Another --num-experts (or --moe-layer-freq, expert width) is refused in one line before any file is read.
 """
 
@@ -140,7 +141,6 @@ CHAIN = [  # each loads the previous one's save and saves at once (no step)
     "--ckpt-format torch_dist",
     "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
     "--expert-model-parallel-size 2 --zero-stage 3",
-    "",  # back to EP 1, plain DP
 ]
 
 
