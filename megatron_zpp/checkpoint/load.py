@@ -6,12 +6,13 @@ any other layout is resharded (reshard.py, or DCP itself for torch_dist)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import comm
+from ..zero import persistent_buffers
 from . import dcp
 from .files import (
     DCP_FORMAT,
@@ -131,6 +132,7 @@ class LoadPlan:
     has_optimizer: bool  # the checkpoint holds AdamW state (restored unless weights only)
     state: dict  # {"model", "optimizer", "rng"}: what the engine takes, and this rank's RNG streams
     read: Callable[[], None] = _nothing_left  # torch_dist: DCP's collective read into `state`
+    buffers_note: str = ""  # persistent buffers (the expert bias) that this run or the checkpoint lacks
 
     @property
     def how(self) -> str:
@@ -172,9 +174,34 @@ def plan_load(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> 
     check_same_model(path, meta, target.cfg, target.padded_vocab_size)
     changes = layout_changes(meta, target.cfg)
     if meta["format"] == DCP_FORMAT:
-        return _plan_dcp(target, path, meta, changes, weights_only)
-    if changes:
-        return _plan_reshard(target, path, meta, changes, weights_only)
+        plan = _plan_dcp(target, path, meta, changes, weights_only)
+    elif changes:
+        plan = _plan_reshard(target, path, meta, changes, weights_only)
+    else:
+        plan = _plan_same_layout(target, path, meta, changes, weights_only)
+    note, dropped = _buffers_note(target, plan.state["buffers"])
+    keys = tuple(k for k in plan.keys if k.removeprefix("/buffers/") not in dropped)
+    return replace(plan, buffers_note=note, keys=keys)
+
+
+def _buffers_note(target: LoadTarget, saved: dict) -> tuple[str, set[str]]:
+    """Words for the persistent buffers (the routers' expert bias) on one side only: those of this model that the
+    checkpoint lacks keep their start value (0: saved without --moe-router-enable-expert-bias); those of the
+    checkpoint this model lacks are dropped from `saved` (this run is without it). ('' when both agree, dropped)"""
+    mine = set(persistent_buffers(target.dp.chunks))
+    extra, missing = sorted(set(saved) - mine), sorted(mine - set(saved))
+    for name in extra:
+        del saved[name]
+    words = []
+    if missing:
+        words.append(f"{', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''} not in the checkpoint: start at 0")
+    if extra:
+        words.append(f"the checkpoint's {', '.join(extra[:2])}{' ...' if len(extra) > 2 else ''} unused by this model")
+    return "; ".join(words), set(extra)
+
+
+def _plan_same_layout(target: LoadTarget, path: str, meta: dict, changes: list[str], weights_only: bool) -> LoadPlan:
+    """A zpp checkpoint of this layout: this rank's own file, as saved (bitwise exact resume)."""
     state = read_rank_file(path, meta, target.rank, map_location=target.device)
     _check_tensors(target, path, meta, state["model"])
     has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
@@ -296,7 +323,8 @@ def load_checkpoint(
     batch = t.global_batch_at(consumed)  # a ramp-up resumes at its batch size
     return Restored(
         plan.path,
-        f"{plan.path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {plan.how}; {what}",
+        f"{plan.path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {plan.how}; {what}"
+        + (f"; {plan.buffers_note}" if plan.buffers_note else ""),
         train_state,
         # set just before the first step (training/step.py), so that nothing the set-up draws after this
         # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run

@@ -204,6 +204,23 @@ def test_another_expert_count_is_refused_in_one_line(moe_checkpoint, case, monke
     assert os.path.exists(os.path.join(moe_checkpoint, "latest"))
 
 
+def test_expert_bias_turned_on_or_off_at_a_load_is_said(moe_checkpoint, tmp_path, capfd):
+    """The aux-loss-free bias may be switched at a load (as the router's other settings): the load's log line
+    says that the checkpoint's is unused, or that this run's starts at 0."""
+    without = [a for a in BASE if a != "--moe-router-enable-expert-bias"]
+    run = training.setup(validate(parse_args(without + ["--load", moe_checkpoint]), 1))
+    assert not persistent_buffers(run.chunks)
+    assert "the checkpoint's layers.0.mlp.router.expert_bias, layers.1.mlp.router.expert_bias unused" in (
+        capfd.readouterr().out
+    )
+    plain = str(tmp_path / "plain")
+    run_distributed(_train, 1, without + ["--save", plain])
+    run = training.setup(validate(parse_args(BASE + ["--load", plain]), 1))
+    assert all(not b.any() for b in persistent_buffers(run.chunks).values())
+    out = capfd.readouterr().out
+    assert "layers.0.mlp.router.expert_bias, layers.1.mlp.router.expert_bias not in the checkpoint: start at 0" in out
+
+
 # ---- exact resume (bitwise), and resumes at other EP / ETP sizes -------------------------------------
 # EP 2 over DP 4 with the alltoall dispatcher; ZeRO-3 shards the experts over the expert-data-parallel group
 # (2 ranks), the dense weights over DP (4); the expert bias moves every step. Dropout off, so that the resumes
