@@ -6,7 +6,9 @@ tensor of a rank file's "model" dict and its *slots*, flat spans of it that hold
 of one parameter's TP piece, with where their AdamW moments are. The slots of any rank follow
 from the run's config alone: its model chunks are rebuilt on the meta device
 (`pipeline_parallel.build_rank_chunks`, the builder training uses, with stand-in groups) and
-its place in the DP x CP group comes from the rank grid.
+its place in the DP x CP group comes from the rank grid. With routed experts the chunks are
+those of the rank's expert-parallel and expert-TP coordinates (Megatron's expert grid,
+`Topology.expert_coords`), and ZeRO's expert units are cut over its expert-data-parallel group.
 """
 
 from __future__ import annotations

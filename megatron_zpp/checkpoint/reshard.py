@@ -7,13 +7,17 @@ another layout from it: the base of resharding on load and of consolidation.
 
 Any layout can be read: TP, PP (virtual stages too), CP, DP and the ZeRO stage may all
 differ between the saving and the loading run. A parameter is reassembled from the spans
-of one replica (plain DP: the ranks with DP = CP = 0; ZeRO: the DP x CP group's shards;
+of one replica (plain DP: the ranks with DP = CP = 0, and for routed experts those of expert-data-
+parallel rank 0; ZeRO: the DP x CP group's shards, the experts' over the expert-data-parallel group;
 the first pipeline stage holding it, for a tied embedding) and cut again with the new
-layout's TP split and ZeRO shard. Each file is opened once its sha256 is checked, and a
+layout's TP (experts: expert-TP) split and ZeRO shard. Experts are named by their global index,
+so EP and expert TP may differ too; the expert count, MoE pattern and expert width may not
+(check_same_experts). The persistent buffers (the routers' expert bias) are read whole from any
+rank of their stage. Each file is opened once its sha256 is checked, and a
 rank reads only the tensors of the parameters it needs, one parameter at a time.
 
-What carries over: fp32 master weights, both AdamW moments and its step count, the
-iteration and the consumed samples (so the data order continues). What does not: RNG
+What carries over: fp32 master weights, both AdamW moments and its step count, the expert
+bias, the iteration and the consumed samples (so the data order continues). What does not: RNG
 states belong to ranks, so a resharded run keeps its fresh per-rank seeds (dropout masks
 differ from an unchanged run). When a TP change changes the vocabulary padding, padding
 rows are cut, or added as copies of the last one (as Megatron's converter does): they are
