@@ -60,6 +60,7 @@ LAYOUTS = {  # name: (world size, flags)
         "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1 "
         "--expert-model-parallel-size 2 --zero-stage 3",
     ),
+    "etp2_without_tp_ep2_zero3": (4, "--expert-tensor-parallel-size 2 --expert-model-parallel-size 2 --zero-stage 3"),
     "tp2_ep2_pp2_zero2": (
         8,
         "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
