@@ -93,7 +93,8 @@ def _megatron(args, stage: str) -> str:
     what = "weights and Adam state" if done["optimizer"] else "weights only"
     adam = f", Adam step {done['step']:g} ({done['optimizer_format']})" if done.get("step") is not None else ""
     final = os.path.join(args.output, os.path.basename(out))
-    return line + f"wrote {final} ({what}: {done['tensors']} tensors, iteration {done['iteration']}{adam})"
+    bias = f", the expert bias of {done['buffers']} routers" if done.get("buffers") else ""
+    return line + f"wrote {final} ({what}: {done['tensors']} tensors{bias}, iteration {done['iteration']}{adam})"
 
 
 def _from_hf(args, stage: str) -> str:

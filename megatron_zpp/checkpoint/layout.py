@@ -21,8 +21,8 @@ from ..zero import RankLayout, Slot, engine_class, persistent_buffers
 from .files import CheckpointError
 
 __all__ = [
-    "RankLayout", "Slot", "config_from_dict", "layout_changes", "layout_of", "model_shapes", "rank_layout",
-    "topology_of",
+    "RankLayout", "Slot", "buffer_shapes", "config_from_dict", "layout_changes", "layout_of", "model_shapes",
+    "rank_layout", "topology_of",
 ]  # fmt: skip
 
 
@@ -78,6 +78,15 @@ def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
         for e in range(ep if cfg.model.num_experts else 1)
         for chunk in build_chunks(cfg, vocab, 0, stage, e, 0)
         for n, p in chunk.named_parameters()
+    }
+
+
+def buffer_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
+    """{single-rank name: shape} of the model's persistent buffers (the routers' expert bias), every stage's."""
+    return {
+        n: tuple(t.shape)
+        for stage in range(cfg.parallel.pipeline_model_parallel_size)
+        for n, t in persistent_buffers(build_chunks(cfg, vocab, 0, stage)).items()
     }
 
 

@@ -27,7 +27,11 @@ keys; DCP reshards):
   as `optimizer.state.param.*` (`fully_reshardable`), or flat per-bucket tensors (`dp_reshardable`,
   Megatron-LM's default), its step in `param_groups[*].step`. The import takes the masters (not the
   bf16 weights) and the checkpoint's own step (never the iteration); the export writes the
-  non-distributed optimizer's state, or with `distributed_optimizer` the fully_reshardable one.
+  non-distributed optimizer's state, or with `distributed_optimizer` the fully_reshardable one;
+* models with experts: the routers' `mlp.router.expert_bias` [E] (--moe-router-enable-expert-bias) is a
+  buffer, fp32 whatever the training dtype and without Adam state, on both sides: ours is read from and written
+  to our checkpoint's persistent buffers (full_state.FullState.buffers; save_full_dcp), as a training save
+  holds it.
 """
 
 from __future__ import annotations
@@ -264,7 +268,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
     model = {k: v for k, v in tensors.items() if k in model_keys(cfg)}
     model.update(adam.masters if adam else mcore_optimizer.masters(tensors))  # bf16/fp16 runs: the fp32 masters
-    weights = _without_expert_bias(from_mcore({k: v.float() for k, v in model.items()}, cfg), path)
+    weights, buffers = _split_buffers(from_mcore({k: v.float() for k, v in model.items()}, cfg))
     moments, step = None, None
     if adam is not None:
         per_kind = {kind: from_mcore(adam.moments[kind], cfg) for kind in MOMENTS}
@@ -272,10 +276,11 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     iteration = int(common.get("iteration", 0))
     scheduler = common.get("opt_param_scheduler") or {}
     consumed = int(getattr(args, "consumed_train_samples", None) or scheduler.get("num_steps", 0))
-    out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed)
+    out = save_full_dcp(save, cfg, weights, moments, step, iteration, consumed, buffers)
     dropped = adam.dropped if adam else []  # the fp16 loss scale; extra states (TE's FP8 scales), RNG states:
     dropped += [k for k in object_keys(path) if k != COMMON_KEY and not k.startswith(mcore_optimizer.FLAT)]
-    done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
+    done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments),
+            "buffers": len(buffers)}  # fmt: skip
     return out, done | {"dropped": dropped, "step": step, "optimizer_format": adam.sharding if adam else None}
 
 
@@ -286,30 +291,22 @@ MOE_OPTIMIZER = (
 EXPERT_BIAS = "mlp.router.expert_bias"
 
 
-def _without_expert_bias(weights: dict, path: str) -> dict:
-    """Our weights without the routers' expert bias (a buffer our checkpoints do not hold yet: our own --load
-    starts it at zero), refused by key when megatron-core's run moved it (dropping it would change the routing)."""
-    moved = sorted(k for k, v in weights.items() if k.endswith(EXPERT_BIAS) and bool(v.any()))
-    if moved:
-        raise CheckpointError(
-            f"cannot convert {path}: {moved[0]} (--moe-router-enable-expert-bias) is non-zero; our checkpoints do not "
-            "hold the expert bias yet, and starting it at zero would change which experts the tokens reach"
-        )
-    return {k: v for k, v in weights.items() if not k.endswith(EXPERT_BIAS)}
+def _split_buffers(state: dict) -> tuple[dict, dict]:
+    """(weights, buffers) of our single-rank state from megatron-core's: the routers' expert bias is a
+    persistent buffer (training state, not a parameter: no Adam state), saved as our training save saves it."""
+    buffers = {k: v for k, v in state.items() if k.endswith(EXPERT_BIAS)}
+    return {k: v for k, v in state.items() if k not in buffers}, buffers
 
 
-def _with_expert_bias(weights: dict, cfg) -> dict:
-    """Our weights with each router's expert bias megatron-core's MoE layer loads (--moe-router-enable-expert-bias):
-    the checkpoint's own where it holds one, else zeros, where our --load restarts it too."""
+def _with_expert_bias(buffers: dict, cfg) -> dict:
+    """Each router's expert bias megatron-core's MoE layer loads (--moe-router-enable-expert-bias), fp32 as its
+    router keeps it: the checkpoint's own, else (saved before our checkpoints held it) zeros, where our own
+    --load restarts it too."""
     m = cfg.model
     if not (m.num_experts and m.moe_router_enable_expert_bias):
-        return weights
-    zeros = {
-        f"layers.{i}.{EXPERT_BIAS}": torch.zeros(m.num_experts)
-        for i in range(m.num_layers)
-        if m.is_moe_layer(i) and f"layers.{i}.{EXPERT_BIAS}" not in weights
-    }
-    return weights | zeros
+        return {}
+    names = [f"layers.{i}.{EXPERT_BIAS}" for i in range(m.num_layers) if m.is_moe_layer(i)]
+    return {n: buffers[n].float() if n in buffers else torch.zeros(m.num_experts) for n in names}
 
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
@@ -380,8 +377,9 @@ def export_checkpoint(
     one optimizer or a chain of two (`_adam_common`). Returns (its directory, a summary)."""
     from .layout import config_from_dict
 
-    weights, moments, step, meta = our_full_state(load)
-    moments = moments if with_optimizer else None
+    ours = full_state(load, optimizer=True)
+    weights, step, meta = ours.weights, ours.step, ours.meta
+    moments = ours.moments if with_optimizer else None
     cfg = config_from_dict(meta["config"])
     if expert_parallel is not None:
         cfg.parallel.expert_model_parallel_size = expert_parallel
@@ -390,12 +388,14 @@ def export_checkpoint(
     if why:
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
-    masters = to_mcore(_with_expert_bias(weights, cfg), cfg, impl)
+    masters = to_mcore(weights, cfg, impl)
     if lost := sorted(set(expected_shapes(cfg, weights["embedding.weight"].shape[0], impl)) - set(masters)):
         raise ConversionError(
             f"cannot convert {load}: it holds no tensor for megatron-core's {lost[0]}, which its model has"
         )
     tensors = {k: v.to(low) if low else v for k, v in masters.items()}  # the model in its training dtype
+    biases = _with_expert_bias(ours.buffers, cfg)
+    tensors |= to_mcore(biases, cfg, impl)  # buffers: fp32 (as its router keeps them), no Adam state
     common: dict = {
         "checkpoint_version": 3.0,
         "iteration": meta["iteration"],
@@ -419,4 +419,5 @@ def export_checkpoint(
     if distributed_optimizer:
         vars(common["args"]).update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
     out = write(save, meta["iteration"], tensors, common, cfg.model)
-    return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
+    done = {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}
+    return out, done | {"buffers": len(biases)}

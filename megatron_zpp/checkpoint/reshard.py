@@ -78,6 +78,10 @@ class SavedCheckpoint:
     def names(self) -> list[str]:
         return list(self.index)
 
+    def buffer_names(self) -> list[str]:
+        """The persistent buffers this checkpoint's model has (a file saved before buffers holds none: `buffer`)."""
+        return sorted(self.buffer_rank)
+
     def files_read(self) -> tuple[str, ...]:
         """The rank files opened so far (each once its sha256 was checked)."""
         return tuple(rank_file(r) for r in sorted(self._files))

@@ -29,7 +29,8 @@ meta.json.sha256 beside it):
   numpy's and Python's global states (as tensors / lists);
 * "buffers": the model's persistent buffers by single-rank name (the routers' expert bias), whole on every
   rank of their stage (absent from files saved before them).
-A weights-only checkpoint (`save_weights`, e.g. imported from HF) has both of the last empty.
+A weights-only checkpoint (`save_weights`, e.g. imported from HF) has "optimizer" and "rng" empty, and the
+buffers its importer passed.
 
 Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
 rename) and hash their own file; rank 0 gathers the digests, writes meta.json, renames the
@@ -63,7 +64,7 @@ from .files import (
     write_meta,
     write_rank_file,
 )
-from .layout import layout_of, rank_layout
+from .layout import buffer_shapes, layout_of, rank_layout
 from .rng import get_rng_state
 
 __all__ = ["finish_async_save", "save_checkpoint", "save_full_dcp", "save_weights"]
@@ -319,9 +320,10 @@ def _refuse_nonfinite(run, job: SaveJob, flagged: list[int]) -> None:
     )
 
 
-def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
+def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor], buffers: dict | None = None) -> str:
     """A weights-only checkpoint (iteration 0, no optimizer state, no RNG) of single-rank fp32
-    `weights`, as a 1-rank plain-DP layout of `cfg`; `--load` reshards it to any layout and
+    `weights` and the model's persistent `buffers` (the routers' expert bias, saved as a training save
+    saves them), as a 1-rank plain-DP layout of `cfg`; `--load` reshards it to any layout and
     starts a fresh optimizer. For importers (tools/convert_checkpoint.py --from hf)."""
     if cfg.parallel.world_size != 1 or cfg.zero.zero_stage or cfg.train.bf16 or cfg.train.fp16:
         raise ValueError("save_weights writes a 1-rank fp32 plain-DP layout: pass such a config")
@@ -329,24 +331,45 @@ def save_weights(directory: str, cfg, weights: dict[str, torch.Tensor]) -> str:
     _fresh_dir(tmp)
     model = {f"chunk0.{n}": t.float().contiguous() for n, t in weights.items()}
     state = {"rank": 0, "iteration": 0, "consumed_samples": 0, "layout": layout_of(cfg), "model": model}
+    state["buffers"] = _full_buffers(cfg, weights, buffers)
     digest = write_rank_file(tmp, 0, {**state, "optimizer": {}, "rng": {}})
     _seal(directory, final, tmp, cfg, 0, 0, weights["embedding.weight"].shape[0], {rank_file(0): digest})
     return final
 
 
 def save_full_dcp(
-    directory: str, cfg, weights: dict, moments: dict | None, step: float | None, iteration: int, consumed: int
+    directory: str,
+    cfg,
+    weights: dict,
+    moments: dict | None,
+    step: float | None,
+    iteration: int,
+    consumed: int,
+    buffers: dict | None = None,
 ) -> str:
     """A --ckpt-format torch_dist checkpoint, written in this one process, of single-rank fp32 `weights`,
-    AdamW's `moments` ({name: {"exp_avg", "exp_avg_sq"}}) and `step` (None: weights only), at `iteration`
-    with `consumed` samples; `--load` reshards it to any layout. For importers (tools/convert_checkpoint.py
-    --from megatron)."""
+    AdamW's `moments` ({name: {"exp_avg", "exp_avg_sq"}}) and `step` (None: weights only), the model's
+    persistent `buffers` (the routers' expert bias), at `iteration` with `consumed` samples; `--load` reshards
+    it to any layout. For importers (tools/convert_checkpoint.py --from megatron)."""
     final, tmp = _start(directory, iteration)
     _fresh_dir(tmp)
     state: dict = {"model": {n: t.float().contiguous() for n, t in weights.items()}}
     if moments:
         state["optimizer"] = {"step": torch.tensor(float(step or 0)), "state": moments}
+    if full_buffers := _full_buffers(cfg, weights, buffers):
+        state["buffers"] = full_buffers  # as a training save writes them: buffers.<name>, one copy
     dcp.save(state, tmp, alone=True)
     vocab = weights["embedding.weight"].shape[0]
     _seal(directory, final, tmp, cfg, iteration, consumed, vocab, dcp.dcp_files(tmp), fmt=DCP_FORMAT)
     return final
+
+
+def _full_buffers(cfg, weights: dict, buffers: dict | None) -> dict[str, torch.Tensor]:
+    """`buffers` as a training save holds them (fp32, by single-rank name), each checked to be one of the
+    model's persistent buffers at its shape (ValueError otherwise: a converter's mistake, not the user's)."""
+    if not buffers:
+        return {}
+    mine = buffer_shapes(cfg, weights["embedding.weight"].shape[0])
+    if wrong := [n for n, b in buffers.items() if mine.get(n) != tuple(b.shape)]:
+        raise ValueError(f"{wrong[0]} {tuple(buffers[wrong[0]].shape)} is no persistent buffer of this model")
+    return {n: b.detach().float().contiguous() for n, b in sorted(buffers.items())}

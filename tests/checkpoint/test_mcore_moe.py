@@ -15,6 +15,12 @@ Megatron-LM's own `load_checkpoint` (test_mcore_megatron_lm's harness) reads the
 model: every arg its checkpointing.py reads equals its parser's for the MoE command line, and its MoE GPTModel
 gives our logits.
 
+The routers' expert bias travels: a run with --moe-router-enable-expert-bias trained 3 steps (the bias moved)
+-> --to consolidated (the bias equals the live one bitwise, and a single-rank GPT loads the file strictly) ->
+--to megatron -> megatron-core's GPTModel loads it (its router.expert_bias equal bitwise, its logits ours) ->
+--from megatron -> our --load resumes with the live bias bitwise, from the torch_dist import and from a zpp
+save_weights of it.
+
 Shims (test_mcore._cpu_shims): megatron-core's buffers on torch.cuda.current_device() ('cpu' here), its
 save's CUDA synchronize and writer process queue.
 """
@@ -27,9 +33,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_zpp import training
 from megatron_zpp.checkpoint import mcore
-from megatron_zpp.checkpoint.save import save_full_dcp
+from megatron_zpp.checkpoint.consolidate import consolidate
+from megatron_zpp.checkpoint.files import DCP_FORMAT
+from megatron_zpp.checkpoint.full_state import full_state
+from megatron_zpp.checkpoint.save import save_full_dcp, save_weights
+from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import GPT, init_weights
+from megatron_zpp.validation import validate
+from megatron_zpp.zero import persistent_buffers
 from tests.checkpoint.test_mcore import (
     ROWS,
     SEQ,
@@ -42,6 +55,7 @@ from tests.checkpoint.test_mcore import (
     _probe,
     _zero_moments,
 )
+from tests.checkpoint.test_moe_checkpoint import _train
 from tests.dist import run_distributed
 
 BASE = (
@@ -267,19 +281,55 @@ def _adam_both_ways(root, ep: int):
     return {"moments": out, "steps": sorted(set(steps)), "imported": done, "chain": len(adam.chained_optimizers)}
 
 
-def _all_cases(rank, world, root):
+TRAIN = (  # the sigmoid case trained: the expert bias moves every step
+    CASES["all_moe_sigmoid"][0] + " --device cpu --global-batch-size 2 --micro-batch-size 1 --lr 3e-3 --seed 5 "
+    "--train-iters 3 --moe-router-bias-update-rate 0.01 --peak-tflops 1"
+).split()
+
+
+def _bias_to_megatron_core_and_back(root, ckpt):
+    """Our trained checkpoint --to megatron (local spec) -> megatron-core's GPTModel loads it: each layer's
+    router.expert_bias and its logits beside ours (the consolidated weights and bias); -> --from megatron."""
+    from megatron.core import dist_checkpointing
+
+    cfg = _cfg(CASES["all_moe_sigmoid"][0])
+    there, back = os.path.join(root, "bias-mlm"), os.path.join(root, "bias-back")
+    assert _convert(["--load", ckpt, "--to", "megatron", "--save", there, "--transformer-impl", "local"]) == 0
+    torch.manual_seed(6)
+    theirs = _mcore_moe_model(cfg, "local").eval()
+    loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, mcore.iteration_dir(there))
+    theirs.load_state_dict(loaded["model"])
+    bias = {f"layers.{i}.mlp.router.expert_bias": layer.mlp.router.expert_bias.clone()
+            for i, layer in enumerate(theirs.decoder.layers)}  # fmt: skip
+    with torch.no_grad():
+        logits = (_logits(cfg, consolidate(ckpt)[0]), _mcore_forward(theirs, _probe()))
+    assert _convert(["--from", "megatron", "--load", there, "--to", "sharded", "--save", back]) == 0
+    return {"bias": bias, "logits": logits, "back": back}
+
+
+def _all_cases(rank, world, root, ckpt):
     _cpu_shims()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
     out = {name: _case(root, name, flags, impl) for name, (flags, impl) in CASES.items()}
     adam = {f"adam_ep{ep}": _adam_both_ways(root, ep) for ep in (1, 2)}
-    return out | adam | {"megatron_lm": _megatron_lm_loads(root)}
+    bias = {"bias": _bias_to_megatron_core_and_back(root, ckpt)}
+    return out | adam | bias | {"megatron_lm": _megatron_lm_loads(root)}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_distributed(_all_cases, 1, str(tmp_path_factory.mktemp("mcore_moe")), timeout=300)[0]
+def trained(tmp_path_factory):
+    """(our checkpoint of a 3-step run with the expert bias, the live bias at its end)."""
+    ckpt = str(tmp_path_factory.mktemp("bias") / "ckpt")
+    live = run_distributed(_train, 1, TRAIN + ["--save", ckpt])[0]
+    return ckpt, {n: torch.from_numpy(b) for n, b in live.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, trained):
+    root = str(tmp_path_factory.mktemp("mcore_moe"))
+    return run_distributed(_all_cases, 1, root, trained[0], timeout=300)[0]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -366,3 +416,34 @@ def test_tool_moe_round_trip_and_refusals(tmp_path, capsys):
     assert all(torch.equal(got_moments[n][k], moments[n][k]) for n in weights for k in mcore.MOMENTS)
     assert step == 7.0 and meta["iteration"] == 7 and meta["consumed_samples"] == 28
     assert meta["config"]["model"]["moe_layer_freq"] == "[0, 1, 1]" and meta["config"]["model"]["num_experts"] == 4
+
+
+def _resumed_bias(load: str) -> dict[str, torch.Tensor]:
+    run = training.setup(validate(parse_args(TRAIN + ["--load", load]), 1))
+    return {n: b.clone() for n, b in persistent_buffers(run.chunks).items()}
+
+
+def test_expert_bias_travels_through_consolidation_and_megatron_core(results, trained, tmp_path):
+    """Consolidated, exported to megatron-core (its GPTModel's router.expert_bias), imported back and resumed:
+    the live bias of the trained run bitwise at every hop."""
+    ckpt, live = trained
+    assert len(live) == 3 and all(b.any() for b in live.values()), "the expert bias never moved"
+    out = str(tmp_path / "model.pt")
+    assert _convert(["--load", ckpt, "--to", "consolidated", "--output", out]) == 0
+    state = torch.load(out, weights_only=True)["model"]
+    GPT(_cfg(CASES["all_moe_sigmoid"][0]).model, ROWS).load_state_dict(state, strict=True)  # the bias included
+    r = results["bias"]
+    for name, b in live.items():
+        assert torch.equal(state[name], b), name
+        assert torch.equal(r["bias"][name], b), f"megatron-core's {name}"
+    ours, theirs = r["logits"]
+    assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
+    imported = full_state(r["back"])
+    assert imported.meta["format"] == DCP_FORMAT and imported.buffers.keys() == live.keys()
+    assert all(torch.equal(imported.buffers[n], b) for n, b in live.items())
+    zpp = str(tmp_path / "zpp")  # the zpp writer of full tensors (the HF import's) keeps them too
+    save_weights(zpp, _cfg(" ".join(TRAIN)), imported.weights, imported.buffers)
+    for load in (r["back"], zpp):
+        resumed = _resumed_bias(load)
+        assert resumed.keys() == live.keys()
+        assert all(torch.equal(resumed[n], b) for n, b in live.items()), load
