@@ -2,7 +2,8 @@
 
     python tools/convert_checkpoint.py --load ckpt --to consolidated --output model.pt
         one file {"config": the run's config dict, "model": {name: fp32 tensor}}, loadable
-        with torch.load(..., weights_only=True); the names are those of a single-rank GPT
+        with torch.load(..., weights_only=True); "model" is a single-rank GPT's state dict (its weights and
+        persistent buffers: the routers' expert bias), which its load_state_dict(strict=True) takes
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
         Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
         biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/formats/gpt2.py);

@@ -410,6 +410,7 @@ def test_megatron_checkpoint_resumes_here_and_returns(results):
         "optimizer": True,
         "step": 2.0,  # the checkpoint's state.common_step
         "optimizer_format": "none",  # the non-distributed optimizer
+        "buffers": 0,  # a dense model: no router's expert bias
     }
     assert len(r["imported"]["dropped"]) == 4 * 2  # the four linears' extra states of two layers
     assert r["resumed_at"] == MEGATRON_ITERS and r["iteration"] == 5
