@@ -447,3 +447,26 @@ def test_expert_bias_travels_through_consolidation_and_megatron_core(results, tr
         resumed = _resumed_bias(load)
         assert resumed.keys() == live.keys()
         assert all(torch.equal(resumed[n], b) for n, b in live.items()), load
+
+
+def test_tool_expert_bias_round_trip_in_bf16(tmp_path):
+    """In a bf16 run the export writes the bias fp32 (megatron-core's router keeps it so) beside the bf16 weights,
+    with no Adam state or fp32_param copy (a buffer); the import gives it back bitwise in our buffers."""
+    cfg = _cfg(CASES["all_moe_sigmoid"][0] + " --bf16")
+    state = _our_state(cfg)
+    buffers = {n: t for n, t in state.items() if n.endswith(mcore.EXPERT_BIAS)}
+    weights = {n: t for n, t in state.items() if n not in buffers}
+    moments = {n: {k: torch.rand(w.shape) for k in mcore.MOMENTS} for n, w in weights.items()}
+    save_full_dcp(str(tmp_path / "ours"), cfg, weights, moments, 3.0, 3, 12, buffers)
+    to = ["--load", str(tmp_path / "ours"), "--to", "megatron", "--save", str(tmp_path / "mlm")]
+    assert _convert(to + ["--transformer-impl", "local"]) == 0
+    tensors = mcore.read_tensors(mcore.iteration_dir(str(tmp_path / "mlm")))
+    key = "decoder.layers.mlp.router.expert_bias"
+    assert tensors[key].dtype == torch.float32 and tensors["decoder.layers.mlp.router.weight"].dtype == torch.bfloat16
+    assert torch.equal(tensors[key], torch.stack([buffers[f"layers.{i}.{mcore.EXPERT_BIAS}"] for i in range(3)]))
+    assert not [k for k in tensors if k.startswith("optimizer.") and k.endswith(mcore.EXPERT_BIAS)]
+    back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
+    assert _convert(back) == 0
+    got = full_state(str(tmp_path / "b"), optimizer=True)
+    assert got.buffers.keys() == buffers.keys() and all(torch.equal(got.buffers[n], b) for n, b in buffers.items())
+    assert got.weights.keys() == weights.keys() and all(torch.equal(got.weights[n], w) for n, w in weights.items())
