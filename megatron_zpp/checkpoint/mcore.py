@@ -268,7 +268,7 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
     model = {k: v for k, v in tensors.items() if k in model_keys(cfg)}
     model.update(adam.masters if adam else mcore_optimizer.masters(tensors))  # bf16/fp16 runs: the fp32 masters
-    weights, buffers = _split_buffers(from_mcore({k: v.float() for k, v in model.items()}, cfg))
+    weights, buffers = _split_buffers(from_mcore({k: v.float() for k, v in model.items()}, cfg), cfg, path)
     moments, step = None, None
     if adam is not None:
         per_kind = {kind: from_mcore(adam.moments[kind], cfg) for kind in MOMENTS}
@@ -291,10 +291,19 @@ MOE_OPTIMIZER = (
 EXPERT_BIAS = "mlp.router.expert_bias"
 
 
-def _split_buffers(state: dict) -> tuple[dict, dict]:
+def _split_buffers(state: dict, cfg, path: str) -> tuple[dict, dict]:
     """(weights, buffers) of our single-rank state from megatron-core's: the routers' expert bias is a
-    persistent buffer (training state, not a parameter: no Adam state), saved as our training save saves it."""
+    persistent buffer (training state, not a parameter: no Adam state), saved as our training save saves it.
+    One its args' model has not (no --moe-router-enable-expert-bias, a dense layer), or of another shape, is
+    refused by key."""
     buffers = {k: v for k, v in state.items() if k.endswith(EXPERT_BIAS)}
+    want = {n: (cfg.model.num_experts,) for n in _with_expert_bias({}, cfg)}
+    if wrong := sorted(k for k, v in buffers.items() if want.get(k) != tuple(v.shape)):
+        has = "without --moe-router-enable-expert-bias" if wrong[0] not in want else f"{want[wrong[0]][0]} experts"
+        raise CheckpointError(
+            f"cannot convert {path}: it holds layer {wrong[0].split('.')[1]}'s {EXPERT_BIAS} "
+            f"{list(buffers[wrong[0]].shape)}, but its args describe a model {has} there"
+        )
     return {k: v for k, v in state.items() if k not in buffers}, buffers
 
 

@@ -470,3 +470,20 @@ def test_tool_expert_bias_round_trip_in_bf16(tmp_path):
     got = full_state(str(tmp_path / "b"), optimizer=True)
     assert got.buffers.keys() == buffers.keys() and all(torch.equal(got.buffers[n], b) for n, b in buffers.items())
     assert got.weights.keys() == weights.keys() and all(torch.equal(got.weights[n], w) for n, w in weights.items())
+
+
+def test_import_refuses_an_expert_bias_its_args_do_not_have(tmp_path, capsys):
+    """A megatron-core checkpoint holding a router's expert bias that its args' model has not
+    (no --moe-router-enable-expert-bias) is refused by key, in one line, before anything is written."""
+    with_bias = _cfg(CASES["all_moe_sigmoid"][0])
+    without = _cfg(CASES["all_moe_sigmoid"][0].replace("--moe-router-enable-expert-bias", ""))
+    common = {"args": mcore.args_from_config(without, 0, 0, ROWS, False, "local"), "iteration": 0}
+    mcore.write(
+        str(tmp_path / "mlm"), 0, mcore.to_mcore(_our_state(with_bias), with_bias, "local"), common, without.model
+    )
+    back = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
+    assert _convert(back + ["--no-optim"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "layer 0's mlp.router.expert_bias [4], but its args describe a model without --moe-router-enable" in err
+    assert not os.path.exists(tmp_path / "b")
