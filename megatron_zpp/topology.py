@@ -237,13 +237,15 @@ class Topology:
             inter += [[by_node[n][i] for n in nodes] for i in range(counts.pop())]
         return sorted(intra), sorted(inter)
 
-    def dp_tier_groups(self, tier_sizes: list[int]) -> list[list[list[int]]]:
+    def dp_tier_groups(self, tier_sizes: list[int], zero_groups=None) -> list[list[list[int]]]:
         """Multi-level hierarchy over each ZeRO group (DP x CP: the ranks that share
-        weights), innermost first. tier_sizes are its ranks per tier domain (e.g. [2, 4]:
+        weights; or `zero_groups`, e.g. the expert-data-parallel groups), innermost first.
+        tier_sizes are its ranks per tier domain (e.g. [2, 4]:
         pairs, then 4-rank domains, then all). Hop i groups vary one digit of the
         mixed-radix index in the ZeRO group: the members of one tier-i domain at the same
         position within their tier-(i-1) domains."""
-        n = self.sizes["dp"] * self.sizes["cp"]
+        zero_groups = self.groups(["dp", "cp"]) if zero_groups is None else zero_groups
+        n = len(zero_groups[0])
         spans = list(tier_sizes) + [n]
         radices, prev = [], 1
         for s in spans:
@@ -252,7 +254,7 @@ class Topology:
             radices.append(s // prev)
             prev = s
         hops: list[list[list[int]]] = [[] for _ in spans]
-        for zero_group in self.groups(["dp", "cp"]):
+        for zero_group in zero_groups:
             lower = 1
             for i, radix in enumerate(radices):
                 for idx in range(n):
@@ -289,6 +291,35 @@ class Topology:
             kinds[f"dp_tier{i}"] = hop
         if hpz > 1:  # hpZ: the secondary weight shard lives in consecutive ZeRO-group ranks
             kinds["dp_hpz"] = self.dp_tier_groups([hpz])[0]
+        kinds.update(self.expert_zero_kinds(bool(dp_tiers), hpz > 1))
+        return kinds
+
+    def edp_ranks_per_node(self) -> int:
+        """Members of an expert-data-parallel group on one node; raises if nodes hold unequal shares."""
+        counts = {
+            sum(1 for r in g if self.node_of(r) == node)
+            for g in self.expert_groups(("edp",))
+            for node in {self.node_of(r) for r in g}
+        }
+        if len(counts) != 1:
+            raise ValueError("the expert-data-parallel group is spread unevenly over nodes")
+        return counts.pop()
+
+    def expert_zero_kinds(self, qgz: bool, hpz: bool) -> dict[str, list[list[int]]]:
+        """ZeRO++ over the expert-data-parallel groups, by the node boundary: qgZ's hops (`edp_tier{i}`: the
+        members on one node, then across nodes; one hop when the group fits a node) and hpZ's secondary shard
+        (`edp_hpz`: the members on one node, when the group spans nodes with more than one member on each)."""
+        edp = self.expert_groups(("edp",))
+        if self.expert_sizes["edp"] == 1 or not (qgz or hpz):
+            return {}
+        try:
+            per_node = self.edp_ranks_per_node()
+        except ValueError:
+            return {}  # validation refuses hpZ/qgZ on such a layout
+        inner = [per_node] if 1 < per_node < len(edp[0]) else []
+        kinds = {f"edp_tier{i}": hop for i, hop in enumerate(self.dp_tier_groups(inner, edp))} if qgz else {}
+        if hpz and inner:
+            kinds["edp_hpz"] = self.dp_tier_groups(inner, edp)[0]
         return kinds
 
 
@@ -322,6 +353,8 @@ class ProcessGroups:
     dp_inter: Group | None = None
     dp_hpz: Group | None = None
     dp_tiers: tuple[Group, ...] = ()  # the hierarchical reduce's hops, innermost first (roles dp_tier0, ...)
+    edp_hpz: Group | None = None  # hpZ's secondary shard of the routed experts (Topology.expert_zero_kinds)
+    edp_tiers: tuple[Group, ...] = ()  # qgZ's hops over the expert-data-parallel group (roles edp_tier0, ...)
     tp_rank: int = field(init=False)
     cp_rank: int = field(init=False)
     dp_rank: int = field(init=False)
@@ -339,20 +372,23 @@ class ProcessGroups:
     @classmethod
     def from_kinds(cls, topo: Topology, rank: int, groups: dict[str, Group]) -> ProcessGroups:
         """From kind -> Group (Topology.all_group_kinds' names; dp_tier0, dp_tier1, ... become dp_tiers)."""
-        hops: list[Group] = []
-        while f"dp_tier{len(hops)}" in groups:
-            hops.append(groups[f"dp_tier{len(hops)}"])
-        roles = {f.name for f in dataclasses.fields(cls) if f.init} - {"topo", "rank", "dp_tiers"}
+        tiers: dict[str, list[Group]] = {"dp": [], "edp": []}
+        for prefix, hops in tiers.items():
+            while f"{prefix}_tier{len(hops)}" in groups:
+                hops.append(groups[f"{prefix}_tier{len(hops)}"])
+        roles = {f.name for f in dataclasses.fields(cls) if f.init} - {"topo", "rank", "dp_tiers", "edp_tiers"}
         named = {k: v for k, v in groups.items() if k in roles}
-        unknown = set(groups) - set(named) - {f"dp_tier{i}" for i in range(len(hops))}
+        hop_kinds = {f"{prefix}_tier{i}" for prefix, hops in tiers.items() for i in range(len(hops))}
+        unknown = set(groups) - set(named) - hop_kinds
         if unknown:
             raise ValueError(f"no field of ProcessGroups for the group kinds {sorted(unknown)}")
-        return cls(topo, rank, dp_tiers=tuple(hops), **named)
+        return cls(topo, rank, dp_tiers=tuple(tiers["dp"]), edp_tiers=tuple(tiers["edp"]), **named)
 
     def by_role(self) -> dict[str, Group]:
         """Every group this rank is in, by role (the dp_tiers as dp_tier0, dp_tier1, ...)."""
         out = {f.name: g for f in dataclasses.fields(self) if isinstance(g := getattr(self, f.name), Group)}
         out.update({f"dp_tier{i}": g for i, g in enumerate(self.dp_tiers)})
+        out.update({f"edp_tier{i}": g for i, g in enumerate(self.edp_tiers)})
         return out
 
     def __contains__(self, kind: str) -> bool:

@@ -1,2 +1,3 @@
-"""Mixture of experts on one rank: the top-k router, token permutation with capacity dropping, the
-experts as stacked weights over a grouped GEMM, the shared expert and the MoE layer (docs/moe.md)."""
+"""Mixture of experts: the top-k router, token permutation with capacity dropping, the experts (one parameter
+per expert) over a grouped GEMM, the shared expert, the token dispatchers across expert-parallel ranks and the
+MoE layer (docs/moe.md)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 ACTIVATIONS = ("swiglu", "gelu")
+DISPATCHERS = ("allgather", "alltoall")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class MoEConfig:
     activation: str = "swiglu"  # swiglu (--swiglu) or gelu
     shared_expert_size: int | None = None  # --moe-shared-expert-intermediate-size
     shared_expert_gate: bool = False  # --moe-shared-expert-gate (Qwen3-Next's sigmoid gate)
+    token_dispatcher: str = "allgather"  # --moe-token-dispatcher-type (megatron-core's default: allgather)
+    grouped_gemm: bool = True  # --moe-grouped-gemm: one grouped GEMM over the local experts, else a GEMM each
 
     def __post_init__(self) -> None:
         problem = _problem(self)
@@ -67,6 +70,11 @@ def _problem(c: MoEConfig) -> str | None:
         return f"--moe-expert-capacity-factor {c.capacity_factor} must be positive"
     if c.pad_to_capacity and c.capacity_factor is None:
         return "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"
+    if c.token_dispatcher not in DISPATCHERS:
+        return (
+            f"--moe-token-dispatcher-type {c.token_dispatcher}: expected one of {', '.join(DISPATCHERS)} "
+            "(flex needs DeepEP, not available here)"
+        )
     if c.shared_expert_gate and not c.shared_expert_size:
         return "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"
     return None
@@ -94,6 +102,8 @@ def from_model_config(m) -> MoEConfig:
         activation="swiglu" if m.activation == "swiglu" else "gelu",
         shared_expert_size=m.moe_shared_expert_intermediate_size,
         shared_expert_gate=m.moe_shared_expert_gate,
+        token_dispatcher=m.moe_token_dispatcher_type,
+        grouped_gemm=m.moe_grouped_gemm,
     )
 
 

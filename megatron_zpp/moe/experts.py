@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from ..ops import swiglu as swiglu_ops
 from ..ops.grouped_gemm import grouped_mm
@@ -70,7 +71,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         etp_size = _size_rank(etp)[0]
         check_expert_split(cfg, _size_rank(ep)[0], etp_size)
-        self.swiglu = cfg.activation == "swiglu"
+        self.swiglu, self.grouped_gemm = cfg.activation == "swiglu", cfg.grouped_gemm
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         sections = (f, f) if self.swiglu else (f,)
         self.experts = local_experts(cfg.num_experts, ep)
@@ -86,8 +87,19 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, H] expert-major over the local experts -> [M, H] (this rank's ETP partial sum under ETP)."""
+        if not self.grouped_gemm and not is_fake(x):
+            return self._each(x, tokens_per_expert)
         w1 = torch.stack([self.fc1[str(e)] for e in self.experts])
         w2 = torch.stack([self.fc2[str(e)] for e in self.experts])
         h = grouped_mm(x, w1, tokens_per_expert)
         h = swiglu_ops.swiglu(h) if self.swiglu else F.gelu(h)
         return grouped_mm(h, w2, tokens_per_expert)
+
+    def _each(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Without --moe-grouped-gemm: one GEMM per local expert on its rows (megatron-core's SequentialMLP;
+        the row counts are read on the host), the same sums as the grouped GEMM's."""
+        out = []
+        for e, rows in zip(self.experts, x.split(tokens_per_expert.tolist())):
+            h = rows @ self.fc1[str(e)]
+            out.append((swiglu_ops.swiglu(h) if self.swiglu else F.gelu(h)) @ self.fc2[str(e)])
+        return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])

@@ -1,9 +1,13 @@
-"""The MoE layer on one rank: router -> (capacity dropping) -> permute -> grouped experts -> unpermute
-(probabilities applied here, after each expert's output, in fp32) -> + shared expert.
+"""The MoE layer: router -> (capacity dropping, on this rank's tokens) -> dispatch to the experts' ranks
+(moe/dispatch.py: alltoall or allgather; on one rank a local permute) -> the local experts -> combine
+(probabilities applied after each expert's output, in fp32) -> + shared expert.
 
-forward(x [B, T, H]) returns (y [B, T, H] in x's dtype, losses): the router's balancing and z losses, each
-already times its coefficient, for the caller to add to the language-model loss. The expert bias (when
-enabled) is updated by `router.update_expert_bias()` after the optimizer step."""
+forward(x [B, T, H], this rank's tokens: under tensor parallelism its sequence shard, so --sequence-parallel
+is required as megatron-core requires it) returns (y [B, T, H] in x's dtype, losses): this rank's pieces of
+the router's balancing and z losses (each times its coefficient), whose sum over the tp_cp group is the loss
+of the whole micro-batch on one rank, for the caller to add. `tokens_per_expert` holds, after a forward, the
+rows each local expert ran on this rank (for the load log). The expert bias (when enabled) is updated by
+`router.update_expert_bias()` after the optimizer step."""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ import torch.nn as nn
 
 from ..topology import ParallelContext
 from .config import MoEConfig
+from .dispatch import AllGatherDispatcher, AllToAllDispatcher
 from .experts import GroupedExperts
-from .permute import capacity, drop_tokens, permute, unpermute
+from .permute import capacity, drop_tokens
 from .router import TopKRouter
 from .shared_expert import SharedExpert
 
@@ -29,10 +34,20 @@ class MoELayer(nn.Module):
     ):
         super().__init__()
         ctx = ParallelContext() if ctx is None else ctx
+        if ctx.tp_size > 1 and not ctx.sequence_parallel:
+            raise ValueError(
+                "mixture of experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                "(each rank routes its own tokens), as megatron-core"
+            )
         self.cfg, self.ctx = cfg, ctx
-        self.router = TopKRouter(cfg, init_std, ctx.sequence_parallel)
+        self.router = TopKRouter(cfg, init_std, ctx.sequence_parallel, ctx.tp_cp)
         self.experts = GroupedExperts(cfg, ctx.ep, ctx.etp, init_std, out_std, dtype)
         self.shared_expert = SharedExpert(cfg, ctx, init_std, out_std, dtype) if cfg.shared_expert_size else None
+        if cfg.token_dispatcher == "alltoall":
+            self.dispatcher: AllToAllDispatcher | AllGatherDispatcher = AllToAllDispatcher(cfg, ctx.ep, ctx.etp)
+        else:
+            self.dispatcher = AllGatherDispatcher(cfg, ctx.ep, ctx.etp_ep)
+        self.tokens_per_expert: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, tokens = self.cfg, x.reshape(-1, x.shape[-1])
@@ -43,8 +58,8 @@ class MoELayer(nn.Module):
             probs, routing_map = drop_tokens(probs, routing_map, cfg.topk, cfg.capacity_factor, cfg.pad_to_capacity)
             cap = capacity(tokens.shape[0], cfg.num_experts, cfg.topk, cfg.capacity_factor)
             num_out = cfg.num_experts * min(cap, tokens.shape[0]) if cfg.pad_to_capacity else None
-        permuted, perm = permute(tokens, probs, routing_map, cfg.topk, num_out)
-        out = unpermute(self.experts(permuted, perm.tokens_per_expert), perm, x.dtype)
+        out, tokens_per_expert = self.dispatcher(tokens, probs, routing_map, self.experts, num_out)
+        self.tokens_per_expert = tokens_per_expert.detach()
         if self.shared_expert is not None:
             out = out + self.shared_expert(x).reshape_as(out)
         return out.view_as(x), routing.losses

@@ -15,6 +15,10 @@ aux_loss    coeff * E / (k T^2) * sum_i (sum_t P_ti) (tokens routed to i), P the
             experts (softmax, or sigmoid normalised per token), the routing the plain top-k of P
 seq_aux_loss the same per sequence, averaged over the batch
 z_loss      coeff * mean_t logsumexp(logits_t)^2
+Under sequence and context parallelism (the `tp_cp` group: each member holds distinct tokens of the same
+sequences) each rank returns its piece of each loss, the token counts summed over the group first (fixed-size
+all-reduces, megatron-core's reduction of tokens_per_expert over tp_cp): the pieces sum over the group to the
+loss of the whole micro-batch on one rank.
 The aux-loss-free expert bias counts the tokens each expert received while training;
 `update_expert_bias()` (the optimizer step's call) moves b_i += rate * sign(mean load - load_i)."""
 
@@ -26,8 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import comm
 from ..recompute import recomputing
 from ..tensor_parallel.layers import mark
+from ..topology import Group
 from .config import MoEConfig
 
 
@@ -98,24 +104,40 @@ def aux_loss_scores(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor,
     return scores, torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
 
 
-def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
-    """coeff * E * sum_i f_i P_i with f_i = tokens_i / (k T), P_i = sum_t scores_ti / T."""
+def _all_reduced(counts: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Token counts summed over `group` (the tp_cp ranks that hold the other pieces of the sequences)."""
+    counts = counts.detach().clone()
+    comm.all_reduce(counts, group, "moe_aux_counts")  # a no-op on one rank
+    return counts
+
+
+def switch_aux_loss(
+    scores: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float, group: Group | None = None
+) -> torch.Tensor:
+    """coeff * E * sum_i f_i P_i with f_i = tokens_i / (k T), P_i = sum_t scores_ti / T, over the T tokens
+    of all members of `group` (T = local tokens x group size): this rank's piece, its own P_i sums times the
+    counts summed over the group, so that the pieces sum to the loss of all the tokens."""
     num_tokens, num_experts = scores.shape
-    tokens_per_expert = routing_map.sum(dim=0).to(scores.dtype)
+    num_tokens *= 1 if group is None else group.size
+    tokens_per_expert = _all_reduced(routing_map.sum(dim=0).to(scores.dtype), group)
     return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
 
 
-def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, batch: int, topk: int, coeff: float) -> torch.Tensor:
-    """switch_aux_loss of each sequence (tokens batch-major: [B * T, E]), averaged over the B sequences."""
+def seq_aux_loss(
+    scores: torch.Tensor, routing_map: torch.Tensor, batch: int, topk: int, coeff: float, group: Group | None = None
+) -> torch.Tensor:
+    """switch_aux_loss of each sequence (tokens batch-major: [B * T, E]), averaged over the B sequences; with
+    `group`, each sequence is spread over its members (sequence or context parallel): this rank's piece."""
     b_scores = scores.view(batch, -1, scores.shape[-1])
-    b_map = routing_map.view(batch, -1, scores.shape[-1]).to(scores.dtype)
-    seq_len, num_experts = b_scores.shape[1], b_scores.shape[2]
-    per_seq = (b_scores.sum(dim=1) * b_map.sum(dim=1)).sum(dim=-1)
+    b_map = _all_reduced(routing_map.view(batch, -1, scores.shape[-1]).to(scores.dtype).sum(dim=1), group)
+    seq_len, num_experts = b_scores.shape[1] * (1 if group is None else group.size), b_scores.shape[2]
+    per_seq = (b_scores.sum(dim=1) * b_map).sum(dim=-1)
     return per_seq.mean() * (num_experts * coeff / (topk * seq_len * seq_len))
 
 
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+def z_loss(logits: torch.Tensor, coeff: float, group: Group | None = None) -> torch.Tensor:
+    """coeff * the mean over the tokens of all members of `group` of logsumexp^2: this rank's piece."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * (coeff / (1 if group is None else group.size))
 
 
 class TopKRouter(nn.Module):
@@ -123,9 +145,11 @@ class TopKRouter(nn.Module):
     TP: under sequence parallelism each TP rank routes its own sequence shard, so the weight's gradient is a
     partial sum per TP rank (marked `tp_partial_grad`, summed over TP by the gradient finalize)."""
 
-    def __init__(self, cfg: MoEConfig, init_std: float = 0.02, sequence_parallel: bool = False):
+    def __init__(
+        self, cfg: MoEConfig, init_std: float = 0.02, sequence_parallel: bool = False, tp_cp: Group | None = None
+    ):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp_cp = cfg, tp_cp
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         mark(self.weight, ("normal", init_std), tp_partial_grad=sequence_parallel)
         nn.init.normal_(self.weight, std=init_std)
@@ -157,14 +181,16 @@ class TopKRouter(nn.Module):
     def _losses(self, logits: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
         cfg, losses = self.cfg, {}
         if cfg.z_loss_coeff:
-            losses["z_loss"] = z_loss(logits, cfg.z_loss_coeff)
+            losses["z_loss"] = z_loss(logits, cfg.z_loss_coeff, self.tp_cp)
         if cfg.aux_loss_coeff and cfg.load_balancing_type != "none":
             scores, routing_map = aux_loss_scores(logits, cfg)
             if cfg.load_balancing_type == "aux_loss":
-                losses["load_balancing_loss"] = switch_aux_loss(scores, routing_map, cfg.topk, cfg.aux_loss_coeff)
+                losses["load_balancing_loss"] = switch_aux_loss(
+                    scores, routing_map, cfg.topk, cfg.aux_loss_coeff, self.tp_cp
+                )
             else:
                 losses["seq_load_balancing_loss"] = seq_aux_loss(
-                    scores, routing_map, batch, cfg.topk, cfg.aux_loss_coeff
+                    scores, routing_map, batch, cfg.topk, cfg.aux_loss_coeff, self.tp_cp
                 )
         return losses
 

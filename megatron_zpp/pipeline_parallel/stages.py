@@ -88,27 +88,27 @@ def build_stage_model(cfg: Config, vocab_size: int, ctx: ParallelContext, pp_ran
     ]
 
 
-def stand_in_context(cfg: Config, tp_rank: int = 0, cp_rank: int = 0, ep_rank: int = 0) -> ParallelContext:
-    """The ParallelContext of TP rank `tp_rank` / CP rank `cp_rank` (/ expert-parallel rank `ep_rank`: which
-    experts it holds) of `cfg`, with stand-in groups (the config's sizes, no process group): all that building
-    the model reads of its groups."""
+def stand_in_context(
+    cfg: Config, tp_rank: int = 0, cp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0
+) -> ParallelContext:
+    """The ParallelContext of TP rank `tp_rank` / CP rank `cp_rank` (and, with routed experts, expert-parallel
+    rank `ep_rank` / expert-TP rank `etp_rank`) of `cfg`, with stand-in groups (the config's sizes, no
+    process group): all that building the model reads of its groups (which experts a rank holds, how each
+    is cut)."""
     p = cfg.parallel
-    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp  # Megatron's default ETP: TP
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
 
     def stand_in(role: str, size: int, rank: int) -> Group | None:
         return Group(role, tuple(range(size)), rank, "intra_node") if size > 1 else None
 
     return ParallelContext(
-        tp=stand_in("tp", tp, tp_rank),
+        tp=stand_in("tp", p.tensor_model_parallel_size, tp_rank),
         sequence_parallel=p.sequence_parallel,
-        cp=stand_in("cp", cp, cp_rank),
+        cp=stand_in("cp", p.context_parallel_size, cp_rank),
         cp_algo=p.cp_algo,
         all_scan_blocks=p.all_scan_blocks or 1,
-        ep=stand_in("ep", ep, ep_rank),
-        etp=stand_in("etp", etp, 0),
-        etp_ep=stand_in("etp_ep", etp * ep, ep_rank * etp),
-        tp_cp=stand_in("tp_cp", tp * cp, cp_rank * tp + tp_rank),
+        ep=stand_in("ep", p.expert_model_parallel_size, ep_rank),
+        etp=stand_in("etp", etp, etp_rank),
     )
 
 

@@ -21,7 +21,15 @@ from ..optim import MixedPrecisionAdamW, check_step, clip_by_global_norm, counte
 from ..optim.optimizer import decoupled_lr_params, qk_norm_params
 from ..tensor_parallel.layers import is_expert
 from ..topology import ProcessGroups
-from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked, numbered_layout, param_slot
+from .engine import (
+    DataParallelEngine,
+    RankLayout,
+    check_keys,
+    copy_checked,
+    model_has_experts,
+    numbered_layout,
+    param_slot,
+)
 from .grad_buffer import GradBuffer
 
 
@@ -52,7 +60,7 @@ class DDPEngine(DataParallelEngine):
             materialize(chunks, init)
         chunk_params = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
         self.params = [p for ps in chunk_params for p in ps]
-        self.moe = any(c.cfg.num_experts for c in chunks)  # alike on every rank: the norm's collectives
+        self.moe = model_has_experts(chunks)  # alike on every rank: the norm's collectives
         self.overlap = zero_cfg.overlap_grad_reduce and groups.dp_cp.size > 1
         bucket = (zero_cfg.ddp_bucket_size or default_bucket_numel(groups.dp_cp.size)) if self.overlap else None
         wire = torch.bfloat16 if zero_cfg.grad_reduce_in_bf16 else torch.float32

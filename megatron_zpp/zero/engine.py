@@ -182,6 +182,12 @@ class DataParallelEngine(ABC):
             self.optimizer.load_state_dict({**optimizer, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
 
+def model_has_experts(chunks) -> bool:
+    """Whether the model (not just this rank's chunks) has routed experts: alike on every rank, so the
+    collectives that depend on it (the norm's expert part, the expert-data-parallel reductions) agree."""
+    return any(getattr(getattr(c, "cfg", None), "num_experts", None) for c in chunks)
+
+
 def copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src (converted to dst's dtype and device), refusing another shape."""
     if tuple(dst.shape) != tuple(src.shape):

@@ -99,6 +99,7 @@ class ReduceSchedule:
         self.reduced_in_backward = 0  # units whose reduction the backward started (this step)
         hierarchical = zero_cfg.zero_quantized_gradients or bool(zero_cfg.zero_hierarchy)
         self.hops = groups.dp_tier_hops() if hierarchical else None
+        self.expert_hops = list(groups.edp_tiers) if hierarchical and groups.edp_tiers else None
         self.max_in_flight = in_flight_limit(zero_cfg.zero_reduce_in_flight, len(self.hops) if self.hops else 1)
         # each hop on its link tier's stream (no-ops on CPU); on an accelerator a reduction's whole hop chain
         # is enqueued at once (NCCL waits only order streams), on CPU gloo's waits block: one hop per unit
@@ -223,10 +224,11 @@ class ReduceSchedule:
         lease = self.buffers.lease()
         flat = self.grads[unit].hand_over(lease)  # no gradient this micro-batch: zeros
         reduction: HierarchicalReduceScatter | ReduceScatter
-        if self.hops is not None and unit.group is self.group:
+        hops = self.hops if unit.group is self.group else self.expert_hops  # a block's experts: over edp
+        if hops is not None:
             phase = "qgz_grad" if self.bits else "zero_grad_hierarchical"
             reduction = HierarchicalReduceScatter(
-                flat, self.hops, phase, self.bits, self.block, self.stochastic, self.wire, self.streams, lease
+                flat, hops, phase, self.bits, self.block, self.stochastic, self.wire, self.streams[: len(hops)], lease
             )
         else:
             reduction = ReduceScatter(flat, unit.group, "zero_grad_reducescatter", self.wire, self.streams[0], lease)

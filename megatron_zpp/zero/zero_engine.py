@@ -49,7 +49,7 @@ from ..optim import build_adamw, check_step, clip_by_global_norm, counted_once, 
 from ..optim.optimizer import decoupled_lr_params, qk_norm_params
 from ..tensor_parallel.layers import is_expert
 from ..topology import ProcessGroups
-from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked
+from .engine import DataParallelEngine, RankLayout, check_keys, copy_checked, model_has_experts
 from .gather_schedule import GatherSchedule, install_gather_waits
 from .reduce_buffers import ReduceBuffers
 from .reduce_schedule import ReduceSchedule
@@ -69,7 +69,7 @@ class ZeroEngine(DataParallelEngine):
         self.chunks, self.groups = chunks, groups
         self.policy = stage_policy(zero_cfg.zero_stage)  # what the stage shards, when it reduces
         self.group = groups.dp_cp
-        self.moe = any(c.cfg.num_experts for c in chunks)  # alike on every rank: the norm's collectives
+        self.moe = model_has_experts(chunks)  # alike on every rank: the norm's collectives
         self.per_step = zero_cfg.zero_param_persistence == "step"  # keep gathered weights until the step
         self.overlap_gather = zero_cfg.overlap_param_gather and not self.policy.sharded_weights
         self.clip = optim_cfg.clip_grad
@@ -90,7 +90,8 @@ class ZeroEngine(DataParallelEngine):
     def _build_units(self, c: int, chunk, zero_cfg, init) -> dict[str, FlatUnit]:
         """Chunk number `c`'s units by name, in model order. A block's routed experts are a unit of their own
         over the expert-data-parallel group, gathered and freed with the block (its companion)."""
-        hpz = self.groups.dp_hpz if zero_cfg.zero_hpz_partition_size > 1 else None
+        hpz_on = zero_cfg.zero_hpz_partition_size > 1
+        hpz, expert_hpz = (self.groups.dp_hpz, self.groups.edp_hpz) if hpz_on else (None, None)
         qwz = zero_cfg.zero_quantization_block_size if zero_cfg.zero_quantized_weights else None
         units: dict[str, FlatUnit] = {}
         for name, params, module in model_units(chunk):
@@ -101,7 +102,7 @@ class ZeroEngine(DataParallelEngine):
                 self.groups.edp if expert else self.group,
                 self.policy.sharded_weights,
                 pad_block(zero_cfg),
-                hpz=None if expert else hpz,
+                hpz=expert_hpz if expert else hpz,
                 qwz_block=qwz,
                 init=init,
                 module=module,

@@ -236,3 +236,22 @@ def test_parameters_are_named_by_global_expert_and_marked():
     assert params["router.weight"].init == ("normal", 0.01) and params["shared_expert.fc1.weight"].tp_split == (
         0, (20, 20),
     )  # fmt: skip
+
+
+def test_layouts_the_experts_cannot_split_are_refused_by_flag():
+    from megatron_zpp.topology import Group, ParallelContext
+
+    cfg = MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F)
+    three, two = Group("ep", (0, 1, 2), 0, "intra_node"), Group("etp", (0, 1), 0, "intra_node")
+    with pytest.raises(ValueError, match="--num-experts 8 is not divisible by --expert-model-parallel-size 3"):
+        MoELayer(cfg, ParallelContext(ep=three))
+    odd = MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=13)
+    with pytest.raises(
+        ValueError, match="--moe-ffn-hidden-size 13 is not divisible by --expert-tensor-parallel-size 2"
+    ):
+        MoELayer(odd, ParallelContext(etp=two))
+    with pytest.raises(ValueError, match="needs --sequence-parallel"):
+        MoELayer(cfg, ParallelContext(tp=two))
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type flex"):
+        MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F, token_dispatcher="flex")
+    assert MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F).token_dispatcher == "allgather"  # mcore's
