@@ -36,7 +36,9 @@ class MoEDims:
     run: int  # R: rows its local experts run
     e: int  # bytes of the training dtype
     allgather: bool  # the allgather dispatcher (unpermute over the gathered rows)
+    combined: int  # tokens the unpermute sums into: n, or the etp_ep group's G n under allgather
     exchanged: bool  # rows leave the rank (EP or ETP > 1): the chunk sorts' indices
+    grouped: bool = True  # --moe-grouped-gemm: the local experts' weights stacked for one grouped GEMM
     shared: int = 0  # the shared expert's width per TP rank (0: none)
     shared_gate: bool = False
     z_loss: bool = False
@@ -72,7 +74,9 @@ def moe_dims(cfg: Config, b: int, s: int, s_norm: int, e: int, imbalance: float 
         run=run,
         e=e,
         allgather=m.moe_token_dispatcher_type == "allgather" and ep * etp > 1,
+        combined=n * (ep * etp if m.moe_token_dispatcher_type == "allgather" else 1),
         exchanged=ep * etp > 1,
+        grouped=m.moe_grouped_gemm,
         shared=(m.moe_shared_expert_intermediate_size or 0) // tp,
         shared_gate=m.moe_shared_expert_gate,
         z_loss=bool(m.moe_z_loss_coeff),
@@ -96,13 +100,18 @@ def router_saved(d: MoEDims) -> int:
     return out
 
 
+def stacked_weights(d: MoEDims) -> int:
+    """Elements of the local experts' weights as one stack (3 h F' per expert, gelu 2 h F')."""
+    return d.local * d.h * d.width * (3 if d.swiglu else 2)
+
+
 def experts_saved(d: MoEDims) -> int:
     """The local experts over their R rows: fc1's input (e), [gate | up] and silu(gate) and fc2's input (4 F';
-    gelu: 2 F'), and the stacked copy of the local experts' weights each grouped GEMM keeps (experts.py stacks
-    the rank's E / EP fc1 and fc2 weights, torch.stack: 3 h F' per expert, gelu 2 h F')."""
+    gelu: 2 F'); with --moe-grouped-gemm the stacked copy of the local experts' weights the grouped GEMMs keep
+    (experts.py stacks the rank's E / EP fc1 and fc2 weights with torch.stack; without it, one GEMM per
+    expert on the parameters themselves)."""
     inner = 4 if d.swiglu else 2
-    weights = d.local * d.h * d.width * (3 if d.swiglu else 2)
-    return d.e * (d.run * d.h + d.run * d.width * inner + weights)
+    return d.e * (d.run * d.h + d.run * d.width * inner + (stacked_weights(d) if d.grouped else 0))
 
 
 def dispatch_saved(d: MoEDims) -> int:
@@ -133,11 +142,12 @@ def moe_saved(d: MoEDims) -> int:
 
 def moe_backward_transient(d: MoEDims) -> int:
     """Above what the layer keeps, at its backward's peak: the larger of the combine's backward (the slot
-    buffer's gradient [n, k + 1, h] and two [rows, h] fp32 products: the rows' gradient and its product with
-    the probabilities) and the experts' (the stacked weights' gradient and the SwiGLU factors' gradients
-    [R, 2 F'] (e), while fc2's saved input is already freed). Fitted to LiveBytes on one rank (within 20%)."""
+    buffer's gradient [n, k + 1, h] (allgather: over the group's G n tokens) and two [rows, h] fp32 products:
+    the rows' gradient and its product with the probabilities) and the experts' (the stacked weights'
+    gradient, or one expert's without --moe-grouped-gemm, and the SwiGLU factors' gradients [R, 2 F'] (e),
+    while fc2's saved input is already freed). Fitted to LiveBytes on one rank (within 20%)."""
     rows = d.run if d.allgather else d.sent
-    combine = 4 * d.n * (d.topk + 1) * d.h + 2 * 4 * rows * d.h
-    weights = d.local * d.h * d.width * (3 if d.swiglu else 2)
+    combine = 4 * d.combined * (d.topk + 1) * d.h + 2 * 4 * rows * d.h
+    weights = stacked_weights(d) // (1 if d.grouped else d.local)  # the stack's gradient, or one expert's
     experts = d.e * (weights + 2 * d.run * d.width)
     return max(combine, experts)

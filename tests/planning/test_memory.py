@@ -1,8 +1,12 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
 GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
-2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked).
+2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
+experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
+ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
+
+import math
 
 import pytest
 
@@ -66,6 +70,47 @@ def test_gdn_context_parallel_estimate_matches_measured_peak():
     for r, results in enumerate(run_distributed(_measure_each, 2, flag_sets, timeout=300)):
         for flags, result in zip(flag_sets, results):
             _check(result, f"rank {r} of {flags}")
+
+
+MOE = (
+    "--num-experts 8 --moe-ffn-hidden-size 48 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
+).split()
+
+
+def test_moe_single_rank_estimate_matches_measured_peak():
+    flags = MOE + "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate".split()
+    _check(_measure(0, 1, flags), "single rank MoE with a gated shared expert")
+
+
+def test_moe_expert_parallel_estimate_matches_measured_peak():
+    flags = MOE + "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --zero-stage 1".split()
+    for r, result in enumerate(run_distributed(_measure, 2, flags, timeout=300)):
+        _check(result, f"rank {r} of MoE EP2 alltoall ZeRO-1")
+
+
+def test_experts_split_over_ep_and_etp_and_shard_over_their_replicas():
+    """16 ranks, TP2 (SP) x DP8, 16 experts over EP4 x expert TP2: a rank's meta model holds 4 experts at half
+    width (3 h F / 2 each, SwiGLU); ZeRO-3 shards them over the 2 expert-data-parallel ranks, the rest over DP 8."""
+    flags = (
+        BASE
+        + MOE[2:]
+        + (
+            "--num-experts 16 --expert-model-parallel-size 4 --tensor-model-parallel-size 2 --sequence-parallel "
+            "--global-batch-size 32"
+        ).split()
+    )
+    cfg = validate(parse_args(flags + ["--zero-stage", "3"]), 16)
+    h, f = cfg.model.hidden_size, 48
+    chunks = memory.stage_model(cfg, 0)
+    experts = sum(p.numel() for c in chunks for p in c.parameters() if getattr(p, "expert_parallel", False))
+    assert experts == cfg.model.num_layers * 4 * 3 * h * f // 2
+    dense = sum(p.numel() for c in chunks for p in c.parameters()) - experts
+    adam = memory.estimate(cfg)[0].terms["AdamW exp_avg + exp_avg_sq (fp32)"]
+    # each of the 6 units (embedding, 2 blocks, their 2 expert units, head) pads its shard by less than a block
+    block = math.lcm(cfg.zero.zero_quantization_block_size, cfg.zero.zero_gradient_quantization_block_size)
+    assert 8 * (dense / 8 + experts / 2) <= adam < 8 * (dense / 8 + experts / 2 + 6 * block)
+    plain = validate(parse_args(flags), 16)  # no ZeRO: the rank's whole share, unpadded
+    assert memory.estimate(plain)[0].terms["AdamW exp_avg + exp_avg_sq (fp32)"] == 8 * (dense + experts)
 
 
 def test_estimate_counts_parameters_exactly_and_shards_with_zero():
