@@ -248,16 +248,22 @@ def _moe(cfg: Config, x: Dims) -> MoEDims:
 
 
 def ffn_saved(cfg: Config, x: Dims, layer: int) -> int:
-    """What the block's FFN keeps: a dense MLP (`mlp_saved`) or a mixture of experts (moe_memory.moe_saved)."""
-    return moe_saved(_moe(cfg, x)) if cfg.model.ffn(layer).kind == "moe" else mlp_saved(x)
+    """What the block's FFN keeps: a dense MLP (`mlp_saved`) or a mixture of experts (moe_memory.moe_saved;
+    with --moe-layer-recompute only its input, the norm's output (e), which the rerun starts from)."""
+    if cfg.model.ffn(layer).kind != "moe":
+        return mlp_saved(x)
+    return x.e * x.b * x.s_norm * x.h if cfg.model.moe_layer_recompute else moe_saved(_moe(cfg, x))
 
 
 def ffn_backward_transient(cfg: Config, x: Dims, layer: int) -> int:
     """Above what the block keeps, in its FFN's backward: the residual's gradient [b, s, h] (e) and the FFN's
-    own (`mlp_backward_transient`, or moe_memory.moe_backward_transient plus that gradient)."""
-    if cfg.model.ffn(layer).kind == "moe":
-        return x.e * x.b * x.s_norm * x.h + moe_backward_transient(_moe(cfg, x))
-    return mlp_backward_transient(x)
+    own (`mlp_backward_transient`, or moe_memory.moe_backward_transient plus that gradient, and under
+    --moe-layer-recompute what the rerun rebuilds)."""
+    if cfg.model.ffn(layer).kind != "moe":
+        return mlp_backward_transient(x)
+    d, grad = _moe(cfg, x), x.e * x.b * x.s_norm * x.h
+    rerun = moe_saved(d) - grad if cfg.model.moe_layer_recompute else 0
+    return grad + rerun + moe_backward_transient(d)
 
 
 def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
