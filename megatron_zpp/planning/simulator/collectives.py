@@ -14,6 +14,9 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   or all-gather every state with its transition (GLA's decay [b, heads, d], GDN's M [b, heads,
   d, d]), forward and backward; GDN's convolution sends its last 3 q|k|v tokens to the next
   rank (context_parallel/gdn.py) and gets their gradient back;
+* moe/ (simulator/moe.py): an MoE layer's router counts and token exchanges per micro-batch;
+  its routed experts' gradients over the expert-data-parallel group (their own DDP buffer, or
+  each block's expert unit under ZeRO: gathered before the block, reduced before it, flat);
 * pipeline_parallel/: the sends of the real schedule (schedule.stage_ops);
 * zero/: plain DP's fp32 gradient all-reduce; ZeRO units (the engine's own padding,
   zero/sharded_params.flat_geometry) gathered and released by the hooks' rules (a block
@@ -22,7 +25,8 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   secondary), gradients reduce-scattered flat or hop by hop (qgZ int4 wire bytes,
   ops/quantize.wire_bytes), stages 1-2's parameter all-gather after the step;
 * optim/finalize.py, clipping.py and training/step.py: the SP norm-gradient and tied
-  embedding all-reduces, the fp64 grad-norm all-reduce, the loss report.
+  embedding all-reduces, the fp64 grad-norm all-reduces (dense, then the experts' part), the
+  loss report, model/moe_mlp.moe_step's.
 
 Each collective's bytes are `comm.model_bytes` of its (op, group size, buffer) and its
 link is the ledger's (topology.Topology.link_class of the group, or of the pair for p2p),
