@@ -127,16 +127,16 @@ def main(argv=None) -> int:
     if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
         print(__doc__)
     ours, rest = tool_args(argv)
-    try:
-        cfg = parse_config(rest, ours.world_size, run=False)
-    except ConfigError as e:
-        print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
-        return 2
-    if not ours.moe_imbalance >= 1.0:
+    if not ours.moe_imbalance >= 1.0:  # this tool's own argument first (nan too)
         print(
             f"error: --moe-imbalance {ours.moe_imbalance}: give a factor >= 1 (the busiest rank's share)",
             file=sys.stderr,
         )
+        return 2
+    try:
+        cfg = parse_config(rest, ours.world_size, run=False)
+    except ConfigError as e:
+        print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2
     print(report(cfg, ours.gpu_memory_gb, ours.moe_imbalance))
     return 0

@@ -141,14 +141,18 @@ def main(argv=None) -> int:
     if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
         print(__doc__)
     ours, rest = tool_args(argv)
+    if not ours.moe_imbalance >= 1.0:  # this tool's own argument first (nan too)
+        print(
+            f"error: --moe-imbalance {ours.moe_imbalance}: give a factor >= 1 (the busiest rank's share)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cluster = preset(ours.system, ours.system_file)
         if ours.link_gbps:
             cluster = cluster.with_inter_node(ours.link_gbps)
         if "--ranks-per-node" not in rest:
             rest += ["--ranks-per-node", str(min(cluster.ranks_per_node, ours.world_size))]
-        if not ours.moe_imbalance >= 1.0:
-            raise ValueError(f"--moe-imbalance {ours.moe_imbalance}: give a factor >= 1 (the busiest rank's share)")
         cfg = parse_config(rest, ours.world_size, run=False)
         bd = simulate(cfg, cluster, ours.moe_imbalance)
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as e:

@@ -113,6 +113,29 @@ def test_experts_split_over_ep_and_etp_and_shard_over_their_replicas():
     assert memory.estimate(plain)[0].terms["AdamW exp_avg + exp_avg_sq (fp32)"] == 8 * (dense + experts)
 
 
+def test_moe_rows_follow_imbalance_capacity_and_padding():
+    """The rows an MoE layer's experts run on the busiest rank: an even share n k x expert TP times the imbalance,
+    capped by the capacity factor, and exactly E x capacity with padding; the peak grows with the imbalance."""
+    from megatron_zpp.planning.moe_memory import moe_dims
+
+    base = (
+        BASE + MOE + "--global-batch-size 8 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split()
+    )
+    cfg = validate(parse_args(base), 2)
+    b, s, k, E = 4, 128, 2, 8
+    even = moe_dims(cfg, b, s, s, 4)
+    assert (even.sent, even.run, even.local) == (b * s * k, b * s * k, E // 2)
+    assert moe_dims(cfg, b, s, s, 4, imbalance=1.5).run == 1.5 * b * s * k
+    capped = validate(parse_args(base + ["--moe-expert-capacity-factor", "1.25"]), 2)
+    assert moe_dims(capped, b, s, s, 4, imbalance=3.0).run == 1.25 * b * s * k
+    padded = validate(
+        parse_args(base + "--moe-expert-capacity-factor 1.1 --moe-pad-expert-input-to-capacity".split()), 2
+    )
+    cap = math.ceil(b * s * k / E * 1.1)
+    assert moe_dims(padded, b, s, s, 4, imbalance=3.0).run == E * cap  # padded: exact, whatever the routing
+    assert memory.estimate(cfg, moe_imbalance=1.5)[0].peak > memory.estimate(cfg)[0].peak
+
+
 def test_estimate_counts_parameters_exactly_and_shards_with_zero():
     """The meta-device count equals the built model's; ZeRO-3 over 4 ranks keeps a quarter of the
     fp32 state (padding aside) and the micro-batch search is monotone in the budget."""
