@@ -98,7 +98,8 @@ def argv_for(kind: str, layers: int, flags: list[str]) -> list[str]:
 def train_and_collect(argv: list[str], world_size: int) -> dict:
     cfg = validate(parse_args(argv), world_size)
     run = training.setup(cfg)
-    losses = [h["loss"] for h in training.train(run)]
+    history = training.train(run)
+    losses = [h["loss"] for h in history]
     ledger = comm.LEDGER.local_rows()  # the steps' traffic, before the gathers below
     with run.dp.full_parameters():  # ZeRO-3 keeps only shards between uses
         weights = {
@@ -112,6 +113,7 @@ def train_and_collect(argv: list[str], world_size: int) -> dict:
         "splits": splits,
         "ledger": ledger,
         "units": [(u.name, u.padded) for u in getattr(run.dp, "units", [])],  # ZeRO's flat buffers
+        "dropped": [h.get("moe/dropped_fraction") for h in history],  # MoE with a capacity (tests/moe)
         "coords": {"tp": g.tp_rank, "pp": g.pp_rank, "dp": g.dp_rank, "cp": g.cp_rank, "etp": g.etp_rank},
     }
 

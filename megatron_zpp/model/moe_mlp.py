@@ -91,12 +91,13 @@ def moe_step(chunks, groups, num_micro_batches: int, num_layers: int) -> dict[st
     """After a step (collective, alike on every rank of a model with experts): each MoE layer's token counts
     summed over the stage's ranks move its expert bias (when enabled) and are reset; returns the metrics of
     the step: per layer the fewest and most tokens an expert received (`moe/expert_load_min/layer{i}`,
-    `.../max/...`), and each router loss without its coefficient, averaged over the micro-batches, the
+    `.../max/...`), the routes the capacity dropped (`moe/dropped_fraction`), and each router loss without its
+    coefficient, averaged over the micro-batches, the
     data-parallel ranks and the MoE layers (`load_balancing_loss`, `z_loss`: Megatron's log names)."""
     layers = moe_layers(chunks)
     device = next(p.device for c in chunks for p in c.parameters())
-    # by global layer: fewest, most and mean tokens per expert, then the losses
-    table = torch.zeros(num_layers, 3 + len(LOSS_NAMES), dtype=torch.float64, device=device)
+    # by global layer: fewest, most and mean tokens per expert, the losses, then routes and routes kept (capacity)
+    table = torch.zeros(num_layers, 5 + len(LOSS_NAMES), dtype=torch.float64, device=device)
     if layers:  # every rank of the stage holds the same layers: they reduce together
         counts = torch.stack([m.router.local_tokens_per_expert.double() for m in layers])
         values = torch.zeros(len(layers), len(LOSS_NAMES), dtype=torch.float64, device=device)
@@ -105,15 +106,20 @@ def moe_step(chunks, groups, num_micro_batches: int, num_layers: int) -> dict[st
                 if name in m.step_losses and m.coeffs[name]:
                     values[i, j] = m.step_losses[name].double() / m.coeffs[name]
             m.step_losses.clear()
-        summed = torch.cat([counts, values], dim=1)
+        none = torch.zeros(2, dtype=torch.float64, device=device)
+        routes = torch.stack([none if m.route_counts is None else m.route_counts for m in layers])
+        summed = torch.cat([counts, values, routes], dim=1)
         comm.all_reduce(summed, groups.tp_dp_cp, "moe_expert_load")
-        counts, values = summed[:, : counts.shape[1]], summed[:, counts.shape[1] :]
+        e = counts.shape[1]
+        counts, values, routes = summed[:, :e], summed[:, e : e + len(LOSS_NAMES)], summed[:, e + len(LOSS_NAMES) :]
         for i, m in enumerate(layers):
             if m.router.expert_bias is not None:
                 m.router.update_expert_bias(counts[i])
             m.router.local_tokens_per_expert.zero_()
             table[m.layer, :3] = torch.stack([counts[i].min(), counts[i].max(), counts[i].mean()])
-            table[m.layer, 3:] = values[i] / (num_micro_batches * groups.dp.size)
+            table[m.layer, 3 : 3 + len(LOSS_NAMES)] = values[i] / (num_micro_batches * groups.dp.size)
+            table[m.layer, 3 + len(LOSS_NAMES) :] = routes[i]
+            m.route_counts = None
     comm.all_reduce(table, groups.pp, "moe_metrics")
     if is_fake(table):  # a dry run (fake tensors): the collectives ran, there are no values to report
         return {}
@@ -132,4 +138,7 @@ def _metrics(table: torch.Tensor) -> dict[str, float]:
         out[f"moe/expert_load_max/layer{layer}"] = float(table[layer, 1])
     if bool(moe.any()):  # the worst layer's busiest expert against an even share
         out["moe/expert_load_max_over_mean"] = float((table[moe, 1] / table[moe, 2]).max())
+    routes, kept = table[:, -2].sum(), table[:, -1].sum()
+    if routes > 0:  # --moe-expert-capacity-factor: the routes the capacity dropped, over every MoE layer
+        out["moe/dropped_fraction"] = float(1 - kept / routes)
     return out

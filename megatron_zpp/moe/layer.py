@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..recompute import recomputing
 from ..topology import ParallelContext
 from .config import MoEConfig
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher
@@ -48,6 +49,8 @@ class MoELayer(nn.Module):
         else:
             self.dispatcher = AllGatherDispatcher(cfg, ctx.ep, ctx.etp_ep)
         self.tokens_per_expert: torch.Tensor | None = None
+        # with capacity: (routes, routes kept) of this rank's tokens while training, until the step reads them
+        self.route_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg, tokens = self.cfg, x.reshape(-1, x.shape[-1])
@@ -55,7 +58,11 @@ class MoELayer(nn.Module):
         probs, routing_map = routing.probs, routing.routing_map
         num_out: int | None = tokens.shape[0] * cfg.topk  # dropless: known without a host sync
         if cfg.capacity_factor is not None:
+            routes = routing_map.sum()
             probs, routing_map = drop_tokens(probs, routing_map, cfg.topk, cfg.capacity_factor, cfg.pad_to_capacity)
+            if self.training and torch.is_grad_enabled() and not recomputing():
+                counts = torch.stack([routes, routing_map.sum()]).double()
+                self.route_counts = counts if self.route_counts is None else self.route_counts + counts
             cap = capacity(tokens.shape[0], cfg.num_experts, cfg.topk, cfg.capacity_factor)
             num_out = cfg.num_experts * min(cap, tokens.shape[0]) if cfg.pad_to_capacity else None
         out, tokens_per_expert = self.dispatcher(tokens, probs, routing_map, self.experts, num_out)

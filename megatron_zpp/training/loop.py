@@ -130,6 +130,8 @@ def _log_line(run: Run, m: dict, interval: LogInterval, throughput: Throughput, 
         extra += f" {name}: {m[name]:.6E} |" if name in m else ""
     if "moe/expert_load_max_over_mean" in m:
         extra += f" expert load max/mean: {m['moe/expert_load_max_over_mean']:.2f} |"
+    if "moe/dropped_fraction" in m:
+        extra += f" dropped routes: {100 * m['moe/dropped_fraction']:.1f}% |"
     skipped = f" skipped samples: {state.skipped_samples:12d} |" if state.skipped_samples else ""
     log(
         f"iteration {state.iteration:8d}/{t.train_iters:8d} | "

@@ -20,6 +20,11 @@ MOE = (
 MODELS = {
     "moe_gpt": KINDS["softmax"] + MOE,
     "moe_gpt_8": KINDS["softmax"] + MOE + ["--num-experts", "8"],
+    # token dropping: an expert takes at most 1.0 x its even share of a rank's routes, the lowest probabilities
+    # dropped first, counted on each rank's own tokens (megatron-core's capacity)
+    "moe_gpt_capacity": KINDS["softmax"]
+    + MOE
+    + "--moe-expert-capacity-factor 1.0 --moe-token-dispatcher-type alltoall".split(),
     "moe_gdn_hybrid": KINDS["gdn_hybrid"] + MOE + ["--moe-shared-expert-intermediate-size", "32"],
 }
 A2A = " --moe-token-dispatcher-type alltoall"
@@ -34,6 +39,9 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel"),  # expert TP 2 (= TP, Megatron's default)
         ("moe_gdn_hybrid", "--context-parallel-size 2 --expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--expert-model-parallel-size 2 --moe-layer-recompute" + A2A),
+        ("moe_gpt_capacity", "--expert-model-parallel-size 2"),  # the same local tokens: the same drops
+        ("moe_gpt_capacity", "--pipeline-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
     ],
     4: [
         ("moe_gpt", "--expert-model-parallel-size 4" + A2A),
@@ -45,6 +53,9 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
         ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
+        # expert TP apart from attention TP: experts cut over 4 ranks, attention over 2
+        ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4" + A2A),
+        ("moe_gpt", "--expert-tensor-parallel-size 2"),  # expert TP 2 without TP (allgather)
     ],
     8: [  # EP 8 over TP 2 (SP) x DP 4: each rank holds one of the 8 experts
         (
@@ -99,6 +110,20 @@ def test_moe_layouts_match_single_rank(world):
             assert_close_relative(got[name], w, f"{model} {flags} {name}")
     for ref in refs.values():
         assert ref["losses"][-1] < ref["losses"][0]
+    if "moe_gpt_capacity" in refs:  # the layouts above drop exactly the reference's routes
+        assert all(0 < d < 0.5 for d in refs["moe_gpt_capacity"]["dropped"]), refs["moe_gpt_capacity"]["dropped"]
+
+
+def test_capacity_counted_per_sequence_parallel_shard_drops_other_routes():
+    """Megatron's capacity is counted on each rank's own tokens: under TP x SP a rank holds 1/TP of a sequence,
+    so its capacity and its drops differ from one rank's (docs/moe.md). Both drop; the rates are shown."""
+    flags = "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1".split()
+    (tp_sp,) = {
+        tuple(r[0]["dropped"]) for r in run_distributed(_worker, 2, [BASE + MODELS["moe_gpt_capacity"] + flags])
+    }
+    ref = train_and_collect(BASE + MODELS["moe_gpt_capacity"], 1)["dropped"]
+    print(f"dropped routes per step: one rank {np.round(ref, 4)}, TP2 x SP {np.round(tp_sp, 4)}")
+    assert all(0 < d < 0.5 for d in ref + list(tp_sp)) and list(tp_sp) != ref
 
 
 ZERO_PP = (
@@ -121,3 +146,19 @@ def test_moe_zeropp_on_expert_weights_within_its_bound():
             assert 0 < dev.max() < 0.02, (k, dev)  # quantized: off the reference, within the bound
             used = {row["role"] for row in r["ledger"] if row["phase"].startswith(("qgz_", "zero_"))}
             assert roles <= used, (k, used)
+
+
+def test_moe_bf16_and_fp16_track_one_rank():
+    """16-bit training through the dispatchers: bf16 at EP 2 (alltoall) and fp16 (the loss scale reaches the
+    router losses' gradient) at EP 2 under ZeRO-3 stay within 1e-4 of one rank in the same precision (the
+    order of the 16-bit sums differs; measured 8e-6 and 2e-6)."""
+    ep2 = "--expert-model-parallel-size 2".split()
+    runs = {
+        "--bf16": ep2 + A2A.split(),
+        "--fp16": ep2 + "--use-distributed-optimizer --zero-stage 3".split(),
+    }
+    per_rank = run_distributed(_worker, 2, [BASE + MODELS["moe_gpt"] + [p] + f for p, f in runs.items()])
+    for k, precision in enumerate(runs):
+        ref = np.array(train_and_collect(BASE + MODELS["moe_gpt"] + [precision], 1)["losses"])
+        for r in per_rank:
+            np.testing.assert_allclose(r[k]["losses"], ref, rtol=1e-4, err_msg=precision)
