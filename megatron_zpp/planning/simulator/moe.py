@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 from ...config import Config
+from ...model.moe_mlp import LOSS_NAMES
 from ...topology import Group, ProcessGroups
 from .calls import Coll, _coll
 
@@ -104,17 +105,19 @@ def _allgather(cfg: Config, g: ProcessGroups, fwd: bool) -> list[Coll]:
 
 
 def moe_step_colls(cfg: Config, g: ProcessGroups, moe_layers_here: int) -> list[Coll]:
-    """model/moe_mlp.moe_step after the optimizer step: the stage's MoE layers' token counts and router losses
-    (fp64 [layers, E + 3]) all-reduced over the stage, then the per-layer table (fp64 [layers, 6]) over PP."""
+    """model/moe_mlp.moe_step after the optimizer step: the stage's MoE layers' token counts, router losses and
+    capacity route counts (fp64 [layers, E + 3 + 2]) all-reduced over the stage, then the per-layer table (fp64
+    [layers, 3 + 3 + 2]: expert loads, losses, routes) over PP."""
     m = cfg.model
     if not m.num_experts:
         return []
     out = []
+    losses, routes = len(LOSS_NAMES), 2
     if moe_layers_here and g.tp_dp_cp.size > 1:
-        nbytes = 8 * moe_layers_here * (m.num_experts + 3)
+        nbytes = 8 * moe_layers_here * (m.num_experts + losses + routes)
         out.append(_coll(g.tp_dp_cp, "moe_expert_load", "all_reduce", nbytes, "misc"))
     if g.pp.size > 1:
-        out.append(_coll(g.pp, "moe_metrics", "all_reduce", 8 * m.num_layers * 6, "misc"))
+        out.append(_coll(g.pp, "moe_metrics", "all_reduce", 8 * m.num_layers * (3 + losses + routes), "misc"))
     return out
 
 
