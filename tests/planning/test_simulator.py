@@ -9,7 +9,8 @@
 * qgZ's cross-node gradient bytes per node are 1/4 of a 16-bit gradient's (the paper's M/4),
   plus its fp32 block scales;
 * mixture of experts: the same exact ledger for EP2 alltoall, EP2 x TP2 (SP, expert TP 1) alltoall with a
-  shared expert under ZeRO-1, and EP2 x expert TP2 allgather under ZeRO-3 (in the 4-rank spawn above);
+  shared expert under ZeRO-1, EP2 x expert TP2 allgather under ZeRO-3, and EP4 alltoall padded to the
+  capacity with a random router (in the 4-rank spawn above);
   a token exchange's bytes per rank are tokens x topk x H x (EP-1)/EP on the EP group's link class (intra-
   or inter-node by the node size), and an imbalance stretches the busiest rank's exchange and compute;
 * the CLI prints a table and a JSONL row.
@@ -57,6 +58,10 @@ LAYOUTS = {
     "--moe-shared-expert-gate",
     "MoE EP2 x expert TP2 allgather, ZeRO-3, bf16": MOE
     + "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --zero-stage 3 --bf16",
+    # padded to the capacity, every expert takes exactly its capacity from each rank: exact with a random router
+    "MoE EP4 alltoall padded to capacity, random router": MOE.replace("--init-method-std 0 ", "")
+    + "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "
+    "--moe-pad-expert-input-to-capacity",
 }
 
 
