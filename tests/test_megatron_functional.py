@@ -84,7 +84,6 @@ REFUSED = {
             "--enable-experimental": "experimental code paths are not built",
             "--moe-flex-dispatcher-backend": "mixture of experts is not built",
             "--moe-token-dispatcher-type": "flex (DeepEP) is not built: use alltoall or allgather",
-            "--moe-router-pre-softmax": "applies to the softmax score function only",
             "--num-layers": "--num-layers 14 is not divisible by --pipeline-model-parallel-size 4",
         },
     ),
