@@ -114,7 +114,7 @@ def _experts_line(cfg, imbalance: float) -> str:
     m, p = cfg.model, cfg.parallel
     if not m.num_experts:
         return ""
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    etp = p.expert_tp_size
     return (
         f"\nexperts: {m.num_experts} per MoE layer, top-{m.moe_router_topk}, EP {p.expert_model_parallel_size} x "
         f"expert TP {etp} ({m.num_experts // p.expert_model_parallel_size} per rank), "

@@ -129,7 +129,7 @@ def _experts(cfg) -> str:
     m, p = cfg.model, cfg.parallel
     if not m.num_experts:
         return ""
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    etp = p.expert_tp_size
     return (
         f"; {m.num_experts} experts top-{m.moe_router_topk}, EP {p.expert_model_parallel_size} x expert TP {etp}, "
         f"{m.moe_token_dispatcher_type} dispatcher"

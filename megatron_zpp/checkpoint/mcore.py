@@ -345,9 +345,7 @@ def _adam_common(cfg, step: float, nested: bool) -> dict:
         return {"optimizer": state} if nested else state  # Float16OptimizerWithFloat16Params nests it once more
 
     p, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
-    if not (
-        cfg.model.num_experts and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)
-    ):
+    if not (cfg.model.num_experts and (p.expert_model_parallel_size > 1 or p.expert_tp_size != tp)):
         return one(_param_groups(cfg))
     experts = {**_param_groups(cfg)[0], "is_expert_parallel": True}  # 2-D weights only (the experts hold no bias)
     return {0: one(_param_groups(cfg)), 1: one([experts])}

@@ -51,7 +51,7 @@ def moe_dims(cfg: Config, b: int, s: int, s_norm: int, e: int, imbalance: float 
     under SP), `imbalance`: the busiest rank's routed rows over an even share."""
     m, p = cfg.model, cfg.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
-    etp = p.expert_tensor_parallel_size or tp
+    etp = p.expert_tp_size
     E, k, n = m.num_experts or 0, m.moe_router_topk, b * s_norm
     even = n * k
     cf = m.moe_expert_capacity_factor
