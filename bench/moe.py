@@ -52,9 +52,12 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
+
+from megatron_zpp.testing.cluster import parse_rate
 
 FLOOR = "one rank, no EP"
 SYSTEMS = ("ours alltoall", "ours allgather", "mcore alltoall", "mcore allgather")
@@ -209,6 +212,42 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     return {"agree": agree, "ledger": ledger, "routes": routes, "times": times}
 
 
+def worker_main(out_dir: str, cfg_json: str) -> None:
+    """A rank launched by torchrun on the emulated cluster (env:// rendezvous): writes rank{r}.json."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = measure(rank, world, json.loads(cfg_json))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_shaped(cluster, ep: int, cfg: dict, work: str, timeout: float) -> list[dict]:
+    """EP/2 ranks in each namespace of the emulated cluster (one torchrun per node); each rank's result."""
+    from megatron_zpp.testing.cluster import REPO_ROOT, start_nodes, stop_nodes
+    from megatron_zpp.testing.zero_bench.launch import wait_ranks
+
+    out_dir = os.path.join(work, f"ep{ep}")
+    os.makedirs(out_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    logs = [open(os.path.join(out_dir, f"node{n}.log"), "w") for n in range(2)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", out_dir, json.dumps(cfg)]
+    procs = start_nodes(cluster, cmd, env, logs, 2, ep // 2, 29700 + ep, cwd=REPO_ROOT)
+    failed = wait_ranks(procs, time.perf_counter() + timeout)
+    stop_nodes(cluster, procs)
+    for f in logs:
+        f.close()
+    paths = [os.path.join(out_dir, f"rank{r}.json") for r in range(ep)]
+    if failed is not None or not all(os.path.exists(p) for p in paths):
+        tail = "".join(open(f.name, errors="replace").read() for f in logs).strip()[-1500:]
+        raise RuntimeError(f"EP={ep} on the emulated cluster failed ({'timed out' if failed == 'timeout' else tail})")
+    return [json.load(open(p)) for p in paths]
+
+
 # ---------------------------------------------------------------- figures
 
 
@@ -268,7 +307,16 @@ def cores_label(ep: int) -> str:
     return "1 core per rank" if ep <= ncpu else f"{ep / ncpu:g} ranks per core"
 
 
-def print_times(res: dict) -> None:
+def link_ms(cfg: dict, ep: int) -> float | None:
+    """The shaped link's time for the token all-to-alls of one forward + backward under uniform routing: each
+    of the 4 carries EP/2 x EP/2 x T x topk / EP rows each way between the nodes (full duplex)."""
+    if not cfg["rate_bps"]:
+        return None
+    rows = 4 * (ep // 2) ** 2 * cfg["tokens"] * cfg["topk"] / ep
+    return 1e3 * rows * cfg["hidden"] * DTYPES[cfg["dtype"]].itemsize * 8 / cfg["rate_bps"]
+
+
+def print_times(res: dict, cfg: dict) -> None:
     print("\n== forward + backward of the MoE layer, ms: median over iterations of the slowest rank ==")
     head = f"{'EP':>3} {'cores':<17} {'system':<24} {'ms':>9} {'over floor':>11} {'max rel. dev.':>14}"
     print(head + "\n" + "-" * len(head))
@@ -278,6 +326,12 @@ def print_times(res: dict) -> None:
             lead = f"{ep:>3} {cores_label(ep):<17}" if i == 0 else f"{'':>3} {'':<17}"
             dev = f"{r['agree'][name]:14.1e}" if name in r["agree"] else f"{'-':>14}"
             print(f"{lead} {name:<24} {ms:9.1f} {ms / floor - 1:+10.0%} {dev}")
+        link = link_ms(cfg, ep)
+        if link is not None:
+            limit = floor + link
+            print(
+                f"{'':>21} {'limit: floor + link':<24} {limit:9.1f} {limit / floor - 1:+10.0%}  (alltoall bytes / rate)"
+            )
         for pair, ratio in r["ratios"].items():
             print(f"{'':>21} {pair}: x{ratio:.3f} (ours faster in {r['wins'][pair]}/{r['samples']} iterations)")
 
@@ -335,23 +389,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=2, help="--moe-router-topk (default 2)")
     ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 512; quick 32)")
     ap.add_argument("--ffn", type=int, default=None, help="--moe-ffn-hidden-size (default 512; quick 16)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 1024; quick 64)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 512; quick 64)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights, tokens and GEMMs (default fp32)")
     ap.add_argument("--skew", type=float, default=None, help="push along EP rank 0's router rows (default 3)")
     ap.add_argument("--grouped-gemm", action="store_true", help="ours: the grouped GEMM op, not a GEMM per expert")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 6; quick 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations after the first call (default 1)")
+    ap.add_argument("--rate", default="1gbit", help="the emulated cluster's link, e.g. 1gbit, 200mbit (default 1gbit)")
+    ap.add_argument("--no-netns", action="store_true", help="loopback only: no namespaces, no shaping")
+    ap.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another bench's cluster lock")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per EP size")
+    ap.add_argument("--worker", nargs=2, metavar=("OUT", "CFG"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.worker:
+        return a
     q = a.quick
+    parse_rate(a.rate)  # a bad rate fails before anything runs
     a.eps = a.eps or ([2] if q else [2, 4, 8])
-    bad = [ep for ep in a.eps if ep < 2 or a.experts % ep]
+    bad = [ep for ep in a.eps if ep < 2 or ep % 2 or a.experts % ep]
     if bad:
-        ap.error(f"--eps {bad[0]}: each EP size must be >= 2 and divide --experts {a.experts}")
+        ap.error(f"--eps {bad[0]}: each EP size must be even (EP/2 ranks per emulated node) and divide --experts")
     if not 1 <= a.topk <= a.experts:
         ap.error(f"--topk {a.topk}: must lie in 1..--experts ({a.experts})")
     a.hidden, a.ffn = a.hidden or (32 if q else 512), a.ffn or (16 if q else 512)
-    a.tokens = a.tokens or (64 if q else 1024)
+    a.tokens = a.tokens or (64 if q else 512)
     a.iters = max(1, a.iters if a.iters is not None else (1 if q else 6))
     a.warmup = max(0, a.warmup if a.warmup is not None else (0 if q else 1))
     return a
@@ -360,34 +421,61 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_cfg(a: argparse.Namespace) -> dict:
     keys = ("experts", "topk", "hidden", "ffn", "tokens", "dtype", "grouped_gemm", "iters", "warmup")
     cfg = {k: getattr(a, k) for k in keys}
-    return {**cfg, "skew": 3.0 if a.skew is None else a.skew, "seed": 1234, "init_std": 0.02}
+    extra = {"skew": 3.0 if a.skew is None else a.skew, "seed": 1234, "init_std": 0.02}
+    return {**cfg, **extra, "rate_bps": None if a.no_netns or a.quick else parse_rate(a.rate)}
+
+
+def run_all(a: argparse.Namespace, cfg: dict) -> tuple[dict, str]:
+    """Every EP size on the emulated cluster (shaped at --rate) or on loopback; (results, where they ran)."""
+    from megatron_zpp.testing.cluster import Cluster, wait_for_lock
+    from megatron_zpp.testing.dist import run_distributed
+
+    res, why = {}, "--quick" if a.quick else "--no-netns" if a.no_netns else ""
+    cluster = None if why else Cluster(True, wait_for_lock(a.lock_wait))
+    try:
+        if cluster is not None and cluster.netns:
+            cluster.shape(cfg["rate_bps"])
+            where = f"the emulated cluster: 2 namespaces x EP/2 ranks, link {a.rate} ({cluster.qdisc()})"
+            work = tempfile.mkdtemp(prefix="zpp_moe_bench_")
+            for ep in a.eps:
+                print(f"[moe-bench] EP={ep}, shaped {a.rate}", file=sys.stderr, flush=True)
+                res[ep] = summarize(run_shaped(cluster, ep, cfg, work, a.timeout), cfg, ep)
+            return res, where
+        why = why or (cluster.reason if cluster is not None else "")
+        cfg["rate_bps"] = None
+        for ep in a.eps:
+            print(f"[moe-bench] EP={ep}, loopback", file=sys.stderr, flush=True)
+            res[ep] = summarize(run_distributed(measure, ep, cfg, timeout=a.timeout), cfg, ep)
+        return res, f"loopback, unshaped (emulated cluster not used: {why})"
+    finally:
+        if cluster is not None:
+            cluster.cleanup()
 
 
 def main(argv=None) -> int:
-    from megatron_zpp.testing.dist import run_distributed
-
     a = parse_args(argv)
+    if a.worker:
+        worker_main(*a.worker)
+        return 0
     cfg, t0, load0 = make_cfg(a), time.time(), os.getloadavg()[0]
-    res = {}
-    for ep in a.eps:
-        print(f"[moe-bench] EP={ep}", file=sys.stderr, flush=True)
-        res[ep] = summarize(run_distributed(measure, ep, cfg, timeout=a.timeout), cfg, ep)
+    res, where = run_all(a, cfg)
     print(
-        f"\nMoE layer, expert parallel on loopback gloo ranks (1 thread each, {os.cpu_count()} cores): E={a.experts}, "
+        f"\nMoE layer under expert parallelism, gloo ranks at 1 thread each on {os.cpu_count()} cores: E={a.experts}, "
         f"top-{a.topk} softmax, H={a.hidden}, F={a.ffn} (SwiGLU), {a.tokens} tokens per rank, {a.dtype}, dropless, "
         f"no aux loss; {a.iters} timed iterations after {1 + a.warmup} untimed, systems interleaved"
     )
+    print(f"where: {where}")
     if a.dtype == "bf16":
         print(f"bf16 GEMMs: this CPU {'has' if _native_bf16() else 'lacks'} avx512_bf16")
     if load0 > (os.cpu_count() or 1) / 2:
         print(f"WARNING: machine busy at the start (1-min load {load0:.1f}): every row shares the cores alike")
-    print_times(res)
+    print_times(res, cfg)
     print_ledger(res, cfg)
     print(f"\nelapsed {time.time() - t0:.0f} s; 1-min load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     summary = {
-        "bench": "moe", "config": {**cfg, "eps": a.eps}, "cpus": os.cpu_count(), "torch_threads_per_rank": 1,
-        "results": {str(ep): r for ep, r in res.items()}, "elapsed_s": round(time.time() - t0, 1),
-        "loadavg": [load0, os.getloadavg()[0]],
+        "bench": "moe", "config": {**cfg, "eps": a.eps}, "where": where, "cpus": os.cpu_count(),
+        "torch_threads_per_rank": 1, "results": {str(ep): r for ep, r in res.items()},
+        "elapsed_s": round(time.time() - t0, 1), "loadavg": [load0, os.getloadavg()[0]],
     }  # fmt: skip
     print(json.dumps(summary))
     return 0
