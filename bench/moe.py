@@ -173,6 +173,16 @@ def ledger_of(fn) -> dict:
     return phases
 
 
+def traced_of(trace, fn) -> dict:
+    """torch.distributed's collectives one call of fn makes on this rank, as gloo_collectives' trace counts
+    them for any caller: entry point -> [calls, payload bytes (all-to-all: the whole input, own slice too;
+    all-gather: the output; reduce-scatter: the input)]."""
+    before = trace.snapshot()
+    fn()
+    after = trace.snapshot()
+    return {k: [v[0] - before.get(k, [0, 0])[0], v[1] - before.get(k, [0, 0])[1]] for k, v in after.items()}
+
+
 def remote_routes(layer, x: torch.Tensor, rank: int, world: int) -> dict:
     """Routes of this rank's tokens to experts of other EP ranks (what it sends), and routes per EP rank."""
     with torch.no_grad():
@@ -189,7 +199,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")  # no TE / Apex: known
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
-    install_gloo_collectives()  # before megatron.core binds torch.distributed's reduce-scatter
+    trace = install_gloo_collectives()  # before megatron.core binds torch.distributed's reduce-scatter
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     import torch.distributed as dist
@@ -199,6 +209,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     calls = runners(layers, t)
     agree = agreement(calls, layers, t)  # also the first (untimed) call of each
     ledger = {n: ledger_of(calls[n]) for n in ("ours alltoall", "ours allgather", "ours alltoall, skewed")}
+    traced = {n: traced_of(trace, calls[n]) for n in SYSTEMS}
     routes = {k: remote_routes(layers[FLOOR], t[k], rank, world) for k in ("x", "x_skew")}
     order, times = list(calls), {n: [] for n in calls}
     for it in range(cfg["warmup"] + cfg["iters"]):
@@ -209,7 +220,7 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
             calls[name]()
             if it >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - start)
-    return {"agree": agree, "ledger": ledger, "routes": routes, "times": times}
+    return {"agree": agree, "ledger": ledger, "traced": traced, "routes": routes, "times": times}
 
 
 def worker_main(out_dir: str, cfg_json: str) -> None:
@@ -299,6 +310,7 @@ def summarize(per_rank: list[dict], cfg: dict, ep: int) -> dict:
         "ms": ms, "ratios": ratios, "wins": wins, "samples": len(samples[FLOOR]),
         "agree": {n: max(r["agree"][n] for r in per_rank) for n in per_rank[0]["agree"]},
         "ledger": ledger, "closed": closed_forms(cfg, ep), "skew_load_share": max(load) / sum(load),
+        "traced": {n: {k: v for k, v in per_rank[0]["traced"][n].items() if v[0]} for n in SYSTEMS},
     }  # fmt: skip
 
 
@@ -359,6 +371,13 @@ def print_ledger(res: dict, cfg: dict) -> None:
         )
     print("   (fwd+bwd: dispatch + combine and their backwards, 4 x the dispatch; allgather fwd: its all-gathers")
     print("    of tokens, probabilities and map + the reduce-scatter back, padded to the largest rank's rows)")
+    print("\n== collectives per forward + backward, rank 0, as torch.distributed sees them (both systems alike) ==")
+    for ep, r in res.items():
+        for name, calls in r["traced"].items():
+            cells = ", ".join(f"{k} {int(c)} calls {b / mb:.3f} MB" for k, (c, b) in sorted(calls.items()))
+            print(f"{ep:>3} {name:<16} {cells}")
+    print("   (payload: all-to-all its whole input, own slice included; all-gather its output;")
+    print("    reduce-scatter its input, sent as an all-to-all + local sum by both systems)")
     print(f"\n== under imbalance (--skew {cfg['skew']:g}): all-to-all MB per rank per forward + backward ==")
     head = (
         f"{'EP':>3} {'hot share':>10} {'per rank (rank 0 holds the hot experts)':<44} {'busiest':>8} "
