@@ -92,7 +92,7 @@ def build_layers(rank: int, world: int, cfg: dict) -> tuple[dict, object, torch.
     """Every system's layer on this rank, loaded from one full layer drawn from one seed on every rank;
     returns (name -> layer, our groups, the unit direction toward EP rank 0's experts)."""
     from megatron_zpp.moe.layer import MoELayer
-    from megatron_zpp.testing.peers.megatron_moe import load_from_ours, mcore_cpu, mcore_moe_layer
+    from megatron_zpp.testing.peers.megatron_moe import load_from_ours, mcore_moe_layer
     from megatron_zpp.topology import ParallelContext, Topology, build_groups
 
     dtype = DTYPES[cfg["dtype"]]
@@ -100,6 +100,8 @@ def build_layers(rank: int, world: int, cfg: dict) -> tuple[dict, object, torch.
     ctx = ParallelContext(ep=g.ep, etp=g.etp, etp_ep=g.etp_ep, tp_cp=g.tp_cp)
     torch.manual_seed(cfg["seed"])
     full = MoELayer(moe_config(cfg, "alltoall"), init_std=cfg["init_std"], out_std=cfg["init_std"], dtype=dtype)
+    with torch.no_grad():  # megatron-core keeps its router weight in the params dtype: the same values in ours
+        full.router.weight.copy_(full.router.weight.to(dtype).float())
     weights = dict(full.named_parameters())
     layers = {FLOOR: full}
     for dispatcher in ("alltoall", "allgather"):
@@ -107,9 +109,8 @@ def build_layers(rank: int, world: int, cfg: dict) -> tuple[dict, object, torch.
         with torch.no_grad():
             for name, p in ours.named_parameters():
                 p.copy_(weights[name])
-        with mcore_cpu():
-            peer = mcore_moe_layer(ours.cfg, dispatcher, g.ep.handle, dtype)
-            load_from_ours(peer, ours)
+        peer = mcore_moe_layer(ours.cfg, dispatcher, g.ep.handle, dtype)
+        load_from_ours(peer, ours)
         layers[f"ours {dispatcher}"], layers[f"mcore {dispatcher}"] = ours, peer
     local = cfg["experts"] // world
     hot = full.router.weight.detach().float()[:local].sum(0)
@@ -117,15 +118,13 @@ def build_layers(rank: int, world: int, cfg: dict) -> tuple[dict, object, torch.
 
 
 def fwd_bwd(layer, x: torch.Tensor, dy: torch.Tensor, mcore: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward + backward of sum(y * dy) from a fresh input leaf; (y, dx) in ours' [1, T, H] layout."""
-    from megatron_zpp.testing.peers.megatron_moe import mcore_cpu
-
+    """Forward + backward of sum(y * dy) from a fresh input leaf; (y, dx) in ours' [1, T, H] layout. megatron-core's
+    layers run inside megatron_moe.mcore_cpu(), which `measure` enters once for the whole run."""
     layer.zero_grad(set_to_none=True)
     if mcore:  # [T, 1, H]: the same memory for one sequence
         x = x.transpose(0, 1).detach().requires_grad_()
-        with mcore_cpu():
-            y = layer(x)[0]
-            (y * dy.transpose(0, 1)).sum().backward()
+        y = layer(x)[0]
+        (y * dy.transpose(0, 1)).sum().backward()
         return y.detach().transpose(0, 1), x.grad.transpose(0, 1)
     x = x.detach().requires_grad_()
     y = layer(x)[0]
@@ -196,12 +195,18 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     import warnings
 
     from megatron_zpp.testing.peers.gloo_collectives import install_gloo_collectives
+    from megatron_zpp.testing.peers.megatron_moe import mcore_cpu
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")  # no TE / Apex: known
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     trace = install_gloo_collectives()  # before megatron.core binds torch.distributed's reduce-scatter
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
+    with mcore_cpu():  # once: no patching inside the timed calls (ours never asks torch.cuda anything)
+        return _measure(rank, world, cfg, trace)
+
+
+def _measure(rank: int, world: int, cfg: dict, trace) -> dict:
     import torch.distributed as dist
 
     layers, g, hot = build_layers(rank, world, cfg)
