@@ -1,12 +1,13 @@
 """Mixture of experts under expert parallelism: our MoE layer (alltoall and allgather dispatchers) against
 megatron-core 0.19.2's MoELayer (the same two dispatchers), forward + backward, and the ledger's token bytes.
 
-    .venv/bin/python bench/moe.py              (EP 2, 4, 8 on loopback, the default shape: a few minutes on 2 cores)
+    sudo .venv/bin/python bench/moe.py         (EP 2, 4, 8 on the emulated cluster at 1 Gbit/s: ~5 min on 2 cores)
+    sudo .venv/bin/python bench/moe.py --rate 200mbit
     .venv/bin/python bench/moe.py --quick      (smoke test: EP 2, a tiny shape, one timed iteration)
     .venv/bin/python bench/moe.py --eps 2 4 --tokens 2048 --iters 8 --dtype bf16
 
-What runs, on EP gloo ranks of one host (megatron_zpp/testing/dist.py's run_distributed, 1 thread each), every
-rank with its own --tokens tokens (one sequence, [1, T, H]; megatron-core's [T, 1, H] is the same memory):
+What runs, on EP gloo ranks (1 thread each; where: below), every rank with its own --tokens tokens (one
+sequence, [1, T, H]; megatron-core's [T, 1, H] is the same memory):
   one rank, no EP  our layer holding all E experts on the rank's own tokens, no communication: the compute of
                    a balanced EP rank (the same router, T x topk expert rows), the floor under any dispatcher
   ours alltoall    megatron_zpp.moe.MoELayer, --moe-token-dispatcher-type alltoall: counts, tokens all-to-all
@@ -41,8 +42,15 @@ the closed form T x topk x H x bytes x (EP-1)/EP per direction (uniform routing)
 this rank's routing map (routes to experts of other EP ranks); the allgather dispatcher's all-gathers and
 reduce-scatters against (EP-1) x T x (H x bytes + E x 5) per direction. Under --skew, each rank's all-to-all
 bytes and the busiest rank's: a hot rank receives most of the routes and sends them all back in the combine.
-The physical limit on this host is loopback memory copies, so the bytes are the figure that carries to a
-fabric: time = bytes / link bandwidth there. The last stdout line is one JSON object.
+Every system's torch.distributed calls and payload per forward + backward are printed from one trace that
+both pass through (testing/peers/gloo_collectives.py), so the peer's bytes stand beside ours.
+
+Where: the emulated 2-node cluster of megatron_zpp/testing/cluster.py (as root with iproute2: two network
+namespaces, EP/2 ranks each, one torchrun per node, the veth link shaped by tc tbf at --rate; its lock keeps
+one cluster bench at a time), else, and under --quick or --no-netns, loopback (run_distributed), said in the
+header. The physical limit printed on the shaped link: the floor plus the link's time for the alltoall's
+bytes (4 exchanges of EP/2 x EP/2 x T x topk / EP rows each way between the nodes), or, where ranks share
+cores, the larger of the two (other ranks compute while one waits). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
