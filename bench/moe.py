@@ -321,6 +321,7 @@ def summarize(per_rank: list[dict], cfg: dict, ep: int) -> dict:
         led["skew_exact_fwd_bwd"] = 2 * row * (r["routes"]["x_skew"]["remote"] + received)
     return {
         "ms": ms, "ratios": ratios, "wins": wins, "samples": len(samples[FLOOR]),
+        "samples_ms": {n: [round(1e3 * x, 1) for x in v] for n, v in samples.items()},
         "agree": {n: max(r["agree"][n] for r in per_rank) for n in per_rank[0]["agree"]},
         "ledger": ledger, "closed": closed_forms(cfg, ep), "skew_load_share": max(load) / sum(load),
         "traced": {n: {k: v for k, v in per_rank[0]["traced"][n].items() if v[0]} for n in SYSTEMS},
