@@ -7,8 +7,10 @@ import os
 import shlex
 
 import numpy as np
+import pytest
 
-from megatron_zpp.config.arguments import build_parser
+from megatron_zpp.config import ConfigError
+from megatron_zpp.config.arguments import build_parser, parse_args
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,6 +42,28 @@ def fate_of(flag: str, value: list[str], parser) -> tuple[str, str]:
 def fates(lines: list[list[str]]) -> dict[str, tuple[str, str]]:
     parser = build_parser()
     return {ln[0]: fate_of(ln[0], ln[1:], parser) for ln in lines}
+
+
+def check_flag_by_flag(lines: list[list[str]], expected: dict[str, str]) -> list[list[str]]:
+    """Assert each fixture flag's fate and that every refusal comes in one pass, one line each;
+    return the lines that are not refused."""
+    assert [ln[0] for ln in lines] == list(expected), "the fixture and the table list the same flags, in order"
+    got = fates(lines)
+    for flag, fate in expected.items():
+        have, why = got[flag]
+        if fate in ("ok", "noop"):
+            assert have == fate, (flag, have, why)
+        else:
+            assert have == "refused" and fate in why and ("drop it" in why or "use " in why), (flag, have, why)
+    refused = [flag for flag, (have, _) in got.items() if have == "refused"]
+    if not refused:
+        parse_args([tok for ln in lines for tok in ln])
+        return lines
+    with pytest.raises(ConfigError) as info:
+        parse_args([tok for ln in lines for tok in ln])
+    named = [ln.split(":")[0].split()[0] for ln in str(info.value).splitlines()]
+    assert sorted(named) == sorted(refused)  # one line per refused flag, naming it, all in one pass
+    return [ln for ln in lines if ln[0] not in refused]
 
 
 def tiny_gpt2_files(directory):

@@ -439,7 +439,8 @@ CASES = [
     (
         "convert",
         lambda f: ["--from", "hf", "--load", f["dir"] + "/hf_bogus", "--to", "sharded", "--output", f["dir"] + "/s"],
-        "model_type 'bogus' is none of those imported: llama, gpt2, megatron_zpp_gla (our GLA/hybrid export)",
+        "model_type 'bogus' is none of those imported: llama, gpt2, qwen3_moe, mixtral, megatron_zpp_gla "
+        "(our GLA/hybrid export)",
     ),
 ] + [  # every wrong --from/--to pair: its own reason, and the pairs that are conversions
     ("convert", lambda f, a=a, b=b: ["--from", a, "--load", f["dir"], "--to", b, "--output", f["dir"] + "/s"], why)

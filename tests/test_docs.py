@@ -15,6 +15,8 @@ NOT_OURS = {"--flag", "--nodes"}  # a placeholder in docs/megatron_compat.md; sb
 MEGATRON_LM_FILES = {  # Megatron-LM's example scripts, whose argument lists tests/fixtures/ holds
     "examples/llama/train_llama3_8b_h100_fp8.sh",
     "examples/gpt3/train_gpt3_175b_distributed.sh",
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+    "examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh",
 }
 
 

@@ -180,7 +180,7 @@ def test_config_is_a_leaf():
     graph = import_graph()
     leaves = {
         f"megatron_zpp.config.{m}"
-        for m in ("fields", "model", "shapes", "parallel", "optim", "data", "train", "batch_schedule")
+        for m in ("fields", "model", "moe", "shapes", "parallel", "optim", "data", "train", "batch_schedule")
     }
     assert _reachable(graph, "megatron_zpp.config") == leaves
     assert graph["megatron_zpp.config.fields"] == set() and graph["megatron_zpp.config.batch_schedule"] == set()

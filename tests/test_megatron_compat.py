@@ -16,7 +16,7 @@ from megatron_zpp.config.arguments import build_parser, parse_args, parse_config
 from megatron_zpp.config.megatron_flags import MEGATRON_ARGUMENTS, MEGATRON_COMMIT, NOOPS, REFUSED, VALUED, classify
 from megatron_zpp.data.indexed_dataset import IndexedDatasetWriter
 from megatron_zpp.validation import validate
-from tests.megatron_fixtures import fates, fixture_lines, tiny_gpt2_files
+from tests.megatron_fixtures import check_flag_by_flag, fixture_lines, tiny_gpt2_files
 from tests.old_defaults import OLD_DEFAULTS
 
 FP8 = "FP8/FP4 and transformer-engine are not supported"
@@ -116,28 +116,6 @@ GPT3 = {
     **{f: "ok" for f in "--data-path --vocab-file --merge-file --split --log-interval --save-interval".split()},
     **{f: "ok" for f in "--eval-interval --save --load --eval-iters --tensorboard-dir".split()},
 }
-
-
-def check_flag_by_flag(lines: list[list[str]], expected: dict[str, str]) -> list[list[str]]:
-    """Assert each fixture flag's fate and that every refusal comes in one pass, one line each;
-    return the lines that are not refused."""
-    assert [ln[0] for ln in lines] == list(expected), "the fixture and the table list the same flags, in order"
-    got = fates(lines)
-    for flag, fate in expected.items():
-        have, why = got[flag]
-        if fate in ("ok", "noop"):
-            assert have == fate, (flag, have, why)
-        else:
-            assert have == "refused" and fate in why and ("drop it" in why or "use " in why), (flag, have, why)
-    refused = [flag for flag, (have, _) in got.items() if have == "refused"]
-    if not refused:
-        parse_args([tok for ln in lines for tok in ln])
-        return lines
-    with pytest.raises(ConfigError) as info:
-        parse_args([tok for ln in lines for tok in ln])
-    named = [ln.split(":")[0].split()[0] for ln in str(info.value).splitlines()]
-    assert sorted(named) == sorted(refused)  # one line per refused flag, naming it, all in one pass
-    return [ln for ln in lines if ln[0] not in refused]
 
 
 def test_llama3_8b_fixture_every_flag_and_run(tmp_path):
@@ -392,8 +370,8 @@ def test_value_dependent_flags_and_the_noops_given():
 
 def test_refusals_by_family():
     cases = {
-        "--num-experts": "mixture of experts is not built",
-        "--moe-grouped-gemm": "mixture of experts is not built",
+        "--moe-input-jitter-eps": "mixture of experts is not built",
+        "--moe-apply-probs-on-input": "mixture of experts is not built",
         "--fp8-recipe": "transformer-engine",
         "--tp-comm-overlap": "transformer-engine",
         "--mamba-state-dim": "Mamba",

@@ -1,9 +1,11 @@
-"""A held-out test of our own: GPT configs of Megatron-LM's functional tests
-(tests/fixtures/megatron_functional/*.args, from tests/functional_tests/test_cases/{gpt,moe,hybrid}/*/model_config.yaml
-at d98e8a64dd, sizes shrunk only). Each is given as written, `--load` naming an empty directory as on
-Megatron's first CI run (a warning, then from scratch): the ones whose features exist run 2 iterations on
-CPU ranks (gloo), `--transformer-impl transformer_engine` included (our local layers run, and the start-up
-log says so); the MoE, MLA, muP, Mamba-hybrid and FP8 ones are refused in one pass, each flag by its reason.
+"""A held-out test of our own: GPT configs of Megatron-LM's functional tests (tests/fixtures/megatron_functional/
+*.args, from tests/functional_tests/test_cases/{gpt,moe,mixtral,hybrid}/*/model_config.yaml at d98e8a64dd, sizes
+shrunk only). Each is given as written, `--load` naming an empty directory as on Megatron's first CI run (a warning,
+then from scratch): the ones whose features exist run 2 iterations on CPU ranks (gloo), `--transformer-impl
+transformer_engine` included (our local layers run, and the start-up log says so); the MLA, MTP, muP, Mamba-hybrid
+and FP8 ones, and Megatron's sinkhorn router, are refused in one pass, each flag by its reason. Mixtures of experts
+run at EP >= 2 and log their balancing loss and per-layer expert loads (Mixtral's release config: its TP x PP x EP
+layout shrunk to 4 ranks, as its header says; Qwen3-30B-A3B's modelopt MODEL_ARGS, with a launcher's lines).
 
 World size = the layout's TP x PP x CP x DP with DP shrunk (1, or 2 where the config is TP1 PP1);
 fixtures of one world size run one after the other in one set of rank processes. Those of 4 ranks and
@@ -19,22 +21,18 @@ from megatron_zpp.config.arguments import parse_config
 from tests.dist import run_distributed
 from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files, tiny_sentencepiece_model
 
-MOE = "mixture of experts is not built"
 GDN = "our GDN has --num-attention-heads 4 query/key heads"
 FP8 = "FP8/FP4 and transformer-engine are not supported"
 MLA = "multi-latent attention and DeepSeek sparse attention are not built"
+MTP = "multi-token prediction is not built"
 MUP = "the muP parametrization is not built"
 HYBRID = "Mamba and Megatron's hybrid layer patterns are not built"
-GDN_MOE = {
-    **{f: MOE for f in ["--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"]},
-    **{f: MOE for f in ["--moe-shared-expert-gate", "--moe-router-load-balancing-type", "--moe-router-topk"]},
-    "--moe-router-dtype": MOE,
-    # Megatron's GDN is read as ours (--attention-type gdn, --softmax-attention-every 3, head dim 16), but
-    # for its 2 key heads under 4 value heads (grouped value heads are not built)
+GDN_REFUSED = {
+    # Megatron's GDN is read as ours (--attention-type gdn, --softmax-attention-every 3, head dim 16) and its MoE
+    # flags are built, but for its 2 key heads under 4 value heads (grouped value heads are not built)
     "--linear-num-key-heads": GDN,
     "--attention-output-gate": "attention or position-embedding variant is not built",
 }
-
 # fixture -> (world size, the flags refused as written -> a piece of their reason); all others run
 RUNS = {
     "gpt3_mcore_tp1_pp2_fp16": (2, {}),
@@ -42,6 +40,7 @@ RUNS = {
     "gpt3_mcore_te_tp1_pp2_rope_embeddings": (2, {}),
     "gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (2, {}),
     "gpt3_mcore_te_tp1_pp1_uniform_full_recompute": (2, {}),
+    "qwen3_30b_a3b_modelopt_conf": (2, {}),  # Qwen3-MoE's shape at EP 2 (the conf file's MODEL_ARGS)
     "gpt3_mcore_tp2_pp2_uninstall_te": (4, {}),
     "gpt3_mcore_te_tp1_pp4_vp1": (4, {}),
     "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline": (4, {}),
@@ -49,14 +48,44 @@ RUNS = {
     "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (4, {}),
     "gpt3_7b_tp1_pp4_memory_speed": (4, {}),
     "gpt3_mcore_te_tp1_pp4_swiglu": (4, {}),
+    # mixtures of experts: EP 4 x expert TP 1 beside TP 2 + SP; Mixtral's PP x EP (alltoall, grouped GEMM)
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (4, {}),
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, {}),
+}
+# MoE fixture -> (MoE layers, EP)
+MOE_RUNS = {
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4),
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2),
+    "qwen3_30b_a3b_modelopt_conf": (2, 2),
 }
 # the ones refused in one pass (checked without processes; their world size is the layout's)
 REFUSED = {
-    "gpt3_mcore_te_tp2_pp1_gdn": (2, GDN_MOE),
-    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (2, GDN_MOE),
+    "gpt3_mcore_te_tp2_pp1_gdn": (2, GDN_REFUSED),
+    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (2, GDN_REFUSED),
+    # Megatron's S-BASE routing (sinkhorn) is not built; its top-1 then falls to the softmax router, where a
+    # softmax over one score is 1 (Megatron refuses that too, but for sinkhorn)
     "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts": (
         4,
-        {f: MOE for f in ["--num-experts", "--moe-router-load-balancing-type", "--moe-router-topk"]},
+        {
+            "--moe-router-load-balancing-type": "invalid choice: 'sinkhorn'",
+            "--moe-router-topk": "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax",
+        },
+    ),
+    # DeepSeek-V3's proxy (TP 2 x PP 4 x EP 16: 64 ranks): its MoE flags are built (sigmoid group-limited routing,
+    # expert bias, seq-aux loss, shared expert, --moe-permute-fusion a no-op); MLA, MTP, the flex dispatcher and
+    # the pipeline layout string are not, and without the layout its 14 layers do not split over 4 stages
+    "deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release": (
+        64,
+        {f: MLA for f in "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --v-head-dim".split()}
+        | {f: MLA for f in "--qk-pos-emb-head-dim --rotary-scaling-factor --mscale --mscale-all-dim".split()}
+        | {"--mtp-num-layers": MTP, "--mtp-loss-scaling-factor": MTP}
+        | {
+            "--pipeline-model-parallel-layout": "layout strings are not built",
+            "--enable-experimental": "experimental code paths are not built",
+            "--moe-flex-dispatcher-backend": "mixture of experts is not built",
+            "--moe-token-dispatcher-type": "flex (DeepEP) is not built: use alltoall or allgather",
+            "--num-layers": "--num-layers 14 is not divisible by --pipeline-model-parallel-size 4",
+        },
     ),
     "gpt3_mcore_te_tp2_pp2_mla": (
         4,
@@ -92,10 +121,14 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("megatron_functional")
-    vocab, merges, _ = tiny_gpt2_files(d)
+    vocab, merges, bpe = tiny_gpt2_files(d)
     spm = tiny_sentencepiece_model(d / "spm")  # the 15B config's GPTSentencePieceTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = str(d / "hf")  # Qwen3's HuggingFaceTokenizer: the same BPE as a local HF directory
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(hf)
     data = tiny_dataset(str(d / "text_document"), documents=200)
-    return dict(data=data, vocab=vocab, merges=merges, spm=spm, root=d)
+    return dict(data=data, vocab=vocab, merges=merges, spm=spm, hf=hf, root=d)
 
 
 def paths_for(name: str, data: dict) -> dict:
@@ -107,6 +140,7 @@ def paths_for(name: str, data: dict) -> dict:
         vocab=data["vocab"],
         merges=data["merges"],
         spm=data["spm"],
+        hf=data["hf"],
         tb=run / "tb",
         ckpt=run / "ckpt",
         cache=run / "cache",
@@ -144,7 +178,8 @@ def _train_each(rank, world_size, argvs):
     for argv in argvs:
         cfg = parse_config(argv, world_size)
         history = training.train(training.setup(cfg))
-        out.append(([h["loss"] for h in history], cfg.megatron_noops))
+        moe = sorted(k for k in history[-1] if k.startswith("moe/") or k in ("load_balancing_loss", "z_loss"))
+        out.append(([h["loss"] for h in history], cfg.megatron_noops, (moe, cfg.parallel.expert_model_parallel_size)))
     return out
 
 
@@ -158,6 +193,10 @@ def test_functional_configs_run_two_iterations(world, data):
         kept = [ln for ln in lines if ln[0] not in got]
         argvs.append([t for ln in kept for t in ln] + ["--device", "cpu", "--peak-tflops", "1"])
     results = run_distributed(_train_each, world, argvs, timeout=400)
-    for name, (losses, noops) in zip(names, results[0]):
+    for name, (losses, noops, (moe, ep)) in zip(names, results[0]):
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, losses)
-        assert "--distributed-backend nccl" in noops, name  # every config passes it; a no-op, logged
+        assert "--use-mcore-models" in noops, name  # every config passes it; a no-op, logged
+        layers, want_ep = MOE_RUNS.get(name, (0, 1))  # an MoE run logs its balancing loss and per-layer expert loads
+        loads = [f"moe/expert_load_{m}/layer{i}" for m in ("max", "min") for i in range(layers)]
+        assert moe == (sorted(["load_balancing_loss", "moe/expert_load_max_over_mean", *loads]) if layers else []), name
+        assert ep == want_ep, name

@@ -7,13 +7,16 @@
         Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
         biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/formats/gpt2.py);
         softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
-        config.json + model.safetensors (+ tokenizer.model); every other model (GLA, hybrid,
+        config.json + model.safetensors (+ tokenizer.model); models with experts (--num-experts): transformers'
+        own Qwen3MoeForCausalLM (with --qk-layernorm) or MixtralForCausalLM (every layer sparse), the experts one
+        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); every other model (GLA, hybrid,
         LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
         AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF directory of any of these kinds (model.safetensors or its sharded index) -> a weights-only
+        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE and Mixtral
+        directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -25,12 +28,16 @@
         checkpoint's own), iteration and consumed samples (the LR schedule's position); the model
         settings are read from the checkpoint's args
     python tools/convert_checkpoint.py --load ckpt --to megatron --save mlm_ckpt [--no-optim]
-                                       [--use-distributed-optimizer]
+                                       [--use-distributed-optimizer] [--transformer-impl local]
         ours (any format and layout) -> a megatron-core torch_dist checkpoint that Megatron-LM's
         --load (any TP/PP) and megatron-core's dist_checkpointing.load read: weights, Adam's moments and
         step, the scheduler's state, iteration and args (megatron_zpp/checkpoint/mcore.py); with
         --use-distributed-optimizer, Adam's state as megatron-core's DistributedOptimizer keeps it
-        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it)
+        (fully_reshardable: any TP/PP/DP of a run with --use-distributed-optimizer loads it). Models with
+        experts (--num-experts): the weights both ways (router, expert bias, routed and shared experts under
+        megatron-core's SequentialMLP/TEGroupedMLP sharded keys; --transformer-impl names the MoE layers' pre-MLP
+        norm), and Adam's state of the non-distributed optimizer (one optimizer, or at --expert-model-parallel-size
+        > 1 megatron-core's ChainedOptimizer of the dense and the experts' groups); the distributed one's refused
 
 The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
 in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the
@@ -72,7 +79,12 @@ def _megatron(args, stage: str) -> str:
         out, done = mcore.import_checkpoint(args.load, stage, with_optimizer=not args.no_optim)
     else:
         out, done = mcore.export_checkpoint(
-            args.load, stage, not args.no_optim, distributed_optimizer=args.use_distributed_optimizer
+            args.load,
+            stage,
+            not args.no_optim,
+            distributed_optimizer=args.use_distributed_optimizer,
+            impl=args.transformer_impl or "transformer_engine",
+            expert_parallel=args.expert_model_parallel_size,
         )
     line = ""
     if done.get("dropped"):  # RNG streams restart from the seeds, as on any change of layout
@@ -166,8 +178,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="source",
         default="megatron_zpp",
         choices=["megatron_zpp", "hf", "megatron"],
-        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, or our GLA/hybrid "
-        "export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
+        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, Qwen3-MoE, Mixtral, "
+        "or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",
@@ -187,6 +199,17 @@ def _parser() -> argparse.ArgumentParser:
         help="FILE.pt for consolidated, a directory for hf, a checkpoint root for sharded and megatron; never "
         "overwritten: a new path, or a root of the same format that lacks the iteration written",
     )
+    _megatron_options(ap)
+    ap.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
+    )
+    return ap
+
+
+def _megatron_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the megatron-core conversions (--from megatron, --to megatron)."""
     ap.add_argument(
         "--no-optim",
         action="store_true",
@@ -199,11 +222,21 @@ def _parser() -> argparse.ArgumentParser:
         "for a Megatron-LM run with --use-distributed-optimizer",
     )
     ap.add_argument(
-        "--tokenizer-model",
+        "--transformer-impl",
         default=None,
-        help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
+        choices=["transformer_engine", "local"],
+        help="--to megatron: the --transformer-impl of the Megatron-LM run that loads it (default transformer_engine, "
+        "Megatron-LM's): it names an MoE layer's pre-MLP norm (pre_mlp_layernorm.weight with Transformer Engine, "
+        "mlp.linear_fc1.layer_norm_weight with the local spec); dense layers are named alike by both",
     )
-    return ap
+    ap.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=None,
+        help="--to megatron, a model with experts: the --expert-model-parallel-size of the Megatron-LM run that "
+        "loads it (default: ours). Above 1 its Adam is a ChainedOptimizer of the dense and the experts' parameters, "
+        "at 1 one optimizer: the export's optimizer state is written for that run (the tensors are the same)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(pair_error(args.source, args.to))
     if args.no_optim and "megatron" not in (args.source, args.to):
         ap.error("--no-optim goes with --from megatron or --to megatron")
+    if args.expert_model_parallel_size is not None and (args.to != "megatron" or args.expert_model_parallel_size < 1):
+        ap.error("--expert-model-parallel-size goes with --to megatron and is at least 1")
+    if args.transformer_impl and args.to != "megatron":
+        ap.error("--transformer-impl goes with --to megatron (an import reads either spec's names)")
     if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):
         ap.error("--use-distributed-optimizer goes with --to megatron, without --no-optim (it names Adam's format)")
     return convert(args)

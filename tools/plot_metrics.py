@@ -14,6 +14,13 @@ MFU is drawn in percent. Validation points are marked (o) on the validation-loss
 every resume point by a dotted vertical line in each subplot: a record that says it was the
 first after a --load (resumed_from), or an iteration that does not follow the one before it
 (runs appended to one file). Needs matplotlib (`pip install -e .[plot]`).
+
+A mixture-of-experts run's records (training/loop.py writes them, model/moe_mlp.moe_step computes them) add
+subplots by default, each where some file has it: the load-balancing loss and the router z-loss (without their
+coefficients, averaged over the MoE layers; smoothed with the noisy ones), the fewest and most tokens an expert
+of each MoE layer received in the step (`expert_load`: one color per layer, most solid, fewest dashed; with several
+runs one color per run), the worst layer's busiest expert over an even share (`moe/expert_load_max_over_mean`,
+1 is perfect balance) and the routes the capacity dropped (`moe/dropped_fraction`, in percent).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 from megatron_zpp.plotting import PlotError, load_jsonl, render
@@ -34,9 +42,20 @@ METRICS = {
     "mfu": "MFU (%)",
     "memory_gib": "memory (GiB)",
 }
-NOISY = ("loss", "grad_norm", "tokens_per_sec", "mfu")  # --smooth applies to these; lr and memory are drawn raw
+# a mixture of experts' (model/moe_mlp.moe_step); drawn by default where a file has them. expert_load: the
+# records' moe/expert_load_max/layer{i} and moe/expert_load_min/layer{i}, two lines per MoE layer
+MOE_METRICS = {
+    "load_balancing_loss": "load-balancing loss",
+    "z_loss": "router z-loss",
+    "expert_load": "tokens per expert (most -, fewest --)",
+    "moe/expert_load_max_over_mean": "expert load max/mean (worst layer)",
+    "moe/dropped_fraction": "dropped routes (%)",
+}
+TITLES = {**METRICS, **MOE_METRICS}
+NOISY = ("loss", "grad_norm", "tokens_per_sec", "mfu", "load_balancing_loss", "z_loss")  # --smooth applies to these
 X_KEYS = ("iteration", "consumed_samples", "tokens")
-SCALE = {"mfu": 100.0}  # drawn as a percent of the peak; the file holds the fraction
+SCALE = {"mfu": 100.0, "moe/dropped_fraction": 100.0}  # drawn in percent; the file holds the fraction
+LAYER_LOAD = re.compile(r"moe/expert_load_(max|min)/layer(\d+)$")
 
 
 def default_label(path: str) -> str:
@@ -98,25 +117,44 @@ def resume_points(rows: list[dict], x_key: str) -> list:
     return out
 
 
-def plot_metrics(runs, metrics=tuple(METRICS), smooth: float = 0.0, log_x: bool = False, x_key: str = "iteration"):
-    """The Figure: one subplot per metric, one line per run. `runs`: [(label, records)].
-    A smoothed line has gid "smoothed", its raw series gid "raw" (faint); unsmoothed lines gid "raw"."""
+def moe_layers(records: list[dict]) -> list[int]:
+    """The MoE layers whose expert loads the records hold (moe/expert_load_max/layer{i}), in order."""
+    found = {int(m.group(2)) for r in records for k in r if (m := LAYER_LOAD.match(k))}
+    return sorted(found)
+
+
+def default_metrics(runs) -> list[str]:
+    """METRICS, then each of MOE_METRICS that some run's records hold."""
+    keys = {k for _, records in runs for r in records for k in r}
+    if any(moe_layers(records) for _, records in runs):
+        keys.add("expert_load")
+    return [*METRICS, *(k for k in MOE_METRICS if k in keys)]
+
+
+def plot_metrics(runs, metrics=None, smooth: float = 0.0, log_x: bool = False, x_key: str = "iteration"):
+    """The Figure: one subplot per metric (default: default_metrics(runs)), one line per run. `runs`:
+    [(label, records)]. A smoothed line has gid "smoothed", its raw series gid "raw" (faint); unsmoothed lines
+    gid "raw"; expert_load's lines gid "layer{i}:max" / "layer{i}:min"."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
+    metrics = default_metrics(runs) if metrics is None else list(metrics)
     cols = min(3, len(metrics))
     rows_n = math.ceil(len(metrics) / cols)
     fig = Figure(figsize=(5 * cols, 3.6 * rows_n), layout="constrained")
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, key in enumerate(metrics):
         ax = fig.add_subplot(rows_n, cols, i + 1)
-        ax.set_title(METRICS.get(key, key))
+        ax.set_title(TITLES.get(key, key))
         ax.set_xlabel(x_key.replace("_", " "))
         drawn = False
         for j, (label, records) in enumerate(runs):
             color = colors[j % len(colors)]
+            if key == "expert_load":
+                drawn |= _draw_loads(ax, records, x_key, label, colors if len(runs) == 1 else [color])
+                continue
             drawn |= _draw(ax, records, key, x_key, label, color, smooth if key in NOISY else 0.0)
             if key == "loss":
                 drawn |= _draw(ax, records, "val_loss", x_key, f"{label} (val)", color, 0.0, style="--o")
@@ -132,9 +170,22 @@ def plot_metrics(runs, metrics=tuple(METRICS), smooth: float = 0.0, log_x: bool 
         if key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         ax.grid(alpha=0.3)
-        if len(runs) > 1 or key == "loss":
-            ax.legend(fontsize="small")
+        if len(runs) > 1 or key in ("loss", "expert_load"):
+            ax.legend(fontsize="small", ncol=2 if key == "expert_load" else 1)
     return fig
+
+
+def _draw_loads(ax, records, x_key, label, colors) -> bool:
+    """Each MoE layer's most (solid) and fewest (dashed) tokens per expert; a color per layer (one run) or the
+    run's color (several runs: the legend names the run once)."""
+    layers = moe_layers(records)
+    for n, i in enumerate(layers):
+        color = colors[n % len(colors)]
+        for bound, style in (("max", "-"), ("min", "--")):
+            xs, ys = series(records, f"moe/expert_load_{bound}/layer{i}", x_key)
+            name = f"layer {i}" if len(colors) > 1 else (label if n == 0 else "_nolegend_")
+            ax.plot(xs, ys, style, color=color, gid=f"layer{i}:{bound}", label=name if bound == "max" else "_nolegend_")
+    return bool(layers)
 
 
 def _draw(ax, records, key, x_key, label, color, smooth, style="-") -> bool:
@@ -155,7 +206,11 @@ def parse_cli(argv=None) -> argparse.Namespace:
     p.add_argument("metrics_files", nargs="+", metavar="METRICS_FILE", help="JSONL written by --metrics-file")
     p.add_argument("--labels", nargs="+", help="one label per file (default: the run's folder or file name)")
     p.add_argument("--output", "-o", default="metrics.png", help="the PNG to write (default metrics.png)")
-    p.add_argument("--metrics", nargs="+", default=list(METRICS), help=f"subplots, of {', '.join(METRICS)}")
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        help=f"subplots, of {', '.join(TITLES)} (default: {', '.join(METRICS)}, then the MoE ones the files hold)",
+    )
     p.add_argument("--smooth", type=float, default=0.0, help="exponential moving average weight in [0, 1)")
     p.add_argument("--log-x", action="store_true", help="logarithmic x axis")
     p.add_argument("--x", dest="x_key", default="iteration", choices=X_KEYS, help="x axis (default iteration)")
@@ -167,9 +222,9 @@ def figure_of(a: argparse.Namespace):
         raise PlotError(f"--labels: {len(a.labels)} labels for {len(a.metrics_files)} files")
     if not 0 <= a.smooth < 1:
         raise PlotError(f"--smooth {a.smooth}: use a weight in [0, 1), e.g. 0.9")
-    unknown = [m for m in a.metrics if m not in METRICS]
+    unknown = [m for m in a.metrics or [] if m not in TITLES]
     if unknown:
-        raise PlotError(f"--metrics {' '.join(unknown)}: use some of {', '.join(METRICS)}")
+        raise PlotError(f"--metrics {' '.join(unknown)}: use some of {', '.join(TITLES)}")
     labels = a.labels or [default_label(p) for p in a.metrics_files]
     runs = [(label, load_jsonl(path)) for label, path in zip(labels, a.metrics_files)]
     return plot_metrics(runs, a.metrics, a.smooth, a.log_x, a.x_key)

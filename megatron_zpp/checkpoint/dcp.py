@@ -4,7 +4,8 @@ The state dict is the single-rank model's, whatever the layout:
 
     {"model": {name: fp32 weight},                               # the masters, full shapes
      "optimizer": {"step": AdamW's step, "state": {name: {"exp_avg", "exp_avg_sq"}}},
-     "rng": {"rank{r}": rank r's RNG streams}}                    # read back at the same layout only
+     "rng": {"rank{r}": rank r's RNG streams},                    # read back at the same layout only
+     "buffers": {name: persistent buffer}}                       # the routers' expert bias, whole
 
 Each rank offers DCP the pieces of those tensors it holds, described by checkpoint/layout.py's
 slots: a slot is a flat span of a TP piece (a whole parameter in plain DP, a part of one in a ZeRO
@@ -134,9 +135,13 @@ def master_key(s: Slot) -> str:
     return s.master_key or s.key
 
 
-def state_dict_of(lay: RankLayout, model: dict, optimizer: dict | None, rng: dict | None, rank: int) -> dict:
+def state_dict_of(
+    lay: RankLayout, model: dict, optimizer: dict | None, rng: dict | None, rank: int, buffers: dict | None = None
+) -> dict:
     """The DCP state dict of one rank: `model` (the engine's "model" dict), `optimizer` (AdamW's
-    state_dict()["state"], or None) and `rng` as boxes of the single-rank tensors (views into them)."""
+    state_dict()["state"], or None) and `rng` as boxes of the single-rank tensors (views into them);
+    `buffers` (persistent buffers by single-rank name, replicated on every rank of their stage) whole:
+    DCP writes one copy of each."""
     weights: dict[str, tuple[tuple, dict]] = {}
     moments: dict[tuple[str, str], tuple[tuple, dict]] = {}
     for s in lay.slots:
@@ -155,6 +160,8 @@ def state_dict_of(lay: RankLayout, model: dict, optimizer: dict | None, rng: dic
         out["optimizer"] = {"step": torch.as_tensor(step).detach().clone().float().cpu(), "state": state}
     if rng:
         out["rng"] = {f"rank{rank}": rng}
+    if buffers:
+        out["buffers"] = dict(buffers)
     return out
 
 

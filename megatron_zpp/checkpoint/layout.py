@@ -6,7 +6,9 @@ tensor of a rank file's "model" dict and its *slots*, flat spans of it that hold
 of one parameter's TP piece, with where their AdamW moments are. The slots of any rank follow
 from the run's config alone: its model chunks are rebuilt on the meta device
 (`pipeline_parallel.build_rank_chunks`, the builder training uses, with stand-in groups) and
-its place in the DP x CP group comes from the rank grid.
+its place in the DP x CP group comes from the rank grid. With routed experts the chunks are
+those of the rank's expert-parallel and expert-TP coordinates (Megatron's expert grid,
+`Topology.expert_coords`), and ZeRO's expert units are cut over its expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ..config import Config, former_names
 from ..model.init import full_shape
 from ..pipeline_parallel import build_rank_chunks, stand_in_context
 from ..topology import Topology, topology_from_config
-from ..zero import RankLayout, Slot, engine_class
+from ..zero import RankLayout, Slot, engine_class, persistent_buffers
 from .files import CheckpointError
 
 __all__ = [
@@ -60,18 +62,21 @@ def topology_of(cfg: Config) -> Topology:
     return topology_from_config(cfg, ranks_per_node=cfg.parallel.world_size)
 
 
-def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int) -> list:
-    """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only)."""
-    return build_rank_chunks(cfg, vocab, pp_rank, stand_in_context(cfg, tp_rank))
+def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> list:
+    """This (TP rank, PP stage)'s model chunks on the meta device (shapes and names only); with routed
+    experts, those of expert-parallel rank `ep_rank` and expert-TP rank `etp_rank`."""
+    return build_rank_chunks(cfg, vocab, pp_rank, stand_in_context(cfg, tp_rank, ep_rank=ep_rank, etp_rank=etp_rank))
 
 
 def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
-    """{single-rank parameter name: full shape} of the model `cfg` describes."""
-    tp = cfg.parallel.tensor_model_parallel_size
+    """{single-rank parameter name: full shape} of the model `cfg` describes (every expert: each EP rank's)."""
+    tp, ep = cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size
+    etp = cfg.parallel.expert_tensor_parallel_size or tp
     return {
-        n: tuple(full_shape(p, tp))
+        n: tuple(full_shape(p, etp if getattr(p, "expert_parallel", False) else tp))
         for stage in range(cfg.parallel.pipeline_model_parallel_size)
-        for chunk in build_chunks(cfg, vocab, 0, stage)
+        for e in range(ep if cfg.model.num_experts else 1)
+        for chunk in build_chunks(cfg, vocab, 0, stage, e, 0)
         for n, p in chunk.named_parameters()
     }
 
@@ -79,16 +84,22 @@ def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
 def rank_layout(
     cfg: Config, vocab: int, rank: int, topo: Topology | None = None, chunk_cache: dict | None = None
 ) -> RankLayout:
-    """What `rank`'s file holds in a run of `cfg` (padded vocabulary `vocab`), as its engine says.
-    A caller describing many ranks of one run passes a `chunk_cache` dict: the meta-device chunks
-    depend only on the (TP, PP) coordinates, so DP x CP replicas share them."""
+    """What `rank`'s file holds in a run of `cfg` (padded vocabulary `vocab`), as its engine says, and the
+    persistent buffers it saves. A caller describing many ranks of one run passes a `chunk_cache` dict: the
+    meta-device chunks depend only on the (TP, PP) coordinates and, with routed experts, the expert-parallel
+    and expert-TP ones, so replicas share them."""
     topo = topo or topology_of(cfg)
-    c = topo.coords(rank)
+    c, e = topo.coords(rank), topo.expert_coords(rank)
+    moe = bool(cfg.model.num_experts)
+    where = (c["tp"], c["pp"], e["ep"], e["etp"]) if moe else (c["tp"], c["pp"], 0, 0)
     cache = chunk_cache if chunk_cache is not None else {}
-    if (c["tp"], c["pp"]) not in cache:
-        cache[c["tp"], c["pp"]] = build_chunks(cfg, vocab, c["tp"], c["pp"])
+    if where not in cache:
+        cache[where] = build_chunks(cfg, vocab, *where[:2], *where[2:])
     members = next(g for g in topo.groups(["dp", "cp"]) if rank in g)
-    return engine_class(cfg).slots(cfg, cache[c["tp"], c["pp"]], members.index(rank), len(members))
+    edp = (e["edp"], topo.expert_sizes["edp"]) if moe else None
+    lay = engine_class(cfg).slots(cfg, cache[where], members.index(rank), len(members), edp)
+    lay.buffers = {n: tuple(t.shape) for n, t in persistent_buffers(cache[where]).items()}
+    return lay
 
 
 def layout_of(cfg) -> dict:

@@ -6,12 +6,13 @@ any other layout is resharded (reshard.py, or DCP itself for torch_dist)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from .. import comm
+from ..zero import persistent_buffers
 from . import dcp
 from .files import (
     DCP_FORMAT,
@@ -101,7 +102,11 @@ def _restore(target: LoadTarget, path: str, state: dict) -> None:
     """Hand the engine its state; a mismatch is the checkpoint's fault, named with its path."""
     try:
         target.dp.load_state_dict(
-            {"model": {k: v.to(target.device) for k, v in state["model"].items()}, "optimizer": state.get("optimizer")}
+            {
+                "model": {k: v.to(target.device) for k, v in state["model"].items()},
+                "optimizer": state.get("optimizer"),
+                "buffers": state.get("buffers") or {},
+            }
         )
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -127,6 +132,7 @@ class LoadPlan:
     has_optimizer: bool  # the checkpoint holds AdamW state (restored unless weights only)
     state: dict  # {"model", "optimizer", "rng"}: what the engine takes, and this rank's RNG streams
     read: Callable[[], None] = _nothing_left  # torch_dist: DCP's collective read into `state`
+    buffers_note: str = ""  # persistent buffers (the expert bias) that this run or the checkpoint lacks
 
     @property
     def how(self) -> str:
@@ -168,13 +174,43 @@ def plan_load(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> 
     check_same_model(path, meta, target.cfg, target.padded_vocab_size)
     changes = layout_changes(meta, target.cfg)
     if meta["format"] == DCP_FORMAT:
-        return _plan_dcp(target, path, meta, changes, weights_only)
-    if changes:
-        return _plan_reshard(target, path, meta, changes, weights_only)
+        plan = _plan_dcp(target, path, meta, changes, weights_only)
+    elif changes:
+        plan = _plan_reshard(target, path, meta, changes, weights_only)
+    else:
+        plan = _plan_same_layout(target, path, meta, changes, weights_only)
+    note, dropped = _buffers_note(target, plan.state["buffers"])
+    keys = tuple(k for k in plan.keys if k.removeprefix("/buffers/") not in dropped)
+    return replace(plan, buffers_note=note, keys=keys)
+
+
+def _buffers_note(target: LoadTarget, saved: dict) -> tuple[str, set[str]]:
+    """Words for the persistent buffers (the routers' expert bias) on one side only: those of this model that the
+    checkpoint lacks keep their start value (0: saved without --moe-router-enable-expert-bias); those of the
+    checkpoint this model lacks are dropped from `saved` (this run is without it). ('' when both agree, dropped)"""
+    mine = set(persistent_buffers(target.dp.chunks))
+    extra, missing = sorted(set(saved) - mine), sorted(mine - set(saved))
+    for name in extra:
+        del saved[name]
+    words = []
+    if missing:
+        words.append(f"{', '.join(missing[:2])}{' ...' if len(missing) > 2 else ''} not in the checkpoint: start at 0")
+    if extra:
+        words.append(f"the checkpoint's {', '.join(extra[:2])}{' ...' if len(extra) > 2 else ''} unused by this model")
+    return "; ".join(words), set(extra)
+
+
+def _plan_same_layout(target: LoadTarget, path: str, meta: dict, changes: list[str], weights_only: bool) -> LoadPlan:
+    """A zpp checkpoint of this layout: this rank's own file, as saved (bitwise exact resume)."""
     state = read_rank_file(path, meta, target.rank, map_location=target.device)
     _check_tensors(target, path, meta, state["model"])
     has_optimizer = bool(state["optimizer"])  # a weights-only checkpoint (save_weights, --no-save-optim) has none
-    state = {"model": state["model"], "optimizer": {} if weights_only else state["optimizer"], "rng": state.get("rng")}
+    state = {
+        "model": state["model"],
+        "optimizer": {} if weights_only else state["optimizer"],
+        "rng": state.get("rng"),
+        "buffers": state.get("buffers") or {},  # the routers' expert bias (saved before them: none)
+    }
     keys = tuple("/" + k for k in _tensor_names(state, "/"))
     return LoadPlan(path, meta, changes, (rank_file(target.rank),), keys, has_optimizer, state)
 
@@ -188,7 +224,7 @@ def _plan_reshard(target: LoadTarget, path: str, meta: dict, changes: list[str],
         saved.step = None  # the fp32 masters only
     rebuilt = rank_state_for(saved, target.cfg, target.padded_vocab_size, target.rank, _train_dtype(target.cfg))
     optimizer = {} if weights_only else {"state": rebuilt["optimizer_state"]}
-    state = {"model": rebuilt["model"], "optimizer": optimizer, "rng": None}
+    state = {"model": rebuilt["model"], "optimizer": optimizer, "rng": None, "buffers": rebuilt["buffers"]}
     keys = tuple("/" + k for k in _tensor_names(state, "/"))
     return LoadPlan(path, meta, changes, saved.files_read(), keys, has_optimizer, state)
 
@@ -222,8 +258,9 @@ def _plan_dcp(target: LoadTarget, path: str, meta: dict, changes: list[str], wei
                    for j, sh in enumerate(lay.opt_shapes)}  # fmt: skip
     rng_saved = any(k.startswith(f"rng.rank{rank}.") for k in saved)
     rng = get_rng_state() if rng_saved and not changes else None  # the structure DCP fills
-    sd = dcp.state_dict_of(lay, model, moments, rng, rank)
-    state = {"model": model, "optimizer": {"state": moments} if moments else {}, "rng": None}
+    buffers = {n: torch.zeros(shape) for n, shape in lay.buffers.items() if f"buffers.{n}" in saved}
+    sd = dcp.state_dict_of(lay, model, moments, rng, rank, buffers)
+    state = {"model": model, "optimizer": {"state": moments} if moments else {}, "rng": None, "buffers": buffers}
 
     def read() -> None:
         dcp.load(sd, path)
@@ -286,7 +323,8 @@ def load_checkpoint(
     batch = t.global_batch_at(consumed)  # a ramp-up resumes at its batch size
     return Restored(
         plan.path,
-        f"{plan.path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {plan.how}; {what}",
+        f"{plan.path}: iteration {at}, {consumed} samples consumed (next global batch {batch}); {plan.how}; {what}"
+        + (f"; {plan.buffers_note}" if plan.buffers_note else ""),
         train_state,
         # set just before the first step (training/step.py), so that nothing the set-up draws after this
         # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run

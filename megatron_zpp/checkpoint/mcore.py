@@ -46,14 +46,16 @@ from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
 from .formats.base import ConversionError
 from .formats.mcore import (
-    LAYER_KEYS,
-    LINEARS,
-    REFUSED_ARGS,
-    TOP_KEYS,
+    LAYERS,
     args_from_config,
     config_from_args,
+    extra_state_keys,
     from_mcore,
+    model_keys,
+    refused_args,
+    stacked,
     to_mcore,
+    transformer_impl,
     unsupported,
 )
 from .full_state import MOMENTS, full_state
@@ -158,15 +160,20 @@ def _pickled(obj) -> io.BytesIO:
     return buf
 
 
-def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: dict, num_layers: int) -> str:
+def write(root: str, iteration: int, tensors: dict[str, torch.Tensor], common: dict, model) -> str:
     """megatron-core's torch_dist directory root/iter_NNNNNNN of global `tensors` (model and optimizer
-    keys) and the `common` state, in this one process; then the tracker file. Returns the directory."""
+    keys) and the `common` state, in this one process; then the tracker file. Returns the directory.
+    `model`: our ModelConfig (or, for a dense model, its number of layers), whose linears get the None extra
+    state megatron-core's local spec saves for each."""
     path = os.path.join(root, iter_name(iteration))
     os.makedirs(path, exist_ok=True)
     state: dict = dict(tensors)
-    for linear in LINEARS:  # the local spec's linears carry a None extra state per layer
-        for i in range(num_layers):
-            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{num_layers}"] = _pickled([None])
+    if isinstance(model, int):
+        from ..config import ModelConfig
+
+        model = ModelConfig(num_layers=model)  # dense: only the layer count names the extra states
+    for key in extra_state_keys(model):
+        state[key] = _pickled([None])
     state[COMMON_KEY] = _pickled([common])
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True)
     with quiet():
@@ -184,24 +191,19 @@ def object_keys(path: str) -> list[str]:
 
 
 # ---- the two directions ---------------------------------------------------------------------
-def _model_keys(cfg) -> set[str]:
-    return set(TOP_KEYS.values()) | set(LAYER_KEYS.values())
-
-
 def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
-    why = [
-        f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
-    ]
-    unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in _model_keys(cfg))
+    why = refused_args(args)
+    unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
     why += unsupported(cfg)
     return why or (_shape_errors(tensors, cfg) if "embedding.word_embeddings.weight" in tensors else [])
 
 
-def expected_shapes(cfg, rows: int) -> dict[str, tuple]:
-    """{megatron-core key: global shape} of the model `cfg` describes (embedding rows `rows`), layers stacked."""
+def expected_shapes(cfg, rows: int, impl: str = "transformer_engine") -> dict[str, tuple]:
+    """{megatron-core key: global shape} of the model `cfg` describes (embedding rows `rows`), as megatron-core
+    keys them (layers stacked, or each layer's own); `impl`: the spec, which names an MoE layer's pre-MLP norm."""
     from ..model import GPT
 
     try:
@@ -209,15 +211,15 @@ def expected_shapes(cfg, rows: int) -> dict[str, tuple]:
             model = GPT(cfg.model, rows)
     except (ArithmeticError, AssertionError, RuntimeError, TypeError, ValueError) as e:
         raise CheckpointError(f"its args describe no model that can be built: {type(e).__name__}: {e}") from None
-    return {k: tuple(v.shape) for k, v in to_mcore(dict(model.named_parameters()), cfg).items()}
+    return {k: tuple(v.shape) for k, v in to_mcore(dict(model.named_parameters()), cfg, impl).items()}
 
 
 def _shape_errors(tensors: dict, cfg) -> list[str]:
     """Each tensor (model, and the optimizer's per parameter) whose shape the args do not give, and each tensor
     the args' model has that is not there, by key (the first few)."""
     m, rows = cfg.model, tensors["embedding.word_embeddings.weight"].shape[0]
-    want = expected_shapes(cfg, rows)
-    stacked = set(LAYER_KEYS.values())
+    want = expected_shapes(cfg, rows, transformer_impl(tensors))
+    layers_stacked = stacked(m)
     if not m.untie_embeddings_and_output_weights:  # a tied copy some layouts write
         want_out = {"output_layer.weight": want["embedding.word_embeddings.weight"]}
     else:
@@ -228,7 +230,7 @@ def _shape_errors(tensors: dict, cfg) -> list[str]:
         shape, expected = tuple(t.shape), want.get(model_key, want_out.get(model_key))
         if expected is None or shape == expected:
             continue
-        if model_key in stacked and shape[:1] != expected[:1]:
+        if layers_stacked and model_key.startswith(LAYERS) and shape[:1] != expected[:1]:
             why.append(f"{key} stacks {shape[0] if shape else 0} layers where its args say --num-layers {m.num_layers}")
         else:
             why.append(f"{key} is {list(shape)} where its args give {list(expected)}")
@@ -255,12 +257,14 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     why = _refusals(args, tensors, common, cfg)
     if not with_optimizer:
         why = [w for w in why if "optimizer" not in w]
+    elif cfg.model.num_experts and mcore_optimizer.sharding_type(common) != "none":
+        why.append(MOE_OPTIMIZER + "with --no-optim (tools/convert_checkpoint.py) or --no-load-optim (a run's --load)")
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
-    model = {k: v for k, v in tensors.items() if k in _model_keys(cfg)}
+    model = {k: v for k, v in tensors.items() if k in model_keys(cfg)}
     model.update(adam.masters if adam else mcore_optimizer.masters(tensors))  # bf16/fp16 runs: the fp32 masters
-    weights = from_mcore({k: v.float() for k, v in model.items()}, cfg)
+    weights = _without_expert_bias(from_mcore({k: v.float() for k, v in model.items()}, cfg), path)
     moments, step = None, None
     if adam is not None:
         per_kind = {kind: from_mcore(adam.moments[kind], cfg) for kind in MOMENTS}
@@ -273,6 +277,39 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
     dropped += [k for k in object_keys(path) if k != COMMON_KEY and not k.startswith(mcore_optimizer.FLAT)]
     done = {"iteration": iteration, "consumed_samples": consumed, "tensors": len(weights), "optimizer": bool(moments)}
     return out, done | {"dropped": dropped, "step": step, "optimizer_format": adam.sharding if adam else None}
+
+
+MOE_OPTIMIZER = (
+    "the distributed optimizer's Adam state of a model with experts is not converted (megatron-core's "
+    "ChainedOptimizer shards the experts' over the expert-data-parallel group; the non-distributed one's is): "
+)
+EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def _without_expert_bias(weights: dict, path: str) -> dict:
+    """Our weights without the routers' expert bias (a buffer our checkpoints do not hold yet: our own --load
+    starts it at zero), refused by key when megatron-core's run moved it (dropping it would change the routing)."""
+    moved = sorted(k for k, v in weights.items() if k.endswith(EXPERT_BIAS) and bool(v.any()))
+    if moved:
+        raise CheckpointError(
+            f"cannot convert {path}: {moved[0]} (--moe-router-enable-expert-bias) is non-zero; our checkpoints do not "
+            "hold the expert bias yet, and starting it at zero would change which experts the tokens reach"
+        )
+    return {k: v for k, v in weights.items() if not k.endswith(EXPERT_BIAS)}
+
+
+def _with_expert_bias(weights: dict, cfg) -> dict:
+    """Our weights with each router's expert bias megatron-core's MoE layer loads (--moe-router-enable-expert-bias):
+    the checkpoint's own where it holds one, else zeros, where our --load restarts it too."""
+    m = cfg.model
+    if not (m.num_experts and m.moe_router_enable_expert_bias):
+        return weights
+    zeros = {
+        f"layers.{i}.{EXPERT_BIAS}": torch.zeros(m.num_experts)
+        for i in range(m.num_layers)
+        if m.is_moe_layer(i) and f"layers.{i}.{EXPERT_BIAS}" not in weights
+    }
+    return weights | zeros
 
 
 def our_full_state(load: str) -> tuple[dict, dict | None, float | None, dict]:
@@ -295,6 +332,27 @@ def _param_groups(cfg) -> list[dict]:
     ]
 
 
+def _adam_common(cfg, step: float, nested: bool) -> dict:
+    """The common (non-tensor) state of Megatron-LM's non-distributed Adam: its parameter groups and step. When
+    the experts are expert-parallel (EP > 1, or an expert TP other than TP: megatron-core's linears then mark
+    them allreduce=False), get_megatron_optimizer builds a ChainedOptimizer of two, the dense parameters' groups
+    then the experts' (is_expert_parallel), saved as {0: ..., 1: ...}; else one optimizer holds them all. The
+    tensors keep the unprefixed optimizer.state.* keys either way (Megatron-LM saves with
+    chained_optim_avoid_prefix)."""
+
+    def one(groups: list[dict]) -> dict:
+        state = {"param_groups": groups, "state": {"common_step": torch.tensor(step)}}  # torch's float tensor
+        return {"optimizer": state} if nested else state  # Float16OptimizerWithFloat16Params nests it once more
+
+    p, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
+    if not (
+        cfg.model.num_experts and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)
+    ):
+        return one(_param_groups(cfg))
+    experts = {**_param_groups(cfg)[0], "is_expert_parallel": True}  # 2-D weights only (the experts hold no bias)
+    return {0: one(_param_groups(cfg)), 1: one([experts])}
+
+
 def _scheduler_state(cfg, consumed: int) -> dict:
     """Megatron's OptimizerParamScheduler.state_dict() of our schedule after `consumed` samples."""
     from ..optim.schedules import schedule_for
@@ -307,22 +365,36 @@ def _scheduler_state(cfg, consumed: int) -> dict:
 
 
 def export_checkpoint(
-    load: str, save: str, with_optimizer: bool = True, distributed_optimizer: bool = False
+    load: str,
+    save: str,
+    with_optimizer: bool = True,
+    distributed_optimizer: bool = False,
+    impl: str = "transformer_engine",
+    expert_parallel: int | None = None,
 ) -> tuple[str, dict]:
     """Our checkpoint `load` (any format and layout) -> megatron-core's torch_dist checkpoint under `save`,
     as Megatron-LM's save_checkpoint writes it with the (non-distributed) Adam optimizer, or with
-    `distributed_optimizer` its DistributedOptimizer in the fully_reshardable format (mcore_optimizer.py).
-    Returns (its directory, a summary)."""
+    `distributed_optimizer` its DistributedOptimizer in the fully_reshardable format (mcore_optimizer.py);
+    `impl`: the --transformer-impl of the Megatron-LM run that loads it (an MoE layer's pre-MLP norm key);
+    `expert_parallel`: its --expert-model-parallel-size (default: our run's), which decides whether its Adam is
+    one optimizer or a chain of two (`_adam_common`). Returns (its directory, a summary)."""
     from .layout import config_from_dict
 
     weights, moments, step, meta = our_full_state(load)
     moments = moments if with_optimizer else None
     cfg = config_from_dict(meta["config"])
-    why = unsupported(cfg)
+    if expert_parallel is not None:
+        cfg.parallel.expert_model_parallel_size = expert_parallel
+    moe_adam = moments is not None and distributed_optimizer and cfg.model.num_experts
+    why = unsupported(cfg) + ([MOE_OPTIMIZER + "export it without --use-distributed-optimizer"] if moe_adam else [])
     if why:
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
-    masters = to_mcore(weights, cfg)
+    masters = to_mcore(_with_expert_bias(weights, cfg), cfg, impl)
+    if lost := sorted(set(expected_shapes(cfg, weights["embedding.weight"].shape[0], impl)) - set(masters)):
+        raise ConversionError(
+            f"cannot convert {load}: it holds no tensor for megatron-core's {lost[0]}, which its model has"
+        )
     tensors = {k: v.to(low) if low else v for k, v in masters.items()}  # the model in its training dtype
     common: dict = {
         "checkpoint_version": 3.0,
@@ -330,24 +402,21 @@ def export_checkpoint(
         "num_floating_point_operations_so_far": 0,
     }
     if moments is not None and distributed_optimizer:
-        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg) for kind in MOMENTS}
+        per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg, impl) for kind in MOMENTS}
         state, optim = mcore_optimizer.write_fully_reshardable(masters, per_kind, float(step or 0), _param_groups(cfg))
         tensors.update(state)
         common.update(optim, opt_param_scheduler=_scheduler_state(cfg, meta["consumed_samples"]))
     elif moments is not None:
         for kind in MOMENTS:
-            mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg)
+            mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg, impl)
             tensors.update({f"optimizer.state.{kind}.{k}": v for k, v in mcore.items()})
         if low:
             tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
-        step_tensor = torch.tensor(float(step or 0))  # torch's Adam keeps its step as a float tensor
-        common["optimizer"] = {"param_groups": _param_groups(cfg), "state": {"common_step": step_tensor}}
-        if low:  # Float16OptimizerWithFloat16Params nests its torch state once more (its masters are tensors)
-            common["optimizer"] = {"optimizer": common["optimizer"]}
+        common["optimizer"] = _adam_common(cfg, float(step or 0), low is not None)
         common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
     rows = weights["embedding.weight"].shape[0]
-    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None)
+    common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None, impl)
     if distributed_optimizer:
         vars(common["args"]).update(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
-    out = write(save, meta["iteration"], tensors, common, cfg.model.num_layers)
+    out = write(save, meta["iteration"], tensors, common, cfg.model)
     return out, {"iteration": meta["iteration"], "tensors": len(masters), "optimizer": moments is not None}

@@ -119,8 +119,21 @@ def read_adam(path: str, common: dict, tensors: dict[str, torch.Tensor], args, r
     wrong = [k for k, m in kept.items() if k in tensors and not torch.equal(m.to(tensors[k].dtype), tensors[k])]
     if wrong:
         raise CheckpointError(f"{path}: the fp32 masters of {', '.join(wrong[:3])} do not round to its weights")
-    dropped = [SCALER] if "grad_scaler" in common["optimizer"] else []
-    return AdamState(kept, moments, adam_step(common["optimizer"], path), kind, dropped)
+    optimizers = chained(common["optimizer"])
+    steps = sorted({adam_step(o, path) for o in optimizers})
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: its chained optimizers (dense, experts) hold different Adam steps {steps}")
+    dropped = [SCALER] if any("grad_scaler" in o for o in optimizers) else []
+    return AdamState(kept, moments, steps[0], kind, dropped)
+
+
+def chained(optimizer: dict) -> list[dict]:
+    """The optimizers of megatron-core's ChainedOptimizer state: {0: dense, 1: experts'} in a checkpoint of a
+    model with experts (get_megatron_optimizer), else the one."""
+    keys = list(optimizer)
+    if keys and all(isinstance(k, int) for k in keys):
+        return [optimizer[k] for k in sorted(keys)]
+    return [optimizer]
 
 
 def _check_dtypes(path: str, state: dict) -> None:

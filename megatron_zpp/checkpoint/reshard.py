@@ -7,13 +7,17 @@ another layout from it: the base of resharding on load and of consolidation.
 
 Any layout can be read: TP, PP (virtual stages too), CP, DP and the ZeRO stage may all
 differ between the saving and the loading run. A parameter is reassembled from the spans
-of one replica (plain DP: the ranks with DP = CP = 0; ZeRO: the DP x CP group's shards;
+of one replica (plain DP: the ranks with DP = CP = 0, and for routed experts those of expert-data-
+parallel rank 0; ZeRO: the DP x CP group's shards, the experts' over the expert-data-parallel group;
 the first pipeline stage holding it, for a tied embedding) and cut again with the new
-layout's TP split and ZeRO shard. Each file is opened once its sha256 is checked, and a
+layout's TP (experts: expert-TP) split and ZeRO shard. Experts are named by their global index,
+so EP and expert TP may differ too; the expert count, MoE pattern and expert width may not
+(check_same_experts). The persistent buffers (the routers' expert bias) are read whole from any
+rank of their stage. Each file is opened once its sha256 is checked, and a
 rank reads only the tensors of the parameters it needs, one parameter at a time.
 
-What carries over: fp32 master weights, both AdamW moments and its step count, the
-iteration and the consumed samples (so the data order continues). What does not: RNG
+What carries over: fp32 master weights, both AdamW moments and its step count, the expert
+bias, the iteration and the consumed samples (so the data order continues). What does not: RNG
 states belong to ranks, so a resharded run keeps its fresh per-rank seeds (dropout masks
 differ from an unchanged run). When a TP change changes the vocabulary padding, padding
 rows are cut, or added as copies of the last one (as Megatron's converter does): they are
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config.moe import moe_layer_pattern
 from ..progress import progress
 from ..tensor_parallel.layers import shard, unshard
 from ..zero import Slot, engine_class
@@ -47,22 +52,26 @@ class SavedCheckpoint:
         self.cfg = config_from_dict(meta["config"])
         self.vocab = meta["padded_vocab_size"]
         topo = topology_of(self.cfg)
-        # one replica of every parameter: a replicating engine's DP = CP = 0 ranks, else the whole DP x CP group
+        # one replica of every parameter: a replicating engine's DP = CP = 0 ranks (routed experts: the ranks of
+        # expert-data-parallel rank 0), else the whole DP x CP group (the experts: the expert-data-parallel one)
         whole = engine_class(self.cfg).replicated
-        sources = [
-            r for r in range(meta["world_size"]) if not whole or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0
-        ]
+        dense = [not whole or topo.coords(r)["dp"] == topo.coords(r)["cp"] == 0 for r in range(meta["world_size"])]
+        expert = [not whole or topo.expert_coords(r)["edp"] == 0 for r in range(meta["world_size"])]
+        sources = [r for r in range(meta["world_size"]) if dense[r] or expert[r]]
         chunks: dict = {}
         self.layouts: dict[int, RankLayout] = {r: rank_layout(self.cfg, self.vocab, r, topo, chunks) for r in sources}
         self.index: dict[str, list[tuple[int, Slot]]] = {}  # name -> [(rank, slot)] of its first stage
+        self.buffer_rank: dict[str, int] = {}  # persistent buffer -> a rank that saved it (replicated on its stage)
         stage_of: dict[str, int] = {}
         for r in sources:
             pp = topo.coords(r)["pp"]
             for s in self.layouts[r].slots:
-                if s.tp_split is None and s.tp_rank > 0:
-                    continue  # replicated over TP: TP rank 0's copy is the one read
+                if not (expert if s.expert else dense)[r] or (s.tp_split is None and s.tp_rank > 0):
+                    continue  # another replica's copy (DP, expert DP; replicated over TP: TP rank 0's is read)
                 if stage_of.setdefault(s.name, pp) == pp:
                     self.index.setdefault(s.name, []).append((r, s))
+            for name in self.layouts[r].buffers:
+                self.buffer_rank.setdefault(name, r)
         self._files: dict[int, RankFile] = {}
         self.step = self._step()
 
@@ -83,6 +92,13 @@ class SavedCheckpoint:
         f = self._file(next(iter(self.layouts)))
         steps = sorted(k for k in f.keys if k.startswith("/optimizer/state/") and k.endswith("/step"))
         return f.tensor(steps[0]).clone() if steps else None
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """A persistent buffer as saved (None: the checkpoint has none of that name: saved without it)."""
+        if name not in self.buffer_rank:
+            return None
+        f, key = self._file(self.buffer_rank[name]), f"/buffers/{name}"
+        return f.tensor(key).clone() if key in f.keys else None
 
     def full(self, name: str, moments: bool = True) -> dict[str, torch.Tensor]:
         """The single-rank fp32 weight of `name` and (if saved and asked for) its AdamW moments."""
@@ -129,10 +145,51 @@ def model_differences(saved_cfg, cfg) -> str:
     return (": " + "; ".join(diff)) if diff else ""
 
 
+def _moe_shape(m) -> dict[str, tuple[str, object]]:
+    """What fixes a model's routed experts and where they are: {flag: (its words, value)}."""
+    if not m.num_experts:
+        return {"--num-experts": ("none (a dense model)", None)}
+    pattern = "".join(map(str, moe_layer_pattern(m.moe_layer_freq, m.num_layers)))
+    return {
+        "--num-experts": (str(m.num_experts), m.num_experts),
+        "--moe-layer-freq": (f"{m.moe_layer_freq} (MoE layers {pattern})", pattern),
+        "--moe-ffn-hidden-size": (str(m.expert_ffn_size), m.expert_ffn_size),
+        "--moe-shared-expert-intermediate-size": (
+            str(m.moe_shared_expert_intermediate_size),
+            m.moe_shared_expert_intermediate_size,
+        ),
+        "--moe-shared-expert-gate": (str(m.moe_shared_expert_gate), m.moe_shared_expert_gate),
+    }
+
+
+WHAT = {
+    "--num-experts": "expert count",
+    "--moe-layer-freq": "MoE layer pattern",
+    "--moe-ffn-hidden-size": "expert width",
+    "--moe-shared-expert-intermediate-size": "shared expert width",
+    "--moe-shared-expert-gate": "shared expert without (or with) its gate",
+}
+
+
+def check_same_experts(path: str, saved_cfg, cfg) -> None:
+    """Refuse, in one line naming the flag and both values, a checkpoint of another expert count, MoE
+    layer pattern or expert width: experts reshard across EP and expert TP, not across those."""
+    saved, now = _moe_shape(saved_cfg.model), _moe_shape(cfg.model)
+    for flag in now:  # --num-experts first: with another count the rest does not matter
+        was, value = saved.get(flag, ("", None))
+        if value != now[flag][1]:
+            raise CheckpointError(
+                f"{path} was saved with {flag} {was}, this run has {flag} {now[flag][0]}: experts reshard across "
+                f"--expert-model-parallel-size and --expert-tensor-parallel-size, not to another {WHAT[flag]}"
+            )
+
+
 def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     """Refuse, before loading anything, a checkpoint whose parameters differ from this
-    model's (names or shapes; a vocabulary padded for another TP size is fine)."""
+    model's (names or shapes; a vocabulary padded for another TP size is fine); another expert
+    count, MoE pattern or expert width first, in one line (check_same_experts)."""
     saved_cfg = config_from_dict(meta["config"])
+    check_same_experts(path, saved_cfg, cfg)
     mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta["padded_vocab_size"])
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     shapes = [
@@ -181,4 +238,5 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
             if moments:
                 state[s.opt]["exp_avg"].view(-1).copy_(piece["exp_avg"])
                 state[s.opt]["exp_avg_sq"].view(-1).copy_(piece["exp_avg_sq"])
-    return {"model": model, "optimizer_state": state}
+    buffers = {n: b for n in lay.buffers if (b := saved.buffer(n)) is not None}
+    return {"model": model, "optimizer_state": state, "buffers": buffers}

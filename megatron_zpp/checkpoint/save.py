@@ -17,7 +17,7 @@ Format of a checkpoint directory DIR:
                                header's "megatron_zpp" entry): nothing is ever unpickled, and a
                                rank reads only the tensors it asks for
 
-A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+A rank file holds {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng", "buffers"}
 (the first four cross-checked against meta.json on every read; meta.json's own sha256 is in
 meta.json.sha256 beside it):
 * "model", "optimizer": the data-parallel engine's state dict (zero/engine.py): plain DP
@@ -26,7 +26,9 @@ meta.json.sha256 beside it):
   freed full weights and hpZ's secondary shards are rebuilt, so not saved); and the torch
   AdamW state_dict;
 * "rng": torch CPU state, device state (or absent), the tensor-parallel stream's states,
-  numpy's and Python's global states (as tensors / lists).
+  numpy's and Python's global states (as tensors / lists);
+* "buffers": the model's persistent buffers by single-rank name (the routers' expert bias), whole on every
+  rank of their stage (absent from files saved before them).
 A weights-only checkpoint (`save_weights`, e.g. imported from HF) has both of the last empty.
 
 Saving is crash-safe: ranks write into DIR/iter_XXXXXXX.tmp/ (each file: write, fsync,
@@ -83,6 +85,10 @@ def _rank_state(run, host: bool) -> dict:
         else {k: t.detach().clone() for k, t in state["model"].items()},
         "optimizer": host_snapshot(optimizer, run.device) if host else optimizer,
         "rng": get_rng_state() if t.save_rng else {},
+        # the routers' expert bias (persistent buffers, by single-rank name): training state, saved whole
+        "buffers": host_snapshot(state["buffers"], run.device)
+        if host
+        else {k: b.detach().clone() for k, b in state["buffers"].items()},
     }
 
 
@@ -264,7 +270,7 @@ def _dcp_state(run, job: SaveJob, state: dict) -> dict:
     """This rank's state as DCP's state dict: boxes of the single-rank model's tensors."""
     lay = rank_layout(run.cfg, job.padded_vocab, run.rank)
     moments = state["optimizer"].get("state") if state["optimizer"] else None
-    return dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank)
+    return dcp.state_dict_of(lay, state["model"], moments or None, state["rng"] or None, run.rank, state["buffers"])
 
 
 def _latest_iteration(directory: str) -> int | None:

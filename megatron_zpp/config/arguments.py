@@ -32,7 +32,6 @@ ALIASES = {
     "--use-flash-attn": ("model", "attention_backend", "flash"),
     "--use-rotary-position-embeddings": ("model", "position_embedding_type", "rope"),
     "--recompute-activations": ("model", "recompute_granularity", "selective"),
-    "--no-position-embedding": ("model", "position_embedding_type", "none"),
     "--use-checkpoint-opt-param-scheduler": ("optim", "use_checkpoint_opt_param_scheduler", True),
     "--override-opt-param-scheduler": ("optim", "override_opt_param_scheduler", True),
     "--use-dist-ckpt": ("train", "ckpt_format", "torch_dist"),  # deprecated in Megatron-LM for --ckpt-format

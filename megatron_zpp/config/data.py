@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 from .fields import opt
 
-# --tokenizer-type's values (data/tokenizer.py builds them; GPTSentencePieceTokenizer: Megatron's GPT variant)
+# --tokenizer-type's values (data/tokenizer.py builds them; GPTSentencePieceTokenizer: Megatron's GPT variant;
+# Llama2Tokenizer: Megatron's name for the same sentencepiece tokenizer, end-of-document its eos, as Mixtral's scripts)
 TOKENIZER_TYPES = (
     "NullTokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
 )

@@ -111,7 +111,25 @@ NOOPS = {
         ["--use-persistent-ckpt-worker", "--async-ckpt-cpu-priority", "--async-ckpt-io-priority"],
         "--async-save writes from a thread of the training process (no worker process to keep or tune)",
     ),
+    "--no-position-embedding": (
+        "deprecated in Megatron-LM, which takes it only with --position-embedding-type rope, where it changes "
+        "nothing (RoPE has no position-embedding table); refused with any other type"
+    ),
     "--async-ckpt-use-cpu-shm": "--async-save's host copy is made in the training process (no shared memory)",
+    # Megatron's MoE kernel switches: transformer-engine's fused kernels of the same math as its unfused path
+    # (megatron-core's tests hold the two equal); ours is that unfused math, in PyTorch or our own kernels
+    "--moe-permute-fusion": (
+        "picks transformer-engine's fused permute/unpermute kernels: the same permutation and fp32 weighting by "
+        "the routing probabilities as Megatron's unfused path, which is ours (moe/permute.py)"
+    ),
+    "--moe-router-fusion": (
+        "picks transformer-engine's fused top-k/score and aux-loss kernels: the same routing and losses as "
+        "Megatron's unfused path, which ours computes in fp32 (moe/router.py)"
+    ),
+    "--moe-shared-expert-overlap": (
+        "overlaps the shared expert with the token dispatch on another CUDA stream: timing only, the same "
+        "output; here the shared expert runs after the routed experts"
+    ),
 }
 
 # flag -> (values that are a no-op, why; a refused value's reason comes from REFUSED or FAMILIES)
@@ -138,6 +156,10 @@ VALUED = {
     ),
     "--distributed-backend": (("nccl", "gloo"), "the backend follows the device: NCCL on CUDA, gloo on CPU"),
     "--optimizer": (("adam",), "the optimizer is AdamW, as Megatron's adam (decoupled weight decay)"),
+    "--cross-entropy-fusion-impl": (
+        ("native",),
+        "the vocab-parallel cross-entropy is Megatron's native fused one here (one pass per row)",
+    ),
     "--num-distributed-optimizer-instances": (
         ("1",),
         "one distributed-optimizer instance: the optimizer state is sharded over the whole data-parallel group",
@@ -147,6 +169,7 @@ VALUE_REFUSED = {
     ("--transformer-impl", "inference_optimized"): "the inference-optimized layers are not built: use local",
     ("--distributed-backend", None): "the backend follows the device (NCCL on CUDA, gloo on CPU): drop it",
     ("--optimizer", None): "only AdamW is built (--optimizer adam): drop it",
+    ("--cross-entropy-fusion-impl", None): "transformer-engine's cross-entropy is not used here: use native",
     ("--num-distributed-optimizer-instances", None): (
         "one distributed-optimizer instance only: the optimizer state is sharded over the whole data-parallel group "
         "(--use-distributed-optimizer, --zero-stage 1/2/3); Megatron's N instances, each sharding over DP/N ranks "
@@ -197,6 +220,11 @@ REFUSED = {
     "--log-max-attention-logit": "needs transformer-engine attention (SDPA exposes no logits): drop it",
     "--log-energy": "NVML energy counters are not read here: drop it",
     "--test-mode": "Megatron's in-model self-tests are not built: drop it",
+    "--enable-experimental": "megatron-core's experimental code paths are not built: drop it",
+    "--pipeline-model-parallel-layout": (
+        "Megatron's per-stage layout strings are not built: place layers with --decoder-first-pipeline-num-layers "
+        "/ --decoder-last-pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split, or drop it"
+    ),
     "--full-validation": "not built: raise --eval-iters to cover the validation set",
     **dict.fromkeys(
         ["--multiple-validation-sets", "--validation-set-names"],
@@ -426,6 +454,16 @@ def valued_outcome(flag: str, value: str, group: str) -> tuple[bool, str]:
         return True, why
     reason = VALUE_REFUSED.get((flag, value)) or VALUE_REFUSED.get((flag, None))
     return False, reason or family_of(flag, group)[1]
+
+
+def check_megatron_noops(m: ModelConfig, noops: list[str]) -> list[str]:
+    """The no-ops that are one only beside some settings (Megatron refuses them otherwise)."""
+    if "--no-position-embedding" in noops and m.position_embedding_type != "rope":
+        return [
+            f"--no-position-embedding with --position-embedding-type {m.position_embedding_type}: deprecated in "
+            "Megatron-LM, which refuses it but with rope: use --position-embedding-type none (or rope)"
+        ]
+    return []
 
 
 # Megatron's GDN shape flags: their defaults (megatron-core's TransformerConfig), read with its variant only

@@ -27,7 +27,9 @@ class MoEFields:
         choices=["softmax", "sigmoid"],
     )
     moe_router_pre_softmax: bool = opt(
-        False, "--moe-router-pre-softmax", "softmax over all experts before the top-k (no renormalisation)"
+        False,
+        "--moe-router-pre-softmax",
+        "softmax over all experts before the top-k (no renormalisation); no effect with sigmoid scores, as Megatron",
     )
     moe_router_topk_scaling_factor: float | None = opt(
         None, "--moe-router-topk-scaling-factor", "multiply the chosen experts' probabilities by this"

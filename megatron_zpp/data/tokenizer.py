@@ -43,8 +43,10 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-# --tokenizer-type values read by SentencePieceTokenizer; Megatron's GPT variant's EOD is always eos
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+# --tokenizer-type values read by SentencePieceTokenizer; Megatron's GPT and Llama-2 variants' EOD is always eos
+# (megatron-core builds all three with its sentencepiece library; its legacy _Llama2Tokenizer's eod was eos too)
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+EOD_IS_EOS_TYPES = ("GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -181,7 +183,7 @@ def build_tokenizer(
         if tokenizer_type == "HuggingFaceTokenizer":
             tok = HuggingFaceTokenizer(tokenizer_model)
         else:
-            tok = SentencePieceTokenizer(tokenizer_model, eod_is_eos=tokenizer_type == "GPTSentencePieceTokenizer")
+            tok = SentencePieceTokenizer(tokenizer_model, eod_is_eos=tokenizer_type in EOD_IS_EOS_TYPES)
     else:
         raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
     tok.padded_vocab_size = pad_vocab_size(tok.vocab_size, make_vocab_size_divisible_by, tp_size)

@@ -48,7 +48,7 @@ class Block(nn.Module):
         self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)
         self.norm2 = norm()
-        self.mlp = MoEMLP(cfg, layer, ctx, out_std) if cfg.is_moe_layer(layer) else MLP(cfg, ctx, out_std)
+        self.mlp = MoEMLP(cfg, layer, ctx, out_std) if cfg.is_moe_layer(layer) else MLP(cfg, ctx, out_std, layer)
         # sequence-parallel activations differ per TP rank: their dropout masks must too
         self.dropout = _dropout(cfg, ctx.sequence_parallel)
 

@@ -14,11 +14,11 @@ from .context import ParallelContext
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float, layer: int = 0):
         super().__init__()
         self.swiglu, self.gelu_approximate = cfg.activation == "swiglu", cfg.gelu_approximate
         self.squared_relu = cfg.activation == "squared_relu"
-        shape = cfg.ffn(0)  # dense in every layer
+        shape = cfg.ffn(layer)  # a dense layer's (beside MoE layers too: --ffn-hidden-size, not the experts')
         ffn, bias, sp = shape.hidden, cfg.add_bias_linear, ctx.sequence_parallel
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, list(shape.sections), ctx.tp, cfg.init_method_std, sp, bias=bias

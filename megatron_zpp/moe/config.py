@@ -19,7 +19,8 @@ class MoEConfig:
     ffn_hidden_size: int  # --moe-ffn-hidden-size (one expert's width)
     topk: int = 2  # --moe-router-topk
     score_function: str = "softmax"  # --moe-router-score-function
-    pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k (no renorm)
+    pre_softmax: bool = False  # --moe-router-pre-softmax: softmax over all experts, then top-k (no renorm); as
+    # megatron-core, it has no effect with sigmoid scores (DeepSeek-V3's scripts pass both)
     topk_scaling_factor: float | None = None  # --moe-router-topk-scaling-factor
     num_groups: int | None = None  # --moe-router-num-groups (device-limited routing)
     group_topk: int | None = None  # --moe-router-group-topk
@@ -64,8 +65,6 @@ def _problem(c: MoEConfig) -> str | None:
         return "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as megatron-core)"
     if c.topk == 1 and c.score_function == "softmax" and not c.pre_softmax:
         return "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax (a softmax over one score is 1)"
-    if c.pre_softmax and c.score_function != "softmax":
-        return "--moe-router-pre-softmax applies to the softmax score function only"
     if c.capacity_factor is not None and c.capacity_factor <= 0:
         return f"--moe-expert-capacity-factor {c.capacity_factor} must be positive"
     if c.pad_to_capacity and c.capacity_factor is None:

@@ -16,7 +16,11 @@ distinct slots of a [tokens, topk + 1, H] buffer and summed over the first topk 
 atomics). A row of probability 0 (a padding row; a routed row whose product is 0 anyway) goes to the last,
 discarded slot: padding never widens the buffer, and a non-finite padding row cannot reach a token. The
 permutation's backward (a token's gradient is the sum over its copies) runs the same way, in fp32, instead
-of index_select's backward (index_add, atomic adds in no fixed order on a GPU)."""
+of index_select's backward (index_add, atomic adds in no fixed order on a GPU).
+
+With the Triton kernels (kernels/moe_permute.py, on CUDA or under the interpreter) the gather and the slot sum
+are one kernel each, over the inverse map `inv` [N, topk] (each token's rows in slot order): the same sums in
+the same order, forward and backward."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from ..ops import dispatch
+from ..ops.moe_permute import KernelGather, KernelUnpermute, inverse_map
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
@@ -56,6 +63,7 @@ class Permutation:
     tokens_per_expert: torch.Tensor  # [E] int64
     num_tokens: int
     topk: int
+    inv: torch.Tensor | None = None  # [N, topk] each token's rows in slot order (-1: none): the kernels' path
 
 
 def _slot_sum(rows: torch.Tensor, token: torch.Tensor, slot: torch.Tensor, num_tokens: int, topk: int):
@@ -91,10 +99,15 @@ def permute(
     weighted = routing_map & (probs != 0)
     slot = torch.where(weighted, weighted.cumsum(dim=1) - 1, topk)[token, expert]
     perm = Permutation(token, slot, probs[token, expert], routing_map.sum(dim=0), num_tokens, topk)
+    if dispatch.use_triton(x):
+        perm.inv = inverse_map(token, slot, num_tokens, topk)
+        return KernelGather.apply(x, token, perm.inv), perm
     return _Gather.apply(x, token, slot, topk), perm
 
 
 def unpermute(y: torch.Tensor, perm: Permutation, dtype: torch.dtype) -> torch.Tensor:
     """y [M, H] -> [N, H] in `dtype`: sum over each token's experts of prob * expert output, in fp32."""
+    if perm.inv is not None:
+        return KernelUnpermute.apply(y, perm.probs, perm.token_index, perm.inv, dtype)
     weighted = y.float() * perm.probs.unsqueeze(-1)
     return _slot_sum(weighted, perm.token_index, perm.slot, perm.num_tokens, perm.topk).to(dtype)

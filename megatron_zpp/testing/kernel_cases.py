@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zpp.kernels import cross_entropy, gdn, gla, grouped_gemm, norm, quantize, rope, swiglu
+from megatron_zpp.kernels import cross_entropy, gdn, gla, grouped_gemm, moe_permute, norm, quantize, rope, swiglu
 from megatron_zpp.ops.quantize import wire_bytes
 
 META = torch.device("meta")
@@ -134,6 +134,17 @@ def grouped_gemm_case(M, G, K, N, dtype):
     return run
 
 
+def moe_permute_case(N, K, H, dtype):
+    def run():
+        x, rows = empty(N, H, dtype=dtype), empty(N * K, H, dtype=dtype)
+        index, inv, probs = empty(N * K, dtype=torch.int64), empty(N, K, dtype=torch.int64), empty(N * K, dtype=FP32)
+        moe_permute.gather_rows(x, index)  # the permute
+        moe_permute.slot_sum(rows, inv, probs, dtype)  # the unpermute (and the permute's backward, unscaled)
+        moe_permute.gather_rows(x, index, probs)  # the unpermute's backward
+
+    return run
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -173,6 +184,10 @@ FAMILIES = {
         ),
     ),
 }
+FAMILIES["moe_permute"] = (  # tokens, routed copies and the combined output, kernel and reference (fp32 sums)
+    moe_permute_case,
+    lambda N, K, H, dtype: (2 * N * H + 2 * N * K * H) * _size(dtype) + 4 * N * (K + 1) * H,
+)
 RUNNERS = {family: runner for family, (runner, _) in FAMILIES.items()}
 DEVICE_BYTES = {family: nbytes for family, (_, nbytes) in FAMILIES.items()}
 
@@ -280,4 +295,11 @@ def _pointwise_cases() -> list[Case]:
             ci = (dt == "bf16" and (at_risk or K == 2048)) or M == 1000 or (dt == "fp32" and K == 2048)
             params = dict(M=M, G=G, K=K, N=N, dtype=DTYPES[dt])
             cases.append(Case("grouped_gemm", f"grouped_gemm [{M},{K}]x[{G},{K},{N}] {dt}", params, ci, ci))
+    # the MoE token permutation: 32768 tokens top-8 at hidden 2048 (Qwen3-MoE-like), and N x K x H > 2^31 rows
+    # (65536 tokens x top-8 x 8192)
+    for N, K, H in ((32768, 8, 2048), (65536, 8, 8192)):
+        for dt in ("bf16", "fp32"):
+            params = dict(N=N, K=K, H=H, dtype=DTYPES[dt])
+            ci = dt == "bf16" or H == 2048
+            cases.append(Case("moe_permute", f"moe_permute [{N}x{K},{H}] {dt}", params, ci, ci))
     return cases

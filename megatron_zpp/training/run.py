@@ -242,6 +242,25 @@ def _guard_save(cfg: Config, groups: ProcessGroups, device, restored: Restored |
         )
 
 
+def _describe_experts(cfg: Config) -> str:
+    """The start-up log's words for the MoE layers (empty without --num-experts)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return ""
+    pattern = "".join("E" if m.is_moe_layer(i) else "-" for i in range(m.num_layers))
+    shared = (
+        f" + a shared expert of {m.moe_shared_expert_intermediate_size}"
+        if m.moe_shared_expert_intermediate_size
+        else ""
+    )
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    return (
+        f", MLPs {pattern} (E: {m.num_experts} experts of {m.expert_ffn_size}, top-{m.moe_router_topk} "
+        f"{m.moe_router_score_function}{shared}; EP {p.expert_model_parallel_size} x expert TP {etp}, "
+        f"{m.moe_token_dispatcher_type} dispatcher)"
+    )
+
+
 def _log_setup(run: Run, n_params: int) -> None:
     cfg, groups, rank = run.cfg, run.groups, run.rank
     p = cfg.parallel
@@ -255,7 +274,7 @@ def _log_setup(run: Run, n_params: int) -> None:
     log(
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
         f"{''.join({'softmax': 'S', 'gla': 'G', 'gdn': 'D'}[k] for k in kinds)} (S softmax, G GLA, D GDN; "
-        f"{describe_block(cfg.model)}), vocab "
+        f"{describe_block(cfg.model)}){_describe_experts(cfg)}, vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
         f"{_precision(cfg)}"
         f"{', blocks compiled (--torch-compile, inductor)' if cfg.train.torch_compile else ''}",

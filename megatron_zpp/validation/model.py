@@ -4,7 +4,7 @@ are not built here."""
 from __future__ import annotations
 
 from ..config import Config
-from ..config.megatron_flags import check_megatron_gdn
+from ..config.megatron_flags import check_megatron_gdn, check_megatron_noops
 from .common import derived, failed
 from .parallel import chunk_layer_counts
 
@@ -109,7 +109,8 @@ _UNBUILT_POSITIONS = {
 def check_megatron_model(cfg: Config, world_size: int) -> list[str]:
     """Megatron-LM model flags whose other values are not built here."""
     m = cfg.model
-    return check_megatron_gdn(m) + failed(
+    megatron = check_megatron_gdn(m) + check_megatron_noops(m, getattr(cfg, "megatron_noops", []))
+    return megatron + failed(
         [
             (
                 m.position_embedding_type in ("learned_absolute", "rope", "none"),

@@ -9,10 +9,19 @@ import torch
 from ..config import Config
 from ..topology import ProcessGroups
 from .ddp_engine import DDPEngine
-from .engine import DataParallelEngine, RankLayout, Slot
+from .engine import DataParallelEngine, RankLayout, Slot, persistent_buffers
 from .zero_engine import ZeroEngine
 
-__all__ = ["DataParallelEngine", "DDPEngine", "ZeroEngine", "RankLayout", "Slot", "build_engine", "engine_class"]
+__all__ = [
+    "DataParallelEngine",
+    "DDPEngine",
+    "ZeroEngine",
+    "RankLayout",
+    "Slot",
+    "build_engine",
+    "engine_class",
+    "persistent_buffers",
+]
 
 
 def engine_class(cfg: Config) -> type[DDPEngine] | type[ZeroEngine]:

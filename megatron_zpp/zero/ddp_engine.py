@@ -149,9 +149,9 @@ class DDPEngine(DataParallelEngine):
         return {"zero_stage": 0, "zero_quantization_block_size": None}
 
     @classmethod
-    def slots(cls, cfg, chunks, group_rank: int, group_size: int) -> RankLayout:
-        """Every parameter whole (whatever the rank of the group); with 16-bit weights each has its
-        fp32 master; AdamW over the chunks' parameters in order."""
+    def slots(cls, cfg, chunks, group_rank: int, group_size: int, edp: tuple[int, int] | None = None) -> RankLayout:
+        """Every parameter whole (whatever the rank of the group or of the expert-data-parallel one); with
+        16-bit weights each has its fp32 master; AdamW over the chunks' parameters in order."""
         sixteen_bit = cfg.train.bf16 or cfg.train.fp16
         tensors, spans = {}, []
         params = [(c, chunk, n, p) for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()]

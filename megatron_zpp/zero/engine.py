@@ -14,9 +14,15 @@ ModelWrapper / OptimizersContainer own theirs:
         ...
 
 What a rank holds is known without building the engine: `Engine.slots(cfg, chunks, group_rank,
-group_size)` describes the "model" tensors of any rank of the DP x CP group (RankLayout), from
-its model chunks on the meta device; the checkpoint code reshards and writes DCP boxes from it.
-Each engine writes its key strings once, in the functions its state dict and its slots share.
+group_size, edp)` describes the "model" tensors of any rank of the DP x CP group (RankLayout), from
+its model chunks on the meta device (a model with routed experts: the chunks of the rank's expert-parallel
+rank, and its place (rank, size) in the expert-data-parallel group, over which ZeRO shards the experts);
+the checkpoint code reshards and writes DCP boxes from it. Each engine writes its key strings once, in the
+functions its state dict and its slots share.
+
+The model's persistent buffers (the routers' expert bias, --moe-router-enable-expert-bias) are state too:
+`state_dict()["buffers"]` holds them by their single-rank names, whole on every rank that holds their layer
+(they are replicated over the stage), whatever the engine.
 
 `build_engine` picks plain data parallelism (ZeRO stage 0, ddp_engine.py) or ZeRO-1/2/3
 with ZeRO++ (zero_engine.py) from the config.
@@ -51,6 +57,7 @@ class Slot:
     shape: tuple  # this TP rank's piece of it
     start: int  # flat offset of the span in this rank's TP piece
     master_key: str | None = None  # plain DP in 16 bits: the tensor holding `key`'s fp32 master (same shape)
+    expert: bool = False  # a routed expert's weight: tp_rank / tp_size are over expert TP, replicas over edp
 
 
 @dataclass
@@ -60,12 +67,26 @@ class RankLayout:
     tensors: dict[str, tuple[tuple, bool]] = field(default_factory=dict)  # key -> (shape, fp32 master?)
     opt_shapes: list[tuple] = field(default_factory=list)  # by AdamW's numbering
     slots: list[Slot] = field(default_factory=list)
+    buffers: dict[str, tuple] = field(default_factory=dict)  # persistent buffer (single-rank name) -> shape
+
+
+def persistent_buffers(chunks) -> dict[str, torch.Tensor]:
+    """{single-rank name: tensor} of the chunks' persistent buffers (what torch's state_dict keeps beside the
+    parameters: the routers' expert bias), the live tensors."""
+    out = {}
+    for chunk in chunks:
+        for prefix, module in chunk.named_modules():
+            for name, t in module._buffers.items():
+                if t is not None and name not in module._non_persistent_buffers_set:
+                    out[f"{prefix}.{name}" if prefix else name] = t
+    return out
 
 
 def param_slot(chunk, key: str, lo: int, hi: int, name: str, p, start: int, master_key: str | None = None) -> Slot:
     """The slot of parameter `p` (named `name` in its model chunk), its AdamW index still unset. A routed
     expert's tp_split cuts it over expert TP."""
-    tp = chunk.ctx.etp if getattr(p, "expert_parallel", False) else chunk.ctx.tp
+    expert = bool(getattr(p, "expert_parallel", False))
+    tp = chunk.ctx.etp if expert else chunk.ctx.tp
     tp_size = 1 if tp is None else tp.size
     return Slot(
         key=key,
@@ -80,6 +101,7 @@ def param_slot(chunk, key: str, lo: int, hi: int, name: str, p, start: int, mast
         shape=tuple(p.shape),
         start=start,
         master_key=master_key,
+        expert=expert,
     )
 
 
@@ -99,6 +121,7 @@ def numbered_layout(tensors: dict[str, tuple[tuple, bool]], spans: list[tuple[Sl
 
 
 class DataParallelEngine(ABC):
+    chunks: list[torch.nn.Module]  # this rank's model chunks
     optimizer: torch.optim.Optimizer  # or anything with state_dict / load_state_dict
     optimizer_name: str = "AdamW"  # which AdamW steps the masters (optim.new_adamw), for the log
     # True: every rank of the DP x CP group holds the same tensors (one rank's file is a whole replica);
@@ -107,10 +130,14 @@ class DataParallelEngine(ABC):
 
     @classmethod
     @abstractmethod
-    def slots(cls, cfg, chunks: list[torch.nn.Module], group_rank: int, group_size: int) -> RankLayout:
+    def slots(
+        cls, cfg, chunks: list[torch.nn.Module], group_rank: int, group_size: int, edp: tuple[int, int] | None = None
+    ) -> RankLayout:
         """What rank `group_rank` of a DP x CP group of `group_size` holds in a run of `cfg` whose
-        (TP, PP) slice is `chunks` (on the meta device: shapes and names only): the keys and shapes
-        of its model_state_dict and where each parameter's pieces are in it."""
+        (TP, PP) slice is `chunks` (on the meta device: shapes and names only; with routed experts, those
+        of the rank's expert-parallel and expert-TP ranks): the keys and shapes of its model_state_dict and
+        where each parameter's pieces are in it. `edp`: the rank's (rank, size) in the expert-data-parallel
+        group (None: the DP x CP group's, as without experts)."""
 
     @staticmethod
     @abstractmethod
@@ -172,14 +199,30 @@ class DataParallelEngine(ABC):
             self.release_parameters()
 
     def state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": self.model_state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "buffers": {k: t.detach() for k, t in persistent_buffers(self.chunks).items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.load_model_state_dict(state["model"])
+        self.load_buffers(state.get("buffers") or {})
         optimizer = state.get("optimizer")
         if optimizer:  # the moments, by AdamW's numbering (adamw_order); the param groups stay this run's:
             # their rates are set every step, and --decoupled-lr may cut the same numbering into other groups
             self.optimizer.load_state_dict({**optimizer, "param_groups": self.optimizer.state_dict()["param_groups"]})
+
+    @torch.no_grad()
+    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Copy the given persistent buffers (single-rank names) into the model; those not given stay as
+        they are; ValueError names one the model does not have."""
+        mine = persistent_buffers(self.chunks)
+        unknown = sorted(set(buffers) - set(mine))
+        if unknown:
+            raise ValueError(f"checkpoint buffers not in this model: {unknown[:3]}")
+        for name, t in buffers.items():
+            copy_checked(name, mine[name], t)
 
 
 def model_has_experts(chunks) -> bool:

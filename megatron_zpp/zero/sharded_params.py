@@ -91,18 +91,20 @@ def is_expert_unit(name: str) -> bool:
     return name.endswith(EXPERTS_SUFFIX)
 
 
-def shard_layout(chunks, group_rank: int, group_size: int, block: int, key_of) -> RankLayout:
-    """What rank `group_rank` of a ZeRO group of `group_size` holds of `chunks` (ZeroEngine.slots):
-    each unit's fp32 master shard (`key_of(unit index, unit name)`), cut as FlatUnit cuts it; a
-    parameter's AdamW segment is its part inside the shard."""
+def shard_layout(chunks, group: tuple[int, int], edp: tuple[int, int] | None, block: int, key_of) -> RankLayout:
+    """What rank `group` = (rank, size) of a ZeRO group holds of `chunks` (ZeroEngine.slots): each unit's
+    fp32 master shard (`key_of(unit index, unit name)`), cut as FlatUnit cuts it; a parameter's AdamW
+    segment is its part inside the shard. A block's routed experts are cut over the expert-data-parallel
+    group, `edp` = (rank, size) (None: the same as `group`), as ZeroEngine builds their units."""
     tensors, spans, u = {}, [], 0
     for chunk in chunks:
         names = {id(p): n for n, p in chunk.named_parameters()}
         for name, params, _ in model_units(chunk):
             key = key_of(u, name)
-            offsets, _, shard = flat_geometry([p.numel() for p in params], group_size, block)
+            rank, size = (edp or group) if is_expert_unit(name) else group
+            offsets, _, shard = flat_geometry([p.numel() for p in params], size, block)
             tensors[key] = ((shard,), True)
-            for i, a, b, start in shard_segments(offsets, group_rank * shard, (group_rank + 1) * shard):
+            for i, a, b, start in shard_segments(offsets, rank * shard, (rank + 1) * shard):
                 p = params[i]
                 spans.append((param_slot(chunk, key, a, b, names[id(p)], p, start), (b - a,), p.ndim))
             u += 1

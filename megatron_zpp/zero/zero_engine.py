@@ -228,8 +228,8 @@ class ZeroEngine(DataParallelEngine):
         return {"zero_stage": cfg.zero.zero_stage, "zero_quantization_block_size": pad_block(cfg.zero)}
 
     @classmethod
-    def slots(cls, cfg, chunks, group_rank: int, group_size: int) -> RankLayout:
-        return shard_layout(chunks, group_rank, group_size, pad_block(cfg.zero), unit_key)
+    def slots(cls, cfg, chunks, group_rank: int, group_size: int, edp: tuple[int, int] | None = None) -> RankLayout:
+        return shard_layout(chunks, (group_rank, group_size), edp, pad_block(cfg.zero), unit_key)
 
     def _masters(self) -> dict[str, FlatUnit]:
         return {unit_key(i, u.name): u for i, u in enumerate(self.units)}

@@ -468,16 +468,17 @@ def test_tool_refuses_what_has_no_counterpart_by_name(tmp_path, capsys):
     cfg = _cfg(LLAMA_FLAGS)
     gen = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
-    tensors = mcore.to_mcore(weights, cfg) | {"decoder.layers.mlp.experts.linear_fc1.weight": torch.zeros(2, 4, 4)}
+    q_down = "decoder.layers.self_attention.linear_q_down_proj.weight"
+    tensors = mcore.to_mcore(weights, cfg) | {q_down: torch.zeros(2, 4, 4)}
     args = mcore.args_from_config(cfg, 3, 12, ROWS)
-    args.num_experts = 8
-    mcore.write(str(tmp_path / "moe"), 3, tensors, {"args": args, "iteration": 3}, cfg.model.num_layers)
-    argv = ["--from", "megatron", "--load", str(tmp_path / "moe"), "--to", "sharded", "--save", str(tmp_path / "x")]
+    args.multi_latent_attention = True
+    mcore.write(str(tmp_path / "mla"), 3, tensors, {"args": args, "iteration": 3}, cfg.model.num_layers)
+    argv = ["--from", "megatron", "--load", str(tmp_path / "mla"), "--to", "sharded", "--save", str(tmp_path / "x")]
     assert _convert(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: cannot convert ")
-    assert "--num-experts 8: mixture of experts is not built here" in err
-    assert "decoder.layers.mlp.experts.linear_fc1.weight" in err
+    assert "--multi-latent-attention True: multi-latent attention is not built here" in err
+    assert q_down in err
     assert _convert(["--from", "megatron", "--load", str(tmp_path), "--to", "sharded", "--save", "y"]) == 2
     assert "no megatron-core torch_dist checkpoint" in capsys.readouterr().err
     # an optimizer state that is not per parameter (the distributed optimizer's flat buffers): weights only

@@ -181,7 +181,7 @@ def test_rank_file_is_safetensors_with_nothing_pickled(saved):
     with open(path, "rb") as f:
         assert b"pickle" not in f.read(1 << 16) and not path.endswith(".pt")
     skeleton = json.loads(safe_open(path, framework="pt").metadata()["megatron_zpp"])  # the dict's shape: JSON
-    want = {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng"}
+    want = {"rank", "iteration", "consumed_samples", "layout", "model", "optimizer", "rng", "buffers"}
     assert {k for k, _ in skeleton["d"]} == want
     state = files.RankFile(path).state()
     assert isinstance(state["rng"]["numpy"]["keys"], torch.Tensor) and isinstance(state["rng"]["python"]["state"], list)

@@ -4,6 +4,7 @@ smoothing equals a closed-form EMA (1e-12 relative), the PNG is written with the
 and a bad input is one error line."""
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -185,3 +186,50 @@ def test_plot_metrics_tokens_axis_and_resume_marks(tmp_path):
     bad = [{"iteration": 1, "loss": 2.0}]
     with pytest.raises(plot_metrics.PlotError, match="--x tokens: record 1 has no consumed_samples"):
         plot_metrics.plot_metrics([("b", bad)], ["loss"], x_key="tokens")
+
+
+MOE_RUN = (
+    "--mock-data --num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --vocab-size 128 "
+    "--make-vocab-size-divisible-by 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --device cpu "
+    "--peak-tflops 1 --num-workers 0 --num-experts 4 --moe-ffn-hidden-size 16 --moe-layer-freq [0,1,1] "
+    "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall "
+    "--moe-expert-capacity-factor 1.0"
+)
+
+
+def test_plot_metrics_draws_a_moe_runs_metrics(tmp_path):
+    """A tiny MoE run's metrics file (2 steps, MoE layers 1 and 2, capacity dropping): by default the MoE subplots
+    join the others; each layer's most/fewest tokens per expert, the balancing and z losses, the worst load over
+    the mean and the dropped routes (in percent) are the file's numbers. Beside a dense run, only the MoE run has
+    lines there."""
+    from megatron_zpp import training
+    from megatron_zpp.config.arguments import parse_config
+    from tests.old_defaults import OLD_DEFAULTS
+
+    path = str(tmp_path / "moe" / "metrics.jsonl")
+    cfg = parse_config(OLD_DEFAULTS + MOE_RUN.split() + ["--metrics-file", path], 1)
+    training.train(training.setup(cfg))
+    rows = plot_metrics.load_jsonl(path)
+    assert plot_metrics.moe_layers(rows) == [1, 2] and len(rows) == 2
+    dense = _metrics_run(2, 0)
+    fig = plot_metrics.plot_metrics([("moe", rows), ("dense", dense)])
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert list(axes) == list(plot_metrics.METRICS.values()) + list(plot_metrics.MOE_METRICS.values())
+    loads = axes[plot_metrics.MOE_METRICS["expert_load"]]
+    for i in (1, 2):
+        for bound in ("max", "min"):
+            (line,) = _lines(loads, f"layer{i}:{bound}")
+            assert list(line.get_ydata()) == [r[f"moe/expert_load_{bound}/layer{i}"] for r in rows]
+            assert list(line.get_xdata()) == [1, 2]
+    for key, scale in [
+        ("load_balancing_loss", 1),
+        ("z_loss", 1),
+        ("moe/expert_load_max_over_mean", 1),
+        ("moe/dropped_fraction", 100),
+    ]:
+        (line,) = _lines(axes[plot_metrics.MOE_METRICS[key]], "raw")  # the dense run has none
+        assert line.get_label() == "moe" and list(line.get_ydata()) == [scale * r[key] for r in rows], key
+    assert 0 < rows[-1]["moe/dropped_fraction"] < 1 and rows[-1]["moe/expert_load_max_over_mean"] >= 1
+    out = str(tmp_path / "m.png")
+    assert plot_metrics.main([path, "--metrics", "loss", "expert_load", "z_loss", "-o", out]) == 0
+    assert os.path.isfile(out) and _png_size(out) == (1500, 360)

@@ -1,10 +1,10 @@
 """What every converter of ours speaks: one protocol, one error.
 
-A format module (formats/gpt2.py, llama.py, remote.py, mcore.py) maps our single-rank state (the names
-GPT(cfg.model, V).named_parameters() gives, full fp32 tensors: full_state.py) to another project's names
-and back:
+A format module (formats/gpt2.py, llama.py, remote.py, qwen3_moe.py, mixtral.py, mcore.py) maps our
+single-rank state (the names GPT(cfg.model, V).named_parameters() gives, full fp32 tensors: full_state.py) to
+another project's names and back:
 
-    NAME                          # "gpt2", "llama", "remote", "mcore"
+    NAME                          # "gpt2", "llama", "remote", "qwen3_moe", "mixtral", "mcore"
     unsupported(cfg) -> [why]     # what of our model it cannot hold, one reason each (empty: it holds it)
     to_theirs(state, cfg)         # our names -> theirs
     from_theirs(theirs, cfg)      # theirs -> ours, the inverse (bitwise: splits, concatenations, transposes)
@@ -43,6 +43,13 @@ class HFFormat(Format, Protocol):
     def config(self, cfg, vocab: int, tokenizer=None) -> dict: ...
 
     def config_from(self, hf: dict): ...
+
+
+def experts_refusal(cfg, target: str) -> list[str]:
+    """A dense format's refusal of a model with experts (empty without)."""
+    if not cfg.model.num_experts:
+        return []
+    return [f"its feed-forward networks are mixtures of experts (--num-experts); {target} has dense MLPs only"]
 
 
 def special_token_ids(tokenizer) -> dict:

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from .base import ConversionError, special_token_ids
+from .base import ConversionError, experts_refusal, special_token_ids
 
 NAME = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -38,7 +38,7 @@ def unsupported(cfg) -> list[str]:
         (m.kv_heads == m.num_attention_heads, "it uses grouped-query attention; GPT-2 has one kv head per head"),
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
     ]
-    return [why for ok, why in checks if not ok]
+    return [why for ok, why in checks if not ok] + experts_refusal(cfg, "GPT-2")
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -93,8 +93,10 @@ def _pairs(cfg) -> list[tuple[str, str, bool]]:
 
 
 def _is_norm_weight(name: str) -> bool:
-    """A block or final norm's weight (not GLA's head norm, which --apply-layernorm-1p leaves alone)."""
-    return name.endswith((".norm1.weight", ".norm2.weight")) or name == "final_norm.weight"
+    """A block, final or query/key head norm's weight (not GLA's head norm, which --apply-layernorm-1p leaves
+    alone; softmax attention builds its --qk-layernorm norms with the flag: model/attention.py)."""
+    norms = (".norm1.weight", ".norm2.weight", ".mixer.q_norm.weight", ".mixer.k_norm.weight")
+    return name.endswith(norms) or name == "final_norm.weight"
 
 
 def fold_layernorm_1p(state: dict, cfg) -> tuple[dict, object]:

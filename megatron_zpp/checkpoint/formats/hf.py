@@ -4,7 +4,9 @@
     import_hf(hf_dir, output)                           # config.json's model_type picks the format
 
 GPT-2 (gpt2.py) holds Megatron's default GPT, Llama (llama.py) softmax/RMSNorm/SwiGLU/RoPE models without
-biases, our remote code (remote.py) every other model without biases or learned positions. A HF directory is
+biases, our remote code (remote.py) every other dense model without biases or learned positions; models with
+experts go to transformers' own Qwen3-MoE (qwen3_moe.py: with --qk-layernorm, dense layers allowed) or Mixtral
+(mixtral.py: every layer sparse, no query/key norm). A HF directory is
 read by its content (hf_files.py): names, shapes and dtypes checked against the model config.json describes
 before any data is read, every tensor read finite.
 """
@@ -25,11 +27,16 @@ from ... import hf_remote
 from ...data.tokenizer import SENTENCEPIECE_TYPES
 from ..files import save_safetensors
 from ..layout import config_from_dict
-from . import gpt2, hf_files, llama, remote
+from . import gpt2, hf_files, llama, mixtral, qwen3_moe, remote
 from .base import ConversionError, HFFormat
 
-HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, remote)  # the export's order of preference
-BY_MODEL_TYPE: dict[str, HFFormat] = {hf_remote.MODEL_TYPE: remote, "gpt2": gpt2}  # else llama (it names the rest)
+HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, remote, qwen3_moe, mixtral)  # the export's order of preference
+BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
+    hf_remote.MODEL_TYPE: remote,
+    "gpt2": gpt2,
+    "qwen3_moe": qwen3_moe,
+    "mixtral": mixtral,
+}
 
 
 def export_format(cfg) -> HFFormat:
@@ -37,7 +44,13 @@ def export_format(cfg) -> HFFormat:
     for fmt in HF_FORMATS:
         if not fmt.unsupported(cfg):
             return fmt
-    named = {"gpt2": "as GPT-2", "llama": "as Llama", "remote": "with our remote code"}
+    named = {
+        "gpt2": "as GPT-2",
+        "llama": "as Llama",
+        "remote": "with our remote code",
+        "qwen3_moe": "as Qwen3-MoE",
+        "mixtral": "as Mixtral",
+    }
     raise ConversionError(
         "cannot export to HF: " + "; ".join(f"{named[f.NAME]} " + "; ".join(f.unsupported(cfg)) for f in HF_FORMATS)
     )
@@ -54,8 +67,9 @@ def _tokenizer(cfg, tokenizer_model: str | None):
 
 
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
-    """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel or LlamaForCausalLM
-    when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM)."""
+    """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel, LlamaForCausalLM,
+    Qwen3MoeForCausalLM or MixtralForCausalLM when one of them holds the model, else our remote-code
+    MegatronZppGLAForCausalLM)."""
     state, cfg = gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
     fmt = export_format(cfg)
     tokenizer, tok_model = _tokenizer(cfg, tokenizer_model)
@@ -81,8 +95,8 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 
 
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
-    """(our weights, checkpoint dir) of a HF Llama, GPT-2 or remote-code GLA/hybrid directory, saved as a
-    weights-only checkpoint. Every fault is one line: "cannot import <hf_dir>: <what>"."""
+    """(our weights, checkpoint dir) of a HF Llama, GPT-2, Qwen3-MoE, Mixtral or remote-code GLA/hybrid directory,
+    saved as a weights-only checkpoint. Every fault is one line: "cannot import <hf_dir>: <what>"."""
     from ..save import save_weights
 
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...progress import progress
-from .base import ConversionError, decoder_config, special_token_ids
+from .base import ConversionError, decoder_config, experts_refusal, special_token_ids
 
 NAME = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -36,7 +36,9 @@ def unsupported(cfg) -> list[str]:
         why.append("it has linear biases; the Llama export holds none")
     if m.rotary_percent != 1.0:
         why.append(f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels; the Llama export rotates all")
-    return why
+    if m.qk_layernorm:  # Llama has no q_norm / k_norm: the export would drop them
+        why.append("it normalizes query and key heads (--qk-layernorm); Llama does not")
+    return why + experts_refusal(cfg, "Llama")
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -127,7 +129,7 @@ def config_from(hf: dict):
         w
         for w, bad in [
             (
-                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, "
+                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, qwen3_moe, mixtral, "
                 f"{hf_remote.MODEL_TYPE} (our GLA/hybrid export)",
                 hf.get("model_type") != "llama",
             ),

@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
 
 NAME = "mcore"
@@ -43,6 +44,24 @@ TOP_KEYS = {
     "output.weight": "output_layer.weight",
 }
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+LAYERS = "decoder.layers."
+# an MoE layer (megatron-core's MoELayer): our per-layer suffix -> its layer suffix, beside the attention's keys
+MOE_KEYS = {
+    "mlp.router.weight": "mlp.router.weight",  # [E, H], as ours
+    "mlp.router.expert_bias": "mlp.router.expert_bias",  # a buffer [E] (--moe-router-enable-expert-bias)
+    "mlp.shared_expert.fc1.weight": "mlp.shared_experts.linear_fc1.weight",  # [gate | up] rows, as the dense fc1
+    "mlp.shared_expert.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_expert.gate.weight": "mlp.shared_experts.gate_weight",  # [1, H]
+}
+# the routed experts, SequentialMLP's and TEGroupedMLP's common sharded key (their sharded_state_dict maps
+# local_experts.{e}.linear_fc1.weight and linear_fc1.weight{e} alike to it): [E, 2F, H] and [E, H, F], the
+# global expert index on the first dimension; ours are one tensor per expert in the x @ W orientation
+EXPERTS = {"fc1": "mlp.experts.experts.linear_fc1.weight", "fc2": "mlp.experts.experts.linear_fc2.weight"}
+# an MoE layer's pre-MLP norm: Transformer Engine's spec keeps its own pre_mlp_layernorm (no fused norm+linear
+# in front of the router); the local spec renames it into the fc1 slot (its sharded_state_dict_keys_map)
+PRE_MLP_NORM = {"transformer_engine": "pre_mlp_layernorm.", "local": "mlp.linear_fc1.layer_norm_"}
+MOE_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
 def unsupported(cfg) -> list[str]:
@@ -52,6 +71,21 @@ def unsupported(cfg) -> list[str]:
     if kinds == {"softmax"}:
         return []
     return [f"its layers are {'/'.join(sorted(kinds))}; megatron-core's GPTModel has softmax attention only"]
+
+
+def stacked(m) -> bool:
+    """Whether megatron-core stacks the layers' tensors under one key along a first dimension of num_layers
+    (its TransformerBlock.sharded_state_dict), or, its layers differing (--moe-layer-freq an integer above 1 or a
+    list, whatever the list holds), keys each layer's own: decoder.layers.{i}.<name>."""
+    if not m.num_experts:
+        return True
+    text = str(m.moe_layer_freq).strip()
+    return "[" not in text and int(text) == 1
+
+
+def transformer_impl(tensors) -> str:
+    """The spec that wrote megatron-core `tensors` (its MoE layers' pre-MLP norm names it; dense: either)."""
+    return "transformer_engine" if any(".pre_mlp_layernorm." in k for k in tensors) else "local"
 
 
 def _qkv_sizes(m) -> tuple[int, int, int]:
@@ -75,46 +109,150 @@ def qkv_from_mcore(w: torch.Tensor, m) -> torch.Tensor:
     return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
 
 
-def to_theirs(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """Our single-rank tensors (weights, or one Adam moment of each) -> megatron-core's global keys."""
+def _layer_names(m, i: int, impl: str) -> dict[str, str]:
+    """{our suffix: megatron-core's layer name} of layer i's tensors but the routed experts'."""
+    moe = m.is_moe_layer(i)
+    names = {}
+    for suffix, key in LAYER_KEYS.items():
+        if moe and suffix.startswith("mlp."):
+            continue  # no dense MLP
+        if moe and suffix.startswith("norm2."):
+            names[suffix] = PRE_MLP_NORM[impl] + suffix[len("norm2.") :]
+        else:
+            names[suffix] = key[len(LAYERS) :]
+    return names | (MOE_KEYS if moe else {})
+
+
+def _layer_to(state: dict, m, i: int, impl: str) -> dict[str, torch.Tensor]:
+    """Layer i of our state as {megatron-core's layer name: tensor}."""
+    src, out = f"layers.{i}.", {}
+    for suffix, name in _layer_names(m, i, impl).items():
+        if (t := state.get(src + suffix)) is not None:
+            out[name] = qkv_to_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+    if not m.is_moe_layer(i):
+        return out
+    for w, name in EXPERTS.items():
+        experts = [state.get(f"{src}mlp.experts.{w}.{e}") for e in range(m.num_experts)]
+        if all(t is None for t in experts):
+            continue
+        if any(t is None for t in experts):  # a damaged checkpoint: name the tensor, not torch.stack's error
+            lost = next(e for e, t in enumerate(experts) if t is None)
+            raise CheckpointError(f"the checkpoint holds no {src}mlp.experts.{w}.{lost}, which its model has")
+        out[name] = torch.stack([t.T for t in experts if t is not None])
+    return out
+
+
+def _layer_from(theirs: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.Tensor]:
+    """The inverse of `_layer_to` (either spec's pre-MLP norm name)."""
+    src, out = f"layers.{i}.", {}
+    names = {}
+    for impl in PRE_MLP_NORM:
+        names.update({name: suffix for suffix, name in _layer_names(m, i, impl).items()})
+    for name, t in theirs.items():
+        if name in names:
+            suffix = names[name]
+            out[src + suffix] = qkv_from_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+    for w, name in EXPERTS.items():
+        if m.is_moe_layer(i) and name in theirs:
+            out.update({f"{src}mlp.experts.{w}.{e}": t.T for e, t in enumerate(theirs[name].unbind(0))})
+    return out
+
+
+def to_theirs(state: dict[str, torch.Tensor], cfg, impl: str = "transformer_engine") -> dict[str, torch.Tensor]:
+    """Our single-rank tensors (weights, or one Adam moment of each) -> megatron-core's global keys; `impl`:
+    Megatron-LM's --transformer-impl the checkpoint is for (it names an MoE layer's pre-MLP norm)."""
     m = cfg.model
     out = {TOP_KEYS[k]: v for k, v in state.items() if k in TOP_KEYS}
-    for suffix, key in LAYER_KEYS.items():
-        per_layer = [state.get(f"layers.{i}.{suffix}") for i in range(m.num_layers)]
-        if all(t is None for t in per_layer):
-            continue
+    layers = [_layer_to(state, m, i, impl) for i in range(m.num_layers)]
+    if not stacked(m):
+        out.update({f"{LAYERS}{i}.{name}": t for i, layer in enumerate(layers) for name, t in layer.items()})
+        return out
+    for name in dict.fromkeys(n for layer in layers for n in layer):
+        per_layer = [layer.get(name) for layer in layers]
         if any(t is None for t in per_layer):  # a damaged checkpoint: name the tensor, not torch.stack's error
             lost = next(i for i, t in enumerate(per_layer) if t is None)
-            raise CheckpointError(f"the checkpoint holds no layers.{lost}.{suffix}, which the model of its config has")
-        if suffix.startswith("mixer.qkv"):
-            per_layer = [qkv_to_mcore(t, m) for t in per_layer]
-        out[key] = torch.stack(per_layer)
+            ours = {n: s for s, n in _layer_names(m, lost, impl).items()}.get(name, name)
+            raise CheckpointError(f"the checkpoint holds no layers.{lost}.{ours}, which the model of its config has")
+        out[LAYERS + name] = torch.stack(per_layer)
     return out
 
 
 def from_theirs(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """megatron-core's global keys -> our single-rank names (the inverse of `to_theirs`)."""
+    """megatron-core's global keys -> our single-rank names (the inverse of `to_theirs`; either layout)."""
     m = cfg.model
     top = {v: k for k, v in TOP_KEYS.items()}
     out = {top[k]: v for k, v in tensors.items() if k in top}
     if not m.untie_embeddings_and_output_weights:
         out.pop("output.weight", None)  # a tied copy some layouts write; the embedding is the weight
-    for suffix, key in LAYER_KEYS.items():
-        if key not in tensors:
+    layers: list[dict] = [{} for _ in range(m.num_layers)]
+    for key, t in tensors.items():
+        if not key.startswith(LAYERS):
             continue
-        for i, t in enumerate(tensors[key].unbind(0)):
-            out[f"layers.{i}.{suffix}"] = qkv_from_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+        head, _, rest = key[len(LAYERS) :].partition(".")
+        if head.isdigit() and int(head) < m.num_layers:  # one layer's own key
+            layers[int(head)][rest] = t
+        elif not head.isdigit() and t.shape[:1] == (m.num_layers,):  # stacked over the layers
+            for i, ti in enumerate(t.unbind(0)):
+                layers[i][key[len(LAYERS) :]] = ti
+    for i, layer in enumerate(layers):
+        out.update(_layer_from(layer, m, i))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def model_keys(cfg) -> set[str]:
+    """Every megatron-core model key a checkpoint of `cfg`'s model may hold (either spec's names)."""
+    m = cfg.model
+    names = {n for i in range(m.num_layers) for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
+    names |= set(EXPERTS.values()) if m.num_experts else set()
+    layer = (
+        {LAYERS + n for n in names} if stacked(m) else {f"{LAYERS}{i}.{n}" for i in range(m.num_layers) for n in names}
+    )
+    return set(TOP_KEYS.values()) | layer
+
+
+def extra_state_keys(m) -> list[str]:
+    """The DCP keys of the None `_extra_state` object megatron-core's local spec saves per linear (the routed
+    experts' one per expert), as its ShardedObject.unique_key names them."""
+    keys = []
+    for i in range(m.num_layers):
+        moe = m.is_moe_layer(i)
+        linears = LINEARS[:2] + ((MOE_LINEARS if m.moe_shared_expert_intermediate_size else ()) if moe else LINEARS[2:])
+        at, shape = (LAYERS, f"{i}_{m.num_layers}") if stacked(m) else (f"{LAYERS}{i}.", "0_1")
+        keys += [f"{at}{linear}._extra_state/shard_{shape}" for linear in linears]
+        if moe:
+            e_at = f"{i}.{{e}}_{m.num_layers}.{m.num_experts}" if stacked(m) else f"{{e}}_{m.num_experts}"
+            keys += [f"{at}{linear}._extra_state/shard_{e_at.format(e=e)}" for linear in EXPERT_LINEARS
+                     for e in range(m.num_experts)]  # fmt: skip
+    return keys
 
 
 # ---- the run's settings: Megatron-LM's args <-> our config ----------------------------------
 TRAIN_FIELDS = ("micro_batch_size", "global_batch_size", "train_iters", "train_samples", "seed", "bf16", "fp16")
 REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ours can hold
-    "num_experts": "mixture of experts is not built here",
+    "moe_apply_probs_on_input": "the routing probabilities scale the experts' output here, not their input",
+    "moe_latent_size": "latent MoE projections are not built here",
+    "moe_shared_expert_glu_interleave_size": "the shared expert's fc1 rows are [gate | up] here, not interleaved",
+    "moe_mlp_glu_interleave_size": "the experts' fc1 rows are [gate | up] here, not interleaved",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
     "experimental_attention_variant": "megatron-core's gated delta net layers are not converted here",
 }
+
+
+def refused_args(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM args of a checkpoint that no model of ours holds, one reason each."""
+    why = [
+        f"--{k.replace('_', '-')} {getattr(args, k)}: {r}" for k, r in REFUSED_ARGS.items() if getattr(args, k, None)
+    ]
+    score = getattr(args, "moe_router_score_function", None) if getattr(args, "num_experts", None) else None
+    if score not in (None, "softmax", "sigmoid"):
+        why.append(f"--moe-router-score-function {score}: the router scores by softmax or sigmoid here")
+    return why
+
+
+def moe_layer_freq(freq) -> str:
+    """Megatron's parsed --moe-layer-freq (an int, or the list its parser evaluated) as our flag's text."""
+    return str(list(freq)) if isinstance(freq, (list, tuple)) else str(int(freq))
 
 
 def _take(section, name: str, value) -> None:
@@ -144,6 +282,8 @@ def config_from_args(args: argparse.Namespace, rows: int):
     if not given.get("experimental_attention_variant"):  # its GDN shapes (always in its args) are read only then
         for name in [n for n in vars(m) if n.startswith("linear_")]:
             setattr(m, name, None)
+    if given.get("moe_layer_freq") is not None:
+        m.moe_layer_freq = moe_layer_freq(given["moe_layer_freq"])
     if not given.get("add_position_embedding", True) and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"
     pad = m.make_vocab_size_divisible_by * given.get("tensor_model_parallel_size", 1)
@@ -153,7 +293,9 @@ def config_from_args(args: argparse.Namespace, rows: int):
     return cfg
 
 
-def args_from_config(cfg, iteration: int, consumed: int, rows: int, with_optimizer: bool = True) -> argparse.Namespace:
+def args_from_config(
+    cfg, iteration: int, consumed: int, rows: int, with_optimizer: bool = True, impl: str = "transformer_engine"
+) -> argparse.Namespace:
     """Megatron-LM's args of our run, as its checkpoints pickle them: our settings under their own (Megatron's)
     names, then every arg that Megatron-LM's `load_checkpoint` (`check_checkpoint_args`, RNG and optimizer
     choices) and `load_args_from_checkpoint` read, valued as Megatron-LM's parser and `validate_args` give them
@@ -190,6 +332,10 @@ def args_from_config(cfg, iteration: int, consumed: int, rows: int, with_optimiz
         no_save_rng=True,  # no RNG state is written: Megatron's load then starts its streams from the seed
         params_dtype=torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32,
     )
+    text = str(m.moe_layer_freq).strip()  # as Megatron-LM's parser gives it: an int, or the list it evaluated
+    ns["moe_layer_freq"] = int(text) if "[" not in text else moe_layer_pattern(text, m.num_layers)
+    if m.num_experts:  # validate_args' default width; the spec whose MoE layers' pre-MLP norm key it holds
+        ns.update(moe_ffn_hidden_size=m.expert_ffn_size, transformer_impl=impl)
     return argparse.Namespace(**ns)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ... import hf_remote
 from ...config.shapes import GDN_CONV_KERNEL
-from .base import ConversionError, decoder_config, special_token_ids
+from .base import ConversionError, decoder_config, experts_refusal, special_token_ids
 
 NAME = "remote"
 ARCHITECTURE = hf_remote.ARCHITECTURE
@@ -46,7 +46,7 @@ def unsupported(cfg) -> list[str]:
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); the remote code does not"),
         (not m.rotary_interleaved or not softmax, "its RoPE pairs are interleaved (--rotary-interleaved)"),
     ]
-    return [why for ok, why in checks if not ok]
+    return [why for ok, why in checks if not ok] + experts_refusal(cfg, "the remote code")
 
 
 def layer_types(cfg) -> list[str]:
