@@ -26,13 +26,10 @@ MLA = "multi-latent attention and DeepSeek sparse attention are not built"
 MUP = "the muP parametrization is not built"
 HYBRID = "Mamba and Megatron's hybrid layer patterns are not built"
 GDN_MOE = {
-    **{f: MOE for f in ["--num-experts", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"]},
-    **{f: MOE for f in ["--moe-shared-expert-gate", "--moe-router-load-balancing-type", "--moe-router-topk"]},
-    "--moe-router-dtype": MOE,
-    # Megatron's GDN is read as ours (--attention-type gdn, --softmax-attention-every 3, head dim 16), but
-    # for its 2 key heads under 4 value heads (grouped value heads are not built)
+    # its MoE flags and --attention-output-gate are ours; Megatron's GDN is read as ours (--attention-type gdn,
+    # --softmax-attention-every 3, head dim 16), but for its 2 key heads under 4 value heads (grouped value heads
+    # are not built)
     "--linear-num-key-heads": GDN,
-    "--attention-output-gate": "attention or position-embedding variant is not built",
 }
 
 # fixture -> (world size, the flags refused as written -> a piece of their reason); all others run

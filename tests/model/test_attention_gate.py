@@ -1,0 +1,163 @@
+"""Softmax attention with --attention-output-gate, partial RoPE (--rotary-percent), zero-centred norms
+(--apply-layernorm-1p) and q/k norms (--qk-layernorm) against transformers' own `Qwen3NextAttention` on the same
+weights (fp32), and against megatron-core's `SelfAttention` with `attention_output_gate` run on CPU.
+
+Row layouts: ours q | k | v | gate; Qwen3-Next's q_proj [q_h | gate_h] per head; megatron-core's linear_qkv
+[q heads | gate heads | k | v] per query group."""
+
+import contextlib
+import types
+from unittest import mock
+
+import pytest
+import torch
+from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
+
+from megatron_zpp.config import ModelConfig
+from megatron_zpp.model import ParallelContext
+from megatron_zpp.model.attention import SelfAttention
+from megatron_zpp.model.rope import rope_tables
+
+H, HEADS, KV, B, T = 64, 4, 2, 2, 11
+D = H // HEADS
+
+
+def _ours(rotary_percent: float, gate: bool = True, **kw) -> SelfAttention:
+    cfg = ModelConfig(
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        group_query_attention=True,
+        num_query_groups=KV,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        position_embedding_type="rope",
+        rotary_percent=rotary_percent,
+        rotary_base=10000.0,
+        qk_layernorm=True,
+        apply_layernorm_1p=True,
+        add_bias_linear=False,
+        attention_output_gate=gate,
+        attention_dropout=0.0,
+        seq_length=T,
+        **kw,
+    )
+    layer = SelfAttention(cfg, ParallelContext(), out_std=0.02)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every weight away from its init: 1p norms start at 0, which hides 1 + w vs w
+        for p in layer.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return layer.eval()
+
+
+def _split(layer: SelfAttention) -> tuple[torch.Tensor, ...]:
+    """Our qkv rows as (q, k, v, gate), each [heads, D, H]."""
+    q, k, v, g = layer.qkv.weight.detach().split([HEADS * D, KV * D, KV * D, HEADS * D])
+    return q.view(HEADS, D, H), k.view(KV, D, H), v.view(KV, D, H), g.view(HEADS, D, H)
+
+
+def _qwen3_next(layer: SelfAttention, rotary_percent: float) -> tuple[Qwen3NextAttention, Qwen3NextConfig]:
+    config = Qwen3NextConfig(
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=D,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary_percent},
+    )
+    config._attn_implementation = "eager"
+    ref = Qwen3NextAttention(config, layer_idx=0).eval()
+    q, k, v, g = _split(layer)
+    with torch.no_grad():
+        ref.q_proj.weight.copy_(torch.cat([q, g], 1).reshape(-1, H))  # per head: query then gate
+        ref.k_proj.weight.copy_(k.reshape(-1, H))
+        ref.v_proj.weight.copy_(v.reshape(-1, H))
+        ref.o_proj.weight.copy_(layer.proj.weight)
+        ref.q_norm.weight.copy_(layer.q_norm.weight)  # both store w and scale by 1 + w
+        ref.k_norm.weight.copy_(layer.k_norm.weight)
+    return ref, config
+
+
+@pytest.mark.parametrize("rotary_percent", [1.0, 0.25, 0.5])
+def test_matches_transformers_qwen3_next_attention(rotary_percent):
+    """Output and every weight's gradient equal Qwen3-Next's (fp32, 1e-6), partial rotary included."""
+    layer = _ours(rotary_percent)
+    ref, config = _qwen3_next(layer, rotary_percent)
+    x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(T)
+    ours = layer(x, rope_tables(layer.rotary_dim, positions, 10000.0))
+    cos, sin = Qwen3NextRotaryEmbedding(config)(x, positions[None].expand(B, T))
+    assert cos.shape[-1] == int(D * rotary_percent)  # their partial width is ours
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+    theirs, _ = ref(x, (cos, sin), causal)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+    (ours * theirs.detach().cos()).sum().backward()
+    (theirs * theirs.detach().cos()).sum().backward()
+    gq, gk, gv, gg = (t.grad for t in (ref.q_proj.weight, ref.k_proj.weight, ref.v_proj.weight, ref.o_proj.weight))
+    q_and_gate = gq.view(HEADS, 2, D, H)
+    theirs_qkv = torch.cat([q_and_gate[:, 0].reshape(-1, H), gk, gv, q_and_gate[:, 1].reshape(-1, H)])
+    pairs = [(layer.qkv, theirs_qkv), (layer.proj, gg), (layer.q_norm, ref.q_norm.weight.grad)]
+    for ours_grad, theirs_grad in [(m.weight.grad, t) for m, t in pairs] + [
+        (layer.k_norm.weight.grad, ref.k_norm.weight.grad)
+    ]:
+        _close(ours_grad, theirs_grad)
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, tol: float = 1e-6) -> None:
+    """Within `tol` of the reference's largest entry (fp32 sums of a few hundred terms)."""
+    err = (ours - theirs).abs().max().item()
+    assert err <= tol * theirs.abs().max().item(), (err, theirs.abs().max().item())
+
+
+def test_gate_off_is_the_ungated_layer_and_the_gate_acts():
+    """Without the flag qkv has no gate rows; with it, the output is the ungated one times sigmoid(gate)
+    before the output projection (a gate of +inf is the ungated layer), and a changed gate changes it."""
+    gated, plain = _ours(0.5), _ours(0.5, gate=False)
+    assert gated.qkv.weight.shape[0] == plain.qkv.weight.shape[0] + HEADS * D
+    with torch.no_grad():
+        plain.load_state_dict(
+            {**gated.state_dict(), "qkv.weight": gated.qkv.weight[: plain.qkv.weight.shape[0]]}, strict=True
+        )
+    x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(2))
+    rope = rope_tables(gated.rotary_dim, torch.arange(T), 10000.0)
+    assert (gated(x, rope) - plain(x, rope)).abs().max() > 1e-2
+    with torch.no_grad():
+        gated.qkv.weight[-HEADS * D :] = 0.0
+    # a zero gate row is sigmoid(0) = 1/2 on every channel: half the ungated output before proj (no bias)
+    torch.testing.assert_close(gated(x, rope), 0.5 * plain(x, rope), rtol=1e-6, atol=1e-7)
+
+
+class _GroupOfOne:
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def _mcore_on_cpu():
+    """megatron-core's attention on CPU: its buffers ask torch.cuda.current_device() (-> 'cpu')."""
+    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        yield
+
+
+def _mcore_attention(rotary_percent: float):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tcfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, kv_channels=D,
+        add_bias_linear=False, use_cpu_initialization=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        layernorm_zero_centered_gamma=True, qk_layernorm=True, attention_output_gate=True, attention_dropout=0.0,
+        hidden_dropout=0.0, rotary_interleaved=False, apply_rope_fusion=False,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules.self_attention
+    group = _GroupOfOne()
+    pgs = types.SimpleNamespace(**{k: group for k in ("tp", "cp", "tp_cp", "dp", "pp")})
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(spec, config=tcfg, layer_number=1, pg_collection=pgs), tcfg
