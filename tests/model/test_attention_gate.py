@@ -6,6 +6,7 @@ Row layouts: ours q | k | v | gate; Qwen3-Next's q_proj [q_h | gate_h] per head;
 [q heads | gate heads | k | v] per query group."""
 
 import contextlib
+import importlib
 import types
 from unittest import mock
 
@@ -24,7 +25,7 @@ D = H // HEADS
 
 
 def _ours(rotary_percent: float, gate: bool = True, **kw) -> SelfAttention:
-    cfg = ModelConfig(
+    settings = dict(
         hidden_size=H,
         num_attention_heads=HEADS,
         group_query_attention=True,
@@ -40,8 +41,8 @@ def _ours(rotary_percent: float, gate: bool = True, **kw) -> SelfAttention:
         attention_output_gate=gate,
         attention_dropout=0.0,
         seq_length=T,
-        **kw,
     )
+    cfg = ModelConfig(**{**settings, **kw})
     layer = SelfAttention(cfg, ParallelContext(), out_std=0.02)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # every weight away from its init: 1p norms start at 0, which hides 1 + w vs w
@@ -140,8 +141,20 @@ class _GroupOfOne:
 
 @contextlib.contextmanager
 def _mcore_on_cpu():
-    """megatron-core's attention on CPU: its buffers ask torch.cuda.current_device() (-> 'cpu')."""
-    with mock.patch("torch.cuda.current_device", lambda: "cpu"):
+    """megatron-core's attention on CPU: its buffers ask torch.cuda.current_device() (-> 'cpu'), and its
+    unfused core attention takes its scores buffer from the global memory buffer (one of its own, set here) and
+    forks the CUDA RNG tracker around its dropout (p = 0 here: no fork)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    no_fork = types.SimpleNamespace(fork=contextlib.nullcontext)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.cuda.current_device", lambda: "cpu"))
+        stack.enter_context(mock.patch.object(parallel_state, "_GLOBAL_MEMORY_BUFFER", GlobalMemoryBuffer()))
+        stack.enter_context(mock.patch.object(tensor_parallel, "get_cuda_rng_tracker", lambda: no_fork))
+        for name in ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers"):
+            module = importlib.import_module(name)  # its groups are stand-ins of size one: passed through
+            stack.enter_context(mock.patch.object(module, "get_tensor_model_parallel_group_if_none", lambda g, **k: g))
         yield
 
 
@@ -152,7 +165,7 @@ def _mcore_attention(rotary_percent: float):
     tcfg = TransformerConfig(
         num_layers=1, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, kv_channels=D,
         add_bias_linear=False, use_cpu_initialization=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
-        layernorm_zero_centered_gamma=True, qk_layernorm=True, attention_output_gate=True, attention_dropout=0.0,
+        qk_layernorm=True, attention_output_gate=True, attention_dropout=0.0,
         hidden_dropout=0.0, rotary_interleaved=False, apply_rope_fusion=False,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules.self_attention
@@ -161,3 +174,38 @@ def _mcore_attention(rotary_percent: float):
     from megatron.core.transformer.spec_utils import build_module
 
     return build_module(spec, config=tcfg, layer_number=1, pg_collection=pgs), tcfg
+
+
+def test_matches_megatron_core_self_attention_with_output_gate():
+    """megatron-core 0.19.2's SelfAttention (local spec: q/k RMSNorm, unfused core attention) with
+    attention_output_gate and rotary_percent 0.5, on our weights: output and gradients (fp32). Its torch norms
+    hold no zero-centred gamma, so 1p is off here (Qwen3-Next's test above covers it)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    layer = _ours(0.5, apply_layernorm_1p=False)
+    q, k, v, g = _split(layer)
+    per = HEADS // KV
+    with _mcore_on_cpu():
+        ref, _ = _mcore_attention(0.5)
+        with torch.no_grad():  # per query group: its q heads, their gate heads, its k head, its v head
+            ref.linear_qkv.weight.copy_(
+                torch.cat([q.view(KV, per * D, H), g.view(KV, per * D, H), k, v], 1).flatten(0, 1)
+            )
+            ref.linear_proj.weight.copy_(layer.proj.weight)
+            ref.q_layernorm.weight.copy_(layer.q_norm.weight)
+            ref.k_layernorm.weight.copy_(layer.k_norm.weight)
+        x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(3))
+        emb = RotaryEmbedding(kv_channels=D, rotary_percent=0.5, rotary_base=10000, use_cpu_initialization=True)(T)
+        causal = torch.ones(1, 1, T, T, dtype=torch.bool).triu(1)  # True: masked
+        theirs, _ = ref(x.transpose(0, 1).contiguous(), attention_mask=causal, rotary_pos_emb=emb)
+        theirs = theirs.transpose(0, 1)
+        ours = layer(x, rope_tables(layer.rotary_dim, torch.arange(T), 10000.0))
+        _close(ours, theirs)
+        (ours * theirs.detach().cos()).sum().backward()
+        (theirs * theirs.detach().cos()).sum().backward()
+    wq, wg, wk, wv = ref.linear_qkv.weight.grad.view(KV, 2 * per + 2, D, H).split([per, per, 1, 1], 1)
+    theirs_qkv = torch.cat([t.reshape(-1, H) for t in (wq, wk, wv, wg)])
+    _close(layer.qkv.weight.grad, theirs_qkv)
+    _close(layer.proj.weight.grad, ref.linear_proj.weight.grad)
+    _close(layer.q_norm.weight.grad, ref.q_layernorm.weight.grad)
+    _close(layer.k_norm.weight.grad, ref.k_layernorm.weight.grad)
