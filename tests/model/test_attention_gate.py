@@ -213,6 +213,27 @@ def test_matches_megatron_core_self_attention_with_output_gate():
     _close(layer.k_norm.weight.grad, ref.k_layernorm.weight.grad)
 
 
+def test_gate_is_refused_where_no_format_holds_it_and_without_softmax_layers():
+    """HF export: no format of ours holds the gate yet (GPT-2, Llama, our remote code): refused by name, not
+    exported without it. Validation: the flag on a model with no softmax layer is one line naming it."""
+    from megatron_zpp.checkpoint.formats.base import ConversionError
+    from megatron_zpp.checkpoint.formats.hf import export_format
+    from megatron_zpp.config import Config, ConfigError
+    from megatron_zpp.config.arguments import parse_args
+    from megatron_zpp.validation import validate
+
+    cfg = Config()
+    cfg.model = ModelConfig(
+        hidden_size=H, num_attention_heads=HEADS, normalization="RMSNorm", activation="swiglu",
+        position_embedding_type="rope", add_bias_linear=False, attention_output_gate=True,
+    )  # fmt: skip
+    with pytest.raises(ConversionError) as refused:
+        export_format(cfg)
+    assert str(refused.value).count("--attention-output-gate") == 3
+    with pytest.raises(ConfigError, match="--attention-output-gate gates softmax attention's output.*none"):
+        validate(parse_args("--mock-data --attention-type gla --attention-output-gate".split()), 1)
+
+
 # ---- through TP, SP, CP and PP: one spawn of 4 ranks, each layout against one rank (tests/test_parity.py's rule)
 # Qwen3-Next's softmax layer: the output gate, partial RoPE, 1p norms, q/k norms; init std 0.2 so that a gate
 # column on the wrong rank, token or head moves the losses far past their 1e-5 (the GDN layers between are

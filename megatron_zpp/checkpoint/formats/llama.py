@@ -36,6 +36,8 @@ def unsupported(cfg) -> list[str]:
         why.append("it has linear biases; the Llama export holds none")
     if m.rotary_percent != 1.0:
         why.append(f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels; the Llama export rotates all")
+    if m.attention_output_gate:
+        why.append("it gates its attention output (--attention-output-gate); Llama does not")
     return why
 
 
