@@ -78,6 +78,7 @@ class Dims:
     cp: int = 1  # context-parallel ranks
     cp_gather: bool = False  # --cp-algo all-gather: every rank's state transition is kept for the backward
     linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
+    gate: bool = False  # softmax attention's output gate (--attention-output-gate)
 
     @property
     def width(self) -> int:
@@ -110,6 +111,7 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         cp=cp,
         cp_gather=p.cp_algo == "all-gather",
         linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
+        gate=m.attention_output_gate,
     )
 
 
@@ -151,10 +153,12 @@ def softmax_layer(x: Dims, selective: bool) -> int:
     """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
     keeps v as a view of it), the rotated q and k (new tensors under RoPE; views of qkv without),
     the core, proj's input (the re-laid-out output), norm2, the MLP, hidden dropout masks.
-    Selective recompute drops the core."""
+    Selective recompute drops the core. The output gate adds its qkv section (e), its sigmoid (fp32) and
+    the gated product, proj's input (e), beside the output the product keeps."""
     bs = x.b * x.s
     rotated = (x.heads + x.kv) * x.d if x.rope else 0
-    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d)
+    gate = (2 * x.e + 4) * x.width if x.gate else 0
+    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d) + bs * gate
     core = 0 if selective else softmax_core_saved(x)
     return 2 * norm_saved(x) + qkv + core + mlp_saved(x) + dropout_saved(x)
 

@@ -8,6 +8,7 @@ Row layouts: ours q | k | v | gate; Qwen3-Next's q_proj [q_h | gate_h] per head;
 import contextlib
 import importlib
 import types
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -232,6 +233,36 @@ def test_gate_is_refused_where_no_format_holds_it_and_without_softmax_layers():
     assert str(refused.value).count("--attention-output-gate") == 3
     with pytest.raises(ConfigError, match="--attention-output-gate gates softmax attention's output.*none"):
         validate(parse_args("--mock-data --attention-type gla --attention-output-gate".split()), 1)
+
+
+def _saved_activation_bytes(layer: SelfAttention, dtype: torch.dtype) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of one forward, but the input's and the
+    weights'."""
+    layer = layer.to(dtype).train()
+    x = torch.randn(B, T, H, dtype=dtype, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in [x, *layer.parameters()]}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, rope_tables(layer.rotary_dim, torch.arange(T), 10000.0))
+    return sum(n for ptr, n in storages.items() if ptr not in skip)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_estimator_counts_what_the_gate_keeps(dtype):
+    """planning/memory.py's softmax block with the gate minus without it is what autograd keeps more."""
+    from megatron_zpp.planning import memory
+
+    e = dtype.itemsize
+    x = memory.Dims(b=B, s=T, s_norm=T, h=H, heads=HEADS, kv=KV, d=D, ffn=4 * H, vocab=64, e=e, low_rank=0,
+                    dropout=False, masked=False, chunk=16)  # fmt: skip
+    estimated = memory.softmax_layer(replace(x, gate=True), False) - memory.softmax_layer(x, False)
+    measured = _saved_activation_bytes(_ours(1.0), dtype) - _saved_activation_bytes(_ours(1.0, gate=False), dtype)
+    assert estimated == measured == (2 * e + 4) * B * T * HEADS * D
 
 
 # ---- through TP, SP, CP and PP: one spawn of 4 ranks, each layout against one rank (tests/test_parity.py's rule)
