@@ -235,6 +235,23 @@ def test_gate_is_refused_where_no_format_holds_it_and_without_softmax_layers():
         validate(parse_args("--mock-data --attention-type gla --attention-output-gate".split()), 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norm_is_qwen3_nexts(dtype):
+    """--apply-layernorm-1p's RMSNorm equals Qwen3NextRMSNorm bitwise, in bf16 too: 1 + w formed in fp32 (in
+    bf16 it rounded w to steps of 2^-7: 575 of 2048 outputs differed, by up to 1.6e-2, before the fix)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    from megatron_zpp.model.norm import RMSNorm
+
+    ours, theirs = RMSNorm(256, 1e-6, one_plus=True), Qwen3NextRMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(0.01 * torch.randn(256, generator=torch.Generator().manual_seed(0)))
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours_y, theirs_y = ours.to(dtype)(x), theirs.to(dtype)(x)
+    assert ours_y.dtype == theirs_y.dtype == dtype and torch.equal(ours_y, theirs_y)
+
+
 def _saved_activation_bytes(layer: SelfAttention, dtype: torch.dtype) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward, but the input's and the
     weights'."""
