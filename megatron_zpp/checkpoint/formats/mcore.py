@@ -73,9 +73,7 @@ def qkv_from_mcore(w: torch.Tensor, m) -> torch.Tensor:
     """The inverse of `qkv_to_mcore`."""
     g, per, d = _qkv_sizes(m)
     rest, gate_rows = w.shape[1:], per * d if m.attention_output_gate else 0
-    q, gate, k, v = w.reshape(g, 2 * per * d + 2 * d if gate_rows else (per + 2) * d, *rest).split(
-        [per * d, gate_rows, d, d], 1
-    )
+    q, gate, k, v = w.reshape(g, per * d + gate_rows + 2 * d, *rest).split([per * d, gate_rows, d, d], 1)
     return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, gate)])
 
 
