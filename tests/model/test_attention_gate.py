@@ -290,9 +290,10 @@ GATED = (
     "--attention-type softmax --attention-output-gate --rotary-percent 0.5 --qk-layernorm --apply-layernorm-1p "
     "--init-method-std 0.2"
 ).split()
-GATED_LAYOUTS = [  # 4 ranks each (DP makes up the rest)
-    "--tensor-model-parallel-size 2 --sequence-parallel",
-    "--context-parallel-size 2 --pipeline-model-parallel-size 2",
+GATED_LAYOUTS = [  # 4 ranks each (DP makes up the rest); recompute reruns the gate (full) or keeps it (selective)
+    "--tensor-model-parallel-size 2 --sequence-parallel --recompute-granularity selective",
+    "--context-parallel-size 2 --pipeline-model-parallel-size 2 --recompute-granularity full --recompute-method "
+    "uniform --recompute-num-layers 1",
     "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --reset-attention-mask "
     "--reset-position-ids",
 ]
