@@ -252,6 +252,40 @@ def test_zero_centred_rms_norm_is_qwen3_nexts(dtype):
     assert ours_y.dtype == theirs_y.dtype == dtype and torch.equal(ours_y, theirs_y)
 
 
+def test_flops_equal_megatron_lms():
+    """perf.flops_per_token (the MFU's) of a gated GQA model equals Megatron-LM's own
+    `num_floating_point_operations` on the same command line (its parser and validate_args), gate term included."""
+    import sys
+    import typing
+
+    import typing_extensions
+
+    typing.override = getattr(typing, "override", typing_extensions.override)  # megatron.training needs 3.12's
+    from megatron.training import arguments
+    from megatron.training.training import num_floating_point_operations
+
+    from megatron_zpp import perf
+    from megatron_zpp.config.arguments import parse_args
+
+    flags = (
+        "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+        "--seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 2 --swiglu "
+        "--position-embedding-type rope --disable-bias-linear --normalization RMSNorm --vocab-size 512 --mock-data"
+    )
+    for gate in ("", " --attention-output-gate"):
+        argv = (flags + gate).split()
+        saved, sys.argv = sys.argv, ["pretrain_gpt.py", *argv, "--tokenizer-type", "NullTokenizer"]
+        try:
+            with contextlib.redirect_stdout(None):
+                args = arguments.parse_args()
+                arguments.validate_args(args, {})
+        finally:
+            sys.argv = saved
+        args.padded_vocab_size = 512
+        ours = perf.flops_per_token(parse_args(argv).model, 512) * 2 * 128
+        assert ours == num_floating_point_operations(args, 2), gate
+
+
 def _saved_activation_bytes(layer: SelfAttention, dtype: torch.dtype) -> int:
     """Bytes of the distinct storages autograd keeps for the backward of one forward, but the input's and the
     weights'."""
