@@ -64,5 +64,5 @@ def test_per_kind_numbers_written_out():
     assert gdn.forward_flops_per_token(h, seq) == 2 * (h * (4 * w + 2 * heads) + w * h) + 2 * w * (2 * C + 3 * d)
     assert low.projection_width(tp=2) == 4 * w + 2 * r
     gated = parse_args((KINDS["gdn_gated_softmax"] + " --mock-data").split()).model.mixer(2)  # q | k | v | gate
-    assert gated.kind == "softmax" and gated.sections == (w, kv, kv, w)
-    assert gated.forward_flops_per_token(h, seq) == 2 * (h * (2 * w + 2 * kv) + w * h) + 2 * seq * w
+    assert gated.kind == "softmax" and gated.sections == (w, w, w, w)  # one kv head per head here
+    assert gated.forward_flops_per_token(h, seq) == 2 * (4 * h * w + w * h) + 2 * seq * w
