@@ -82,6 +82,7 @@ class Dims:
     cp_gather: bool = False  # --cp-algo all-gather: every rank's state transition is kept for the backward
     linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
     moe_imbalance: float = 1.0  # an MoE layer's busiest rank: its routed rows over an even share (moe_memory.py)
+    gate: bool = False  # softmax attention's output gate (--attention-output-gate)
 
     @property
     def width(self) -> int:
@@ -115,6 +116,7 @@ def dims(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0
         cp_gather=p.cp_algo == "all-gather",
         linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
         moe_imbalance=moe_imbalance,
+        gate=m.attention_output_gate,
     )
 
 
@@ -156,10 +158,12 @@ def softmax_layer(x: Dims, selective: bool) -> int:
     """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
     keeps v as a view of it), the rotated q and k (new tensors under RoPE; views of qkv without),
     the core, proj's input (the re-laid-out output), norm2, hidden dropout masks (the FFN: `ffn_saved`).
-    Selective recompute drops the core."""
+    Selective recompute drops the core. The output gate adds its qkv section (e), its sigmoid (fp32) and
+    the gated product, proj's input (e), beside the output the product keeps."""
     bs = x.b * x.s
     rotated = (x.heads + x.kv) * x.d if x.rope else 0
-    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d)
+    gate = (2 * x.e + 4) * x.width if x.gate else 0
+    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d) + bs * gate
     core = 0 if selective else softmax_core_saved(x)
     return 2 * norm_saved(x) + qkv + core + dropout_saved(x)
 
