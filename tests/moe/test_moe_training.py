@@ -20,6 +20,8 @@ MOE = (
 MODELS = {
     "moe_gpt": KINDS["softmax"] + MOE,
     "moe_gpt_8": KINDS["softmax"] + MOE + ["--num-experts", "8"],
+    # packed documents (positions and attention restart at each document)
+    "moe_gdn_packed": KINDS["gdn_hybrid"] + MOE + ["--reset-position-ids", "--reset-attention-mask"],
     # token dropping: an expert takes at most 1.0 x its even share of a rank's routes, the lowest probabilities
     # dropped first, counted on each rank's own tokens (megatron-core's capacity)
     "moe_gpt_capacity": KINDS["softmax"]
@@ -56,6 +58,12 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         # expert TP apart from attention TP: experts cut over 4 ranks, attention over 2
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4" + A2A),
         ("moe_gpt", "--expert-tensor-parallel-size 2"),  # expert TP 2 without TP (allgather)
+        # interleaved 1F1B (2 virtual stages a rank) x EP 2, whole layers recomputed, packed documents
+        (
+            "moe_gdn_packed",
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" + A2A,
+        ),
     ],
     8: [  # EP 8 over TP 2 (SP) x DP 4: each rank holds one of the 8 experts
         (
