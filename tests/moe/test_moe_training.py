@@ -37,11 +37,14 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ("moe_gdn_hybrid", "--context-parallel-size 2"),
         ("moe_gpt", "--pipeline-model-parallel-size 2"),
         ("moe_gdn_hybrid", "--use-distributed-optimizer --zero-stage 3"),
-        ("moe_gpt", "--expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--expert-model-parallel-size 2 --overlap-grad-reduce --ddp-bucket-size 2000" + A2A),
         ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel"),  # expert TP 2 (= TP, Megatron's default)
         ("moe_gdn_hybrid", "--context-parallel-size 2 --expert-model-parallel-size 2" + A2A),
-        ("moe_gpt", "--expert-model-parallel-size 2 --moe-layer-recompute" + A2A),
+        (
+            "moe_gpt",
+            "--expert-model-parallel-size 2 --moe-layer-recompute --use-distributed-optimizer --zero-stage 2" + A2A,
+        ),
         ("moe_gpt_capacity", "--expert-model-parallel-size 2"),  # the same local tokens: the same drops
         ("moe_gpt_capacity", "--pipeline-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
     ],
@@ -54,7 +57,11 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ),
         ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
-        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
+        (
+            "moe_gdn_hybrid",
+            "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1 --overlap-grad-reduce "
+            "--overlap-param-gather" + A2A,
+        ),
         # expert TP apart from attention TP: experts cut over 4 ranks, attention over 2
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4" + A2A),
         ("moe_gpt", "--expert-tensor-parallel-size 2"),  # expert TP 2 without TP (allgather)
