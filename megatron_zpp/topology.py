@@ -454,7 +454,7 @@ def topology_from_config(cfg: Config, world_size: int | None = None, ranks_per_n
         ranks_per_node=rpn,
         sub_node_tiers=sub_node,
         ep=getattr(p, "expert_model_parallel_size", 1),
-        etp=getattr(p, "expert_tensor_parallel_size", None) or p.tensor_model_parallel_size,
+        etp=p.expert_tp_size,
     )
 
 

@@ -174,6 +174,11 @@ CASES = [
     ("pretrain", lambda f: pretrain("--data-path", f["dir"]), "is a directory; give the prefix"),
     ("pretrain", lambda f: pretrain("--data-path", f["no_bin"]), "no_bin.bin is missing"),
     ("pretrain", lambda f: pretrain("--data-path", f["no_idx"]), "no_idx.idx is missing"),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--attention-type", "gdn", "--attention-output-gate"),
+        "--attention-output-gate gates softmax attention's output, and this model has none",
+    ),
     ("pretrain", lambda f: pretrain("--data-path", f["bin_dir"]), "is a directory, not a file"),
     ("pretrain", lambda f: pretrain("--data-path", "0.3", f["good"], "0.7x", f["good"]), "weight '0.7x'"),
     ("pretrain", lambda f: pretrain("--data-path", "nan", f["good"]), "weight 'nan'"),

@@ -15,16 +15,20 @@ ISSUE = "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 
 
 def expected_count(cfg) -> int:
-    """Embedding V h (+ positions P h); per layer: two norms, qkv (+ bias), the output projection (+ bias),
-    fc1 (x2 for SwiGLU, + bias), fc2 (+ bias); the final norm; an untied output layer V h (no bias)."""
+    """Embedding V h (+ positions P h); per layer: two norms, qkv (+ its output gate, + bias), the q/k norms
+    (--qk-layernorm: a [d] weight each), the output projection (+ bias), fc1 (x2 for SwiGLU, + bias), fc2
+    (+ bias); the final norm; an untied output layer V h (no bias)."""
     m = cfg.model
     V, h, L = memory.dims(cfg).vocab, m.hidden_size, m.num_layers
     d, n, g = m.hidden_size // m.num_attention_heads, m.num_attention_heads, m.kv_heads
     norm = (1 if m.normalization == "RMSNorm" else 2) * h
     ffn = m.ffn_size * (2 if m.activation == "swiglu" else 1)
-    qkv_out = (n + 2 * g) * d
+    qkv_out = (n + 2 * g) * d + (
+        n * d if m.attention_output_gate else 0
+    )  # --attention-output-gate: a gate per q channel
     bias = m.add_bias_linear
     layer = 2 * norm + h * qkv_out + (qkv_out if (bias or m.add_qkv_bias) else 0)
+    layer += 2 * (norm // h) * d if m.qk_layernorm else 0
     layer += n * d * h + (h if bias else 0) + h * ffn + (ffn if bias else 0) + m.ffn_size * h + (h if bias else 0)
     total = V * h + L * layer + norm
     total += (m.max_position_embeddings * h) if m.position_embedding_type == "learned_absolute" else 0
@@ -38,6 +42,13 @@ CASES = {
         "--num-layers 4 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
         "--swiglu --normalization RMSNorm --disable-bias-linear --add-qkv-bias --seq-length 32 "
         "--pipeline-model-parallel-size 2",
+        2,
+        None,
+    ),
+    "output_gate_qk_norm_pp2": (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+        "--swiglu --normalization RMSNorm --disable-bias-linear --add-qkv-bias --seq-length 32 "
+        "--attention-output-gate --qk-layernorm --pipeline-model-parallel-size 2",
         2,
         None,
     ),

@@ -2,6 +2,10 @@
 
     --world-size N        ranks of the launch (default: $WORLD_SIZE or 1)
     --gpu-memory-gb G     device memory per GPU in GiB: also print the largest --micro-batch-size that fits
+    --moe-imbalance F     mixture of experts: the busiest rank's routed tokens over an even share (default 1.0,
+                          a perfectly balanced router; dropless routing is data-dependent: 1.2-2 early in
+                          training is common). Capped by --moe-expert-capacity-factor; ignored when
+                          --moe-pad-expert-input-to-capacity fixes every expert's rows
 
     python tools/estimate_memory.py --world-size 8 --gpu-memory-gb 80 --mock-data --num-layers 24 \\
         --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 \\
@@ -42,6 +46,7 @@ def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     ap.add_argument("--gpu-memory-gb", type=float, default=None)
+    ap.add_argument("--moe-imbalance", type=float, default=1.0)
     return ap.parse_known_args(argv)
 
 
@@ -49,8 +54,8 @@ def fmt(n: int) -> str:
     return f"{n:>16,d}  {n / memory.GiB:>9.3f}"
 
 
-def report(cfg, gpu_gb: float | None) -> str:
-    ranks = memory.estimate(cfg)
+def report(cfg, gpu_gb: float | None, moe_imbalance: float = 1.0) -> str:
+    ranks = memory.estimate(cfg, moe_imbalance=moe_imbalance)
     worst = max(ranks, key=lambda r: r.peak)
     p = cfg.parallel
     lines = [
@@ -58,7 +63,8 @@ def report(cfg, gpu_gb: float | None) -> str:
         f"DP {p.data_parallel_size} x PP {p.pipeline_model_parallel_size}, ZeRO-{cfg.zero.zero_stage}, "
         f"micro-batch {cfg.train.micro_batch_size}, {cfg.num_micro_batches} micro-batches per step, "
         f"recompute {cfg.model.recompute_granularity or 'none'}"
-        + (f" ({cfg.model.recompute_method}, {cfg.model.recompute_num_layers})" if cfg.model.recompute_method else ""),
+        + (f" ({cfg.model.recompute_method}, {cfg.model.recompute_num_layers})" if cfg.model.recompute_method else "")
+        + _experts_line(cfg, moe_imbalance),
         f"worst pipeline stage: {worst.stage} of {len(ranks)}",
         f"{'term':<52} {'bytes':>16}  {'GiB':>9}",
     ]
@@ -88,11 +94,13 @@ def report(cfg, gpu_gb: float | None) -> str:
         lines.append("per stage peak: " + ", ".join(f"{r.stage}: {r.peak / memory.GiB:.3f} GiB" for r in ranks))
     lines.append(
         "activations per micro-batch and layer, by kind and recompute mode (GiB): "
-        + "; ".join(f"{k}: {v / memory.GiB:.4f}" for k, v in memory.layer_table(cfg).items())
+        + "; ".join(
+            f"{k}: {v / memory.GiB:.4f}" for k, v in memory.layer_table(cfg, moe_imbalance=moe_imbalance).items()
+        )
     )
     if gpu_gb is not None:
         budget = 0.9 * gpu_gb * memory.GiB
-        best = memory.largest_micro_batch(cfg, budget)
+        best = memory.largest_micro_batch(cfg, budget, moe_imbalance=moe_imbalance)
         lines.append(
             f"largest --micro-batch-size that fits {gpu_gb:g} GiB (90% of it): {best}"
             if best
@@ -102,17 +110,35 @@ def report(cfg, gpu_gb: float | None) -> str:
     return "\n".join(lines)
 
 
+def _experts_line(cfg, imbalance: float) -> str:
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return ""
+    etp = p.expert_tp_size
+    return (
+        f"\nexperts: {m.num_experts} per MoE layer, top-{m.moe_router_topk}, EP {p.expert_model_parallel_size} x "
+        f"expert TP {etp} ({m.num_experts // p.expert_model_parallel_size} per rank), "
+        f"{m.moe_token_dispatcher_type} dispatcher; routed rows: an even share x {imbalance:g} (--moe-imbalance)"
+    )
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
         print(__doc__)
     ours, rest = tool_args(argv)
+    if not ours.moe_imbalance >= 1.0:  # this tool's own argument first (nan too)
+        print(
+            f"error: --moe-imbalance {ours.moe_imbalance}: give a factor >= 1 (the busiest rank's share)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cfg = parse_config(rest, ours.world_size, run=False)
     except ConfigError as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2
-    print(report(cfg, ours.gpu_memory_gb))
+    print(report(cfg, ours.gpu_memory_gb, ours.moe_imbalance))
     return 0
 
 

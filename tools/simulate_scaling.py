@@ -9,6 +9,9 @@ pretrain_gpt.py, plus
     --link-gbps G           override the inter-node bandwidth per node (Gbit/s)
     --json                  print one JSONL row (plots, tools/plot_scaling.py) instead of the table
     --experiment NAME       the row's "experiment" key [default: simulate]
+    --moe-imbalance F       mixture of experts: the busiest rank's routed rows over an even share (>= 1; default
+                            1.0, a balanced router): its token exchanges and experts take F x as long and set
+                            the step; the bytes printed stay the mean (what the ledger's mean records)
 
     python tools/simulate_scaling.py --system v100-ib100 --world-size 64 --mock-data --num-layers 40 \\
         --hidden-size 6144 --num-attention-heads 48 --seq-length 512 --global-batch-size 128 \\
@@ -46,6 +49,7 @@ def tool_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--link-gbps", type=float, default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--experiment", default="simulate")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0)
     return ap.parse_known_args(argv)
 
 
@@ -98,7 +102,8 @@ def report(cfg, cluster, bd) -> str:
         + (" qwZ" if z.zero_quantized_weights else "")
         + (f" hpZ{z.zero_hpz_partition_size}" if z.zero_hpz_partition_size > 1 else "")
         + (" qgZ" if z.zero_quantized_gradients else "")
-        + f", {cfg.num_micro_batches} micro-batches per step",
+        + f", {cfg.num_micro_batches} micro-batches per step"
+        + _experts(cfg),
         f"{'step time':<36} {bd.step_time_s * 1e3:12.3f} ms",
         f"{'  compute':<36} {bd.compute_s * 1e3:12.3f} ms",
     ]
@@ -120,11 +125,28 @@ def report(cfg, cluster, bd) -> str:
     return "\n".join(lines)
 
 
+def _experts(cfg) -> str:
+    m, p = cfg.model, cfg.parallel
+    if not m.num_experts:
+        return ""
+    etp = p.expert_tp_size
+    return (
+        f"; {m.num_experts} experts top-{m.moe_router_topk}, EP {p.expert_model_parallel_size} x expert TP {etp}, "
+        f"{m.moe_token_dispatcher_type} dispatcher"
+    )
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:  # this tool's own flags, then pretrain_gpt.py's
         print(__doc__)
     ours, rest = tool_args(argv)
+    if not ours.moe_imbalance >= 1.0:  # this tool's own argument first (nan too)
+        print(
+            f"error: --moe-imbalance {ours.moe_imbalance}: give a factor >= 1 (the busiest rank's share)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cluster = preset(ours.system, ours.system_file)
         if ours.link_gbps:
@@ -132,7 +154,7 @@ def main(argv=None) -> int:
         if "--ranks-per-node" not in rest:
             rest += ["--ranks-per-node", str(min(cluster.ranks_per_node, ours.world_size))]
         cfg = parse_config(rest, ours.world_size, run=False)
-        bd = simulate(cfg, cluster)
+        bd = simulate(cfg, cluster, ours.moe_imbalance)
     except (ConfigError, KeyError, FileNotFoundError, ValueError) as e:
         print("error: " + str(e).replace("\n", "\nerror: "), file=sys.stderr)
         return 2

@@ -71,7 +71,7 @@ def build_chunks(cfg: Config, vocab: int, tp_rank: int, pp_rank: int, ep_rank: i
 def model_shapes(cfg: Config, vocab: int) -> dict[str, tuple]:
     """{single-rank parameter name: full shape} of the model `cfg` describes (every expert: each EP rank's)."""
     tp, ep = cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size
-    etp = cfg.parallel.expert_tensor_parallel_size or tp
+    etp = cfg.parallel.expert_tp_size
     return {
         n: tuple(full_shape(p, etp if getattr(p, "expert_parallel", False) else tp))
         for stage in range(cfg.parallel.pipeline_model_parallel_size)

@@ -18,7 +18,9 @@ keys; DCP reshards):
   layer_norm_bias}` (pre_mlp_layernorm), `...linear_fc2.{weight,bias}`, and a None `_extra_state`
   object per linear and layer (`<key>._extra_state/shard_<layer>_<layers>`);
 * linear_qkv's rows grouped per query group: [groups, (q heads per group + 2) x head_dim] (q heads,
-  k, v of group 0, then of group 1, ...); ours are [q | k | v], each head-major. linear_fc1 with
+  k, v of group 0, then of group 1, ...); ours are [q | k | v], each head-major. With
+  --attention-output-gate each group's q heads are followed by their gates ([groups, (2 x q heads per group
+  + 2) x head_dim]); ours [q | k | v | gate]. linear_fc1 with
   SwiGLU is [gate | up], as ours;
 * Adam's state, read and written by mcore_optimizer.py: FP32Optimizer / Float16OptimizerWithFloat16Params
   keep `optimizer.state.{exp_avg,exp_avg_sq}.<model key>` and, in bf16/fp16, the fp32 masters
@@ -351,9 +353,7 @@ def _adam_common(cfg, step: float, nested: bool) -> dict:
         return {"optimizer": state} if nested else state  # Float16OptimizerWithFloat16Params nests it once more
 
     p, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
-    if not (
-        cfg.model.num_experts and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or tp) != tp)
-    ):
+    if not (cfg.model.num_experts and (p.expert_model_parallel_size > 1 or p.expert_tp_size != tp)):
         return one(_param_groups(cfg))
     experts = {**_param_groups(cfg)[0], "is_expert_parallel": True}  # 2-D weights only (the experts hold no bias)
     return {0: one(_param_groups(cfg)), 1: one([experts])}

@@ -390,7 +390,6 @@ FAMILIES = [
         _any(
             _starts("--window-", "--yarn-", "--no-yarn-", "--relative-attention-", "--rope-", "--no-rope-freq"),
             _starts("--qk-", "--rotary-seq-len-", "--rotary-interleaved", "--use-rope-scaling", "--softmax-type"),
-            _named("--attention-output-gate"),
         ),
     ),
     (

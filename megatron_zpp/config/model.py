@@ -158,6 +158,13 @@ class ModelConfig(MoEFields):
     add_qkv_bias: bool = opt(
         False, "--add-qkv-bias", "a bias on the qkv projection only (implied by --add-bias-linear), as Megatron"
     )
+    attention_output_gate: bool = opt(
+        False,
+        "--attention-output-gate",
+        "softmax attention's output gate, as Megatron and Qwen3-Next: qkv also projects a gate per query channel, and "
+        "the attention output is multiplied by sigmoid(gate) (element-wise) before the output projection; needs "
+        "softmax layers",
+    )
     apply_layernorm_1p: bool = opt(
         False,
         "--apply-layernorm-1p",
@@ -264,6 +271,7 @@ class ModelConfig(MoEFields):
             self.kv_heads,
             self.gla_gate_low_rank,
             self.linear_chunk_size,
+            self.attention_output_gate,
         )
 
     def ffn(self, layer: int) -> FfnShape:

@@ -79,6 +79,11 @@ class ParallelConfig:
     world_size: int = 1
     data_parallel_size: int = 1
 
+    @property
+    def expert_tp_size(self) -> int:
+        """--expert-tensor-parallel-size, Megatron's default: the attention TP."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
 
 @dataclass
 class ZeroConfig:

@@ -105,12 +105,21 @@ class FfnShape:
 
 
 def mixer_shape(
-    kind: str, heads: int, head_dim: int, kv_heads: int, gla_gate_low_rank: int, chunk: int | None
+    kind: str,
+    heads: int,
+    head_dim: int,
+    kv_heads: int,
+    gla_gate_low_rank: int,
+    chunk: int | None,
+    output_gate: bool = False,
 ) -> MixerShape:
-    """The shape of a `kind` mixer of `heads` heads of `head_dim` channels."""
+    """The shape of a `kind` mixer of `heads` heads of `head_dim` channels (`output_gate`: softmax attention's
+    element-wise sigmoid gate on its output, --attention-output-gate)."""
     width = heads * head_dim
-    if kind == "softmax":  # q | k | v
-        sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim)
+    if kind == "softmax":  # q | k | v (| output gate, one per query channel)
+        sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim) + (
+            (width,) if output_gate else ()
+        )
         return MixerShape(kind, sections, width, heads, head_dim, head_dim, kv_heads=kv_heads)
     # a linear mixer: a K x V state per head (K = V = head dim), run in chunks
     linear = MixerShape(kind, (), width, heads, head_dim, head_dim, chunk=chunk)

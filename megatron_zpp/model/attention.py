@@ -3,6 +3,11 @@ learned absolute positions are added to the embedding), on PyTorch
 SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
 over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads.
 
+--attention-output-gate (megatron-core's, Qwen3-Next's): qkv also projects a gate per query channel, and the
+attention output is multiplied by its sigmoid before the output projection. Our qkv rows are q | k | v | gate
+(megatron-core interleaves q | gate | k | v per query group, Qwen3-Next q | gate per head in q_proj: the
+converters reorder rows).
+
 Packed documents (--reset-attention-mask): a boolean block-diagonal causal mask [B, 1, T, T]
 built from the document ids (the math path on CPU). On GPU, SDPA with a mask runs the
 memory-efficient kernel, not flash; the flash path would be per-document varlen attention
@@ -67,9 +72,10 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.backend = cfg.attention_backend
         self.selective = cfg.recompute_granularity == "selective"  # the core attention is recomputed in backward
+        self.gated = cfg.attention_output_gate
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size,
-            list(cfg.mixer_of_kind("softmax").sections),  # q | k | v
+            list(cfg.mixer_of_kind("softmax").sections),  # q | k | v (| gate): each split by heads over TP
             tp,
             cfg.init_method_std,
             sequence_parallel,
@@ -107,10 +113,12 @@ class SelfAttention(nn.Module):
             q, k = rope_ops.apply_rope_qk(qk[..., : self.rotary_dim].contiguous(), *rope, q_heads=self.heads)
             q = torch.cat([q, qk[:, :, : self.heads, self.rotary_dim :]], dim=-1)
             k = torch.cat([k, qk[:, :, self.heads :, self.rotary_dim :]], dim=-1)
-        v = qkv[..., qk_width:].view(B, T, self.kv_heads, d)
+        v = qkv[..., qk_width : qk_width + self.kv_heads * d].view(B, T, self.kv_heads, d)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        o = self._core_attention(q, k, v, documents)
-        return self.proj(o.transpose(1, 2).reshape(B, T, self.heads * d))
+        o = self._core_attention(q, k, v, documents).transpose(1, 2).reshape(B, T, self.heads * d)
+        if self.gated:  # --attention-output-gate: per channel, local to the token (CP and SP need nothing more)
+            o = _output_gate(o, qkv[..., qk_width + self.kv_heads * d :])
+        return self.proj(o)
 
     def _normed(self, qk: torch.Tensor) -> torch.Tensor:
         """--qk-layernorm: each query and key head normalized (q's weight for q heads, k's for k heads)."""
@@ -128,6 +136,12 @@ class SelfAttention(nn.Module):
                 return attention_context_parallel(q, k, v, self.cp, dropout, self.training, doc_ids, self.selective)
             attend = functools.partial(_attend, self.backend, dropout, self.kv_heads != self.heads)
             return recompute.checkpoint(attend, q, k, v) if self.selective else attend(q, k, v)
+
+
+def _output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(gate), the sigmoid in fp32 and the product back in o's dtype (megatron-core's
+    `_apply_output_gate`; Qwen3-Next's `attn_output * torch.sigmoid(gate)`, the same in fp32)."""
+    return (o * torch.sigmoid(gate.float())).to(o.dtype)
 
 
 def _attend(backend: str, dropout: float, gqa: bool, q, k, v):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import comm
 from ..config import ModelConfig
@@ -120,6 +121,8 @@ def moe_step(chunks, groups, num_micro_batches: int, num_layers: int) -> dict[st
             table[m.layer, 3 + len(LOSS_NAMES) :] = routes[i]
             m.route_counts = None
     comm.all_reduce(table, groups.pp, "moe_metrics")
+    if is_fake(table):  # a dry run (fake tensors): the collectives ran, there are no values to report
+        return {}
     return _metrics(table.cpu())
 
 

@@ -23,8 +23,10 @@ class _Norm(nn.Module):
         self.weight = mark(nn.Parameter(torch.empty(dim)), init, tp_partial_grad=sequence_parallel)
 
     def scale(self) -> torch.Tensor:
-        """The weight the norm multiplies by: w, or 1 + w with --apply-layernorm-1p."""
-        return self.weight + 1 if self.one_plus else self.weight
+        """The weight the norm multiplies by: w, or 1 + w with --apply-layernorm-1p, formed in fp32 (as
+        transformer-engine's zero-centred gamma and Qwen3-Next's `1.0 + weight.float()`): in bf16, 1 + w would
+        round w to steps of 2^-7 near 1 and lose the zero-centred weight's precision."""
+        return self.weight.float() + 1 if self.one_plus else self.weight
 
 
 class RMSNorm(_Norm):
@@ -38,7 +40,8 @@ class LayerNorm(_Norm):
         self.bias = mark(nn.Parameter(torch.empty(dim)), ("zeros",), tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_ops.layer_norm(x, self.scale(), self.bias, self.eps)
+        bias = self.bias.float() if self.one_plus else self.bias  # the scale's dtype (one kernel call)
+        return norm_ops.layer_norm(x, self.scale(), bias, self.eps)
 
 
 def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False) -> nn.Module:

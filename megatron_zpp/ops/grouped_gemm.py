@@ -9,6 +9,7 @@ takes fp32/bf16 only, wants 16-byte aligned strides, and its backward fails on a
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import dispatch
 
@@ -72,8 +73,10 @@ def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [G, K, N], group_sizes [G] (integers summing to M) -> [M, N] in x's dtype."""
-    if dispatch.use_triton(x) and x.dtype in KERNEL_DTYPES and w.dtype == x.dtype:
+    """x [M, K], w [G, K, N], group_sizes [G] (integers summing to M) -> [M, N] in x's dtype. Fake tensors (a
+    dry run: shapes only, the sizes have no values) take the kernel's ops, whose fake implementations need none."""
+    kernel = dispatch.use_triton(x) or is_fake(x)
+    if kernel and x.dtype in KERNEL_DTYPES and w.dtype == x.dtype:
         x = x if x.stride(-1) == 1 else x.contiguous()
         return GroupedMMFunction.apply(x, w.contiguous(), group_offsets(group_sizes))
     return grouped_mm_reference(x, w, group_sizes)

@@ -111,7 +111,7 @@ class NormFunction(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _kernel_applies(x, weight):
         return NormFunction.apply(x, weight, None, eps)
-    if HAVE_APEX and x.is_cuda:
+    if HAVE_APEX and x.is_cuda and weight.dtype == x.dtype:  # apex's affine norms take one dtype
         return fused_rms_norm_affine(x, weight, weight.shape, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -119,6 +119,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     if _kernel_applies(x, weight) and bias.dtype == weight.dtype:
         return NormFunction.apply(x, weight, bias, eps)
-    if HAVE_APEX and x.is_cuda:
+    if HAVE_APEX and x.is_cuda and weight.dtype == bias.dtype == x.dtype:
         return fused_layer_norm_affine(x, weight, bias, weight.shape, eps)
     return layer_norm_reference(x, weight, bias, eps)

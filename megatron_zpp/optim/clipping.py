@@ -31,17 +31,18 @@ def counted_once(param, tp_rank: int, is_first_stage: bool) -> bool:
 def global_grad_norm(parts: list[tuple[list[torch.Tensor], list]], phase: str = "grad_norm") -> float:
     """sqrt of the sum of squares over `parts`, each (this rank's share of some gradients, the groups its
     squares are summed over); --log-params-norm passes the master weights, phase "params_norm"."""
-    total = 0.0
+    total, fake = 0.0, False
     for grads, groups_to_sum in parts:
         sq = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for g in grads:
             sq += g.double().pow(2).sum()
         for group in groups_to_sum:
             comm.all_reduce(sq, group, phase)
-        if is_fake(sq):  # a dry run (fake tensors): no value, and no clipping to decide
-            return 0.0
+        if is_fake(sq):  # a dry run (fake tensors): no value, but every part's collectives, as a real step's
+            fake = True
+            continue
         total += sq.item()
-    return total**0.5
+    return 0.0 if fake else total**0.5  # a dry run has no clipping to decide
 
 
 def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None:

@@ -96,7 +96,6 @@ def stand_in_context(
     process group): all that building the model reads of its groups (which experts a rank holds, how each
     is cut)."""
     p = cfg.parallel
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
 
     def stand_in(role: str, size: int, rank: int) -> Group | None:
         return Group(role, tuple(range(size)), rank, "intra_node") if size > 1 else None
@@ -108,7 +107,7 @@ def stand_in_context(
         cp_algo=p.cp_algo,
         all_scan_blocks=p.all_scan_blocks or 1,
         ep=stand_in("ep", p.expert_model_parallel_size, ep_rank),
-        etp=stand_in("etp", etp, etp_rank),
+        etp=stand_in("etp", p.expert_tp_size, etp_rank),
     )
 
 

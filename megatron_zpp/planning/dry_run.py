@@ -113,12 +113,31 @@ def auto_ranks(cfg: Config, world_size: int) -> list[int]:
     }
     for kind in ("tp", "cp", "dp", "pp"):  # rank 0's group: the others' coordinates 0 (O(group), not O(world))
         ranks.update(topo.rank_of(**{kind: i}) for i in range(s[kind]))
+    if cfg.model.num_experts:  # and rank 0's expert groups: ep (the token all-to-all), expert TP, expert DP
+        ranks.update(r for group in rank0_expert_groups(topo).values() for r in group)
     return sorted(ranks)
+
+
+def rank0_expert_groups(topo) -> dict[str, list[int]]:
+    """Rank 0's ep, etp and edp groups (topology.py's expert grid: the first stage's ranks in global order,
+    etp fastest, then ep, then edp), from the stage's O(stage) ranks, not the world's groups."""
+    s, e = topo.sizes, topo.expert_sizes
+    stage = sorted(
+        topo.rank_of(tp=t, cp=c, dp=d) for t in range(s["tp"]) for c in range(s["cp"]) for d in range(s["dp"])
+    )
+    etp, ep = e["etp"], e["ep"]
+    return {
+        "etp": stage[:etp],
+        "ep": [stage[i * etp] for i in range(ep)],
+        "edp": [stage[i * etp * ep] for i in range(e["edp"])],
+    }
 
 
 def auto_ranks_at_least(cfg: Config, world_size: int) -> int:
     """A lower bound of len(auto_ranks(...)) in O(1): it holds a whole group of each kind."""
-    return max(topology_from_config(cfg, world_size).sizes.values())
+    topo = topology_from_config(cfg, world_size)
+    experts = (topo.expert_sizes["ep"], topo.expert_sizes["edp"]) if cfg.model.num_experts else ()
+    return max(*topo.sizes.values(), *experts)
 
 
 @contextlib.contextmanager
@@ -233,7 +252,8 @@ def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
 CODE_PATHS = (
     "fake CPU tensors (fake CUDA ones abort this CPU-only torch in SDPA); softmax attention as the fused "
     "kernel a GPU runs (flash/efficient: output + fp32 logsumexp kept, dropout inside the kernel, not "
-    "SDPA's CPU math path); ZeRO++'s quantizers as their kernel launches (fake: output buffers only); "
+    "SDPA's CPU math path); ZeRO++'s quantizers and the MoE grouped GEMM as their kernel launches (fake: output "
+    "buffers only; MoE token counts: an even share per rank and expert, moe/dispatch.py); "
     "norms, RoPE, SwiGLU, cross-entropy and GLA on their PyTorch reference ops (memory.py models the same)"
 )
 

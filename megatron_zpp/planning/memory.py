@@ -31,6 +31,7 @@ in place, the GLA kernels their own working set), so there the estimate is an up
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -43,8 +44,10 @@ from ..model.init import full_shape
 from ..ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from ..ops.gla_chunked import sub_block
 from ..pipeline_parallel.stages import build_rank_chunks, stage_chunks, stand_in_context
+from ..topology import topology_from_config
 from ..zero.reduce_schedule import reductions_in_flight
-from ..zero.sharded_params import flat_geometry, model_units, pad_block
+from ..zero.sharded_params import EXPERTS_SUFFIX, flat_geometry, is_expert_unit, model_units, pad_block
+from .moe_memory import MoEDims, moe_backward_transient, moe_dims, moe_saved
 
 GiB = 2**30
 GDN_HALO = GDN_CONV_KERNEL - 1  # the tokens before a slice that GDN's convolution reads
@@ -78,13 +81,15 @@ class Dims:
     cp: int = 1  # context-parallel ranks
     cp_gather: bool = False  # --cp-algo all-gather: every rank's state transition is kept for the backward
     linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
+    moe_imbalance: float = 1.0  # an MoE layer's busiest rank: its routed rows over an even share (moe_memory.py)
+    gate: bool = False  # softmax attention's output gate (--attention-output-gate)
 
     @property
     def width(self) -> int:
         return self.heads * self.d
 
 
-def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
+def dims(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0) -> Dims:
     m, p = cfg.model, cfg.parallel
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     s = m.seq_length // cp
@@ -110,6 +115,8 @@ def dims(cfg: Config, micro_batch: int | None = None) -> Dims:
         cp=cp,
         cp_gather=p.cp_algo == "all-gather",
         linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
+        moe_imbalance=moe_imbalance,
+        gate=m.attention_output_gate,
     )
 
 
@@ -150,13 +157,15 @@ def softmax_core_saved(x: Dims) -> int:
 def softmax_layer(x: Dims, selective: bool) -> int:
     """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
     keeps v as a view of it), the rotated q and k (new tensors under RoPE; views of qkv without),
-    the core, proj's input (the re-laid-out output), norm2, the MLP, hidden dropout masks.
-    Selective recompute drops the core."""
+    the core, proj's input (the re-laid-out output), norm2, hidden dropout masks (the FFN: `ffn_saved`).
+    Selective recompute drops the core. The output gate adds its qkv section (e), its sigmoid (fp32) and
+    the gated product, proj's input (e), beside the output the product keeps."""
     bs = x.b * x.s
     rotated = (x.heads + x.kv) * x.d if x.rope else 0
-    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d)
+    gate = (2 * x.e + 4) * x.width if x.gate else 0
+    qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d) + bs * gate
     core = 0 if selective else softmax_core_saved(x)
-    return 2 * norm_saved(x) + qkv + core + mlp_saved(x) + dropout_saved(x)
+    return 2 * norm_saved(x) + qkv + core + dropout_saved(x)
 
 
 def gla_layer(x: Dims, selective: bool) -> int:
@@ -166,14 +175,14 @@ def gla_layer(x: Dims, selective: bool) -> int:
     proj_in's outputs): logsigmoid's fp32 input (a copy for bf16 or a low-rank gate) and its fp32
     buffer, the fp32 log decay g (ChunkGLAFunction keeps q, k, v: views of proj_in's output, and
     g), the operator's output in fp32, rms_norm's fp32 x * rstd and rstd, the output gate's two
-    factors (e); norm2, the MLP, hidden dropout masks."""
+    factors (e); norm2, hidden dropout masks (the FFN: `ffn_saved`)."""
     bs, w = x.b * x.s, x.width
     proj = linear_input(x) + x.e * bs * (x.linear_proj + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if (x.low_rank or x.e != 4) else 0
         core = bs * (gate_copy + 16 * w + 4 * x.heads + 2 * x.e * w)
-    return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
+    return 2 * norm_saved(x) + proj + core + dropout_saved(x)
 
 
 def gdn_layer(x: Dims, selective: bool) -> int:
@@ -182,14 +191,14 @@ def gdn_layer(x: Dims, selective: bool) -> int:
     recompute): `gdn_conv_saved`, SiLU's output and the L2-normalised q, k (e; ChunkGDNFunction keeps
     those and v, a view), the gates and the norms' statistics (~10 fp32 per head), the operator's fp32
     output, the head norm's normalised and weighted products and silu(gate) (4 fp32 width; the gate's fp32
-    copy for bf16); norm2, the MLP, hidden dropout masks."""
+    copy for bf16); norm2, hidden dropout masks (the FFN: `ffn_saved`)."""
     bs, w = x.b * x.s, x.width
     proj = linear_input(x) + x.e * bs * (x.linear_proj + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if x.e != 4 else 0
         core = gdn_conv_saved(x) + x.e * bs * 5 * w + bs * (40 * x.heads + 16 * w + gate_copy) + gdn_cp_saved(x)
-    return 2 * norm_saved(x) + proj + core + mlp_saved(x) + dropout_saved(x)
+    return 2 * norm_saved(x) + proj + core + dropout_saved(x)
 
 
 def gdn_cp_saved(x: Dims) -> int:
@@ -238,23 +247,48 @@ def cp_kv_saved(x: Dims, cp_rank: int) -> int:
     return x.e * x.b * x.kv * keys * 2 * x.d + x.s * keys - unkept
 
 
+def _moe(cfg: Config, x: Dims) -> MoEDims:
+    return moe_dims(cfg, x.b, x.s, x.s_norm, x.e, x.moe_imbalance)
+
+
+def ffn_saved(cfg: Config, x: Dims, layer: int) -> int:
+    """What the block's FFN keeps: a dense MLP (`mlp_saved`) or a mixture of experts (moe_memory.moe_saved;
+    with --moe-layer-recompute only its input, the norm's output (e), which the rerun starts from)."""
+    if cfg.model.ffn(layer).kind != "moe":
+        return mlp_saved(x)
+    return x.e * x.b * x.s_norm * x.h if cfg.model.moe_layer_recompute else moe_saved(_moe(cfg, x))
+
+
+def ffn_backward_transient(cfg: Config, x: Dims, layer: int) -> int:
+    """Above what the block keeps, in its FFN's backward: the residual's gradient [b, s, h] (e) and the FFN's
+    own (`mlp_backward_transient`, or moe_memory.moe_backward_transient plus that gradient, and under
+    --moe-layer-recompute what the rerun rebuilds)."""
+    if cfg.model.ffn(layer).kind != "moe":
+        return mlp_backward_transient(x)
+    d, grad = _moe(cfg, x), x.e * x.b * x.s_norm * x.h
+    rerun = moe_saved(d) - grad if cfg.model.moe_layer_recompute else 0
+    return grad + rerun + moe_backward_transient(d)
+
+
 def layer_bytes(cfg: Config, x: Dims, layer: int, selective: bool, cp_rank: int = 0) -> int:
     mixer = cfg.model.mixer(layer)
-    out = MIXERS[mixer.kind].kept(x, selective)
+    out = MIXERS[mixer.kind].kept(x, selective) + ffn_saved(cfg, x, layer)
     if not mixer.linear and cfg.parallel.context_parallel_size > 1:
         out += cp_kv_saved(x, cp_rank)
     return out
 
 
-def layer_table(cfg: Config, micro_batch: int | None = None) -> dict[str, int]:
-    """Bytes one micro-batch keeps per layer, by kind and recompute mode (full: the group's input,
-    shared by the layers of a uniform group)."""
-    x = dims(cfg, micro_batch)
-    kinds = {cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)}
+def layer_table(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0) -> dict[str, int]:
+    """Bytes one micro-batch keeps per layer, by kind (mixer, and +moe for a mixture of experts) and recompute
+    mode (full: the group's input, shared by the layers of a uniform group)."""
+    x = dims(cfg, micro_batch, moe_imbalance)
+    m = cfg.model
+    kinds = {(m.layer_kind(i), m.ffn(i).kind): i for i in range(m.num_layers)}  # one layer of each kind
     out = {}
-    for kind in sorted(kinds):
-        out[f"{kind} none"] = MIXERS[kind].kept(x, False)
-        out[f"{kind} selective"] = MIXERS[kind].kept(x, True)
+    for (kind, ffn), i in sorted(kinds.items()):
+        name = kind if ffn == "dense" else f"{kind}+moe"
+        for mode, selective in (("none", False), ("selective", True)):
+            out[f"{name} {mode}"] = MIXERS[kind].kept(x, selective) + ffn_saved(cfg, x, i)
     out["full (per recomputed group)"] = x.e * x.b * x.s_norm * x.h
     return out
 
@@ -313,11 +347,12 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
         acts = full if again else per_layer
         held = kept
         for j in range(start, stop):
-            peak = acts[j] + mlp_backward_transient(x)
+            peak = acts[j] + ffn_backward_transient(cfg, x, layer_ids[j])
             mixer = MIXERS[cfg.model.layer_kind(layer_ids[j])]
-            if mixer.backward_live:  # a linear mixer's operator backward may peak above its MLP's
+            if mixer.backward_live:  # a linear mixer's operator backward may peak above its FFN's
                 rerun = selective and not again  # selective: the core reruns in the backward
-                peak = max(peak, mixer.backward_live(x) + (per_layer[j] - mixer.kept(x, True) if rerun else 0))
+                core = per_layer[j] - mixer.kept(x, True) - ffn_saved(cfg, x, layer_ids[j])
+                peak = max(peak, mixer.backward_live(x) + (core if rerun else 0))
             live.append(held + peak)
             held += acts[j]
         group = sum(per_layer[start:stop])
@@ -401,7 +436,8 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
         notes["parameters"] = f"{n:,} elements, replicated"
         return terms, notes, transient
     units = [(name, [q.numel() for q in params]) for c in chunks for name, params, _ in model_units(c)]
-    geo = [flat_geometry(numels, group, pad_block(z)) for _, numels in units]
+    edp = topology_from_config(cfg).expert_sizes["edp"]  # a block's routed experts: sharded over their replicas
+    geo = [flat_geometry(numels, edp if is_expert_unit(name) else group, pad_block(z)) for name, numels in units]
     padded = [g[1] for g in geo]
     shard = [g[2] for g in geo]
     full, sh = sum(padded), sum(shard)
@@ -410,10 +446,13 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     terms["fp32 master copy"] = 0 if (e == 4 and stage == 3) else 4 * sh
     terms["gradients"] = 4 * sh + (4 * full if stage == 1 else 0)
     terms["AdamW exp_avg + exp_avg_sq (fp32)"] = 8 * sh
-    notes["parameters"] = f"{full:,} padded elements in {len(units)} units, shard {sh:,} per rank of {group}"
+    experts = sum(pad for (name, _), pad in zip(units, padded) if is_expert_unit(name))
+    notes["parameters"] = f"{full:,} padded elements in {len(units)} units, shard {sh:,} per rank of {group}" + (
+        f" (routed experts: {experts:,} over the {edp} expert-data-parallel ranks)" if experts else ""
+    )
     notes["gradients"] = "fp32 shard" + (" + fp32 full buffer (stage 1)" if stage == 1 else "")
-    if stage == 3 and z.zero_hpz_partition_size > 1:
-        terms["hpZ secondary shard"] = e * full // z.zero_hpz_partition_size
+    if stage == 3 and z.zero_hpz_partition_size > 1:  # not the experts' units (zero_engine: no hpZ over edp)
+        terms["hpZ secondary shard"] = e * (full - experts) // z.zero_hpz_partition_size
     biggest = sorted(padded, reverse=True)
     in_flight = reductions_in_flight(cfg) + 1  # the pending reductions + the unit accumulating
     if stage >= 2:
@@ -423,7 +462,11 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
     if stage == 3:
         held = ("embedding", "position_embeddings", "head")
         ends = [pad for (name, _), pad in zip(units, padded) if name in held]
-        blocks = sorted((pad for (name, _), pad in zip(units, padded) if name not in held), reverse=True)
+        block_of: dict[str, int] = defaultdict(int)  # a block with its experts (gathered with it: companions)
+        for (name, _), pad in zip(units, padded):
+            if name not in held:
+                block_of[name.removesuffix(EXPERTS_SUFFIX)] += pad
+        blocks = sorted(block_of.values(), reverse=True)
         gathered = sum(ends) + sum(blocks[:2])  # end units held through the micro-batch; a block + its prefetch
         terms["ZeRO-3 gathered units"] = e * gathered
         notes["ZeRO-3 gathered units"] = "embedding/head kept through the micro-batch, one block + one prefetched"
@@ -437,12 +480,18 @@ def static_terms(cfg: Config, chunks, backend: str = "nccl") -> tuple[dict[str, 
 
 
 def estimate_rank(
-    cfg: Config, pp_rank: int, micro_batch: int | None = None, cp_rank: int | None = None, backend: str = "nccl"
+    cfg: Config,
+    pp_rank: int,
+    micro_batch: int | None = None,
+    cp_rank: int | None = None,
+    backend: str = "nccl",
+    moe_imbalance: float = 1.0,
 ) -> Rank:
+    """One stage's estimate (`moe_imbalance`: an MoE layer's busiest rank's routed rows over an even share)."""
     p = cfg.parallel
     pp, cp = p.pipeline_model_parallel_size, p.context_parallel_size
     cp_rank = cp - 1 if cp_rank is None else cp_rank  # the last CP slice sees every key
-    x = dims(cfg, micro_batch)
+    x = dims(cfg, micro_batch, moe_imbalance)
     chunks = stage_model(cfg, pp_rank)
     placements = stage_chunks(p, cfg.model.num_layers, pp_rank)
     terms, notes, transient = static_terms(cfg, chunks, backend)
@@ -491,20 +540,21 @@ def estimate_rank(
     return rank
 
 
-def estimate(cfg: Config, micro_batch: int | None = None) -> list[Rank]:
+def estimate(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0) -> list[Rank]:
     """Every pipeline stage's estimate (the worst CP slice); the worst is max(peak)."""
-    return [estimate_rank(cfg, r, micro_batch) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+    stages = range(cfg.parallel.pipeline_model_parallel_size)
+    return [estimate_rank(cfg, r, micro_batch, moe_imbalance=moe_imbalance) for r in stages]
 
 
-def largest_micro_batch(cfg: Config, budget_bytes: float, limit: int = 4096) -> int:
+def largest_micro_batch(cfg: Config, budget_bytes: float, limit: int = 4096, moe_imbalance: float = 1.0) -> int:
     """The largest micro-batch whose worst stage fits `budget_bytes` (0: none fits)."""
     best, b = 0, 1
-    while b <= limit and max(r.peak for r in estimate(cfg, b)) <= budget_bytes:
+    while b <= limit and max(r.peak for r in estimate(cfg, b, moe_imbalance)) <= budget_bytes:
         best, b = b, b * 2
     lo, hi = best, min(b, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if max(r.peak for r in estimate(cfg, mid)) <= budget_bytes:
+        if max(r.peak for r in estimate(cfg, mid, moe_imbalance)) <= budget_bytes:
             lo = mid
         else:
             hi = mid

@@ -253,7 +253,7 @@ def _describe_experts(cfg: Config) -> str:
         if m.moe_shared_expert_intermediate_size
         else ""
     )
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    etp = p.expert_tp_size
     return (
         f", MLPs {pattern} (E: {m.num_experts} experts of {m.expert_ffn_size}, top-{m.moe_router_topk} "
         f"{m.moe_router_score_function}{shared}; EP {p.expert_model_parallel_size} x expert TP {etp}, "

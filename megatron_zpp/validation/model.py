@@ -146,6 +146,12 @@ def check_megatron_model(cfg: Config, world_size: int) -> list[str]:
                 f"--num-query-groups must be >= 1 (got {m.num_query_groups})",
             ),
             (
+                not m.attention_output_gate or any(m.layer_kind(i) == "softmax" for i in range(m.num_layers)),
+                f"--attention-output-gate gates softmax attention's output, and this model has none (--attention-type "
+                f"{m.attention_type}, --softmax-attention-every {m.softmax_attention_every}): drop it, or give "
+                "softmax layers",
+            ),
+            (
                 m.ffn_size >= 1,
                 f"--swiglu: Megatron's default MLP width int(8/3 x {m.hidden_size} / 64) x 64 is 0 at --hidden-size "
                 f"{m.hidden_size}: give --ffn-hidden-size",

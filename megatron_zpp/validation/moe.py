@@ -10,15 +10,9 @@ from ..moe.config import config_problem
 from .common import failed
 
 
-def expert_tp(cfg: Config) -> int:
-    """--expert-tensor-parallel-size, Megatron's default: the attention TP."""
-    p = cfg.parallel
-    return p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-
-
 def check_moe(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
-    ep, etp, tp = p.expert_model_parallel_size, expert_tp(cfg), p.tensor_model_parallel_size
+    ep, etp, tp = p.expert_model_parallel_size, p.expert_tp_size, p.tensor_model_parallel_size
     if not m.num_experts:
         return failed(
             [

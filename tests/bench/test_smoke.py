@@ -18,6 +18,7 @@ from bench import (
     gpu_shapes,
     kernels,
     memory,
+    moe,
     parallel,
     preprocess,
     quantize,
@@ -126,6 +127,21 @@ def test_cp(capsys):
     assert "shaped setting not run: --no-netns" in out and "all-scan auto vs all-gather: e2e x" in out
     result = last_json(out)
     assert result["bench"] == "cp" and set(result["settings"]["loopback"]) == {"2"}
+
+
+def test_moe(capsys):
+    """bench/moe.py --quick: EP 2 on loopback, every system's row and the ledger tables; every system agrees
+    with the single-rank layer, and the all-to-all bytes equal the count from the routing maps."""
+    assert moe.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "where: loopback, unshaped (emulated cluster not used: --quick)" in out
+    assert all(f" {name:<24} " in out for name in (moe.FLOOR, *moe.SYSTEMS, *moe.SKEWED))
+    assert "ours alltoall / mcore alltoall: x" in out and "\n== under imbalance (--skew 3)" in out
+    result = last_json(out)["results"]["2"]
+    assert max(result["agree"].values()) < 1e-5
+    assert all(
+        r["dispatch"] == r["exact_dispatch"] and r["skew_fwd_bwd"] == r["skew_exact_fwd_bwd"] for r in result["ledger"]
+    )
 
 
 def test_parallel(capsys):

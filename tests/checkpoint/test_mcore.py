@@ -6,7 +6,8 @@ assert on what it returns:
 * logits: our GPT and megatron-core's GPTModel (local spec, fp32) with the same weights, moved through
   the converter's mapping both ways (our writer -> megatron-core's `dist_checkpointing.load`;
   megatron-core's `dist_checkpointing.save` -> our reader), for a GPT config (LayerNorm, gelu, learned
-  positions, biases, tied embedding) and a Llama one (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases);
+  positions, biases, tied embedding), a Llama one (RMSNorm, SwiGLU, RoPE, GQA, untied, no biases), and the
+  Llama one with q/k norms and interleaved RoPE or with Qwen3-Next's output gate and partial RoPE;
 * a run: megatron-core's GPTModel at TP2 trains 2 steps (AdamW over megatron-core's own parameter groups,
   its OptimizerParamScheduler) and saves with `dist_checkpointing.save` (model, optimizer, scheduler,
   args); the converter imports it, our loop resumes it at TP1 x DP2 with ZeRO-1 for 3 steps and saves;
@@ -52,6 +53,8 @@ LLAMA_FLAGS = SMALL + (
 )
 # Megatron's per-head query/key norm and GPT-J's interleaved RoPE pairs, on the Llama config
 QK_FLAGS = LLAMA_FLAGS + " --qk-layernorm --rotary-interleaved"
+# Qwen3-Next's softmax attention: the output gate (linear_qkv's gate rows per query group), partial RoPE, q/k norms
+GATE_FLAGS = LLAMA_FLAGS + " --qk-layernorm --attention-output-gate --rotary-percent 0.5"
 RUN = (
     " --hidden-dropout 0 --attention-dropout 0 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 1 "
     "--lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --train-iters 5 --global-batch-size 4 "
@@ -101,6 +104,7 @@ def _mcore_model(cfg, tp: int = 1, stage: int | None = None):
         layernorm_epsilon=m.norm_epsilon,
         qk_layernorm=m.qk_layernorm,
         rotary_interleaved=m.rotary_interleaved,
+        attention_output_gate=m.attention_output_gate,
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         bias_activation_fusion=m.gelu_approximate == "tanh",  # megatron's fused bias-gelu is the tanh form
@@ -123,6 +127,7 @@ def _mcore_model(cfg, tp: int = 1, stage: int | None = None):
         position_embedding_type=m.position_embedding_type,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         rotary_base=int(m.rotary_base),
+        rotary_percent=m.rotary_percent,
         parallel_output=False,
         pre_process=stage in (None, 0),
         post_process=stage in (None, 1),
@@ -377,7 +382,7 @@ def _all_cases(rank, world, root):
     parallel_state.initialize_model_parallel(1, 1)
     logits = {
         name: _logits_both_ways(rank, root, name, flags)
-        for name, flags in (("gpt", GPT_FLAGS), ("llama", LLAMA_FLAGS), ("llama_qk", QK_FLAGS))
+        for name, flags in (("gpt", GPT_FLAGS), ("llama", LLAMA_FLAGS), ("llama_qk", QK_FLAGS), ("gated", GATE_FLAGS))
     }
     parallel_state.destroy_model_parallel()
     return {"logits": logits, "run": _run_both_ways(rank, world, root)}
@@ -394,7 +399,7 @@ def _close(a, b, tol=1e-6):
     return (a - b).abs().max().item() <= tol * max(scale, 1.0)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "llama_qk"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "llama_qk", "gated"])
 def test_logits_equal_megatron_core_gptmodel_both_ways(results, name):
     for ours, theirs in results["logits"][name]:
         assert ours.shape == theirs.shape == (2, SEQ, ROWS)

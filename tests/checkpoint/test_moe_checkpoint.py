@@ -87,7 +87,7 @@ def test_expert_slots_follow_megatrons_expert_grid(layout):
     world, flags = LAYOUTS[layout]
     cfg = validate(parse_args(BASE + flags.split()), world)
     p = cfg.parallel
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    etp = p.expert_tp_size
     ep, zero = p.expert_model_parallel_size, cfg.zero.zero_stage
     want = _megatron_expert_ranks(world, etp, ep, p.pipeline_model_parallel_size)
     topo = topology_of(cfg)

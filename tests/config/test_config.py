@@ -312,7 +312,7 @@ def test_every_error_of_a_command_line_in_one_pass(tmp_path):
     """Unknown flags (with the nearest flag), bad values, refused Megatron flags, YAML errors and the
     checks' errors: all in one ConfigError, one line each, so a user reruns once."""
     yaml_file = write(tmp_path, "hidden-size: wide\nnum-layers: 2.5\nhiden: 3\n")
-    argv = ["--mock-data", "--num-layrs", "2", "--seq-length", "x", "--moe-permute-fusion"]
+    argv = ["--mock-data", "--num-layrs", "2", "--seq-length", "x", "--moe-use-upcycling"]
     argv += ["--fp8-format", "hybrid", "--config", yaml_file, "--num-attention-heads", "3", "--zero-stage", "9"]
     with pytest.raises(ConfigError) as info:
         parse_config(argv, 1)
@@ -321,7 +321,7 @@ def test_every_error_of_a_command_line_in_one_pass(tmp_path):
         "unrecognized arguments: --num-layrs (did you mean --num-layers?)",
         "--seq-length: invalid int value: 'x'",
         "--zero-stage: invalid choice: 9",
-        "--moe-permute-fusion: this option of Megatron's mixture of experts is not built",
+        "--moe-use-upcycling: this option of Megatron's mixture of experts is not built",
         "--fp8-format: FP8/FP4 and transformer-engine are not supported",
         f"--config {yaml_file}: unknown setting 'hiden' (did you mean 'hidden-size'?)",
         f"--config {yaml_file}: hidden-size: invalid value 'wide'",

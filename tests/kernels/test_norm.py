@@ -115,3 +115,11 @@ def test_wide_rows_weight_gradient_partials(monkeypatch, programs):
     monkeypatch.setattr(norm_kernels, "MAX_FUSED_BWD", 16)
     monkeypatch.setattr(norm_kernels, "DW_TILE_N", 8)
     test_weight_gradient_partials_over_row_blocks(programs)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_bf16_rows_with_fp32_weights(kind):
+    """--apply-layernorm-1p's scale 1 + w is formed in fp32 (model/norm.py): bf16 rows with an fp32 weight (and
+    bias) take the kernel, their gradients in fp32."""
+    x, w, b, dy = inputs((37, 100), torch.bfloat16)
+    check(kind, x, w.float(), b.float(), dy)

@@ -20,6 +20,8 @@ MOE = (
 MODELS = {
     "moe_gpt": KINDS["softmax"] + MOE,
     "moe_gpt_8": KINDS["softmax"] + MOE + ["--num-experts", "8"],
+    # packed documents (positions and attention restart at each document)
+    "moe_gdn_packed": KINDS["gdn_hybrid"] + MOE + ["--reset-position-ids", "--reset-attention-mask"],
     # token dropping: an expert takes at most 1.0 x its even share of a rank's routes, the lowest probabilities
     # dropped first, counted on each rank's own tokens (megatron-core's capacity)
     "moe_gpt_capacity": KINDS["softmax"]
@@ -35,11 +37,14 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ("moe_gdn_hybrid", "--context-parallel-size 2"),
         ("moe_gpt", "--pipeline-model-parallel-size 2"),
         ("moe_gdn_hybrid", "--use-distributed-optimizer --zero-stage 3"),
-        ("moe_gpt", "--expert-model-parallel-size 2" + A2A),
+        ("moe_gpt", "--expert-model-parallel-size 2 --overlap-grad-reduce --ddp-bucket-size 2000" + A2A),
         ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel"),  # expert TP 2 (= TP, Megatron's default)
         ("moe_gdn_hybrid", "--context-parallel-size 2 --expert-model-parallel-size 2" + A2A),
-        ("moe_gpt", "--expert-model-parallel-size 2 --moe-layer-recompute" + A2A),
+        (
+            "moe_gpt",
+            "--expert-model-parallel-size 2 --moe-layer-recompute --use-distributed-optimizer --zero-stage 2" + A2A,
+        ),
         ("moe_gpt_capacity", "--expert-model-parallel-size 2"),  # the same local tokens: the same drops
         ("moe_gpt_capacity", "--pipeline-model-parallel-size 2 --use-distributed-optimizer --zero-stage 3"),
     ],
@@ -52,10 +57,20 @@ LAYOUTS = {  # world size: [(model, flags)]; EP carved from the stage's TP x CP 
         ),
         ("moe_gdn_hybrid", "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2" + A2A),
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2" + A2A),
-        ("moe_gdn_hybrid", "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1" + A2A),
+        (
+            "moe_gdn_hybrid",
+            "--expert-model-parallel-size 2 --use-distributed-optimizer --zero-stage 1 --overlap-grad-reduce "
+            "--overlap-param-gather" + A2A,
+        ),
         # expert TP apart from attention TP: experts cut over 4 ranks, attention over 2
         ("moe_gpt", "--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 4" + A2A),
         ("moe_gpt", "--expert-tensor-parallel-size 2"),  # expert TP 2 without TP (allgather)
+        # interleaved 1F1B (2 virtual stages a rank) x EP 2, whole layers recomputed, packed documents
+        (
+            "moe_gdn_packed",
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --expert-model-parallel-size 2 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" + A2A,
+        ),
     ],
     8: [  # EP 8 over TP 2 (SP) x DP 4: each rank holds one of the 8 experts
         (

@@ -1,8 +1,12 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
 GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
-2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked).
+2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
+experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
+ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
+
+import math
 
 import pytest
 
@@ -66,6 +70,70 @@ def test_gdn_context_parallel_estimate_matches_measured_peak():
     for r, results in enumerate(run_distributed(_measure_each, 2, flag_sets, timeout=300)):
         for flags, result in zip(flag_sets, results):
             _check(result, f"rank {r} of {flags}")
+
+
+MOE = (
+    "--num-experts 8 --moe-ffn-hidden-size 48 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001"
+).split()
+
+
+def test_moe_single_rank_estimate_matches_measured_peak():
+    flags = MOE + "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate".split()
+    _check(_measure(0, 1, flags), "single rank MoE with a gated shared expert")
+
+
+def test_moe_expert_parallel_estimate_matches_measured_peak():
+    flags = MOE + "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --zero-stage 1".split()
+    for r, result in enumerate(run_distributed(_measure, 2, flags, timeout=300)):
+        _check(result, f"rank {r} of MoE EP2 alltoall ZeRO-1")
+
+
+def test_experts_split_over_ep_and_etp_and_shard_over_their_replicas():
+    """16 ranks, TP2 (SP) x DP8, 16 experts over EP4 x expert TP2: a rank's meta model holds 4 experts at half
+    width (3 h F / 2 each, SwiGLU); ZeRO-3 shards them over the 2 expert-data-parallel ranks, the rest over DP 8."""
+    flags = (
+        BASE
+        + MOE[2:]
+        + (
+            "--num-experts 16 --expert-model-parallel-size 4 --tensor-model-parallel-size 2 --sequence-parallel "
+            "--global-batch-size 32"
+        ).split()
+    )
+    cfg = validate(parse_args(flags + ["--zero-stage", "3"]), 16)
+    h, f = cfg.model.hidden_size, 48
+    chunks = memory.stage_model(cfg, 0)
+    experts = sum(p.numel() for c in chunks for p in c.parameters() if getattr(p, "expert_parallel", False))
+    assert experts == cfg.model.num_layers * 4 * 3 * h * f // 2
+    dense = sum(p.numel() for c in chunks for p in c.parameters()) - experts
+    adam = memory.estimate(cfg)[0].terms["AdamW exp_avg + exp_avg_sq (fp32)"]
+    # each of the 6 units (embedding, 2 blocks, their 2 expert units, head) pads its shard by less than a block
+    block = math.lcm(cfg.zero.zero_quantization_block_size, cfg.zero.zero_gradient_quantization_block_size)
+    assert 8 * (dense / 8 + experts / 2) <= adam < 8 * (dense / 8 + experts / 2 + 6 * block)
+    plain = validate(parse_args(flags), 16)  # no ZeRO: the rank's whole share, unpadded
+    assert memory.estimate(plain)[0].terms["AdamW exp_avg + exp_avg_sq (fp32)"] == 8 * (dense + experts)
+
+
+def test_moe_rows_follow_imbalance_capacity_and_padding():
+    """The rows an MoE layer's experts run on the busiest rank: an even share n k x expert TP times the imbalance,
+    capped by the capacity factor, and exactly E x capacity with padding; the peak grows with the imbalance."""
+    from megatron_zpp.planning.moe_memory import moe_dims
+
+    base = (
+        BASE + MOE + "--global-batch-size 8 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split()
+    )
+    cfg = validate(parse_args(base), 2)
+    b, s, k, E = 4, 128, 2, 8
+    even = moe_dims(cfg, b, s, s, 4)
+    assert (even.sent, even.run, even.local) == (b * s * k, b * s * k, E // 2)
+    assert moe_dims(cfg, b, s, s, 4, imbalance=1.5).run == 1.5 * b * s * k
+    capped = validate(parse_args(base + ["--moe-expert-capacity-factor", "1.25"]), 2)
+    assert moe_dims(capped, b, s, s, 4, imbalance=3.0).run == 1.25 * b * s * k
+    padded = validate(
+        parse_args(base + "--moe-expert-capacity-factor 1.1 --moe-pad-expert-input-to-capacity".split()), 2
+    )
+    cap = math.ceil(b * s * k / E * 1.1)
+    assert moe_dims(padded, b, s, s, 4, imbalance=3.0).run == E * cap  # padded: exact, whatever the routing
+    assert memory.estimate(cfg, moe_imbalance=1.5)[0].peak > memory.estimate(cfg)[0].peak
 
 
 def test_estimate_counts_parameters_exactly_and_shards_with_zero():

@@ -8,6 +8,11 @@
 * more inter-node bandwidth never makes a step slower;
 * qgZ's cross-node gradient bytes per node are 1/4 of a 16-bit gradient's (the paper's M/4),
   plus its fp32 block scales;
+* mixture of experts: the same exact ledger for EP2 alltoall, EP2 x TP2 (SP, expert TP 1) alltoall with a
+  shared expert under ZeRO-1, EP2 x expert TP2 allgather under ZeRO-3, and EP4 alltoall padded to the
+  capacity with a random router (in the 4-rank spawn above);
+  a token exchange's bytes per rank are tokens x topk x H x (EP-1)/EP on the EP group's link class (intra-
+  or inter-node by the node size), and an imbalance stretches the busiest rank's exchange and compute;
 * the CLI prints a table and a JSONL row.
 """
 
@@ -30,6 +35,7 @@ BASE = (
     "--attention-type gla --softmax-attention-every 2 --global-batch-size 8 --train-iters 1 --ranks-per-node 2 "
     "--zero-quantization-block-size 64 --zero-gradient-quantization-block-size 64"
 ).split()
+MOE = "--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --init-method-std 0 "
 LAYOUTS = {
     "zero++ (qwZ, hpZ, qgZ), 2 nodes": "--zero-stage 3 --zero-quantized-weights --zero-hpz-partition-size 2 "
     "--zero-quantized-gradients",
@@ -41,6 +47,21 @@ LAYOUTS = {
     "plain DP4, bf16 gradient wire": "--grad-reduce-in-bf16",
     "GDN hybrid, TP2 + CP2 all-scan": "--attention-type gdn --tensor-model-parallel-size 2 --context-parallel-size 2",
     "GDN hybrid, CP4 all-gather, bf16": "--attention-type gdn --context-parallel-size 4 --cp-algo all-gather --bf16",
+    # Mixture of experts. A token exchange's rows depend on the routing (the ledger counts them exactly); the
+    # simulator's are the even load's, which is also the exact mean over an EP group whose ranks route alike:
+    # --init-method-std 0 makes every router send every token to the lowest experts (ties to the lower index).
+    # Random routing here moves the dispatch rows' mean 4% off the even load.
+    "MoE EP2 alltoall": MOE + "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+    "MoE EP2 x TP2 (SP, expert TP 1) alltoall, shared expert, ZeRO-1": MOE
+    + "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --tensor-model-parallel-size 2 "
+    "--sequence-parallel --moe-token-dispatcher-type alltoall --zero-stage 1 --moe-shared-expert-intermediate-size 32 "
+    "--moe-shared-expert-gate",
+    "MoE EP2 x expert TP2 allgather, ZeRO-3, bf16": MOE
+    + "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --zero-stage 3 --bf16",
+    # padded to the capacity, every expert takes exactly its capacity from each rank: exact with a random router
+    "MoE EP4 alltoall padded to capacity, random router": MOE.replace("--init-method-std 0 ", "")
+    + "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "
+    "--moe-pad-expert-input-to-capacity",
 }
 
 
@@ -138,6 +159,34 @@ def test_qgz_cross_node_gradient_bytes_are_a_quarter_per_node():
     fp16_per_node = (nodes - 1) / nodes * 2 * padded_elems  # a 16-bit gradient's cross-node share per node
     block = _cfg("").zero.zero_gradient_quantization_block_size  # one fp32 scale per block: 8/block more than int4
     assert D * grad_qgz / fp16_per_node == pytest.approx(0.25 * (1 + 8 / block), rel=1e-9)
+
+
+def test_moe_exchange_bytes_link_class_and_imbalance():
+    """EP8 alltoall over 64 ranks: each dispatch/combine (forward and backward) sends b s k h e (EP-1)/EP bytes per
+    rank and MoE layer, on intra-node links with 8 ranks per node (the EP group inside a node) and inter-node
+    with 4; an imbalance of 1.5 leaves the bytes and makes the exchanges and the step slower."""
+    from megatron_zpp.planning.simulator import rank_step
+    from megatron_zpp.planning.simulator.model import wire_time
+
+    b, s, h, k, ep, L = 2, 512, 1024, 4, 8, 4
+    moe = (
+        f"--num-experts 16 --moe-ffn-hidden-size 512 --moe-router-topk {k} --expert-model-parallel-size {ep} "
+        f"--moe-token-dispatcher-type alltoall --micro-batch-size {b} --num-layers {L}"
+    )
+    cl = preset("h100")
+    for rpn, link in ((8, "intra_node"), (4, "inter_node")):
+        cfg = _cfg(moe, world=64, rpn=rpn)
+        names = ("moe_dispatch", "moe_combine", "moe_dispatch_bwd", "moe_combine_bwd")
+        colls = [c for _, cs in rank_step(cfg, 0).per_op for _, c in cs if c.phase in names]
+        assert len(colls) == 4 * L * cfg.num_micro_batches
+        assert {c.link for c in colls} == {link} and {c.role for c in colls} == {"ep"}
+        assert all(c.bytes() == b * s * k * h * 2 * (ep - 1) / ep for c in colls)
+        slow = [c for _, cs in rank_step(cfg, 0, 1.5).per_op for _, c in cs if c.phase in names]
+        assert [c.bytes() for c in slow] == [c.bytes() for c in colls]
+        assert wire_time(slow[0], cl, rpn) > wire_time(colls[0], cl, rpn)
+        even, busy = simulate(cfg, cl), simulate(cfg, cl, 1.5)
+        assert busy.step_time_s > even.step_time_s and busy.bytes_per_rank == even.bytes_per_rank
+        assert busy.exposed_s["moe dispatch (synchronous)"] > even.exposed_s["moe dispatch (synchronous)"] > 0
 
 
 def _cli():

@@ -43,3 +43,14 @@ def test_startup_section_of_a_70b_zero3_run(capsys):
     params = layers * (h * (h + 2 * kv) + h * h + 3 * 28672 * h + 2 * h) + 2 * vocab * h + h
     assert whole == 4 * params  # 69.0e9 parameters: 276 GB of fp32 before the first shard, 10.8 GB after
     assert device < whole / 25
+
+
+def test_moe_imbalance_is_checked_and_shown(capsys):
+    """--moe-imbalance below 1 is refused in one line before any work; a valid one is named in the report."""
+    moe = "--world-size 2 --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    moe += "--global-batch-size 2 --num-experts 4 --expert-model-parallel-size 2"
+    assert estimate_memory.main(moe.split() + ["--moe-imbalance", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --moe-imbalance 0.5: give a factor >= 1 (the busiest rank's share)"]
+    assert estimate_memory.main(moe.split() + ["--moe-imbalance", "1.25"]) == 0
+    assert "an even share x 1.25 (--moe-imbalance)" in capsys.readouterr().out

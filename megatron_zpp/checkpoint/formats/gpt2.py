@@ -37,6 +37,7 @@ def unsupported(cfg) -> list[str]:
         (m.add_bias_linear, "it has no linear biases; GPT-2 has them in every linear layer"),
         (m.kv_heads == m.num_attention_heads, "it uses grouped-query attention; GPT-2 has one kv head per head"),
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
+        (not m.attention_output_gate, "it gates its attention output (--attention-output-gate); GPT-2 does not"),
     ]
     return [why for ok, why in checks if not ok] + experts_refusal(cfg, "GPT-2")
 

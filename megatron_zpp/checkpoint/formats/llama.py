@@ -38,6 +38,8 @@ def unsupported(cfg) -> list[str]:
         why.append(f"its RoPE rotates {m.rotary_dim} of {m.head_dim} head channels; the Llama export rotates all")
     if m.qk_layernorm:  # Llama has no q_norm / k_norm: the export would drop them
         why.append("it normalizes query and key heads (--qk-layernorm); Llama does not")
+    if m.attention_output_gate:
+        why.append("it gates its attention output (--attention-output-gate); Llama does not")
     return why + experts_refusal(cfg, "Llama")
 
 

@@ -94,19 +94,21 @@ def _qkv_sizes(m) -> tuple[int, int, int]:
 
 
 def qkv_to_mcore(w: torch.Tensor, m) -> torch.Tensor:
-    """Our [q | k | v] rows -> megatron-core's rows grouped per query group."""
+    """Our [q | k | v (| gate)] rows -> megatron-core's rows grouped per query group: its q heads (their output
+    gates with --attention-output-gate), its k head, its v head."""
     g, per, d = _qkv_sizes(m)
-    rest = w.shape[1:]
-    q, k, v = w.split([g * per * d, g * d, g * d])
-    return torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], 1).reshape(w.shape)
+    rest, gates = w.shape[1:], m.attention_output_gate
+    q, k, v, gate = w.split([g * per * d, g * d, g * d, g * per * d if gates else 0])
+    parts = [q.reshape(g, per * d, *rest)] + ([gate.reshape(g, per * d, *rest)] if gates else [])
+    return torch.cat(parts + [k.reshape(g, d, *rest), v.reshape(g, d, *rest)], 1).reshape(w.shape)
 
 
 def qkv_from_mcore(w: torch.Tensor, m) -> torch.Tensor:
     """The inverse of `qkv_to_mcore`."""
     g, per, d = _qkv_sizes(m)
-    rest = w.shape[1:]
-    q, k, v = w.reshape(g, (per + 2) * d, *rest).split([per * d, d, d], 1)
-    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)])
+    rest, gate_rows = w.shape[1:], per * d if m.attention_output_gate else 0
+    q, gate, k, v = w.reshape(g, per * d + gate_rows + 2 * d, *rest).split([per * d, gate_rows, d, d], 1)
+    return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, gate)])
 
 
 def _layer_names(m, i: int, impl: str) -> dict[str, str]:

@@ -45,6 +45,10 @@ def unsupported(cfg) -> list[str]:
         (m.activation in ("swiglu", "gelu"), f"its MLP uses {m.activation}; the remote code holds swiglu or gelu"),
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); the remote code does not"),
         (not m.rotary_interleaved or not softmax, "its RoPE pairs are interleaved (--rotary-interleaved)"),
+        (
+            not m.attention_output_gate,
+            "it gates its attention output (--attention-output-gate); the remote code does not",
+        ),
     ]
     return [why for ok, why in checks if not ok] + experts_refusal(cfg, "the remote code")
 

@@ -14,6 +14,9 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   or all-gather every state with its transition (GLA's decay [b, heads, d], GDN's M [b, heads,
   d, d]), forward and backward; GDN's convolution sends its last 3 q|k|v tokens to the next
   rank (context_parallel/gdn.py) and gets their gradient back;
+* moe/ (simulator/moe.py): an MoE layer's router counts and token exchanges per micro-batch;
+  its routed experts' gradients over the expert-data-parallel group (their own DDP buffer, or
+  each block's expert unit under ZeRO: gathered before the block, reduced before it, flat);
 * pipeline_parallel/: the sends of the real schedule (schedule.stage_ops);
 * zero/: plain DP's fp32 gradient all-reduce; ZeRO units (the engine's own padding,
   zero/sharded_params.flat_geometry) gathered and released by the hooks' rules (a block
@@ -22,7 +25,8 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   secondary), gradients reduce-scattered flat or hop by hop (qgZ int4 wire bytes,
   ops/quantize.wire_bytes), stages 1-2's parameter all-gather after the step;
 * optim/finalize.py, clipping.py and training/step.py: the SP norm-gradient and tied
-  embedding all-reduces, the fp64 grad-norm all-reduce, the loss report.
+  embedding all-reduces, the fp64 grad-norm all-reduces (dense, then the experts' part), the
+  loss report, model/moe_mlp.moe_step's.
 
 Each collective's bytes are `comm.model_bytes` of its (op, group size, buffer) and its
 link is the ledger's (topology.Topology.link_class of the group, or of the pair for p2p),
@@ -37,49 +41,21 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ... import comm
 from ...config import Config
 from ...config.shapes import MixerShape
 from ...data.tokenizer import pad_vocab_size
 from ...ops.quantize import wire_bytes
+from ...tensor_parallel.layers import is_expert
 from ...topology import Group, ProcessGroups, topology_from_config, zero_reduce_tiers
 from ...zero.ddp_engine import default_bucket_numel
 from ...zero.gather import QWZ_BITS
 from ...zero.grad_buffer import bucket_bounds
 from ...zero.grad_reduce import QGZ_BITS
-from ...zero.sharded_params import START_UNITS, flat_geometry, model_units, pad_block, shard_segments
+from ...zero.sharded_params import START_UNITS, flat_geometry, is_expert_unit, model_units, pad_block, shard_segments
 from ..memory import stage_model
+from .calls import Coll, _coll
+from .moe import moe_colls, moe_step_colls
 from .schedule import Op, StageSchedule, stage_ops
-
-
-@dataclass(frozen=True)
-class Coll:
-    """One collective call: bytes() is what the ledger records for it."""
-
-    role: str
-    phase: str
-    op: str
-    link: str
-    n: int
-    nbytes: float  # the full buffer, as comm.model_bytes takes it
-    kind: str  # overlap class: tp, cp_attn, cp_scan, cp_halo, pp, zero_gather, grad, param_gather, misc
-    quant_elems: float = 0.0  # elements quantized + dequantized for it (qwZ, qgZ)
-    quant_key: str = ""  # "bits/block" of its quantizer (hardware.Cluster.quant's key)
-    quant_calls: int = 0  # quantizer passes it runs (quantize + dequantize(-sum): 2), each with a fixed cost
-    behind_flops: float = field(default=0.0, compare=False)  # FLOPs of the matmul it runs behind (SP backward)
-    ranks: tuple[int, ...] = field(default=(), compare=False)  # the group's global ranks (node sharing)
-
-    def bytes(self) -> float:
-        return comm.model_bytes(self.op, self.n, self.nbytes)
-
-
-def _coll(
-    group: Group, phase: str, op: str, nbytes: float, kind: str, link: str | None = None, quant=0.0, qkey: str = ""
-):
-    calls = 2 if quant else 0  # one quantize, one dequantize (or dequantize-sum) pass per call
-    return Coll(
-        group.role, phase, op, link or group.link, group.size, nbytes, kind, quant, qkey, calls, ranks=group.ranks
-    )
 
 
 @dataclass
@@ -92,6 +68,8 @@ class UnitInfo:
     is_block: bool
     tp_partial: list[bool]
     tied: bool
+    expert: bool = False  # a block's routed experts (`layer{i}.experts`): sharded over the expert-data-parallel group
+    companions: list[UnitInfo] = field(default_factory=list)  # a block's: its experts' unit, gathered before it
 
 
 @dataclass
@@ -174,13 +152,20 @@ def _tp_exit(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]
     return [_coll(g.tp, "tp_fwd_allreduce", "all_reduce", nbytes, "tp")] if fwd else []
 
 
-def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bool = False) -> list[Coll]:
-    """TP and CP collectives of one block's forward (fwd) or backward; `rerun`: the forward
-    collectives a full-recompute rerun repeats (TP, softmax K|V gather; not the GLA scan)."""
+def _block_colls(
+    cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bool = False, imbalance: float = 1.0
+) -> list[Coll]:
+    """TP, CP and MoE collectives of one block's forward (fwd) or backward; `rerun`: the forward
+    collectives a full-recompute rerun repeats (TP, softmax K|V gather, MoE dispatch; not the GLA scan).
+    An MoE layer's with --moe-layer-recompute: its forward's again before its backward's."""
     m, p = cfg.model, cfg.parallel
     e, act = _act_bytes(cfg)
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     out: list[Coll] = []
+    if m.ffn(layer).kind == "moe":
+        again = not fwd and m.moe_layer_recompute
+        out += [_recomputed(c) for c in moe_colls(cfg, g, True, imbalance)] if again else []
+        out += moe_colls(cfg, g, fwd, imbalance)
     if tp > 1:
         for width in _product_widths(cfg, layer):  # mixer, then MLP: enter the TP region, leave it
             flops = 2 * act * width / tp  # one of the product's backward matmuls: [b s, h] x [h, width / TP]
@@ -198,16 +183,23 @@ def _block_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bo
         elif not rerun:  # the halo before the operator's scan; its gradient after the scan's
             scan, halo = _scan_colls(cfg, g, fwd, mixer), _halo_colls(cfg, g, fwd, mixer, e)
             out += halo + scan if fwd else scan + halo
-    if rerun:
-        out = [dataclasses.replace(c, phase=c.phase + ":recompute") for c in out]
-    return out
+    return [_recomputed(c) for c in out] if rerun else out
 
 
-def _product_widths(cfg: Config, layer: int) -> tuple[int, int]:
-    """Full output widths of a block's two column-parallel products: its mixer's input projection (with a
-    replicated section TP times: it is not split) and fc1."""
+def _recomputed(c: Coll) -> Coll:
+    return c if c.phase.endswith(":recompute") else dataclasses.replace(c, phase=c.phase + ":recompute")
+
+
+def _product_widths(cfg: Config, layer: int) -> tuple[int, ...]:
+    """Full output widths of a block's column-parallel products: its mixer's input projection (with a
+    replicated section TP times: it is not split) and fc1, or in an MoE layer the shared expert's fc1 if any
+    (the routed experts are not TP-split: their own exchanges, moe.py)."""
     m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    return m.mixer(layer).projection_width(tp), sum(m.ffn(layer).sections)
+    ffn = m.ffn(layer)
+    if ffn.kind == "moe":
+        shared = ffn.shared_hidden * len(ffn.sections)
+        return (m.mixer(layer).projection_width(tp),) + ((shared,) if shared else ())
+    return m.mixer(layer).projection_width(tp), sum(ffn.sections)
 
 
 def _scan_colls(cfg: Config, g: ProcessGroups, fwd: bool, mixer: MixerShape) -> list[Coll]:
@@ -270,18 +262,21 @@ def _end_colls(cfg: Config, g: ProcessGroups, chunk, fwd: bool) -> list[Coll]:
 
 
 def _units(cfg: Config, chunks) -> list[UnitInfo]:
+    """The engine's units (zero/sharded_params.model_units): a block's routed experts a unit of their own over
+    the expert-data-parallel group, its block's companion."""
     n = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
-    out = []
+    edp = topology_from_config(cfg).expert_sizes["edp"]
+    out: list[UnitInfo] = []
     for c, chunk in enumerate(chunks):
         for name, params, module in model_units(chunk):
             numels = [q.numel() for q in params]
-            _, padded, shard = flat_geometry(numels, n, pad_block(cfg.zero))
+            expert = is_expert_unit(name)
+            _, padded, shard = flat_geometry(numels, edp if expert else n, pad_block(cfg.zero))
             partial = [bool(getattr(q, "tp_partial_grad", False)) for q in params]
-            out.append(
-                UnitInfo(
-                    name, c, numels, padded, shard, module is not None, partial, name == "embedding" and chunk.tied
-                )
-            )
+            tied = name == "embedding" and chunk.tied
+            out.append(UnitInfo(name, c, numels, padded, shard, module is not None, partial, tied, expert))
+            if expert:  # right after its block (model_units' order)
+                out[-2].companions.append(out[-1])
     return out
 
 
@@ -303,7 +298,9 @@ class _ZeroState:
             return []
         self.gathered[id(u)] = True
         phase = "zero_bwd_allgather" if backward else "zero_fwd_allgather"
-        group = self.g.dp_cp
+        group = self.g.edp if u.expert else self.g.dp_cp
+        if u.expert:  # over the expert-data-parallel group, from the primary shard (no hpZ), qwZ as any unit
+            return self._primary(u, group, phase)
         if self.hpz is not None and (backward or self.secondary[id(u)]):
             return (
                 [(u.name, _coll(self.hpz, phase, "all_gather", u.padded * self.e, "zero_gather"))]
@@ -312,6 +309,10 @@ class _ZeroState:
             )
         if self.hpz is not None:
             self.secondary[id(u)] = True
+        return self._primary(u, group, phase)
+
+    def _primary(self, u: UnitInfo, group: Group, phase: str) -> list[tuple[str, Coll]]:
+        """`u`'s gather from its primary shards over `group` (qwZ: int8 with block scales)."""
         if group.size == 1:
             return []
         if self.qwz is None:
@@ -331,8 +332,13 @@ def grad_wire_bytes(cfg: Config) -> int:
 
 
 def _reduction(cfg: Config, g: ProcessGroups, u: UnitInfo) -> list[Coll]:
-    """One unit's gradient reduction (zero/grad_reduce.py): flat, or hop by hop."""
+    """One unit's gradient reduction (zero/grad_reduce.py): flat, or hop by hop (not a unit of routed experts:
+    flat over the expert-data-parallel group, reduce_schedule.py)."""
     z = cfg.zero
+    if u.expert:
+        if g.edp.size == 1:
+            return []
+        return [_coll(g.edp, "zero_grad_reducescatter", "reduce_scatter", grad_wire_bytes(cfg) * u.padded, "grad")]
     if z.zero_quantized_gradients or z.zero_hierarchy:
         bits = QGZ_BITS if z.zero_quantized_gradients else None
         block = z.zero_gradient_quantization_block_size
@@ -358,8 +364,10 @@ def _zero_forward(st: _ZeroState, chunk, units: list[UnitInfo]) -> list[tuple[st
     for u in start:
         out += st.gather(u, False)
     for u in blocks:
-        out += st.gather(u, False)
-        st.release(u)  # after its forward
+        for x in u.companions + [u]:  # FlatUnit.start_gather: its experts' first
+            out += st.gather(x, False)
+        for x in u.companions + [u]:
+            st.release(x)  # after its forward
     for u in end:
         out += st.gather(u, False)
     return out
@@ -373,19 +381,23 @@ def _zero_backward(st: _ZeroState, cfg: Config, g: ProcessGroups, chunk, units) 
     for u in start + [u for u in end if u not in start]:  # chunk_backward: 1F1B may have freed them
         out += st.gather(u, True)
     # gradients complete in backward order: the head, the blocks last to first, the embedding
+    # (a block's experts' reduction before its own: reduce_schedule.backward_order)
     order = [u for u in end if u.name == "head"] + list(reversed(blocks)) + [u for u in units if u.name in START_UNITS]
     for u in order:
         if u.is_block:
-            out += st.gather(u, True)
-        out += [(u.name, c) for c in _reduction(cfg, g, u)]
-        st.release(u)
+            for x in u.companions + [u]:
+                out += st.gather(x, True)
+        for x in u.companions + [u]:
+            out += [(x.name, c) for c in _reduction(cfg, g, x)]
+            st.release(x)
     return out
 
 
 # ---------------------------------------------------------------- a rank's step
 
 
-def rank_step(cfg: Config, rank: int) -> RankStep:
+def rank_step(cfg: Config, rank: int, moe_imbalance: float = 1.0) -> RankStep:
+    """`rank`'s step (`moe_imbalance`: MoE token exchanges timed at this x the mean rows, moe.py)."""
     p, z = cfg.parallel, cfg.zero
     g = rank_groups(cfg, rank)
     chunks = stage_chunks(cfg, g.pp_rank)
@@ -418,8 +430,8 @@ def rank_step(cfg: Config, rank: int) -> RankStep:
         rerun = {layer_ids[j] for a, b, again in chunk.block_groups if again for j in range(a, b)}
         for layer in layer_ids if fwd else reversed(layer_ids):
             if not fwd and layer in rerun:
-                tp_cp += _block_colls(cfg, g, layer, True, rerun=True)
-            tp_cp += _block_colls(cfg, g, layer, fwd)
+                tp_cp += _block_colls(cfg, g, layer, True, rerun=True, imbalance=moe_imbalance)
+            tp_cp += _block_colls(cfg, g, layer, fwd, imbalance=moe_imbalance)
         colls += [(None, c) for c in tp_cp]
         v = op.chunk * pp + g.pp_rank
         if pp > 1 and fwd and v < pp * V - 1:
@@ -435,14 +447,16 @@ def rank_step(cfg: Config, rank: int) -> RankStep:
     return step
 
 
-def ddp_buckets(cfg: Config, chunks) -> list[int]:
-    """Elements of each plain-DP gradient bucket (zero/grad_buffer.py's layout)."""
+def ddp_buckets(cfg: Config, chunks, experts: bool = False) -> list[int]:
+    """Elements of each plain-DP gradient bucket (zero/grad_buffer.py's layout): of the dense parameters, or
+    (`experts`) of the routed experts' buffer (zero/ddp_engine.py: its own, over the expert-data-parallel group)."""
     z, n = cfg.zero, cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size
     overlap = z.overlap_grad_reduce and n > 1
     bucket = (z.ddp_bucket_size or default_bucket_numel(n)) if overlap else None
     sizes = []
     for c in reversed(range(len(chunks))):
-        numels = [q.numel() for q in reversed([q for q in chunks[c].parameters() if q.requires_grad])]
+        params = [q for q in chunks[c].parameters() if q.requires_grad and is_expert(q) == experts]
+        numels = [q.numel() for q in reversed(params)]
         sizes += [sum(numels[a:b]) for a, b in bucket_bounds(numels, bucket)]
     return sizes
 
@@ -452,37 +466,45 @@ def _step_end(cfg: Config, g: ProcessGroups, chunks, units: list[UnitInfo]) -> l
     e = 2 if cfg.train.bf16 else 4
     out: list[Coll] = []
     if z.zero_stage == 0:
-        if g.dp_cp.size > 1:
-            out += [
-                _coll(g.dp_cp, "grad_allreduce", "all_reduce", grad_wire_bytes(cfg) * n, "grad")
-                for n in ddp_buckets(cfg, chunks)
-            ]
+        for group, experts in ((g.dp_cp, False), (g.edp, True)):
+            if group.size > 1:
+                out += [
+                    _coll(group, "grad_allreduce", "all_reduce", grad_wire_bytes(cfg) * n, "grad")
+                    for n in ddp_buckets(cfg, chunks, experts)
+                    if n
+                ]
         partial = sum(q.numel() for c in chunks for q in c.parameters() if getattr(q, "tp_partial_grad", False))
         tied = [e.weight.numel() for e in (c.parts().tied_embedding for c in chunks) if e is not None]
     else:
         if z.zero_stage == 1 and not z.overlap_grad_reduce:
             for u in reversed(units):
                 out += _reduction(cfg, g, u)
-        lo_of = g.dp_cp.rank
         partial = 0
         for u in units:
             offsets = [0]
             for n in u.numels:
                 offsets.append(offsets[-1] + n)
-            lo = lo_of * u.shard
+            lo = (g.edp if u.expert else g.dp_cp).rank * u.shard
             partial += sum(b - a for i, a, b, _ in shard_segments(offsets, lo, lo + u.shard) if u.tp_partial[i])
         tied = [u.shard for u in units if u.tied]
     if partial and g.tp.size > 1:
         out.append(_coll(g.tp, "sp_norm_grad_allreduce", "all_reduce", 4 * partial, "misc"))
     if "embedding" in g and g.embedding.size > 1:
         out += [_coll(g.embedding, "embedding_grad_allreduce", "all_reduce", 4 * n, "misc") for n in tied]
-    for group in ([g.dp_cp] if z.zero_stage >= 1 else []) + [g.mp]:
-        if group.size > 1:
-            out.append(_coll(group, "grad_norm", "all_reduce", 8, "misc"))
+    # the gradient norm's parts (optim/clipping.py): dense, then the routed experts' in a model with experts
+    parts = [[g.dp_cp, g.mp]] + ([[g.edp, g.expert_mp]] if cfg.model.num_experts else [])
+    for part in parts:
+        for group in part[z.zero_stage == 0 :]:  # without ZeRO, gradients are whole on each replica
+            if group.size > 1:
+                out.append(_coll(group, "grad_norm", "all_reduce", 8, "misc"))
     if g.world.size > 1:  # optim/nonfinite.agree_finite: the loss's and the gradients' flags, every step
         out.append(_coll(g.world, "step_check", "all_reduce", 8, "misc"))
-    if z.zero_stage in (1, 2) and g.dp_cp.size > 1:
-        out += [_coll(g.dp_cp, "zero_param_allgather", "all_gather", u.padded * e, "param_gather") for u in units]
+    if z.zero_stage in (1, 2):
+        for u in units:
+            group = g.edp if u.expert else g.dp_cp
+            if group.size > 1:
+                out.append(_coll(group, "zero_param_allgather", "all_gather", u.padded * e, "param_gather"))
+    out += moe_step_colls(cfg, g, sum(cfg.model.ffn(int(i)).kind == "moe" for c in chunks for i in c.layers.keys()))
     if g.pp.size > 1:
         out.append(_coll(g.pp, "loss_report", "broadcast", 4, "misc"))
     if g.dp_cp.size > 1:

@@ -39,6 +39,9 @@ Overlap, per rank, with one compute stream and one communication stream per link
   quantizer on the compute stream (quantize before the issue, dequantize(-sum) after the
   wait, quant_parts) and a hierarchical reduction moving one hop per later unit, its wait
   at that program point (grad_reduce.HierarchicalReduceScatter.advance);
+* MoE token exchanges (moe/dispatch.py: counts, tokens over EP, expert TP's gather and scatter, or the
+  allgather dispatcher's) block the compute stream: fully exposed ("moe dispatch"); with a
+  `moe_imbalance` the busiest rank's exchanges and experts take that factor longer (simulator/moe.py);
 * pipeline: the real schedule's order (schedule.stage_ops), p2p on the dependency edges,
   so the bubble comes out of the event times;
 * overlap efficiency (Cluster.overlap_efficiency): of the stream time the schedule above
@@ -70,6 +73,7 @@ from ...zero.reduce_schedule import reductions_in_flight
 from ...zero.sharded_params import START_UNITS
 from .collectives import Coll, RankStep, rank_groups, rank_step, representative_ranks, stage_chunks, transition_bytes
 from .hardware import Cluster
+from .moe import expert_flops_per_token
 from .schedule import pipeline_time
 
 
@@ -104,7 +108,7 @@ def wire_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
         wire = node_egress(c, ranks_per_node or cl.ranks_per_node, cl.device == "cpu") / link.bandwidth
     else:
         wire = c.bytes() / link.bandwidth
-    return _steps(c.op, c.n) * link.alpha + wire
+    return _steps(c.op, c.n) * link.alpha + wire * c.imbalance  # an MoE exchange: the busiest rank's rows
 
 
 def coll_time(c: Coll, cl: Cluster, ranks_per_node: int | None = None) -> float:
@@ -198,7 +202,7 @@ class _Reduction:
 class _RankTimer:
     """One rank's compute and communication streams through its schedule."""
 
-    def __init__(self, cfg: Config, cl: Cluster, step: RankStep, cp: Group):
+    def __init__(self, cfg: Config, cl: Cluster, step: RankStep, cp: Group, moe_imbalance: float = 1.0):
         self.cfg, self.cl, self.step, self.cp = cfg, cl, step, cp
         self.rpn = topology_from_config(cfg).ranks_per_node
         self.comm_free: dict[str, float] = defaultdict(float)  # per link class: when its stream is free
@@ -212,6 +216,8 @@ class _RankTimer:
         self.compute = 0.0
         chunks = stage_chunks(cfg, step.pp_rank)
         per_layer, head = layer_flops(cfg)
+        # an MoE layer's experts run the busiest rank's rows (the expert-TP split and its gathered rows cancel)
+        per_layer = [f + (moe_imbalance - 1) * expert_flops_per_token(cfg, i) for i, f in enumerate(per_layer)]
         m, p, t = cfg.model, cfg.parallel, cfg.train
         tokens = t.micro_batch_size * m.seq_length / p.context_parallel_size
         rate = cl.sustained_tflops * 1e12 * p.tensor_model_parallel_size / tokens  # tokens x FLOPs at TP-split rate
@@ -307,11 +313,12 @@ class _RankTimer:
         op, colls = self.step.per_op[index]
         units = self.fwd_unit[op.chunk]
         zero, grads, tail, per_layer = _sort_collectives(colls)
-        total_sync, scan_exposed = self._per_layer_exposed(per_layer, op.kind)
+        total_sync, scan_exposed, moe = self._per_layer_exposed(per_layer, op.kind)
         self.exposed["tp+cp (synchronous)"] += total_sync
         self.exposed["cp state scan"] += scan_exposed
+        self.exposed["moe dispatch (synchronous)"] += moe
         layers = sum(1 for n in units if n.startswith("layer"))
-        extra = (total_sync + scan_exposed) / max(layers, 1)  # spread over the layers that issue them
+        extra = (total_sync + scan_exposed + moe) / max(layers, 1)  # spread over the layers that issue them
         t = self._walk_units(op, _unit_order(units, op.kind, zero, grads), zero, grads, start, extra)
         for c in tail:
             t_p2p = self._t(c)
@@ -319,12 +326,15 @@ class _RankTimer:
             t += t_p2p
         return t
 
-    def _per_layer_exposed(self, per_layer: list[Coll], kind: str) -> tuple[float, float]:
-        """(exposed seconds of the synchronous TP/CP calls, of the CP state scans) of one forward or backward."""
+    def _per_layer_exposed(self, per_layer: list[Coll], kind: str) -> tuple[float, float, float]:
+        """(exposed seconds of the synchronous TP/CP calls, of the CP state scans, of the MoE token exchanges:
+        blocking, as moe/dispatch.py issues them) of one forward or backward."""
         cl, cfg = self.cl, self.cfg
-        total_sync = scan_exposed = 0.0
+        total_sync = scan_exposed = moe = 0.0
         for c in per_layer:
-            if c.kind == "cp_scan":
+            if c.kind == "moe":
+                moe += self._t(c)
+            elif c.kind == "cp_scan":
                 t_scan = (
                     scan_time(cfg, cl, self.cp, self.rpn)
                     if c.op == "send"
@@ -338,7 +348,7 @@ class _RankTimer:
             else:  # an SP backward call hides behind its matmul (tensor_parallel/layers.py), others are exposed
                 t_c = self._t(c)
                 total_sync += t_c - cl.overlap_efficiency * min(t_c, c.behind_flops / (cl.sustained_tflops * 1e12))
-        return total_sync, scan_exposed
+        return total_sync, scan_exposed, moe
 
     def _walk_units(self, op, order: list[str], zero, grads, start: float, extra: float) -> float:
         """Run `order`'s units on the compute stream, each waiting for its gathers (the next unit's issued as it
@@ -409,9 +419,10 @@ class _RankTimer:
         return t + extra, dict(other)
 
 
-def simulate(cfg: Config, cl: Cluster) -> Breakdown:
+def simulate(cfg: Config, cl: Cluster, moe_imbalance: float = 1.0) -> Breakdown:
     """Step time of `cfg` (a validated config) on cluster `cl`: each CP rank's pipeline is
-    timed from representative ranks (TP 0, DP 0); the slowest sets the step."""
+    timed from representative ranks (TP 0, DP 0); the slowest sets the step. `moe_imbalance` (>= 1): an
+    MoE layer's busiest rank runs and exchanges this x an even share of the routed rows, and sets the step."""
     topo = topology_from_config(cfg)
     pipelines: dict[int, list[int]] = defaultdict(list)
     cp = topo.sizes["cp"]
@@ -422,7 +433,7 @@ def simulate(cfg: Config, cl: Cluster) -> Breakdown:
     best: Breakdown | None = None
     for members in pipelines.values():
         timers = [
-            _RankTimer(cfg, cl, rank_step(cfg, r), rank_groups(cfg, r).cp)
+            _RankTimer(cfg, cl, rank_step(cfg, r, moe_imbalance), rank_groups(cfg, r).cp, moe_imbalance)
             for r in sorted(members, key=lambda r: topo.coords(r)["pp"])
         ]
         index = [{op: i for i, (op, _) in enumerate(tm.step.per_op)} for tm in timers]
@@ -469,7 +480,7 @@ def _sort_collectives(colls) -> tuple[dict, dict, list[Coll], list[Coll]]:
     zero: dict[str, list[Coll]] = defaultdict(list)
     grads: dict[str, list[Coll]] = defaultdict(list)
     tail: list[Coll] = []
-    per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan", "cp_halo")]
+    per_layer = [c for u, c in colls if u is None and c.kind in ("tp", "cp_attn", "cp_scan", "cp_halo", "moe")]
     for u, c in colls:
         if u is not None:
             (grads if c.kind == "grad" else zero)[u].append(c)
