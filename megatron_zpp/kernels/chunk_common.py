@@ -1,4 +1,4 @@
-"""What the chunked linear-attention kernels share (GLA: gla*.py, Gated DeltaNet: gdn*.py), as fla's
+"""What the chunked linear-attention kernels share (GLA: gla*.py, Gated DeltaNet: gdn*.py, KDA: kda*.py), as fla's
 `ops/common`. Device helpers: masked fp32 row loads, the dot of either precision (and its bf16 emulation for
 the interpreter), the in-chunk decays (segment sums of g accumulated over their own tokens). Host helpers of
 the launch wrappers: the dot mode of a launch (`bf16_dots`), inputs read in place with their strides
@@ -80,6 +80,20 @@ def pair_decays(g, BT: tl.constexpr, SAME_TOKEN: tl.constexpr):
     seg = tl.cumsum(tl.where(after_j, g[:, None, :], 0.0), axis=0)
     keep = (rt[:, None, None] >= rt[None, :, None]) if SAME_TOKEN else after_j
     return tl.where(keep, tl.exp(seg), 0.0)
+
+
+@device_fn
+def unit_lower_inverse(L, rc, C: tl.constexpr):
+    """(I + L)^-1 of a strictly lower [C, C] tile by forward substitution, row by row in fp32 (the delta rule's UT
+    transform: Gated DeltaNet and KDA)."""
+    eye = rc[:, None] == rc[None, :]
+    inv = tl.where(eye, 1.0, 0.0)
+    for i in range(1, C):
+        at_i = rc[:, None] == i
+        row = tl.sum(tl.where(at_i, L, 0.0), axis=0)  # L[i, :]
+        new = tl.where(rc == i, 1.0, 0.0) - tl.sum(row[:, None] * inv, axis=0)
+        inv = tl.where(at_i, new[None, :], inv)
+    return inv
 
 
 EMULATE_BF16_DOTS = False  # tests: the interpreter rounds dot operands to bf16 as a GPU launch does
