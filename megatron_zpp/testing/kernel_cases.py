@@ -166,9 +166,9 @@ def _gdn_bytes(B, T, H, D, C, dtype, h0):
 
 
 def _kda_bytes(B, T, H, D, C, dtype, h0):
-    # as GDN's, with the per-key gate and its gradient (two fp32 [T, D] a head) and the backward's two fp32
-    # [T, D] buffers of the exponents' gradients
-    per_token, states = 8 * _size(dtype) + 32, 3 * -(-T // C) * D * D * 4
+    # as GDN's, with the per-key gate and its gradient and the backward's fp32 [T, D] buffers (dq, dk, dg and the
+    # exponents' two gradients): twelve fp32 [T, D] tensors a head in all
+    per_token, states = 8 * _size(dtype) + 48, 3 * -(-T // C) * D * D * 4
     return B * T * H * D * per_token + B * H * states + T * D * per_token + states
 
 
