@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import blocks_between, delta_wy_backward, dot, exclusive_suffix, load_rows, pair_decays
+from .chunk_common import blocks_between, delta_wy_backward, device_fn, dot, exclusive_suffix, load_rows, pair_decays
 
 
 @triton.jit
@@ -72,6 +72,31 @@ def _kda_bwd_states_kernel(
         tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
 
 
+@device_fn
+def _state_products(
+    S_ptr, dE_ptr, do_ptr, vnew_ptr, dvnew_ptr, scale, sot, mk,
+    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DO: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """One chunk's products over V (tiles of BV) for the rows of one K tile: scale do S_in^T, v_new dS_out^T,
+    -dv_new S_in^T ([C, BK] each) and sum_V S_in * dS_out ([BK])."""
+    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    all_rows = rc < C
+    dq = tl.zeros([C, BK], dtype=tl.float32)
+    dk_end = tl.zeros([C, BK], dtype=tl.float32)
+    dW = tl.zeros([C, BK], dtype=tl.float32)
+    entering = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        mv = v0 + rv < V
+        S = load_rows(S_ptr + v0, rk, rv, mk, mv, V)
+        dE = load_rows(dE_ptr + v0, rk, rv, mk, mv, V)
+        if HAS_DO:
+            dq += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(S), BF16)
+        dk_end += dot(load_rows(vnew_ptr + v0, rc, rv, all_rows, mv, V), tl.trans(dE), BF16)
+        dW -= dot(load_rows(dvnew_ptr + v0, rc, rv, all_rows, mv, V), tl.trans(S), BF16)
+        entering += tl.sum(dE * S, axis=1)
+    return dq, dk_end, dW, entering
+
+
 @triton.jit
 def _kda_bwd_state_grads_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, T_ptr, states_ptr, vnew_ptr, d_ends_ptr, do_ptr, dvnew_ptr,
@@ -89,7 +114,7 @@ def _kda_bwd_state_grads_kernel(
     pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
     i_n, i_bh = pid % N, pid // N
     b, h = i_bh // H, i_bh % H
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), tl.arange(0, BV)
+    rc, rk = tl.arange(0, C), tl.arange(0, BK)
     all_rows = rc < C
     row0 = i_n * C
     tok = i_bh * T + row0
@@ -107,19 +132,10 @@ def _kda_bwd_state_grads_kernel(
     last = rc == C - 1
     for k0 in range(0, K, BK):
         mk = k0 + rk < K
-        dq = tl.zeros([C, BK], dtype=tl.float32)
-        dk_end = tl.zeros([C, BK], dtype=tl.float32)
-        dW = tl.zeros([C, BK], dtype=tl.float32)
-        entering = tl.zeros([BK], dtype=tl.float32)  # sum_V S_in * d_ends
-        for v0 in range(0, V, BV):
-            mv = v0 + rv < V
-            S = load_rows(S_ptr + k0 * V + v0, rk, rv, mk, mv, V)
-            dE = load_rows(dE_ptr + k0 * V + v0, rk, rv, mk, mv, V)
-            if HAS_DO:
-                dq += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(S), BF16)
-            dk_end += dot(load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(dE), BF16)
-            dW -= dot(load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V), tl.trans(S), BF16)
-            entering += tl.sum(dE * S, axis=1)
+        dq, dk_end, dW, entering = _state_products(
+            S_ptr + k0 * V, dE_ptr + k0 * V, do_ptr, vnew_ptr + tok * V, dvnew_ptr + tok * V, scale, sot, mk,
+            V, C, BK, BV, HAS_DO, BF16,
+        )  # fmt: skip
         g = load_rows(g_ptr + k0, rc, rk, all_rows, mk, sgt)
         start = tl.exp(tl.cumsum(g, axis=0))
         q_tile = load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt)
@@ -154,6 +170,51 @@ def _kda_bwd_wy_kernel(
         v_ptr, beta_ptr, T_ptr, vnew_ptr, do_ptr, dvnew_ptr, dTw_ptr, dA_ptr, dv_ptr, dbeta_ptr, T, N, scale,
         svb, svt, svh, sob, sot, soh, H, V, C, BV, HAS_DO, BF16,
     )  # fmt: skip
+
+
+@device_fn
+def _from_earlier_blocks(
+    dA_ptr, dL_ptr, beta_ptr, k_ptr, g_ptr, i_i, rk, mk, skt, sgt,
+    C: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Sub-block I's rows as the later token of a pair with the keys of every earlier sub-block J, the decay taken
+    to I's start: (sum_j dA_ij k_j, sum_j beta_i dL_ij k_j) times exp(suffix of J after j + blocks between) [BT, BK]
+    (the caller multiplies by the prefix of I up to i)."""
+    rt = tl.arange(0, BT)
+    rows_i, all_t = i_i * BT + rt, rt < BT
+    beta_i = tl.load(beta_ptr + rows_i)
+    dq_row = tl.zeros([BT, BK], dtype=tl.float32)
+    dk_row = tl.zeros([BT, BK], dtype=tl.float32)
+    for j_blk in range(0, i_i):
+        rows_j = j_blk * BT + rt
+        between = blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
+        k_fac = tl.exp(exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
+        kj = load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
+        dq_row += dot(load_rows(dA_ptr, rows_i, rows_j, all_t, all_t, C), kj, BF16)
+        dk_row += dot(load_rows(dL_ptr, rows_i, rows_j, all_t, all_t, C) * beta_i[:, None], kj, BF16)
+    return dq_row, dk_row
+
+
+@device_fn
+def _from_later_blocks(
+    dA_ptr, dL_ptr, beta_ptr, q_ptr, k_ptr, g_ptr, i_i, rk, mk, sqt, skt, sgt,
+    C: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Sub-block I's rows as the earlier token of a pair with the tokens i of every later sub-block:
+    sum_i (dA_ij q_i + beta_i dL_ij k_i) exp(prefix of i's block up to i + blocks between) [BT, BK] (the caller
+    multiplies by the suffix of I after j)."""
+    rt = tl.arange(0, BT)
+    rows_i, all_t = i_i * BT + rt, rt < BT
+    dk_col = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_blk in range(i_i + 1, C // BT):
+        rows_q = i_blk * BT + rt
+        between = blocks_between(g_ptr, rk, mk, (i_i + 1) * BT, i_blk * BT, C, sgt)
+        q_fac = tl.exp(tl.cumsum(load_rows(g_ptr, rows_q, rk, all_t, mk, sgt), axis=0) + between[None, :])
+        dA = load_rows(dA_ptr, rows_q, rows_i, all_t, all_t, C)
+        dkk = load_rows(dL_ptr, rows_q, rows_i, all_t, all_t, C) * tl.load(beta_ptr + rows_q)[:, None]
+        dk_col += dot(tl.trans(dA), load_rows(q_ptr, rows_q, rk, all_t, mk, sqt) * q_fac, BF16)
+        dk_col += dot(tl.trans(dkk), load_rows(k_ptr, rows_q, rk, all_t, mk, skt) * q_fac, BF16)
+    return dk_col
 
 
 @triton.jit
@@ -191,27 +252,14 @@ def _kda_bwd_intra_kernel(
         qi = load_rows(q_ptr, rows_i, rk, all_t, mk, sqt)
         ki = load_rows(k_ptr, rows_i, rk, all_t, mk, skt)
         gi = load_rows(g_ptr, rows_i, rk, all_t, mk, sgt)
-        dq_row = tl.zeros([BT, BK], dtype=tl.float32)  # A's row side: sum_j dA_ij k_j exp(seg)
-        dk_row = tl.zeros([BT, BK], dtype=tl.float32)  # L's row side: sum_j dkk_ij k_j exp(seg)
-        for j_blk in range(0, i_i):
-            rows_j = j_blk * BT + rt
-            between = blocks_between(g_ptr, rk, mk, (j_blk + 1) * BT, i_i * BT, C, sgt)
-            k_fac = tl.exp(exclusive_suffix(g_ptr, rows_j, rk, mk, BT, sgt) + between[None, :])
-            kj = load_rows(k_ptr, rows_j, rk, all_t, mk, skt) * k_fac
-            dq_row += dot(load_rows(dA_ptr, rows_i, rows_j, all_t, all_t, C), kj, BF16)
-            dkk = load_rows(dL_ptr, rows_i, rows_j, all_t, all_t, C) * tl.load(beta_ptr + rows_i)[:, None]
-            dk_row += dot(dkk, kj, BF16)
+        dq_row, dk_row = _from_earlier_blocks(
+            dA_ptr, dL_ptr, beta_ptr, k_ptr, g_ptr, i_i, rk, mk, skt, sgt, C, BT, BK, BF16
+        )
         q_in = tl.exp(tl.cumsum(gi, axis=0))
         dq_row, dk_row = dq_row * q_in, dk_row * q_in
-        dk_col = tl.zeros([BT, BK], dtype=tl.float32)  # column side of A and L: sum_i (dA_ij q_i + dkk_ij k_i) ..
-        for i_blk in range(i_i + 1, C // BT):
-            rows_q = i_blk * BT + rt
-            between = blocks_between(g_ptr, rk, mk, (i_i + 1) * BT, i_blk * BT, C, sgt)
-            q_fac = tl.exp(tl.cumsum(load_rows(g_ptr, rows_q, rk, all_t, mk, sgt), axis=0) + between[None, :])
-            dA = load_rows(dA_ptr, rows_q, rows_i, all_t, all_t, C)
-            dkk = load_rows(dL_ptr, rows_q, rows_i, all_t, all_t, C) * tl.load(beta_ptr + rows_q)[:, None]
-            dk_col += dot(tl.trans(dA), load_rows(q_ptr, rows_q, rk, all_t, mk, sqt) * q_fac, BF16)
-            dk_col += dot(tl.trans(dkk), load_rows(k_ptr, rows_q, rk, all_t, mk, skt) * q_fac, BF16)
+        dk_col = _from_later_blocks(
+            dA_ptr, dL_ptr, beta_ptr, q_ptr, k_ptr, g_ptr, i_i, rk, mk, sqt, skt, sgt, C, BT, BK, BF16
+        )
         dk_col = dk_col * tl.exp(exclusive_suffix(g_ptr, rows_i, rk, mk, BT, sgt))
         decay = pair_decays(gi, BT, False)  # pairs j < i inside the sub-block
         w = dA_ii[:, :, None] * decay
