@@ -59,16 +59,16 @@ def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int
 # tile, BV the value tile, DBK the key width of a diagonal sub-block's [16, 16, DBK] pair tiles. The state scans
 # hold the state as one tile of the whole padded K (no BK) or as two tiles of BK rows (K <= 2 BK). Chosen with
 # megatron_zpp/testing/triton_aot.py (bench/compile_gpu.py --family kda) at C = 64, K = V = 128: no spills on sm_80
-# and sm_90 in bf16 (the default) and in fp32 but for the two state scans (fp32 "ieee" dots hold more registers;
-# docs/kernels.md lists them, as GDN's).
+# and sm_90 in bf16 (the default; also at the shapes at risk, C = 16) under Triton 3.9 and 3.6 (NVIDIA's image); in
+# fp32 the two state scans spill (fp32 "ieee" dots hold more registers; docs/kernels.md lists them, as GDN's).
 _TILES = _cfg(BK=32, BV=16, num_warps=8)
 _TABLE: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "scores": (_cfg(BK=32, DBK=16), _cfg(BK=32, DBK=16)),
     "prepare": (_TILES, _cfg(BK=16, BV=16, num_warps=8)),  # fp32 at BK 32: 152 B spilled on sm_80
-    "fwd_states": (_cfg(BV=16, num_warps=4), _cfg(BK=64, BV=16, num_warps=8)),
+    "fwd_states": (_cfg(BV=16, num_warps=8), _cfg(BK=64, BV=16, num_warps=8)),  # 4 warps: 16 B on sm_80 (3.6)
     "output": (_TILES, _TILES),
-    "bwd_states": (_cfg(BV=16, num_warps=8), _cfg(BK=64, BV=16, num_warps=8)),
-    "bwd_state_grads": (_cfg(BK=16, BV=16, num_warps=8), _cfg(BK=16, BV=16, num_warps=8)),  # BK 32: sm_80 spills
+    "bwd_states": (_cfg(BK=64, BV=16, num_warps=8), _cfg(BK=64, BV=16, num_warps=8)),  # whole K: sm_90 (3.6)
+    "bwd_state_grads": (_cfg(BK=16, BV=32, num_warps=8), _cfg(BK=16, BV=16, num_warps=8)),  # BV 16: C 16 (3.6)
     "bwd_wy": (_TILES, _TILES),
     "bwd_intra": (_cfg(BK=16, num_warps=8), _cfg(BK=16, num_warps=8)),  # 4 warps spill, 2 spill more
     "bwd_gate": (_cfg(BK=32), _cfg(BK=32)),
