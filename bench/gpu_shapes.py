@@ -4,9 +4,9 @@
     TRITON_INTERPRET=1 .venv/bin/python -m bench.gpu_shapes --device cpu --scale 1024   (CPU dry run)
 
 The cases are bench/compile_gpu.py's CI subset (--all: the full sweep), at their shapes: each kernel's
-default configuration and the shapes at risk (more than 2^31 elements, more than 65535 GLA/GDN chunks). The
+default configuration and the shapes at risk (more than 2^31 elements, more than 65535 GLA/GDN/KDA chunks). The
 kernels run the whole shape through the ops (megatron_zpp/ops, --kernels triton), forward and backward;
-the reference (--kernels torch) runs the whole shape too, except GLA and GDN, whose references run the last
+the reference (--kernels torch) runs the whole shape too, except GLA, GDN and KDA, whose references run the last
 batch and head only (the far end of every tensor, where 64-bit offsets matter; both are independent per batch
 and head). Error per output: |got - ref| / |ref| (L2 norms, as bench/kernels.py); the quantizer's wire bytes
 must match exactly. --scale N divides the large dims (a dry run of the logic on CPU, under the
@@ -29,6 +29,7 @@ from megatron_zpp.ops.cross_entropy import local_stats, softmax_grad
 from megatron_zpp.ops.gdn import chunk_gdn
 from megatron_zpp.ops.gla import chunk_gla
 from megatron_zpp.ops.grouped_gemm import grouped_mm
+from megatron_zpp.ops.kda import chunk_kda
 from megatron_zpp.ops.norm import layer_norm, rms_norm
 from megatron_zpp.ops.rope import apply_rope
 from megatron_zpp.ops.swiglu import swiglu
@@ -99,10 +100,12 @@ def check_gla(device, B, T, H, D, C, dtype, h0):
     return out
 
 
-def check_gdn(device, B, T, H, D, C, dtype, h0):
+def _check_delta_rule(op, per_key, device, B, T, H, D, C, dtype, h0):
+    """A gated delta rule op (chunk_gdn: a gate per head; chunk_kda: per key channel) on the kernels against its
+    chunked PyTorch form on the last batch and head."""
     q, k = (F.normalize(randn((B, T, H, D), device, torch.float32, s), dim=-1).to(dtype) for s in (1, 2))
     v = randn((B, T, H, D), device, dtype, 3)
-    g = F.logsigmoid(randn((B, T, H), device, torch.float32, 4)) / 16
+    g = F.logsigmoid(randn((B, T, H, D) if per_key else (B, T, H), device, torch.float32, 4)) / 16
     beta = torch.sigmoid(randn((B, T, H), device, torch.float32, 8)).to(dtype)
     state = randn((B, H, D, D), device, torch.float32, 5) if h0 else None
     do = randn((B, T, H, D), device, dtype, 6)
@@ -110,7 +113,7 @@ def check_gdn(device, B, T, H, D, C, dtype, h0):
 
     def run(q, k, v, g, beta, state, do, dS):
         def fn(q, k, v, g, beta, *s):
-            o, final = chunk_gdn(q, k, v, g, beta, None, s[0] if s else None, h0, C)
+            o, final = op(q, k, v, g, beta, None, s[0] if s else None, h0, C)
             return (o, final) if h0 else o
 
         return grads(fn, [q, k, v, g, beta] + ([state] if h0 else []), [do, dS] if h0 else [do])
@@ -127,6 +130,14 @@ def check_gdn(device, B, T, H, D, C, dtype, h0):
     for name, a, b in zip(names, got, ref):
         out[name] = rel_err(last_state(a) if name in ("final", "dh0") else last(a), b)
     return out
+
+
+def check_gdn(device, B, T, H, D, C, dtype, h0):
+    return _check_delta_rule(chunk_gdn, False, device, B, T, H, D, C, dtype, h0)
+
+
+def check_kda(device, B, T, H, D, C, dtype, h0):
+    return _check_delta_rule(chunk_kda, True, device, B, T, H, D, C, dtype, h0)
 
 
 def check_quantize(device, bits, block, r, m, x_dtype, op, seed=None, accumulate=False, rows=8):
@@ -207,7 +218,14 @@ def check_grouped_gemm(device, M, G, K, N, dtype):
     return {name: rel_err(a, b) for name, a, b in zip(["y", "dx", "dw"], got, ref)}
 
 
-CHECKS = {"gla": check_gla, "gdn": check_gdn, "quantize": check_quantize, "norm": check_norm, "rope": check_rope}
+CHECKS = {
+    "gla": check_gla,
+    "gdn": check_gdn,
+    "kda": check_kda,
+    "quantize": check_quantize,
+    "norm": check_norm,
+    "rope": check_rope,
+}
 CHECKS |= {"swiglu": check_swiglu, "cross_entropy": check_cross_entropy, "grouped_gemm": check_grouped_gemm}
 
 
@@ -216,7 +234,7 @@ def scaled(family: str, p: dict, s: int) -> dict:
     if s == 1:
         return p
     p = dict(p)
-    if family in ("gla", "gdn"):
+    if family in ("gla", "gdn", "kda"):
         p |= {"B": min(p["B"], 2), "H": min(p["H"], 2), "T": max(2 * p["C"], p["T"] // s // p["C"] * p["C"])}
     elif family == "quantize":
         p |= {"m": max(p.get("rows", 8) * 8 * p["block"], p["m"] // s)}

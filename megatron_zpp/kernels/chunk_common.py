@@ -1,4 +1,4 @@
-"""What the chunked linear-attention kernels share (GLA: gla*.py, Gated DeltaNet: gdn*.py), as fla's
+"""What the chunked linear-attention kernels share (GLA: gla*.py, Gated DeltaNet: gdn*.py, KDA: kda*.py), as fla's
 `ops/common`. Device helpers: masked fp32 row loads, the dot of either precision (and its bf16 emulation for
 the interpreter), the in-chunk decays (segment sums of g accumulated over their own tokens). Host helpers of
 the launch wrappers: the dot mode of a launch (`bf16_dots`), inputs read in place with their strides
@@ -80,6 +80,67 @@ def pair_decays(g, BT: tl.constexpr, SAME_TOKEN: tl.constexpr):
     seg = tl.cumsum(tl.where(after_j, g[:, None, :], 0.0), axis=0)
     keep = (rt[:, None, None] >= rt[None, :, None]) if SAME_TOKEN else after_j
     return tl.where(keep, tl.exp(seg), 0.0)
+
+
+@device_fn
+def unit_lower_inverse(L, rc, C: tl.constexpr):
+    """(I + L)^-1 of a strictly lower [C, C] tile by forward substitution, row by row in fp32 (the delta rule's UT
+    transform: Gated DeltaNet and KDA)."""
+    eye = rc[:, None] == rc[None, :]
+    inv = tl.where(eye, 1.0, 0.0)
+    for i in range(1, C):
+        at_i = rc[:, None] == i
+        row = tl.sum(tl.where(at_i, L, 0.0), axis=0)  # L[i, :]
+        new = tl.where(rc == i, 1.0, 0.0) - tl.sum(row[:, None] * inv, axis=0)
+        inv = tl.where(at_i, new[None, :], inv)
+    return inv
+
+
+@device_fn
+def delta_wy_backward(
+    v_ptr, beta_ptr, T_ptr, vnew_ptr, do_ptr, dvnew_ptr, dTw_ptr, dA_ptr, dv_ptr, dbeta_ptr, T, N, scale,
+    svb, svt, svh, sob, sot, soh,
+    H: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr, HAS_DO: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """The delta rule's WY backward of one chunk (the program id's), for Gated DeltaNet's and KDA's kernels
+    (gdn_bwd.py, kda_bwd.py), after their state-grads kernels: dv = beta T^T dv_new and its share of dbeta, the
+    scores' gradient dA = scale do v_new^T, and dL = -T^T dT T^T (strictly lower; over dW's share of dT in its
+    buffer). dv [B, T, H, V]; dA, dL [B, H, T, C] fp32; V in tiles of BV."""
+    pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
+    i_n, i_bh = pid % N, pid // N
+    b, h = i_bh // H, i_bh % H
+    rc, rv = tl.arange(0, C), tl.arange(0, BV)
+    all_rows = rc < C
+    row0 = i_n * C
+    tok = i_bh * T + row0
+    beta = tl.load(beta_ptr + tok + rc)
+    inv_t = tl.load(T_ptr + tok * C + rc[None, :] * C + rc[:, None])  # T^T, read transposed
+    v_ptr += b * svb + h * svh + row0 * svt
+    do_ptr += b * sob + h * soh + row0 * sot
+    out_rows = (b * T + row0 + rc) * H + h
+    cc = rc[:, None] * C + rc[None, :]
+    dA = tl.zeros([C, C], dtype=tl.float32)
+    dT = tl.load(dTw_ptr + tok * C + cc)
+    dbeta = tl.load(dbeta_ptr + tok + rc)
+    for v0 in range(0, V, BV):
+        mv = v0 + rv < V
+        dv_new = load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+        vv = load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
+        if HAS_DO:
+            v_new = load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
+            dA += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(v_new), BF16)
+        dT += dot(dv_new, tl.trans(vv * beta[:, None]), BF16)
+        dv_u = dot(inv_t, dv_new, BF16)
+        dbeta += tl.sum(dv_u * vv, axis=1)
+        tl.store(dv_ptr + out_rows[:, None] * V + v0 + rv[None, :], dv_u * beta[:, None], mask=mv[None, :])
+    tl.store(dA_ptr + tok * C + cc, dA)
+    tl.store(dbeta_ptr + tok + rc, dbeta)
+    for r0 in range(0, C, 16):  # dL in blocks of 16 rows: two chained [C, C] dots at once spill
+        rr = r0 + tl.arange(0, 16)
+        inv_t_rows = tl.load(T_ptr + tok * C + rc[None, :] * C + rr[:, None])  # rows rr of T^T
+        dL = -dot(dot(inv_t_rows, dT, BF16), inv_t, BF16)
+        dL = tl.where(rr[:, None] > rc[None, :], dL, 0.0)
+        tl.store(dTw_ptr + tok * C + rr[:, None] * C + rc[None, :], dL)  # over dT in its buffer
 
 
 EMULATE_BF16_DOTS = False  # tests: the interpreter rounds dot operands to bf16 as a GPU launch does

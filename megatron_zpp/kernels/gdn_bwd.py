@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import dot, load_rows
+from .chunk_common import delta_wy_backward, dot, load_rows
 from .gdn_fwd import _chunk_gates
 
 
@@ -146,41 +146,10 @@ def _gdn_bwd_wy_kernel(
     """Per chunk, after _gdn_bwd_state_grads_kernel, V in tiles of BV: dv = beta T^T dv_new and its share of dbeta,
     the scores' gradient dA = scale do v_new^T, and dL = -T^T dT T^T (strictly lower; over dW's share of dT in
     its buffer). dv [B, T, H, V]; dA, dL [B, H, T, C] fp32."""
-    pid = tl.program_id(0).to(tl.int64)  # (chunk, b*H + h)
-    i_n, i_bh = pid % N, pid // N
-    b, h = i_bh // H, i_bh % H
-    rc, rv = tl.arange(0, C), tl.arange(0, BV)
-    all_rows = rc < C
-    row0 = i_n * C
-    tok = i_bh * T + row0
-    beta = tl.load(beta_ptr + tok + rc)
-    inv_t = tl.load(T_ptr + tok * C + rc[None, :] * C + rc[:, None])  # T^T, read transposed
-    v_ptr += b * svb + h * svh + row0 * svt
-    do_ptr += b * sob + h * soh + row0 * sot
-    out_rows = (b * T + row0 + rc) * H + h
-    cc = rc[:, None] * C + rc[None, :]
-    dA = tl.zeros([C, C], dtype=tl.float32)
-    dT = tl.load(dTw_ptr + tok * C + cc)
-    dbeta = tl.load(dbeta_ptr + tok + rc)
-    for v0 in range(0, V, BV):
-        mv = v0 + rv < V
-        dv_new = load_rows(dvnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
-        vv = load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
-        if HAS_DO:
-            v_new = load_rows(vnew_ptr + tok * V + v0, rc, rv, all_rows, mv, V)
-            dA += dot(load_rows(do_ptr + v0, rc, rv, all_rows, mv, sot) * scale, tl.trans(v_new), BF16)
-        dT += dot(dv_new, tl.trans(vv * beta[:, None]), BF16)
-        dv_u = dot(inv_t, dv_new, BF16)
-        dbeta += tl.sum(dv_u * vv, axis=1)
-        tl.store(dv_ptr + out_rows[:, None] * V + v0 + rv[None, :], dv_u * beta[:, None], mask=mv[None, :])
-    tl.store(dA_ptr + tok * C + cc, dA)
-    tl.store(dbeta_ptr + tok + rc, dbeta)
-    for r0 in range(0, C, 16):  # dL in blocks of 16 rows: two chained [C, C] dots at once spill
-        rr = r0 + tl.arange(0, 16)
-        inv_t_rows = tl.load(T_ptr + tok * C + rc[None, :] * C + rr[:, None])  # rows rr of T^T
-        dL = -dot(dot(inv_t_rows, dT, BF16), inv_t, BF16)
-        dL = tl.where(rr[:, None] > rc[None, :], dL, 0.0)
-        tl.store(dTw_ptr + tok * C + rr[:, None] * C + rc[None, :], dL)  # over dT in its buffer
+    delta_wy_backward(
+        v_ptr, beta_ptr, T_ptr, vnew_ptr, do_ptr, dvnew_ptr, dTw_ptr, dA_ptr, dv_ptr, dbeta_ptr, T, N, scale,
+        svb, svt, svh, sob, sot, soh, H, V, C, BV, HAS_DO, BF16,
+    )  # fmt: skip
 
 
 @triton.jit

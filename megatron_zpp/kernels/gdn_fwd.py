@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .chunk_common import device_fn, dot, load_rows
+from .chunk_common import device_fn, dot, load_rows, unit_lower_inverse
 
 
 @device_fn
@@ -21,19 +21,6 @@ def _chunk_gates(g_ptr, rc, C: tl.constexpr):
     seg = tl.cumsum(tl.where(rc[:, None] > rc[None, :], g[:, None], 0.0), axis=0)  # [s -> i, j]
     pair = tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
     return start, end, pair
-
-
-@device_fn
-def _unit_lower_inverse(L, rc, C: tl.constexpr):
-    """(I + L)^-1 of a strictly lower [C, C] tile by forward substitution, row by row in fp32."""
-    eye = rc[:, None] == rc[None, :]
-    inv = tl.where(eye, 1.0, 0.0)
-    for i in range(1, C):
-        at_i = rc[:, None] == i
-        row = tl.sum(tl.where(at_i, L, 0.0), axis=0)  # L[i, :]
-        new = tl.where(rc == i, 1.0, 0.0) - tl.sum(row[:, None] * inv, axis=0)
-        inv = tl.where(at_i, new[None, :], inv)
-    return inv
 
 
 @triton.jit
@@ -64,7 +51,7 @@ def _gdn_prepare_kernel(
         kk += dot(k_tile, tl.trans(k_tile), BF16)
         qk += dot(load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt), tl.trans(k_tile), BF16)
     L = tl.where(rc[:, None] > rc[None, :], beta[:, None] * kk * pair, 0.0)
-    inv = _unit_lower_inverse(L, rc, C)
+    inv = unit_lower_inverse(L, rc, C)
     cc = rc[:, None] * C + rc[None, :]
     tl.store(T_ptr + tok * C + cc, inv)
     tl.store(A_ptr + tok * C + cc, qk * pair)

@@ -1,6 +1,7 @@
-"""What the chunked linear-attention ops share (GLA's and Gated DeltaNet's *_chunked.py and *_naive.py), as fla's
-`ops/common`: the compute dtype, the input and chunk-size checks, and the chunk layout [B, T, H, ...] <->
-[B, H, N, C, ...] (N chunks of C tokens). Pure tensor code, no autograd, no mixer's math."""
+"""What the chunked linear-attention ops share (GLA's, Gated DeltaNet's and KDA's *_chunked.py and *_naive.py), as
+fla's `ops/common`: the compute dtype, the input and chunk-size checks, the chunk layout [B, T, H, ...] <->
+[B, H, N, C, ...] (N chunks of C tokens) and the delta rule's unit lower triangular inverse. Pure tensor code, no
+autograd, no mixer's math."""
 
 from __future__ import annotations
 
@@ -50,3 +51,9 @@ def from_chunks(x: Tensor) -> Tensor:
     """[B, H, N, C, D] -> [B, T, H, D], or [B, H, N, C] -> [B, T, H]."""
     B, H, N, C = x.shape[:4]
     return x.movedim(1, 3).reshape(B, N * C, H, *x.shape[4:])
+
+
+def unit_lower_inverse(L: Tensor) -> Tensor:
+    """(I + L)^-1 for strictly lower triangular L [..., C, C] (the delta rule's UT transform)."""
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+    return torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)

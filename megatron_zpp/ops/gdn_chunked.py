@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .chunking import unit_lower_inverse
+
 
 class Decays:
     """The exponents of one chunking of g [..., C] (every one a sum of g <= 0) and their exps."""
@@ -46,12 +48,6 @@ class Decays:
         suf[..., :-1] = g.flip(-1).cumsum(-1)[..., :-1].flip(-1)  # sum_{s>j}: a shifted reverse cumsum
         self.end = suf.exp()  # exp(suf_j)
         self.total = self.start[..., -1]  # exp(G_{C-1})
-
-
-def unit_lower_inverse(L: Tensor) -> Tensor:
-    """(I + L)^-1 for strictly lower triangular L [..., C, C]."""
-    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-    return torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
 
 
 def prepare(k: Tensor, v: Tensor, beta: Tensor, dec: Decays) -> tuple[Tensor, Tensor, Tensor]:

@@ -9,7 +9,18 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zpp.kernels import cross_entropy, gdn, gla, grouped_gemm, moe_permute, norm, quantize, rope, swiglu
+from megatron_zpp.kernels import (
+    cross_entropy,
+    gdn,
+    gla,
+    grouped_gemm,
+    kda,
+    moe_permute,
+    norm,
+    quantize,
+    rope,
+    swiglu,
+)
 from megatron_zpp.ops.quantize import wire_bytes
 
 META = torch.device("meta")
@@ -64,6 +75,16 @@ def gdn_case(B, T, H, D, C, dtype, h0):
         state = empty(B, H, D, D, dtype=FP32) if h0 else None
         gdn.fwd(q, q, q, gate, gate, state, D**-0.5, C)
         gdn.bwd(q, q, q, gate, gate, state, q, state, D**-0.5, C)  # recomputes the forward, as training
+
+    return run
+
+
+def kda_case(B, T, H, D, C, dtype, h0):
+    def run():
+        q, gate = empty(B, T, H, D, dtype=dtype), empty(B, T, H, D, dtype=FP32)
+        beta, state = empty(B, T, H, dtype=FP32), empty(B, H, D, D, dtype=FP32) if h0 else None
+        kda.fwd(q, q, q, gate, beta, state, D**-0.5, C)
+        kda.bwd(q, q, q, gate, beta, state, q, state, D**-0.5, C)  # recomputes the forward, as training
 
     return run
 
@@ -166,11 +187,20 @@ def _gdn_bytes(B, T, H, D, C, dtype, h0):
     return B * T * H * D * per_token + B * H * states + T * D * per_token + states
 
 
+def _kda_bytes(B, T, H, D, C, dtype, h0):
+    # as GDN's, with the per-key gate and its gradient and the backward's fp32 [T, D] buffers (dq, dk, dg and the
+    # exponents' two gradients): twelve fp32 [T, D] tensors a head in all; the reference (one head) also holds its
+    # per-channel pair decays [T, C, D] fp32 and their gradient's einsum temporaries (six such)
+    per_token, states = 8 * _size(dtype) + 48, 3 * -(-T // C) * D * D * 4
+    return B * T * H * D * per_token + B * H * states + T * D * per_token + states + 6 * T * C * D * 4
+
+
 # per kernel family: the launches of one case (on CPU tensors: the compile test intercepts them) and the device
 # bytes its real-shape check needs (bench/gpu_shapes.py: the kernel and the reference)
 FAMILIES = {
     "gla": (gla_case, _gla_bytes),
     "gdn": (gdn_case, _gdn_bytes),
+    "kda": (kda_case, _kda_bytes),
     "quantize": (quant_case, _quantize_bytes),
     "norm": (norm_case, lambda rows, n, dtype, rms: rows * n * (6 * _size(dtype) + 12)),
     "rope": (rope_case, lambda B, T, H, D, dtype: B * T * H * D * (6 * _size(dtype) + 12)),
@@ -200,11 +230,12 @@ def all_cases() -> list[Case]:
 
 
 # the linear-attention kernel families' sweeps: chunk lengths, head dims (K = V), and which heads the CI subset
-# holds at the default configuration (C = 64, bf16). GDN's kernels take C 16-64 and K, V <= 128, its widest
+# holds at the default configuration (C = 64, bf16). GDN's and KDA's kernels take C 16-64 and K, V <= 128, their widest
 # heads in the CI subset; GLA's every width
 LINEAR_SWEEPS = {
     "gla": ((16, 64, 128), (64, 128, 256), (64, 128, 256)),
     "gdn": ((16, 32, 64), (64, 128), (128,)),
+    "kda": ((16, 32, 64), (64, 128), (128,)),
 }
 # at risk, at sizes that fit one 80 GB GPU (device_bytes): > 2^31 state elements (5*16*2048 chunks*128*128
 # = 2.7e9) and > 65535 chunks in one sequence (2 heads of K=V=64: the chunk count is the risk, not the width)
@@ -215,7 +246,7 @@ LINEAR_AT_RISK = [
 
 
 def _linear_attention_cases() -> list[Case]:
-    """The GLA and GDN chunk kernels: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid), then the
+    """The GLA, GDN and KDA chunk kernels: B=2, T=4096, H=16 (H is a constexpr; T, B only move the grid), then the
     shapes at risk."""
     cases = []
     for family, (chunks, dims, ci_dims) in LINEAR_SWEEPS.items():

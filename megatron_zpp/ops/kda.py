@@ -1,0 +1,212 @@
+"""Kimi Delta Attention (Kimi Linear, arXiv 2510.26692): the gated delta rule with a per-channel decay, in
+PyTorch, with Triton kernels (megatron_zpp/kernels/kda.py) on CUDA.
+
+Recurrence, per batch b and head h (state S is K x V, kept in fp32):
+
+    S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T        o_t = scale * S_t^T q_t
+
+with a_t = exp(g_t), g_t [K] <= 0 the per-channel log decay (-inf allowed; -inf on every channel is a hard
+reset, a packed document's first token) and b_t = beta_t in (0, 1). The layer L2-normalises q and k; this op
+does not. Shapes as fla's `chunk_kda` (one value head per key head): q, k [B, T, H, K]; v [B, T, H, V];
+g [B, T, H, K]; beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype (or out_dtype). Work is in fp32
+(fp64 when any input is fp64; bf16 is computed in fp32).
+
+    naive_recurrent_kda   the token loop (ops/kda_naive.py; any dtype; the tests' fp64 reference)
+    chunk_kda             chunked WY/UT form with its own backward (ops/kda_chunked.py describes it); the
+                          Triton kernels on CUDA when they take the call (`chunk_kda_uses_kernels`)
+
+Context parallelism, as for Gated DeltaNet (ops/gdn.py). A slice's entering state acts affinely:
+S_out = M S_in + U_loc with M = prod_t (I - b_t k_t k_t^T) Diag(a_t) a dense K x K matrix, and
+o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+
+    chunk_kda(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
+        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+
+since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
+transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
+The Triton kernels take V <= 128 (KERNEL_V): chunk_kda runs a wider V in column groups of 128, exactly, since
+the state's columns never mix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
+from .kda_chunked import Decays, bwd_chunks, bwd_states, fwd_output, fwd_states, prepare
+
+__all__ = ["chunk_kda", "chunk_kda_uses_kernels", "ChunkKDAFunction", "KERNEL_V"]
+
+dispatch.register("kda", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
+
+KERNEL_V = 128  # the kernels' widest V: chunk_kda runs a wider V in column groups of this width
+
+
+def _use_kernel(chunk_size: int, q: Tensor, v: Tensor, *others: Tensor | None) -> bool:
+    """Whether the Triton kernels (megatron_zpp/kernels/kda.py) take this call; else the chunked reference."""
+    if not dispatch.use_triton(v):
+        return False
+    tensors = [t for t in (q, v, *others) if t is not None]
+    C, K, V = chunk_size, q.shape[-1], v.shape[-1]
+    return (
+        all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+        and 16 <= C <= 64
+        and C & (C - 1) == 0
+        and q.shape[1] > 0
+        and K <= 128
+        and V <= KERNEL_V
+    )
+
+
+def chunk_kda_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> bool:
+    """Whether chunk_kda runs the Triton kernels for these inputs (else the chunked PyTorch form); a V wider than
+    the kernels' runs in column groups."""
+    return _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta)
+
+
+def _kernels():
+    from ..kernels import kda  # lazily: triton is needed only once a kernel runs
+
+    return kda
+
+
+@dispatch.kernel_op("kda_fwd")
+def _fwd_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    return _kernels().fwd(q, k, v, g, beta, initial_state, scale, chunk_size)
+
+
+@_fwd_kernel.register_fake
+def _(q, k, v, g, beta, initial_state, scale, chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return dispatch.fake_fp32(q, B, T, H, V), dispatch.fake_fp32(q, B, H, K, V)
+
+
+@dispatch.kernel_op("kda_bwd")
+def _bwd_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    do: Tensor | None,
+    d_final_state: Tensor | None,
+    scale: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels().bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size)
+
+
+@_bwd_kernel.register_fake
+def _(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    shapes = ((B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H), (B, H, K, V))  # dq dk dv dg db dh0
+    return tuple(dispatch.fake_fp32(q, *shape) for shape in shapes)
+
+
+def _chunks(q, k, v, g, beta, initial_state, chunk_size):
+    """The inputs in chunks, in the compute dtype, and the chunk decays."""
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
+    qc, kc, vc, gc = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+    h0 = initial_state.to(dt) if initial_state is not None else None
+    return dt, qc, kc, vc, to_chunks(beta, chunk_size, dt), Decays(gc), h0
+
+
+def _reference_fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
+    _, qc, kc, vc, bc, dec, h0 = _chunks(q, k, v, g, beta, initial_state, chunk_size)
+    _, W, U = prepare(kc, vc, bc, dec)
+    states_in, v_new, final = fwd_states(kc, W, U, dec, h0)
+    return from_chunks(fwd_output(qc, kc, v_new, states_in, dec, scale)), final
+
+
+def _reference_bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+    dt, qc, kc, vc, bc, dec, h0 = _chunks(q, k, v, g, beta, initial_state, chunk_size)
+    T, W, U = prepare(kc, vc, bc, dec)
+    states_in, v_new, _ = fwd_states(kc, W, U, dec, h0)
+    doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+    dS = d_final_state.to(dt) if d_final_state is not None else None
+    d_ends, dv_new, dh0 = bwd_states(qc, kc, W, dec, doc, dS, scale)
+    grads = bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
+    return (*(from_chunks(x) for x in grads), dh0)
+
+
+def _check(q, k, v, g, beta, initial_state, chunk_size):
+    check_shapes(q, k, v, initial_state, True, g=g)
+    check_shapes(q, k, v, None, False, beta=beta)
+    check_chunk_size(q.shape[1], chunk_size)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """(o [B,T,H,V] in v's dtype or out_dtype, final_state [B,H,K,V] fp32) = chunked KDA with its own backward.
+
+    Saves only the inputs; the backward recomputes T, W, U and the states (one forward's work).
+    apply(q, k, v, g, beta, initial_state or None, scale or None (K**-0.5), chunk_size[, out_dtype or None]).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype=None):
+        _check(q, k, v, g, beta, initial_state, chunk_size)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
+        fwd = _fwd_kernel if _use_kernel(chunk_size, q, v, k, g, beta, initial_state) else _reference_fwd
+        o, final_state = fwd(q, k, v, g, beta, initial_state, scale, chunk_size)
+        return o.to(v.dtype if out_dtype is None else out_dtype), final_state
+
+    @staticmethod
+    def backward(ctx, do, d_final_state):
+        q, k, v, g, beta, initial_state = ctx.saved_tensors
+        if do is None and d_final_state is None:
+            return (None,) * 9
+        if do is not None:  # o's gradient in v's dtype, as the cotangent of an output in v's dtype would be
+            do = do.to(v.dtype)
+        use = _use_kernel(ctx.chunk_size, q, v, k, g, beta, initial_state, do, d_final_state)
+        bwd = _bwd_kernel if use else _reference_bwd
+        dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, initial_state, do, d_final_state, ctx.scale, ctx.chunk_size)
+        dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
+        return (*grads, None, None, None)
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked KDA (same result as `kda_naive.naive_recurrent_kda`). T must be a multiple of chunk_size.
+
+    Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
+    q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
+    """
+    V = v.shape[-1]
+    if V <= KERNEL_V or not _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, initial_state):
+        o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)
+        return o, (final_state if output_final_state else None)
+    # The kernels take KERNEL_V value columns: a column of the state never mixes with another (the transitions
+    # act on the K rows) and o's columns are q^T times the state's, so wider V runs exactly in column groups.
+    groups = v.split(KERNEL_V, dim=-1)
+    states = [None] * len(groups) if initial_state is None else initial_state.split(KERNEL_V, dim=-1)
+    outs = [ChunkKDAFunction.apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
+    o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
+    return o, (final_state if output_final_state else None)
