@@ -122,7 +122,18 @@ def sample_calls():
     m, block, bits, rows = 64, 16, 4, 2
     x_q, buf = _wire(3, m, block, bits)
     x_g, w_g, dy_g, offsets = _randn(8, 16), _randn(3, 16, 24), _randn(8, 24), torch.tensor([0, 3, 3, 8])
+    routed, probs = _randn(7, 16), torch.rand(7, generator=GEN)
+    token, inv = (
+        torch.tensor([0, 2, 4, 1, 3, 4, 5]),
+        torch.tensor([[0, -1], [3, -1], [1, -1], [4, -1], [2, 5], [6, -1]]),
+    )
+    kda_gate = -torch.rand(*q.shape, generator=GEN)  # per channel
+    kda_args = (q, k, v, kda_gate, g[..., 1].sigmoid())
     return {
+        "moe_gather_rows": [(x_g, token, None, torch.float32), (x_g, token, probs, torch.bfloat16)],
+        "moe_slot_sum": [(routed, inv, None, torch.float32), (routed, inv, probs, torch.bfloat16)],
+        "kda_fwd": [(*kda_args, None, 0.25, C), (*kda_args, h0, 0.25, C)],
+        "kda_bwd": [(*kda_args, h0, v, dS, 0.25, C), (*kda_args, None, None, dS, 0.25, C)],
         "grouped_mm_fwd": [(x_g, w_g, offsets, False), (dy_g, w_g, offsets, True)],
         "grouped_mm_wgrad": [(x_g, dy_g, offsets, torch.float32)],
         "gla_fwd_states": [(k, v, g, None, C), (k, v, g, h0, C)],
@@ -204,8 +215,10 @@ def test_model_step_under_fake_tensor_mode():
         assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
     # the quantizers are ZeRO's; the model's loss writes its logits' gradient in place (cross_entropy_grad_)
     # GDN's ops run only in a model with Gated DeltaNet layers (the test below)
-    # the GPT step below runs neither the ZeRO++ wire ops, GDN nor the experts' grouped GEMM (MoE is not wired)
-    model_ops = {name for name in dispatch.KERNEL_OPS if not any(s in name for s in ("wire", "gdn", "grouped_mm"))}
+    # the GPT step below runs neither the ZeRO++ wire ops, GDN, KDA nor the experts' ops (the MoE test below)
+    model_ops = {
+        name for name in dispatch.KERNEL_OPS if not any(s in name for s in ("wire", "gdn", "kda", "grouped_mm", "moe_"))
+    }
     model_ops -= {"cross_entropy_grad"}
     assert ops.seen == model_ops, model_ops - ops.seen
 
@@ -222,6 +235,21 @@ def test_gdn_model_step_under_fake_tensor_mode():
         model(tokens, labels).mean().backward()
     assert all(p.grad.shape == p.shape for p in model.parameters())
     assert {"gdn_fwd", "gdn_bwd"} <= ops.seen, ops.seen
+
+
+def test_moe_model_step_under_fake_tensor_mode():
+    """A MoE GPT's step on fake tensors (--moe-grouped-gemm) runs the experts' grouped GEMM and the token
+    permutation's kernel ops (their fakes), forward and backward: no host sync on the dropless path."""
+    cfg = old_model(
+        num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=32, vocab_size=64, num_experts=4,
+        moe_router_topk=2, moe_grouped_gemm=True,
+    )  # fmt: skip
+    with FakeTensorMode(), KernelOpsSeen() as ops:
+        model = GPT(cfg, VOCAB)
+        tokens, labels = (t.clone() for t in batch())
+        model(tokens, labels).mean().backward()
+    assert all(p.grad.shape == p.shape for p in model.parameters())
+    assert {"grouped_mm_fwd", "grouped_mm_wgrad", "moe_gather_rows", "moe_slot_sum"} <= ops.seen, ops.seen
 
 
 def test_quantizers_under_fake_tensor_mode():
