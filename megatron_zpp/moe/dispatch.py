@@ -167,8 +167,16 @@ class AllGatherDispatcher:
         all_probs = _AllGatherV.apply(probs, self.group, counts, "moe_ag_probs")
         all_map = comm.all_gather_v(routing_map.to(torch.uint8), counts, self.group, "moe_ag_map").bool()
         mine = slice(self.local.start, self.local.stop)
-        balanced = all_tokens.shape[0] * self.cfg.topk * len(self.local) // self.cfg.num_experts
-        num_rows = balanced if is_fake(all_map) else None  # else counted (a host sync)
-        permuted, perm = permute(all_tokens, all_probs[:, mine], all_map[:, mine], self.cfg.topk, num_rows)
-        out = unpermute(experts(permuted, perm.tokens_per_expert), perm, tokens.dtype)
+        local_probs, local_map = all_probs[:, mine], all_map[:, mine]
+        slots = min(self.cfg.topk, len(self.local))  # a token reaches at most this many of the rank's experts
+        if is_fake(all_map):  # shapes only: every gathered token, a balanced stand-in for the routed rows
+            balanced = all_tokens.shape[0] * self.cfg.topk * len(self.local) // self.cfg.num_experts
+            permuted, perm = permute(all_tokens, local_probs, local_map, slots, balanced)
+            out = unpermute(experts(permuted, perm.tokens_per_expert), perm, tokens.dtype)
+        else:  # only the gathered tokens routed here (a host sync): the combine's buffers span them alone
+            chosen = local_map.any(dim=1).nonzero().squeeze(1)
+            picked = all_tokens.index_select(0, chosen)  # unique rows: a deterministic backward
+            permuted, perm = permute(picked, local_probs[chosen], local_map[chosen], slots)
+            combined = unpermute(experts(permuted, perm.tokens_per_expert), perm, tokens.dtype)
+            out = combined.new_zeros(all_tokens.shape).index_copy(0, chosen, combined)
         return _ReduceScatterV.apply(out, self.group, counts, "moe_ag_scatter"), perm.tokens_per_expert
