@@ -35,86 +35,21 @@ from torch import Tensor
 
 from . import dispatch
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
+from .delta_rule import KERNEL_V, kernel_ops
+from .delta_rule import use_kernel as _use_kernel
 from .kda_chunked import Decays, bwd_chunks, bwd_states, fwd_output, fwd_states, prepare
 
 __all__ = ["chunk_kda", "chunk_kda_uses_kernels", "ChunkKDAFunction", "KERNEL_V"]
 
 dispatch.register("kda", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
 
-KERNEL_V = 128  # the kernels' widest V: chunk_kda runs a wider V in column groups of this width
-
-
-def _use_kernel(chunk_size: int, q: Tensor, v: Tensor, *others: Tensor | None) -> bool:
-    """Whether the Triton kernels (megatron_zpp/kernels/kda.py) take this call; else the chunked reference."""
-    if not dispatch.use_triton(v):
-        return False
-    tensors = [t for t in (q, v, *others) if t is not None]
-    C, K, V = chunk_size, q.shape[-1], v.shape[-1]
-    return (
-        all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
-        and 16 <= C <= 64
-        and C & (C - 1) == 0
-        and q.shape[1] > 0
-        and K <= 128
-        and V <= KERNEL_V
-    )
+_fwd_kernel, _bwd_kernel = kernel_ops("kda", per_channel_gate=True)
 
 
 def chunk_kda_uses_kernels(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> bool:
     """Whether chunk_kda runs the Triton kernels for these inputs (else the chunked PyTorch form); a V wider than
     the kernels' runs in column groups."""
     return _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta)
-
-
-def _kernels():
-    from ..kernels import kda  # lazily: triton is needed only once a kernel runs
-
-    return kda
-
-
-@dispatch.kernel_op("kda_fwd")
-def _fwd_kernel(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None,
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    return _kernels().fwd(q, k, v, g, beta, initial_state, scale, chunk_size)
-
-
-@_fwd_kernel.register_fake
-def _(q, k, v, g, beta, initial_state, scale, chunk_size):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    return dispatch.fake_fp32(q, B, T, H, V), dispatch.fake_fp32(q, B, H, K, V)
-
-
-@dispatch.kernel_op("kda_bwd")
-def _bwd_kernel(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    initial_state: Tensor | None,
-    do: Tensor | None,
-    d_final_state: Tensor | None,
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _kernels().bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size)
-
-
-@_bwd_kernel.register_fake
-def _(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    shapes = ((B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K), (B, T, H), (B, H, K, V))  # dq dk dv dg db dh0
-    return tuple(dispatch.fake_fp32(q, *shape) for shape in shapes)
 
 
 def _chunks(q, k, v, g, beta, initial_state, chunk_size):
