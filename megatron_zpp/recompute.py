@@ -10,8 +10,10 @@ between the input and output projections).
 
 The rerun must compute what the first run computed, bit for bit:
 
-* random numbers: checkpoint restores torch's default generators (hidden dropout, and the
-  attention dropout drawn inside `model_parallel_rng`); the per-TP-rank dropout stream of
+* random numbers: the default layout-invariant dropout masks are a function of the micro-batch
+  (model/dropout.py), which is part of tensor_parallel.random's tracker state restored here; with
+  --dropout-masks per-rank, checkpoint restores torch's default generators (hidden dropout, and the
+  attention dropout drawn inside `model_parallel_rng`) and the per-TP-rank dropout stream of
   tensor_parallel.random is restored here, and put back afterwards, so that the stream goes on
   as if there had been no rerun.
 * communication whose result is already known is not repeated: a layer calls `recall()` before

@@ -94,6 +94,15 @@ class ModelConfig(MoEFields):
         0.1, "--hidden-dropout", "dropout on the embedding output and after the attention and MLP outputs"
     )
     attention_dropout: float = opt(0.1, "--attention-dropout", "dropout on softmax attention probabilities")
+    dropout_masks: str = opt(
+        "layout-invariant",
+        "--dropout-masks",
+        "layout-invariant: each element's dropout mask is a hash of its place in the global batch (seed, site, "
+        "sample, token, channel or head and key), so every parallel layout drops the single rank's elements "
+        "(attention dropout then runs the attention explicitly, not in a flash kernel); per-rank: torch's "
+        "generators, as Megatron (masks differ per layout)",
+        choices=["layout-invariant", "per-rank"],
+    )
     init_method_std: float = opt(0.02, "--init-method-std", "std of the normal weight init")
     recompute_granularity: str | None = opt(
         None,

@@ -53,6 +53,7 @@ def attention_context_parallel(
     training: bool = False,
     doc_ids: Tensor | None = None,
     recompute: bool = False,
+    drop=None,
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
@@ -60,11 +61,15 @@ def attention_context_parallel(
     multiple of G). Returns [B, H, T_local, Dv], equal to the slice of full causal attention.
     doc_ids [B, T] (T = P * T_local): each token's document; keys of other documents are masked.
     recompute: the attention after the K/V gather is recomputed in the backward (selective
-    activation recompute; the gather is not repeated).
+    activation recompute; the gather is not repeated). drop: layout-invariant dropout of the
+    probabilities (model/dropout.py; the attention then runs explicitly), None: SDPA's own dropout.
     """
     dropout = dropout_p if training else 0.0
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, enable_gqa=q.shape[1] != k.shape[1])
     T, Dk = q.shape[2], k.shape[-1]
+    first = 0 if cp is None else cp.rank * T  # this slice's first query position
+    if drop is not None and dropout:
+        sdpa = functools.partial(_explicit, drop=drop, first_query=first)
     if cp is None or cp.size == 1:  # one rank holds the sequence: only the documents' mask
         mask = _mask(0, T, T, doc_ids, q.device) if doc_ids is not None else None
         attend = functools.partial(sdpa, attn_mask=mask, is_causal=mask is None)
@@ -75,6 +80,26 @@ def attention_context_parallel(
     k_all, v_all = kv[:, :, :end, :Dk], kv[:, :, :end, Dk:]
     attend = functools.partial(sdpa, attn_mask=_mask(cp.rank * T, T, end, doc_ids, q.device))
     return checkpoint(attend, q, k_all, v_all) if recompute else attend(q, k_all, v_all)
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, drop, first_query: int) -> Tensor:
+    """softmax(q k^T / sqrt(D), masked) with `drop` applied to the probabilities, times v: SDPA's math path
+    with another dropout. mask: bool, True = attend ([Tq, Tk] or [B, 1, Tq, Tk]); None: causal. GQA: each
+    key/value head serves H/G consecutive query heads, as SDPA's enable_gqa."""
+    heads, groups = q.shape[1], k.shape[1]
+    if groups != heads:
+        k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    wide = torch.promote_types(scores.dtype, torch.float32)  # the softmax in fp32 for bf16 (fp64 stays)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).to(wide), dim=-1).to(q.dtype)
+    return torch.matmul(drop(probs, first_query), v)
+
+
+def _explicit(q, k, v, attn_mask=None, is_causal=False, *, drop, first_query: int) -> Tensor:
+    """explicit_attention with SDPA's keywords (the CP path's masks are given, one rank's may be causal)."""
+    return explicit_attention(q, k, v, None if is_causal else attn_mask, drop, first_query)
 
 
 def _mask(offset: int, q_len: int, kv_len: int, doc_ids: Tensor | None, device: torch.device) -> Tensor:

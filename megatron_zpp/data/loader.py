@@ -252,16 +252,20 @@ class BatchIterator:
             torch.device("cpu"),
             self.packing,
         )
+        batch["samples"] = torch.tensor(indices, dtype=torch.int64)  # the dropout masks' keys (model/dropout.py)
         return _pinned(batch) if self._pin else batch
 
     def __next__(self) -> dict:
         g = self.groups
         every_stage = self.packing is not None and self.packing.every_stage
         if not (g.is_first_stage or g.is_last_stage or every_stage):  # reads nothing, ends where the data does
-            if self.consumed + (self.delivered + 1) * self.mbs * g.dp.size > len(self.dataset):
+            first = self.consumed + self.delivered * self.mbs * g.dp.size
+            if first + self.mbs * g.dp.size > len(self.dataset):
                 raise StopIteration
             self.delivered += 1
-            return {"tokens": None, "labels": None}
+            first += g.dp_rank * self.mbs  # the sampler's indices, which the stages that read take
+            samples = torch.arange(first, first + self.mbs, device=self.device)
+            return {"tokens": None, "labels": None, "samples": samples}
         start = time.perf_counter()
         if self._source is None:
             self._source = self._start()

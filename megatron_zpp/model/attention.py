@@ -26,11 +26,13 @@ import torch.nn.functional as F
 from .. import recompute
 from ..config import ModelConfig
 from ..context_parallel import attention_context_parallel
+from ..context_parallel.attention import explicit_attention
 from ..ops import rope as rope_ops
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
 from .documents import Documents
+from .dropout import layout_invariant, probabilities_dropout, site
 from .norm import build_norm
 
 # --attention-backend (Megatron's names) -> the SDPA backends allowed on CUDA; auto: SDPA's own choice
@@ -62,14 +64,19 @@ def _sdpa_backend(backend: str, device: torch.device):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float, layer: int = 0):
         super().__init__()
         self.cp = ctx.cp
         n, tp, sequence_parallel = ctx.tp_size, ctx.tp, ctx.sequence_parallel
         self.head_dim = d = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim  # --rotary-percent: the first channels of each head rotate
         self.heads, self.kv_heads = cfg.num_attention_heads // n, cfg.kv_heads // n
-        self.dropout = cfg.attention_dropout
+        self.dropout, self.dropout_masks, self.dropout_site = (
+            cfg.attention_dropout,
+            cfg.dropout_masks,
+            site(layer, "probs"),
+        )
+        self.first_head = (tp.rank if n > 1 else 0) * self.heads  # this TP rank's heads: the masks' head keys
         self.backend = cfg.attention_backend
         self.selective = cfg.recompute_granularity == "selective"  # the core attention is recomputed in backward
         self.gated = cfg.attention_output_gate
@@ -130,12 +137,18 @@ class SelfAttention(nn.Module):
     def _core_attention(self, q, k, v, documents: Documents | None):
         dropout = self.dropout if self.training else 0.0
         doc_ids = documents.doc_ids if documents is not None else None  # None: attend across documents
-        with model_parallel_rng() if dropout else contextlib.nullcontext():  # heads differ per TP rank: masks too
+        drop = None  # layout-invariant masks: the probabilities' dropout keyed on (sample, head, query, key)
+        if dropout and layout_invariant(self.dropout_masks):
+            drop = probabilities_dropout(dropout, self.dropout_site, self.first_head)
+        per_rank = dropout and drop is None  # SDPA's dropout: heads differ per TP rank, so must its masks
+        # the explicit path keeps no [b, heads, s, s] probabilities for the backward: it reruns, as flash does
+        again = self.selective or drop is not None
+        with model_parallel_rng() if per_rank else contextlib.nullcontext():
             if (self.cp is not None and self.cp.size > 1) or doc_ids is not None:
                 # local queries against the keys of every CP slice, masked to their documents
-                return attention_context_parallel(q, k, v, self.cp, dropout, self.training, doc_ids, self.selective)
-            attend = functools.partial(_attend, self.backend, dropout, self.kv_heads != self.heads)
-            return recompute.checkpoint(attend, q, k, v) if self.selective else attend(q, k, v)
+                return attention_context_parallel(q, k, v, self.cp, dropout, self.training, doc_ids, again, drop)
+            attend = functools.partial(_attend, self.backend, dropout, self.kv_heads != self.heads, drop)
+            return recompute.checkpoint(attend, q, k, v) if again else attend(q, k, v)
 
 
 def _output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -144,7 +157,10 @@ def _output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (o * torch.sigmoid(gate.float())).to(o.dtype)
 
 
-def _attend(backend: str, dropout: float, gqa: bool, q, k, v):
-    """Causal SDPA on --attention-backend's kernels (inside the function: a recompute reruns it the same way)."""
+def _attend(backend: str, dropout: float, gqa: bool, drop, q, k, v):
+    """Causal SDPA on --attention-backend's kernels (inside the function: a recompute reruns it the same way);
+    with layout-invariant dropout masks (`drop`), the attention computed explicitly."""
+    if drop is not None:
+        return explicit_attention(q, k, v, None, drop, 0)
     with _sdpa_backend(backend, q.device):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)

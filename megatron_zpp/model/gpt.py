@@ -16,6 +16,7 @@ document with --reset-position-ids), document ids for the mixers.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,10 +28,10 @@ from .. import recompute
 from ..config import ModelConfig
 from ..tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import ColumnParallelLinear, column_parallel_linear, mark
-from ..tensor_parallel.random import ShardedDropout
 from .attention import SelfAttention
 from .context import ParallelContext
 from .documents import Documents
+from .dropout import HiddenDropout, site
 from .gated_deltanet import GatedDeltaNet
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
@@ -43,18 +44,19 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelContext):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
-        mixer = {"softmax": SelfAttention, "gla": GatedLinearAttention, "gdn": GatedDeltaNet}[cfg.layer_kind(layer)]
+        softmax = functools.partial(SelfAttention, layer=layer)  # its probabilities' dropout site is the layer's
+        mixer = {"softmax": softmax, "gla": GatedLinearAttention, "gdn": GatedDeltaNet}[cfg.layer_kind(layer)]
         norm = _norm_builder(cfg, ctx.sequence_parallel)
         self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)
+        self.mixer_dropout = _dropout(cfg, ctx, site(layer, "mixer"))
         self.norm2 = norm()
         self.mlp = MoEMLP(cfg, layer, ctx, out_std) if cfg.is_moe_layer(layer) else MLP(cfg, ctx, out_std, layer)
-        # sequence-parallel activations differ per TP rank: their dropout masks must too
-        self.dropout = _dropout(cfg, ctx.sequence_parallel)
+        self.mlp_dropout = _dropout(cfg, ctx, site(layer, "mlp"))
 
     def forward(self, x: torch.Tensor, rope, documents: Documents | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.mixer(self.norm1(x), rope, documents))
-        x = x + self.dropout(self.mlp(self.norm2(x)))
+        x = x + self.mixer_dropout(self.mixer(self.norm1(x), rope, documents))
+        x = x + self.mlp_dropout(self.mlp(self.norm2(x)))
         return x
 
 
@@ -89,9 +91,9 @@ def _norm_builder(cfg: ModelConfig, sequence_parallel: bool):
     )
 
 
-def _dropout(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    """--hidden-dropout; sequence-parallel activations differ per TP rank: their masks must too."""
-    return (ShardedDropout if sequence_parallel else nn.Dropout)(cfg.hidden_dropout)
+def _dropout(cfg: ModelConfig, ctx: ParallelContext, dropout_site: int) -> nn.Module:
+    """--hidden-dropout at one site: masks keyed on the elements' places in the global batch (model/dropout.py)."""
+    return HiddenDropout(cfg.hidden_dropout, dropout_site, ctx, cfg.dropout_masks)
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class GPT(nn.Module):
             # replicated over TP; under SP each rank adds the rows of its own tokens: a partial gradient
             self.position_embeddings = PositionEmbedding(cfg.max_position_embeddings or cfg.seq_length, cfg, sp)
         if pre_process:
-            self.embedding_dropout = _dropout(cfg, sp)
+            self.embedding_dropout = _dropout(cfg, ctx, site(0, "embedding"))
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, ctx) for i in layer_ids})
         self.block_groups = recompute.layer_groups(cfg, len(self.layers))  # --recompute-granularity full
         if post_process:

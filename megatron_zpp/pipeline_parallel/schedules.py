@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.moe_mlp import aux_loss_scale
+from ..tensor_parallel.random import micro_batch
 from .p2p import StageLink
 
 
@@ -77,7 +78,7 @@ class Stage:
     def forward(self, chunk_id: int, hidden: torch.Tensor | None) -> torch.Tensor:
         model = self.chunks[chunk_id]
         batch = self.batch_for(chunk_id)
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not self.forward_only), micro_batch(batch.get("samples")):
             out = model(
                 tokens=batch.get("tokens"),
                 labels=batch.get("labels"),

@@ -251,8 +251,9 @@ def simulated_link_bytes(cfg: Config, rank: int) -> dict[str, float]:
 # What the dry run measures in place of the device's kernels, for the report
 CODE_PATHS = (
     "fake CPU tensors (fake CUDA ones abort this CPU-only torch in SDPA); softmax attention as the fused "
-    "kernel a GPU runs (flash/efficient: output + fp32 logsumexp kept, dropout inside the kernel, not "
-    "SDPA's CPU math path); ZeRO++'s quantizers and the MoE grouped GEMM as their kernel launches (fake: output "
+    "kernel a GPU runs (flash/efficient: output + fp32 logsumexp kept, not SDPA's CPU math path; attention "
+    "dropout with layout-invariant masks: explicit, rerun in the backward, as on a GPU); ZeRO++'s quantizers "
+    "and the MoE grouped GEMM as their kernel launches (fake: output "
     "buffers only; MoE token counts: an even share per rank and expert, moe/dispatch.py); "
     "norms, RoPE, SwiGLU, cross-entropy and GLA on their PyTorch reference ops (memory.py models the same)"
 )

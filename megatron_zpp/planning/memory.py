@@ -20,9 +20,9 @@ reduce-scatter allocates (a full receive buffer per reduction in flight), for th
 Not modelled (GPU): the CUDA context (~0.5-1 GiB), NCCL's communicator buffers, the caching
 allocator's fragmentation and reserved-but-unused blocks (often 5-20% above the live bytes
 counted here), cuBLAS/flash workspaces. Softmax attention is SDPA's fused kernels (flash or
-memory-efficient: output and logsumexp kept, dropout inside the kernel), what a GPU runs; on CPU,
-attention dropout sends SDPA to its math path, which keeps the [b, heads, s, s] probabilities and
-mask besides (not modelled). The figures are live tensor bytes, what `LiveBytes` measures.
+memory-efficient: output and logsumexp kept), what a GPU runs; attention dropout with layout-invariant
+masks (the default, model/dropout.py) runs the attention explicitly and reruns it in the backward
+(`softmax_backward_live`). The figures are live tensor bytes, what `LiveBytes` measures.
 Activations are the PyTorch reference ops' (ops/*.py without kernels); the Triton kernels and
 apex norms on GPU keep less (a norm its input and row statistics, SwiGLU its input, RoPE rotates
 in place, the GLA kernels their own working set), so there the estimate is an upper bound.
@@ -40,6 +40,7 @@ from .. import recompute
 from ..config import Config
 from ..config.shapes import GDN_CONV_KERNEL
 from ..data.tokenizer import pad_vocab_size
+from ..model.dropout import HASH_SLICE
 from ..model.init import full_shape
 from ..ops.cross_entropy import CHUNK_ELEMENTS as CE_CHUNK_ELEMENTS
 from ..ops.gla_chunked import sub_block
@@ -83,6 +84,7 @@ class Dims:
     linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
     moe_imbalance: float = 1.0  # an MoE layer's busiest rank: its routed rows over an even share (moe_memory.py)
     gate: bool = False  # softmax attention's output gate (--attention-output-gate)
+    keyed_probs: bool = False  # attention dropout with layout-invariant masks: explicit attention, its core rerun
 
     @property
     def width(self) -> int:
@@ -117,6 +119,7 @@ def dims(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0
         linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
         moe_imbalance=moe_imbalance,
         gate=m.attention_output_gate,
+        keyed_probs=m.attention_dropout > 0 and m.dropout_masks == "layout-invariant",
     )
 
 
@@ -158,14 +161,28 @@ def softmax_layer(x: Dims, selective: bool) -> int:
     """One softmax block: norm1, qkv's input (`linear_input`) and output (heads + 2 kv heads: SDPA
     keeps v as a view of it), the rotated q and k (new tensors under RoPE; views of qkv without),
     the core, proj's input (the re-laid-out output), norm2, hidden dropout masks (the FFN: `ffn_saved`).
-    Selective recompute drops the core. The output gate adds its qkv section (e), its sigmoid (fp32) and
+    Selective recompute drops the core, and so does attention dropout with layout-invariant masks (the explicit
+    attention reruns in the backward: `softmax_backward_live`). The output gate adds its qkv section (e), its
+    sigmoid (fp32) and
     the gated product, proj's input (e), beside the output the product keeps."""
     bs = x.b * x.s
     rotated = (x.heads + x.kv) * x.d if x.rope else 0
     gate = (2 * x.e + 4) * x.width if x.gate else 0
     qkv = linear_input(x) + x.e * bs * ((x.heads + 2 * x.kv) * x.d + rotated + x.heads * x.d) + bs * gate
-    core = 0 if selective else softmax_core_saved(x)
+    core = 0 if selective or x.keyed_probs else softmax_core_saved(x)
     return 2 * norm_saved(x) + qkv + core + dropout_saved(x)
+
+
+def softmax_backward_live(x: Dims) -> int:
+    """With layout-invariant attention dropout (model/dropout.py), while the explicit attention reruns in the
+    backward: the block's kept bytes and, per [b, heads, s, keys] element, the fp32 softmax output, its e-byte
+    copy and the bool keep mask (5 + e) beside the mask hash's three int64 temporaries (24, over at most
+    dropout.HASH_SLICE elements at a time): 33 bytes per element at fp32, as LiveBytes measures. keys: the
+    whole sequence under CP (the last rank's). 0 otherwise: SDPA's fused backward stays below its FFN's."""
+    if not x.keyed_probs:
+        return 0
+    elements = x.b * x.heads * x.s * x.s * x.cp
+    return softmax_layer(x, True) + elements * (5 + x.e) + min(elements, HASH_SLICE) * 24
 
 
 def gla_layer(x: Dims, selective: bool) -> int:
@@ -371,7 +388,7 @@ class MixerBytes(NamedTuple):
 
 # every mixer kind's closed forms: the one table a new kind joins
 MIXERS = {
-    "softmax": MixerBytes(softmax_layer, None),
+    "softmax": MixerBytes(softmax_layer, softmax_backward_live),
     "gla": MixerBytes(gla_layer, gla_backward_live),
     "gdn": MixerBytes(gdn_layer, gdn_backward_live),
 }

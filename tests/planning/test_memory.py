@@ -3,7 +3,8 @@
 GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
 experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
-ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
+ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share), and
+Megatron's default dropout (layout-invariant masks: the explicit attention).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
 
 import math
@@ -50,6 +51,13 @@ def _check(result, what):
 @pytest.mark.parametrize("flags", [[], ["--recompute-granularity", "selective"], FULL], ids=["none", "sel", "full"])
 def test_single_rank_estimate_matches_measured_peak(flags, mixer):
     _check(_measure(0, 1, flags + ["--attention-type", mixer]), f"single rank {mixer} {flags}")
+
+
+def test_layout_invariant_attention_dropout_estimate_matches_measured_peak():
+    """Megatron's default dropout with layout-invariant masks: the softmax layer's explicit attention reruns in
+    the backward, its [b, heads, s, s] working set and the mask hash's temporaries the peak."""
+    dropout = ["--attention-type", "gdn", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    _check(_measure(0, 1, dropout), "single rank, dropout on")
 
 
 def test_zero3_hpz_two_ranks_estimate_matches_measured_peak():
