@@ -200,14 +200,16 @@ def softmax_layer(x: Dims, selective: bool) -> int:
 
 def softmax_backward_live(x: Dims) -> int:
     """With layout-invariant attention dropout (model/dropout.py), while the explicit attention reruns in the
-    backward: the block's kept bytes and, per [b, heads, s, keys] element, the fp32 softmax output, its e-byte
-    copy and the bool keep mask (5 + e) beside the mask hash's three int64 temporaries (24, over at most
-    dropout.HASH_SLICE elements at a time): 33 bytes per element at fp32, as LiveBytes measures. keys: the
-    whole sequence under CP (the last rank's). 0 otherwise: SDPA's fused backward stays below its FFN's."""
+    backward: the block's kept bytes and, per [b, heads, s, keys] element, the fp32 softmax output, its copy in
+    the training dtype (none at fp32), the bool keep mask and the dropped probabilities (e): 9 bytes at fp32 and
+    at bf16, beside the mask hash's three int64 temporaries (24, over at most dropout.HASH_SLICE elements at a
+    time). Measured: 33 bytes per element at fp32 (LiveBytes, tests/planning/test_memory.py); the Llama-3-70B
+    dry run (bf16, docs/dry_run.md) 9.7. keys: the whole sequence under CP (the last rank's). 0 otherwise:
+    SDPA's fused backward stays below its FFN's."""
     if not x.keyed_probs:
         return 0
     elements = x.b * x.heads * x.s * x.s * x.cp
-    return softmax_layer(x, True) + elements * (5 + x.e) + min(elements, HASH_SLICE) * 24
+    return softmax_layer(x, True) + elements * 9 + min(elements, HASH_SLICE) * 24
 
 
 def gla_layer(x: Dims, selective: bool) -> int:
