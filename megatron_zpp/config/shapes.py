@@ -21,7 +21,7 @@ class MixerShape:
     """One block's token mixer. `heads` are the heads split over TP (query heads of softmax attention,
     the state's heads of a linear mixer); `key_dim` x `value_dim` the per-head state (linear mixers)."""
 
-    kind: str  # "softmax", "gla", "gdn"
+    kind: str  # "softmax", "gla", "gdn", "kda"
     sections: tuple[int, ...]  # the input projection's output sections, in order
     out_width: int  # the output projection's input width
     heads: int
@@ -29,7 +29,7 @@ class MixerShape:
     value_dim: int
     kv_heads: int = 0  # softmax attention's key/value heads (GQA)
     replicated: int = 0  # an input projection every TP rank holds whole (rows of W_down), 0: none
-    conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN: q | k | v), 0: none
+    conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN, KDA: q | k | v), 0: none
     conv_kernel: int = 0
     transition: str = ""  # a CP slice's state transition: "decay" (diagonal, [K]), "dense" ([K, K]), "" none
     chunk: int | None = None  # the chunked form's chunk length (linear mixers)
@@ -74,8 +74,11 @@ class MixerShape:
             low_up = 2 * self.replicated * width  # W_up: [r] -> width
             return proj + low_up + 2 * width * (self.chunk + 2 * self.key_dim)
         # Gated DeltaNet's WY form: k k^T, the W and U products, q k^T and the output's intra-chunk product
-        # (C each per key or value width); the state's three d x d products
-        return proj + 2 * width * (2 * self.chunk + 3 * self.key_dim)
+        # (C each per key or value width); the state's three d x d products. KDA: the same products (its per-channel
+        # decay weighs the terms of k k^T and q k^T, no more multiply-adds), and its low-rank decay and output gates'
+        # up-projections ([r] -> width each, r = replicated / 2)
+        low_up = 2 * self.replicated * width if self.kind == "kda" else 0
+        return proj + low_up + 2 * width * (2 * self.chunk + 3 * self.key_dim)
 
 
 @dataclass(frozen=True)
@@ -130,5 +133,15 @@ def mixer_shape(
         sections = (width,) * 4 + (heads, heads)
         return replace(
             linear, sections=sections, conv_channels=3 * width, conv_kernel=GDN_CONV_KERNEL, transition="dense"
+        )
+    if kind == "kda":  # q | k | v and b per head split by heads; W_down of the decay and output gates (f_a | g_a, rank
+        # head_dim each, Kimi Linear's) replicated; the convolution over q | k | v
+        return replace(
+            linear,
+            sections=(width,) * 3 + (heads,),
+            replicated=2 * head_dim,
+            conv_channels=3 * width,
+            conv_kernel=GDN_CONV_KERNEL,
+            transition="dense",
         )
     raise ValueError(f"unknown mixer kind {kind!r}")
