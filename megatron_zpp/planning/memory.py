@@ -234,6 +234,22 @@ def gdn_backward_live(x: Dims) -> int:
     return kept + int(4 * bs * w * (15.4 + 10.9 * C / d + 3.4 * d / C))
 
 
+def kda_layer(x: Dims, selective: bool) -> int:
+    """One Kimi Delta Attention block (model/kda.py): GDN's (`gdn_layer`: the projections, the convolution, the
+    normalised q, k, the operator's output, the head norm) and its own low-rank gates: the decay's up-projected
+    logits, their softplus and the fp32 gate g [b, s, width] (a channel each, where GDN has one per head), and the
+    output gate's up-projection and sigmoid (about 5 fp32 width more, fitted to LiveBytes)."""
+    extra = 0 if selective else x.b * x.s * (20 * x.width)
+    return gdn_layer(x, selective) + extra
+
+
+def kda_backward_live(x: Dims) -> int:
+    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and the chunked form's pair decays
+    [C, C, K] per chunk with their gradients (ops/kda_chunked.py: C/d more fp32 width, four times over), and the
+    per-channel gate's own gradient."""
+    return gdn_backward_live(x) + int(4 * x.b * x.s * x.width * (4 * x.chunk / x.d + 2))
+
+
 def dropout_saved(x: Dims) -> int:
     return 2 * x.b * x.s_norm * x.h if x.dropout else 0  # two bool masks per block
 
@@ -374,6 +390,7 @@ MIXERS = {
     "softmax": MixerBytes(softmax_layer, None),
     "gla": MixerBytes(gla_layer, gla_backward_live),
     "gdn": MixerBytes(gdn_layer, gdn_backward_live),
+    "kda": MixerBytes(kda_layer, kda_backward_live),
 }
 
 

@@ -49,6 +49,10 @@ def unsupported(cfg) -> list[str]:
             not m.attention_output_gate,
             "it gates its attention output (--attention-output-gate); the remote code does not",
         ),
+        (
+            m.attention_type != "kda",
+            "its Kimi Delta Attention layers (--attention-type kda) are not in the remote code (GLA and GDN are)",
+        ),
     ]
     return [why for ok, why in checks if not ok] + experts_refusal(cfg, "the remote code")
 
