@@ -18,8 +18,18 @@ from megatron_zpp.ops.kda import chunk_kda
 from megatron_zpp.ops.kda_naive import naive_recurrent_kda
 from megatron_zpp.topology import Topology, build_groups
 from megatron_zpp.validation import validate
-from tests.context_parallel.test_gdn_cp import ALGOS, B, CHUNK, H, K, T_LOCAL, V, assert_rel_close, outputs_and_grads
-from tests.context_parallel.test_gdn_cp import sent
+from tests.context_parallel.test_gdn_cp import (
+    ALGOS,
+    CHUNK,
+    T_LOCAL,
+    B,
+    H,
+    K,
+    V,
+    assert_rel_close,
+    outputs_and_grads,
+    sent,
+)
 from tests.dist import run_distributed
 from tests.test_parity import BASE, assert_close_relative, assert_matches_reference, full_weights, train_and_collect
 
@@ -96,10 +106,17 @@ def _check_ledger(rank, world, cp):
 # KDA hybrids (softmax every 2nd layer) with packed documents, 64 tokens (CP 8: one chunk of 8 per rank), 2 steps
 KDA_PACKED = (
     "--attention-type kda --softmax-attention-every 2 --seq-length 64 --num-layers 4 --reset-position-ids "
-    "--reset-attention-mask --init-method-std 0.2 --train-iters 2 --lr-warmup-iters 1"
+    "--reset-attention-mask --train-iters 2 --lr-warmup-iters 1"
 ).split()
+INIT_STD = "0.2"  # where a dropped correction or halo moves the losses far beyond the tolerance (sabotage_figures)
+
+
+def model_argv(std: str = INIT_STD) -> list[str]:
+    return BASE + KDA_PACKED + ["--init-method-std", std]
+
+
 MODEL_LAYOUTS = {  # world size: the layouts its spawn trains (CP 2 runs beside DP 2)
-    8: ["--context-parallel-size 8", "--context-parallel-size 8 --cp-algo ring"],
+    8: ["--context-parallel-size 8"],
     4: [
         "--context-parallel-size 4 --cp-algo all-gather",
         "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --all-scan-blocks 2",
@@ -149,7 +166,7 @@ def _worker(rank, world):
     cp = build_groups(Topology(world, cp=world), rank).cp
     _check_operator(rank, world, cp)
     _check_ledger(rank, world, cp)
-    return [collect(BASE + KDA_PACKED + flags.split(), world) for flags in MODEL_LAYOUTS[world]]
+    return [collect(model_argv() + flags.split(), world) for flags in MODEL_LAYOUTS[world]]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -157,8 +174,8 @@ def test_kda_context_parallel_matches_token_loop_and_one_rank(world):
     per_rank = run_distributed(_worker, world, timeout=900)
     if not MODEL_LAYOUTS[world]:
         return
-    ref = collect(BASE + KDA_PACKED, 1)
-    assert validate(parse_args(BASE + KDA_PACKED), 1).model.layer_kind(0) == "kda"
+    ref = collect(model_argv(), 1)
+    assert validate(parse_args(model_argv()), 1).model.layer_kind(0) == "kda"
     for k, flags in enumerate(MODEL_LAYOUTS[world]):
         results = [r[k] for r in per_rank]
         assert all(r["straddled"] for r in results if r["coords"]["cp"] > 0), f"{flags}: a boundary no document crosses"
@@ -173,3 +190,39 @@ def test_single_rank_is_chunk_kda():
     q, k, v, g, beta, h0, _ = make_inputs(2 * T_LOCAL, torch.float64, "mixed")
     o = gdn_context_parallel(q, k, v, g, beta, None, chunk_size=CHUNK, initial_state=h0, op=chunk_kda)
     torch.testing.assert_close(o, naive_recurrent_kda(q, k, v, g, beta, initial_state=h0)[0])
+
+
+def _sabotaged(rank, world, runs):
+    """collect() of each (argv, sabotage) in `runs`: "correction" drops the entering state's term r^T S_in (the
+    scan is skipped), "halo" gives the convolution zeros for the previous slice's tokens."""
+    import megatron_zpp.context_parallel.gdn as cp_gdn
+    import megatron_zpp.model.short_conv as short_conv
+
+    entering, halo, out = cp_gdn.EnteringState.apply, short_conv.previous_tokens, []
+    for argv, sabotage in runs:
+        if sabotage == "correction":
+            cp_gdn.EnteringState.apply = lambda U, M, head, scan: torch.zeros_like(U)
+        if sabotage == "halo":
+            short_conv.previous_tokens = lambda x, width, cp: x.new_zeros(x.shape[0], width, x.shape[2])
+        try:
+            out.append(collect(argv, world))
+        finally:
+            cp_gdn.EnteringState.apply, short_conv.previous_tokens = entering, halo
+    return out
+
+
+def sabotage_figures(stds=("0.02", "0.2"), flags="--context-parallel-size 4") -> None:
+    """Print how far a correct run and each sabotage move the KDA hybrid's losses and first-step gradients from one
+    rank's, at each init std (the figures of docs/context_parallel.md):
+    python -c "from tests.context_parallel.test_kda_cp import sabotage_figures; sabotage_figures()" """
+    import numpy as np
+
+    cases = [(std, sabotage) for std in stds for sabotage in ("none", "correction", "halo")]
+    per_rank = run_distributed(_sabotaged, 4, [(model_argv(std) + flags.split(), s) for std, s in cases], timeout=1800)
+    refs = {std: collect(model_argv(std), 1) for std in stds}
+    for i, (std, sabotage) in enumerate(cases):
+        ref, results = refs[std], [r[i] for r in per_rank]
+        loss = max(np.max(np.abs(np.array(r["losses"]) / np.array(ref["losses"]) - 1)) for r in results)
+        got = full_weights([{**r, "weights": r["grads"]} for r in results])
+        grad = max(np.linalg.norm(got[n] - g) / max(np.linalg.norm(g), 1e-30) for n, g in ref["grads"].items())
+        print(f"{flags}, init std {std}, sabotage {sabotage}: losses {loss:.1e}, worst parameter gradient {grad:.1e}")
