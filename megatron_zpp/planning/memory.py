@@ -236,18 +236,19 @@ def gdn_backward_live(x: Dims) -> int:
 
 def kda_layer(x: Dims, selective: bool) -> int:
     """One Kimi Delta Attention block (model/kda.py): GDN's (`gdn_layer`: the projections, the convolution, the
-    normalised q, k, the operator's output, the head norm) and its own low-rank gates: the decay's up-projected
-    logits, their softplus and the fp32 gate g [b, s, width] (a channel each, where GDN has one per head), and the
-    output gate's up-projection and sigmoid (about 5 fp32 width more, fitted to LiveBytes)."""
-    extra = 0 if selective else x.b * x.s * (20 * x.width)
+    normalised q, k, the operator's output, the head norm and output gate) and, as the core keeps them, the decay's
+    fp32 logits, their softplus and the gate g itself, one value per channel where GDN has one per head (3 fp32
+    width; the low-rank gates' down-projections are proj_in's outputs, `linear_proj`)."""
+    extra = 0 if selective else x.b * x.s * 12 * x.width
     return gdn_layer(x, selective) + extra
 
 
 def kda_backward_live(x: Dims) -> int:
-    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and the chunked form's pair decays
-    [C, C, K] per chunk with their gradients (ops/kda_chunked.py: C/d more fp32 width, four times over), and the
-    per-channel gate's own gradient."""
-    return gdn_backward_live(x) + int(4 * x.b * x.s * x.width * (4 * x.chunk / x.d + 2))
+    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and the chunked form's per-channel pair decays:
+    [C, C, K] per chunk and head, i.e. C values per channel and token, with their exponent sums and gradients
+    (ops/kda_chunked.py), 4.75 C + 8 fp32 [b, s, width] tensors more, fitted to LiveBytes at C = 16..64, d = 16
+    and 32 (within 1.5%; the PyTorch reference, not the kernels)."""
+    return gdn_backward_live(x) + int(4 * x.b * x.s * x.width * (4.75 * x.chunk + 8))
 
 
 def dropout_saved(x: Dims) -> int:

@@ -235,6 +235,13 @@ REMOTE = {
         "2",
         "--untie-embeddings-and-output-weights",
     ],
+    "kda_hybrid": [
+        "--attention-type",
+        "kda",
+        "--softmax-attention-every",
+        "2",
+        "--untie-embeddings-and-output-weights",
+    ],
 }
 REMOTE_BASE = BASE + ["--init-method-std", "0.2"]  # larger weights: logits far apart, so greedy has no near-ties
 

@@ -1,6 +1,7 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
-GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
+GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank (a
+KDA+softmax one without), a
 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
 experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
 ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
@@ -50,6 +51,12 @@ def _check(result, what):
 @pytest.mark.parametrize("flags", [[], ["--recompute-granularity", "selective"], FULL], ids=["none", "sel", "full"])
 def test_single_rank_estimate_matches_measured_peak(flags, mixer):
     _check(_measure(0, 1, flags + ["--attention-type", mixer]), f"single rank {mixer} {flags}")
+
+
+def test_kda_single_rank_estimate_matches_measured_peak():
+    """Kimi Delta Attention's per-channel pair decays set the peak in its operator's backward (planning/memory.py
+    kda_backward_live)."""
+    _check(_measure(0, 1, ["--attention-type", "kda"]), "single rank kda")
 
 
 def test_zero3_hpz_two_ranks_estimate_matches_measured_peak():
