@@ -218,11 +218,26 @@ def head_norm_change(meta: dict, cfg) -> list[str]:
     return [f"GDN output-norm weight {saved} -> {cfg.model.gdn_head_norm}"]
 
 
+_MIXER_NAMES = {"softmax": "softmax attention", "gla": "GLA", "gdn": "Gated DeltaNet", "kda": "Kimi Delta Attention"}
+
+
+def check_same_mixers(path: str, saved_cfg, cfg) -> None:
+    """Refuse in one line a checkpoint whose linear layers are another mixer (a KDA checkpoint into a GDN model, or
+    the other way round): their parameters are not each other's, whatever their names and shapes."""
+    a, b = saved_cfg.model.attention_type, cfg.model.attention_type
+    if a != b and "softmax" not in (a, b):
+        raise CheckpointError(
+            f"{path} was saved with --attention-type {a} ({_MIXER_NAMES[a]}), this run has --attention-type {b} "
+            f"({_MIXER_NAMES[b]}): another token mixer's weights do not load; train with --attention-type {a}"
+        )
+
+
 def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     """Refuse, before loading anything, a checkpoint whose parameters differ from this
-    model's (names or shapes; a vocabulary padded for another TP size is fine); another expert
-    count, MoE pattern or expert width first, in one line (check_same_experts)."""
+    model's (names or shapes; a vocabulary padded for another TP size is fine); another linear mixer kind
+    (check_same_mixers), expert count, MoE pattern or expert width first, in one line (check_same_experts)."""
     saved_cfg = config_from_dict(meta["config"])
+    check_same_mixers(path, saved_cfg, cfg)
     check_same_experts(path, saved_cfg, cfg)
     mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta["padded_vocab_size"])
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))

@@ -293,7 +293,7 @@ FAMILIES = [
     ),
     (
         "Mamba/hybrid",
-        "Mamba and Megatron's hybrid layer patterns are not built (ours: --attention-type gla|gdn with "
+        "Mamba and Megatron's hybrid layer patterns are not built (ours: --attention-type gla|gdn|kda with "
         "--softmax-attention-every; Megatron's gated delta net is read as ours: --experimental-attention-variant "
         "gated_delta_net with --linear-attention-freq N): drop it",
         _any(

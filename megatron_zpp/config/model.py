@@ -64,19 +64,20 @@ class ModelConfig(MoEFields):
     attention_type: str = opt(
         "softmax",
         "--attention-type",
-        "token mixer of every layer (gdn: Gated DeltaNet)",
-        choices=["softmax", "gla", "gdn"],
+        "token mixer of every layer (gdn: Gated DeltaNet; kda: Kimi Delta Attention, Kimi Linear's per-channel-decay "
+        "delta rule)",
+        choices=["softmax", "gla", "gdn", "kda"],
     )
     softmax_attention_every: int = opt(
         0,
         "--softmax-attention-every",
-        "hybrid model: with --attention-type gla or gdn, every K-th layer (K-1, 2K-1, ...) uses softmax "
+        "hybrid model: with --attention-type gla, gdn or kda, every K-th layer (K-1, 2K-1, ...) uses softmax "
         "attention; 0 = none (1, all softmax, and K > --num-layers, none, run with a warning, as in megatron-core)",
     )
     linear_chunk_size: int | None = opt(
         None,
         "--linear-chunk-size",
-        "chunk length of the chunked linear-attention forms (GLA and GDN; --gla-chunk-size, its former name, is "
+        "chunk length of the chunked linear-attention forms (GLA, GDN and KDA; --gla-chunk-size, its former name, is "
         "read too); default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
         "and head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
         "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
@@ -271,7 +272,7 @@ class ModelConfig(MoEFields):
         return self.add_bias_linear or self.add_qkv_bias
 
     def layer_kind(self, layer: int) -> str:
-        """'softmax', 'gla' or 'gdn' for global layer index `layer` (0-based)."""
+        """'softmax', 'gla', 'gdn' or 'kda' for global layer index `layer` (0-based)."""
         if self.attention_type == "softmax":
             return "softmax"
         k = self.softmax_attention_every
@@ -282,7 +283,7 @@ class ModelConfig(MoEFields):
         return self.mixer_of_kind(self.layer_kind(layer))
 
     def mixer_of_kind(self, kind: str) -> MixerShape:
-        """This model's mixer of `kind` ('softmax', 'gla', 'gdn'): what its layer builds."""
+        """This model's mixer of `kind` ('softmax', 'gla', 'gdn', 'kda'): what its layer builds."""
         return mixer_shape(
             kind,
             self.num_attention_heads,

@@ -53,16 +53,16 @@ class ParallelConfig:
     cp_algo: str = opt(
         "all-scan",
         "--cp-algo",
-        "GLA/GDN state passing under CP: ZeCO all-scan, all-gather (LASP-2; fla KCP for GDN), LASP-1 ring "
+        "GLA/GDN/KDA state passing under CP: ZeCO all-scan, all-gather (LASP-2; fla KCP for GDN), LASP-1 ring "
         "(softmax layers all-gather K/V)",
         choices=["all-scan", "all-gather", "ring"],
     )
     all_scan_blocks: int = opt(
         0,
         "--all-scan-blocks",
-        "All-Scan: pipeline the state in this many blocks (GLA: along d_k, GDN: along d_v); 0 = chosen from the state "
-        "size and the CP "
-        "group's link (context_parallel.auto_blocks: 1 at CP 2, about sqrt((CP-2) x transfer time / latency))",
+        "All-Scan: pipeline the state in this many blocks (GLA: along d_k, GDN and KDA: along d_v); 0 = chosen "
+        "from the state size and the CP group's link (context_parallel.auto_blocks: 1 at CP 2, about "
+        "sqrt((CP-2) x transfer time / latency))",
     )
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(

@@ -31,7 +31,7 @@ class MixerShape:
     the state's heads of a linear mixer: GDN's value heads); `key_dim` x `value_dim` the per-head state (linear
     mixers); `key_heads` GDN's query/key heads, each read by heads / key_heads consecutive value heads."""
 
-    kind: str  # "softmax", "gla", "gdn"
+    kind: str  # "softmax", "gla", "gdn", "kda"
     sections: tuple[int, ...]  # the input projection's output sections, in order
     out_width: int  # the output projection's input width
     heads: int
@@ -40,7 +40,7 @@ class MixerShape:
     kv_heads: int = 0  # softmax attention's key/value heads (GQA)
     key_heads: int = 0  # GDN's query/key heads (grouped value heads: fewer than `heads`); 0: one per head
     replicated: int = 0  # an input projection every TP rank holds whole (rows of W_down), 0: none
-    conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN: q | k | v), 0: none
+    conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN, KDA: q | k | v), 0: none
     conv_kernel: int = 0
     transition: str = ""  # a CP slice's state transition: "decay" (diagonal, [K]), "dense" ([K, K]), "" none
     chunk: int | None = None  # the chunked form's chunk length (linear mixers)
@@ -84,10 +84,15 @@ class MixerShape:
         if self.kind == "gla":  # the chunked form: C per key width, the state's two d x d products
             low_up = 2 * self.replicated * width  # W_up: [r] -> width
             return proj + low_up + 2 * width * (self.chunk + 2 * self.key_dim)
-        # Gated DeltaNet's WY form on every value head (q, k repeated over a group): the intra-chunk products
-        # (C per key and per value channel); the state's three K x V products
-        return proj + 2 * self.heads * (
-            self.chunk * (self.key_dim + self.value_dim) + 3 * self.key_dim * self.value_dim
+        # the delta-rule WY form on every value head (GDN: q, k repeated over a group): the intra-chunk products
+        # (C per key and per value channel); the state's three K x V products. KDA: the same products (its
+        # per-channel decay weighs the terms of k k^T and q k^T, no more multiply-adds), and its low-rank decay and
+        # output gates' up-projections ([r] -> width each, r = replicated / 2)
+        low_up = 2 * self.replicated * width if self.kind == "kda" else 0
+        return (
+            proj
+            + low_up
+            + 2 * self.heads * (self.chunk * (self.key_dim + self.value_dim) + 3 * self.key_dim * self.value_dim)
         )
 
 
@@ -162,4 +167,14 @@ def mixer_shape(
             kind, sections, v, g.value_heads, g.key_dim, g.value_dim, key_heads=g.key_heads, chunk=chunk,
             conv_channels=2 * qk + v, conv_kernel=GDN_CONV_KERNEL, transition="dense",
         )  # fmt: skip
+    if kind == "kda":  # q | k | v and b per head split by heads; W_down of the decay and output gates (f_a | g_a, rank
+        # head_dim each, Kimi Linear's) replicated; the convolution over q | k | v
+        return replace(
+            linear,
+            sections=(width,) * 3 + (heads,),
+            replicated=2 * head_dim,
+            conv_channels=3 * width,
+            conv_kernel=GDN_CONV_KERNEL,
+            transition="dense",
+        )
     raise ValueError(f"unknown mixer kind {kind!r}")

@@ -1,4 +1,4 @@
-"""Gated DeltaNet under context parallelism: All-Scan over an affine state map.
+"""Gated DeltaNet and Kimi Delta Attention under context parallelism: All-Scan over an affine state map.
 
 Rank p's slice acts on the state entering it affinely (ops/gdn.py):
 
@@ -23,6 +23,9 @@ The scan waits for the local operator (M and U come out of the same pass as o_lo
 latency is not hidden behind local work as GLA's is (gla.py).
 
 The short convolution before the operator reads kernel-1 tokens of the previous slice: halo.py.
+
+KDA (ops/kda.py) is the same algebra with a per-channel decay, the transition (I - b k k^T) Diag(a_t): M is
+dense [K, K] again and everything above holds with chunk_kda as the local operator (`op`).
 """
 
 from __future__ import annotations
@@ -37,17 +40,19 @@ from .scans import check_algo, make_scan
 from .transition import Dense
 
 
-def local_affine(q, k, v, g, beta, scale: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def local_affine(
+    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype
-    (fp32, or fp64 for fp64 inputs): one chunk_gdn call on [v, 0_K] from [0, I_K] (it runs the V + K
-    columns in the kernels' widths itself)."""
+    (fp32, or fp64 for fp64 inputs): one `op` call (chunk_gdn, or chunk_kda with g [B,T,H,K]) on [v, 0_K]
+    from [0, I_K] (it runs the V + K columns in the kernels' widths itself)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
     eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
     wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
     h0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
-    o, S = chunk_gdn(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
+    o, S = op(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
     return o[..., :V], o[..., V:], S[..., :V], S[..., V:]
 
 
@@ -87,8 +92,10 @@ def gdn_context_parallel(
     chunk_size: int = 64,
     initial_state: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    op=chunk_gdn,
 ) -> Tensor:
-    """Gated DeltaNet over a sequence split in contiguous slices over the CP group (rank order).
+    """Gated DeltaNet over a sequence split in contiguous slices over the CP group (rank order); with
+    op=chunk_kda Kimi Delta Attention (the same affine map with a per-channel decay, g [B, T_local, H, K]).
 
     q, k [B, T_local, H, K]; v [B, T_local, H, V]; g, beta [B, T_local, H]; any T_local (chunk_gdn pads each
     slice's last chunk with identity tokens, which leave its (U, M) and outputs unchanged). Returns this rank's
@@ -98,18 +105,20 @@ def gdn_context_parallel(
     check_algo(algo)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cp is None or cp.size == 1:
-        return chunk_gdn(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
+        return op(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
     B, _, H, K = q.shape
     V = v.shape[-1]
     scan = make_scan(algo, cp, blocks, B * H * K * V * 4, q.device, V)
     head = initial_state if initial_state is not None and cp.rank == 0 else None
-    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype)
+    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype, op)
 
 
-def scanned_gdn(q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None) -> Tensor:
-    """This slice's output: the local affine pass, S_in from `scan` (any object with the scans' forward and
-    backward), and the correction r^T S_in."""
-    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size)
+def scanned_gdn(
+    q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
+) -> Tensor:
+    """This slice's output: the local affine pass (`op`: chunk_gdn or chunk_kda), S_in from `scan` (any object
+    with the scans' forward and backward), and the correction r^T S_in."""
+    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size, op)
     S_in = EnteringState.apply(U, M, None if head is None else head.to(U.dtype), scan)
     o = o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
     return o.to(v.dtype if out_dtype is None else out_dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-LINEAR_ATTENTION_TYPES = ("gla", "gdn")
+LINEAR_ATTENTION_TYPES = ("gla", "gdn", "kda")
 
 
 class MegatronZppGLAConfig(PretrainedConfig):

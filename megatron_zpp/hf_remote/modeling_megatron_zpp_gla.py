@@ -25,6 +25,13 @@ q, k, v through a short causal depthwise convolution and SiLU, q and k L2-normal
 
 token by token in fp32, then the per-head RMSNorm, SiLU output gate and output projection.
 
+With linear_attention_type "kda" it is Kimi Delta Attention (Kimi Linear): the same convolution, q and k through
+fla's l2norm (x / sqrt(sum x^2 + 1e-6)), and a per-channel decay from low-rank projections,
+
+    S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T,   log a_t = -exp(A_log) softplus(x W_fa W_fb + dt_bias)
+
+then RMSNorm over each head's channels (one shared weight) times sigmoid(x W_ga W_gb), and the output projection.
+
 Generation keeps transformers' DynamicCache (built from config.layer_types): a recurrent state per
 linear layer (a GDN layer's holds its fp32 state and the convolution's last kernel-1 inputs, packed
 into one [B, n] tensor), keys and values per softmax layer. Padded batches are not supported (an attention_mask
@@ -244,6 +251,59 @@ class MegatronZppGatedDeltaNet(nn.Module):
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
 
+class MegatronZppKimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention (Kimi Linear's KimiLinearDeltaAttention, its parameter names): GDN with a per-channel
+    decay from a low-rank projection (f_a, f_b), a per-channel dt_bias, a low-rank sigmoid output gate (g_a, g_b)
+    and one [d] norm weight shared by the heads."""
+
+    def __init__(self, config: MegatronZppGLAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.heads, self.head_dim = layer_idx, config.num_attention_heads, config.head_dim
+        self.kernel, self.eps = config.linear_conv_kernel, config.norm_eps
+        width, hidden, heads, d = self.heads * self.head_dim, config.hidden_size, self.heads, self.head_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, width, bias=False) for _ in range(3))
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        self.f_a_proj, self.f_b_proj = nn.Linear(hidden, d, bias=False), nn.Linear(d, width, bias=False)
+        self.g_a_proj, self.g_b_proj = nn.Linear(hidden, d, bias=False), nn.Linear(d, width, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = (MegatronZppCausalConv(width, self.kernel) for _ in range(3))
+        self.A_log, self.dt_bias = nn.Parameter(torch.zeros(heads)), nn.Parameter(torch.zeros(width))
+        self.o_norm = MegatronZppRMSNorm(d, config.norm_eps)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D, lead = self.heads, self.head_dim, self.kernel - 1
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
+        packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
+        if packed is None:
+            state, history = qkv.new_zeros(B, H, D, D, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
+        else:
+            state = packed[:, : H * D * D].view(B, H, D, D).clone()
+            history = packed[:, H * D * D :].view(B, lead, -1).to(qkv.dtype)
+        ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
+        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [3 width, kernel]
+        conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(self.kernel))
+        q, k, v = (t.view(B, T, H, D).float() for t in F.silu(conv).split(H * D, dim=-1))
+        q, k = (t / torch.sqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(B, T, H, D))  # [B, T, H, D]: per channel
+        beta = self.b_proj(x).float().sigmoid()
+        outs = []
+        for t in range(T):  # Diag(a) first, then S - b k (k^T S) + b k v^T
+            state = g[:, t].exp()[..., None] * state
+            kt = k[:, t]
+            delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
+            state = state + kt[..., None] * delta[..., None, :]
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * D**-0.5)
+        if cache is not None:
+            tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
+            cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), self.layer_idx)
+        gate = self.g_b_proj(self.g_a_proj(x)).float().sigmoid().view(B, T, H, D)
+        o = self.o_norm(torch.stack(outs, dim=1)).float() * gate
+        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+
+
 class MegatronZppAttention(nn.Module):
     def __init__(self, config: MegatronZppGLAConfig, layer_idx: int):
         super().__init__()
@@ -292,8 +352,8 @@ class MegatronZppDecoderLayer(nn.Module):
         self.kind = config.layer_types[layer_idx]
         self.input_layernorm = build_norm(config)
         if self.kind == "linear_attention":
-            gdn = config.linear_attention_type == "gdn"
-            self.attn = (MegatronZppGatedDeltaNet if gdn else MegatronZppGatedLinearAttention)(config, layer_idx)
+            kinds = {"gdn": MegatronZppGatedDeltaNet, "kda": MegatronZppKimiDeltaAttention}
+            self.attn = kinds.get(config.linear_attention_type, MegatronZppGatedLinearAttention)(config, layer_idx)
         else:
             self.self_attn = MegatronZppAttention(config, layer_idx)
         self.post_attention_layernorm = build_norm(config)

@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from .. import recompute
 from ..config import ModelConfig, default_linear_chunk_size
 from ..context_parallel.gdn import gdn_context_parallel
-from ..context_parallel.halo import previous_tokens
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
 from .context import ParallelContext
 from .documents import Documents
+from .norm import l2norm
+from .short_conv import conv_with_halo
 
 
 class GatedDeltaNet(nn.Module):
@@ -96,15 +97,8 @@ class GatedDeltaNet(nn.Module):
         return (o.reshape(B, T, H * V) * F.silu(_fp32(gate))).to(h.dtype)
 
     def _conv(self, qkv: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-        """The causal convolution of this rank's tokens, reading the kernel-1 tokens before them (the previous
-        CP rank's, or zeros before the sequence) where they belong to the same document."""
-        (B, T, C), lead, ctx = qkv.shape, self.halo, self.ctx
-        halo = previous_tokens(qkv, lead, ctx.cp) if ctx.cp_size > 1 else qkv.new_zeros(B, lead, C)
-        doc = None
-        if documents is not None:  # document labels of the halo and the slice (-1: before the sequence)
-            start = documents.offset - lead
-            doc = F.pad(documents.doc_ids[:, max(start, 0) : documents.offset + T], (max(-start, 0), 0), value=-1)
-        return causal_conv(torch.cat([halo, qkv], dim=1), self.conv, doc)[:, lead:]
+        """The causal convolution with the document resets and the CP halo (model/short_conv.py)."""
+        return conv_with_halo(qkv, self.conv, self.ctx, documents)
 
     def _mix(self, q, k, v, g, beta) -> torch.Tensor:
         ctx, chunk = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type)
@@ -114,26 +108,6 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk, out_dtype=out_dtype
             )
         return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0]  # any T (the op pads)
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal convolution over [B, T, C] (zeros before the first token); with document labels
-    doc [B, T] a token reads only earlier tokens of its own document."""
-    kernel, T = weight.shape[1], x.shape[1]
-    out = x * weight[:, -1]
-    for lag in range(1, kernel):
-        shifted = F.pad(x, (0, 0, lag, 0))[:, :T]
-        if doc is not None:  # the token lag back belongs to another document: read zero
-            same = F.pad(doc, (lag, 0), value=-1)[:, :T] == doc
-            shifted = shifted * same[..., None].to(x.dtype)
-        out = out + shifted * weight[:, -1 - lag]
-    return out
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim: fla's l2norm (megatron-core's and Qwen3-Next's q/k norm), whose
-    eps sits under the root on the sum of squares (F.normalize's 1e-12 bounds the norm itself)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

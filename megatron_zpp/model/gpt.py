@@ -33,6 +33,7 @@ from .context import ParallelContext
 from .documents import Documents
 from .dropout import HiddenDropout, site
 from .gated_deltanet import GatedDeltaNet
+from .kda import KimiDeltaAttention
 from .linear_attention import GatedLinearAttention
 from .mlp import MLP
 from .moe_mlp import MoEMLP
@@ -44,8 +45,13 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ctx: ParallelContext):
         super().__init__()
         out_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)  # residual-branch outputs (GPT-2 / Megatron)
-        softmax = functools.partial(SelfAttention, layer=layer)  # its probabilities' dropout site is the layer's
-        mixer = {"softmax": softmax, "gla": GatedLinearAttention, "gdn": GatedDeltaNet}[cfg.layer_kind(layer)]
+        mixers = {
+            "softmax": functools.partial(SelfAttention, layer=layer),  # its probabilities' dropout site: the layer's
+            "gla": GatedLinearAttention,
+            "gdn": GatedDeltaNet,
+            "kda": KimiDeltaAttention,
+        }
+        mixer = mixers[cfg.layer_kind(layer)]
         norm = _norm_builder(cfg, ctx.sequence_parallel)
         self.norm1 = norm()
         self.mixer = mixer(cfg, ctx, out_std)

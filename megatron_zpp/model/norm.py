@@ -46,3 +46,11 @@ class LayerNorm(_Norm):
 
 def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False) -> nn.Module:
     return {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[kind](dim, eps, sequence_parallel, one_plus)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (fp64 stays fp64) and back in x's dtype: fla's l2norm,
+    the q/k norm of megatron-core's and Qwen3-Next's GDN and of Kimi Linear's KDA (eps under the root, on the sum
+    of squares; F.normalize's 1e-12 bounds the norm itself)."""
+    y = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (y * torch.rsqrt(y.square().sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -282,6 +282,23 @@ def gdn_backward_live(x: Dims) -> int:
     return kept + int(4 * bs * w * (15.4 + 10.9 * C / d + 3.4 * d / C))
 
 
+def kda_layer(x: Dims, selective: bool) -> int:
+    """One Kimi Delta Attention block (model/kda.py): GDN's (`gdn_layer`: the projections, the convolution, the
+    normalised q, k, the operator's output, the head norm and output gate) and, as the core keeps them, the decay's
+    fp32 logits, their softplus and the gate g itself, one value per channel where GDN has one per head (3 fp32
+    width; the low-rank gates' down-projections are proj_in's outputs, `linear_proj`)."""
+    extra = 0 if selective else x.b * x.s * 12 * x.width
+    return gdn_layer(x, selective) + extra
+
+
+def kda_backward_live(x: Dims) -> int:
+    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and the chunked form's per-channel pair decays:
+    [C, C, K] per chunk and head, i.e. C values per channel and token, with their exponent sums and gradients
+    (ops/kda_chunked.py), 4.75 C + 8 fp32 [b, s, width] tensors more, fitted to LiveBytes at C = 16..64, d = 16
+    and 32 (within 1.5%; the PyTorch reference, not the kernels)."""
+    return gdn_backward_live(x) + int(4 * x.b * x.s * x.width * (4.75 * x.chunk + 8))
+
+
 def dropout_saved(x: Dims) -> int:
     return 2 * x.b * x.s_norm * x.h if x.dropout else 0  # two bool masks per block
 
@@ -422,6 +439,7 @@ MIXERS = {
     "softmax": MixerBytes(softmax_layer, softmax_backward_live),
     "gla": MixerBytes(gla_layer, gla_backward_live),
     "gdn": MixerBytes(gdn_layer, gdn_backward_live),
+    "kda": MixerBytes(kda_layer, kda_backward_live),
 }
 
 

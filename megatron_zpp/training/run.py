@@ -273,7 +273,8 @@ def _log_setup(run: Run, n_params: int) -> None:
     kinds = [cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)]
     log(
         f"model: {n_params / 1e6:.2f}M parameters on pipeline stage 0, layers "
-        f"{''.join({'softmax': 'S', 'gla': 'G', 'gdn': 'D'}[k] for k in kinds)} (S softmax, G GLA, D GDN; "
+        f"{''.join({'softmax': 'S', 'gla': 'G', 'gdn': 'D', 'kda': 'K'}[k] for k in kinds)} (S softmax, G GLA, "
+        f"D GDN, K KDA; "
         f"{describe_block(cfg.model)}){_describe_experts(cfg)}, vocab "
         f"{run.tokenizer.vocab_size} padded to {run.tokenizer.padded_vocab_size}, "
         f"{_precision(cfg)}"

@@ -68,7 +68,8 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             (m.softmax_attention_every >= 0, "--softmax-attention-every must be >= 0"),
             (
                 not (m.softmax_attention_every and m.attention_type == "softmax"),
-                "--softmax-attention-every needs --attention-type gla or gdn (the other layers are linear attention)",
+                "--softmax-attention-every needs --attention-type gla, gdn or kda (the other layers are linear "
+                "attention)",
             ),
             (m.gla_gate_low_rank >= 0, f"--gla-gate-low-rank must be >= 0 (got {m.gla_gate_low_rank})"),
             (

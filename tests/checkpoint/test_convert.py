@@ -231,6 +231,13 @@ REMOTE = {
     # grouped value heads and K != V (Megatron's layout): 2 key heads of 8 channels, 4 value heads of 12
     "gdn_hybrid": ["--attention-type", "gdn", "--softmax-attention-every", "2", "--untie-embeddings-and-output-weights"]
     + "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 12".split(),
+    "kda_hybrid": [
+        "--attention-type",
+        "kda",
+        "--softmax-attention-every",
+        "2",
+        "--untie-embeddings-and-output-weights",
+    ],
 }
 REMOTE_BASE = BASE + ["--init-method-std", "0.2"]  # larger weights: logits far apart, so greedy has no near-ties
 

@@ -17,6 +17,7 @@ KINDS = {
     "gla_low_rank": BASE + "--attention-type gla --gla-gate-low-rank 8 --softmax-attention-every 3",
     "gdn": BASE + "--attention-type gdn --softmax-attention-every 3",
     "gdn_gated_softmax": BASE + "--attention-type gdn --softmax-attention-every 3 --attention-output-gate",
+    "kda": BASE + "--attention-type kda --softmax-attention-every 3",
 }
 
 
@@ -63,6 +64,16 @@ def test_per_kind_numbers_written_out():
     assert low.forward_flops_per_token(h, seq) == 2 * (4 * h * w + h * r + r * w + w * h) + 2 * w * (C + 2 * d)
     assert gdn.forward_flops_per_token(h, seq) == 2 * (h * (4 * w + 2 * heads) + w * h) + 2 * w * (2 * C + 3 * d)
     assert low.projection_width(tp=2) == 4 * w + 2 * r
+    # KDA: q | k | v | b split, f_a | g_a (rank d each) replicated, f_b and g_b [d] -> w; GDN's operator products
+    kda = shapes["kda"]
+    assert (kda.sections, kda.replicated, kda.transition_per_head, kda.halo_tokens) == (
+        (w, w, w, heads),
+        2 * d,
+        d * d,
+        3,
+    )
+    flops = 2 * (h * (3 * w + heads + 2 * d) + w * h) + 2 * 2 * d * w + 2 * w * (2 * C + 3 * d)
+    assert kda.forward_flops_per_token(h, seq) == flops and kda.scan_waits_for_local_pass
     gated = parse_args((KINDS["gdn_gated_softmax"] + " --mock-data").split()).model.mixer(2)  # q | k | v | gate
     assert gated.kind == "softmax" and gated.sections == (w, w, w, w)  # one kv head per head here
     assert gated.forward_flops_per_token(h, seq) == 2 * (4 * h * w + w * h) + 2 * seq * w

@@ -1,6 +1,7 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
-GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
+GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank (a
+KDA+softmax one without), a
 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
 experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
 ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share), and
@@ -58,6 +59,12 @@ def test_layout_invariant_attention_dropout_estimate_matches_measured_peak():
     the backward, its [b, heads, s, s] working set and the mask hash's temporaries the peak."""
     dropout = ["--attention-type", "gdn", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     _check(_measure(0, 1, dropout), "single rank, dropout on")
+
+
+def test_kda_single_rank_estimate_matches_measured_peak():
+    """Kimi Delta Attention's per-channel pair decays set the peak in its operator's backward (planning/memory.py
+    kda_backward_live)."""
+    _check(_measure(0, 1, ["--attention-type", "kda"]), "single rank kda")
 
 
 def test_zero3_hpz_two_ranks_estimate_matches_measured_peak():

@@ -14,7 +14,9 @@ gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with it
 (the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them; a GDN layer's is
 `attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (one [V] weight,
 or per head with gdn_head_norm per_head), o_proj, its heads in linear_num_key_heads / linear_num_value_heads /
-linear_key_head_dim / linear_value_head_dim (megatron-core's meaning).
+linear_key_head_dim / linear_value_head_dim (megatron-core's meaning); a KDA layer's `attn` with q/k/v/b_proj,
+f_a/f_b_proj and g_a/g_b_proj (Kimi Linear's names), q/k/v_conv, A_log, dt_bias, o_norm ([head dim], shared) and
+o_proj.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def unsupported(cfg) -> list[str]:
 
 def layer_types(cfg) -> list[str]:
     m = cfg.model
-    return [LINEAR if m.layer_kind(i) in ("gla", "gdn") else FULL for i in range(m.num_layers)]
+    return [LINEAR if m.layer_kind(i) in ("gla", "gdn", "kda") else FULL for i in range(m.num_layers)]
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -84,7 +86,7 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "gla_gate_low_rank": m.gla_gate_low_rank,
         "gla_gate_normalizer": m.gla_gate_normalizer,
         "gla_chunk_size": m.linear_chunk_size,  # the remote config's key, unchanged
-        "linear_attention_type": "gdn" if m.attention_type == "gdn" else "gla",
+        "linear_attention_type": m.attention_type if m.attention_type in ("gdn", "kda") else "gla",
         "linear_conv_kernel": GDN_CONV_KERNEL,
         **(_gdn_config(m) if m.attention_type == "gdn" else {}),
         "initializer_range": m.init_method_std,
@@ -140,9 +142,12 @@ def _plain_pairs(cfg) -> list[tuple[str, str]]:
             pairs.append((src + "mixer.proj.weight", dst + "self_attn.o_proj.weight"))
             continue
         pairs += [(src + "mixer.proj_out.weight", dst + "attn.o_proj.weight")]
-        if m.layer_kind(i) == "gdn":
+        if m.layer_kind(i) in ("gdn", "kda"):
             pairs += [(src + "mixer.head_norm", dst + "attn.o_norm.weight")]
             pairs += [(src + f"mixer.{n}", dst + f"attn.{n}") for n in ("A_log", "dt_bias")]
+            if m.layer_kind(i) == "kda":  # the low-rank gates' up-projections (Kimi Linear's f_b, g_b)
+                pairs += [(src + "mixer.decay_up", dst + "attn.f_b_proj.weight")]
+                pairs += [(src + "mixer.gate_up", dst + "attn.g_b_proj.weight")]
             continue
         pairs += [(src + "mixer.head_norm", dst + "attn.g_norm.weight")]
         if m.gla_gate_low_rank:
@@ -165,9 +170,14 @@ def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
         if shape.kind == "softmax":
             qkv = [f"{dst}self_attn.{n}_proj.weight" for n in "qkv"]
             out.append((src + "mixer.qkv.weight", qkv, list(shape.sections)))
-        elif shape.kind == "gdn":  # q | k | v | output gate | a | b, and the q | k | v convolution channels
-            names = [f"{dst}attn.{n}_proj.weight" for n in ("q", "k", "v", "g", "a", "b")]
+        elif shape.kind in ("gdn", "kda"):  # GDN: q | k | v | output gate | a | b; KDA: q | k | v | b and its
+            # gates' down-projections f_a | g_a; both: the q | k | v convolution channels
+            gdn = shape.kind == "gdn"
+            names = [f"{dst}attn.{n}_proj.weight" for n in (("q", "k", "v", "g", "a", "b") if gdn else "qkvb")]
             out.append((src + "mixer.proj_in.weight", names, list(shape.sections)))
+            if not gdn:
+                down = [f"{dst}attn.{n}_proj.weight" for n in ("f_a", "g_a")]
+                out.append((src + "mixer.gate_down", down, [shape.replicated // 2] * 2))
             conv = [f"{dst}attn.{n}_conv.weight" for n in "qkv"]
             out.append((src + "mixer.conv", conv, list(shape.sections[:3])))
         else:  # q | k | v | output gate (| decay gate at full rank): the sections of proj_in
@@ -205,7 +215,7 @@ def from_theirs(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
 
 def _hybrid_period(kinds: list[str], linear: str) -> tuple[str, int] | None:
     """(--attention-type, --softmax-attention-every) giving these layer types (`linear`: the linear layers'
-    kind, gla or gdn), or None when none does."""
+    kind, gla, gdn or kda), or None when none does."""
     if all(k == FULL for k in kinds):
         return "softmax", 0
     for every in [0] + list(range(2, len(kinds) + 1)):
@@ -225,18 +235,19 @@ def config_from(hf: dict):
 def _config_from_remote(hf: dict):
     heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
     linear = hf.get("linear_attention_type", "gla")
-    period = _hybrid_period(kinds, linear) if set(kinds) <= {LINEAR, FULL} and linear in ("gla", "gdn") else None
+    known = linear in ("gla", "gdn", "kda")
+    period = _hybrid_period(kinds, linear) if set(kinds) <= {LINEAR, FULL} and known else None
     why = [
         w
         for w, bad in [
             (
-                f"layer_types {kinds} (linear_attention_type {linear!r}) is not GLA or GDN with softmax attention "
+                f"layer_types {kinds} (linear_attention_type {linear!r}) is not GLA, GDN or KDA with softmax attention "
                 "at every K-th layer (K-1, 2K-1, ...)",
                 period is None,
             ),
             (
-                f"linear_conv_kernel {hf.get('linear_conv_kernel')} is not our GDN's {GDN_CONV_KERNEL}",
-                linear == "gdn" and hf.get("linear_conv_kernel", GDN_CONV_KERNEL) != GDN_CONV_KERNEL,
+                f"linear_conv_kernel {hf.get('linear_conv_kernel')} is not our GDN's and KDA's {GDN_CONV_KERNEL}",
+                linear in ("gdn", "kda") and hf.get("linear_conv_kernel", GDN_CONV_KERNEL) != GDN_CONV_KERNEL,
             ),
             (
                 f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
