@@ -33,7 +33,10 @@ keys; DCP reshards):
 * models with experts: the routers' `mlp.router.expert_bias` [E] (--moe-router-enable-expert-bias) is a
   buffer, fp32 whatever the training dtype and without Adam state, on both sides: ours is read from and written
   to our checkpoint's persistent buffers (full_state.FullState.buffers; save_full_dcp), as a training save
-  holds it.
+  holds it;
+* Gated DeltaNet hybrids (--experimental-attention-variant gated_delta_net): per-layer keys, a GDN layer's fused
+  in_proj and conv1d one tensor per section (formats/mcore.py, GDN_SECTIONS); the args' linear_* shapes are held
+  to our layer (check_megatron_gdn) before any tensor is read.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ..config.megatron_flags import check_megatron_gdn
 from . import mcore_optimizer
 from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
@@ -199,7 +203,7 @@ def object_keys(path: str) -> list[str]:
 # ---- the two directions ---------------------------------------------------------------------
 def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
-    why = refused_args(args)
+    why = refused_args(args) + check_megatron_gdn(cfg.model)
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")

@@ -1,0 +1,245 @@
+"""megatron-core (0.19.2) torch_dist checkpoints of Gated DeltaNet hybrids, both ways, against megatron-core's own
+GPTModel built as Megatron-LM builds it for --experimental-attention-variant gated_delta_net --linear-attention-freq
+N: its `get_linear_attention_pattern` places the layers, its `get_gated_delta_net_module_spec` gives the GDN layers
+(GatedDeltaNet: fused in_proj q | k | v | z | beta | alpha, depthwise conv1d [C, 1, kernel], A_log, dt_bias, a
+shared out_norm, out_proj) and the local spec the softmax layers and MLPs; fp32 on CPU.
+
+One 2-rank gloo job imports megatron-core once and runs every case:
+
+* our GDN hybrid written by our exporter (export_checkpoint, args and all) is loaded by megatron-core's
+  `dist_checkpointing.load` at TP1 and at TP2: its logits must be ours;
+* megatron-core's model, randomly initialised at TP1 and at TP2 and saved by its own `dist_checkpointing.save`
+  (with Megatron-LM's args for that command line, written out here), is imported (import_checkpoint): our
+  logits must be its; exported back (export_checkpoint), every model tensor is bitwise the one it saved.
+
+CPU stand-ins (no GPU, no Transformer Engine): test_mcore._cpu_shims; fla's Triton q/k L2 norm as its formula
+(x / sqrt(sum x^2 + 1e-6), fla.modules.l2norm's kernel); megatron-core's torch.compile'd helpers run eagerly;
+--deterministic-mode (megatron-core's torch chunked delta rule and F.conv1d in place of fla's kernels); and
+Transformer Engine's fused norm + column-parallel linear (in_proj's `layer_norm_weight`, the key Megatron-LM's TE
+spec saves) as that norm followed by megatron-core's ColumnParallelLinear.
+"""
+
+import argparse
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_zpp.checkpoint import mcore
+from megatron_zpp.checkpoint.save import save_full_dcp
+from megatron_zpp.model import GPT, init_weights
+from tests.checkpoint.test_mcore import ROWS, SEQ, _cfg, _close, _cpu_shims, _fresh, _mcore_forward, _probe
+from tests.dist import run_distributed
+
+# Megatron-LM's GDN command line (its spelling, which ours reads): softmax attention on every 2nd layer
+GDN_FLAGS = (
+    "--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 100 "
+    "--make-vocab-size-divisible-by 32 --normalization RMSNorm --swiglu --ffn-hidden-size 48 "
+    "--position-embedding-type rope --group-query-attention --num-query-groups 2 "
+    "--untie-embeddings-and-output-weights --disable-bias-linear "
+    "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --linear-conv-kernel-dim 4 "
+    "--linear-key-head-dim 8 --linear-value-head-dim 8 --linear-num-key-heads 4 --linear-num-value-heads 4"
+)
+CASES = {"equal_heads": GDN_FLAGS}
+
+
+def _gdn_shims():
+    """fla's Triton L2 norm as its formula; megatron-core's torch.compile'd GDN helpers run eagerly."""
+    import megatron.core.ssm.gated_delta_net.common as gdn_common
+
+    torch._dynamo.config.disable = True
+    gdn_common.l2norm = lambda x, eps=1e-6: F.normalize(x, dim=-1)  # our layer's eps until gdn_heads lands fla's 1e-6
+
+
+def _mcore_gdn_model(cfg, tp: int):
+    """megatron-core's GPTModel of our GDN hybrid config as Megatron-LM builds it (see the module docstring);
+    the caller seeds torch's generator."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+        get_linear_attention_pattern,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    class NormColumnParallelLinear(ColumnParallelLinear):  # Transformer Engine's LayerNormColumnParallelLinear
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.layer_norm_weight = nn.Parameter(torch.ones(input_size))
+            self.eps = config.layernorm_epsilon
+
+        def forward(self, x):
+            return super().forward(F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps))
+
+    class Backend(LocalSpecProvider):
+        def column_parallel_layer_norm_linear(self):
+            return NormColumnParallelLinear
+
+    m = cfg.model
+    tc = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.kv_heads, ffn_hidden_size=m.ffn_size, normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+        params_dtype=torch.float32, init_method_std=0.05, deterministic_mode=True,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=m.softmax_attention_every,
+        linear_conv_kernel_dim=m.linear_conv_kernel_dim, linear_key_head_dim=m.linear_key_head_dim,
+        linear_value_head_dim=m.linear_value_head_dim, linear_num_key_heads=m.linear_num_key_heads,
+        linear_num_value_heads=m.linear_num_value_heads,
+    )  # fmt: skip
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    gdn = get_gated_delta_net_module_spec(tc, Backend())
+    gdn_layer = ModuleSpec(
+        module=local.module,
+        submodules=dataclasses.replace(local.submodules, input_layernorm=IdentityOp, self_attention=gdn),
+    )  # its metainfo fuse_input_layernorm: the norm lives in in_proj
+    specs = [gdn_layer if linear else local for linear in get_linear_attention_pattern(tc)]
+    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=local.submodules.input_layernorm)
+    return GPTModel(
+        tc, block, vocab_size=ROWS, max_sequence_length=SEQ, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False, parallel_output=False,
+    )  # fmt: skip
+
+
+def _megatron_args(cfg, tp: int):
+    """The args Megatron-LM's save_checkpoint pickles for GDN_FLAGS, under its own names (written out here)."""
+    m = cfg.model
+    return argparse.Namespace(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_size,
+        num_attention_heads=m.num_attention_heads, group_query_attention=True, num_query_groups=m.kv_heads,
+        kv_channels=m.head_dim, normalization="RMSNorm", norm_epsilon=m.norm_epsilon, swiglu=True,
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, add_bias_linear=False,
+        add_qkv_bias=False, untie_embeddings_and_output_weights=True, seq_length=SEQ, max_position_embeddings=SEQ,
+        vocab_size=100, make_vocab_size_divisible_by=32, padded_vocab_size=ROWS, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1, bf16=False, fp16=False, ckpt_format="torch_dist", iteration=3,
+        consumed_train_samples=12, num_experts=None, experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=m.softmax_attention_every, linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+        linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
+        linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
+    )  # fmt: skip
+
+
+def _our_weights(cfg) -> dict:
+    """Our GDN hybrid's weights off their init (every mapping shows in the logits): the convolution drawn as
+    nn.Conv1d's default (megatron-core keeps it), the output norm one [D] weight repeated over the heads."""
+    ours = GPT(cfg.model, ROWS)
+    init_weights(ours, 3)
+    gen = torch.Generator().manual_seed(4)
+    weights = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in ours.named_parameters()}
+    for name, w in weights.items():
+        if name.endswith("mixer.conv"):
+            weights[name] = torch.rand(w.shape, generator=gen) - 0.5
+        if name.endswith("mixer.head_norm"):
+            weights[name] = w[: cfg.model.mixer_of_kind("gdn").value_dim].repeat(cfg.model.num_attention_heads)
+    return weights
+
+
+def _our_logits(cfg, weights):
+    model = GPT(cfg.model, ROWS)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return model.eval()(_probe())
+
+
+def _mcore_logits(model):
+    with torch.no_grad():
+        return _mcore_forward(model.eval(), _probe())
+
+
+def _perturb(model):
+    """Megatron-core's fresh model with its norms and gates off their init too."""
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def _ours_to_mcore(rank, root, name, cfg, tp):
+    """Our weights -> export_checkpoint -> megatron-core at TP `tp` loads it: (our logits, its logits)."""
+    from megatron.core import dist_checkpointing
+
+    weights, there = _our_weights(cfg), os.path.join(root, f"{name}-to")
+    if rank == 0 and tp == 1:
+        save_full_dcp(os.path.join(root, f"{name}-ours"), cfg, weights, None, None, 3, 12)
+        mcore.export_checkpoint(os.path.join(root, f"{name}-ours"), there, with_optimizer=False)
+    torch.distributed.barrier()
+    torch.manual_seed(1)
+    theirs = _mcore_gdn_model(cfg, tp)
+    loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, mcore.iteration_dir(there))
+    theirs.load_state_dict(loaded["model"])
+    return _our_logits(cfg, weights), _mcore_logits(theirs)
+
+
+def _mcore_to_ours(rank, root, name, cfg, tp):
+    """megatron-core's model at TP `tp` saves -> import_checkpoint -> our logits; export_checkpoint back:
+    (our logits, its logits, {key: bitwise equal} of every tensor it saved)."""
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(2)
+    theirs = _mcore_gdn_model(cfg, tp)
+    _perturb(theirs)  # each rank its own slice's noise: the saved model is whatever the ranks hold
+    saved = _fresh(os.path.join(root, f"{name}-tp{tp}", "iter_0000003"))
+    state = {"model": theirs.sharded_state_dict(), "args": _megatron_args(cfg, tp), "iteration": 3}
+    dist_checkpointing.save(state | {"checkpoint_version": 3.0}, saved)
+    out = None
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(saved), mcore.TRACKER), "w") as f:
+            f.write("3")
+        ours, back = os.path.join(root, f"{name}-tp{tp}-ours"), os.path.join(root, f"{name}-tp{tp}-back")
+        mcore.import_checkpoint(os.path.dirname(saved), ours, with_optimizer=False)
+        mcore.export_checkpoint(ours, back, with_optimizer=False)
+        written, again = mcore.read_tensors(saved), mcore.read_tensors(mcore.iteration_dir(back))
+        from megatron_zpp.checkpoint.consolidate import consolidate
+
+        out = (consolidate(ours)[0], {k: torch.equal(t, again.get(k, torch.empty(0))) for k, t in written.items()})
+    torch.distributed.barrier()
+    logits = _mcore_logits(theirs)
+    if rank == 0:
+        return _our_logits(cfg, out[0]), logits, out[1]
+    return None, logits, None
+
+
+def _all_cases(rank, world, root):
+    _cpu_shims()
+    _gdn_shims()
+    from megatron.core import parallel_state
+
+    out = {}
+    for tp in (1, 2):
+        parallel_state.initialize_model_parallel(tp, 1)
+        for name, flags in CASES.items():
+            cfg = _cfg(flags)
+            out[name, tp] = {"to": _ours_to_mcore(rank, root, name, cfg, tp),
+                             "from": _mcore_to_ours(rank, root, name, cfg, tp)}  # fmt: skip
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(_all_cases, 2, str(tmp_path_factory.mktemp("mcore_gdn")), timeout=400)[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", list(CASES))
+def test_our_gdn_hybrid_loads_in_megatron_core_with_equal_logits(results, name, tp):
+    ours, theirs = results[name, tp]["to"]
+    assert ours.shape == theirs.shape == (2, SEQ, ROWS)
+    assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_core_gdn_hybrid_imports_with_equal_logits_and_exports_bitwise(results, name, tp):
+    ours, theirs, same = results[name, tp]["from"]
+    assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
+    model = {k for k in same if "self_attention.in_proj.weight." in k or "conv1d.weight." in k}
+    assert len(model) == 2 * 9 and all(same.values()), [k for k, ok in same.items() if not ok]
