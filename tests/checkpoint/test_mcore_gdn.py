@@ -243,3 +243,80 @@ def test_megatron_core_gdn_hybrid_imports_with_equal_logits_and_exports_bitwise(
     assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
     model = {k for k in same if "self_attention.in_proj.weight." in k or "conv1d.weight." in k}
     assert len(model) == 2 * 9 and all(same.values()), [k for k, ok in same.items() if not ok]
+
+
+# ---- bad input (no megatron-core needed) --------------------------------------------------
+SOFTMAX_FLAGS = GDN_FLAGS.split(" --experimental-attention-variant")[0]
+RUN = " --global-batch-size 2 --micro-batch-size 1 --lr 1e-3 --train-iters 4 --ckpt-format torch_dist --finetune"
+
+
+def _saved(root: str, name: str, flags: str, megatron: bool) -> str:
+    """A checkpoint of the model `flags` describe (random weights, one output norm weight for all heads): ours,
+    or with `megatron` exported to megatron-core's torch_dist."""
+    cfg = _cfg(flags)
+    gen = torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+    weights |= {n: torch.ones_like(w) for n, w in weights.items() if n.endswith("head_norm")}
+    save_full_dcp(os.path.join(root, name), cfg, weights, None, None, 3, 6)
+    if not megatron:
+        return os.path.join(root, name)
+    mcore.export_checkpoint(os.path.join(root, name), os.path.join(root, name + "-mlm"), with_optimizer=False)
+    return os.path.join(root, name + "-mlm")
+
+
+def _load_errors(rank, world, loads):
+    """Each (checkpoint, the run's flags): the one line a run's set-up refuses it with."""
+    from megatron_zpp import training
+    from megatron_zpp.checkpoint.files import CheckpointError
+
+    errors = []
+    for path, flags in loads:
+        try:
+            training.setup(_cfg(f"{flags}{RUN} --load {path}", world))
+            errors.append(None)
+        except CheckpointError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_gdn_checkpoint_and_a_softmax_or_gla_model_refuse_each_other_by_name(tmp_path):
+    gdn, soft = _saved(str(tmp_path), "gdn", GDN_FLAGS, True), _saved(str(tmp_path), "soft", SOFTMAX_FLAGS, True)
+    gla = SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2"
+    ours = _saved(str(tmp_path), "gla", gla, False)
+    loads = [(gdn, SOFTMAX_FLAGS), (gdn, gla), (soft, GDN_FLAGS), (ours, GDN_FLAGS)]
+    errors = run_distributed(_load_errors, 1, loads)[0]
+    want = [
+        "gdn (checkpoint) vs softmax",
+        "gdn (checkpoint) vs gla",
+        "softmax (checkpoint) vs gdn",
+        "gla (checkpoint) vs gdn",
+    ]
+    for error, kinds in zip(errors, want):
+        assert error is not None and "\n" not in error and f"attention_type {kinds} (this run)" in error, error
+
+
+def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, capsys):
+    from tests.checkpoint.test_mcore import _convert
+
+    def refused(flags: str) -> str:
+        name = str(len(os.listdir(tmp_path)))
+        ours = _saved(str(tmp_path), name, flags, False)
+        assert _convert(["--load", ours, "--to", "megatron", "--save", str(tmp_path / f"{name}-mlm")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: cannot convert "), err
+        return err
+
+    assert "its layers are GLA" in refused(SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2")
+    layer_norm = GDN_FLAGS.replace("--normalization RMSNorm", "--normalization LayerNorm")
+    assert "--normalization LayerNorm: megatron-core's gated delta net output norm" in refused(layer_norm)
+    # Megatron-LM's list pattern that no period gives
+    mlm = _saved(str(tmp_path), "list", GDN_FLAGS, True)
+    common = mcore.read_common(mcore.iteration_dir(mlm))
+    common["args"].linear_attention_freq = [1, 0, 0, 1]
+    tensors = mcore.read_tensors(mcore.iteration_dir(mlm))
+    mcore.write(str(tmp_path / "list2"), 3, tensors, common, _cfg(GDN_FLAGS).model)
+    argv = ["--from", "megatron", "--load", str(tmp_path / "list2"), "--to", "sharded", "--save", str(tmp_path / "x")]
+    assert _convert([*argv, "--no-optim"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--linear-attention-freq [1, 0, 0, 1]: only a period" in err, err
+    assert not os.path.exists(tmp_path / "x")
