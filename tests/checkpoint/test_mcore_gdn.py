@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT, init_weights
+from megatron_zpp.testing.peers.megatron_gdn import fla_l2norm
 from tests.checkpoint.test_mcore import ROWS, SEQ, _cfg, _close, _cpu_shims, _fresh, _mcore_forward, _probe
 from tests.dist import run_distributed
 
@@ -43,7 +44,11 @@ GDN_FLAGS = (
     "--experimental-attention-variant gated_delta_net --linear-attention-freq 2 --linear-conv-kernel-dim 4 "
     "--linear-key-head-dim 8 --linear-value-head-dim 8 --linear-num-key-heads 4 --linear-num-value-heads 4"
 )
-CASES = {"equal_heads": GDN_FLAGS}
+# Megatron's default head layout (key heads = value heads / 2), key and value head dims apart
+GROUPED = GDN_FLAGS.replace("--linear-value-head-dim 8", "--linear-value-head-dim 16").replace(
+    "--linear-num-key-heads 4", "--linear-num-key-heads 2"
+)
+CASES = {"equal_heads": GDN_FLAGS, "grouped": GROUPED}
 
 
 def _gdn_shims():
@@ -51,7 +56,7 @@ def _gdn_shims():
     import megatron.core.ssm.gated_delta_net.common as gdn_common
 
     torch._dynamo.config.disable = True
-    gdn_common.l2norm = lambda x, eps=1e-6: F.normalize(x, dim=-1)  # our layer's eps until gdn_heads lands fla's 1e-6
+    gdn_common.l2norm = fla_l2norm
 
 
 def _mcore_gdn_model(cfg, tp: int):
@@ -128,18 +133,11 @@ def _megatron_args(cfg, tp: int):
 
 
 def _our_weights(cfg) -> dict:
-    """Our GDN hybrid's weights off their init (every mapping shows in the logits): the convolution drawn as
-    nn.Conv1d's default (megatron-core keeps it), the output norm one [D] weight repeated over the heads."""
+    """Our GDN hybrid's weights off their init (every mapping shows in the logits)."""
     ours = GPT(cfg.model, ROWS)
     init_weights(ours, 3)
     gen = torch.Generator().manual_seed(4)
-    weights = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in ours.named_parameters()}
-    for name, w in weights.items():
-        if name.endswith("mixer.conv"):
-            weights[name] = torch.rand(w.shape, generator=gen) - 0.5
-        if name.endswith("mixer.head_norm"):
-            weights[name] = w[: cfg.model.mixer_of_kind("gdn").value_dim].repeat(cfg.model.num_attention_heads)
-    return weights
+    return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in ours.named_parameters()}
 
 
 def _our_logits(cfg, weights):
@@ -251,12 +249,11 @@ RUN = " --global-batch-size 2 --micro-batch-size 1 --lr 1e-3 --train-iters 4 --c
 
 
 def _saved(root: str, name: str, flags: str, megatron: bool) -> str:
-    """A checkpoint of the model `flags` describe (random weights, one output norm weight for all heads): ours,
-    or with `megatron` exported to megatron-core's torch_dist."""
+    """A checkpoint of the model `flags` describe (random weights): ours, or with `megatron` exported to
+    megatron-core's torch_dist."""
     cfg = _cfg(flags)
     gen = torch.Generator().manual_seed(0)
     weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
-    weights |= {n: torch.ones_like(w) for n, w in weights.items() if n.endswith("head_norm")}
     save_full_dcp(os.path.join(root, name), cfg, weights, None, None, 3, 6)
     if not megatron:
         return os.path.join(root, name)

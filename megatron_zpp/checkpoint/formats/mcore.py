@@ -16,6 +16,7 @@ import torch
 
 from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
+from .mcore_gdn import NAMES, gdn_from_mcore, gdn_to_mcore
 
 NAME = "mcore"
 # our per-layer suffix -> megatron-core's stacked key (local spec names)
@@ -93,6 +94,9 @@ def unsupported(cfg) -> list[str]:
                    f"{m.normalization} (with a bias), ours an RMSNorm")  # fmt: skip
     if m.apply_layernorm_1p:
         why.append("--apply-layernorm-1p: megatron-core's gated delta net output norm is then zero-centred, ours not")
+    if m.gdn_head_norm != "shared":
+        why.append(f"--gdn-head-norm {m.gdn_head_norm}: megatron-core's gated delta net output norm is one weight "
+                   "shared by the heads (--gdn-head-norm shared)")  # fmt: skip
     return why
 
 
@@ -165,9 +169,10 @@ def _gdn_names(m) -> list[str]:
 
 
 def _gdn_rows(m) -> dict[str, list[int]]:
-    """The rows of megatron-core's sections (GDN_SECTIONS) at full shapes: ours but the last two traded."""
-    *qkvz, a, b = m.mixer_of_kind("gdn").sections
-    return {"in_proj.weight": [*qkvz, b, a], "conv1d.weight": qkvz[:3]}
+    """The rows of megatron-core's sections (GDN_SECTIONS) at full shapes: ours, its beta and alpha (one row per
+    value head each) where our a and b are."""
+    sections = m.mixer_of_kind("gdn").sections
+    return {"in_proj.weight": list(sections), "conv1d.weight": list(sections[:3])}
 
 
 def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
@@ -177,7 +182,7 @@ def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
     ours = {k[len(src) :]: t for k, t in state.items() if k.startswith(src)}
     if not ours:
         return {}
-    if lost := sorted(set(GDN_OURS) - set(ours)):
+    if lost := sorted(set(NAMES) - set(ours)):
         raise CheckpointError(f"the checkpoint holds no {src}{lost[0]}, which the model of its config has")
     out = {}
     for name, t in gdn_to_mcore(ours, m).items():
@@ -196,46 +201,6 @@ def _gdn_from(layer: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.Tens
     for name, sections in GDN_SECTIONS.items():
         theirs[name] = torch.cat([layer[f"{GDN}{name}.{s}"] for s in sections])
     return {f"layers.{i}.mixer.{k}": t for k, t in gdn_from_mcore(theirs, m).items()}
-
-
-# ---- ours <-> megatron-core's GatedDeltaNet at full shapes (interim: gdn_heads' formats/mcore_gdn.py replaces it)
-GDN_OURS = {
-    "proj_in.weight": "in_proj.weight",
-    "conv": "conv1d.weight",
-    "A_log": "A_log",
-    "dt_bias": "dt_bias",
-    "head_norm": "out_norm.weight",
-    "proj_out.weight": "out_proj.weight",
-}
-
-
-def _swap_gates(proj_in: torch.Tensor, m) -> torch.Tensor:
-    *rest, first, second = proj_in.split(list(m.mixer_of_kind("gdn").sections), dim=0)
-    return torch.cat([*rest, second, first], dim=0)
-
-
-def gdn_to_mcore(ours: dict, m) -> dict:
-    out = {GDN_OURS[k]: t for k, t in ours.items()}
-    out["in_proj.weight"] = _swap_gates(ours["proj_in.weight"], m)
-    out["conv1d.weight"] = ours["conv"].unsqueeze(1)
-    d = m.mixer_of_kind("gdn").value_dim
-    per_head = ours["head_norm"].view(-1, d)
-    if not per_head.is_meta and not bool((per_head == per_head[:1]).all()):
-        raise CheckpointError(
-            f"its GDN output norm weights (mixer.head_norm) differ between heads; megatron-core's out_norm is one "
-            f"[{d}] weight shared by the heads"
-        )
-    out["out_norm.weight"] = per_head[0]
-    return out
-
-
-def gdn_from_mcore(theirs: dict, m) -> dict:
-    back = {v: k for k, v in GDN_OURS.items()}
-    out = {back[k]: t for k, t in theirs.items() if k in back}
-    out["proj_in.weight"] = _swap_gates(theirs["in_proj.weight"], m)
-    out["conv"] = theirs["conv1d.weight"].squeeze(1)
-    out["head_norm"] = theirs["out_norm.weight"].repeat(m.mixer_of_kind("gdn").heads)
-    return out
 
 
 def _layer_to(state: dict, m, i: int, impl: str) -> dict[str, torch.Tensor]:
@@ -486,16 +451,15 @@ def args_from_config(
 def _gdn_args(m, pattern: list[int]) -> dict:
     """Megatron-LM's gated delta net args of our GDN layers: the variant, the layer pattern (our period, or the
     list its parser evaluates when no layer is softmax attention) and the shapes."""
-    shape = m.mixer_of_kind("gdn")
-    k = m.softmax_attention_every
+    g, k = m.gdn_heads, m.softmax_attention_every
     return {
         "experimental_attention_variant": "gated_delta_net",
         "linear_attention_freq": k if 0 < k <= m.num_layers else pattern,
-        "linear_conv_kernel_dim": shape.conv_kernel,
-        "linear_key_head_dim": shape.key_dim,
-        "linear_value_head_dim": shape.value_dim,
-        "linear_num_key_heads": shape.heads,
-        "linear_num_value_heads": shape.heads,
+        "linear_conv_kernel_dim": m.mixer_of_kind("gdn").conv_kernel,
+        "linear_key_head_dim": g.key_dim,
+        "linear_value_head_dim": g.value_dim,
+        "linear_num_key_heads": g.key_heads,
+        "linear_num_value_heads": g.value_heads,
     }
 
 
