@@ -306,6 +306,7 @@ def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, caps
     assert "its layers are GLA" in refused(SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2")
     layer_norm = GDN_FLAGS.replace("--normalization RMSNorm", "--normalization LayerNorm")
     assert "--normalization LayerNorm: megatron-core's gated delta net output norm" in refused(layer_norm)
+    assert "--gdn-head-norm per_head: megatron-core's" in refused(GDN_FLAGS + " --gdn-head-norm per_head")
     # Megatron-LM's list pattern that no period gives
     mlm = _saved(str(tmp_path), "list", GDN_FLAGS, True)
     common = mcore.read_common(mcore.iteration_dir(mlm))
