@@ -61,6 +61,7 @@ from .formats.mcore import (
     config_from_args,
     extra_state_keys,
     from_mcore,
+    linear_pattern,
     model_keys,
     refused_args,
     stacked,
@@ -269,6 +270,8 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         why = [w for w in why if "optimizer" not in w]
     elif cfg.model.num_experts and mcore_optimizer.sharding_type(common) != "none":
         why.append(MOE_OPTIMIZER + "with --no-optim (tools/convert_checkpoint.py) or --no-load-optim (a run's --load)")
+    elif any(linear_pattern(cfg.model)) and mcore_optimizer.sharding_type(common) == "dp_reshardable":
+        why.append(GDN_FLAT_OPTIMIZER)
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
@@ -295,6 +298,12 @@ MOE_OPTIMIZER = (
     "ChainedOptimizer shards the experts' over the expert-data-parallel group; the non-distributed one's is): "
 )
 EXPERT_BIAS = "mlp.router.expert_bias"
+GDN_FLAT_OPTIMIZER = (
+    "the distributed optimizer's dp_reshardable Adam state of a gated delta net hybrid is not read (its flat "
+    "buffers follow GatedDeltaNet's parameter order, not laid out here): re-save with "
+    "--dist-ckpt-optim-fully-reshardable, or leave Adam's state out: --no-optim (tools/convert_checkpoint.py) or "
+    "--no-load-optim (a run's --load)"
+)
 
 
 def _split_buffers(state: dict, cfg, path: str) -> tuple[dict, dict]:

@@ -32,7 +32,17 @@ from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT, init_weights
 from megatron_zpp.testing.peers.megatron_gdn import fla_l2norm
-from tests.checkpoint.test_mcore import ROWS, SEQ, _cfg, _close, _cpu_shims, _fresh, _mcore_forward, _probe
+from tests.checkpoint.test_mcore import (
+    ROWS,
+    SEQ,
+    _cfg,
+    _close,
+    _cpu_shims,
+    _fresh,
+    _mcore_forward,
+    _probe,
+    _zero_moments,
+)
 from tests.dist import run_distributed
 
 # Megatron-LM's GDN command line (its spelling, which ours reads): softmax attention on every 2nd layer
@@ -125,6 +135,7 @@ def _megatron_args(cfg, tp: int):
         add_qkv_bias=False, untie_embeddings_and_output_weights=True, seq_length=SEQ, max_position_embeddings=SEQ,
         vocab_size=100, make_vocab_size_divisible_by=32, padded_vocab_size=ROWS, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, bf16=False, fp16=False, ckpt_format="torch_dist", iteration=3,
+        train_iters=5, global_batch_size=4, micro_batch_size=1, lr=1e-3, min_lr=0.0, weight_decay=0.1,
         consumed_train_samples=12, num_experts=None, experimental_attention_variant="gated_delta_net",
         linear_attention_freq=m.softmax_attention_every, linear_conv_kernel_dim=m.linear_conv_kernel_dim,
         linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
@@ -217,8 +228,66 @@ def _all_cases(rank, world, root):
             cfg = _cfg(flags)
             out[name, tp] = {"to": _ours_to_mcore(rank, root, name, cfg, tp),
                              "from": _mcore_to_ours(rank, root, name, cfg, tp)}  # fmt: skip
+        if tp == 2:
+            out["adam"] = _adam_round_trip(rank, root, _cfg(GROUPED))
         parallel_state.destroy_model_parallel()
     return out
+
+
+def _mcore_adam(cfg, tp: int, seed: int):
+    """megatron-core's GDN hybrid and Adam over its parameter groups (FP32Optimizer, built as test_mcore does)."""
+    from megatron.core.optimizer import (
+        FP32Optimizer,
+        MegatronOptimizer,
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    torch.manual_seed(seed)
+    model = _mcore_gdn_model(cfg, tp)
+    oc = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, weight_decay=0.1)
+    adam = torch.optim.AdamW(_get_param_groups([model], oc, get_standard_config_overrides(oc)), lr=1e-3)
+    opt = FP32Optimizer.__new__(FP32Optimizer)  # its __init__ allocates a loss scale on 'cuda'
+    MegatronOptimizer.__init__(opt, adam, oc, _zero_moments)
+    opt.is_stub_optimizer = False
+    return model, opt
+
+
+def _adam_round_trip(rank, root, cfg):
+    """megatron-core's GDN hybrid at TP2 steps Adam once and saves model and optimizer -> import_checkpoint ->
+    export_checkpoint -> a fresh megatron-core model and optimizer load it: {parameter: its moments bitwise the
+    saved ones}."""
+    from megatron.core import dist_checkpointing
+
+    model, opt = _mcore_adam(cfg, 2, 3)
+    loss = _mcore_forward(model, _probe()).logsumexp(-1).mean()
+    loss.backward()
+    opt.optimizer.step()
+    saved = _fresh(os.path.join(root, "adam", "iter_0000003"))
+    state = {"model": model.sharded_state_dict()}
+    state["optimizer"] = opt.sharded_state_dict(state)
+    dist_checkpointing.save(state | {"args": _megatron_args(cfg, 2), "iteration": 3, "checkpoint_version": 3.0}, saved)
+    if rank == 0:
+        with open(os.path.join(root, "adam", mcore.TRACKER), "w") as f:
+            f.write("3")
+        mcore.import_checkpoint(os.path.join(root, "adam"), os.path.join(root, "adam-ours"))
+        mcore.export_checkpoint(os.path.join(root, "adam-ours"), os.path.join(root, "adam-back"))
+    torch.distributed.barrier()
+    back, back_opt = _mcore_adam(cfg, 2, 4)
+    state = {"model": back.sharded_state_dict()}
+    state["optimizer"] = back_opt.sharded_state_dict(state, is_loading=True)
+    loaded = dist_checkpointing.load(state, mcore.iteration_dir(os.path.join(root, "adam-back")))
+    back.load_state_dict(loaded["model"])
+    back_opt.load_state_dict(loaded["optimizer"])
+    names = dict(zip(map(id, back.parameters()), (n for n, _ in back.named_parameters())))
+    pairs = zip(opt.optimizer.param_groups, back_opt.optimizer.param_groups)
+    return {
+        (names[id(q)], kind): torch.equal(opt.optimizer.state[p][kind], back_opt.optimizer.state[q][kind])
+        for a, b in pairs
+        for p, q in zip(a["params"], b["params"])
+        for kind in mcore.MOMENTS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +310,13 @@ def test_megatron_core_gdn_hybrid_imports_with_equal_logits_and_exports_bitwise(
     assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
     model = {k for k in same if "self_attention.in_proj.weight." in k or "conv1d.weight." in k}
     assert len(model) == 2 * 9 and all(same.values()), [k for k, ok in same.items() if not ok]
+
+
+def test_megatron_core_adam_state_of_a_gdn_hybrid_round_trips_bitwise(results):
+    """Its Adam moments at TP2, every GDN tensor's included, through our import and export, as it loads them."""
+    same = results["adam"]
+    gdn = {n for n, _ in same if ".self_attention.in_proj." in n or ".conv1d." in n or n.endswith(("A_log", "dt_bias"))}
+    assert len(gdn) == 2 * 5 and all(same.values()), [k for k, ok in same.items() if not ok]
 
 
 # ---- bad input (no megatron-core needed) --------------------------------------------------
