@@ -396,3 +396,11 @@ def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--linear-attention-freq [1, 0, 0, 1]: only a period" in err, err
     assert not os.path.exists(tmp_path / "x")
+    # the distributed optimizer's flat buffers: weights only
+    common["args"].linear_attention_freq = 2
+    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+    mcore.write(str(tmp_path / "flat"), 3, tensors, common, _cfg(GDN_FLAGS).model)
+    argv[3] = str(tmp_path / "flat")
+    assert _convert(argv) == 2
+    assert "dp_reshardable Adam state of a gated delta net hybrid is not read" in capsys.readouterr().err
+    assert _convert([*argv, "--no-optim"]) == 0
