@@ -82,8 +82,8 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 "auto)",
             ),
             (
-                m.attention_type == "softmax" or s % derived(m.linear_chunk_size) == 0,
-                f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size}",
+                m.attention_type != "gla" or s % derived(m.linear_chunk_size) == 0,  # GDN's op pads the last chunk
+                f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size} (GLA)",
             ),
             (
                 cp == 1 or m.seq_length // cp >= halo,
