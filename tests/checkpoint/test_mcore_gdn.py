@@ -396,8 +396,13 @@ def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--linear-attention-freq [1, 0, 0, 1]: only a period" in err, err
     assert not os.path.exists(tmp_path / "x")
+    # Megatron's HybridModel (layers by --hybrid-layer-pattern), not its GPTModel
+    common["args"].linear_attention_freq, common["args"].hybrid_layer_pattern = 2, "G*G*"
+    mcore.write(str(tmp_path / "hybrid"), 3, tensors, common, _cfg(GDN_FLAGS).model)
+    assert _convert(["--from", "megatron", "--load", str(tmp_path / "hybrid"), *argv[4:], "--no-optim"]) == 2
+    assert "--hybrid-layer-pattern G*G*: Megatron's HybridModel" in capsys.readouterr().err
+    common["args"].hybrid_layer_pattern = None
     # the distributed optimizer's flat buffers: weights only
-    common["args"].linear_attention_freq = 2
     common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
     mcore.write(str(tmp_path / "flat"), 3, tensors, common, _cfg(GDN_FLAGS).model)
     argv[3] = str(tmp_path / "flat")

@@ -325,6 +325,8 @@ REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ou
     "moe_mlp_glu_interleave_size": "the experts' fc1 rows are [gate | up] here, not interleaved",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
+    "hybrid_layer_pattern": "Megatron's HybridModel (its Mamba/GDN/attention/MLP layers by pattern) is not converted "
+    "here; its GPTModel's gated delta net hybrids are (--experimental-attention-variant gated_delta_net)",
 }
 
 
