@@ -355,11 +355,15 @@ def _load_errors(rank, world, loads):
 
 
 def test_a_gdn_checkpoint_and_a_softmax_or_gla_model_refuse_each_other_by_name(tmp_path):
+    """Each kind's checkpoint (megatron-core's converted by --load, or ours) into a run of another kind: one line
+    naming attention_type; the megatron-core GDN checkpoint into the GDN run it describes loads (our spelling)."""
     gdn, soft = _saved(str(tmp_path), "gdn", GDN_FLAGS, True), _saved(str(tmp_path), "soft", SOFTMAX_FLAGS, True)
     gla = SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2"
     ours = _saved(str(tmp_path), "gla", gla, False)
     loads = [(gdn, SOFTMAX_FLAGS), (gdn, gla), (soft, GDN_FLAGS), (ours, GDN_FLAGS)]
-    errors = run_distributed(_load_errors, 1, loads)[0]
+    spelled = SOFTMAX_FLAGS + " --attention-type gdn --softmax-attention-every 2"  # our flags for GDN_FLAGS' model
+    errors = run_distributed(_load_errors, 1, [*loads, (gdn, spelled)])[0]
+    assert errors.pop() is None
     want = [
         "gdn (checkpoint) vs softmax",
         "gdn (checkpoint) vs gla",
@@ -368,6 +372,29 @@ def test_a_gdn_checkpoint_and_a_softmax_or_gla_model_refuse_each_other_by_name(t
     ]
     for error, kinds in zip(errors, want):
         assert error is not None and "\n" not in error and f"attention_type {kinds} (this run)" in error, error
+
+
+def test_tool_round_trip_of_a_model_without_softmax_layers(tmp_path, capsys):
+    """Every layer GDN: --linear-attention-freq is then the list Megatron-LM's parser evaluates; ours -> --to
+    megatron -> --from megatron gives the weights bitwise and the model's settings back."""
+    from tests.checkpoint.test_mcore import _convert
+
+    flags = GDN_FLAGS.replace("--linear-attention-freq 2", "--linear-attention-freq 5")  # > --num-layers: no softmax
+    ours = _saved(str(tmp_path), "all", flags, False)
+    assert _convert(["--load", ours, "--to", "megatron", "--save", str(tmp_path / "mlm"), "--no-optim"]) == 0
+    args = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))["args"]
+    assert args.linear_attention_freq == [1, 1, 1, 1] and args.experimental_attention_variant == "gated_delta_net"
+    argv = ["--from", "megatron", "--load", str(tmp_path / "mlm"), "--to", "sharded", "--save", str(tmp_path / "b")]
+    assert _convert([*argv, "--no-optim"]) == 0
+    capsys.readouterr()
+    before, after = mcore.our_full_state(ours), mcore.our_full_state(str(tmp_path / "b"))
+    assert before[0].keys() == after[0].keys() and all(torch.equal(before[0][n], after[0][n]) for n in before[0])
+    m = _cfg(flags).model
+    assert {k: after[3]["config"]["model"][k] for k in ("attention_type", "softmax_attention_every")} == {
+        "attention_type": "gdn",
+        "softmax_attention_every": 0,
+    }
+    assert all(m.layer_kind(i) == "gdn" for i in range(m.num_layers))
 
 
 def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, capsys):
