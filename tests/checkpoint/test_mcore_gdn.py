@@ -13,7 +13,8 @@ default head ratio (key heads = value heads / 2) with key and value head dims ap
   args for that command line, written out here), is imported (import_checkpoint): our logits must be its;
   exported back (export_checkpoint), every model tensor is bitwise the one it saved;
 * its Adam (FP32Optimizer at TP2, one step) saved with the model: imported and exported back, a fresh
-  megatron-core model and optimizer load every moment bitwise.
+  megatron-core model and optimizer load every moment bitwise;
+* the gated delta net args our export pickles equal Megatron-LM's own parser's for that command line.
 
 CPU stand-ins (no GPU, no Transformer Engine): test_mcore._cpu_shims; fla's Triton q/k L2 norm as its formula
 (x / sqrt(sum x^2 + 1e-6), fla.modules.l2norm's kernel); megatron-core's torch.compile'd helpers run eagerly;
@@ -234,8 +235,26 @@ def _all_cases(rank, world, root):
                              "from": _mcore_to_ours(rank, root, name, cfg, tp)}  # fmt: skip
         if tp == 2:
             out["adam"] = _adam_round_trip(rank, root, _cfg(GROUPED))
+        elif rank == 0:
+            out["parser"] = _parser_differences(os.path.join(root, "grouped-to"))
         parallel_state.destroy_model_parallel()
     return out
+
+
+def _parser_differences(exported: str) -> dict:
+    """{arg: (our export's, Megatron-LM's)} of the gated delta net args that differ: Megatron-LM's own parser and
+    validate_args on GROUPED's command line (test_mcore_megatron_lm's harness) against the args our export of
+    that model pickled."""
+    from tests.checkpoint.test_mcore_megatron_lm import _megatron_args as parsed_args
+
+    args = parsed_args(GROUPED + " --max-position-embeddings 16", exported)
+    ours = mcore.read_common(mcore.iteration_dir(exported))["args"]
+    names = [
+        "experimental_attention_variant",
+        "linear_attention_freq",
+        *(n for n in vars(args) if n.startswith("linear_")),
+    ]
+    return {n: (getattr(ours, n, None), getattr(args, n)) for n in names if getattr(ours, n, None) != getattr(args, n)}
 
 
 def _mcore_adam(cfg, tp: int, seed: int):
@@ -314,6 +333,11 @@ def test_megatron_core_gdn_hybrid_imports_with_equal_logits_and_exports_bitwise(
     assert len(model) == 2 * 9 and all(same.values()), [k for k, ok in same.items() if not ok]
 
 
+def test_exported_gdn_args_equal_megatron_lm_parsers(results):
+    """The variant, --linear-attention-freq and the linear_* shapes our export pickles are its parser's."""
+    assert results["parser"] == {}
+
+
 def test_megatron_core_adam_state_of_a_gdn_hybrid_round_trips_bitwise(results):
     """Its Adam moments at TP2, every GDN tensor's included, through our import and export, as it loads them."""
     same = results["adam"]
@@ -375,11 +399,11 @@ def test_a_gdn_checkpoint_and_a_softmax_or_gla_model_refuse_each_other_by_name(t
 
 
 def test_tool_round_trip_of_a_model_without_softmax_layers(tmp_path, capsys):
-    """Every layer GDN: --linear-attention-freq is then the list Megatron-LM's parser evaluates; ours -> --to
-    megatron -> --from megatron gives the weights bitwise and the model's settings back."""
+    """Every layer GDN (--attention-type gdn, no period): --linear-attention-freq is then the list Megatron-LM's
+    parser evaluates; ours -> --to megatron -> --from megatron gives the weights bitwise and the model back."""
     from tests.checkpoint.test_mcore import _convert
 
-    flags = GDN_FLAGS.replace("--linear-attention-freq 2", "--linear-attention-freq 5")  # > --num-layers: no softmax
+    flags = SOFTMAX_FLAGS + " --attention-type gdn"
     ours = _saved(str(tmp_path), "all", flags, False)
     assert _convert(["--load", ours, "--to", "megatron", "--save", str(tmp_path / "mlm"), "--no-optim"]) == 0
     args = mcore.read_common(mcore.iteration_dir(str(tmp_path / "mlm")))["args"]

@@ -451,12 +451,12 @@ def args_from_config(
 
 
 def _gdn_args(m, pattern: list[int]) -> dict:
-    """Megatron-LM's gated delta net args of our GDN layers: the variant, the layer pattern (our period, or the
-    list its parser evaluates when no layer is softmax attention) and the shapes."""
+    """Megatron-LM's gated delta net args of our GDN layers: the variant, the layer pattern (our period, or
+    without one the list its parser evaluates) and the shapes."""
     g, k = m.gdn_heads, m.softmax_attention_every
     return {
         "experimental_attention_variant": "gated_delta_net",
-        "linear_attention_freq": k if 0 < k <= m.num_layers else pattern,
+        "linear_attention_freq": k or pattern,
         "linear_conv_kernel_dim": m.mixer_of_kind("gdn").conv_kernel,
         "linear_key_head_dim": g.key_dim,
         "linear_value_head_dim": g.value_dim,
