@@ -73,9 +73,9 @@ def grads(fn, inputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> lis
 def check_gla(device, B, T, H, D, C, dtype, h0):
     q, k, v = (randn((B, T, H, D), device, dtype, s) for s in (1, 2, 3))
     g = F.logsigmoid(randn((B, T, H, D), device, torch.float32, 4)) / 16
-    state = randn((B, H, D, V), device, torch.float32, 5) if h0 else None
-    do = randn((B, T, H, V), device, dtype, 6)
-    dS = randn((B, H, D, V), device, torch.float32, 7) if h0 else None
+    state = randn((B, H, D, D), device, torch.float32, 5) if h0 else None
+    do = randn((B, T, H, D), device, dtype, 6)
+    dS = randn((B, H, D, D), device, torch.float32, 7) if h0 else None
 
     def run(q, k, v, g, state, do, dS):
         inputs = [q, k, v, g] + ([state] if h0 else [])
