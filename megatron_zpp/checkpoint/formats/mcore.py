@@ -162,7 +162,7 @@ def _layer_names(m, i: int, impl: str) -> dict[str, str]:
     return names | (MOE_KEYS if moe else {}) | (GDN_NORM if gdn else {})
 
 
-def _gdn_names(m) -> list[str]:
+def _gdn_names() -> list[str]:
     """megatron-core's layer names of a GDN layer's mixer tensors (its sectioned ones cut)."""
     cut = [f"{GDN}{key}.{name}" for key, names in GDN_SECTIONS.items() for name in names]
     return cut + [GDN + name for name in GDN_WHOLE]
@@ -195,7 +195,7 @@ def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
 
 def _gdn_from(layer: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.Tensor]:
     """The inverse of `_gdn_to` (megatron-core's layer i by its layer names); {} unless it holds all of it."""
-    if not all(name in layer for name in _gdn_names(m)):
+    if not all(name in layer for name in _gdn_names()):
         return {}
     theirs = {name: layer[GDN + name] for name in GDN_WHOLE}
     for name, sections in GDN_SECTIONS.items():
@@ -293,7 +293,7 @@ def model_keys(cfg) -> set[str]:
     layer = set()
     for i in range(m.num_layers):
         names = {n for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
-        names |= set(_gdn_names(m)) if m.layer_kind(i) == "gdn" else set()
+        names |= set(_gdn_names()) if m.layer_kind(i) == "gdn" else set()
         names |= set(EXPERTS.values()) if m.is_moe_layer(i) else set()
         layer |= {f"{LAYERS}{i}.{n}" for n in names}
     return set(TOP_KEYS.values()) | layer
