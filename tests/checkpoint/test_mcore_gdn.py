@@ -62,8 +62,13 @@ GDN_FLAGS = (
 GROUPED = GDN_FLAGS.replace("--linear-value-head-dim 8", "--linear-value-head-dim 16").replace(
     "--linear-num-key-heads 4", "--linear-num-key-heads 2"
 )
-CASES = {"equal_heads": GDN_FLAGS, "grouped": GROUPED}
-LAYOUTS = [("equal_heads", 1), ("grouped", 1), ("grouped", 2)]
+# Qwen3-Next's mix (the GDN+MoE functional test's): every layer MoE with a gated shared expert, a gated softmax layer
+MOE = GROUPED + (
+    " --num-experts 4 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate "
+    "--moe-router-topk 2 --qk-layernorm --attention-output-gate"
+)
+CASES = {"equal_heads": GDN_FLAGS, "grouped": GROUPED, "moe": MOE}
+LAYOUTS = [("equal_heads", 1), ("grouped", 1), ("moe", 1), ("grouped", 2)]
 
 
 def _gdn_shims():
@@ -83,7 +88,7 @@ def _mcore_gdn_model(cfg, tp: int):
         get_gated_delta_net_module_spec,
         get_linear_attention_pattern,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.identity_op import IdentityOp
@@ -113,19 +118,40 @@ def _mcore_gdn_model(cfg, tp: int):
         experimental_attention_variant="gated_delta_net", linear_attention_freq=m.softmax_attention_every,
         linear_conv_kernel_dim=m.linear_conv_kernel_dim, linear_key_head_dim=m.linear_key_head_dim,
         linear_value_head_dim=m.linear_value_head_dim, linear_num_key_heads=m.linear_num_key_heads,
-        linear_num_value_heads=m.linear_num_value_heads,
+        linear_num_value_heads=m.linear_num_value_heads, qk_layernorm=m.qk_layernorm,
+        attention_output_gate=m.attention_output_gate, **_moe_settings(m),
     )  # fmt: skip
-    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm)
+    layers = [local] * m.num_layers  # MoE: megatron-core's local MoE layers (SequentialMLP, allgather dispatcher)
+    if m.num_experts:
+        plain = dataclasses.replace(tc, experimental_attention_variant=None, linear_attention_freq=None)
+        layers = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm").layer_specs
     gdn = get_gated_delta_net_module_spec(tc, Backend())
-    gdn_layer = ModuleSpec(
-        module=local.module,
-        submodules=dataclasses.replace(local.submodules, input_layernorm=IdentityOp, self_attention=gdn),
-    )  # its metainfo fuse_input_layernorm: the norm lives in in_proj
-    specs = [gdn_layer if linear else local for linear in get_linear_attention_pattern(tc)]
+    specs = [
+        ModuleSpec(
+            module=layer.module,
+            submodules=dataclasses.replace(layer.submodules, input_layernorm=IdentityOp, self_attention=gdn),
+        )  # its metainfo fuse_input_layernorm: the norm lives in in_proj
+        if linear
+        else layer
+        for layer, linear in zip(layers, get_linear_attention_pattern(tc))
+    ]
     block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=local.submodules.input_layernorm)
     return GPTModel(
         tc, block, vocab_size=ROWS, max_sequence_length=SEQ, position_embedding_type="rope",
         share_embeddings_and_output_weights=False, parallel_output=False,
+    )  # fmt: skip
+
+
+def _moe_settings(m) -> dict:
+    """megatron-core's MoE settings of our model (its args' names where they are its config's), none without."""
+    if not m.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.expert_ffn_size, moe_router_topk=m.moe_router_topk,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=m.moe_shared_expert_gate, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
     )  # fmt: skip
 
 
@@ -141,10 +167,12 @@ def _megatron_args(cfg, tp: int):
         vocab_size=100, make_vocab_size_divisible_by=32, padded_vocab_size=ROWS, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, bf16=False, fp16=False, ckpt_format="torch_dist", iteration=3,
         train_iters=5, global_batch_size=4, micro_batch_size=1, lr=1e-3, min_lr=0.0, weight_decay=0.1,
-        consumed_train_samples=12, num_experts=None, experimental_attention_variant="gated_delta_net",
+        consumed_train_samples=12, num_experts=m.num_experts, experimental_attention_variant="gated_delta_net",
         linear_attention_freq=m.softmax_attention_every, linear_conv_kernel_dim=m.linear_conv_kernel_dim,
         linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
         linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
+        qk_layernorm=m.qk_layernorm, attention_output_gate=m.attention_output_gate,
+        transformer_impl="local", **{k: v for k, v in _moe_settings(m).items() if k != "num_moe_experts"},
     )  # fmt: skip
 
 
@@ -176,6 +204,12 @@ def _perturb(model):
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
 
 
+def _impl(cfg) -> str:
+    """The spec whose names the export writes: an MoE layer's pre-MLP norm under the local spec's name, as the
+    megatron-core model here (local MoE layers) keys it; else Transformer Engine's (Megatron-LM's default)."""
+    return "local" if cfg.model.num_experts else "transformer_engine"
+
+
 def _ours_to_mcore(rank, root, name, cfg, tp):
     """Our weights -> export_checkpoint -> megatron-core at TP `tp` loads it: (our logits, its logits)."""
     from megatron.core import dist_checkpointing
@@ -183,7 +217,7 @@ def _ours_to_mcore(rank, root, name, cfg, tp):
     weights, there = _our_weights(cfg), os.path.join(root, f"{name}-to")
     if rank == 0 and tp == 1:
         save_full_dcp(os.path.join(root, f"{name}-ours"), cfg, weights, None, None, 3, 12)
-        mcore.export_checkpoint(os.path.join(root, f"{name}-ours"), there, with_optimizer=False)
+        mcore.export_checkpoint(os.path.join(root, f"{name}-ours"), there, with_optimizer=False, impl=_impl(cfg))
     torch.distributed.barrier()
     torch.manual_seed(1)
     theirs = _mcore_gdn_model(cfg, tp)
@@ -209,7 +243,7 @@ def _mcore_to_ours(rank, root, name, cfg, tp):
             f.write("3")
         ours, back = os.path.join(root, f"{name}-tp{tp}-ours"), os.path.join(root, f"{name}-tp{tp}-back")
         mcore.import_checkpoint(os.path.dirname(saved), ours, with_optimizer=False)
-        mcore.export_checkpoint(ours, back, with_optimizer=False)
+        mcore.export_checkpoint(ours, back, with_optimizer=False, impl=_impl(cfg))
         written, again = mcore.read_tensors(saved), mcore.read_tensors(mcore.iteration_dir(back))
         from megatron_zpp.checkpoint.consolidate import consolidate
 
@@ -331,6 +365,7 @@ def test_megatron_core_gdn_hybrid_imports_with_equal_logits_and_exports_bitwise(
     assert _close(ours, theirs, 1e-5), (ours - theirs).abs().max().item()
     model = {k for k in same if "self_attention.in_proj.weight." in k or "conv1d.weight." in k}
     assert len(model) == 2 * 9 and all(same.values()), [k for k, ok in same.items() if not ok]
+    assert name != "moe" or sum(".mlp.experts." in k for k in same) == 2 * 4  # 4 MoE layers' fc1 and fc2
 
 
 def test_exported_gdn_args_equal_megatron_lm_parsers(results):
