@@ -3,7 +3,8 @@
 GLA+softmax and a GDN+softmax model without recompute (and GDN with grouped value heads, K != V), with selective
 and with full recompute on one rank, a 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2
 (both ranks checked), and two mixture-of-experts layouts: one rank (8 experts, top-2, a gated shared expert,
-balancing and z losses) and EP2 alltoall under ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
+balancing and z losses) and EP2 alltoall under ZeRO-1 over 2 ranks (both ranks: their routed rows are the
+router's, the estimate's an even share).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
 
 import math
