@@ -38,7 +38,9 @@
         experts (--num-experts): the weights both ways (router, expert bias, routed and shared experts under
         megatron-core's SequentialMLP/TEGroupedMLP sharded keys; --transformer-impl names the MoE layers' pre-MLP
         norm), and Adam's state of the non-distributed optimizer (one optimizer, or at --expert-model-parallel-size
-        > 1 megatron-core's ChainedOptimizer of the dense and the experts' groups); the distributed one's refused
+        > 1 megatron-core's ChainedOptimizer of the dense and the experts' groups); the distributed one's refused.
+        Gated DeltaNet hybrids (--attention-type gdn, Megatron's --experimental-attention-variant gated_delta_net):
+        both ways, megatron-core's GatedDeltaNet keys (in_proj and conv1d per section, docs/checkpoints.md)
 
 The output is never overwritten or mixed with another format: an --output that is --load, holds it, lies
 in an iteration directory, exists (a file, a non-empty HF directory) or, as a checkpoint root, holds the

@@ -33,7 +33,10 @@ keys; DCP reshards):
 * models with experts: the routers' `mlp.router.expert_bias` [E] (--moe-router-enable-expert-bias) is a
   buffer, fp32 whatever the training dtype and without Adam state, on both sides: ours is read from and written
   to our checkpoint's persistent buffers (full_state.FullState.buffers; save_full_dcp), as a training save
-  holds it.
+  holds it;
+* Gated DeltaNet hybrids (--experimental-attention-variant gated_delta_net): per-layer keys, a GDN layer's fused
+  in_proj and conv1d one tensor per section (formats/mcore.py, GDN_SECTIONS); the args' linear_* shapes are held
+  to our layer (check_megatron_gdn) before any tensor is read.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ..config.megatron_flags import check_megatron_gdn
 from . import mcore_optimizer
 from .dcp import saved_keys
 from .files import CheckpointError, iter_name, nonfinite_tensors
@@ -57,6 +61,7 @@ from .formats.mcore import (
     config_from_args,
     extra_state_keys,
     from_mcore,
+    linear_pattern,
     model_keys,
     refused_args,
     stacked,
@@ -199,7 +204,7 @@ def object_keys(path: str) -> list[str]:
 # ---- the two directions ---------------------------------------------------------------------
 def _refusals(args, tensors: dict, common: dict, cfg) -> list[str]:
     """Why a megatron-core checkpoint cannot become ours, by name (empty when it can)."""
-    why = refused_args(args)
+    why = refused_args(args) + check_megatron_gdn(cfg.model)
     unknown = sorted(k for k in tensors if not k.startswith("optimizer.") and k not in model_keys(cfg))
     if unknown:
         why.append(f"tensors with no counterpart here: {', '.join(unknown[:4])}")
@@ -265,6 +270,8 @@ def import_checkpoint(load: str, save: str, with_optimizer: bool = True) -> tupl
         why = [w for w in why if "optimizer" not in w]
     elif cfg.model.num_experts and mcore_optimizer.sharding_type(common) != "none":
         why.append(MOE_OPTIMIZER + "with --no-optim (tools/convert_checkpoint.py) or --no-load-optim (a run's --load)")
+    elif any(linear_pattern(cfg.model)) and mcore_optimizer.sharding_type(common) == "dp_reshardable":
+        why.append(GDN_FLAT_OPTIMIZER)
     if why:
         raise CheckpointError(f"cannot convert {path}: " + "; ".join(why))
     adam = mcore_optimizer.read_adam(path, common, tensors, args, read_objects) if with_optimizer else None
@@ -291,6 +298,12 @@ MOE_OPTIMIZER = (
     "ChainedOptimizer shards the experts' over the expert-data-parallel group; the non-distributed one's is): "
 )
 EXPERT_BIAS = "mlp.router.expert_bias"
+GDN_FLAT_OPTIMIZER = (
+    "the distributed optimizer's dp_reshardable Adam state of a gated delta net hybrid is not read (its flat "
+    "buffers follow GatedDeltaNet's parameter order, not laid out here): re-save with "
+    "--dist-ckpt-optim-fully-reshardable, or leave Adam's state out: --no-optim (tools/convert_checkpoint.py) or "
+    "--no-load-optim (a run's --load)"
+)
 
 
 def _split_buffers(state: dict, cfg, path: str) -> tuple[dict, dict]:

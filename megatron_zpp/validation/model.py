@@ -78,9 +78,9 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             ),
             (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
             (
-                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and mixer.key_dim % p.all_scan_blocks == 0),
-                f"--all-scan-blocks {p.all_scan_blocks} must divide the state's key dim {mixer.key_dim} (or be 0: "
-                "auto)",
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and mixer.scan_extent % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the state dimension its blocks cut, "
+                f"{mixer.scan_extent} (or be 0: auto)",
             ),
             (
                 # GDN's op pads the last chunk, KDA's layer does on one rank

@@ -508,7 +508,8 @@ def test_exported_checkpoint_loads_at_two_pipeline_stages(results):
 
 def test_megatrons_gdn_args_are_read_only_with_its_variant():
     """Megatron-LM's args hold its GDN shape defaults whatever the model (megatron-core's TransformerConfig
-    fields): a GPT checkpoint's import ignores them, as Megatron does; a GDN one is refused by name."""
+    fields): a GPT checkpoint's import ignores them, as Megatron does (GDN hybrids: test_mcore_gdn.py); another
+    variant is refused by name."""
     from megatron_zpp.config.megatron_flags import check_megatron_gdn
 
     cfg = _cfg(LLAMA_FLAGS)
@@ -518,8 +519,7 @@ def test_megatrons_gdn_args_are_read_only_with_its_variant():
     back = mcore.config_from_args(args, ROWS)
     assert back.model.linear_key_head_dim is None and back.model.linear_num_value_heads is None
     assert check_megatron_gdn(back.model) == [] and mcore._refusals(args, {}, {}, back) == []
-    args.experimental_attention_variant = "gated_delta_net"
+    args.experimental_attention_variant = "dsa"
     assert mcore._refusals(args, {}, {}, back) == [
-        "--experimental-attention-variant gated_delta_net: megatron-core's gated delta net layers are not "
-        "converted here"
+        "--experimental-attention-variant dsa: only gated_delta_net is built here"
     ]

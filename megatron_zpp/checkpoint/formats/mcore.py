@@ -1,4 +1,5 @@
-"""megatron-core's GPTModel (local spec) in its torch_dist checkpoints' global keys, and Megatron-LM's args.
+"""megatron-core's GPTModel (local spec; its Gated DeltaNet hybrids) in its torch_dist checkpoints' global keys, and
+Megatron-LM's args.
 
     to_theirs(state, cfg)      # our single-rank tensors (weights, or one Adam moment of each) -> its keys
     from_theirs(tensors, cfg)  # and back
@@ -15,6 +16,7 @@ import torch
 
 from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
+from .mcore_gdn import NAMES, gdn_from_mcore, gdn_to_mcore
 
 NAME = "mcore"
 # our per-layer suffix -> megatron-core's stacked key (local spec names)
@@ -62,21 +64,55 @@ EXPERTS = {"fc1": "mlp.experts.experts.linear_fc1.weight", "fc2": "mlp.experts.e
 PRE_MLP_NORM = {"transformer_engine": "pre_mlp_layernorm.", "local": "mlp.linear_fc1.layer_norm_"}
 MOE_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+# a Gated DeltaNet layer: megatron-core's GatedDeltaNet (--experimental-attention-variant gated_delta_net) under
+# `self_attention.`, the input norm fused into its in_proj as Transformer Engine's spec builds it (norm1 -> its
+# in_proj.layer_norm_*); the mixer's tensors map as gdn_to_mcore says, but that its sharded_state_dict saves the
+# fused in_proj (q | k | v | z | beta | alpha on each TP rank) and the conv1d (q | k | v) one tensor per section,
+# `<key>.<section>`, each with all TP ranks' rows of it (global, TP-independent)
+GDN = "self_attention."
+GDN_NORM = {"norm1.weight": GDN + "in_proj.layer_norm_weight", "norm1.bias": GDN + "in_proj.layer_norm_bias"}
+GDN_SECTIONS = {
+    "in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "conv1d.weight": ("query", "key", "value"),
+}
+GDN_WHOLE = ("A_log", "dt_bias", "out_norm.weight", "out_proj.weight")
+GDN_LINEARS = ("self_attention.in_proj", "self_attention.out_proj")
 
 
 def unsupported(cfg) -> list[str]:
-    """Why our model has no megatron-core GPTModel (local spec) twin (empty when it has)."""
+    """Why our model has no megatron-core GPTModel twin (empty when it has): softmax attention, and Gated
+    DeltaNet layers as --experimental-attention-variant gated_delta_net builds them."""
     m = cfg.model
     kinds = {m.layer_kind(i) for i in range(m.num_layers)}
-    if kinds == {"softmax"}:
+    if "gla" in kinds:
+        return ["its layers are GLA; megatron-core's GPTModel has softmax attention and gated delta net layers only"]
+    if "gdn" not in kinds:
         return []
-    return [f"its layers are {'/'.join(sorted(kinds))}; megatron-core's GPTModel has softmax attention only"]
+    why = []
+    if m.normalization != "RMSNorm":  # its out_norm is the --normalization norm; ours an RMSNorm always
+        why.append(f"--normalization {m.normalization}: megatron-core's gated delta net output norm is then a "
+                   f"{m.normalization} (with a bias), ours an RMSNorm")  # fmt: skip
+    if m.apply_layernorm_1p:
+        why.append("--apply-layernorm-1p: megatron-core's gated delta net output norm is then zero-centred, ours not")
+    if m.gdn_head_norm != "shared":
+        why.append(f"--gdn-head-norm {m.gdn_head_norm}: megatron-core's gated delta net output norm is one weight "
+                   "shared by the heads (--gdn-head-norm shared)")  # fmt: skip
+    return why
+
+
+def linear_pattern(m) -> list[int]:
+    """megatron-core's per-layer pattern of our model (1: gated delta net, 0: softmax attention), as its
+    get_linear_attention_pattern reads --linear-attention-freq."""
+    return [int(m.layer_kind(i) == "gdn") for i in range(m.num_layers)]
 
 
 def stacked(m) -> bool:
     """Whether megatron-core stacks the layers' tensors under one key along a first dimension of num_layers
-    (its TransformerBlock.sharded_state_dict), or, its layers differing (--moe-layer-freq an integer above 1 or a
-    list, whatever the list holds), keys each layer's own: decoder.layers.{i}.<name>."""
+    (its TransformerBlock.sharded_state_dict), or, its layers differing (--moe-layer-freq or
+    --linear-attention-freq an integer above 1 or a list, whatever the list holds), keys each layer's own:
+    decoder.layers.{i}.<name>."""
+    if any(linear_pattern(m)):
+        return False
     if not m.num_experts:
         return True
     text = str(m.moe_layer_freq).strip()
@@ -112,17 +148,59 @@ def qkv_from_mcore(w: torch.Tensor, m) -> torch.Tensor:
 
 
 def _layer_names(m, i: int, impl: str) -> dict[str, str]:
-    """{our suffix: megatron-core's layer name} of layer i's tensors but the routed experts'."""
-    moe = m.is_moe_layer(i)
+    """{our suffix: megatron-core's layer name} of layer i's tensors but the routed experts' and a GDN layer's
+    mixer (`_gdn_to`)."""
+    moe, gdn = m.is_moe_layer(i), m.layer_kind(i) == "gdn"
     names = {}
     for suffix, key in LAYER_KEYS.items():
-        if moe and suffix.startswith("mlp."):
-            continue  # no dense MLP
+        if moe and suffix.startswith("mlp.") or gdn and suffix.startswith(("norm1.", "mixer.")):
+            continue  # no dense MLP; no softmax attention
         if moe and suffix.startswith("norm2."):
             names[suffix] = PRE_MLP_NORM[impl] + suffix[len("norm2.") :]
         else:
             names[suffix] = key[len(LAYERS) :]
-    return names | (MOE_KEYS if moe else {})
+    return names | (MOE_KEYS if moe else {}) | (GDN_NORM if gdn else {})
+
+
+def _gdn_names() -> list[str]:
+    """megatron-core's layer names of a GDN layer's mixer tensors (its sectioned ones cut)."""
+    cut = [f"{GDN}{key}.{name}" for key, names in GDN_SECTIONS.items() for name in names]
+    return cut + [GDN + name for name in GDN_WHOLE]
+
+
+def _gdn_rows(m) -> dict[str, list[int]]:
+    """The rows of megatron-core's sections (GDN_SECTIONS) at full shapes: ours, its beta and alpha (one row per
+    value head each) where our a and b are."""
+    sections = m.mixer_of_kind("gdn").sections
+    return {"in_proj.weight": list(sections), "conv1d.weight": list(sections[:3])}
+
+
+def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
+    """GDN layer i's mixer of our `state` -> {megatron-core's layer name: tensor}, its fused tensors cut into the
+    sections it saves; {} when the state holds none of it."""
+    src = f"layers.{i}.mixer."
+    ours = {k[len(src) :]: t for k, t in state.items() if k.startswith(src)}
+    if not ours:
+        return {}
+    if lost := sorted(set(NAMES) - set(ours)):
+        raise CheckpointError(f"the checkpoint holds no {src}{lost[0]}, which the model of its config has")
+    out = {}
+    for name, t in gdn_to_mcore(ours, m).items():
+        if name in GDN_SECTIONS:
+            out.update({f"{GDN}{name}.{s}": p for s, p in zip(GDN_SECTIONS[name], t.split(_gdn_rows(m)[name]))})
+        else:
+            out[GDN + name] = t
+    return out
+
+
+def _gdn_from(layer: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.Tensor]:
+    """The inverse of `_gdn_to` (megatron-core's layer i by its layer names); {} unless it holds all of it."""
+    if not all(name in layer for name in _gdn_names()):
+        return {}
+    theirs = {name: layer[GDN + name] for name in GDN_WHOLE}
+    for name, sections in GDN_SECTIONS.items():
+        theirs[name] = torch.cat([layer[f"{GDN}{name}.{s}"] for s in sections])
+    return {f"layers.{i}.mixer.{k}": t for k, t in gdn_from_mcore(theirs, m).items()}
 
 
 def _layer_to(state: dict, m, i: int, impl: str) -> dict[str, torch.Tensor]:
@@ -131,6 +209,8 @@ def _layer_to(state: dict, m, i: int, impl: str) -> dict[str, torch.Tensor]:
     for suffix, name in _layer_names(m, i, impl).items():
         if (t := state.get(src + suffix)) is not None:
             out[name] = qkv_to_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+    if m.layer_kind(i) == "gdn":
+        out.update(_gdn_to(state, m, i))
     if not m.is_moe_layer(i):
         return out
     for w, name in EXPERTS.items():
@@ -154,6 +234,8 @@ def _layer_from(theirs: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.T
         if name in names:
             suffix = names[name]
             out[src + suffix] = qkv_from_mcore(t, m) if suffix.startswith("mixer.qkv") else t
+    if m.layer_kind(i) == "gdn":
+        out.update(_gdn_from(theirs, m, i))
     for w, name in EXPERTS.items():
         if m.is_moe_layer(i) and name in theirs:
             out.update({f"{src}mlp.experts.{w}.{e}": t.T for e, t in enumerate(theirs[name].unbind(0))})
@@ -204,11 +286,16 @@ def from_theirs(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor
 def model_keys(cfg) -> set[str]:
     """Every megatron-core model key a checkpoint of `cfg`'s model may hold (either spec's names)."""
     m = cfg.model
-    names = {n for i in range(m.num_layers) for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
-    names |= set(EXPERTS.values()) if m.num_experts else set()
-    layer = (
-        {LAYERS + n for n in names} if stacked(m) else {f"{LAYERS}{i}.{n}" for i in range(m.num_layers) for n in names}
-    )
+    if stacked(m):
+        names = {n for i in range(m.num_layers) for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
+        names |= set(EXPERTS.values()) if m.num_experts else set()
+        return set(TOP_KEYS.values()) | {LAYERS + n for n in names}
+    layer = set()
+    for i in range(m.num_layers):
+        names = {n for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
+        names |= set(_gdn_names()) if m.layer_kind(i) == "gdn" else set()
+        names |= set(EXPERTS.values()) if m.is_moe_layer(i) else set()
+        layer |= {f"{LAYERS}{i}.{n}" for n in names}
     return set(TOP_KEYS.values()) | layer
 
 
@@ -218,7 +305,8 @@ def extra_state_keys(m) -> list[str]:
     keys = []
     for i in range(m.num_layers):
         moe = m.is_moe_layer(i)
-        linears = LINEARS[:2] + ((MOE_LINEARS if m.moe_shared_expert_intermediate_size else ()) if moe else LINEARS[2:])
+        mixer = GDN_LINEARS if m.layer_kind(i) == "gdn" else LINEARS[:2]
+        linears = mixer + ((MOE_LINEARS if m.moe_shared_expert_intermediate_size else ()) if moe else LINEARS[2:])
         at, shape = (LAYERS, f"{i}_{m.num_layers}") if stacked(m) else (f"{LAYERS}{i}.", "0_1")
         keys += [f"{at}{linear}._extra_state/shard_{shape}" for linear in linears]
         if moe:
@@ -237,7 +325,8 @@ REFUSED_ARGS = {  # Megatron-LM args (their value when set) that no tensor of ou
     "moe_mlp_glu_interleave_size": "the experts' fc1 rows are [gate | up] here, not interleaved",
     "multi_latent_attention": "multi-latent attention is not built here",
     "mtp_num_layers": "multi-token prediction is not built here",
-    "experimental_attention_variant": "megatron-core's gated delta net layers are not converted here",
+    "hybrid_layer_pattern": "Megatron's HybridModel (its Mamba/GDN/attention/MLP layers by pattern) is not converted "
+    "here; its GPTModel's gated delta net hybrids are (--experimental-attention-variant gated_delta_net)",
 }
 
 
@@ -249,7 +338,21 @@ def refused_args(args: argparse.Namespace) -> list[str]:
     score = getattr(args, "moe_router_score_function", None) if getattr(args, "num_experts", None) else None
     if score not in (None, "softmax", "sigmoid"):
         why.append(f"--moe-router-score-function {score}: the router scores by softmax or sigmoid here")
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant not in (None, "gated_delta_net"):
+        why.append(f"--experimental-attention-variant {variant}: only gated_delta_net is built here")
+    elif variant and isinstance(freq := getattr(args, "linear_attention_freq", None), list) and _period(freq) is None:
+        why.append(f"--linear-attention-freq {freq}: only a period (softmax attention on every N-th layer) is built")
     return why
+
+
+def _period(pattern: list) -> int | None:
+    """Our --softmax-attention-every of megatron-core's per-layer pattern (1: gated delta net, 0: softmax
+    attention): 0 when it has no softmax layer; None when no period gives it."""
+    if all(pattern):
+        return 0
+    k = list(pattern).index(0) + 1
+    return k if list(pattern) == [int((i + 1) % k != 0) for i in range(len(pattern))] else None
 
 
 def moe_layer_freq(freq) -> str:
@@ -284,6 +387,10 @@ def config_from_args(args: argparse.Namespace, rows: int):
     if not given.get("experimental_attention_variant"):  # its GDN shapes (always in its args) are read only then
         for name in [n for n in vars(m) if n.startswith("linear_")]:
             setattr(m, name, None)
+    elif given["experimental_attention_variant"] == "gated_delta_net":
+        freq = given.get("linear_attention_freq")
+        m.attention_type = "gdn"
+        m.softmax_attention_every = (_period(freq) or 0) if isinstance(freq, list) else int(freq or 0)
     if given.get("moe_layer_freq") is not None:
         m.moe_layer_freq = moe_layer_freq(given["moe_layer_freq"])
     if not given.get("add_position_embedding", True) and m.position_embedding_type == "learned_absolute":
@@ -338,7 +445,24 @@ def args_from_config(
     ns["moe_layer_freq"] = int(text) if "[" not in text else moe_layer_pattern(text, m.num_layers)
     if m.num_experts:  # validate_args' default width; the spec whose MoE layers' pre-MLP norm key it holds
         ns.update(moe_ffn_hidden_size=m.expert_ffn_size, transformer_impl=impl)
+    if any(pattern := linear_pattern(m)):
+        ns.update(_gdn_args(m, pattern))
     return argparse.Namespace(**ns)
+
+
+def _gdn_args(m, pattern: list[int]) -> dict:
+    """Megatron-LM's gated delta net args of our GDN layers: the variant, the layer pattern (our period, or
+    without one the list its parser evaluates) and the shapes."""
+    g, k = m.gdn_heads, m.softmax_attention_every
+    return {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": k or pattern,
+        "linear_conv_kernel_dim": m.mixer_of_kind("gdn").conv_kernel,
+        "linear_key_head_dim": g.key_dim,
+        "linear_value_head_dim": g.value_dim,
+        "linear_num_key_heads": g.key_heads,
+        "linear_num_value_heads": g.value_heads,
+    }
 
 
 to_mcore, from_mcore = to_theirs, from_theirs  # the names checkpoint/mcore.py and its tests use
