@@ -3,7 +3,8 @@
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = scale * S_t^T q_t
 
 q, k, v: head-split projections, each through a short causal depthwise convolution and SiLU;
-q and k L2-normalised; b = sigmoid(x W_b); log a = -exp(A_log) * softplus(x W_a + dt_bias).
+q and k L2-normalised; b = sigmoid(x W_b) (2 sigmoid with --linear-allow-neg-eigval);
+log a = -exp(A_log) * softplus(x W_a + dt_bias).
 Output: per-head RMSNorm times silu(x W_gate), then the output projection. Every projection is
 split by heads over TP (the convolution is per channel, A_log and dt_bias per head).
 
@@ -35,7 +36,8 @@ from .documents import Documents
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.norm_epsilon
+        self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.gdn_norm_epsilon
+        self.beta_scale = 2.0 if cfg.linear_allow_neg_eigval else 1.0  # beta in (0, 2): negative eigenvalues
         self.selective = cfg.recompute_granularity == "selective"
         self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
         shape, std = cfg.mixer_of_kind("gdn"), cfg.init_method_std
@@ -75,7 +77,7 @@ class GatedDeltaNet(nn.Module):
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
         if separate:
             g = g.masked_fill(documents.starts(T)[:, :, None], float("-inf"))
-        o = self._mix(q, k, v, g, _fp32(b).sigmoid())
+        o = self._mix(q, k, v, g, _fp32(b).sigmoid() * self.beta_scale)
         o = F.rms_norm(_fp32(o), (D,), eps=self.eps) * _fp32(self.head_norm).view(H, D)
         return (o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype)
 

@@ -15,6 +15,7 @@ import torch
 
 from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
+from .base import block_refusals
 
 NAME = "mcore"
 # our per-layer suffix -> megatron-core's stacked key (local spec names)
@@ -69,7 +70,7 @@ def unsupported(cfg) -> list[str]:
     m = cfg.model
     kinds = {m.layer_kind(i) for i in range(m.num_layers)}
     if kinds == {"softmax"}:
-        return []
+        return block_refusals(cfg, "megatron-core's GPTModel")
     return [f"its layers are {'/'.join(sorted(kinds))}; megatron-core's GPTModel has softmax attention only"]
 
 
