@@ -7,8 +7,9 @@ cross-entropy. With --reordered-norms (OLMo 2; OLMo Hybrid's softmax layers) a b
 branches' outputs instead: [mixer -> norm -> residual, MLP -> norm -> residual]. The mixer of
 each layer is causal softmax attention or gated linear attention (config.layer_kind); its MLP is
 dense or a mixture of experts (--num-experts, --moe-layer-freq: model/moe_mlp.py). Parallelism
-enters only through the layers and one ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
-algorithm: each CP rank holds a contiguous slice of the sequence, at `ctx.cp_rank`),
+enters only through the layers and one ParallelContext (the TP group and sequence-parallel flag,
+the context-parallel group and algorithm: each CP rank holds a contiguous slice of the sequence, at
+`ctx.cp_rank`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
 owns (`pre_process`: embedding, `post_process`: output). Packed documents (model/documents.py)
 come as one `documents` object: positions (RoPE's or the learned table's: they restart at each
