@@ -14,6 +14,12 @@ The model, as transformers' modeling_olmo_hybrid.py builds it:
   (our --linear-norm-epsilon) with one [head_v_dim] weight shared by the heads, times silu(g).
 - SwiGLU MLPs, no biases, a final norm, lm_head tied or not (`tie_word_embeddings`).
 
+Names are the hub's, as transformers' save_pretrained writes them and its from_pretrained reads them (its
+conversion_mapping.py renames on the way): the convolution as q_conv1d, k_conv1d, v_conv1d ([channels, 1,
+kernel] each; the class fuses them into conv1d), and the norms that the class calls input_layernorm and
+post_attention_layernorm as attention_layer_norm and feedforward_layer_norm (in every layer: a softmax layer's
+post-attention norm is its feedforward_layer_norm, beside post_feedforward_layernorm).
+
 A model of ours without a shared GDN output-norm weight (one per head) exports when its heads' weights are
 equal (an import from OLMo Hybrid is), and is refused by name otherwise.
 """
@@ -146,17 +152,18 @@ def _layer_to_hf(state: Reads, cfg, i: int) -> dict[str, torch.Tensor]:
         out[at + "o_proj.weight"] = state[src + "mixer.proj.weight"]
         out[at + "q_norm.weight"] = state[src + "mixer.q_norm.weight"]
         out[at + "k_norm.weight"] = state[src + "mixer.k_norm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "norm1.weight"]
+        out[dst + "feedforward_layer_norm.weight"] = state[src + "norm1.weight"]  # after the attention
         out[dst + "post_feedforward_layernorm.weight"] = state[src + "norm2.weight"]
         return out
     gdn, at = _gdn(cfg), dst + "linear_attn."
     out |= dict(zip([at + n + ".weight" for n in GDN_NAMES], state[src + "mixer.proj_in.weight"].split(gdn.sections)))
-    out[at + "conv1d.weight"] = state[src + "mixer.conv"].unsqueeze(1)
+    convs = state[src + "mixer.conv"].unsqueeze(1).split(gdn.sections[:3])  # q | k | v channels
+    out |= {at + f"{n}_conv1d.weight": c for n, c in zip("qkv", convs)}
     out[at + "A_log"], out[at + "dt_bias"] = state[src + "mixer.A_log"], state[src + "mixer.dt_bias"]
     out[at + "o_norm.weight"] = _shared_norm(state[src + "mixer.head_norm"], gdn, src + "mixer.head_norm")
     out[at + "o_proj.weight"] = state[src + "mixer.proj_out.weight"]
-    out[dst + "input_layernorm.weight"] = state[src + "norm1.weight"]
-    out[dst + "post_attention_layernorm.weight"] = state[src + "norm2.weight"]
+    out[dst + "attention_layer_norm.weight"] = state[src + "norm1.weight"]
+    out[dst + "feedforward_layer_norm.weight"] = state[src + "norm2.weight"]
     return out
 
 
@@ -182,18 +189,18 @@ def _layer_from_hf(hf: Reads, cfg, i: int, norm_width: int) -> dict[str, torch.T
             hf[at + "q_norm.weight"],
             hf[at + "k_norm.weight"],
         )
-        out[dst + "norm1.weight"] = hf[src + "post_attention_layernorm.weight"]
+        out[dst + "norm1.weight"] = hf[src + "feedforward_layer_norm.weight"]
         out[dst + "norm2.weight"] = hf[src + "post_feedforward_layernorm.weight"]
         return out
     at = src + "linear_attn."
     out[dst + "mixer.proj_in.weight"] = torch.cat([hf[at + n + ".weight"] for n in GDN_NAMES])
-    out[dst + "mixer.conv"] = hf[at + "conv1d.weight"].squeeze(1)
+    out[dst + "mixer.conv"] = torch.cat([hf[at + f"{n}_conv1d.weight"] for n in "qkv"]).squeeze(1)
     out[dst + "mixer.A_log"], out[dst + "mixer.dt_bias"] = hf[at + "A_log"], hf[at + "dt_bias"]
     norm = hf[at + "o_norm.weight"]
     out[dst + "mixer.head_norm"] = norm.repeat(norm_width // norm.numel())  # one per head where ours has that
     out[dst + "mixer.proj_out.weight"] = hf[at + "o_proj.weight"]
-    out[dst + "norm1.weight"] = hf[src + "input_layernorm.weight"]
-    out[dst + "norm2.weight"] = hf[src + "post_attention_layernorm.weight"]
+    out[dst + "norm1.weight"] = hf[src + "attention_layer_norm.weight"]
+    out[dst + "norm2.weight"] = hf[src + "feedforward_layer_norm.weight"]
     return out
 
 

@@ -1,0 +1,231 @@
+"""OLMo Hybrid both ways, against transformers' (5.25) own `OlmoHybridForCausalLM` (no remote code), fp32 on CPU.
+
+- ours (--reordered-norms softmax, --qk-layernorm-full-width, --linear-allow-neg-eigval, --linear-norm-epsilon
+  1e-5) -> `tools/convert_checkpoint.py --to hf` -> `from_pretrained`: its logits, uncached and cached (a prefill
+  then one token at a time), equal our GPT's within 1e-4, its greedy `generate` (with and without its cache) gives
+  our greedy tokens, and `--from hf` brings every tensor back bitwise; with RoPE and untied, and without positions
+  (NoPE: rope_theta null) and tied.
+- a tiny model transformers builds from its own OlmoHybridConfig imports here with its logits, and exports back
+  to the very tensors it saved; trained here on 4 gloo ranks (TP2 x SP x CP2) it equals a single-rank run of the
+  same import (the full-width q/k norm's sum of squares over TP, the GDN's state over CP), and its export loads in
+  transformers with our logits.
+- what the class cannot hold is refused by name, before a file is written.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+
+from megatron_zpp import training
+from megatron_zpp.checkpoint.consolidate import consolidate
+from megatron_zpp.checkpoint.formats import hf as hf_formats
+from megatron_zpp.checkpoint.formats.base import ConversionError
+from megatron_zpp.checkpoint.layout import config_from_dict
+from megatron_zpp.checkpoint.save import save_weights
+from megatron_zpp.config.arguments import parse_args
+from megatron_zpp.generation import generate
+from megatron_zpp.model import GPT, init_weights
+from megatron_zpp.validation import validate
+from tests.checkpoint.test_mcore import _cfg, _convert
+from tests.dist import run_distributed
+
+ROWS, TOL = 128, 1e-4
+OLMO = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 48 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear "
+    "--attention-type gdn --softmax-attention-every 2 --reordered-norms softmax --qk-layernorm "
+    "--qk-layernorm-full-width --linear-allow-neg-eigval --linear-norm-epsilon 1e-5 --hidden-dropout 0 "
+    "--attention-dropout 0 --vocab-size 100 --make-vocab-size-divisible-by 32 --seq-length 32 --mock-data "
+)
+EXPORTS = {
+    "rope_untied": "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights",
+    "nope_tied": "--position-embedding-type none",
+}
+
+
+def _tokens(n: int = 27):  # 27: a partial last GDN chunk
+    return torch.randint(0, 100, (2, n), generator=torch.Generator().manual_seed(5))
+
+
+def _perturb(params, seed: int) -> None:
+    """Every weight off its init (norms, A_log, dt_bias too), so that each mapping shows in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def _ours(cfg, weights=None):
+    model = GPT(cfg.model, ROWS)
+    if weights is None:
+        init_weights(model, 3)
+        _perturb(model.parameters(), 4)
+    else:
+        model.load_state_dict(weights)
+    return model.eval()
+
+
+def _load_hf(hf_dir: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def _hf_logits(hf, tokens):
+    """(uncached logits, cached logits: a 5-token prefill then one token at a time)."""
+    with torch.no_grad():
+        full = hf(input_ids=tokens, use_cache=False).logits
+        step = hf(input_ids=tokens[:, :5], use_cache=True)
+        cached = [step.logits]
+        for t in range(5, tokens.shape[1]):
+            step = hf(input_ids=tokens[:, t : t + 1], cache=step.cache, use_cache=True)
+            cached.append(step.logits)
+    return full, torch.cat(cached, dim=1)
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_export_loads_in_transformers_with_our_logits_and_imports_back_bitwise(name, tmp_path):
+    cfg = _cfg(OLMO + EXPORTS[name])
+    model = _ours(cfg)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    save_weights(str(tmp_path / "ours"), cfg, weights)
+    assert _convert(["--load", str(tmp_path / "ours"), "--to", "hf", "--output", str(tmp_path / "hf")]) == 0
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]  # no remote code
+    hf = _load_hf(str(tmp_path / "hf"))
+    assert type(hf).__name__ == "OlmoHybridForCausalLM"
+    assert (hf.model.rotary_emb is None) == (name == "nope_tied")
+    tokens = _tokens()
+    with torch.no_grad():
+        want = model(tokens=tokens)
+    full, cached = _hf_logits(hf, tokens)
+    assert (full - want).abs().max().item() < TOL and (cached - want).abs().max().item() < TOL
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        greedy = generate(lambda ids: model(tokens=torch.tensor([ids]))[0, -1, :100], prompt, 8, greedy=True)
+        for use_cache in (True, False):
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, use_cache=use_cache)
+            assert out[0, 3:].tolist() == greedy, f"use_cache={use_cache}"
+    back = ["--from", "hf", "--load", str(tmp_path / "hf"), "--to", "sharded", "--output", str(tmp_path / "back")]
+    assert _convert(back) == 0
+    got, config = consolidate(str(tmp_path / "back"))
+    assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
+    m = config["model"]
+    assert (m["reordered_norms"], m["qk_layernorm_full_width"], m["linear_allow_neg_eigval"]) == ("softmax", 1, 1)
+    assert m["position_embedding_type"] == ("none" if name == "nope_tied" else "rope")
+
+
+def _transformers_model():
+    import transformers
+
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=ROWS, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=4,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=None, eos_token_id=None, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+    )  # fmt: skip
+    model = transformers.OlmoHybridForCausalLM(cfg)
+    _perturb(model.parameters(), 6)
+    with torch.no_grad():  # one o_norm weight shared by the heads, as OLMo Hybrid's; A_log off 0 (A = 1)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.clamp_(min=-2.0)
+    return model.eval()
+
+
+ARGV = (  # the imported model's flags, and a short run
+    OLMO.replace("--vocab-size 100", "--vocab-size 128")
+    + "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights "
+    "--max-position-embeddings 64 --train-iters 3 --global-batch-size 2 --micro-batch-size 1 --lr 3e-3 "
+    "--lr-warmup-iters 1 --seed 5 --init-method-std 0.02 --peak-tflops 1"
+).split()
+LAYOUT = "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2".split()
+
+
+def _train_rank(rank, world_size, argv):
+    training.train(training.setup(validate(parse_args(argv), world_size)))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(transformers' model, its save_pretrained dir, our import's checkpoint dir)."""
+    root = tmp_path_factory.mktemp("olmo")
+    model = _transformers_model()
+    model.save_pretrained(str(root / "hf"))
+    hf_formats.import_hf(str(root / "hf"), str(root / "ours"))
+    return model, str(root / "hf"), str(root / "ours"), root
+
+
+def test_transformers_model_imports_with_its_logits_and_exports_back_bitwise(imported):
+    model, hf_dir, ours_dir, root = imported
+    weights, config = consolidate(ours_dir)
+    cfg = config_from_dict(config)
+    tokens = _tokens()
+    with torch.no_grad():
+        theirs = model(input_ids=tokens, use_cache=False).logits
+    assert (_ours(cfg, weights)(tokens=tokens) - theirs).abs().max().item() < TOL
+    hf_formats.export_hf(weights, config, str(root / "again"))
+    saved = load_safetensors(os.path.join(hf_dir, "model.safetensors"))
+    again = load_safetensors(str(root / "again" / "model.safetensors"))
+    assert again.keys() == saved.keys() and all(torch.equal(again[n], t) for n, t in saved.items())
+
+
+def test_trained_at_tp2_sp_cp2_equals_one_rank_and_loads_in_transformers(imported):
+    """4 gloo ranks from the import equal one rank (weights within 1e-5 relative), and the export loads."""
+    _, _, ours_dir, root = imported
+    ckpt = str(root / "trained")
+    run_distributed(_train_rank, 4, ARGV + LAYOUT + ["--load", ours_dir, "--save", ckpt])
+    run = training.setup(validate(parse_args(ARGV + ["--load", ours_dir]), 1))
+    training.train(run)
+    ref = {n: p.detach().float() for n, p in run.chunks[0].named_parameters()}
+    state, config = consolidate(ckpt)
+    assert sorted(state) == sorted(ref)
+    for n, w in ref.items():
+        assert ((state[n] - w).norm() / w.norm()).item() < 1e-5, n
+    assert not all(torch.equal(state[n], w) for n, w in consolidate(ours_dir)[0].items())  # it trained
+    hf_formats.export_hf(state, config, str(root / "trained_hf"))
+    tokens = _tokens()
+    with torch.no_grad():
+        want = _ours(config_from_dict(config), state)(tokens=tokens)
+    full, cached = _hf_logits(_load_hf(str(root / "trained_hf")), tokens)
+    assert (full - want).abs().max().item() < TOL and (cached - want).abs().max().item() < TOL
+
+
+REFUSALS = [  # (flags replaced, what the export line must name)
+    (("--reordered-norms softmax", ""), "OLMo Hybrid normalizes its attention layers' outputs"),
+    (("--qk-layernorm-full-width", ""), "OLMo Hybrid normalizes the whole q and k projections"),
+    (("--linear-norm-epsilon 1e-5", ""), "OLMo Hybrid's is 1e-05 (--linear-norm-epsilon 1e-05)"),
+]
+
+
+@pytest.mark.parametrize("change,named", REFUSALS, ids=[r[0][0] for r in REFUSALS])
+def test_export_refuses_what_the_class_cannot_hold_by_name(change, named, tmp_path, capsys):
+    cfg = _cfg(OLMO.replace(*change) + "--position-embedding-type rope")
+    model = GPT(cfg.model, ROWS)
+    save_weights(str(tmp_path / "ours"), cfg, {n: p.detach() for n, p in model.named_parameters()})
+    assert _convert(["--load", str(tmp_path / "ours"), "--to", "hf", "--output", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: cannot export to HF: "), err
+    assert named in err and "with our remote code" in err, err
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_import_refuses_what_we_cannot_hold_by_name(imported, tmp_path):
+    _, hf_dir, _, _ = imported
+    for change, named in [
+        ({"layer_types": ["full_attention", "linear_attention"] * 2}, "is not softmax attention at every K-th"),
+        ({"linear_conv_kernel_dim": 3}, "linear_conv_kernel_dim 3 is not our GDN's 4"),
+    ]:
+        bad = tmp_path / "bad"
+        os.makedirs(bad, exist_ok=True)
+        for f in os.listdir(hf_dir):
+            if f != "config.json":
+                os.symlink(os.path.join(hf_dir, f), bad / f) if not (bad / f).exists() else None
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            (bad / "config.json").write_text(json.dumps(json.load(f) | change))
+        with pytest.raises(ConversionError, match=named):
+            hf_formats.import_hf(str(bad), str(tmp_path / "ours"))
+        assert not os.path.exists(tmp_path / "ours")
