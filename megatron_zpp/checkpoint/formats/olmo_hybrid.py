@@ -100,7 +100,7 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "layer_types": [LINEAR if m.layer_kind(i) == "gdn" else FULL for i in range(m.num_layers)],
-        "linear_num_key_heads": getattr(gdn, "key_heads", gdn.heads),
+        "linear_num_key_heads": gdn.key_heads or gdn.heads,
         "linear_num_value_heads": gdn.heads,
         "linear_key_head_dim": gdn.key_dim,
         "linear_value_head_dim": gdn.value_dim,
