@@ -33,6 +33,7 @@ from tests.checkpoint.test_mcore import _cfg, _convert
 from tests.dist import run_distributed
 
 ROWS, TOL = 128, 1e-4
+PAD = list(range(100, ROWS))  # the vocabulary (100) padded to 128 rows
 OLMO = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
     "--ffn-hidden-size 48 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear "
@@ -106,7 +107,9 @@ def test_export_loads_in_transformers_with_our_logits_and_imports_back_bitwise(n
     with torch.no_grad():
         greedy = generate(lambda ids: model(tokens=torch.tensor([ids]))[0, -1, :100], prompt, 8, greedy=True)
         for use_cache in (True, False):
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, use_cache=use_cache)
+            out = hf.generate(  # the padding rows (100-127) never sampled, as ours
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, use_cache=use_cache, suppress_tokens=PAD
+            )
             assert out[0, 3:].tolist() == greedy, f"use_cache={use_cache}"
     back = ["--from", "hf", "--load", str(tmp_path / "hf"), "--to", "sharded", "--output", str(tmp_path / "back")]
     assert _convert(back) == 0
