@@ -3,9 +3,12 @@
 - ours (--reordered-norms softmax, --qk-layernorm-full-width, --linear-allow-neg-eigval, --linear-norm-epsilon
   1e-5) -> `tools/convert_checkpoint.py --to hf` -> `from_pretrained`: its logits, uncached and cached (a prefill
   then one token at a time), equal our GPT's within 1e-4, its greedy `generate` (with and without its cache) gives
-  our greedy tokens, and `--from hf` brings every tensor back bitwise; with RoPE and untied, and without positions
-  (NoPE: rope_theta null) and tied.
-- a tiny model transformers builds from its own OlmoHybridConfig imports here with its logits, and exports back
+  our greedy tokens, and `--from hf` brings every tensor back bitwise; with RoPE, untied and grouped GDN value
+  heads of another width than the keys (2 key heads of 8, 4 value heads of 16), and without positions (NoPE:
+  rope_theta null), tied, GDN heads as the attention's.
+- a tiny model transformers builds from its own OlmoHybridConfig (its GDN head dims by default: keys 0.75 x
+  hidden / heads = 6, values 12) imports here with its logits (its save_pretrained splits the fused convolution
+  in equal thirds, not q | k | v: read either way), and exports back
   to the very tensors it saved; trained here on 4 gloo ranks (TP2 x SP x CP2) it equals a single-rank run of the
   same import (the full-width q/k norm's sum of squares over TP, the GDN's state over CP), and its export loads in
   transformers with our logits.
@@ -42,7 +45,8 @@ OLMO = (
     "--attention-dropout 0 --vocab-size 100 --make-vocab-size-divisible-by 32 --seq-length 32 --mock-data "
 )
 EXPORTS = {
-    "rope_untied": "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights",
+    "rope_untied": "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights "
+    "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 16",
     "nope_tied": "--position-embedding-type none",
 }
 
@@ -125,8 +129,7 @@ def _transformers_model():
 
     cfg = transformers.OlmoHybridConfig(
         vocab_size=ROWS, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=4,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, rms_norm_eps=1e-6,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"] * 2, rms_norm_eps=1e-6,
         tie_word_embeddings=False, pad_token_id=None, eos_token_id=None, max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
     )  # fmt: skip
@@ -142,7 +145,8 @@ def _transformers_model():
 ARGV = (  # the imported model's flags, and a short run
     OLMO.replace("--vocab-size 100", "--vocab-size 128")
     + "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights "
-    "--max-position-embeddings 64 --train-iters 3 --global-batch-size 2 --micro-batch-size 1 --lr 3e-3 "
+    "--linear-key-head-dim 6 --linear-value-head-dim 12 --max-position-embeddings 64 --train-iters 3 "
+    "--global-batch-size 2 --micro-batch-size 1 --lr 3e-3 "
     "--lr-warmup-iters 1 --seed 5 --init-method-std 0.02 --peak-tflops 1"
 ).split()
 LAYOUT = "--tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2".split()
@@ -171,9 +175,21 @@ def test_transformers_model_imports_with_its_logits_and_exports_back_bitwise(imp
         theirs = model(input_ids=tokens, use_cache=False).logits
     assert (_ours(cfg, weights)(tokens=tokens) - theirs).abs().max().item() < TOL
     hf_formats.export_hf(weights, config, str(root / "again"))
-    saved = load_safetensors(os.path.join(hf_dir, "model.safetensors"))
-    again = load_safetensors(str(root / "again" / "model.safetensors"))
+    saved, again = (
+        _fused_convs(load_safetensors(os.path.join(d, "model.safetensors"))) for d in (hf_dir, root / "again")
+    )
     assert again.keys() == saved.keys() and all(torch.equal(again[n], t) for n, t in saved.items())
+    assert _load_hf(str(root / "again")).model.layers[0].linear_attn.conv1d.weight.shape == (96, 1, 4)
+
+
+def _fused_convs(state: dict) -> dict:
+    """`state` with each layer's q/k/v_conv1d as their concatenation: transformers' save_pretrained splits the fused
+    convolution in equal thirds (32 channels each here), the hub's files and our export as q | k | v (24, 24, 48);
+    both concatenate to the one weight from_pretrained builds."""
+    out = {n: t for n, t in state.items() if "_conv1d" not in n}
+    for n in [n for n in state if n.endswith("q_conv1d.weight")]:
+        out[n.replace("q_conv1d", "conv1d")] = torch.cat([state[n.replace("q_conv1d", f"{p}_conv1d")] for p in "qkv"])
+    return out
 
 
 def test_trained_at_tp2_sp_cp2_equals_one_rank_and_loads_in_transformers(imported):

@@ -18,7 +18,9 @@ Names are the hub's, as transformers' save_pretrained writes them and its from_p
 conversion_mapping.py renames on the way): the convolution as q_conv1d, k_conv1d, v_conv1d ([channels, 1,
 kernel] each; the class fuses them into conv1d), and the norms that the class calls input_layernorm and
 post_attention_layernorm as attention_layer_norm and feedforward_layer_norm (in every layer: a softmax layer's
-post-attention norm is its feedforward_layer_norm, beside post_feedforward_layernorm).
+post-attention norm is its feedforward_layer_norm, beside post_feedforward_layernorm). Where key and value
+widths differ, transformers' own save_pretrained splits the fused convolution in equal thirds instead of q | k | v
+(`saved_shapes`): an import reads either split, an export writes q | k | v.
 
 A model of ours without a shared GDN output-norm weight (one per head) exports when its heads' weights are
 equal (an import from OLMo Hybrid is), and is refused by name otherwise.
@@ -174,6 +176,21 @@ def to_theirs(state: dict, cfg) -> dict[str, torch.Tensor]:
     for i in range(cfg.model.num_layers):
         out.update(_layer_to_hf(state, cfg, i))
     return state.finished(out)
+
+
+def saved_shapes(expected: dict, found: dict) -> dict:
+    """`expected` with each GDN layer's q/k/v_conv1d shapes as the files split them, when the three add up to the
+    fused convolution's channels: transformers 5.25's save_pretrained splits its fused conv1d in equal thirds
+    (reversing its load-time Concatenate by equal chunks) where the hub's files (and our export) split it
+    q | k | v; both concatenate to the same fused weight, which is all from_pretrained and `from_theirs` read."""
+    out = dict(expected)
+    for name in [n for n in expected if n.endswith("linear_attn.q_conv1d.weight")]:
+        names = [name.replace("q_conv1d", f"{p}_conv1d") for p in "qkv"]
+        if not all(n in found and len(found[n]) == 3 and found[n][1:] == expected[n][1:] for n in names):
+            continue  # check_tensors names what is wrong
+        if sum(found[n][0] for n in names) == sum(expected[n][0] for n in names):
+            out.update({n: tuple(found[n]) for n in names})
+    return out
 
 
 def _layer_from_hf(hf: Reads, cfg, i: int, norm_width: int) -> dict[str, torch.Tensor]:
