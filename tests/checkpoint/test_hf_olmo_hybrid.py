@@ -13,6 +13,7 @@
   same import (the full-width q/k norm's sum of squares over TP, the GDN's state over CP), and its export loads in
   transformers with our logits.
 - what the class cannot hold is refused by name, before a file is written.
+- --reordered-norms all with the full-width q/k norm on a softmax model is transformers' Olmo2ForCausalLM.
 """
 
 import json
@@ -248,3 +249,43 @@ def test_import_refuses_what_we_cannot_hold_by_name(imported, tmp_path):
         with pytest.raises(ConversionError, match=named):
             hf_formats.import_hf(str(bad), str(tmp_path / "ours"))
         assert not os.path.exists(tmp_path / "ours")
+
+
+def test_reordered_norms_all_is_transformers_olmo2():
+    """--reordered-norms all with --qk-layernorm-full-width on a softmax model is OLMo 2's block: our GPT on the
+    weights of transformers' own Olmo2ForCausalLM (mapped here, name by name) gives its logits."""
+    import transformers
+
+    cfg = _cfg(
+        OLMO.replace(
+            "--attention-type gdn --softmax-attention-every 2 --reordered-norms softmax", "--reordered-norms all"
+        )
+        .replace("--linear-allow-neg-eigval --linear-norm-epsilon 1e-5", "")
+        .replace("--vocab-size 100", "--vocab-size 128")
+        + "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights"
+    )
+    hf = transformers.Olmo2ForCausalLM(
+        transformers.Olmo2Config(
+            vocab_size=ROWS, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        )
+    )  # fmt: skip
+    _perturb(hf.parameters(), 7)
+    t = hf.state_dict()
+    ours = {"embedding.weight": t["model.embed_tokens.weight"], "final_norm.weight": t["model.norm.weight"]}
+    ours["output.weight"] = t["lm_head.weight"]
+    for i in range(4):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        ours[dst + "mixer.qkv.weight"] = torch.cat([t[src + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        ours[dst + "mixer.proj.weight"] = t[src + "self_attn.o_proj.weight"]
+        for n in ("q_norm", "k_norm"):
+            ours[dst + f"mixer.{n}.weight"] = t[src + f"self_attn.{n}.weight"]
+        ours[dst + "norm1.weight"] = t[src + "post_attention_layernorm.weight"]
+        ours[dst + "norm2.weight"] = t[src + "post_feedforward_layernorm.weight"]
+        ours[dst + "mlp.fc1.weight"] = torch.cat([t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]])
+        ours[dst + "mlp.fc2.weight"] = t[src + "mlp.down_proj.weight"]
+    tokens = _tokens()
+    with torch.no_grad():
+        want = hf.eval()(input_ids=tokens, use_cache=False).logits
+        assert (_ours(cfg, ours)(tokens=tokens) - want).abs().max().item() < TOL
