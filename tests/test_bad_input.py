@@ -179,6 +179,21 @@ CASES = [
         lambda f: pretrain("--mock-data", "--attention-type", "gdn", "--attention-output-gate"),
         "--attention-output-gate gates softmax attention's output, and this model has none",
     ),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--qk-layernorm-full-width", "--normalization", "RMSNorm"),
+        "--qk-layernorm-full-width normalizes q and k over all their heads with RMSNorm: it needs --qk-layernorm",
+    ),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--attention-type", "gdn", "--reordered-norms", "softmax"),
+        "--reordered-norms softmax: this model has no softmax attention layer",
+    ),
+    (
+        "pretrain",
+        lambda f: pretrain("--mock-data", "--linear-allow-neg-eigval"),
+        "--linear-allow-neg-eigval and --linear-norm-epsilon change Gated DeltaNet layers, and this model has none",
+    ),
     ("pretrain", lambda f: pretrain("--data-path", f["bin_dir"]), "is a directory, not a file"),
     ("pretrain", lambda f: pretrain("--data-path", "0.3", f["good"], "0.7x", f["good"]), "weight '0.7x'"),
     ("pretrain", lambda f: pretrain("--data-path", "nan", f["good"]), "weight 'nan'"),
@@ -444,7 +459,7 @@ CASES = [
     (
         "convert",
         lambda f: ["--from", "hf", "--load", f["dir"] + "/hf_bogus", "--to", "sharded", "--output", f["dir"] + "/s"],
-        "model_type 'bogus' is none of those imported: llama, gpt2, qwen3_moe, mixtral, megatron_zpp_gla "
+        "model_type 'bogus' is none of those imported: llama, gpt2, olmo_hybrid, qwen3_moe, mixtral, megatron_zpp_gla "
         "(our GLA/hybrid export)",
     ),
 ] + [  # every wrong --from/--to pair: its own reason, and the pairs that are conversions

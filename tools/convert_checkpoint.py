@@ -10,7 +10,9 @@
         softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
         config.json + model.safetensors (+ tokenizer.model); models with experts (--num-experts): transformers'
         own Qwen3MoeForCausalLM (with --qk-layernorm) or MixtralForCausalLM (every layer sparse), the experts one
-        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); every other model (GLA, hybrid,
+        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); GDN/softmax hybrids built as
+        OLMo Hybrid (--reordered-norms softmax --qk-layernorm --qk-layernorm-full-width --linear-norm-epsilon 1e-5):
+        transformers' own OlmoHybridForCausalLM (formats/olmo_hybrid.py); every other model (GLA, hybrid,
         LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
@@ -182,8 +184,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="source",
         default="megatron_zpp",
         choices=["megatron_zpp", "hf", "megatron"],
-        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, Qwen3-MoE, Mixtral, "
-        "or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
+        help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, OLMo Hybrid, "
+        "Qwen3-MoE, Mixtral, or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's "
+        "--ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",

@@ -176,6 +176,32 @@ class ModelConfig(MoEFields):
         "the attention output is multiplied by sigmoid(gate) (element-wise) before the output projection; needs "
         "softmax layers",
     )
+    qk_layernorm_full_width: bool = opt(
+        False,
+        "--qk-layernorm-full-width",
+        "with --qk-layernorm (RMSNorm): normalize the whole query projection and the whole key projection (all heads "
+        "together, weights [heads x head dim]) instead of each head, as OLMo 2/3 and OLMo Hybrid's q_norm/k_norm; "
+        "under TP each rank holds its heads' weights and the sum of squares is all-reduced over the TP ranks",
+    )
+    reordered_norms: str = opt(
+        "none",
+        "--reordered-norms",
+        "OLMo 2's reordered norms: the layers named have no input norms and normalize their mixer's and MLP's "
+        "outputs before the residual adds (x + norm(mixer(x)), x + norm(mlp(x))); none, softmax (OLMo Hybrid: its "
+        "attention layers, the linear-attention layers stay pre-norm) or all (OLMo 2/3)",
+        choices=["none", "softmax", "all"],
+    )
+    linear_allow_neg_eigval: bool = opt(
+        False,
+        "--linear-allow-neg-eigval",
+        "GDN: beta = 2 sigmoid(x W_b), in (0, 2), so that the transition I - beta k k^T can have negative "
+        "eigenvalues (Grazzi et al. 2025; OLMo Hybrid's linear_allow_neg_eigval)",
+    )
+    linear_norm_epsilon: float | None = opt(
+        None,
+        "--linear-norm-epsilon",
+        "epsilon of the GDN output norm (default: --norm-epsilon; OLMo Hybrid's is 1e-5 whatever its rms_norm_eps)",
+    )
     apply_layernorm_1p: bool = opt(
         False,
         "--apply-layernorm-1p",
@@ -271,6 +297,17 @@ class ModelConfig(MoEFields):
     def qkv_bias(self) -> bool:
         """Whether softmax attention's qkv projection has a bias (Megatron: either flag)."""
         return self.add_bias_linear or self.add_qkv_bias
+
+    def reordered_norm(self, layer: int) -> bool:
+        """Whether global layer `layer` normalizes its branches' outputs (--reordered-norms) instead of their inputs."""
+        return self.reordered_norms == "all" or (
+            self.reordered_norms == "softmax" and self.layer_kind(layer) == "softmax"
+        )
+
+    @property
+    def gdn_norm_epsilon(self) -> float:
+        """The GDN output norm's epsilon: --linear-norm-epsilon, else --norm-epsilon."""
+        return self.norm_epsilon if self.linear_norm_epsilon is None else self.linear_norm_epsilon
 
     def layer_kind(self, layer: int) -> str:
         """'softmax', 'gla', 'gdn' or 'kda' for global layer index `layer` (0-based)."""

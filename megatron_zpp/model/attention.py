@@ -3,6 +3,9 @@ learned absolute positions are added to the embedding), on PyTorch
 SDPA (flash / memory-efficient kernels on GPU, the math path on CPU). Heads are split
 over TP: each rank holds num_heads/TP query heads and num_query_groups/TP kv heads.
 
+--qk-layernorm-full-width (OLMo 2/3, OLMo Hybrid): q_norm and k_norm span all of a projection's heads (model/norm.py
+FullWidthRMSNorm: its sum of squares summed over TP).
+
 --attention-output-gate (megatron-core's, Qwen3-Next's): qkv also projects a gate per query channel, and the
 attention output is multiplied by its sigmoid before the output projection. Our qkv rows are q | k | v | gate
 (megatron-core interleaves q | gate | k | v per query group, Qwen3-Next q | gate per head in q_proj: the
@@ -33,7 +36,7 @@ from ..tensor_parallel.random import model_parallel_rng
 from .context import ParallelContext
 from .documents import Documents
 from .dropout import layout_invariant, probabilities_dropout, site
-from .norm import build_norm
+from .norm import FullWidthRMSNorm, build_norm
 
 # --attention-backend (Megatron's names) -> the SDPA backends allowed on CUDA; auto: SDPA's own choice
 _SDPA_BACKENDS = {
@@ -93,7 +96,12 @@ class SelfAttention(nn.Module):
         )
         self.rotary_interleaved = cfg.rotary_interleaved
         self.q_norm = self.k_norm = None
-        if cfg.qk_layernorm:  # one [head dim] weight for all heads: replicated over TP, its grad a partial sum
+        self.full_width_norm = cfg.qk_layernorm and cfg.qk_layernorm_full_width
+        if self.full_width_norm:  # OLMo 2: over all of q's (k's) heads, weights split by heads over TP
+            full = functools.partial(FullWidthRMSNorm, eps=cfg.norm_epsilon, tp=tp, tp_size=n)
+            self.q_norm = full(cfg.num_attention_heads * d, one_plus=cfg.apply_layernorm_1p)
+            self.k_norm = full(cfg.kv_heads * d, one_plus=cfg.apply_layernorm_1p)
+        elif cfg.qk_layernorm:  # one [head dim] weight for all heads: replicated over TP, its grad a partial sum
             norm = functools.partial(build_norm, cfg.normalization, d, cfg.norm_epsilon, n > 1, cfg.apply_layernorm_1p)
             self.q_norm, self.k_norm = norm(), norm()
 
@@ -128,7 +136,8 @@ class SelfAttention(nn.Module):
         return self.proj(o)
 
     def _normed(self, qk: torch.Tensor) -> torch.Tensor:
-        """--qk-layernorm: each query and key head normalized (q's weight for q heads, k's for k heads)."""
+        """--qk-layernorm: each query and key head normalized (q's weight for q heads, k's for k heads); with
+        --qk-layernorm-full-width all query heads together, and all key heads."""
         if self.q_norm is None or self.k_norm is None:
             return qk
         q, k = qk.split([self.heads, self.kv_heads], dim=2)

@@ -3,7 +3,8 @@
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = scale * S_t^T q_t
 
 q, k, v: head-split projections, each through a short causal depthwise convolution and SiLU;
-q and k L2-normalised (fla's l2norm, eps 1e-6 on the sum of squares); b = sigmoid(x W_b);
+q and k L2-normalised (fla's l2norm, eps 1e-6 on the sum of squares); b = sigmoid(x W_b)
+(2 sigmoid with --linear-allow-neg-eigval);
 log a = -exp(A_log) * softplus(x W_a + dt_bias). Output: RMSNorm over each head's V channels with one
 shared [V] weight, times silu(x W_gate), then the output projection.
 
@@ -42,7 +43,8 @@ from .short_conv import conv_with_halo
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, out_std: float):
         super().__init__()
-        self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.norm_epsilon
+        self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.gdn_norm_epsilon
+        self.beta_scale = 2.0 if cfg.linear_allow_neg_eigval else 1.0  # beta in (0, 2): negative eigenvalues
         self.selective = cfg.recompute_granularity == "selective"
         shape, std, tp = cfg.mixer_of_kind("gdn"), cfg.init_method_std, ctx.tp_size
         # this rank's heads: whole groups of value heads with the key head they read (validation: both divide by TP)
@@ -92,7 +94,7 @@ class GatedDeltaNet(nn.Module):
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
         if separate:
             g = g.masked_fill(documents.starts(T)[:, :, None], float("-inf"))
-        o = self._mix(q, k, v.view(B, T, H, V), g, _fp32(b).sigmoid())
+        o = self._mix(q, k, v.view(B, T, H, V), g, _fp32(b).sigmoid() * self.beta_scale)
         o = F.rms_norm(_fp32(o), (V,), eps=self.eps) * _fp32(self.head_norm).view(-1, V)
         return (o.reshape(B, T, H * V) * F.silu(_fp32(gate))).to(h.dtype)
 

@@ -3,11 +3,13 @@
 A stack of pre-norm blocks: token embedding (+ learned absolute positions, Megatron's default;
 or RoPE inside attention; or no positions) -> dropout -> [norm -> mixer -> residual, norm -> MLP
 -> residual] x L -> final norm -> output layer (tied to the embedding by default) ->
-cross-entropy. The mixer of each layer is causal softmax attention or gated linear
-attention (config.layer_kind); its MLP is dense or a mixture of experts (--num-experts,
---moe-layer-freq: model/moe_mlp.py). Parallelism enters only through the layers and one
-ParallelContext (the TP group and sequence-parallel flag, the context-parallel group and
-algorithm: each CP rank holds a contiguous slice of the sequence, at `ctx.cp_rank`),
+cross-entropy. With --reordered-norms (OLMo 2; OLMo Hybrid's softmax layers) a block normalizes its
+branches' outputs instead: [mixer -> norm -> residual, MLP -> norm -> residual]. The mixer of
+each layer is causal softmax attention or gated linear attention (config.layer_kind); its MLP is
+dense or a mixture of experts (--num-experts, --moe-layer-freq: model/moe_mlp.py). Parallelism
+enters only through the layers and one ParallelContext (the TP group and sequence-parallel flag,
+the context-parallel group and algorithm: each CP rank holds a contiguous slice of the sequence, at
+`ctx.cp_rank`),
 and a pipeline stage builds the model with just its layers (`layer_ids`) and the ends it
 owns (`pre_process`: embedding, `post_process`: output). Packed documents (model/documents.py)
 come as one `documents` object: positions (RoPE's or the learned table's: they restart at each
@@ -59,8 +61,12 @@ class Block(nn.Module):
         self.norm2 = norm()
         self.mlp = MoEMLP(cfg, layer, ctx, out_std) if cfg.is_moe_layer(layer) else MLP(cfg, ctx, out_std, layer)
         self.mlp_dropout = _dropout(cfg, ctx, site(layer, "mlp"))
+        self.reordered = cfg.reordered_norm(layer)  # --reordered-norms: norm1, norm2 act on the branch outputs
 
     def forward(self, x: torch.Tensor, rope, documents: Documents | None = None) -> torch.Tensor:
+        if self.reordered:  # OLMo 2: x + norm(mixer(x)), x + norm(mlp(x))
+            x = x + self.mixer_dropout(self.norm1(self.mixer(x, rope, documents)))
+            return x + self.mlp_dropout(self.norm2(self.mlp(x)))
         x = x + self.mixer_dropout(self.mixer(self.norm1(x), rope, documents))
         x = x + self.mlp_dropout(self.mlp(self.norm2(x)))
         return x

@@ -4,7 +4,11 @@ partial sums per TP rank (`tp_partial_grad`: the optimizer's finalize sums them)
 
 --apply-layernorm-1p (`one_plus`): the stored weight w is zero-centred (initialised 0) and
 the norm scales by 1 + w, as Megatron's zero_centered_gamma, for LayerNorm and RMSNorm alike
-(its transformer-engine norms take it for both)."""
+(its transformer-engine norms take it for both).
+
+`FullWidthRMSNorm` (--qk-layernorm-full-width): one RMSNorm over all the heads of a projection, as OLMo 2's
+q_norm/k_norm; its weight is split by heads over TP like the projection, and the sum of squares is summed over
+the TP ranks (tensor_parallel.mappings.sum_over_tp: all-reduce both ways)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch.nn as nn
 
 from ..ops import norm as norm_ops
 from ..tensor_parallel.layers import mark
+from ..tensor_parallel.mappings import sum_over_tp
+from ..topology import Group
 
 
 class _Norm(nn.Module):
@@ -42,6 +48,22 @@ class LayerNorm(_Norm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.float() if self.one_plus else self.bias  # the scale's dtype (one kernel call)
         return norm_ops.layer_norm(x, self.scale(), bias, self.eps)
+
+
+class FullWidthRMSNorm(nn.Module):
+    """RMSNorm over every head of [..., heads/TP, head dim] together (`width`: all heads' channels, over TP)."""
+
+    def __init__(self, width: int, eps: float, tp: Group | None, tp_size: int, one_plus: bool = False):
+        super().__init__()
+        self.width, self.eps, self.tp, self.one_plus = width, eps, tp, one_plus
+        init = ("zeros",) if one_plus else ("ones",)
+        self.weight = mark(nn.Parameter(torch.empty(width // tp_size)), init, (0, (width,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2).float()
+        square_sum = sum_over_tp(flat.pow(2).sum(-1, keepdim=True), self.tp)
+        scale = self.weight.float() + 1 if self.one_plus else self.weight.float()
+        return (flat * torch.rsqrt(square_sum / self.width + self.eps) * scale).to(x.dtype).view_as(x)
 
 
 def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False) -> nn.Module:

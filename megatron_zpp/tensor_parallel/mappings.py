@@ -119,6 +119,20 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return gather_seq(grad, ctx.group, "sp_bwd_allgather", ctx.seq_dim), None, None
 
 
+class _SumOverTP(torch.autograd.Function):
+    """A partial sum every TP rank then uses whole (e.g. a sum of squares over heads split by TP): all-reduce
+    forward, and all-reduce backward (each rank's part reaches every rank's output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x.clone(), group, "tp_fwd_allreduce")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group, "tp_bwd_allreduce"), None
+
+
 def _trivial(group: Group | None) -> bool:
     return group is None or group.size == 1
 
@@ -141,3 +155,7 @@ def gather_from_sp(x, group, seq_dim=1):
 
 def reduce_scatter_to_sp(x, group, seq_dim=1):
     return x if _trivial(group) else _ReduceScatterToSP.apply(x, group, seq_dim)
+
+
+def sum_over_tp(x, group):
+    return x if _trivial(group) else _SumOverTP.apply(x, group)

@@ -99,6 +99,35 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"--sequence-parallel: sequence per CP rank {m.seq_length // cp} is not divisible by TP {tp}",
             ),
         ]
+    ) + check_block_variants(m)
+
+
+def check_block_variants(m) -> list[str]:
+    """OLMo's block flags (--reordered-norms, --qk-layernorm-full-width) and the GDN ones (--linear-allow-neg-eigval,
+    --linear-norm-epsilon) where the model has the layers they change."""
+    kinds = {m.layer_kind(i) for i in range(m.num_layers)}
+    spelled = f"--attention-type {m.attention_type}, --softmax-attention-every {m.softmax_attention_every}"
+    return failed(
+        [
+            (
+                not m.qk_layernorm_full_width or (m.qk_layernorm and m.normalization == "RMSNorm"),
+                "--qk-layernorm-full-width normalizes q and k over all their heads with RMSNorm: it needs "
+                f"--qk-layernorm and --normalization RMSNorm (got qk-layernorm {m.qk_layernorm}, {m.normalization})",
+            ),
+            (
+                m.reordered_norms != "softmax" or "softmax" in kinds,
+                f"--reordered-norms softmax: this model has no softmax attention layer ({spelled}): drop it",
+            ),
+            (
+                not (m.linear_allow_neg_eigval or m.linear_norm_epsilon is not None) or "gdn" in kinds,
+                f"--linear-allow-neg-eigval and --linear-norm-epsilon change Gated DeltaNet layers, and this model "
+                f"has none ({spelled}): drop them",
+            ),
+            (
+                m.linear_norm_epsilon is None or m.linear_norm_epsilon > 0,
+                f"--linear-norm-epsilon must be > 0 (got {m.linear_norm_epsilon})",
+            ),
+        ]
     )
 
 

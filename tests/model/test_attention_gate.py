@@ -230,7 +230,7 @@ def test_gate_is_refused_where_no_format_holds_it_and_without_softmax_layers():
     )  # fmt: skip
     with pytest.raises(ConversionError) as refused:
         export_format(cfg)
-    assert str(refused.value).count("--attention-output-gate") == 3
+    assert str(refused.value).count("--attention-output-gate") == 4  # GPT-2, Llama, OLMo Hybrid, remote
     with pytest.raises(ConfigError, match="--attention-output-gate gates softmax attention's output.*none"):
         validate(parse_args("--mock-data --attention-type gla --attention-output-gate".split()), 1)
 

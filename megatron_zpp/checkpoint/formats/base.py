@@ -52,6 +52,25 @@ def experts_refusal(cfg, target: str) -> list[str]:
     return [f"its feed-forward networks are mixtures of experts (--num-experts); {target} has dense MLPs only"]
 
 
+def block_refusals(cfg, target: str) -> list[str]:
+    """OLMo's block flags (formats/olmo_hybrid.py holds them) that a format without them refuses (empty: none set)."""
+    m = cfg.model
+    gdn = any(m.layer_kind(i) == "gdn" for i in range(m.num_layers))
+    checks = [
+        (
+            m.reordered_norms == "none",
+            f"--reordered-norms {m.reordered_norms}: {target} normalizes each branch's input",
+        ),
+        (not m.qk_layernorm_full_width, f"--qk-layernorm-full-width: {target} does not normalize q, k over all heads"),
+        (not m.linear_allow_neg_eigval, f"--linear-allow-neg-eigval: {target}'s GDN beta is sigmoid(b), in (0, 1)"),
+        (
+            not gdn or m.gdn_norm_epsilon == m.norm_epsilon,
+            f"--linear-norm-epsilon {m.linear_norm_epsilon}: {target}'s GDN output norm uses --norm-epsilon",
+        ),
+    ]
+    return [why for ok, why in checks if not ok]
+
+
 def special_token_ids(tokenizer) -> dict:
     """config.json's bos/eos/pad ids from our tokenizer (EOD is HF's eos); {} without one."""
     if tokenizer is None:

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from .base import ConversionError, experts_refusal, special_token_ids
+from .base import ConversionError, block_refusals, experts_refusal, special_token_ids
 
 NAME = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -39,7 +39,7 @@ def unsupported(cfg) -> list[str]:
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
         (not m.attention_output_gate, "it gates its attention output (--attention-output-gate); GPT-2 does not"),
     ]
-    return [why for ok, why in checks if not ok] + experts_refusal(cfg, "GPT-2")
+    return [why for ok, why in checks if not ok] + block_refusals(cfg, "GPT-2") + experts_refusal(cfg, "GPT-2")
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:

@@ -4,7 +4,9 @@
     import_hf(hf_dir, output)                           # config.json's model_type picks the format
 
 GPT-2 (gpt2.py) holds Megatron's default GPT, Llama (llama.py) softmax/RMSNorm/SwiGLU/RoPE models without
-biases, our remote code (remote.py) every other dense model without biases or learned positions; models with
+biases, transformers' OLMo Hybrid (olmo_hybrid.py) GDN/softmax hybrids built as OLMo's (--reordered-norms softmax,
+--qk-layernorm-full-width), our remote code (remote.py) every other dense model without biases or learned
+positions; models with
 experts go to transformers' own Qwen3-MoE (qwen3_moe.py: with --qk-layernorm, dense layers allowed) or Mixtral
 (mixtral.py: every layer sparse, no query/key norm). A HF directory is
 read by its content (hf_files.py): names, shapes and dtypes checked against the model config.json describes
@@ -27,15 +29,23 @@ from ... import hf_remote
 from ...data.tokenizer import SENTENCEPIECE_TYPES
 from ..files import save_safetensors
 from ..layout import config_from_dict
-from . import gpt2, hf_files, llama, mixtral, qwen3_moe, remote
+from . import gpt2, hf_files, llama, mixtral, olmo_hybrid, qwen3_moe, remote
 from .base import ConversionError, HFFormat
 
-HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, remote, qwen3_moe, mixtral)  # the export's order of preference
+HF_FORMATS: tuple[HFFormat, ...] = (
+    gpt2,
+    llama,
+    olmo_hybrid,
+    remote,
+    qwen3_moe,
+    mixtral,
+)  # the export's order of preference
 BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
     hf_remote.MODEL_TYPE: remote,
     "gpt2": gpt2,
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
+    "olmo_hybrid": olmo_hybrid,
 }
 
 
@@ -47,6 +57,7 @@ def export_format(cfg) -> HFFormat:
     named = {
         "gpt2": "as GPT-2",
         "llama": "as Llama",
+        "olmo_hybrid": "as OLMo Hybrid",
         "remote": "with our remote code",
         "qwen3_moe": "as Qwen3-MoE",
         "mixtral": "as Mixtral",
@@ -68,8 +79,8 @@ def _tokenizer(cfg, tokenizer_model: str | None):
 
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
     """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel, LlamaForCausalLM,
-    Qwen3MoeForCausalLM or MixtralForCausalLM when one of them holds the model, else our remote-code
-    MegatronZppGLAForCausalLM)."""
+    OlmoHybridForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM when one of them holds the model, else our
+    remote-code MegatronZppGLAForCausalLM)."""
     state, cfg = gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
     fmt = export_format(cfg)
     tokenizer, tok_model = _tokenizer(cfg, tokenizer_model)
@@ -95,8 +106,8 @@ def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | Non
 
 
 def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
-    """(our weights, checkpoint dir) of a HF Llama, GPT-2, Qwen3-MoE, Mixtral or remote-code GLA/hybrid directory,
-    saved as a weights-only checkpoint. Every fault is one line: "cannot import <hf_dir>: <what>"."""
+    """(our weights, checkpoint dir) of a HF Llama, GPT-2, OLMo Hybrid, Qwen3-MoE, Mixtral or remote-code GLA/hybrid
+    directory, saved as a weights-only checkpoint. Every fault is one line: "cannot import <hf_dir>: <what>"."""
     from ..save import save_weights
 
     try:
@@ -108,6 +119,8 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
                 f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
             )
         expected = _expected_shapes(fmt, cfg)
+        if hasattr(fmt, "saved_shapes"):  # fused tensors whose split into the files is the writer's (olmo_hybrid)
+            expected = fmt.saved_shapes(expected, {n: e.shape for n, e in entries.items()})
         hf_files.check_tensors(entries, expected, hf_cfg)
         hf = hf_files.read_tensors(hf_dir, entries, expected)
     except ConversionError as e:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ConversionError, decoder_config
+from .base import ConversionError, block_refusals, decoder_config
 
 
 def moe_refusals(cfg, target: str) -> list[str]:
@@ -49,7 +49,7 @@ def moe_refusals(cfg, target: str) -> list[str]:
             f"its experts drop tokens over capacity (--moe-expert-capacity-factor); {target}'s drop none",
         ),
     ]
-    return [why for ok, why in checks if not ok]
+    return [why for ok, why in checks if not ok] + block_refusals(cfg, target)
 
 
 def attention_to_hf(state: dict, m, i: int, qk_norm: bool) -> dict[str, torch.Tensor]:

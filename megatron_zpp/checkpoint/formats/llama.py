@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...progress import progress
-from .base import ConversionError, decoder_config, experts_refusal, special_token_ids
+from .base import ConversionError, block_refusals, decoder_config, experts_refusal, special_token_ids
 
 NAME = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -40,7 +40,7 @@ def unsupported(cfg) -> list[str]:
         why.append("it normalizes query and key heads (--qk-layernorm); Llama does not")
     if m.attention_output_gate:
         why.append("it gates its attention output (--attention-output-gate); Llama does not")
-    return why + experts_refusal(cfg, "Llama")
+    return why + block_refusals(cfg, "Llama") + experts_refusal(cfg, "Llama")
 
 
 def config(cfg, vocab: int, tokenizer=None) -> dict:
@@ -131,8 +131,8 @@ def config_from(hf: dict):
         w
         for w, bad in [
             (
-                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, qwen3_moe, mixtral, "
-                f"{hf_remote.MODEL_TYPE} (our GLA/hybrid export)",
+                f"model_type {hf.get('model_type')!r} is none of those imported: llama, gpt2, olmo_hybrid, qwen3_moe, "
+                f"mixtral, {hf_remote.MODEL_TYPE} (our GLA/hybrid export)",
                 hf.get("model_type") != "llama",
             ),
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),

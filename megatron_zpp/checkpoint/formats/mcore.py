@@ -16,6 +16,7 @@ import torch
 
 from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
+from .base import block_refusals
 from .mcore_gdn import NAMES, gdn_from_mcore, gdn_to_mcore
 
 NAME = "mcore"
@@ -84,11 +85,15 @@ def unsupported(cfg) -> list[str]:
     DeltaNet layers as --experimental-attention-variant gated_delta_net builds them."""
     m = cfg.model
     kinds = {m.layer_kind(i) for i in range(m.num_layers)}
-    if "gla" in kinds:
-        return ["its layers are GLA; megatron-core's GPTModel has softmax attention and gated delta net layers only"]
+    other = sorted(kinds - {"softmax", "gdn"})
+    if other:
+        return [
+            f"its layers are {'/'.join(other)}; megatron-core's GPTModel has softmax attention and gated delta net "
+            "layers only"
+        ]
+    why = block_refusals(cfg, "megatron-core's GPTModel")
     if "gdn" not in kinds:
-        return []
-    why = []
+        return why
     if m.normalization != "RMSNorm":  # its out_norm is the --normalization norm; ours an RMSNorm always
         why.append(f"--normalization {m.normalization}: megatron-core's gated delta net output norm is then a "
                    f"{m.normalization} (with a bias), ours an RMSNorm")  # fmt: skip

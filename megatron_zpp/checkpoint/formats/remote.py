@@ -29,7 +29,7 @@ import torch
 
 from ... import hf_remote
 from ...config.shapes import GDN_CONV_KERNEL
-from .base import ConversionError, decoder_config, experts_refusal, special_token_ids
+from .base import ConversionError, block_refusals, decoder_config, experts_refusal, special_token_ids
 
 NAME = "remote"
 ARCHITECTURE = hf_remote.ARCHITECTURE
@@ -54,7 +54,8 @@ def unsupported(cfg) -> list[str]:
             "it gates its attention output (--attention-output-gate); the remote code does not",
         ),
     ]
-    return [why for ok, why in checks if not ok] + experts_refusal(cfg, "the remote code")
+    why = [why for ok, why in checks if not ok] + block_refusals(cfg, "the remote code")
+    return why + experts_refusal(cfg, "the remote code")
 
 
 def layer_types(cfg) -> list[str]:

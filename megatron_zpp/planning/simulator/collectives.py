@@ -171,6 +171,9 @@ def _block_colls(
             flops = 2 * act * width / tp  # one of the product's backward matmuls: [b s, h] x [h, width / TP]
             out += _tp_enter(g, p.sequence_parallel, act * e, fwd, flops)
             out += _tp_exit(g, p.sequence_parallel, act * e, fwd)
+    if tp > 1 and m.qk_layernorm_full_width and m.layer_kind(layer) == "softmax":  # q's, k's fp32 sums of squares
+        rows = cfg.train.micro_batch_size * (m.seq_length // cp) * 4
+        out += [_coll(g.tp, "tp_fwd_allreduce" if fwd else "tp_bwd_allreduce", "all_reduce", rows, "tp")] * 2
     if cp > 1:
         b, s_cp, mixer = cfg.train.micro_batch_size, m.seq_length // cp, m.mixer(layer)
         if not mixer.linear:
