@@ -423,14 +423,14 @@ def test_a_gdn_checkpoint_and_a_softmax_or_gla_model_refuse_each_other_by_name(t
     spelled = SOFTMAX_FLAGS + " --attention-type gdn --softmax-attention-every 2"  # our flags for GDN_FLAGS' model
     errors = run_distributed(_load_errors, 1, [*loads, (gdn, spelled)])[0]
     assert errors.pop() is None
-    want = [
-        "gdn (checkpoint) vs softmax",
-        "gdn (checkpoint) vs gla",
-        "softmax (checkpoint) vs gdn",
-        "gla (checkpoint) vs gdn",
+    want = [  # one line each: the settings that differ, or (two linear kinds) reshard.check_same_mixers' line
+        "attention_type gdn (checkpoint) vs softmax (this run)",
+        "saved with --attention-type gdn (Gated DeltaNet), this run has --attention-type gla",
+        "attention_type softmax (checkpoint) vs gdn (this run)",
+        "saved with --attention-type gla (GLA), this run has --attention-type gdn",
     ]
-    for error, kinds in zip(errors, want):
-        assert error is not None and "\n" not in error and f"attention_type {kinds} (this run)" in error, error
+    for error, words in zip(errors, want):
+        assert error is not None and "\n" not in error and words in error, error
 
 
 def test_tool_round_trip_of_a_model_without_softmax_layers(tmp_path, capsys):

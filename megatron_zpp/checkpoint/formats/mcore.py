@@ -88,7 +88,7 @@ def unsupported(cfg) -> list[str]:
     other = sorted(kinds - {"softmax", "gdn"})
     if other:
         return [
-            f"its layers are {'/'.join(other)}; megatron-core's GPTModel has softmax attention and gated delta net "
+            f"its layers are {'/'.join(k.upper() for k in other)}; megatron-core's GPTModel has softmax attention and gated delta net "
             "layers only"
         ]
     why = block_refusals(cfg, "megatron-core's GPTModel")
