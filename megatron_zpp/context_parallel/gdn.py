@@ -31,47 +31,55 @@ import torch
 from torch import Tensor
 
 from .. import recompute
-from ..ops.gdn import chunk_gdn
+from ..ops.gdn import chunk_gdn, gdn_affine, gdn_vjp
+from ..ops.kda import chunk_kda, kda_affine, kda_vjp
 from ..topology import Group
 from .scans import check_algo, make_scan
 from .transition import Dense
 
-
-def local_affine(q, k, v, g, beta, scale: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype
-    (fp32, or fp64 for fp64 inputs): one chunk_gdn call on [v, 0_K] from [0, I_K] (it runs the V + K
-    columns in the kernels' widths itself)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
-    eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
-    wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
-    h0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
-    o, S = chunk_gdn(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
-    return o[..., :V], o[..., V:], S[..., :V], S[..., V:]
+# the op a layer names -> its context-parallel passes (ops/delta_rule.py): (o_loc, r, U, M) and the backward
+PASSES = {chunk_gdn: (gdn_affine, gdn_vjp), chunk_kda: (kda_affine, kda_vjp)}
 
 
-class EnteringState(torch.autograd.Function):
-    """apply(U, M, head, scan) -> S_in [B,H,K,V]: the scan over the CP ranks of S_out = M S_in + U.
+def local_affine(
+    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype (fp32, or fp64
+    for fp64 inputs), no autograd: `op`'s plain local pass and its transition pass (ops/delta_rule.py)."""
+    return PASSES[op][0](q, k, v, g, beta, scale, chunk_size)
 
-    head: the state entering rank 0's slice (None elsewhere, or for zeros). An activation-recompute
-    rerun gets the state its first run received (recompute.recall): no second scan."""
+
+class ScannedDeltaRule(torch.autograd.Function):
+    """apply(q, k, v, g, beta, head, scan, scale, chunk_size, op) -> o [B,T,H,V] in the state's dtype: the local
+    affine pass, S_in by `scan` (the scan over the CP ranks of S_out = M S_in + U; head: the state entering rank
+    0's slice, None elsewhere or for zeros), and o = o_loc + r S_in.
+
+    Backward: dS_corr = r^T do first (the gradient reaching S_in from this slice's outputs), then the reverse
+    scan dS_out, then one backward of the plain op at S_in with (do, dS_out), which gives q..beta their
+    gradients and the head dS_corr + M^T dS_out. An activation-recompute rerun gets the state its first run
+    received (recompute.recall): no second scan."""
 
     @staticmethod
-    def forward(ctx, U, M, head, scan):
+    def forward(ctx, q, k, v, g, beta, head, scan, scale, chunk_size, op):
+        o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size, op)
         kept = recompute.recall()
-        S_in = kept if kept is not None else recompute.remember(scan.forward(U, Dense(M), head))
-        ctx.save_for_backward(M, S_in)
-        ctx.scan, ctx.has_head = scan, head is not None
-        return S_in
+        if kept is None:
+            kept = recompute.remember(scan.forward(U, Dense(M), None if head is None else head.to(U.dtype)))
+        S_in = kept
+        ctx.save_for_backward(q, k, v, g, beta, r, S_in)
+        ctx.scan, ctx.scale, ctx.chunk_size, ctx.op = scan, scale, chunk_size, op
+        ctx.head_dtype = None if head is None else head.dtype
+        return o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
 
     @staticmethod
-    def backward(ctx, dS_corr):
-        M, S_in = ctx.saved_tensors
+    def backward(ctx, do):
+        q, k, v, g, beta, r, S_in = ctx.saved_tensors
+        dS_corr = torch.einsum("bthk,bthv->bhkv", r, do.to(r.dtype))
         dS_out = ctx.scan.backward(dS_corr.contiguous())  # zeros on the last rank
-        dM = torch.einsum("bhiv,bhjv->bhij", dS_out, S_in)
-        d_head = dS_corr + Dense(M).apply_transposed(dS_out) if ctx.has_head else None
-        return dS_out, dM, d_head, None
+        vjp = PASSES[ctx.op][1]
+        *grads, dh0 = vjp(q, k, v, g, beta, S_in, do.to(v.dtype), dS_out, ctx.scale, ctx.chunk_size)
+        d_head = None if ctx.head_dtype is None else dh0.to(ctx.head_dtype)
+        return (*grads, d_head, None, None, None, None)
 
 
 def gdn_context_parallel(
@@ -87,6 +95,7 @@ def gdn_context_parallel(
     chunk_size: int = 64,
     initial_state: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    op=chunk_gdn,
 ) -> Tensor:
     """Gated DeltaNet over a sequence split in contiguous slices over the CP group (rank order).
 
@@ -97,18 +106,18 @@ def gdn_context_parallel(
     check_algo(algo)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cp is None or cp.size == 1:
-        return chunk_gdn(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
+        return op(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size, out_dtype=out_dtype)[0]
     B, _, H, K = q.shape
     V = v.shape[-1]
     scan = make_scan(algo, cp, blocks, B * H * K * V * 4, q.device, V)
     head = initial_state if initial_state is not None and cp.rank == 0 else None
-    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype)
+    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype, op)
 
 
-def scanned_gdn(q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None) -> Tensor:
-    """This slice's output: the local affine pass, S_in from `scan` (any object with the scans' forward and
-    backward), and the correction r^T S_in."""
-    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size)
-    S_in = EnteringState.apply(U, M, None if head is None else head.to(U.dtype), scan)
-    o = o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
+def scanned_gdn(
+    q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
+) -> Tensor:
+    """This slice's output (`op`: chunk_gdn or chunk_kda) with S_in from `scan` (any object with the scans' forward
+    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype."""
+    o = ScannedDeltaRule.apply(q, k, v, g, beta, head, scan, scale, chunk_size, op)
     return o.to(v.dtype if out_dtype is None else out_dtype)

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, gdn_chunked
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
-from .delta_rule import KERNEL_V, kernel_ops
+from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, vjp_kernels
 from .delta_rule import use_kernel as _use_kernel
 from .gdn_chunked import (
     Decays,
@@ -44,7 +44,7 @@ from .gdn_chunked import (
     prepare,
 )
 
-__all__ = ["chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction"]
+__all__ = ["chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction", "gdn_affine", "gdn_vjp"]
 
 dispatch.register("gdn", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
 
@@ -145,3 +145,24 @@ def chunk_gdn(
     outs = [ChunkGDNFunction.apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
     o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
     return o, (final_state if output_final_state else None)
+
+
+def gdn_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int):
+    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of a context-parallel slice, no autograd, in the
+    state's dtype: S_out = M S_in + U and o = o_loc + r S_in (ops/delta_rule.py: the plain pass, then the
+    transition pass over K x K matrices)."""
+    check_shapes(q, k, v, None, False, g=g, beta=beta)
+    check_chunk_size(q.shape[1], chunk_size)
+    if chunk_gdn_uses_kernels(q, k, v, g, beta, chunk_size):
+        return affine_kernels(_fwd_kernel, q, k, v, g, beta, scale, chunk_size)
+    return affine_reference(gdn_chunked, q, k, v, g, beta, scale, chunk_size)
+
+
+def gdn_vjp(q, k, v, g, beta, h0: Tensor, do: Tensor, d_final: Tensor, scale: float, chunk_size: int):
+    """(dq, dk, dv, dg, dbeta, dh0) of chunk_gdn(q, k, v, g, beta, initial_state=h0) for the cotangents do (of o, in
+    v's dtype) and d_final (of the final state), no autograd: context parallelism's backward (ops/delta_rule.py)."""
+    if _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do, d_final):
+        grads = vjp_kernels(_bwd_kernel, q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    else:
+        grads = _reference_bwd(q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    return as_inputs(grads, q, k, v, g, beta, h0)
