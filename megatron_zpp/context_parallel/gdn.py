@@ -34,7 +34,7 @@ from .. import recompute
 from ..ops.gdn import chunk_gdn, gdn_affine, gdn_vjp
 from ..ops.kda import chunk_kda, kda_affine, kda_vjp
 from ..topology import Group
-from .scans import check_algo, make_scan
+from .scans import Known, check_algo, make_scan, overlapped
 from .transition import Dense
 
 # the op a layer names -> its context-parallel passes (ops/delta_rule.py): (o_loc, r, U, M) and the backward
@@ -42,30 +42,35 @@ PASSES = {chunk_gdn: (gdn_affine, gdn_vjp), chunk_kda: (kda_affine, kda_vjp)}
 
 
 def local_affine(
-    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn
+    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn, on_state=None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype (fp32, or fp64
-    for fp64 inputs), no autograd: `op`'s plain local pass and its transition pass (ops/delta_rule.py)."""
-    return PASSES[op][0](q, k, v, g, beta, scale, chunk_size)
+    for fp64 inputs), no autograd: `op`'s plain local pass and its transition pass (ops/delta_rule.py);
+    on_state(U, M) as soon as the two are known, before (o_loc, r)."""
+    return PASSES[op][0](q, k, v, g, beta, scale, chunk_size, on_state)
 
 
 class ScannedDeltaRule(torch.autograd.Function):
     """apply(q, k, v, g, beta, head, scan, scale, chunk_size, op) -> o [B,T,H,V] in the state's dtype: the local
     affine pass, S_in by `scan` (the scan over the CP ranks of S_out = M S_in + U; head: the state entering rank
-    0's slice, None elsewhere or for zeros), and o = o_loc + r S_in.
+    0's slice, None elsewhere or for zeros), and o = o_loc + r S_in. The scan starts, in a background thread, as
+    soon as (U, M) are known and runs while (o_loc, r) are computed.
 
     Backward: dS_corr = r^T do first (the gradient reaching S_in from this slice's outputs), then the reverse
-    scan dS_out, then one backward of the plain op at S_in with (do, dS_out), which gives q..beta their
-    gradients and the head dS_corr + M^T dS_out. An activation-recompute rerun gets the state its first run
-    received (recompute.recall): no second scan."""
+    scan dS_out, in the background while the backward of the plain op at S_in recomputes its states, then the
+    rest of that backward with (do, dS_out), which gives q..beta their gradients and the head dS_corr + M^T dS_out.
+    An activation-recompute rerun gets the state its first run received (recompute.recall): no second scan."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, head, scan, scale, chunk_size, op):
-        o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size, op)
-        kept = recompute.recall()
-        if kept is None:
-            kept = recompute.remember(scan.forward(U, Dense(M), None if head is None else head.to(U.dtype)))
-        S_in = kept
+        kept, pending = recompute.recall(), []
+
+        def start(U, M):
+            entering = None if head is None else head.to(U.dtype)
+            pending.append(Known(kept) if kept is not None else overlapped(scan.forward, U, Dense(M), entering))
+
+        o_loc, r, _, _ = local_affine(q, k, v, g, beta, scale, chunk_size, op, start)
+        S_in = recompute.remember(pending[0].result())
         ctx.save_for_backward(q, k, v, g, beta, r, S_in)
         ctx.scan, ctx.scale, ctx.chunk_size, ctx.op = scan, scale, chunk_size, op
         ctx.head_dtype = None if head is None else head.dtype
@@ -75,9 +80,9 @@ class ScannedDeltaRule(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, g, beta, r, S_in = ctx.saved_tensors
         dS_corr = torch.einsum("bthk,bthv->bhkv", r, do.to(r.dtype))
-        dS_out = ctx.scan.backward(dS_corr.contiguous())  # zeros on the last rank
+        pending = overlapped(ctx.scan.backward, dS_corr.contiguous())  # dS_out: zeros on the last rank
         vjp = PASSES[ctx.op][1]
-        *grads, dh0 = vjp(q, k, v, g, beta, S_in, do.to(v.dtype), dS_out, ctx.scale, ctx.chunk_size)
+        *grads, dh0 = vjp(q, k, v, g, beta, S_in, do.to(v.dtype), pending.result, ctx.scale, ctx.chunk_size)
         d_head = None if ctx.head_dtype is None else dh0.to(ctx.head_dtype)
         return (*grads, d_head, None, None, None, None)
 

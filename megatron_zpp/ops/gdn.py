@@ -77,6 +77,8 @@ def _reference_bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, ch
     h0 = initial_state.to(dt) if initial_state is not None else None
     states_in, v_new, _ = fwd_states(kc, W, U, dec, h0)
     doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+    if callable(d_final_state):  # context parallelism's reverse scan, run while the states above were recomputed
+        d_final_state = d_final_state()
     dS = d_final_state.to(dt) if d_final_state is not None else None
     d_ends, dv_new, dh0 = bwd_states(qc, kc, W, dec, doc, dS, scale)
     grads = bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
@@ -147,21 +149,22 @@ def chunk_gdn(
     return o, (final_state if output_final_state else None)
 
 
-def gdn_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int):
+def gdn_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int, on_state=None):
     """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of a context-parallel slice, no autograd, in the
     state's dtype: S_out = M S_in + U and o = o_loc + r S_in (ops/delta_rule.py: the plain pass, then the
-    transition pass over K x K matrices)."""
+    transition pass over K x K matrices); on_state(U, M) as soon as both are known."""
     check_shapes(q, k, v, None, False, g=g, beta=beta)
     check_chunk_size(q.shape[1], chunk_size)
     if chunk_gdn_uses_kernels(q, k, v, g, beta, chunk_size):
-        return affine_kernels(_fwd_kernel, q, k, v, g, beta, scale, chunk_size)
-    return affine_reference(gdn_chunked, q, k, v, g, beta, scale, chunk_size)
+        return affine_kernels(_fwd_kernel, q, k, v, g, beta, scale, chunk_size, on_state)
+    return affine_reference(gdn_chunked, q, k, v, g, beta, scale, chunk_size, on_state)
 
 
-def gdn_vjp(q, k, v, g, beta, h0: Tensor, do: Tensor, d_final: Tensor, scale: float, chunk_size: int):
+def gdn_vjp(q, k, v, g, beta, h0: Tensor, do: Tensor, d_final, scale: float, chunk_size: int):
     """(dq, dk, dv, dg, dbeta, dh0) of chunk_gdn(q, k, v, g, beta, initial_state=h0) for the cotangents do (of o, in
-    v's dtype) and d_final (of the final state), no autograd: context parallelism's backward (ops/delta_rule.py)."""
-    if _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do, d_final):
+    v's dtype) and d_final (of the final state; or a function returning it, called once the recompute is done),
+    no autograd: context parallelism's backward (ops/delta_rule.py)."""
+    if _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do):  # d_final: h0's dtype
         grads = vjp_kernels(_bwd_kernel, q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
     else:
         grads = _reference_bwd(q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
