@@ -6,13 +6,11 @@
     sudo .venv/bin/python bench/cp.py --mixer gdn --ps 4 8    (Gated DeltaNet, K = V = 128: All-Scan vs all-gather)
     .venv/bin/python bench/cp.py --mixer kda --no-netns --ps 2   (Kimi Delta Attention: the operator's own cost)
 
---mixer gdn runs the same rows on Gated DeltaNet's operator (context_parallel/gdn.py), --mixer kda on Kimi Delta
-Attention's (the same operator with chunk_kda, g [B, T, H, K]): ideal = chunk_gdn / chunk_kda on the slice, the
-operator = gdn_context_parallel (the plain local pass and a K x K transition pass for (U, M, r), then the scan,
-which it waits for: no overlap, so the overhead target is GLA's only; its own target is the no-comm op at most
-1.3x the ideal, judged on wall time and, separately, on CPU time), the all-gather = fla's KCP exchange (every
-rank's (U, M): (P-1) x (1 + K/V) states forward), All-Scan's blocks cut along V. The comparison is the same:
-All-Scan against the all-gather at every P > 2.
+--mixer gdn / kda run the same rows on Gated DeltaNet's / Kimi Delta Attention's operator (context_parallel/gdn.py):
+ideal = chunk_gdn / chunk_kda on the slice, the operator = gdn_context_parallel (the plain local pass and a K x K
+transition pass for (U, M, r); the scan waits for (U, M), so the overhead target is GLA's only; its own target:
+the no-comm op at most 1.3x the ideal, wall and CPU time), the all-gather = fla's KCP exchange ((U, M): (P-1) x
+(1 + K/V) states forward), All-Scan's blocks cut along V; All-Scan against the all-gather at every P > 2.
 
 Shape: B = 1, H = 8 heads, key/value head dims K = 128, V = 256, T_local = 2048 tokens per rank in chunks
 of 64 (32 chunks per rank), fp32; weak scaling as in the ZeCO paper (the sequence is P * T_local). A state
@@ -81,14 +79,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock
+from megatron_zpp.testing.cp_operators import DELTA_RULE, NO_COMM, make_inputs, run_operator
 from megatron_zpp.testing.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
-NO_COMM = "none"
 DELTA_COST_TARGET = 1.3  # GDN's and KDA's CP operator against the plain local pass (issue 41)
-DELTA_RULE = ("gdn", "kda")  # Gated DeltaNet and Kimi Delta Attention: one CP operator (context_parallel/gdn.py)
 OVERHEAD_TARGET_PCT, OVERHEAD_TARGET_PS = 5.0, (2, 4)
 
 
@@ -116,75 +113,9 @@ def block_extent(cfg: dict) -> int:
 # ---------------------------------------------------------------- one rank
 
 
-def make_inputs(cfg: dict, rank: int) -> dict:
-    """This rank's slice (GLA: q, k, v, g; GDN: L2-normalised q, k, v, g per head, beta; as leaves), states of the
-    scan's sizes for comm-only and the slice's transition (GLA: its decay; GDN: a K x K matrix)."""
-    from megatron_zpp.context_parallel.transition import Decay, Dense
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    T, H, K, V = cfg["t_local"], cfg["heads"], cfg["head_k"], cfg["head_v"]
-    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(1, T, H, V, generator=gen)
-    S, dS = (torch.randn(1, H, K, V, generator=gen) for _ in range(2))
-    if cfg["mixer"] in DELTA_RULE:  # KDA: one decay per key channel
-        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-        gate = (1, T, H, K) if cfg["mixer"] == "kda" else (1, T, H)
-        g = torch.nn.functional.logsigmoid(torch.randn(*gate, generator=gen)) / 16
-        beta = torch.rand(1, T, H, generator=gen)
-        transition = Dense(torch.randn(1, H, K, K, generator=gen) / K)
-        return {"leaves": [x.requires_grad_() for x in (q, k, v, g, beta)], "S": S, "T": transition, "dS": dS}
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # log decay <= 0
-    return {"leaves": [x.requires_grad_() for x in (q, k, v, g)], "S": S, "T": Decay(g.detach().sum(1)), "dS": dS}
-
-
-class SilentScan:
-    """Sends nothing, returns zero states: run through the operator, it leaves the operator's own arithmetic
-    (the local pass split in two, the state correction and its gradients, the thread), so that the
-    communication a real scan leaves exposed is measured against it rather than against the ideal."""
-
-    def forward(self, S_loc, transition, head):
-        return torch.zeros_like(S_loc)
-
-    def backward(self, dS_corr):
-        return torch.zeros_like(dS_corr)
-
-
-def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int, mixer: str) -> None:
-    from megatron_zpp.context_parallel import gla_context_parallel
-    from megatron_zpp.context_parallel.gdn import gdn_context_parallel, scanned_gdn
-    from megatron_zpp.context_parallel.gla import ContextParallelGLA
-    from megatron_zpp.ops.gdn import chunk_gdn
-    from megatron_zpp.ops.gla import chunk_gla_local
-    from megatron_zpp.ops.kda import chunk_kda
-
-    for t in x["leaves"]:
-        t.grad = None
-    scale = x["leaves"][0].shape[-1] ** -0.5
-    op = {"gdn": chunk_gdn, "kda": chunk_kda}.get(mixer)
-    if algo is None:
-        o = (op or chunk_gla_local)(*x["leaves"], chunk_size=chunk)[0]
-    elif algo == NO_COMM and op is not None:
-        o = scanned_gdn(*x["leaves"], SilentScan(), None, scale, chunk, None, op)
-    elif algo == NO_COMM:
-        o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), scale, chunk)
-    elif op is not None:
-        o = gdn_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk, op=op)
-    else:
-        o = gla_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
-    o.sum().backward()
-
-
-def timed(fn) -> float:
-    """Seconds of fn() on this rank after a barrier (every rank starts together)."""
-    dist.barrier()
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def timed_cpu(fn) -> tuple[float, float]:
-    """(wall, CPU) seconds of fn() on this rank after a barrier. CPU time is the process's (all its threads): on a
-    shared machine, the arithmetic's own cost without the waits for a core that inflate the wall time."""
+def timed(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of fn() on this rank after a barrier (every rank starts together). CPU time is the
+    process's (all its threads): on a shared machine the arithmetic's own cost, without the waits for a core."""
     dist.barrier()
     t, c = time.perf_counter(), time.process_time()
     fn()
@@ -223,13 +154,13 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     for it in range(cfg["warmup"] + cfg["iters"]):
         keep = it >= cfg["warmup"]
         for name, fn in op.items():
-            t, c = timed_cpu(fn)
+            t, c = timed(fn)
             times[name] += [t] if keep else []
             cpu_s[name] += [c] if keep else []
         for _ in range(cfg["comm_reps"]):
             for name, scan in scans.items():
-                f = timed(lambda s=scan: s.forward(x["S"], x["T"], None))
-                b = timed(lambda s=scan: s.backward(x["dS"]))
+                f = timed(lambda s=scan: s.forward(x["S"], x["T"], None))[0]
+                b = timed(lambda s=scan: s.backward(x["dS"]))[0]
                 comm[name] += [(f, b)] if keep else []
     k_auto = auto_blocks(state_bytes(cfg), cp, cpu, extent)
     return {"times": times, "cpu": cpu_s, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
@@ -344,13 +275,8 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
     }
     own = rows["no-comm op"]  # the operator's own arithmetic against the plain local pass, wall and CPU time
     cost = {"wall": own["e2e_ms"] / rows["ideal"]["e2e_ms"], "cpu": own["cpu_ms"] / rows["ideal"]["cpu_ms"]}
-    return {
-        "k_auto": per_rank[0]["k_auto"],
-        "link": per_rank[0]["link"],
-        "rows": rows,
-        "auto_vs_all_gather": vs,
-        "operator_cost": cost,
-    }
+    out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    return {**out, "operator_cost": cost}
 
 
 def cores_label(P: int) -> str:
@@ -494,9 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-k", type=int, default=128)
     ap.add_argument("--head-v", type=int, default=None, help="value head dim (default GLA 256, GDN 128)")
-    ap.add_argument(
-        "--mixer", choices=["gla", *DELTA_RULE], default="gla", help="the CP operator: GLA, Gated DeltaNet or KDA"
-    )
+    ap.add_argument("--mixer", choices=["gla", *DELTA_RULE], default="gla", help="the CP operator: GLA, GDN or KDA")
     ap.add_argument(
         "--t-local", type=int, default=None, help="tokens per rank (weak scaling; default 2048, quick 1024)"
     )

@@ -1,13 +1,14 @@
-"""Gated DeltaNet under context parallelism: All-Scan over an affine state map.
+"""Gated DeltaNet and Kimi Delta Attention under context parallelism: All-Scan over an affine state map.
 
-Rank p's slice acts on the state entering it affinely (ops/gdn.py):
+Rank p's slice acts on the state entering it affinely (ops/gdn.py, ops/kda.py):
 
     S_out = M S_in + U,      o_t = o_loc,t + r_t^T S_in,      r_t = scale * P_t^T q_t
 
-with P_t the product of the slice's transitions a_s (I - b_s k_s k_s^T) up to token t, M = P_T
-[B,H,K,K] and (o_loc, U) the slice's pass from a zero state. All four come from the local chunked
-operator run on [v, 0_K] from the initial state [0, I_K] (`local_affine`). The state entering
-each slice is the scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one of
+with P_t the product of the slice's transitions a_s (I - b_s k_s k_s^T) (KDA: (I - b_s k_s k_s^T) Diag(a_s))
+up to token t, M = P_T [B,H,K,K] and (o_loc, U) the slice's pass from a zero state. `local_affine` gets all
+four from the plain local pass and a transition pass over K x K matrices built on its WY form
+(ops/delta_rule.py; `op` names the family: chunk_gdn or chunk_kda). The state entering each slice is the
+scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one of
 
     "all-scan"    ZeCO's pipelined chain (all_scan.py), blocks cut along V (M mixes the K rows):
                   one state [B,H,K,V] sent per rank each way, whatever P
@@ -16,11 +17,13 @@ each slice is the scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one o
     "ring"        LASP-1 (ring.py): the chain with whole states, latency P * tau(state)
 
 Backward: the gradient reaching S_in from this slice's outputs, dS_corr = sum_t r_t do_t^T, goes
-through the reverse scan dS_in(p) = dS_corr(p) + M(p)^T dS_out(p); this rank's (U, M) get dU =
-dS_out and dM = dS_out S_in^T, and the local operator's backward carries them on to q, k, v, g, b.
+through the reverse scan dS_in(p) = dS_corr(p) + M(p)^T dS_out(p); then one backward of the plain op at
+the entering state S_in with the cotangents (do, dS_out) gives q, k, v, g, beta their gradients (the
+slice's outputs and leaving state are exactly the op's from S_in) and rank 0's head its own.
 
-The scan waits for the local operator (M and U come out of the same pass as o_loc), so its
-latency is not hidden behind local work as GLA's is (gla.py).
+The forward scan needs (U, M) only: it starts in a background thread as soon as they are known and runs
+while (o_loc, r) are computed; the reverse scan runs while that backward recomputes the states at S_in
+(the chunked PyTorch forms; a kernel launch returns everything at once).
 
 The short convolution before the operator reads kernel-1 tokens of the previous slice: halo.py.
 """

@@ -14,16 +14,19 @@ out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp
     chunk_gdn             chunked WY/UT form with its own backward (ops/gdn_chunked.py describes it); the
                           Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`)
 
-Context parallelism. A slice's entering state acts affinely: S_out = M S_in + U_loc and
-o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+Context parallelism (context_parallel/gdn.py). A slice's entering state acts affinely: S_out = M S_in + U_loc
+and o = o_loc + r S_in, r_t = scale * P_t^T q_t, P_t the product of the transitions up to t and M = P_T.
+`gdn_affine` gives (o_loc, r, U_loc, M): the plain pass, then a transition pass over K x K matrices on its WY
+form (ops/delta_rule.py), not K more value columns; `gdn_vjp` is the backward of chunk_gdn at the entering state
+(the slice's outputs and leaving state are chunk_gdn(..., initial_state=S_in) exactly). The identity
 
     chunk_gdn(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
-        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+        == (o' = [o_loc, r], final_state = [U_loc, M])      (V + K value columns)
 
-since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
-transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
-The Triton kernels take V <= 128 (KERNEL_V): chunk_gdn runs a wider V (V + K = 256 at K = V = 128) in column
-groups of 128, exactly, since the state's columns never mix; the caller makes one call whatever the widths.
+(the recurrence is linear in (v, S) jointly) is what the tests check those against. The op takes any V != K
+and an initial state that requires grad (its gradient is returned). The Triton kernels take V <= 128
+(KERNEL_V): chunk_gdn runs a wider V in column groups of 128, exactly, since the state's columns never mix; the
+caller makes one call whatever the widths.
 """
 
 from __future__ import annotations

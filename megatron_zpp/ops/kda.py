@@ -15,17 +15,19 @@ g [B, T, H, K]; beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype
     chunk_kda             chunked WY/UT form with its own backward (ops/kda_chunked.py describes it); the
                           Triton kernels on CUDA when they take the call (`chunk_kda_uses_kernels`)
 
-Context parallelism, as for Gated DeltaNet (ops/gdn.py). A slice's entering state acts affinely:
-S_out = M S_in + U_loc with M = prod_t (I - b_t k_t k_t^T) Diag(a_t) a dense K x K matrix, and
-o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+Context parallelism (context_parallel/gdn.py). A slice's entering state acts affinely: S_out = M S_in + U_loc
+and o = o_loc + r S_in, r_t = scale * P_t^T q_t, P_t the product of the transitions up to t and M = P_T.
+`kda_affine` gives (o_loc, r, U_loc, M): the plain pass, then a transition pass over K x K matrices on its WY
+form (ops/delta_rule.py), not K more value columns; `kda_vjp` is the backward of chunk_kda at the entering state
+(the slice's outputs and leaving state are chunk_kda(..., initial_state=S_in) exactly). The identity
 
     chunk_kda(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
-        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+        == (o' = [o_loc, r], final_state = [U_loc, M])      (V + K value columns)
 
-since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
-transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
-The Triton kernels take V <= 128 (KERNEL_V): chunk_kda runs a wider V in column groups of 128, exactly, since
-the state's columns never mix.
+(the recurrence is linear in (v, S) jointly) is what the tests check those against. The op takes any V != K
+and an initial state that requires grad (its gradient is returned). The Triton kernels take V <= 128
+(KERNEL_V): chunk_kda runs a wider V in column groups of 128, exactly, since the state's columns never mix; the
+caller makes one call whatever the widths.
 """
 
 from __future__ import annotations
