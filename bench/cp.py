@@ -4,12 +4,13 @@
     sudo .venv/bin/python bench/cp.py           (P = 2, 4, 8 on loopback and on the shaped link, ~20 min on 2 cores)
     .venv/bin/python bench/cp.py --no-netns --ps 2 4 --blocks 8 --iters 4
     sudo .venv/bin/python bench/cp.py --mixer gdn --ps 4 8    (Gated DeltaNet, K = V = 128: All-Scan vs all-gather)
+    .venv/bin/python bench/cp.py --mixer kda --no-netns --ps 2   (Kimi Delta Attention: the operator's own cost)
 
---mixer gdn runs the same rows on Gated DeltaNet's operator (context_parallel/gdn.py): ideal = chunk_gdn on the
-slice, the operator = gdn_context_parallel (its local pass on [v, 0_K] from [0, I_K], then the scan, which it
-waits for: no overlap, so the overhead target is GLA's only), the all-gather = fla's KCP exchange (every rank's
-(U, M): (P-1) x (1 + K/V) states forward), All-Scan's blocks cut along V. The comparison is the same: All-Scan
-against the all-gather at every P > 2.
+--mixer gdn / kda run the same rows on Gated DeltaNet's / Kimi Delta Attention's operator (context_parallel/gdn.py):
+ideal = chunk_gdn / chunk_kda on the slice, the operator = gdn_context_parallel (the plain local pass and a K x K
+transition pass for (U, M, r); the scan waits for (U, M), so the overhead target is GLA's only; its own target:
+the no-comm op at most 1.3x the ideal, wall and CPU time), the all-gather = fla's KCP exchange ((U, M): (P-1) x
+(1 + K/V) states forward), All-Scan's blocks cut along V; All-Scan against the all-gather at every P > 2.
 
 Shape: B = 1, H = 8 heads, key/value head dims K = 128, V = 256, T_local = 2048 tokens per rank in chunks
 of 64 (32 chunks per rank), fp32; weak scaling as in the ZeCO paper (the sequence is P * T_local). A state
@@ -31,7 +32,8 @@ Rows, every one on the same tensors (each rank its own slice, the same seed in e
   ring           LASP-1: serial ring of whole states
 What is measured, on every rank, all rows interleaved in every iteration (a load change hits all alike):
   e2e         the operator: dist.barrier(), then gla_context_parallel forward + backward (loss o.sum(),
-              autograd; the scan runs in its background thread under the local work), wall time
+              autograd; the scan runs in its background thread under the local work), wall time; and
+              the process's CPU time (time.process_time: on a shared machine the arithmetic's own cost)
   comm-only   the scan alone: the same scan object the operator builds (context_parallel.scans.make_scan:
               AllScan(cp, K), GatherScan, RingScan) on random states of the operator's sizes (S_loc and
               dS_corr [B,H,K,V] fp32, log gamma [B,H,K]): dist.barrier(), scan.forward, dist.barrier(),
@@ -77,12 +79,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock
+from megatron_zpp.testing.cp_operators import DELTA_RULE, NO_COMM, make_inputs, run_operator
 from megatron_zpp.testing.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 AUTO = "all-scan auto"  # the row the targets judge: what gla_context_parallel runs by default
-NO_COMM = "none"
+DELTA_COST_TARGET = 1.3  # GDN's and KDA's CP operator against the plain local pass (issue 41)
 OVERHEAD_TARGET_PCT, OVERHEAD_TARGET_PS = 5.0, (2, 4)
 
 
@@ -99,78 +102,24 @@ def state_bytes(cfg: dict) -> int:
 
 
 def label(cfg: dict) -> str:
-    return "Gated DeltaNet" if cfg["mixer"] == "gdn" else "GLA"
+    return {"gdn": "Gated DeltaNet", "kda": "Kimi Delta Attention"}.get(cfg["mixer"], "GLA")
 
 
 def block_extent(cfg: dict) -> int:
-    """The state dimension All-Scan's blocks cut: K for GLA, V for GDN (its M mixes the K rows)."""
-    return cfg["head_v"] if cfg["mixer"] == "gdn" else cfg["head_k"]
+    """The state dimension All-Scan's blocks cut: K for GLA, V for GDN and KDA (their M mixes the K rows)."""
+    return cfg["head_v"] if cfg["mixer"] in DELTA_RULE else cfg["head_k"]
 
 
 # ---------------------------------------------------------------- one rank
 
 
-def make_inputs(cfg: dict, rank: int) -> dict:
-    """This rank's slice (GLA: q, k, v, g; GDN: L2-normalised q, k, v, g per head, beta; as leaves), states of the
-    scan's sizes for comm-only and the slice's transition (GLA: its decay; GDN: a K x K matrix)."""
-    from megatron_zpp.context_parallel.transition import Decay, Dense
-
-    gen = torch.Generator().manual_seed(1234 + rank)
-    T, H, K, V = cfg["t_local"], cfg["heads"], cfg["head_k"], cfg["head_v"]
-    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(1, T, H, V, generator=gen)
-    S, dS = (torch.randn(1, H, K, V, generator=gen) for _ in range(2))
-    if cfg["mixer"] == "gdn":
-        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-        g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, generator=gen)) / 16
-        beta = torch.rand(1, T, H, generator=gen)
-        transition = Dense(torch.randn(1, H, K, K, generator=gen) / K)
-        return {"leaves": [x.requires_grad_() for x in (q, k, v, g, beta)], "S": S, "T": transition, "dS": dS}
-    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)) / 16  # log decay <= 0
-    return {"leaves": [x.requires_grad_() for x in (q, k, v, g)], "S": S, "T": Decay(g.detach().sum(1)), "dS": dS}
-
-
-class SilentScan:
-    """Sends nothing, returns zero states: run through the operator, it leaves the operator's own arithmetic
-    (the local pass split in two, the state correction and its gradients, the thread), so that the
-    communication a real scan leaves exposed is measured against it rather than against the ideal."""
-
-    def forward(self, S_loc, transition, head):
-        return torch.zeros_like(S_loc)
-
-    def backward(self, dS_corr):
-        return torch.zeros_like(dS_corr)
-
-
-def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int, mixer: str) -> None:
-    from megatron_zpp.context_parallel import gla_context_parallel
-    from megatron_zpp.context_parallel.gdn import gdn_context_parallel, scanned_gdn
-    from megatron_zpp.context_parallel.gla import ContextParallelGLA
-    from megatron_zpp.ops.gdn import chunk_gdn
-    from megatron_zpp.ops.gla import chunk_gla_local
-
-    for t in x["leaves"]:
-        t.grad = None
-    scale = x["leaves"][0].shape[-1] ** -0.5
-    if algo is None:
-        local = chunk_gdn if mixer == "gdn" else chunk_gla_local
-        o = local(*x["leaves"], chunk_size=chunk)[0]
-    elif algo == NO_COMM and mixer == "gdn":
-        o = scanned_gdn(*x["leaves"], SilentScan(), None, scale, chunk)
-    elif algo == NO_COMM:
-        o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), scale, chunk)
-    else:
-        operator = gdn_context_parallel if mixer == "gdn" else gla_context_parallel
-        o = operator(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
-    o.sum().backward()
-
-
-def timed(fn) -> float:
-    """Seconds of fn() on this rank after a barrier (every rank starts together)."""
+def timed(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of fn() on this rank after a barrier (every rank starts together). CPU time is the
+    process's (all its threads): on a shared machine the arithmetic's own cost, without the waits for a core."""
     dist.barrier()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def ledger_bytes(fn) -> dict:
@@ -201,19 +150,20 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
     extent = block_extent(cfg)
     scans = {n: make_scan(a, cp, b, state_bytes(cfg), cpu, extent) for n, a, b in rows if a not in (None, NO_COMM)}
     ledger = {name: ledger_bytes(fn) for name, fn in op.items()}  # one call each: also the first warmup
-    times, comm = {name: [] for name in op}, {name: [] for name in scans}
+    times, comm, cpu_s = {name: [] for name in op}, {name: [] for name in scans}, {name: [] for name in op}
     for it in range(cfg["warmup"] + cfg["iters"]):
         keep = it >= cfg["warmup"]
         for name, fn in op.items():
-            t = timed(fn)
+            t, c = timed(fn)
             times[name] += [t] if keep else []
+            cpu_s[name] += [c] if keep else []
         for _ in range(cfg["comm_reps"]):
             for name, scan in scans.items():
-                f = timed(lambda s=scan: s.forward(x["S"], x["T"], None))
-                b = timed(lambda s=scan: s.backward(x["dS"]))
+                f = timed(lambda s=scan: s.forward(x["S"], x["T"], None))[0]
+                b = timed(lambda s=scan: s.backward(x["dS"]))[0]
                 comm[name] += [(f, b)] if keep else []
     k_auto = auto_blocks(state_bytes(cfg), cp, cpu, extent)
-    return {"times": times, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
+    return {"times": times, "cpu": cpu_s, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
 
 
 def worker_main(out_path: str, cfg_json: str) -> None:
@@ -283,9 +233,9 @@ def iqr(xs: list[float]) -> float:
     return q3 - q1
 
 
-def slowest(per_rank: list[dict], name: str) -> list[float]:
-    """Per iteration, the slowest rank's e2e time (s)."""
-    return [max(ts) for ts in zip(*(r["times"][name] for r in per_rank))]
+def slowest(per_rank: list[dict], name: str, what: str = "times") -> list[float]:
+    """Per iteration, the slowest rank's e2e time (s), or its CPU time (what="cpu")."""
+    return [max(ts) for ts in zip(*(r[what][name] for r in per_rank))]
 
 
 def slowest_comm(per_rank: list[dict], name: str) -> tuple[list[float], list[float]]:
@@ -305,6 +255,7 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
             "e2e_ms": 1e3 * statistics.median(e2e),
             "samples_ms": [round(1e3 * s, 1) for s in e2e],
             "overhead_pct": 100 * (statistics.median(e2e) / statistics.median(ideal) - 1),
+            "cpu_ms": 1e3 * statistics.median(slowest(per_rank, name, "cpu")),
             "ledger_states_max_rank": {d: b / state_bytes(cfg) for d, b in led.items()},
         }
         if name in per_rank[0]["comm"]:  # a real scan: what it left exposed, and its own time
@@ -322,7 +273,10 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
         "iterations": len(sc),
         "comm_ratio": rows["all-gather"]["comm_ms"] / rows[AUTO]["comm_ms"],
     }
-    return {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    own = rows["no-comm op"]  # the operator's own arithmetic against the plain local pass, wall and CPU time
+    cost = {"wall": own["e2e_ms"] / rows["ideal"]["e2e_ms"], "cpu": own["cpu_ms"] / rows["ideal"]["cpu_ms"]}
+    out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    return {**out, "operator_cost": cost}
 
 
 def cores_label(P: int) -> str:
@@ -357,7 +311,11 @@ def print_setting(title: str, res: dict, cfg: dict) -> None:
                 f"{lead} {name:<14} {row_k(name, r):>3} {v['e2e_ms']:9.1f} {v['overhead_pct']:+6.1f} {exp:>18} "
                 f"{com:>32} {st['fwd']:6.2f}+{st['bwd']:<6.2f}"
             )
-        vs = r["auto_vs_all_gather"]
+        vs, cost = r["auto_vs_all_gather"], r["operator_cost"]
+        print(
+            f"{'':>31} CP operator's own arithmetic (no-comm op / ideal): wall x{cost['wall']:.3f}, CPU time "
+            f"x{cost['cpu']:.3f} (ideal {r['rows']['ideal']['cpu_ms']:.1f} ms CPU)"
+        )
         print(
             f"{'':>31} all-scan auto vs all-gather: e2e x{vs['e2e_ratio']:.3f} (faster in {vs['e2e_wins']}/"
             f"{vs['iterations']} iterations), comm-only x{vs['comm_ratio']:.2f}"
@@ -401,7 +359,7 @@ def zeco_table(results: dict, cfg: dict) -> dict:
 
 def check_targets(results: dict, cfg: dict) -> list[dict]:
     """Each target with its measured value and whether met. The overhead target is GLA's (its scan hides
-    behind the local pass); GDN's operator waits for its scan and runs the local pass on V + K columns."""
+    behind the local pass); GDN's and KDA's operator waits for its scan: its own arithmetic has its target."""
     out = []
 
     def add(what, value, met):
@@ -415,6 +373,10 @@ def check_targets(results: dict, cfg: dict) -> list[dict]:
                 ovh, own = sc["overhead_pct"], r["rows"]["no-comm op"]["overhead_pct"]
                 value = f"{ovh:+.1f}% (no-comm op {own:+.1f}%, exposed {sc['exposed_ms']:.1f} ms)"
                 add(f"{where}: All-Scan overhead over ideal <= {OVERHEAD_TARGET_PCT:g}%", value, ovh <= 5)
+            if cfg["mixer"] in DELTA_RULE:
+                for what, ratio in r["operator_cost"].items():
+                    target = f"{where}: CP operator (no comm) <= {DELTA_COST_TARGET:g}x the plain local pass, {what}"
+                    add(target, f"x{ratio:.3f}", ratio <= DELTA_COST_TARGET)
             if P > 2:
                 e2e, comm = ag["e2e_ms"] / sc["e2e_ms"], ag["comm_ms"] / sc["comm_ms"]
                 add(f"{where}: All-Scan faster than all-gather, e2e", f"all-gather/All-Scan {e2e:.3f}", e2e > 1)
@@ -440,7 +402,7 @@ def print_ledger(res: dict, cfg: dict) -> None:
         if name != "ideal":
             cells = [res[P]["rows"][name]["ledger_states_max_rank"] for P in res]
             print(f"{name:16}" + "".join(f"{c['fwd']:7.2f} +{c['bwd']:6.2f}" for c in cells))
-    if cfg["mixer"] == "gdn":
+    if cfg["mixer"] in DELTA_RULE:
         print("   (all-gather forward also carries the P-1 transitions M: (P-1) * (1 + K/V) states)")
     else:
         print("   (all-gather forward also carries the P-1 gammas: (P-1) * (1 + 1/V) states)")
@@ -458,7 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-k", type=int, default=128)
     ap.add_argument("--head-v", type=int, default=None, help="value head dim (default GLA 256, GDN 128)")
-    ap.add_argument("--mixer", choices=["gla", "gdn"], default="gla", help="the CP operator: GLA or Gated DeltaNet")
+    ap.add_argument("--mixer", choices=["gla", *DELTA_RULE], default="gla", help="the CP operator: GLA, GDN or KDA")
     ap.add_argument(
         "--t-local", type=int, default=None, help="tokens per rank (weak scaling; default 2048, quick 1024)"
     )
@@ -476,7 +438,7 @@ def make_cfg(a: argparse.Namespace) -> dict:
     cfg = {
         "heads": a.heads,
         "head_k": a.head_k,
-        "head_v": a.head_v or (128 if a.mixer == "gdn" else 256),
+        "head_v": a.head_v or (128 if a.mixer in DELTA_RULE else 256),
         "mixer": a.mixer,
         "t_local": a.t_local or (1024 if a.quick else 2048),
         "chunk": a.chunk_size,

@@ -1,13 +1,14 @@
 """Gated DeltaNet and Kimi Delta Attention under context parallelism: All-Scan over an affine state map.
 
-Rank p's slice acts on the state entering it affinely (ops/gdn.py):
+Rank p's slice acts on the state entering it affinely (ops/gdn.py, ops/kda.py):
 
     S_out = M S_in + U,      o_t = o_loc,t + r_t^T S_in,      r_t = scale * P_t^T q_t
 
-with P_t the product of the slice's transitions a_s (I - b_s k_s k_s^T) up to token t, M = P_T
-[B,H,K,K] and (o_loc, U) the slice's pass from a zero state. All four come from the local chunked
-operator run on [v, 0_K] from the initial state [0, I_K] (`local_affine`). The state entering
-each slice is the scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one of
+with P_t the product of the slice's transitions a_s (I - b_s k_s k_s^T) (KDA: (I - b_s k_s k_s^T) Diag(a_s))
+up to token t, M = P_T [B,H,K,K] and (o_loc, U) the slice's pass from a zero state. `local_affine` gets all
+four from the plain local pass and a transition pass over K x K matrices built on its WY form
+(ops/delta_rule.py; `op` names the family: chunk_gdn or chunk_kda). The state entering each slice is the
+scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one of
 
     "all-scan"    ZeCO's pipelined chain (all_scan.py), blocks cut along V (M mixes the K rows):
                   one state [B,H,K,V] sent per rank each way, whatever P
@@ -16,11 +17,13 @@ each slice is the scan over ranks S_in(p+1) = M(p) S_in(p) + U(p), done by one o
     "ring"        LASP-1 (ring.py): the chain with whole states, latency P * tau(state)
 
 Backward: the gradient reaching S_in from this slice's outputs, dS_corr = sum_t r_t do_t^T, goes
-through the reverse scan dS_in(p) = dS_corr(p) + M(p)^T dS_out(p); this rank's (U, M) get dU =
-dS_out and dM = dS_out S_in^T, and the local operator's backward carries them on to q, k, v, g, b.
+through the reverse scan dS_in(p) = dS_corr(p) + M(p)^T dS_out(p); then one backward of the plain op at
+the entering state S_in with the cotangents (do, dS_out) gives q, k, v, g, beta their gradients (the
+slice's outputs and leaving state are exactly the op's from S_in) and rank 0's head its own.
 
-The scan waits for the local operator (M and U come out of the same pass as o_loc), so its
-latency is not hidden behind local work as GLA's is (gla.py).
+The forward scan needs (U, M) only: it starts in a background thread as soon as they are known and runs
+while (o_loc, r) are computed; the reverse scan runs while that backward recomputes the states at S_in
+(the chunked PyTorch forms; a kernel launch returns everything at once).
 
 The short convolution before the operator reads kernel-1 tokens of the previous slice: halo.py.
 
@@ -34,49 +37,60 @@ import torch
 from torch import Tensor
 
 from .. import recompute
-from ..ops.gdn import chunk_gdn
+from ..ops.gdn import chunk_gdn, gdn_affine, gdn_vjp
+from ..ops.kda import chunk_kda, kda_affine, kda_vjp
 from ..topology import Group
-from .scans import check_algo, make_scan
+from .scans import Known, check_algo, make_scan, overlapped
 from .transition import Dense
+
+# the op a layer names -> its context-parallel passes (ops/delta_rule.py): (o_loc, r, U, M) and the backward
+PASSES = {chunk_gdn: (gdn_affine, gdn_vjp), chunk_kda: (kda_affine, kda_vjp)}
 
 
 def local_affine(
-    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn
+    q, k, v, g, beta, scale: float, chunk_size: int, op=chunk_gdn, on_state=None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype
-    (fp32, or fp64 for fp64 inputs): one `op` call (chunk_gdn, or chunk_kda with g [B,T,H,K]) on [v, 0_K]
-    from [0, I_K] (it runs the V + K columns in the kernels' widths itself)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dt = torch.promote_types(torch.promote_types(q.dtype, v.dtype), torch.float32)
-    eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
-    wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
-    h0 = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)
-    o, S = op(q, k, wide, g, beta, scale, h0, True, chunk_size, out_dtype=dt)
-    return o[..., :V], o[..., V:], S[..., :V], S[..., V:]
+    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of this slice, in the state's dtype (fp32, or fp64
+    for fp64 inputs), no autograd: `op`'s plain local pass and its transition pass (ops/delta_rule.py);
+    on_state(U, M) as soon as the two are known, before (o_loc, r)."""
+    return PASSES[op][0](q, k, v, g, beta, scale, chunk_size, on_state)
 
 
-class EnteringState(torch.autograd.Function):
-    """apply(U, M, head, scan) -> S_in [B,H,K,V]: the scan over the CP ranks of S_out = M S_in + U.
+class ScannedDeltaRule(torch.autograd.Function):
+    """apply(q, k, v, g, beta, head, scan, scale, chunk_size, op) -> o [B,T,H,V] in the state's dtype: the local
+    affine pass, S_in by `scan` (the scan over the CP ranks of S_out = M S_in + U; head: the state entering rank
+    0's slice, None elsewhere or for zeros), and o = o_loc + r S_in. The scan starts, in a background thread, as
+    soon as (U, M) are known and runs while (o_loc, r) are computed.
 
-    head: the state entering rank 0's slice (None elsewhere, or for zeros). An activation-recompute
-    rerun gets the state its first run received (recompute.recall): no second scan."""
+    Backward: dS_corr = r^T do first (the gradient reaching S_in from this slice's outputs), then the reverse
+    scan dS_out, in the background while the backward of the plain op at S_in recomputes its states, then the
+    rest of that backward with (do, dS_out), which gives q..beta their gradients and the head dS_corr + M^T dS_out.
+    An activation-recompute rerun gets the state its first run received (recompute.recall): no second scan."""
 
     @staticmethod
-    def forward(ctx, U, M, head, scan):
-        kept = recompute.recall()
-        S_in = kept if kept is not None else recompute.remember(scan.forward(U, Dense(M), head))
-        ctx.save_for_backward(M, S_in)
-        ctx.scan, ctx.has_head = scan, head is not None
-        return S_in
+    def forward(ctx, q, k, v, g, beta, head, scan, scale, chunk_size, op):
+        kept, pending = recompute.recall(), []
+
+        def start(U, M):
+            entering = None if head is None else head.to(U.dtype)
+            pending.append(Known(kept) if kept is not None else overlapped(scan.forward, U, Dense(M), entering))
+
+        o_loc, r, _, _ = local_affine(q, k, v, g, beta, scale, chunk_size, op, start)
+        S_in = recompute.remember(pending[0].result())
+        ctx.save_for_backward(q, k, v, g, beta, r, S_in)
+        ctx.scan, ctx.scale, ctx.chunk_size, ctx.op = scan, scale, chunk_size, op
+        ctx.head_dtype = None if head is None else head.dtype
+        return o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
 
     @staticmethod
-    def backward(ctx, dS_corr):
-        M, S_in = ctx.saved_tensors
-        dS_out = ctx.scan.backward(dS_corr.contiguous())  # zeros on the last rank
-        dM = torch.einsum("bhiv,bhjv->bhij", dS_out, S_in)
-        d_head = dS_corr + Dense(M).apply_transposed(dS_out) if ctx.has_head else None
-        return dS_out, dM, d_head, None
+    def backward(ctx, do):
+        q, k, v, g, beta, r, S_in = ctx.saved_tensors
+        dS_corr = torch.einsum("bthk,bthv->bhkv", r, do.to(r.dtype))
+        pending = overlapped(ctx.scan.backward, dS_corr.contiguous())  # dS_out: zeros on the last rank
+        vjp = PASSES[ctx.op][1]
+        *grads, dh0 = vjp(q, k, v, g, beta, S_in, do.to(v.dtype), pending.result, ctx.scale, ctx.chunk_size)
+        d_head = None if ctx.head_dtype is None else dh0.to(ctx.head_dtype)
+        return (*grads, d_head, None, None, None, None)
 
 
 def gdn_context_parallel(
@@ -116,9 +130,7 @@ def gdn_context_parallel(
 def scanned_gdn(
     q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
 ) -> Tensor:
-    """This slice's output: the local affine pass (`op`: chunk_gdn or chunk_kda), S_in from `scan` (any object
-    with the scans' forward and backward), and the correction r^T S_in."""
-    o_loc, r, U, M = local_affine(q, k, v, g, beta, scale, chunk_size, op)
-    S_in = EnteringState.apply(U, M, None if head is None else head.to(U.dtype), scan)
-    o = o_loc + torch.einsum("bthk,bhkv->bthv", r, S_in)
+    """This slice's output (`op`: chunk_gdn or chunk_kda) with S_in from `scan` (any object with the scans' forward
+    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype."""
+    o = ScannedDeltaRule.apply(q, k, v, g, beta, head, scan, scale, chunk_size, op)
     return o.to(v.dtype if out_dtype is None else out_dtype)

@@ -22,11 +22,8 @@ needs a side stream, not done yet).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from .. import recompute
 from ..ops.gla import (
@@ -39,47 +36,8 @@ from ..ops.gla import (
     chunk_gla_uses_kernels,
 )
 from ..topology import Group
-from .scans import check_algo, make_scan
+from .scans import Known, check_algo, make_scan, overlapped
 from .transition import Decay
-
-
-class _Known:
-    """A result already at hand, read like a _Background's."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class _Background:
-    """Run fn(*args) in a thread; result() joins it and re-raises what it raised."""
-
-    def __init__(self, fn, *args):
-        self.out, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn, args):
-        try:
-            self.out = fn(*args)
-        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
-            self.error = e
-
-    def result(self):
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.out
-
-
-def _overlapped(fn, *args) -> _Background | _Known:
-    """fn(*args) in the background, or at once for fake tensors (a dry run: its FakeTensorMode is the
-    caller thread's, and there is no time to overlap)."""
-    if any(is_fake(a) for a in args if isinstance(a, Tensor)):
-        return _Known(fn(*args))
-    return _Background(fn, *args)
 
 
 def _decayed_queries(q: Tensor, g: Tensor, dt: torch.dtype) -> Tensor:
@@ -108,9 +66,9 @@ class ContextParallelGLA(torch.autograd.Function):
         # an activation-recompute rerun reuses the state its first run received: no second scan
         kept = recompute.recall()
         if kept is not None:
-            pending = _Known(kept)
+            pending = Known(kept)
         else:
-            pending = _overlapped(scan.forward, S_loc, Decay(log_gamma), None if head is None else head.to(dt))
+            pending = overlapped(scan.forward, S_loc, Decay(log_gamma), None if head is None else head.to(dt))
         if ctx.staged:
             stages.intra()
             S_in = recompute.remember(pending.result())
@@ -139,7 +97,7 @@ def _staged_backward(ctx, q, k, v, g, S_in, do):
     """chunk_gla_bwd with initial state S_in and final-state gradient dS_out, whose reverse scan over
     the ranks runs between its stages: the gradient reaching S_in first, then the output gradients."""
     stages = ChunkGLABackward(q, k, v, g, None, do, ctx.scale, ctx.chunk_size, initial_state=S_in)
-    pending = _overlapped(ctx.scan.backward, stages.d_initial)
+    pending = overlapped(ctx.scan.backward, stages.d_initial)
     stages.output_grads()  # while the state gradient travels
     return stages.finish(pending.result())  # dS_out: zeros on the last rank
 
@@ -149,7 +107,7 @@ def _corrected_backward(ctx, q, k, v, g, S_in, log_gamma, do):
     dt, scale, C = S_in.dtype, ctx.scale, ctx.chunk_size
     q_dec, do_t = _decayed_queries(q, g, dt), do.to(dt)
     dS_corr = torch.einsum("bthk,bthv->bhkv", q_dec, do_t) * scale  # gradient reaching S_in
-    pending = _overlapped(ctx.scan.backward, dS_corr)
+    pending = overlapped(ctx.scan.backward, dS_corr)
     states, _ = chunk_gla_fwd_states(k, v, g, None, C)
     dq, dk, dv, dg, _ = chunk_gla_bwd(q, k, v, g, None, do, None, scale, C, states)  # the local part
     dq_corr = torch.einsum("bthv,bhkv->bthk", do_t, S_in) * scale * g.to(dt).cumsum(dim=1).exp()

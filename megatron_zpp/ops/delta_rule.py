@@ -1,16 +1,43 @@
 """What the delta-rule ops (Gated DeltaNet: ops/gdn.py; Kimi Delta Attention: ops/kda.py) share around their
 Triton kernels: which calls the kernels take, and the kernel launches as custom ops with their fakes. The two
 families differ only in the decay's shape: a scalar per head (GDN, g [B, T, H]) or one per key channel (KDA,
-g [B, T, H, K]), so their gate gradient has that shape too."""
+g [B, T, H, K]), so their gate gradient has that shape too.
+
+And the two passes of context parallelism (context_parallel/gdn.py), written once for both families. A slice
+acts on the state entering it affinely, S_out = M S_in + U and o = o_loc + r S_in (r [T, K]):
+
+    affine    (o_loc, r, U, M): the plain local pass from a zero state (o_loc, U), then the transition pass
+              over K x K matrices only. Per chunk n, from the WY form the local pass already built (W [C, K]),
+              the chunk's map of its entering state is
+                  S_out = (D_n - (k exp(suf))^T W) S_in + ...,    o = scale (q exp(G) - A W) S_in + ...
+              (D_n the chunk's decay, scalar or per key row; A the intra-chunk scores), so with P_0 = I,
+                  r_n = scale (q exp(G) - A W) P_n,    P_{n+1} = D_n P_n - (k exp(suf))^T (W P_n),    M = P_N
+              a rank-C update of a K x K matrix per chunk (4 C K^2 flops), not K more value columns through
+              every step of the local pass (U, o and the states' share of its forward and backward).
+    vjp       the backward: the slice's outputs and leaving state are chunk_<op>(q, k, v, g, beta, S_in) exactly,
+              so q..beta get their gradients from ONE backward of the plain op at the entering state S_in with
+              the cotangents (do, dS_out): no gradient flows through r, U or M (their gradients would only
+              reach q..beta again), and dS_in = dS_corr + M^T dS_out comes out as its initial state's gradient.
+
+Overlap (the chunked PyTorch forms): `affine` hands (U, M) to its caller (on_state) before it computes the
+outputs' share (o_loc, r), so the scan runs meanwhile; `vjp` takes dS_out as a function and calls it only once
+the backward's recompute (the WY form and the states from S_in) is done, so the reverse scan runs under that.
+On the kernels a launch returns the outputs and the state together (no side streams yet, as GLA's operator).
+
+On the kernels both run the families' existing kernels (the plain pass in column groups of KERNEL_V, the
+transition pass as a forward on zero values from I, the vjp as their backward from S_in); elsewhere the chunked
+PyTorch forms, sharing the local pass's WY form with the transition pass."""
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from . import dispatch
+from .chunking import compute_dtype, from_chunks, to_chunks
 
 KERNEL_V = 128  # the kernels' widest V: the ops run a wider V in column groups of this width
 
@@ -64,3 +91,67 @@ def kernel_ops(family: str, per_channel_gate: bool):
         return tuple(dispatch.fake_fp32(q, *shape) for shape in shapes)
 
     return fwd_op, bwd_op
+
+
+# ---------------------------------------------------------------- context parallelism's passes
+
+
+def transition_chain(W: Tensor, k_end: Tensor, decay: Tensor) -> tuple[Tensor, Tensor]:
+    """(P [B,H,N,K,K] the transitions from the slice's start to each chunk's, M [B,H,K,K] to its end) from the
+    chunks' W, k exp(suf) [B,H,N,C,K] and decay [B,H,N,1 or K] (a scalar or one per key row):
+    P_0 = I, P_{n+1} = D_n P_n - k_end_n^T (W_n P_n), M = P_N."""
+    B, H, N, C, K = W.shape
+    P = torch.eye(K, dtype=W.dtype, device=W.device).expand(B, H, K, K)
+    prefixes, k_end_t = [], k_end.transpose(-1, -2)
+    for n in range(N):
+        prefixes.append(P)
+        P = decay[:, :, n, :, None] * P - k_end_t[:, :, n] @ (W[:, :, n] @ P)
+    return torch.stack(prefixes, 2), P
+
+
+def affine_reference(chunked: ModuleType, q, k, v, g, beta, scale: float, chunk_size: int, on_state=None):
+    """(o_loc, r, U, M) by the chunked PyTorch form `chunked` (ops/gdn_chunked.py or ops/kda_chunked.py): one
+    WY form for the plain local pass and the transition pass. on_state(U, M), if given, is called as soon as the
+    two are known, before the outputs' share (o_loc, r) is computed: a scan can start while that runs."""
+    dt = compute_dtype(q, k, v, g, beta)
+    qc, kc, vc, gc, bc = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g, beta))
+    dec = chunked.Decays(gc)
+    _, W, U = chunked.prepare(kc, vc, bc, dec)
+    states_in, v_new, U_slice = chunked.fwd_states(kc, W, U, dec, None)
+    q_start, A, k_end, decay = chunked.entering_factors(qc, kc, dec)
+    P, M = transition_chain(W, k_end, decay)
+    if on_state is not None:
+        on_state(U_slice, M)
+    o_loc = scale * (q_start @ states_in + A @ v_new)
+    r = (scale * (q_start - A @ W)) @ P
+    return from_chunks(o_loc), from_chunks(r), U_slice, M
+
+
+def affine_kernels(fwd, q, k, v, g, beta, scale: float, chunk_size: int, on_state=None):
+    """(o_loc, r, U, M) on the kernels: the plain pass in column groups of KERNEL_V, and (r, M) as the forward on K
+    zero value columns from the initial state I (K <= KERNEL_V); on_state(U, M) at the end (a kernel returns the
+    outputs and the state together: nothing left to overlap on this path)."""
+    outs = [fwd(q, k, x, g, beta, None, scale, chunk_size) for x in v.split(KERNEL_V, dim=-1)]
+    o_loc, U = (torch.cat(parts, dim=-1) for parts in zip(*outs))
+    B, T, H, K = q.shape
+    eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, H, K, K).contiguous()
+    r, M = fwd(q, k, v.new_zeros(B, T, H, K), g, beta, eye, scale, chunk_size)
+    if on_state is not None:
+        on_state(U, M)
+    return o_loc, r, U, M
+
+
+def vjp_kernels(bwd, q, k, v, g, beta, h0, do, d_final, scale: float, chunk_size: int):
+    """The op's backward on the kernels, V in column groups of KERNEL_V: (dq, dk, dv, dg, dbeta, dh0)."""
+    d_final = d_final() if callable(d_final) else d_final
+    cols = lambda x: x.split(KERNEL_V, dim=-1)  # noqa: E731
+    parts = []
+    for x, s, d, e in zip(cols(v), cols(h0), cols(do), cols(d_final)):
+        parts.append(bwd(q, k, x, g, beta, s, d, e, scale, chunk_size))
+    dq, dk, dv, dg, dbeta, dh0 = zip(*parts)
+    return sum(dq), sum(dk), torch.cat(dv, dim=-1), sum(dg), sum(dbeta), torch.cat(dh0, dim=-1)
+
+
+def as_inputs(grads, *inputs: Tensor) -> tuple[Tensor, ...]:
+    """Each gradient in its input's dtype."""
+    return tuple(d.to(x.dtype) for d, x in zip(grads, inputs))

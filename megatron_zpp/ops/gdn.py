@@ -15,16 +15,19 @@ out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp
                           Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`); any T
                           (identity tokens pad the last chunk)
 
-Context parallelism. A slice's entering state acts affinely: S_out = M S_in + U_loc and
-o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+Context parallelism (context_parallel/gdn.py). A slice's entering state acts affinely: S_out = M S_in + U_loc
+and o = o_loc + r S_in, r_t = scale * P_t^T q_t, P_t the product of the transitions up to t and M = P_T.
+`gdn_affine` gives (o_loc, r, U_loc, M): the plain pass, then a transition pass over K x K matrices on its WY
+form (ops/delta_rule.py), not K more value columns; `gdn_vjp` is the backward of chunk_gdn at the entering state
+(the slice's outputs and leaving state are chunk_gdn(..., initial_state=S_in) exactly). The identity
 
     chunk_gdn(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
-        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+        == (o' = [o_loc, r], final_state = [U_loc, M])      (V + K value columns)
 
-since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
-transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
-The Triton kernels take V <= 128 (KERNEL_V): chunk_gdn runs a wider V (V + K = 256 at K = V = 128) in column
-groups of 128, exactly, since the state's columns never mix; the caller makes one call whatever the widths.
+(the recurrence is linear in (v, S) jointly) is what the tests check those against. The op takes any V != K
+and an initial state that requires grad (its gradient is returned). The Triton kernels take V <= 128
+(KERNEL_V): chunk_gdn runs a wider V in column groups of 128, exactly, since the state's columns never mix; the
+caller makes one call whatever the widths.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, gdn_chunked
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
-from .delta_rule import KERNEL_V, kernel_ops
+from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, vjp_kernels
 from .delta_rule import use_kernel as _use_kernel
 from .gdn_chunked import (
     Decays,
@@ -46,7 +49,7 @@ from .gdn_chunked import (
     prepare,
 )
 
-__all__ = ["chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction"]
+__all__ = ["chunk_gdn", "chunk_gdn_uses_kernels", "ChunkGDNFunction", "gdn_affine", "gdn_vjp"]
 
 dispatch.register("gdn", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
 
@@ -79,6 +82,8 @@ def _reference_bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, ch
     h0 = initial_state.to(dt) if initial_state is not None else None
     states_in, v_new, _ = fwd_states(kc, W, U, dec, h0)
     doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+    if callable(d_final_state):  # context parallelism's reverse scan, run while the states above were recomputed
+        d_final_state = d_final_state()
     dS = d_final_state.to(dt) if d_final_state is not None else None
     d_ends, dv_new, dh0 = bwd_states(qc, kc, W, dec, doc, dS, scale)
     grads = bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
@@ -160,3 +165,25 @@ def _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk
     outs = [ChunkGDNFunction.apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
     o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
     return o, (final_state if output_final_state else None)
+
+
+def gdn_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int, on_state=None):
+    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of a context-parallel slice, no autograd, in the
+    state's dtype: S_out = M S_in + U and o = o_loc + r S_in (ops/delta_rule.py: the plain pass, then the
+    transition pass over K x K matrices); on_state(U, M) as soon as both are known."""
+    check_shapes(q, k, v, None, False, g=g, beta=beta)
+    check_chunk_size(q.shape[1], chunk_size)
+    if chunk_gdn_uses_kernels(q, k, v, g, beta, chunk_size):
+        return affine_kernels(_fwd_kernel, q, k, v, g, beta, scale, chunk_size, on_state)
+    return affine_reference(gdn_chunked, q, k, v, g, beta, scale, chunk_size, on_state)
+
+
+def gdn_vjp(q, k, v, g, beta, h0: Tensor, do: Tensor, d_final, scale: float, chunk_size: int):
+    """(dq, dk, dv, dg, dbeta, dh0) of chunk_gdn(q, k, v, g, beta, initial_state=h0) for the cotangents do (of o, in
+    v's dtype) and d_final (of the final state; or a function returning it, called once the recompute is done),
+    no autograd: context parallelism's backward (ops/delta_rule.py)."""
+    if _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do):  # d_final: h0's dtype
+        grads = vjp_kernels(_bwd_kernel, q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    else:
+        grads = _reference_bwd(q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    return as_inputs(grads, q, k, v, g, beta, h0)

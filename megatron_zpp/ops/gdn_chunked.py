@@ -84,6 +84,14 @@ def fwd_output(q: Tensor, k: Tensor, v_new: Tensor, states_in: Tensor, dec: Deca
     return scale * ((q * dec.start[..., None]) @ states_in + scores(q, k, dec) @ v_new)
 
 
+def entering_factors(q: Tensor, k: Tensor, dec: Decays) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the state entering a chunk does there (context parallelism's transition pass, ops/delta_rule.py):
+    (q exp(G) [.., C, K], the scores [.., C, C], k exp(suf) [.., C, K], the chunk's decay exp(G_{C-1}) as the
+    rows' scale [.., 1]): o = scale (q exp(G) - scores W) S_in + ..., S_out = (exp(G_{C-1}) - (k exp(suf))^T W) S_in
+    + ...; a scalar per chunk (KDA's is one per key row)."""
+    return q * dec.start[..., None], scores(q, k, dec), k * dec.end[..., None], dec.total[..., None]
+
+
 def bwd_states(
     q: Tensor,
     k: Tensor,

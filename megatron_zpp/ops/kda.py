@@ -15,17 +15,19 @@ g [B, T, H, K]; beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype
     chunk_kda             chunked WY/UT form with its own backward (ops/kda_chunked.py describes it); the
                           Triton kernels on CUDA when they take the call (`chunk_kda_uses_kernels`)
 
-Context parallelism, as for Gated DeltaNet (ops/gdn.py). A slice's entering state acts affinely:
-S_out = M S_in + U_loc with M = prod_t (I - b_t k_t k_t^T) Diag(a_t) a dense K x K matrix, and
-o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
+Context parallelism (context_parallel/gdn.py). A slice's entering state acts affinely: S_out = M S_in + U_loc
+and o = o_loc + r S_in, r_t = scale * P_t^T q_t, P_t the product of the transitions up to t and M = P_T.
+`kda_affine` gives (o_loc, r, U_loc, M): the plain pass, then a transition pass over K x K matrices on its WY
+form (ops/delta_rule.py), not K more value columns; `kda_vjp` is the backward of chunk_kda at the entering state
+(the slice's outputs and leaving state are chunk_kda(..., initial_state=S_in) exactly). The identity
 
     chunk_kda(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
-        == (o' = [o_loc, scale * q^T P_t], final_state = [U_loc, M])      (V + K value columns)
+        == (o' = [o_loc, r], final_state = [U_loc, M])      (V + K value columns)
 
-since the recurrence is linear in (v, S) jointly and the zero value columns carry S_in = I through the
-transitions alone. The op takes any V != K and an initial state that requires grad (its gradient is returned).
-The Triton kernels take V <= 128 (KERNEL_V): chunk_kda runs a wider V in column groups of 128, exactly, since
-the state's columns never mix.
+(the recurrence is linear in (v, S) jointly) is what the tests check those against. The op takes any V != K
+and an initial state that requires grad (its gradient is returned). The Triton kernels take V <= 128
+(KERNEL_V): chunk_kda runs a wider V in column groups of 128, exactly, since the state's columns never mix; the
+caller makes one call whatever the widths.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, kda_chunked
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
-from .delta_rule import KERNEL_V, kernel_ops
+from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, vjp_kernels
 from .delta_rule import use_kernel as _use_kernel
 from .kda_chunked import Decays, bwd_chunks, bwd_states, fwd_output, fwd_states, prepare
 
-__all__ = ["chunk_kda", "chunk_kda_uses_kernels", "ChunkKDAFunction", "KERNEL_V"]
+__all__ = ["chunk_kda", "chunk_kda_uses_kernels", "ChunkKDAFunction", "kda_affine", "kda_vjp", "KERNEL_V"]
 
 dispatch.register("kda", "chunk fwd/bwd, fp32/bf16, chunk 16-64 (power of 2), K <= 128, V in groups of 128")
 
@@ -72,6 +74,8 @@ def _reference_bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, ch
     T, W, U = prepare(kc, vc, bc, dec)
     states_in, v_new, _ = fwd_states(kc, W, U, dec, h0)
     doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+    if callable(d_final_state):  # context parallelism's reverse scan, run while the states above were recomputed
+        d_final_state = d_final_state()
     dS = d_final_state.to(dt) if d_final_state is not None else None
     d_ends, dv_new, dh0 = bwd_states(qc, kc, W, dec, doc, dS, scale)
     grads = bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
@@ -145,3 +149,24 @@ def chunk_kda(
     outs = [ChunkKDAFunction.apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
     o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
     return o, (final_state if output_final_state else None)
+
+
+def kda_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int, on_state=None):
+    """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of a context-parallel slice, no autograd, in the
+    state's dtype: S_out = M S_in + U and o = o_loc + r S_in (ops/delta_rule.py: the plain pass, then the
+    transition pass over K x K matrices); on_state(U, M) as soon as both are known."""
+    _check(q, k, v, g, beta, None, chunk_size)
+    if chunk_kda_uses_kernels(q, k, v, g, beta, chunk_size):
+        return affine_kernels(_fwd_kernel, q, k, v, g, beta, scale, chunk_size, on_state)
+    return affine_reference(kda_chunked, q, k, v, g, beta, scale, chunk_size, on_state)
+
+
+def kda_vjp(q, k, v, g, beta, h0: Tensor, do: Tensor, d_final, scale: float, chunk_size: int):
+    """(dq, dk, dv, dg, dbeta, dh0) of chunk_kda(q, k, v, g, beta, initial_state=h0) for the cotangents do (of o, in
+    v's dtype) and d_final (of the final state; or a function returning it, called once the recompute is done),
+    no autograd: context parallelism's backward (ops/delta_rule.py)."""
+    if _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do):  # d_final: h0's dtype
+        grads = vjp_kernels(_bwd_kernel, q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    else:
+        grads = _reference_bwd(q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+    return as_inputs(grads, q, k, v, g, beta, h0)

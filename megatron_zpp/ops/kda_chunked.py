@@ -88,6 +88,13 @@ def fwd_output(q: Tensor, k: Tensor, v_new: Tensor, states_in: Tensor, dec: Deca
     return scale * ((q * dec.start) @ states_in + pair_dot(q, k, dec) @ v_new)
 
 
+def entering_factors(q: Tensor, k: Tensor, dec: Decays) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the state entering a chunk does there (context parallelism's transition pass, ops/delta_rule.py):
+    (q * exp(G) [.., C, K], the scores A [.., C, C], k * exp(suf) [.., C, K], the chunk's decay exp(G_{C-1})
+    [.., K]): o = scale (q * exp(G) - A W) S_in + ..., S_out = (Diag(exp(G_{C-1})) - (k * exp(suf))^T W) S_in + ..."""
+    return q * dec.start, pair_dot(q, k, dec), k * dec.end, dec.total
+
+
 def bwd_states(
     q: Tensor,
     k: Tensor,

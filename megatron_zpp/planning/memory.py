@@ -248,15 +248,14 @@ def gdn_layer(x: Dims, selective: bool) -> int:
 
 
 def gdn_cp_saved(x: Dims) -> int:
-    """Under CP (context_parallel/gdn.py), beyond the single-rank layer: the local pass on [v, 0_K] from
-    [0, I_K] keeps its wider value input and output, r and the corrected output (5.6 fp32 width, measured),
-    U, M, S_in and the initial state (4 fp32 [b, heads, d, d]); the all-gather also every rank's packed
-    (state, M) buffer (P x 2 of them)."""
+    """Under CP (context_parallel/gdn.py's ScannedDeltaRule), beyond the single-rank layer: r [b, s, heads, d]
+    (1 fp32 width; the op's inputs are the single-rank layer's), S_in and M (the scan's transition; 2 fp32
+    [b, heads, d, d]); the all-gather also every rank's packed (state, M) buffer (P x 2 of them)."""
     if x.cp == 1:
         return 0
     wk, wv = x.gdn_width
     states = 4 * x.b * x.gdn_heads * x.gdn_k * (x.gdn_k + wv // x.gdn_heads) // 2  # K x V and K x K: 2 per head
-    return int(4 * x.b * x.s * (wk + wv) / 2 * 5.6) + states * (4 + (2 * x.cp if x.cp_gather else 0))
+    return 4 * x.b * x.s * wk + states * (2 + (2 * x.cp if x.cp_gather else 0))
 
 
 def gdn_conv_saved(x: Dims) -> int:
@@ -271,14 +270,12 @@ def gdn_backward_live(x: Dims) -> int:
     convolution's and the normalisations' saved tensors, the residual's gradient (e), and the chunked
     reference backward's fp32 working set (ops/gdn_chunked.py: the recomputed T, W, U, states and v_new,
     their gradients, dq dk dv), in units of one [b, s, width] fp32 tensor: 15.4 + 10.9 C/d + 3.4 d/C, fitted
-    to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the operator
-    of context_parallel/gdn.py, 22.2 + 11.6 C/d + 7.0 d/C, and `gdn_cp_saved`."""
+    to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the same (the
+    operator of context_parallel/gdn.py runs that backward at the entering state) and `gdn_cp_saved`."""
     bs, (wk, wv), C, d = x.b * x.s, x.gdn_width, x.chunk, x.gdn_k
     w = (wk + wv) / 2  # the fit's width (K = V there): the mean of the key and value widths
     kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + x.linear_proj)
     kept += gdn_conv_saved(x) + x.e * bs * (x.gdn_conv + 2 * wk) + bs * 40 * x.gdn_heads + gdn_cp_saved(x)
-    if x.cp > 1:  # the local pass on V + K value columns: a wider working set (same fit, context_parallel/gdn.py)
-        return kept + int(4 * bs * w * (22.2 + 11.6 * C / d + 7.0 * d / C))
     return kept + int(4 * bs * w * (15.4 + 10.9 * C / d + 3.4 * d / C))
 
 

@@ -127,6 +127,11 @@ def test_cp(capsys):
     assert "shaped setting not run: --no-netns" in out and "all-scan auto vs all-gather: e2e x" in out
     result = last_json(out)
     assert result["bench"] == "cp" and set(result["settings"]["loopback"]) == {"2"}
+    assert cp.main(["--no-netns", "--ps", "2", *shape, "--iters", "1", "--comm-reps", "1", "--mixer", "kda"]) == 0
+    out = capsys.readouterr().out
+    assert "Kimi Delta Attention context parallelism" in out and "own arithmetic (no-comm op / ideal): wall x" in out
+    cost = last_json(out)["settings"]["loopback"]["2"]["operator_cost"]
+    assert set(cost) == {"wall", "cpu"} and all(x > 0 for x in cost.values())
 
 
 def test_moe(capsys):

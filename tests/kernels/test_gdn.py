@@ -104,27 +104,37 @@ def test_gpu_tiles_strided_views_and_absent_cotangents(kernels_on, monkeypatch):
 
 def test_wide_values_run_in_column_groups(kernels_on, monkeypatch):
     """A V wider than the kernels take runs in column groups (here 16 wide: V = 24 as 16 + 8), on the kernels, with
-    the results and gradients of the unsplit chunked reference; and local_affine, whose V + K columns (8 + 16)
-    split so, equals its reference (the four results and the gradients)."""
-    from megatron_zpp.context_parallel.gdn import local_affine
+    the results and gradients of the unsplit chunked reference."""
     from megatron_zpp.ops import gdn as gdn_ops
 
     monkeypatch.setattr(gdn_ops, "KERNEL_V", 16)
     inputs = case("reset", "mixed", T=32, K=8, V=24, seed=5)
     got = run(chunk_gdn, *inputs, chunk_size=16)
     assert kernels_on == {"fwd": 2, "bwd": 2} and chunk_gdn_uses_kernels(*inputs[:5], 16)
-    q, k, v, g, beta, *_ = case("mixed", "mixed", T=32, K=16, V=8, seed=6)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    affine = local_affine(*leaves, 0.3, 16)
-    affine_grads = torch.autograd.grad(sum((t * t).sum() for t in affine), leaves)
-    assert kernels_on == {"fwd": 4, "bwd": 4}
     dispatch.set_kernels("torch", CPU)
     for name, a, b in zip(NAMES, got, run(chunk_gdn, *inputs, chunk_size=16)):
         assert a.shape == b.shape and rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
-    ref = local_affine(*leaves, 0.3, 16)
-    ref_grads = torch.autograd.grad(sum((t * t).sum() for t in ref), leaves)
-    for i, (a, b) in enumerate(zip(affine + affine_grads, ref + ref_grads)):
-        assert a.shape == b.shape and rel_err(a, b) <= 1e-5, (i, rel_err(a, b))
+
+
+def test_context_parallel_passes_on_the_kernels(kernels_on, monkeypatch):
+    """gdn_affine (the plain pass in column groups of 16, V = 24 as 16 + 8, and the transition pass as a forward on
+    K zero columns from I) and gdn_vjp (the backward at the entering state, in the same groups) on the kernels equal
+    the chunked PyTorch form: (o_loc, r, U, M) and (dq, dk, dv, dg, dbeta, dh0)."""
+    from megatron_zpp.ops import delta_rule
+    from megatron_zpp.ops import gdn as gdn_ops
+
+    monkeypatch.setattr(gdn_ops, "KERNEL_V", 16)
+    monkeypatch.setattr(delta_rule, "KERNEL_V", 16)
+    q, k, v, g, beta, h0, do, dS = case("reset", "mixed", T=32, K=16, V=24, seed=6)
+
+    def passes():
+        return (*gdn_ops.gdn_affine(q, k, v, g, beta, 0.3, 16), *gdn_ops.gdn_vjp(q, k, v, g, beta, h0, do, dS, 0.3, 16))
+
+    got = passes()
+    assert kernels_on == {"fwd": 3, "bwd": 2}
+    dispatch.set_kernels("torch", CPU)
+    for i, (a, b) in enumerate(zip(got, passes())):
+        assert a.shape == b.shape and torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (i, rel_err(a, b))
 
 
 def test_calls_the_kernels_do_not_take_fall_back(kernels_on):

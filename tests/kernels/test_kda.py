@@ -113,6 +113,27 @@ def test_wide_values_run_in_column_groups_and_the_cp_identity_holds(kernels_on, 
     assert torch.isfinite(h_aug.grad).all()
 
 
+def test_context_parallel_passes_on_the_kernels(kernels_on, monkeypatch):
+    """kda_affine (the plain pass in column groups of 16, V = 24 as 16 + 8, and the transition pass as a forward on
+    K zero columns from I) and kda_vjp (the backward at the entering state, in the same groups) on the kernels equal
+    the chunked PyTorch form: (o_loc, r, U, M) and (dq, dk, dv, dg, dbeta, dh0)."""
+    from megatron_zpp.ops import delta_rule
+    from megatron_zpp.ops import kda as kda_ops
+
+    monkeypatch.setattr(kda_ops, "KERNEL_V", 16)
+    monkeypatch.setattr(delta_rule, "KERNEL_V", 16)
+    q, k, v, g, beta, h0, do, dS = case("reset", "mixed", B=1, T=32, K=16, V=24, seed=6)
+
+    def passes():
+        return (*kda_ops.kda_affine(q, k, v, g, beta, 0.3, 16), *kda_ops.kda_vjp(q, k, v, g, beta, h0, do, dS, 0.3, 16))
+
+    got = passes()
+    assert kernels_on == {"fwd": 3, "bwd": 2}
+    dispatch.set_kernels("torch", CPU)
+    for i, (a, b) in enumerate(zip(got, passes())):
+        assert a.shape == b.shape and torch.isfinite(a).all() and rel_err(a, b) <= 1e-5, (i, rel_err(a, b))
+
+
 def test_calls_the_kernels_do_not_take_fall_back(kernels_on):
     q, k, v, g, beta, *_ = case(T=32, K=8, V=8)
     chunk_kda(q.double(), k.double(), v.double(), g.double(), beta.double(), chunk_size=16)  # fp64

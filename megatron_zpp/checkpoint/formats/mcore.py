@@ -88,8 +88,8 @@ def unsupported(cfg) -> list[str]:
     other = sorted(kinds - {"softmax", "gdn"})
     if other:
         return [
-            f"its layers are {'/'.join(k.upper() for k in other)}; megatron-core's GPTModel has softmax attention and gated delta net "
-            "layers only"
+            f"its layers are {'/'.join(k.upper() for k in other)}; megatron-core's GPTModel has softmax attention "
+            "and gated delta net layers only"
         ]
     why = block_refusals(cfg, "megatron-core's GPTModel")
     if "gdn" not in kinds:
