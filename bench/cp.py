@@ -186,6 +186,7 @@ def ledger_bytes(fn) -> dict:
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """Every row's e2e times, comm-only (forward, backward) times and ledger bytes on this rank."""
     from megatron_zpp.context_parallel import auto_blocks
+    from megatron_zpp.context_parallel.chain import hop_classes, link_table
     from megatron_zpp.context_parallel.scans import make_scan
     from megatron_zpp.topology import Topology, build_groups
 
@@ -213,7 +214,8 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
                 b = timed(lambda s=scan: s.backward(x["dS"]))
                 comm[name] += [(f, b)] if keep else []
     k_auto = auto_blocks(state_bytes(cfg), cp, cpu, extent)
-    return {"times": times, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
+    hops = [[h.alpha, h.bandwidth] for h in map(link_table("cpu").__getitem__, hop_classes(cp))]  # links alone
+    return {"times": times, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link, "hops": hops}
 
 
 def worker_main(out_path: str, cfg_json: str) -> None:
@@ -322,7 +324,33 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
         "iterations": len(sc),
         "comm_ratio": rows["all-gather"]["comm_ms"] / rows[AUTO]["comm_ms"],
     }
-    return {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    return {**out, "chain": fit_chain(rows, per_rank[0]["hops"], per_rank[0]["k_auto"], cfg)}
+
+
+def fit_chain(rows: dict, hops: list, k_auto: int, cfg: dict) -> dict:
+    """The chain's per-message host cost m, fitted from the comm-only medians of every chain row (All-Scan at
+    its K, the ring at K = 1; forward and backward apart) against context_parallel/chain.py's model on the
+    links' calibrated alpha and bandwidth: t(K) = T_links(K) + (P - 2 + K) m (least squares, m >= 0); and the
+    block count the model picks with it (what the preset's measured["cp_chain"]["msg_s"] feeds auto_blocks)."""
+    from megatron_zpp.context_parallel.chain import Hop, best_blocks, chain_time
+
+    links, sb = [Hop(a, b) for a, b in hops], state_bytes(cfg)
+    num = den = 0.0
+    for name, v in rows.items():
+        if "comm_ms" not in v or name == "all-gather":
+            continue
+        K = k_auto if name == AUTO else 1 if name == "ring" else int(row_k(name, {"k_auto": k_auto}))
+        w = len(links) - 1 + K
+        for t in (v["comm_fwd_ms"], v["comm_bwd_ms"]):
+            num, den = num + w * (t / 1e3 - chain_time(links, sb, K)), den + w * w
+    m = max(num / den, 0.0) if den else 0.0
+    with_m = [Hop(h.alpha + m, h.bandwidth) for h in links]
+    return {
+        "msg_s": m,
+        "blocks": best_blocks(with_m, sb, block_extent(cfg)),
+        "links_blocks": best_blocks(links, sb, block_extent(cfg)),
+    }
 
 
 def cores_label(P: int) -> str:
@@ -357,6 +385,11 @@ def print_setting(title: str, res: dict, cfg: dict) -> None:
                 f"{lead} {name:<14} {row_k(name, r):>3} {v['e2e_ms']:9.1f} {v['overhead_pct']:+6.1f} {exp:>18} "
                 f"{com:>32} {st['fwd']:6.2f}+{st['bwd']:<6.2f}"
             )
+        ch = r["chain"]
+        print(
+            f"{'':>31} chain per-message host cost fitted from comm-only (context_parallel/chain.py): "
+            f"{ch['msg_s'] * 1e3:.2f} ms -> the model picks K={ch['blocks']} (links alone: K={ch['links_blocks']})"
+        )
         vs = r["auto_vs_all_gather"]
         print(
             f"{'':>31} all-scan auto vs all-gather: e2e x{vs['e2e_ratio']:.3f} (faster in {vs['e2e_wins']}/"
