@@ -37,6 +37,10 @@ What is measured, on every rank, all rows interleaved in every iteration (a load
               dS_corr [B,H,K,V] fp32, log gamma [B,H,K]): dist.barrier(), scan.forward, dist.barrier(),
               scan.backward, each timed; --comm-reps repetitions per iteration. It includes the scan's own
               arithmetic (the chain's adds, LASP-2's local scan over ranks) and no GLA compute.
+The block choice: per P and setting, the chain's per-message host cost fitted from the comm-only rows (All-Scan at
+each K and the ring, forward and backward) against context_parallel/chain.py's model on the calibrated links, and the
+K that model then picks (fit_chain); the emulated preset's measured["cp_chain"]["msg_s"] (what auto_blocks reads on
+CPU) comes from this line.
 Statistics: an e2e sample is the slowest rank's time in one iteration; a comm-only sample is the slowest
 rank's forward plus the slowest rank's backward of one repetition; figures are medians over --iters
 iterations after the ledger call (the first, untimed call of every row) and --warmup. overhead = e2e / ideal

@@ -76,7 +76,7 @@ def pipelined_chain(
             c, d = spans[i + 1]
             ops.append(comm.Recv(x_in[c:d], src, tag + i + 1))
         exchange(ops, cp, phase)
-    return x_in.movedim(0, dim)
+    return x_in.movedim(0, dim).contiguous()  # the caller's layout, as the ring's: one copy of one state
 
 
 class AllScan:

@@ -20,8 +20,9 @@ Overlap, per rank, with one compute stream and one communication stream per link
   the sustained rate; times the overlap efficiency, as the scan);
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
-  chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
-  all-gather; GDN's scan (context_parallel/gdn.py) waits for the local pass: all exposed,
+  chain on the group's hops (context_parallel/chain.py: All-Scan in the K blocks the runtime
+  picks, the ring in one) or LASP-2's all-gather; GDN's scan (context_parallel/gdn.py) waits
+  for the local pass: all exposed,
   as is GDN's convolution halo (one p2p of 3 tokens each way);
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
   one) and the unit waits for it; a unit's gradient reduction starts after its backward,
