@@ -57,6 +57,8 @@ def pipelined_chain(
     src, dst = cp.rank - step, cp.rank + step
     has_src, has_dst = 0 <= src < cp.size, 0 <= dst < cp.size
     tag = SCAN_FWD_TAG if step > 0 else SCAN_BWD_TAG  # block i: tag + i
+    if blocks == 1:  # one message: the caller's layout, without the block-major copies
+        return _whole_chain(local, apply, cp, (src, dst), tag, phase, head)
     # block-major layout: every block is one contiguous buffer
     loc = local.movedim(dim, 0)
     x_in = torch.zeros(loc.shape, dtype=local.dtype, device=local.device)
@@ -77,6 +79,19 @@ def pipelined_chain(
             ops.append(comm.Recv(x_in[c:d], src, tag + i + 1))
         exchange(ops, cp, phase)
     return x_in.movedim(0, dim).contiguous()  # the caller's layout, as the ring's: one copy of one state
+
+
+def _whole_chain(local: Tensor, apply, cp: Group, peers: tuple[int, int], tag: int, phase: str, head) -> Tensor:
+    """pipelined_chain in one block: receive the whole x_in from `src`, send local + apply(x_in) to `dst`."""
+    src, dst = peers
+    x_in = torch.zeros_like(local)
+    if 0 <= src < cp.size:
+        exchange([comm.Recv(x_in, src, tag)], cp, phase)
+    elif head is not None:
+        x_in.copy_(head)
+    if 0 <= dst < cp.size:
+        exchange([comm.Send((local + apply(x_in)).contiguous(), dst, tag)], cp, phase)
+    return x_in
 
 
 class AllScan:
