@@ -335,26 +335,31 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
 def fit_chain(rows: dict, hops: list, k_auto: int, cfg: dict) -> dict:
     """The chain's per-message host cost m, fitted from the comm-only medians of every chain row (All-Scan at
     its K, the ring at K = 1; forward and backward apart) against context_parallel/chain.py's model on the
-    links' calibrated alpha and bandwidth: t(K) = T_links(K) + (P - 2 + K) m (least squares, m >= 0); and the
-    block count the model picks with it (what the preset's measured["cp_chain"]["msg_s"] feeds auto_blocks)."""
+    links' calibrated alpha and bandwidth: t(K) - T_links(K) = c + (P - 2 + K) m, least squares with m >= 0.
+    The intercept c takes what the transfer term gets wrong where the rows hold two or more K; m is then the
+    cost of one more block step, what the choice of K turns on (c = 0 with a single K). Also the K the model
+    picks with it (what the preset's measured["cp_chain"]["msg_s"] feeds auto_blocks on CPU)."""
     from megatron_zpp.context_parallel.chain import Hop, best_blocks, chain_time
 
     links, sb = [Hop(a, b) for a, b in hops], state_bytes(cfg)
-    num = den = 0.0
+    points = []  # (P - 2 + K, residual s)
     for name, v in rows.items():
         if "comm_ms" not in v or name == "all-gather":
             continue
         K = k_auto if name == AUTO else 1 if name == "ring" else int(row_k(name, {"k_auto": k_auto}))
-        w = len(links) - 1 + K
-        for t in (v["comm_fwd_ms"], v["comm_bwd_ms"]):
-            num, den = num + w * (t / 1e3 - chain_time(links, sb, K)), den + w * w
-    m = max(num / den, 0.0) if den else 0.0
+        points += [
+            (len(links) - 1 + K, t / 1e3 - chain_time(links, sb, K)) for t in (v["comm_fwd_ms"], v["comm_bwd_ms"])
+        ]
+    m = 0.0
+    if len({w for w, _ in points}) > 1:
+        mw, mr = statistics.fmean(w for w, _ in points), statistics.fmean(r for _, r in points)
+        m = sum((w - mw) * (r - mr) for w, r in points) / sum((w - mw) ** 2 for w, _ in points)
+    elif points:
+        m = sum(w * r for w, r in points) / sum(w * w for w, _ in points)
+    m = max(m, 0.0)
     with_m = [Hop(h.alpha + m, h.bandwidth) for h in links]
-    return {
-        "msg_s": m,
-        "blocks": best_blocks(with_m, sb, block_extent(cfg)),
-        "links_blocks": best_blocks(links, sb, block_extent(cfg)),
-    }
+    ext = block_extent(cfg)
+    return {"msg_s": m, "blocks": best_blocks(with_m, sb, ext), "links_blocks": best_blocks(links, sb, ext)}
 
 
 def cores_label(P: int) -> str:

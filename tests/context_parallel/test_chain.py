@@ -40,3 +40,22 @@ def test_link_hops_follow_the_topology_and_the_preset():
     assert hops[3] == Hop(table["inter_node"].alpha + extra, table["inter_node"].bandwidth)
     assert hops[0] == Hop(table["intra_node"].alpha + extra, table["intra_node"].bandwidth)
     assert host_msg_s("cuda") == 0.0 and link_hops(groups[0], "cuda")[3] == link_table("cuda")["inter_node"]
+
+
+def test_bench_fit_recovers_the_per_message_cost():
+    # bench/cp.py's fit_chain on comm-only rows made by the model itself with a known host cost and a
+    # transfer term off by a constant: it returns that cost (the slope) and the K the model then picks
+    from bench import cp
+
+    cfg = {"heads": 8, "head_k": 128, "head_v": 256, "mixer": "gla"}
+    hops = [[126e-6, 1.5e9]] * 3 + [[185e-6, 125e6]] + [[126e-6, 1.5e9]] * 3
+    links, sb, m = [Hop(a, b) for a, b in hops], cp.state_bytes(cfg), 3e-3
+
+    def row(K):
+        t = 1e3 * (chain_time([Hop(h.alpha + m, h.bandwidth) for h in links], sb, K) + 2e-3)
+        return {"comm_ms": 2 * t, "comm_fwd_ms": t, "comm_bwd_ms": t}
+
+    rows = {"all-scan K=1": row(1), cp.AUTO: row(4), "all-scan K=2": row(2), "ring": row(1), "all-gather": row(9)}
+    got = cp.fit_chain(rows, hops, 4, cfg)
+    assert got["msg_s"] == pytest.approx(m, rel=1e-9)
+    assert got["blocks"] == 1 and got["links_blocks"] == 4
