@@ -39,6 +39,10 @@ What is measured, on every rank, all rows interleaved in every iteration (a load
               dS_corr [B,H,K,V] fp32, log gamma [B,H,K]): dist.barrier(), scan.forward, dist.barrier(),
               scan.backward, each timed; --comm-reps repetitions per iteration. It includes the scan's own
               arithmetic (the chain's adds, LASP-2's local scan over ranks) and no GLA compute.
+The block choice: per P and setting, the chain's per-message host cost fitted from the comm-only rows (All-Scan at
+each K and the ring, forward and backward) against context_parallel/chain.py's model on the calibrated links, and the
+K that model then picks (fit_chain); the emulated preset's measured["cp_chain"]["msg_s"] (what auto_blocks reads on
+CPU) comes from this line.
 Statistics: an e2e sample is the slowest rank's time in one iteration; a comm-only sample is the slowest
 rank's forward plus the slowest rank's backward of one repetition; figures are medians over --iters
 iterations after the ledger call (the first, untimed call of every row) and --warmup. overhead = e2e / ideal
@@ -135,6 +139,7 @@ def ledger_bytes(fn) -> dict:
 def measure(rank: int, world: int, cfg: dict) -> dict:
     """Every row's e2e times, comm-only (forward, backward) times and ledger bytes on this rank."""
     from megatron_zpp.context_parallel import auto_blocks
+    from megatron_zpp.context_parallel.chain import hop_classes, link_table
     from megatron_zpp.context_parallel.scans import make_scan
     from megatron_zpp.topology import Topology, build_groups
 
@@ -163,7 +168,16 @@ def measure(rank: int, world: int, cfg: dict) -> dict:
                 b = timed(lambda s=scan: s.backward(x["dS"]))[0]
                 comm[name] += [(f, b)] if keep else []
     k_auto = auto_blocks(state_bytes(cfg), cp, cpu, extent)
-    return {"times": times, "cpu": cpu_s, "comm": comm, "ledger": ledger, "k_auto": k_auto, "link": cp.link}
+    hops = [[h.alpha, h.bandwidth] for h in map(link_table("cpu").__getitem__, hop_classes(cp))]  # links alone
+    return {
+        "times": times,
+        "cpu": cpu_s,
+        "comm": comm,
+        "ledger": ledger,
+        "k_auto": k_auto,
+        "link": cp.link,
+        "hops": hops,
+    }
 
 
 def worker_main(out_path: str, cfg_json: str) -> None:
@@ -276,7 +290,37 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
     own = rows["no-comm op"]  # the operator's own arithmetic against the plain local pass, wall and CPU time
     cost = {"wall": own["e2e_ms"] / rows["ideal"]["e2e_ms"], "cpu": own["cpu_ms"] / rows["ideal"]["cpu_ms"]}
     out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
-    return {**out, "operator_cost": cost}
+    return {**out, "operator_cost": cost, "chain": fit_chain(rows, per_rank[0]["hops"], per_rank[0]["k_auto"], cfg)}
+
+
+def fit_chain(rows: dict, hops: list, k_auto: int, cfg: dict) -> dict:
+    """The chain's per-message host cost m, fitted from the comm-only medians of every chain row (All-Scan at
+    its K, the ring at K = 1; forward and backward apart) against context_parallel/chain.py's model on the
+    links' calibrated alpha and bandwidth: t(K) - T_links(K) = c + (P - 2 + K) m, least squares with m >= 0.
+    The intercept c takes what the transfer term gets wrong where the rows hold two or more K; m is then the
+    cost of one more block step, what the choice of K turns on (c = 0 with a single K). Also the K the model
+    picks with it (what the preset's measured["cp_chain"]["msg_s"] feeds auto_blocks on CPU)."""
+    from megatron_zpp.context_parallel.chain import Hop, best_blocks, chain_time
+
+    links, sb = [Hop(a, b) for a, b in hops], state_bytes(cfg)
+    points = []  # (P - 2 + K, residual s)
+    for name, v in rows.items():
+        if "comm_ms" not in v or name == "all-gather":
+            continue
+        K = k_auto if name == AUTO else 1 if name == "ring" else int(row_k(name, {"k_auto": k_auto}))
+        points += [
+            (len(links) - 1 + K, t / 1e3 - chain_time(links, sb, K)) for t in (v["comm_fwd_ms"], v["comm_bwd_ms"])
+        ]
+    m = 0.0
+    if len({w for w, _ in points}) > 1:
+        mw, mr = statistics.fmean(w for w, _ in points), statistics.fmean(r for _, r in points)
+        m = sum((w - mw) * (r - mr) for w, r in points) / sum((w - mw) ** 2 for w, _ in points)
+    elif points:
+        m = sum(w * r for w, r in points) / sum(w * w for w, _ in points)
+    m = max(m, 0.0)
+    with_m = [Hop(h.alpha + m, h.bandwidth) for h in links]
+    ext = block_extent(cfg)
+    return {"msg_s": m, "blocks": best_blocks(with_m, sb, ext), "links_blocks": best_blocks(links, sb, ext)}
 
 
 def cores_label(P: int) -> str:
@@ -311,10 +355,14 @@ def print_setting(title: str, res: dict, cfg: dict) -> None:
                 f"{lead} {name:<14} {row_k(name, r):>3} {v['e2e_ms']:9.1f} {v['overhead_pct']:+6.1f} {exp:>18} "
                 f"{com:>32} {st['fwd']:6.2f}+{st['bwd']:<6.2f}"
             )
-        vs, cost = r["auto_vs_all_gather"], r["operator_cost"]
+        vs, cost, ch = r["auto_vs_all_gather"], r["operator_cost"], r["chain"]
         print(
             f"{'':>31} CP operator's own arithmetic (no-comm op / ideal): wall x{cost['wall']:.3f}, CPU time "
             f"x{cost['cpu']:.3f} (ideal {r['rows']['ideal']['cpu_ms']:.1f} ms CPU)"
+        )
+        print(
+            f"{'':>31} chain per-message host cost fitted from comm-only (context_parallel/chain.py): "
+            f"{ch['msg_s'] * 1e3:.2f} ms -> the model picks K={ch['blocks']} (links alone: K={ch['links_blocks']})"
         )
         print(
             f"{'':>31} all-scan auto vs all-gather: e2e x{vs['e2e_ratio']:.3f} (faster in {vs['e2e_wins']}/"

@@ -54,6 +54,7 @@ class Group:
     rank: int  # this process's index in `ranks`
     link: str  # slowest link class inside the group
     peer_links: tuple[str, ...] = ()  # link class from this rank to each member (for p2p)
+    hop_links: tuple[str, ...] = ()  # link class of each hop member i -> i + 1 (a chain over the group: CP scans)
     handle: object = field(default=None, compare=False, repr=False)  # torch ProcessGroup; None if size 1
 
     @property
@@ -197,6 +198,11 @@ class Topology:
             if len({r // span for r in ranks}) == 1:
                 return name
         return "inter_node"
+
+    def hop_links(self, ranks) -> tuple[str, ...]:
+        """The link class of each hop of a chain over `ranks` (rank i to rank i + 1)."""
+        ranks = list(ranks)
+        return tuple(self.link_class(pair) for pair in zip(ranks, ranks[1:]))
 
     # --- membership ---
     def groups(self, axes) -> list[list[int]]:
@@ -428,6 +434,7 @@ def build_groups(
                     key.index(rank),
                     topo.link_class(key),
                     tuple(topo.link_class([rank, r]) for r in key),
+                    topo.hop_links(key),
                     created.get(key),
                 )
     return ProcessGroups.from_kinds(topo, rank, mine)

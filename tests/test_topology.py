@@ -234,10 +234,11 @@ def test_group_link_classes_via_build_groups_without_processes():
     # torch.distributed is not initialized here: membership and links only, no handles
     t = Topology(8, tp=2, pp=2, ranks_per_node=4)  # pp groups [0,4],... cross nodes
     g = build_groups(t, rank=5)
-    assert g.tp == Group("tp", (4, 5), 1, "intra_node", ("intra_node", "intra_node"))
+    assert g.tp == Group("tp", (4, 5), 1, "intra_node", ("intra_node", "intra_node"), ("intra_node",))
     assert g.dp.ranks == (5, 7) and g.dp.rank == 0 and g.dp.link == "intra_node"
     assert g.pp.ranks == (1, 5) and g.pp.rank == 1 and g.pp.link == "inter_node"
     assert g.pp.peer_links == ("inter_node", "intra_node")
+    assert g.pp.hop_links == ("inter_node",)  # a chain over the group: one hop, across the nodes
     assert g.embedding.ranks == (1, 5)
     assert g.cp.size == 1 and g.cp.handle is None
     assert (g.tp_rank, g.cp_rank, g.dp_rank, g.pp_rank) == (1, 0, 0, 1)

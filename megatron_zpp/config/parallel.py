@@ -60,9 +60,9 @@ class ParallelConfig:
     all_scan_blocks: int = opt(
         0,
         "--all-scan-blocks",
-        "All-Scan: pipeline the state in this many blocks (GLA: along d_k, GDN and KDA: along d_v); 0 = chosen "
-        "from the state size and the CP group's link (context_parallel.auto_blocks: 1 at CP 2, about "
-        "sqrt((CP-2) x transfer time / latency))",
+        "All-Scan: pipeline the state in this many blocks (GLA: along d_k, GDN and KDA: along d_v); 0 = the count that "
+        "minimises the chain's time (P-2+n)(alpha + bytes/(n beta)) on the CP group's hops (context_parallel/chain.py:"
+        " 1 at CP 2; CPU: the calibrated emulated preset's links)",
     )
     order: str = opt("tp-cp-dp-pp", "--parallel-order", "rank order of the 4D grid, first axis fastest")
     ranks_per_node: int | None = opt(

@@ -24,44 +24,28 @@ Gated DeltaNet (gdn.py) has S_out = M(p) S_in + U(p), M [B,H,K,K] dense: M mixes
 there the blocks are cut along V, and the backward applies M^T. The chain sees only the
 transition (transition.py: Decay for GLA, Dense for GDN).
 
-`auto_blocks` picks the block count from the state size and the link (the rule is in its
-docstring). The LASP-1 ring (ring.py) is the same chain without pipelining; LASP-2
+`auto_blocks` picks the block count that minimises the chain's time on the group's links
+(chain.py, shared with the simulator). The LASP-1 ring (ring.py) is the same chain without pipelining; LASP-2
 (lasp2.py) gathers every state instead.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
 
 from .. import comm
 from ..topology import Group
+from .chain import best_blocks, link_hops
 from .p2p import SCAN_BWD_TAG, SCAN_FWD_TAG, exchange
-
-# One p2p message of n bytes costs about alpha + n / bandwidth: (alpha s, bandwidth B/s) per
-# (device type, link class). GPU: NVLink and 200 Gbit/s InfiniBand; CPU: gloo over TCP,
-# loopback inside a node and a 1 Gbit/s link between nodes (this project's emulated cluster).
-LINK_MODEL = {
-    ("cuda", "intra_node"): (10e-6, 100e9),
-    ("cuda", "inter_node"): (20e-6, 25e9),
-    ("cpu", "intra_node"): (50e-6, 2e9),
-    ("cpu", "inter_node"): (100e-6, 125e6),
-}
 
 
 def auto_blocks(state_bytes: int, cp: Group, device: torch.device, extent: int) -> int:
-    """Blocks of the All-Scan pipeline for a state of `state_bytes` over `cp`.
-
-    With s = state_bytes / bandwidth and alpha the per-message latency of the group's
-    slowest link (LINK_MODEL), the last rank has the whole state after (P - 2 + K) block
-    transfers of alpha + s/K each; that is least at K* = sqrt((P - 2) s / alpha). The rule
-    takes the largest divisor of `extent` (the state's dimension the blocks cut: K for GLA, V for
-    GDN) not above K* (1 for P <= 2: no pipeline to fill)."""
-    alpha, bandwidth = LINK_MODEL.get((device.type, cp.link), LINK_MODEL[("cuda", cp.link)])
-    best = math.sqrt(max(cp.size - 2, 0) * state_bytes / bandwidth / alpha)
-    return max(d for d in range(1, extent + 1) if extent % d == 0 and d <= max(best, 1))
+    """Blocks of the All-Scan pipeline for a state of `state_bytes` over `cp`: the divisor of `extent` (the
+    state's dimension the blocks cut: K for GLA, V for GDN) that minimises the chain's time on the group's hops
+    (chain.py: (P - 2 + n) (alpha + bytes / (n beta)) over one link, with the device's link facts: the
+    calibrated emulated preset on CPU, stated NVLink/InfiniBand figures on GPUs). 1 at P <= 2."""
+    return best_blocks(link_hops(cp, device.type), state_bytes, extent)
 
 
 def pipelined_chain(
@@ -73,6 +57,8 @@ def pipelined_chain(
     src, dst = cp.rank - step, cp.rank + step
     has_src, has_dst = 0 <= src < cp.size, 0 <= dst < cp.size
     tag = SCAN_FWD_TAG if step > 0 else SCAN_BWD_TAG  # block i: tag + i
+    if blocks == 1:  # one message: the caller's layout, without the block-major copies
+        return _whole_chain(local, apply, cp, (src, dst), tag, phase, head)
     # block-major layout: every block is one contiguous buffer
     loc = local.movedim(dim, 0)
     x_in = torch.zeros(loc.shape, dtype=local.dtype, device=local.device)
@@ -92,7 +78,20 @@ def pipelined_chain(
             c, d = spans[i + 1]
             ops.append(comm.Recv(x_in[c:d], src, tag + i + 1))
         exchange(ops, cp, phase)
-    return x_in.movedim(0, dim)
+    return x_in.movedim(0, dim).contiguous()  # the caller's layout, as the ring's: one copy of one state
+
+
+def _whole_chain(local: Tensor, apply, cp: Group, peers: tuple[int, int], tag: int, phase: str, head) -> Tensor:
+    """pipelined_chain in one block: receive the whole x_in from `src`, send local + apply(x_in) to `dst`."""
+    src, dst = peers
+    x_in = torch.zeros_like(local)
+    if 0 <= src < cp.size:
+        exchange([comm.Recv(x_in, src, tag)], cp, phase)
+    elif head is not None:
+        x_in.copy_(head)
+    if 0 <= dst < cp.size:
+        exchange([comm.Send((local + apply(x_in)).contiguous(), dst, tag)], cp, phase)
+    return x_in
 
 
 class AllScan:

@@ -1,15 +1,13 @@
 """The CP GLA Function runs the state scan while the local work runs (forward and
 backward), shown without timing: a stand-in scan that cannot finish until the local pass
-has started would deadlock a sequential implementation; and the All-Scan block rule."""
+has started would deadlock a sequential implementation. (All-Scan's block rule: test_chain.py.)"""
 
 import threading
 
-import pytest
 import torch
 
-from megatron_zpp.context_parallel import auto_blocks, gla
+from megatron_zpp.context_parallel import gla
 from megatron_zpp.ops import gla as gla_ops
-from megatron_zpp.topology import Group
 
 WAIT_S = 20  # only reached when the two are not concurrent
 
@@ -57,22 +55,3 @@ def test_scan_runs_during_the_local_work(monkeypatch):
     torch.testing.assert_close(o, o_ref)
     for got, want in zip((q, k, v, g), ref):
         torch.testing.assert_close(got.grad, want.grad)
-
-
-def _group(size: int, link: str) -> Group:
-    return Group("cp", tuple(range(size)), 0, link)
-
-
-@pytest.mark.parametrize(
-    "size, link, state_bytes, want",
-    [
-        (2, "intra_node", 2**20, 1),  # two ranks: no pipeline to fill
-        # K* = sqrt((P-2) s / alpha) with s = bytes / bandwidth (LINK_MODEL, CPU): largest divisor of 64 <= K*
-        (4, "intra_node", 2**20, 4),  # s = 5.2e-4 s, alpha 5e-5 s: K* = 4.6
-        (4, "inter_node", 2**20, 8),  # s = 8.4e-3 s, alpha 1e-4 s: K* = 13.0
-        (8, "inter_node", 2**20, 16),  # K* = 22.4
-        (8, "intra_node", 512, 1),  # a tiny state: latency dominates
-    ],
-)
-def test_auto_blocks_rule(size, link, state_bytes, want):
-    assert auto_blocks(state_bytes, _group(size, link), torch.device("cpu"), 64) == want

@@ -103,7 +103,7 @@ def rank_groups(cfg: Config, rank: int) -> ProcessGroups:
             if rank in members:
                 key = tuple(members)
                 peers = tuple(topo.link_class([rank, r]) for r in key)
-                mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key), peers)
+                mine[kind] = Group(kind, key, key.index(rank), topo.link_class(key), peers, topo.hop_links(key))
     return ProcessGroups.from_kinds(topo, rank, mine)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from importlib import resources
+
+from ...context_parallel.chain import EMULATED_PRESET
 
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 
@@ -40,7 +41,7 @@ class Cluster:
     quant_elems_per_s: float = 50e9  # elements quantized or dequantized per second per rank
     optimizer_s_per_param: float = 0.0  # AdamW step time per fp32 master element on a rank
     sub_node_tiers: tuple[int, ...] = ()  # ranks per tier domain inside a node (Frontier: (2,) GCD pairs)
-    device: str = "cuda"  # which column of context_parallel.all_scan.LINK_MODEL picks All-Scan's blocks
+    device: str = "cuda"  # the device whose link facts pick All-Scan's blocks (context_parallel/chain.py)
     fixed_step_s: float = 0.0  # per-step overhead outside the model (Python, data, logging)
     per_layer_s: float = 0.0  # per layer and micro-batch, forward + backward (kernel launches, hooks)
     # Extra per GLA layer and micro-batch over a softmax one, forward + backward: the chunked
@@ -169,8 +170,8 @@ PRESETS = {
     # H200: H100's interconnect and peak, 4.8 TB/s HBM3e (NVIDIA H200 data sheet).
     "h200": lambda: _nvidia("h200-dgx", 989.4, 450e9, 400, 4.8e12, 0.40),
 }
-# package data: read with importlib.resources; the path is where tools/calibrate_cluster.py writes it
-EMULATED_PRESET = resources.files("megatron_zpp.planning.simulator").joinpath("presets", "emulated_cluster.json")
+# package data: read with importlib.resources; the path is where tools/calibrate_cluster.py writes it (named once,
+# in context_parallel/chain.py, whose block choice reads the same links at run time)
 EMULATED_JSON = str(EMULATED_PRESET)
 
 

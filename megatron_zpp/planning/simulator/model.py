@@ -20,8 +20,9 @@ Overlap, per rank, with one compute stream and one communication stream per link
   the sustained rate; times the overlap efficiency, as the scan);
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
-  chain (All-Scan: (P-2+K) block steps, ring: P-1 whole-state steps) or LASP-2's
-  all-gather; GDN's scan (context_parallel/gdn.py) waits for the local pass: all exposed,
+  chain on the group's hops (context_parallel/chain.py: All-Scan in the K blocks the runtime
+  picks, the ring in one) or LASP-2's all-gather; GDN's scan (context_parallel/gdn.py) waits
+  for the local pass: all exposed,
   as is GDN's convolution halo (one p2p of 3 tokens each way);
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of
   one) and the unit waits for it; a unit's gradient reduction starts after its backward,
@@ -66,6 +67,7 @@ from dataclasses import dataclass, field
 
 from ...config import Config
 from ...context_parallel import auto_blocks
+from ...context_parallel.chain import Hop, chain_time, hop_classes
 from ...data.tokenizer import pad_vocab_size
 from ...perf import flops_per_token
 from ...topology import Group, topology_from_config
@@ -151,7 +153,9 @@ def linear_mixer(m):
 
 
 def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float:
-    """The state scan's chain time for one linear-mixer layer (GLA, GDN), one direction."""
+    """The state scan's chain time for one linear-mixer layer (GLA, GDN), one direction: the all-gather's
+    P - 1 ring steps on the group's slowest link; All-Scan's and the ring's chain (context_parallel/chain.py,
+    the ring being one block) on the group's own hops, with the block count the runtime picks."""
     m, p = cfg.model, cfg.parallel
     P = cp.size
     if P <= 1:
@@ -159,21 +163,29 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     mixer = linear_mixer(m)
     heads = mixer.heads // p.tensor_model_parallel_size
     state = cfg.train.micro_batch_size * heads * mixer.state_per_head * 4
-    link = cl.link(cp.link)
     per_node = max(Counter(r // ranks_per_node for r in cp.ranks).values())
-    bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # chains of all replicas at once
+
+    def hop(link_class: str) -> Hop:  # per message: the link's alpha + the CPU cost of one send (emulated)
+        link = cl.link(link_class)
+        bw = link.bandwidth / (ranks_per_node / per_node if link.shared == "node" else 1)  # all replicas' chains
+        return Hop(link.alpha + cl.scan_msg_s, bw)
+
     if p.cp_algo == "all-gather":
-        transition = transition_bytes(cfg, mixer)
-        return (P - 1) * (link.alpha + cl.scan_msg_s + (state + transition) / bw)
-    if p.cp_algo == "ring":
-        return (P - 1) * (link.alpha + cl.scan_msg_s + state / bw)
+        slowest = hop(cp.link)
+        return (P - 1) * (slowest.alpha + (state + transition_bytes(cfg, mixer)) / slowest.bandwidth)
+    hops = [hop(c) for c in hop_classes(cp)]
+    return chain_time(hops, state, 1 if p.cp_algo == "ring" else all_scan_blocks(cfg, cl, cp, state))
+
+
+def all_scan_blocks(cfg: Config, cl: Cluster, cp: Group, state_bytes: int) -> int:
+    """The block count All-Scan runs: --all-scan-blocks, else the runtime's choice (context_parallel.auto_blocks,
+    from the link facts of the cluster's device type) over the dimension the blocks cut (GLA: K, GDN: V)."""
 
     class _Dev:  # auto_blocks reads only the device type
         type = cl.device
 
-    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, mixer.scan_extent)
-    alpha = link.alpha + cl.scan_msg_s  # per message: the link's alpha + the CPU cost of one send (emulated)
-    return (P - 2 + K) * (alpha + state / K / bw) if P > 2 else alpha + state / bw
+    mixer = linear_mixer(cfg.model)
+    return cfg.parallel.all_scan_blocks or auto_blocks(state_bytes, cp, _Dev, mixer.scan_extent)
 
 
 @dataclass
