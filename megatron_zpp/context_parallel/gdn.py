@@ -34,6 +34,7 @@ dense [K, K] again and everything above holds with chunk_kda as the local operat
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import recompute
@@ -131,6 +132,12 @@ def scanned_gdn(
     q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
 ) -> Tensor:
     """This slice's output (`op`: chunk_gdn or chunk_kda) with S_in from `scan` (any object with the scans' forward
-    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype."""
-    o = ScannedDeltaRule.apply(q, k, v, g, beta, head, scan, scale, chunk_size, op)
+    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype. A slice that is no multiple of the
+    chunk is padded at its end with identity tokens (k = 0, beta = 0, g = 0: S_t = S_{t-1}), which change neither
+    (U, M) nor the outputs before them, and their outputs dropped."""
+    T = q.shape[1]
+    pad = -T % chunk_size
+    if pad:
+        q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+    o = ScannedDeltaRule.apply(q, k, v, g, beta, head, scan, scale, chunk_size, op)[:, :T]
     return o.to(v.dtype if out_dtype is None else out_dtype)
