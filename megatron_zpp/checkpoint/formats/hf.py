@@ -4,7 +4,9 @@
     import_hf(hf_dir, output)                           # config.json's model_type picks the format
 
 GPT-2 (gpt2.py) holds Megatron's default GPT, Llama (llama.py) softmax/RMSNorm/SwiGLU/RoPE models without
-biases, our remote code (remote.py) every other dense model without biases or learned positions; models with
+biases, transformers' Qwen3-Next and Qwen3.5 (qwen3_next.py, qwen3_5.py: GDN hybrids with gated attention,
+zero-centred norms, partial RoPE; Qwen3-Next with experts, Qwen3.5 dense or every layer sparse), our remote
+code (remote.py) every other dense model without biases or learned positions; models with
 experts go to transformers' own Qwen3-MoE (qwen3_moe.py: with --qk-layernorm, dense layers allowed) or Mixtral
 (mixtral.py: every layer sparse, no query/key norm). A HF directory is
 read by its content (hf_files.py): names, shapes and dtypes checked against the model config.json describes
@@ -27,15 +29,19 @@ from ... import hf_remote
 from ...data.tokenizer import SENTENCEPIECE_TYPES
 from ..files import save_safetensors
 from ..layout import config_from_dict
-from . import gpt2, hf_files, llama, mixtral, qwen3_moe, remote
+from . import gpt2, hf_files, llama, mixtral, qwen3_5, qwen3_moe, qwen3_next, remote
 from .base import ConversionError, HFFormat
 
-HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, remote, qwen3_moe, mixtral)  # the export's order of preference
+# the export's order of preference
+HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, qwen3_next, qwen3_5, remote, qwen3_moe, mixtral)
 BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
     hf_remote.MODEL_TYPE: remote,
     "gpt2": gpt2,
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
+    "qwen3_next": qwen3_next,
+    "qwen3_5": qwen3_5,  # the image-text model: refused by name
+    **{kind: qwen3_5 for kind in qwen3_5.MODEL_TYPES},
 }
 
 
@@ -50,6 +56,8 @@ def export_format(cfg) -> HFFormat:
         "remote": "with our remote code",
         "qwen3_moe": "as Qwen3-MoE",
         "mixtral": "as Mixtral",
+        "qwen3_next": "as Qwen3-Next",
+        "qwen3_5": "as Qwen3.5",
     }
     raise ConversionError(
         "cannot export to HF: " + "; ".join(f"{named[f.NAME]} " + "; ".join(f.unsupported(cfg)) for f in HF_FORMATS)
@@ -68,10 +76,12 @@ def _tokenizer(cfg, tokenizer_model: str | None):
 
 def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
     """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel, LlamaForCausalLM,
-    Qwen3MoeForCausalLM or MixtralForCausalLM when one of them holds the model, else our remote-code
-    MegatronZppGLAForCausalLM)."""
-    state, cfg = gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
+    Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM
+    when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM)."""
+    cfg: typing.Any = config_from_dict(config)
     fmt = export_format(cfg)
+    if not getattr(fmt, "ZERO_CENTRED", False):  # HF norms scale by w itself (Qwen3-Next's and Qwen3.5's by 1 + w)
+        state, cfg = gpt2.fold_layernorm_1p(state, cfg)
     tokenizer, tok_model = _tokenizer(cfg, tokenizer_model)
     vocab = state["embedding.weight"].shape[0]
     try:
@@ -103,6 +113,8 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
         hf_cfg = hf_files.read_config(hf_dir)
         fmt, cfg = _config_of(hf_cfg, hf_dir)
         entries = hf_files.read_headers(hf_dir)
+        skipped = getattr(fmt, "SKIPPED", ())  # e.g. Qwen's multi-token prediction layers: we build no MTP
+        entries = {n: e for n, e in entries.items() if not n.startswith(skipped)}
         if isinstance(cfg.model.num_layers, int) and cfg.model.num_layers > len(entries):  # before building it
             raise ConversionError(
                 f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
