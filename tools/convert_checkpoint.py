@@ -65,6 +65,7 @@ from megatron_zpp.checkpoint.files import find_checkpoint, os_error_line
 from megatron_zpp.checkpoint.formats import gpt2 as hf_gpt2
 from megatron_zpp.checkpoint.formats import remote as hf_gla
 from megatron_zpp.checkpoint.formats.base import ConversionError
+from megatron_zpp.checkpoint.formats.hf import architectures as hf_architectures
 from megatron_zpp.checkpoint.formats.hf import export_hf, import_hf
 from megatron_zpp.checkpoint.formats.llama import config_from_hf, from_hf_state, hf_unsupported, to_hf_state
 
@@ -115,7 +116,7 @@ def _from_ours(args, stage: str) -> str:
     if args.to == "consolidated":
         torch.save({"config": config, "model": state}, stage)
     else:
-        what = f"hf {export_hf(state, config, stage, args.tokenizer_model)}"
+        what = f"hf {export_hf(state, config, stage, args.tokenizer_model, args.hf_architecture)}"
     n = sum(t.numel() for t in state.values())
     return f"wrote {args.output} ({what}: {len(state)} tensors, {n / 1e6:.2f}M parameters)"
 
@@ -207,6 +208,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
     )
+    ap.add_argument(
+        "--hf-architecture",
+        default=None,
+        choices=hf_architectures(),
+        help="--to hf: the transformers class to write (default: the first that holds the model, in this order), "
+        "e.g. Qwen3_5MoeForCausalLM for a Qwen3-Next-shaped model whose every layer is sparse",
+    )
     return ap
 
 
@@ -250,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--no-optim goes with --from megatron or --to megatron")
     if args.expert_model_parallel_size is not None and (args.to != "megatron" or args.expert_model_parallel_size < 1):
         ap.error("--expert-model-parallel-size goes with --to megatron and is at least 1")
+    if args.hf_architecture and (args.to != "hf" or args.source != "megatron_zpp"):
+        ap.error("--hf-architecture goes with --to hf (an import reads the class from config.json)")
     if args.transformer_impl and args.to != "megatron":
         ap.error("--transformer-impl goes with --to megatron (an import reads either spec's names)")
     if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):

@@ -45,8 +45,22 @@ BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
 }
 
 
-def export_format(cfg) -> HFFormat:
-    """The first HF format that holds the model; refuses by name, with every format's reasons, when none does."""
+def architectures() -> list[str]:
+    """Every transformers class an export can write (config.json's architectures[0])."""
+    return [a for fmt in HF_FORMATS for a in getattr(fmt, "ARCHITECTURES", (fmt.ARCHITECTURE,))]
+
+
+def export_format(cfg, architecture: str | None = None) -> HFFormat:
+    """The first HF format that holds the model (or the one writing `architecture`, e.g. Qwen3_5MoeForCausalLM for
+    a model Qwen3-Next holds too); refuses by name, with the reasons, when none does."""
+    if architecture is not None:
+        fmt = next(f for f in HF_FORMATS if architecture in getattr(f, "ARCHITECTURES", (f.ARCHITECTURE,)))
+        why = fmt.unsupported(cfg)
+        if not why and (writes := fmt.config(cfg, 1)["architectures"][0]) != architecture:
+            why = [f"this model is a {writes} (with or without experts)"]
+        if why:
+            raise ConversionError(f"cannot export to HF as {architecture}: " + "; ".join(why))
+        return fmt
     for fmt in HF_FORMATS:
         if not fmt.unsupported(cfg):
             return fmt
@@ -74,12 +88,14 @@ def _tokenizer(cfg, tokenizer_model: str | None):
     return None, tok_model
 
 
-def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
+def export_hf(
+    state: dict, config: dict, output: str, tokenizer_model: str | None = None, architecture: str | None = None
+) -> str:
     """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel, LlamaForCausalLM,
     Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM
-    when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM)."""
+    when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM; `architecture`: that class)."""
     cfg: typing.Any = config_from_dict(config)
-    fmt = export_format(cfg)
+    fmt = export_format(cfg, architecture)
     if not getattr(fmt, "ZERO_CENTRED", False):  # HF norms scale by w itself (Qwen3-Next's and Qwen3.5's by 1 + w)
         state, cfg = gpt2.fold_layernorm_1p(state, cfg)
     tokenizer, tok_model = _tokenizer(cfg, tokenizer_model)

@@ -16,6 +16,7 @@ from .base import ConversionError, special_token_ids
 NAME = "qwen3_5"
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
+ARCHITECTURES = (ARCHITECTURE, MOE_ARCHITECTURE)
 MODEL_TYPES = {"qwen3_5_text": ARCHITECTURE, "qwen3_5_moe_text": MOE_ARCHITECTURE}
 SKIPPED, ZERO_CENTRED = qh.SKIPPED, qh.ZERO_CENTRED
 TARGET = "Qwen3.5"
