@@ -31,8 +31,9 @@ from tests.dist import run_distributed
 
 ROWS, TOL = 128, 1e-4
 BASE = (
-    "--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 100 "
-    "--make-vocab-size-divisible-by 32 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --ffn-hidden-size 48 "
+    "--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --kv-channels 16 --seq-length 16 "
+    "--vocab-size 100 --make-vocab-size-divisible-by 32 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu "
+    "--ffn-hidden-size 48 "
     "--position-embedding-type rope --rotary-percent 0.5 --group-query-attention --num-query-groups 2 "
     "--disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
     "--attention-output-gate --qk-layernorm --apply-layernorm-1p "
@@ -143,8 +144,8 @@ def _transformers_model(kind: str, layer_types=None):
 
     common = dict(
         vocab_size=ROWS, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=layer_types,
+        head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=layer_types,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
     )  # fmt: skip
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16)
@@ -189,7 +190,7 @@ def test_gated_attention_equals_qwen3_next_attention(tmp_path):
     first half of each head, zero-centred q/k norms) and ours on the same weights."""
     model = _transformers_model("qwen3_next", layer_types=["full_attention"] * 4)
     weights, cfg = _import(model, tmp_path)
-    assert {cfg.model.layer_kind(i) for i in range(4)} == {"softmax"} and cfg.model.rotary_dim == 4
+    assert {cfg.model.layer_kind(i) for i in range(4)} == {"softmax"} and cfg.model.rotary_dim == 8
     with torch.no_grad():
         theirs = model(_tokens(), use_cache=False).logits
         ours = _our_model(cfg, weights)(_tokens())
@@ -200,8 +201,8 @@ QWEN3_NEXT_FLAGS = (  # the flags of _transformers_model("qwen3_next") imported,
     HYBRID.replace("--vocab-size 100 ", "--vocab-size 128 ")
     + MOE
     + "--moe-layer-freq [1,0,1,1] --rotary-base 20000 --train-iters 2 --global-batch-size 4 --micro-batch-size 1 "
-    "--lr 1e-3 --seed 3 --linear-num-key-heads 4 --linear-num-value-heads 4 --linear-key-head-dim 8 "
-    "--linear-value-head-dim 8 --linear-conv-kernel-dim 4"
+    "--lr 1e-3 --seed 3 --linear-num-key-heads 4 --linear-num-value-heads 4 --linear-key-head-dim 16 "
+    "--linear-value-head-dim 16 --linear-conv-kernel-dim 4"
 ).split()
 
 
@@ -241,7 +242,7 @@ def test_export_refusals_are_one_named_line(tmp_path, capsys):
 
 IMPORT_REFUSALS = [  # (config.json change, what the line names)
     ({"layer_types": ["full_attention", "linear_attention", "linear_attention", "linear_attention"]}, "K-th layer"),
-    ({"head_dim": 16}, "head_dim 16 is not hidden_size / heads = 8"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
     ({"model_type": "qwen3_5"}, "the image-text model"),
 ]
 

@@ -341,11 +341,6 @@ def config_from(hf: dict, model_type: str):
             (f"hidden_act {hf.get('hidden_act')!r} is not silu", hf.get("hidden_act", "silu") != "silu"),
             ("it has attention biases", bool(hf.get("attention_bias"))),
             (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads = {hidden // heads} (no other --kv-channels "
-                "is built here)",
-                (hf.get("head_dim") or hidden // heads) != hidden // heads,
-            ),
-            (
                 f"linear_conv_kernel_dim {hf.get('linear_conv_kernel_dim')} is not our GDN's 4",
                 hf.get("linear_conv_kernel_dim", 4) != 4,
             ),
@@ -358,6 +353,8 @@ def config_from(hf: dict, model_type: str):
     m = cfg.model
     assert period is not None
     m.attention_type, m.softmax_attention_every = period
+    if (head_dim := hf.get("head_dim") or hidden // heads) != hidden // heads:
+        m.kv_channels = head_dim  # Qwen3-Next's 256 at hidden 2048 and 16 heads
     m.norm_epsilon, m.rotary_base, m.rotary_percent = hf.get("rms_norm_eps", 1e-6), rope_theta(_plain(hf)), partial
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear = "RMSNorm", "swiglu", "rope", False
