@@ -5,19 +5,23 @@
         with torch.load(..., weights_only=True); "model" is a single-rank GPT's state dict (its weights and
         persistent buffers: the routers' expert bias), which its load_state_dict(strict=True) takes
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
+                                       [--hf-architecture CLASS]
         Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
         biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/formats/gpt2.py);
         softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
         config.json + model.safetensors (+ tokenizer.model); models with experts (--num-experts): transformers'
         own Qwen3MoeForCausalLM (with --qk-layernorm) or MixtralForCausalLM (every layer sparse), the experts one
-        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); every other model (GLA, hybrid,
+        per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); GDN hybrids with gated softmax
+        attention, zero-centred norms and query/key norms: transformers' own Qwen3NextForCausalLM (with experts and a
+        gated shared expert), Qwen3_5ForCausalLM (dense) or, with --hf-architecture, Qwen3_5MoeForCausalLM
+        (formats/qwen3_next.py, qwen3_5.py; docs/checkpoints.md); every other model (GLA, hybrid,
         LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
         AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE and Mixtral
-        directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
+        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE, Mixtral, Qwen3-Next
+        and Qwen3.5 directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -182,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
         default="megatron_zpp",
         choices=["megatron_zpp", "hf", "megatron"],
         help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, Qwen3-MoE, Mixtral, "
-        "or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
+        "Qwen3-Next, Qwen3.5's text models, or our GLA/hybrid export) or a megatron-core torch_dist checkpoint "
+        "(Megatron-LM's --ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",
