@@ -142,12 +142,7 @@ def _transformers_model(kind: str, layer_types=None):
     """A tiny model of transformers' class `kind`, from its own config (its init, then perturbed)."""
     import transformers
 
-    common = dict(
-        vocab_size=ROWS, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=layer_types,
-        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
-    )  # fmt: skip
+    common = _text_config(layer_types)
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=16)
     if kind == "qwen3_next":
         cfg = transformers.Qwen3NextConfig(**common, **moe, intermediate_size=48, mlp_only_layers=[1])
@@ -158,6 +153,15 @@ def _transformers_model(kind: str, layer_types=None):
         model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**common, **moe))
     _perturb(model.parameters(), 6)
     return model.eval()
+
+
+def _text_config(layer_types=None) -> dict:
+    return dict(
+        vocab_size=ROWS, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=layer_types,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
 
 
 def _import(model, root):
@@ -183,6 +187,22 @@ def test_transformers_model_imports_with_its_logits_and_exports_back(kind, tmp_p
     )
     assert original.keys() == back.keys() and all(torch.equal(original[n], back[n]) for n in original)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == model.config.architectures
+
+
+def test_image_text_checkpoint_imports_its_language_model(tmp_path):
+    """The hub's Qwen3.5 files are Qwen3_5ForConditionalGeneration's: its text_config and model.language_model.*
+    import as the text model (vision tower and MTP left out), with the image-text model's logits on text."""
+    import transformers
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+    config = transformers.Qwen3_5Config(text_config=_text_config() | {"intermediate_size": 48}, vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    _perturb(model.parameters(), 7)
+    weights, cfg = _import(model.eval(), tmp_path)
+    with torch.no_grad():
+        theirs = model(input_ids=_tokens(), use_cache=False).logits
+        ours = _our_model(cfg, weights)(_tokens())
+    assert (theirs - ours).abs().max().item() < TOL
 
 
 def test_gated_attention_equals_qwen3_next_attention(tmp_path):
@@ -240,10 +260,21 @@ def test_export_refusals_are_one_named_line(tmp_path, capsys):
     ]
 
 
+def test_hub_config_without_layer_types_reads_full_attention_interval():
+    """The hub's Qwen3-Next config.json (written by transformers 4.57) gives full_attention_interval, not layer_types;
+    partial_rotary_factor and rope_theta at the top level."""
+    hf = _transformers_model("qwen3_next").config.to_dict()
+    del hf["layer_types"], hf["rope_parameters"]
+    hf |= {"full_attention_interval": 2, "partial_rotary_factor": 0.25, "rope_theta": 1e7}
+    m = hf_formats.qwen3_next.config_from(hf).model
+    assert (m.attention_type, m.softmax_attention_every, m.rotary_percent, m.rotary_base) == ("gdn", 2, 0.25, 1e7)
+    assert (m.kv_channels, m.moe_layer_freq, m.moe_shared_expert_gate) == (16, "[1, 0, 1, 1]", True)
+
+
 IMPORT_REFUSALS = [  # (config.json change, what the line names)
     ({"layer_types": ["full_attention", "linear_attention", "linear_attention", "linear_attention"]}, "K-th layer"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not silu"),
-    ({"model_type": "qwen3_5"}, "the image-text model"),
+    ({"model_type": "qwen3_5"}, "model_type 'qwen3_5' without a text_config object"),
 ]
 
 

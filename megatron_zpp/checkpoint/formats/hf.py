@@ -40,8 +40,7 @@ BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
     "qwen3_next": qwen3_next,
-    "qwen3_5": qwen3_5,  # the image-text model: refused by name
-    **{kind: qwen3_5 for kind in qwen3_5.MODEL_TYPES},
+    **{kind: qwen3_5 for kind in (*qwen3_5.MODEL_TYPES, *qwen3_5.IMAGE_TEXT)},
 }
 
 
@@ -128,9 +127,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     try:
         hf_cfg = hf_files.read_config(hf_dir)
         fmt, cfg = _config_of(hf_cfg, hf_dir)
-        entries = hf_files.read_headers(hf_dir)
-        skipped = getattr(fmt, "SKIPPED", ())  # e.g. Qwen's multi-token prediction layers: we build no MTP
-        entries = {n: e for n, e in entries.items() if not n.startswith(skipped)}
+        entries = their_entries(fmt, hf_cfg, hf_files.read_headers(hf_dir))
         if isinstance(cfg.model.num_layers, int) and cfg.model.num_layers > len(entries):  # before building it
             raise ConversionError(
                 f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
@@ -142,6 +139,23 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
         raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     state = fmt.from_theirs(hf, cfg)
     return state, save_weights(output, cfg, state)
+
+
+def their_entries(fmt: HFFormat, hf_cfg: dict, entries: dict) -> dict:
+    """The files' tensors under the names the format reads: those it skips by prefix left out (Qwen's multi-token
+    prediction layers, an image-text model's vision tower), its renamed prefixes renamed (that model's language
+    model: model.language_model.* -> model.*); nothing for the other formats."""
+    skipped: tuple[str, ...] = getattr(fmt, "SKIPPED", ())
+    renamed: dict[str, str] = getattr(fmt, "renamed_prefixes", lambda hf: {})(hf_cfg)
+    out = {}
+    for name, e in entries.items():
+        if name.startswith(skipped):
+            continue
+        old = next((p for p in renamed if name.startswith(p)), None)
+        if old is not None:
+            name, e = renamed[old] + name[len(old) :], dataclasses.replace(e, stored=name)
+        out[name] = e
+    return out
 
 
 def _with_tokenizer(cfg, hf_dir: str):

@@ -4,7 +4,9 @@ with a gated shared expert; its router always renormalises the top-k: ours witho
 
 Qwen3-Next's hybrid (formats/qwen3_hybrid.py) with the GDN input projections kept apart (in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a) and multimodal RoPE, which on text (the same position on its three axes) is plain RoPE.
-The vision tower and the image-text class (Qwen3_5ForConditionalGeneration) are not part of this format."""
+The hub's checkpoints are the image-text model (Qwen3_5ForConditionalGeneration, model_type qwen3_5 or
+qwen3_5_moe): an import reads its text_config and language model (model.language_model.* as model.*) and leaves the
+vision tower (model.visual.*) and the MTP layers (mtp.*) out; an export writes the text model."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ ARCHITECTURE = "Qwen3_5ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 ARCHITECTURES = (ARCHITECTURE, MOE_ARCHITECTURE)
 MODEL_TYPES = {"qwen3_5_text": ARCHITECTURE, "qwen3_5_moe_text": MOE_ARCHITECTURE}
-SKIPPED, ZERO_CENTRED = qh.SKIPPED, qh.ZERO_CENTRED
+IMAGE_TEXT = ("qwen3_5", "qwen3_5_moe")  # Qwen3_5(Moe)ForConditionalGeneration: the hub's Qwen3.5 checkpoints
+SKIPPED, ZERO_CENTRED = (*qh.SKIPPED, "model.visual."), qh.ZERO_CENTRED
 TARGET = "Qwen3.5"
 
 
@@ -55,12 +58,22 @@ def from_theirs(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     return qh.from_hf(hf, cfg, grouped=False)
 
 
+def renamed_prefixes(hf: dict) -> dict[str, str]:
+    """The image-text model's language model read as the text model (hf.py: `their_entries`)."""
+    return {"model.language_model.": "model."} if hf.get("model_type") in IMAGE_TEXT else {}
+
+
 def config_from(hf: dict):
-    """Our Config of the Qwen3.5 text model a HF config.json describes; refuses what we cannot hold."""
+    """Our Config of the Qwen3.5 text model a HF config.json describes (of the image-text model's, its text_config:
+    the vision tower is left out); refuses what we cannot hold."""
+    if hf.get("model_type") in IMAGE_TEXT:
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ConversionError(f"model_type {hf['model_type']!r} without a text_config object")
+        hf = text | {k: hf[k] for k in ("tie_word_embeddings", "dtype", "torch_dtype") if k in hf}
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
-        hint = " (the image-text model: import its text_config and language_model weights)" if kind == "qwen3_5" else ""
-        raise ConversionError(f"model_type {kind!r} is not a Qwen3.5 text model ({', '.join(MODEL_TYPES)}){hint}")
+        raise ConversionError(f"model_type {kind!r} is not a Qwen3.5 text model ({', '.join(MODEL_TYPES)})")
     cfg = qh.config_from(hf, kind)
     if kind == "qwen3_5_moe_text":
         qh.moe_config(cfg, hf, [1] * hf["num_hidden_layers"])

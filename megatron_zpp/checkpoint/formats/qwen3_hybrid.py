@@ -326,7 +326,7 @@ def config_from(hf: dict, model_type: str):
     """Our Config of a Qwen3-Next/Qwen3.5 config.json (the decoder, GDN and layer pattern; the MLPs: the caller's)."""
     if hf.get("model_type") != model_type:
         raise ConversionError(f"model_type {hf.get('model_type')!r} is not {model_type}")
-    kinds, heads, hidden = list(hf["layer_types"]), hf["num_attention_heads"], hf["hidden_size"]
+    kinds, heads, hidden = layer_types(hf), hf["num_attention_heads"], hf["hidden_size"]
     period = _hybrid_period(kinds, "gdn") if set(kinds) <= {LINEAR, FULL} else None
     rope = hf.get("rope_parameters") or {}
     partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
@@ -366,6 +366,15 @@ def config_from(hf: dict, model_type: str):
         m.linear_key_head_dim, m.linear_value_head_dim = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
         m.linear_conv_kernel_dim = hf.get("linear_conv_kernel_dim", 4)
     return cfg
+
+
+def layer_types(hf: dict) -> list:
+    """config.json's layer_types, or (the hub's Qwen3-Next files, written before transformers 5) the pattern its
+    full_attention_interval gives, as transformers derives it."""
+    if "layer_types" in hf:
+        return list(hf["layer_types"])
+    every = hf.get("full_attention_interval", 4)
+    return [LINEAR if (i + 1) % every else FULL for i in range(hf["num_hidden_layers"])]
 
 
 def _plain(hf: dict) -> dict:
