@@ -510,7 +510,7 @@ def test_megatron_gdn_hybrid_is_ours_with_megatrons_layer_pattern_and_defaults()
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_zpp.config.megatron_flags import _MEGATRON_GDN_DEFAULTS
+    from megatron_zpp.config.shapes import MEGATRON_GDN_DEFAULTS
 
     for freq in (1, 3, 4, 8):
         m = parse_config(f"{GDN_BASE} {MEGATRON_GDN} --linear-attention-freq {freq}".split(), 1).model
@@ -521,34 +521,45 @@ def test_megatron_gdn_hybrid_is_ours_with_megatrons_layer_pattern_and_defaults()
         kinds = ["gdn" if la else "softmax" for la in get_linear_attention_pattern(megatron)]
         assert [m.layer_kind(i) for i in range(7)] == kinds, freq
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    assert _MEGATRON_GDN_DEFAULTS == {name: defaults[name] for name in _MEGATRON_GDN_DEFAULTS}
+    assert MEGATRON_GDN_DEFAULTS == {name: defaults[name] for name in MEGATRON_GDN_DEFAULTS}
 
 
-GDN_SHAPE_FLAGS = [  # flag, our value (head dim 16, 4 heads, kernel 4), another value and its reason
-    ("--linear-conv-kernel-dim", 4, 3, "our GDN's causal convolution has kernel 4; other kernels are not built"),
-    ("--linear-key-head-dim", 16, 32, "our GDN's query/key heads have the head dim 16"),
-    ("--linear-value-head-dim", 16, 32, "our GDN's value heads have the head dim 16"),
-    ("--linear-num-key-heads", 4, 2, "our GDN has --num-attention-heads 4 query/key heads"),
-    ("--linear-num-value-heads", 4, 8, "our GDN has --num-attention-heads 4 value heads, one per key head"),
-]
+def test_megatron_gdn_shape_flags_build_with_megatrons_meaning():
+    """--linear-num-key-heads / --linear-num-value-heads / --linear-key-head-dim / --linear-value-head-dim shape the
+    layer (grouped value heads, K != V); not given: ours (--num-attention-heads heads of the head dim) for
+    --attention-type gdn, megatron-core's TransformerConfig defaults (16/32/128/128) with its variant."""
+    from megatron_zpp.config.shapes import GdnHeads
+
+    given = "--linear-num-key-heads 2 --linear-num-value-heads 6 --linear-key-head-dim 8 --linear-value-head-dim 24"
+    m = parse_config(f"{GDN_BASE} --attention-type gdn {given}".split(), 1).model
+    assert m.gdn_heads == GdnHeads(2, 6, 8, 24)
+    shape = m.mixer_of_kind("gdn")
+    assert shape.sections == (16, 16, 144, 144, 6, 6) and shape.conv_channels == 176 and shape.out_width == 144
+    assert (shape.heads, shape.key_heads, shape.state_per_head, shape.transition_per_head) == (6, 2, 8 * 24, 64)
+    assert parse_config(f"{GDN_BASE} --attention-type gdn".split(), 1).model.gdn_heads == GdnHeads(4, 4, 16, 16)
+    variant = "--experimental-attention-variant gated_delta_net --linear-attention-freq 4"
+    assert parse_config(f"{GDN_BASE} {variant}".split(), 1).model.gdn_heads == GdnHeads(16, 32, 128, 128)
+    (line,) = gdn_errors("--attention-type gdn --linear-conv-kernel-dim 3")
+    assert line == (
+        "--linear-conv-kernel-dim 3: our GDN's causal convolution has kernel 4; other kernels are not built: give "
+        "--linear-conv-kernel-dim 4"
+    )
 
 
-@pytest.mark.parametrize("flag, ours, other, why", GDN_SHAPE_FLAGS)
-def test_each_gdn_shape_flag_is_accepted_as_ours_or_refused_by_name(flag, ours, other, why):
-    m = parse_config(f"{GDN_BASE} --attention-type gdn {flag} {ours}".split(), 1).model
-    assert m.attention_type == "gdn" and getattr(m, flag[2:].replace("-", "_")) == ours
-    (line,) = gdn_errors(f"--attention-type gdn {flag} {other}")
-    assert line.startswith(f"{flag} {other}: {why}") and line.endswith(f": give {flag} {ours}"), line
-
-
-def test_megatron_gdn_variant_alone_holds_megatrons_shape_defaults_to_ours():
-    lines = gdn_errors("--experimental-attention-variant gated_delta_net --linear-attention-freq 4")
-    assert [ln.split(":")[0] for ln in lines] == [
-        "--linear-key-head-dim 128 (Megatron's default with --experimental-attention-variant)",
-        "--linear-value-head-dim 128 (Megatron's default with --experimental-attention-variant)",
-        "--linear-num-key-heads 16 (Megatron's default with --experimental-attention-variant)",
-        "--linear-num-value-heads 32 (Megatron's default with --experimental-attention-variant)",
-    ]
+@pytest.mark.parametrize(
+    "flags, world, line",
+    [
+        ("--linear-num-key-heads 4 --linear-num-value-heads 6", 1,
+         "--linear-num-value-heads 6 is not a multiple of --linear-num-key-heads 4 (each key head is read by a whole "
+         "group of value heads)"),
+        ("--linear-num-key-heads 1 --linear-num-value-heads 4 --tensor-model-parallel-size 2", 2,
+         "--linear-num-key-heads 1 is not divisible by --tensor-model-parallel-size 2"),
+    ],
+)  # fmt: skip
+def test_gdn_heads_refused_in_one_line(flags, world, line):
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"{GDN_BASE} --attention-type gdn {flags}".split(), world, run=False)
+    assert str(info.value).splitlines() == [line]
 
 
 @pytest.mark.parametrize(

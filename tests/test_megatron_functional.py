@@ -21,18 +21,11 @@ from megatron_zpp.config.arguments import parse_config
 from tests.dist import run_distributed
 from tests.megatron_fixtures import fixture_lines, tiny_dataset, tiny_gpt2_files, tiny_sentencepiece_model
 
-GDN = "our GDN has --num-attention-heads 4 query/key heads"
 FP8 = "FP8/FP4 and transformer-engine are not supported"
 MLA = "multi-latent attention and DeepSeek sparse attention are not built"
 MTP = "multi-token prediction is not built"
 MUP = "the muP parametrization is not built"
 HYBRID = "Mamba and Megatron's hybrid layer patterns are not built"
-GDN_REFUSED = {
-    # Megatron's GDN is read as ours (--attention-type gdn, --softmax-attention-every 3, head dim 16) and its MoE
-    # flags and --attention-output-gate are built, but for its 2 key heads under 4 value heads (grouped value heads
-    # are not built)
-    "--linear-num-key-heads": GDN,
-}
 # fixture -> (world size, the flags refused as written -> a piece of their reason); all others run
 RUNS = {
     "gpt3_mcore_tp1_pp2_fp16": (2, {}),
@@ -60,8 +53,10 @@ MOE_RUNS = {
 }
 # the ones refused in one pass (checked without processes; their world size is the layout's)
 REFUSED = {
-    "gpt3_mcore_te_tp2_pp1_gdn": (2, GDN_REFUSED),
-    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (2, GDN_REFUSED),
+    # Megatron's GDN hybrid with MoE: read as ours (--attention-type gdn, --softmax-attention-every 3, its 2 key heads
+    # under 4 value heads of 16 channels), nothing refused
+    "gpt3_mcore_te_tp2_pp1_gdn": (2, {}),
+    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (2, {}),
     # Megatron's S-BASE routing (sinkhorn) is not built; its top-1 then falls to the softmax router, where a
     # softmax over one score is 1 (Megatron refuses that too, but for sinkhorn)
     "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts": (

@@ -11,8 +11,8 @@ is that setting's; every other one is classified here:
 - refused with one line of reason: by name (REFUSED), else by family (FAMILIES, first match),
   else "not built here".
 
-Megatron's gated delta net shape flags are config fields read as ours where they say what our GDN
-layer is (`check_megatron_gdn`, called by validation).
+Megatron's gated delta net shape flags are config fields our GDN layer builds (ModelConfig.gdn_heads; its
+convolution kernel only at ours: `check_megatron_gdn`, called by validation).
 
 Nothing here is stored twice: whether a flag takes a value comes from the list, and a flag that
 a config field declares is skipped by every table (tests/test_megatron_compat.py checks that no
@@ -26,6 +26,7 @@ import os
 
 from .model import ModelConfig
 from .shapes import GDN_CONV_KERNEL as CONV_KERNEL
+from .shapes import MEGATRON_GDN_DEFAULTS
 
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_flags.json")) as _f:
     _DATA = json.load(_f)
@@ -465,16 +466,6 @@ def check_megatron_noops(m: ModelConfig, noops: list[str]) -> list[str]:
     return []
 
 
-# Megatron's GDN shape flags: their defaults (megatron-core's TransformerConfig), read with its variant only
-_MEGATRON_GDN_DEFAULTS = {
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-}
-
-
 def check_megatron_gdn(m: ModelConfig) -> list[str]:
     """Megatron's gated delta net flags: accepted where they say what our GDN layer is."""
     variant = m.experimental_attention_variant
@@ -485,37 +476,25 @@ def check_megatron_gdn(m: ModelConfig) -> list[str]:
             f"--experimental-attention-variant gated_delta_net (our --attention-type gdn) conflicts with "
             f"--attention-type {m.attention_type}: give one"
         ]
-    heads = f"--num-attention-heads {m.num_attention_heads}"
-    ours = {  # field -> (our value, what it is here)
+    ours = {  # field -> (our value, what it is here); the head counts and dims build (ModelConfig.gdn_heads)
         "linear_conv_kernel_dim": (
             CONV_KERNEL,
             f"our GDN's causal convolution has kernel {CONV_KERNEL}; other kernels are not built",
         ),
-        "linear_key_head_dim": (
-            m.head_dim,
-            f"our GDN's query/key heads have the head dim {m.head_dim} (--hidden-size / --num-attention-heads)",
-        ),
-        "linear_value_head_dim": (
-            m.head_dim,
-            f"our GDN's value heads have the head dim {m.head_dim}, as its query/key heads",
-        ),
-        "linear_num_key_heads": (m.num_attention_heads, f"our GDN has {heads} query/key heads"),
-        "linear_num_value_heads": (
-            m.num_attention_heads,
-            f"our GDN has {heads} value heads, one per key head (grouped value heads are not built)",
-        ),
     }
+    shapes = ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
     lines = []
-    for name, (want, why) in ours.items():
+    for name in (*ours, *shapes):
         given = getattr(m, name)
-        value = _MEGATRON_GDN_DEFAULTS[name] if given is None and variant else given
+        value = MEGATRON_GDN_DEFAULTS[name] if given is None and variant else given
         flag = "--" + name.replace("_", "-")
         if given is not None and m.attention_type != "gdn":
             lines.append(
                 f"{flag}: shapes Megatron's gated delta net layers only (--experimental-attention-variant "
                 "gated_delta_net, ours --attention-type gdn), and this model has none: drop it"
             )
-        elif value is not None and value != want:
+        elif name in ours and value is not None and value != ours[name][0]:
+            want, why = ours[name]
             default = " (Megatron's default with --experimental-attention-variant)" if given is None else ""
             lines.append(f"{flag} {value}{default}: {why}: give {flag} {want}")
     return lines

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .fields import opt
 from .moe import MoEFields
-from .shapes import FfnShape, MixerShape, mixer_shape
+from .shapes import MEGATRON_GDN_DEFAULTS, FfnShape, GdnHeads, MixerShape, mixer_shape
 
 
 def default_linear_chunk_size(device_type: str) -> int:
@@ -199,25 +199,35 @@ class ModelConfig(MoEFields):
     linear_key_head_dim: int | None = opt(
         None,
         "--linear-key-head-dim",
-        "Megatron's GDN query/key head dim (its default 128 with its variant): ours is the head dim, --hidden-size / "
-        "--num-attention-heads",
+        "Gated DeltaNet's query/key head dim, Megatron's flag (default: the head dim, --hidden-size / "
+        "--num-attention-heads; Megatron's 128 with --experimental-attention-variant gated_delta_net)",
     )
     linear_value_head_dim: int | None = opt(
         None,
         "--linear-value-head-dim",
-        "Megatron's GDN value/gate head dim (its default 128 with its variant): ours is the head dim, --hidden-size / "
-        "--num-attention-heads",
+        "Gated DeltaNet's value/output-gate head dim, Megatron's flag; the state is key x value dim per value head "
+        "(default: the head dim; Megatron's 128 with its variant)",
     )
     linear_num_key_heads: int | None = opt(
         None,
         "--linear-num-key-heads",
-        "Megatron's GDN query/key heads (its default 16 with its variant): ours are --num-attention-heads",
+        "Gated DeltaNet's query/key heads, Megatron's flag (default: --num-attention-heads; Megatron's 16 with its "
+        "variant); divisible by --tensor-model-parallel-size",
     )
     linear_num_value_heads: int | None = opt(
         None,
         "--linear-num-value-heads",
-        "Megatron's GDN value/gate heads (its default 32 with its variant): ours are --num-attention-heads (one "
-        "value head per key head)",
+        "Gated DeltaNet's value heads (the state's), a multiple of its key heads: value head j reads key head "
+        "j // (value heads / key heads), as megatron-core (default: --num-attention-heads; Megatron's 32 with its "
+        "variant); divisible by --tensor-model-parallel-size",
+    )
+    gdn_head_norm: str = opt(
+        "shared",
+        "--gdn-head-norm",
+        "Gated DeltaNet's output RMSNorm weight: shared, one [value head dim] weight for every head (megatron-core, "
+        "fla, Qwen3-Next), or per_head, one per channel of every head (this codebase before): a checkpoint saved "
+        "with per-head weights loads into shared ones when every head's weights are equal, else give per_head",
+        choices=["shared", "per_head"],
     )
 
     @property
@@ -276,6 +286,25 @@ class ModelConfig(MoEFields):
             self.gla_gate_low_rank,
             self.linear_chunk_size,
             self.attention_output_gate,
+            self.gdn_heads if kind == "gdn" else None,
+        )
+
+    @property
+    def gdn_heads(self) -> GdnHeads:
+        """Gated DeltaNet's heads: the --linear-* flags; when not given, Megatron's defaults with
+        --experimental-attention-variant gated_delta_net, else --num-attention-heads heads of the head dim."""
+        megatron = self.experimental_attention_variant == "gated_delta_net"
+
+        def pick(name: str, ours: int) -> int:
+            given = getattr(self, name)
+            return given if given is not None else (MEGATRON_GDN_DEFAULTS[name] if megatron else ours)
+
+        heads, dim = self.num_attention_heads, self.head_dim
+        return GdnHeads(
+            pick("linear_num_key_heads", heads),
+            pick("linear_num_value_heads", heads),
+            pick("linear_key_head_dim", dim),
+            pick("linear_value_head_dim", dim),
         )
 
     def ffn(self, layer: int) -> FfnShape:

@@ -14,12 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 GDN_CONV_KERNEL = 4  # fla's and Qwen3-Next's short convolution
+# Megatron's GDN shape flags when not given with --experimental-attention-variant gated_delta_net (megatron-core's
+# TransformerConfig defaults); --attention-type gdn alone: --num-attention-heads heads of the head dim
+MEGATRON_GDN_DEFAULTS = {
+    "linear_conv_kernel_dim": GDN_CONV_KERNEL,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
 
 
 @dataclass(frozen=True)
 class MixerShape:
     """One block's token mixer. `heads` are the heads split over TP (query heads of softmax attention,
-    the state's heads of a linear mixer); `key_dim` x `value_dim` the per-head state (linear mixers)."""
+    the state's heads of a linear mixer: GDN's value heads); `key_dim` x `value_dim` the per-head state (linear
+    mixers); `key_heads` GDN's query/key heads, each read by heads / key_heads consecutive value heads."""
 
     kind: str  # "softmax", "gla", "gdn"
     sections: tuple[int, ...]  # the input projection's output sections, in order
@@ -28,6 +38,7 @@ class MixerShape:
     key_dim: int
     value_dim: int
     kv_heads: int = 0  # softmax attention's key/value heads (GQA)
+    key_heads: int = 0  # GDN's query/key heads (grouped value heads: fewer than `heads`); 0: one per head
     replicated: int = 0  # an input projection every TP rank holds whole (rows of W_down), 0: none
     conv_channels: int = 0  # a short causal depthwise convolution's channels (GDN: q | k | v), 0: none
     conv_kernel: int = 0
@@ -73,9 +84,11 @@ class MixerShape:
         if self.kind == "gla":  # the chunked form: C per key width, the state's two d x d products
             low_up = 2 * self.replicated * width  # W_up: [r] -> width
             return proj + low_up + 2 * width * (self.chunk + 2 * self.key_dim)
-        # Gated DeltaNet's WY form: k k^T, the W and U products, q k^T and the output's intra-chunk product
-        # (C each per key or value width); the state's three d x d products
-        return proj + 2 * width * (2 * self.chunk + 3 * self.key_dim)
+        # Gated DeltaNet's WY form on every value head (q, k repeated over a group): the intra-chunk products
+        # (C per key and per value channel); the state's three K x V products
+        return proj + 2 * self.heads * (
+            self.chunk * (self.key_dim + self.value_dim) + 3 * self.key_dim * self.value_dim
+        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,19 @@ class FfnShape:
         return self.topk * per_mlp + shared + 2 * model_hidden * self.num_experts
 
 
+@dataclass(frozen=True)
+class GdnHeads:
+    """Gated DeltaNet's heads: `key_heads` query/key heads of `key_dim` channels and `value_heads` value (and
+    output gate) heads of `value_dim`; value head j reads key head j // (value_heads / key_heads), as
+    megatron-core's repeat_interleave. Megatron's --linear-num-key-heads, --linear-num-value-heads,
+    --linear-key-head-dim, --linear-value-head-dim."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
 def mixer_shape(
     kind: str,
     heads: int,
@@ -112,9 +138,11 @@ def mixer_shape(
     gla_gate_low_rank: int,
     chunk: int | None,
     output_gate: bool = False,
+    gdn: GdnHeads | None = None,
 ) -> MixerShape:
     """The shape of a `kind` mixer of `heads` heads of `head_dim` channels (`output_gate`: softmax attention's
-    element-wise sigmoid gate on its output, --attention-output-gate)."""
+    element-wise sigmoid gate on its output, --attention-output-gate; `gdn`: GDN's heads, default `heads` key
+    and value heads of `head_dim`)."""
     width = heads * head_dim
     if kind == "softmax":  # q | k | v (| output gate, one per query channel)
         sections: tuple[int, ...] = (width, kv_heads * head_dim, kv_heads * head_dim) + (
@@ -126,9 +154,12 @@ def mixer_shape(
     if kind == "gla":  # q | k | v | output gate (| decay gate at full rank)
         sections = (width,) * (4 if gla_gate_low_rank else 5)
         return replace(linear, sections=sections, replicated=gla_gate_low_rank, transition="decay")
-    if kind == "gdn":  # q | k | v | output gate, and a | b per head; the convolution over q | k | v
-        sections = (width,) * 4 + (heads, heads)
-        return replace(
-            linear, sections=sections, conv_channels=3 * width, conv_kernel=GDN_CONV_KERNEL, transition="dense"
-        )
+    if kind == "gdn":  # q | k | v | output gate, and a | b per value head; the convolution over q | k | v
+        g = gdn or GdnHeads(heads, heads, head_dim, head_dim)
+        qk, v = g.key_heads * g.key_dim, g.value_heads * g.value_dim
+        sections = (qk, qk, v, v, g.value_heads, g.value_heads)
+        return MixerShape(
+            kind, sections, v, g.value_heads, g.key_dim, g.value_dim, key_heads=g.key_heads, chunk=chunk,
+            conv_channels=2 * qk + v, conv_kernel=GDN_CONV_KERNEL, transition="dense",
+        )  # fmt: skip
     raise ValueError(f"unknown mixer kind {kind!r}")

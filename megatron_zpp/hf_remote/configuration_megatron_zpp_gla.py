@@ -42,6 +42,11 @@ class MegatronZppGLAConfig(PretrainedConfig):
         gla_chunk_size: int = 16,
         linear_attention_type: str = "gla",
         linear_conv_kernel: int = 4,
+        linear_num_key_heads: int | None = None,
+        linear_num_value_heads: int | None = None,
+        linear_key_head_dim: int | None = None,
+        linear_value_head_dim: int | None = None,
+        gdn_head_norm: str = "per_head",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
@@ -58,6 +63,15 @@ class MegatronZppGLAConfig(PretrainedConfig):
         self.gla_gate_low_rank, self.gla_gate_normalizer = gla_gate_low_rank, gla_gate_normalizer
         self.gla_chunk_size, self.initializer_range, self.use_cache = gla_chunk_size, initializer_range, use_cache
         self.linear_attention_type, self.linear_conv_kernel = linear_attention_type, linear_conv_kernel
+        # GDN's heads (megatron-core's and Qwen3-Next's layout): key heads of K channels, value heads of V, value
+        # head j reading key head j // (value heads / key heads); default one value head per key head of head_dim
+        self.linear_num_key_heads = linear_num_key_heads or num_attention_heads
+        self.linear_num_value_heads = linear_num_value_heads or self.linear_num_key_heads
+        self.linear_key_head_dim = linear_key_head_dim or self.head_dim
+        self.linear_value_head_dim = linear_value_head_dim or self.head_dim
+        # GDN's output norm weight: "shared" [V] for every head, or "per_head" [heads x V] (exports before the
+        # shared weight carry no key: theirs is per head)
+        self.gdn_head_norm = gdn_head_norm
         self._check()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -84,6 +98,14 @@ class MegatronZppGLAConfig(PretrainedConfig):
                     f"gelu_approximate {self.gelu_approximate!r} is not tanh or none",
                     self.gelu_approximate not in ("tanh", "none"),
                 ),
+                (
+                    "linear_num_value_heads is not a multiple of linear_num_key_heads",
+                    self.linear_num_value_heads % self.linear_num_key_heads != 0,
+                ),
+                (
+                    f"gdn_head_norm {self.gdn_head_norm!r} is not shared or per_head",
+                    self.gdn_head_norm not in ("shared", "per_head"),
+                ),  # fmt: skip
                 (
                     "num_attention_heads is not a multiple of num_key_value_heads",
                     self.num_attention_heads % self.num_key_value_heads != 0,

@@ -66,7 +66,8 @@ class MegatronZppLayerNorm(nn.Module):
 
 
 class MegatronZppHeadRMSNorm(nn.Module):
-    """RMSNorm over each head's d channels of a [B, T, H, d] tensor, one weight per channel of every head."""
+    """RMSNorm over each head's d channels of a [B, T, H, d] tensor, one weight per channel of every head (heads = 1:
+    one [d] weight every head shares)."""
 
     def __init__(self, heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -183,35 +184,50 @@ class MegatronZppCausalConv(nn.Module):
 
 
 class MegatronZppGatedDeltaNet(nn.Module):
+    """Gated DeltaNet with megatron-core's / Qwen3-Next's heads: Hk query/key heads of K channels, H value heads of V
+    (value head j reads key head j // (H / Hk)); q, k L2-normalised as fla's l2norm (eps 1e-6 on the sum of
+    squares); the output RMSNorm's weight one [V] for every head (or one per head's channel: gdn_head_norm)."""
+
     def __init__(self, config: MegatronZppGLAConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.heads, self.head_dim = layer_idx, config.num_attention_heads, config.head_dim
-        self.kernel, self.eps = config.linear_conv_kernel, config.norm_eps
-        width, hidden, heads = self.heads * self.head_dim, config.hidden_size, self.heads
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, width, bias=False) for _ in range(3))
+        self.layer_idx, self.kernel, self.eps = layer_idx, config.linear_conv_kernel, config.norm_eps
+        self.key_heads, self.heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        qk, width, hidden, heads = (
+            self.key_heads * self.key_dim,
+            self.heads * self.head_dim,
+            config.hidden_size,
+            self.heads,
+        )
+        self.q_proj, self.k_proj = nn.Linear(hidden, qk, bias=False), nn.Linear(hidden, qk, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
         self.g_proj = nn.Linear(hidden, width, bias=False)  # the SiLU output gate
         self.a_proj, self.b_proj = nn.Linear(hidden, heads, bias=False), nn.Linear(hidden, heads, bias=False)
-        self.q_conv, self.k_conv, self.v_conv = (MegatronZppCausalConv(width, self.kernel) for _ in range(3))
+        self.q_conv, self.k_conv = MegatronZppCausalConv(qk, self.kernel), MegatronZppCausalConv(qk, self.kernel)
+        self.v_conv = MegatronZppCausalConv(width, self.kernel)
         self.A_log, self.dt_bias = nn.Parameter(torch.zeros(heads)), nn.Parameter(torch.zeros(heads))
-        self.o_norm = MegatronZppHeadRMSNorm(self.heads, self.head_dim, config.norm_eps)
+        shared = config.gdn_head_norm == "shared"
+        self.o_norm = MegatronZppHeadRMSNorm(1 if shared else self.heads, self.head_dim, config.norm_eps)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, D, lead = self.heads, self.head_dim, self.kernel - 1
+        Hk, H, K, V, lead = self.key_heads, self.heads, self.key_dim, self.head_dim, self.kernel - 1
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
         packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
         if packed is None:
-            state, history = qkv.new_zeros(B, H, D, D, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
+            state, history = qkv.new_zeros(B, H, K, V, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
         else:
-            state = packed[:, : H * D * D].view(B, H, D, D).clone()
-            history = packed[:, H * D * D :].view(B, lead, -1).to(qkv.dtype)
+            state = packed[:, : H * K * V].view(B, H, K, V).clone()
+            history = packed[:, H * K * V :].view(B, lead, -1).to(qkv.dtype)
         ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
-        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [3 width, kernel]
+        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [channels, kernel]
         conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(self.kernel))
-        q, k, v = (t.view(B, T, H, D).float() for t in F.silu(conv).split(H * D, dim=-1))
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k, v = F.silu(conv).float().split([Hk * K, Hk * K, H * V], dim=-1)
+        q, k = (t.view(B, T, Hk, K) for t in (q, k))
+        q, k = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm
+        q, k, v = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2), v.view(B, T, H, V)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         beta = self.b_proj(x).float().sigmoid()
         outs = []
@@ -220,11 +236,11 @@ class MegatronZppGatedDeltaNet(nn.Module):
             kt = k[:, t]
             delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
             state = state + kt[..., None] * delta[..., None, :]
-            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * D**-0.5)
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * K**-0.5)
         if cache is not None:
             tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
             cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), self.layer_idx)
-        o = self.o_norm(torch.stack(outs, dim=1)) * F.silu(self.g_proj(x).float()).view(B, T, H, D)
+        o = self.o_norm(torch.stack(outs, dim=1)) * F.silu(self.g_proj(x).float()).view(B, T, H, V)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
 

@@ -3,9 +3,15 @@
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = scale * S_t^T q_t
 
 q, k, v: head-split projections, each through a short causal depthwise convolution and SiLU;
-q and k L2-normalised; b = sigmoid(x W_b); log a = -exp(A_log) * softplus(x W_a + dt_bias).
-Output: per-head RMSNorm times silu(x W_gate), then the output projection. Every projection is
-split by heads over TP (the convolution is per channel, A_log and dt_bias per head).
+q and k L2-normalised (fla's l2norm, eps 1e-6 on the sum of squares); b = sigmoid(x W_b);
+log a = -exp(A_log) * softplus(x W_a + dt_bias). Output: RMSNorm over each head's V channels with one
+shared [V] weight, times silu(x W_gate), then the output projection.
+
+Heads as megatron-core's GatedDeltaNet (and Qwen3-Next's): Hk query/key heads of K channels and H value
+heads of V (--linear-num-key-heads, --linear-num-value-heads, --linear-key-head-dim, --linear-value-head-dim);
+H is a multiple of Hk and value head j reads key head j // (H / Hk); the state is K x V per value head.
+Every projection is split by heads over TP, each rank holding whole groups (the convolution is per
+channel, A_log and dt_bias per value head; the norm weight is replicated).
 
 Packed documents: log a = -inf at each document's first token (the state resets) and the
 convolution reads no token of an earlier document.
@@ -37,25 +43,34 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.ctx, self.chunk_size, self.eps = ctx, cfg.linear_chunk_size, cfg.norm_epsilon
         self.selective = cfg.recompute_granularity == "selective"
-        self.heads, self.head_dim = cfg.num_attention_heads // ctx.tp_size, cfg.head_dim
-        shape, std = cfg.mixer_of_kind("gdn"), cfg.init_method_std
-        heads, width = shape.heads, shape.out_width
-        # q | k | v | output gate (width each) | a | b (one per head), each split by heads over TP
+        shape, std, tp = cfg.mixer_of_kind("gdn"), cfg.init_method_std, ctx.tp_size
+        # this rank's heads: whole groups of value heads with the key head they read (validation: both divide by TP)
+        self.key_heads, self.heads = shape.key_heads // tp, shape.heads // tp
+        self.key_dim, self.head_dim = shape.key_dim, shape.value_dim
+        # q | k | v | output gate | a | b (one per value head), each split by heads over TP
         self.proj_in = ColumnParallelLinear(cfg.hidden_size, list(shape.sections), ctx.tp, std, ctx.sequence_parallel)
-        local, self.halo = self.heads * self.head_dim, shape.halo_tokens
+        self.halo, (qk, _, v) = shape.halo_tokens, shape.sections[:3]
+        # q | k | v channels, depthwise; nn.Conv1d's default init (megatron-core's, fla's): kaiming_uniform(a=sqrt(5))
+        # over a fan-in of the kernel, U(+-1/sqrt(kernel)); drawn at full width then sliced (TP-invariant)
+        bound = shape.conv_kernel**-0.5
         self.conv = mark(
-            nn.Parameter(torch.empty(shape.conv_channels // ctx.tp_size, shape.conv_kernel)),
-            ("normal", std),
-            (0, (width,) * 3),
-        )  # q | k | v channels, depthwise
-        # per head, drawn at all heads and then sliced (TP-invariant): the decay rate A = exp(A_log), A ~ U(1, 16)
+            nn.Parameter(torch.empty(shape.conv_channels // tp, shape.conv_kernel)),
+            ("uniform", -bound, bound),
+            (0, (qk, qk, v)),
+        )
+        # per value head, drawn at all heads then sliced (TP-invariant): the decay rate A = exp(A_log), A ~ U(1, 16)
         # (megatron-core's range, Mamba2's; fla's U(0, 16) reaches A = 0, no decay), and the step bias
         # softplus^-1(dt), dt = exp(U(log 1e-3, log 0.1)) clamped at 1e-4 (fla's; megatron-core and Qwen3-Next: 1)
-        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", 1.0, 16.0), (0, (heads,)))
+        heads = (shape.heads,)
+        self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", 1.0, 16.0), (0, heads))
         dt_init = ("softplus_inverse_of_log_uniform", 1e-3, 0.1, 1e-4)
-        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), dt_init, (0, (heads,)))
-        self.head_norm = mark(nn.Parameter(torch.empty(local)), ("ones",), (0, (width,)))
-        self.proj_out = RowParallelLinear(width, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
+        self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), dt_init, (0, heads))
+        if cfg.gdn_head_norm == "shared":  # one [V] weight for every head (megatron-core, fla, Qwen3-Next)
+            norm = nn.Parameter(torch.empty(self.head_dim))
+            self.head_norm = mark(norm, ("ones",), tp_partial_grad=tp > 1)  # each TP rank's heads give a share
+        else:  # --gdn-head-norm per_head: one weight per channel of every head, split with the heads
+            self.head_norm = mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), ("ones",), (0, (v,)))
+        self.proj_out = RowParallelLinear(v, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
         h = self.proj_in(x)
@@ -66,18 +81,19 @@ class GatedDeltaNet(nn.Module):
     def _core(self, h: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """Convolution, gates, the delta-rule operator, head norm and output gate: [B, T, width/TP]."""
         B, T, _ = h.shape
-        local, H, D = self.heads * self.head_dim, self.heads, self.head_dim
-        qkv, gate, a, b = h.split([3 * local, local, H, H], dim=-1)
+        Hk, H, K, V = self.key_heads, self.heads, self.key_dim, self.head_dim
+        qkv, gate, a, b = h.split([2 * Hk * K + H * V, H * V, H, H], dim=-1)
         separate = documents is not None and documents.separate
         qkv = F.silu(self._conv(qkv, documents if separate else None))
-        q, k, v = (t.view(B, T, H, D) for t in qkv.split(local, dim=-1))
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k, v = qkv.split([Hk * K, Hk * K, H * V], dim=-1)
+        # the op runs on value heads: value head j reads key head j // (H / Hk) (megatron-core's repeat_interleave)
+        q, k = (l2norm(t.view(B, T, Hk, K)).repeat_interleave(H // Hk, dim=2) for t in (q, k))
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
         if separate:
             g = g.masked_fill(documents.starts(T)[:, :, None], float("-inf"))
-        o = self._mix(q, k, v, g, _fp32(b).sigmoid())
-        o = F.rms_norm(_fp32(o), (D,), eps=self.eps) * _fp32(self.head_norm).view(H, D)
-        return (o.reshape(B, T, local) * F.silu(_fp32(gate))).to(h.dtype)
+        o = self._mix(q, k, v.view(B, T, H, V), g, _fp32(b).sigmoid())
+        o = F.rms_norm(_fp32(o), (V,), eps=self.eps) * _fp32(self.head_norm).view(-1, V)
+        return (o.reshape(B, T, H * V) * F.silu(_fp32(gate))).to(h.dtype)
 
     def _conv(self, qkv: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """The causal convolution of this rank's tokens, reading the kernel-1 tokens before them (the previous
@@ -115,6 +131,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc: torch.Tensor | None)
             shifted = shifted * same[..., None].to(x.dtype)
         out = out + shifted * weight[:, -1 - lag]
     return out
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim: fla's l2norm (megatron-core's and Qwen3-Next's q/k norm), whose
+    eps sits under the root on the sum of squares (F.normalize's 1e-12 bounds the norm itself)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,11 @@ def _normal(shape: list[int], gen: torch.Generator, std: float) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)  # in place: one full tensor at a time
 
 
+def _uniform(shape: list[int], gen: torch.Generator, low: float, high: float) -> torch.Tensor:
+    """U(low, high): e.g. nn.Conv1d's default kaiming_uniform(a=sqrt(5)), U(+-1/sqrt(fan_in))."""
+    return torch.empty(shape, dtype=torch.float32).uniform_(low, high, generator=gen)
+
+
 def _log_of_uniform(shape: list[int], gen: torch.Generator, low: float, high: float) -> torch.Tensor:
     """log A for A ~ U(low, high): a decay rate stored as its log (Mamba2's and GDN's A_log)."""
     return torch.empty(shape, dtype=torch.float32).uniform_(low, high, generator=gen).log_()
@@ -57,10 +62,11 @@ def _softplus_inverse_of_log_uniform(
     return dt + torch.log(-torch.expm1(-dt))  # log(exp(dt) - 1) without overflow, exact for small dt
 
 
-# the random init rules: ("normal", std), ("log_of_uniform", low, high),
+# the random init rules: ("normal", std), ("uniform", low, high), ("log_of_uniform", low, high),
 # ("softplus_inverse_of_log_uniform", low, high, floor); "ones" and "zeros" are filled without drawing
 DRAWS = {
     "normal": _normal,
+    "uniform": _uniform,
     "log_of_uniform": _log_of_uniform,
     "softplus_inverse_of_log_uniform": _softplus_inverse_of_log_uniform,
 }

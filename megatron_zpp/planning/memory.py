@@ -83,10 +83,30 @@ class Dims:
     linear_proj: int = 0  # the linear mixer's input-projection outputs per TP rank (its shape's sections + replicated)
     moe_imbalance: float = 1.0  # an MoE layer's busiest rank: its routed rows over an even share (moe_memory.py)
     gate: bool = False  # softmax attention's output gate (--attention-output-gate)
+    # GDN per TP rank: value heads, key dim K, value dim V, convolution channels (zeros: heads, d, d, 3 width)
+    gdn: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def width(self) -> int:
         return self.heads * self.d
+
+    @property
+    def gdn_heads(self) -> int:
+        return self.gdn[0] or self.heads
+
+    @property
+    def gdn_k(self) -> int:
+        return self.gdn[1] or self.d
+
+    @property
+    def gdn_width(self) -> tuple[int, int]:
+        """GDN's key and value widths over its value heads (q, k repeated to every head of a group): Hv K, Hv V."""
+        return self.gdn_heads * self.gdn_k, self.gdn_heads * (self.gdn[2] or self.d)
+
+    @property
+    def gdn_conv(self) -> int:
+        """GDN's convolution channels, q | k | v (key heads' K each for q and k, value heads' V for v)."""
+        return self.gdn[3] or 3 * self.width
 
 
 def dims(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0) -> Dims:
@@ -117,7 +137,12 @@ def dims(cfg: Config, micro_batch: int | None = None, moe_imbalance: float = 1.0
         linear_proj=_linear_proj(m.mixer_of_kind(m.attention_type), tp),
         moe_imbalance=moe_imbalance,
         gate=m.attention_output_gate,
+        gdn=_gdn_dims(m.mixer_of_kind("gdn"), tp) if m.attention_type == "gdn" else (0, 0, 0, 0),
     )
+
+
+def _gdn_dims(mixer, tp: int) -> tuple[int, int, int, int]:
+    return mixer.heads // tp, mixer.key_dim, mixer.value_dim, mixer.conv_channels // tp
 
 
 def _linear_proj(mixer, tp: int) -> int:
@@ -187,17 +212,19 @@ def gla_layer(x: Dims, selective: bool) -> int:
 
 def gdn_layer(x: Dims, selective: bool) -> int:
     """One Gated DeltaNet block (model/gated_deltanet.py): norm1, proj_in's input (`linear_input`) and
-    output (q | k | v | gate: 4 width, a | b: 2 heads), proj_out's input (e); the core (none under selective
-    recompute): `gdn_conv_saved`, SiLU's output and the L2-normalised q, k (e; ChunkGDNFunction keeps
+    output (its sections), proj_out's input (e; widths: GDN's value heads x V, `Dims.gdn_width`); the core (none
+    under selective recompute): `gdn_conv_saved`, SiLU's output and the q, k the op reads (e; L2-normalised,
+    repeated to the value heads; ChunkGDNFunction keeps
     those and v, a view), the gates and the norms' statistics (~10 fp32 per head), the operator's fp32
     output, the head norm's normalised and weighted products and silu(gate) (4 fp32 width; the gate's fp32
     copy for bf16); norm2, hidden dropout masks (the FFN: `ffn_saved`)."""
-    bs, w = x.b * x.s, x.width
+    bs, (wk, w) = x.b * x.s, x.gdn_width
     proj = linear_input(x) + x.e * bs * (x.linear_proj + w)
     core = 0
     if not selective:
         gate_copy = 4 * w if x.e != 4 else 0
-        core = gdn_conv_saved(x) + x.e * bs * 5 * w + bs * (40 * x.heads + 16 * w + gate_copy) + gdn_cp_saved(x)
+        core = gdn_conv_saved(x) + x.e * bs * (x.gdn_conv + 2 * wk) + bs * (40 * x.gdn_heads + 16 * w + gate_copy)
+        core += gdn_cp_saved(x)
     return 2 * norm_saved(x) + proj + core + dropout_saved(x)
 
 
@@ -208,15 +235,16 @@ def gdn_cp_saved(x: Dims) -> int:
     (state, M) buffer (P x 2 of them)."""
     if x.cp == 1:
         return 0
-    states = 4 * x.b * x.heads * x.d * x.d
-    return int(4 * x.b * x.s * x.width * 5.6) + states * (4 + (2 * x.cp if x.cp_gather else 0))
+    wk, wv = x.gdn_width
+    states = 4 * x.b * x.gdn_heads * x.gdn_k * (x.gdn_k + wv // x.gdn_heads) // 2  # K x V and K x K: 2 per head
+    return int(4 * x.b * x.s * (wk + wv) / 2 * 5.6) + states * (4 + (2 * x.cp if x.cp_gather else 0))
 
 
 def gdn_conv_saved(x: Dims) -> int:
     """causal_conv over the 3-token halo and the slice [b, s+3, 3 width] (e): its input, the three shifted
     copies (each padded by its lag) and its output (SiLU's input)."""
     rows = x.b * (x.s + GDN_HALO)
-    return x.e * 3 * x.width * (5 * rows + x.b * (1 + 2 + 3))
+    return x.e * x.gdn_conv * (5 * rows + x.b * (1 + 2 + 3))
 
 
 def gdn_backward_live(x: Dims) -> int:
@@ -226,9 +254,10 @@ def gdn_backward_live(x: Dims) -> int:
     their gradients, dq dk dv), in units of one [b, s, width] fp32 tensor: 15.4 + 10.9 C/d + 3.4 d/C, fitted
     to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the operator
     of context_parallel/gdn.py, 22.2 + 11.6 C/d + 7.0 d/C, and `gdn_cp_saved`."""
-    bs, w, C, d = x.b * x.s, x.width, x.chunk, x.d
+    bs, (wk, wv), C, d = x.b * x.s, x.gdn_width, x.chunk, x.gdn_k
+    w = (wk + wv) / 2  # the fit's width (K = V there): the mean of the key and value widths
     kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + x.linear_proj)
-    kept += gdn_conv_saved(x) + x.e * bs * 5 * w + bs * 40 * x.heads + gdn_cp_saved(x)
+    kept += gdn_conv_saved(x) + x.e * bs * (x.gdn_conv + 2 * wk) + bs * 40 * x.gdn_heads + gdn_cp_saved(x)
     if x.cp > 1:  # the local pass on V + K value columns: a wider working set (same fit, context_parallel/gdn.py)
         return kept + int(4 * bs * w * (22.2 + 11.6 * C / d + 7.0 * d / C))
     return kept + int(4 * bs * w * (15.4 + 10.9 * C / d + 3.4 * d / C))

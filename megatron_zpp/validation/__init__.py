@@ -20,7 +20,7 @@ from .checkpoint import check_checkpointing, check_load
 from .common import failed, launch_device_type
 from .data import check_data, check_run_paths
 from .log import check_device_needs, check_log
-from .model import check_megatron_model, check_model, check_recompute
+from .model import check_gdn_heads, check_megatron_model, check_model, check_recompute
 from .moe import check_moe
 from .parallel import check_compile, check_layout, check_pipeline, check_zero, chunk_layer_counts
 from .train import check_batch, check_optim, check_precision, check_run_control
@@ -65,6 +65,7 @@ def validate(cfg: Config, world_size: int, run: bool = True) -> Config:
     for check in (
         check_layout,
         check_model,
+        check_gdn_heads,
         check_moe,
         check_pipeline,
         check_recompute,

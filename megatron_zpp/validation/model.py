@@ -9,10 +9,36 @@ from .common import derived, failed
 from .parallel import chunk_layer_counts
 
 
+def check_gdn_heads(cfg: Config, world_size: int) -> list[str]:
+    """Gated DeltaNet's heads (ModelConfig.gdn_heads): value heads in whole groups per key head, key heads split
+    over TP, so that each rank holds whole groups (the value heads then divide by TP too)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    if m.attention_type != "gdn":
+        return []
+    g = m.gdn_heads
+    keys, values = f"--linear-num-key-heads {g.key_heads}", f"--linear-num-value-heads {g.value_heads}"
+    return failed(
+        [
+            (
+                min(g.key_heads, g.value_heads, g.key_dim, g.value_dim) >= 1,
+                f"Gated DeltaNet heads {keys}, {values}, --linear-key-head-dim {g.key_dim}, --linear-value-head-dim "
+                f"{g.value_dim}: each must be >= 1",
+            ),
+            (
+                g.key_heads < 1 or g.value_heads % g.key_heads == 0,
+                f"{values} is not a multiple of {keys} (each key head is read by a whole group of value heads)",
+            ),
+            (g.key_heads % tp == 0, f"{keys} is not divisible by --tensor-model-parallel-size {tp}"),
+        ]
+    )
+
+
 def check_model(cfg: Config, world_size: int) -> list[str]:
     m, p = cfg.model, cfg.parallel
     tp, cp, s = p.tensor_model_parallel_size, p.context_parallel_size, m.seq_length // p.context_parallel_size
-    halo = m.mixer_of_kind(m.attention_type).halo_tokens  # the previous CP slice's tokens a convolution reads
+    mixer = m.mixer_of_kind(m.attention_type)
+    halo = mixer.halo_tokens  # the previous CP slice's tokens a convolution reads
+    seq = f"sequence per CP rank {s}" if cp > 1 else f"--seq-length {s}"
     return failed(
         [
             (
@@ -51,12 +77,13 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             ),
             (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
             (
-                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and m.head_dim % p.all_scan_blocks == 0),
-                f"--all-scan-blocks {p.all_scan_blocks} must divide the head dim {m.head_dim} (or be 0: auto)",
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and mixer.key_dim % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the state's key dim {mixer.key_dim} (or be 0: "
+                "auto)",
             ),
             (
                 m.attention_type == "softmax" or s % derived(m.linear_chunk_size) == 0,
-                f"sequence per CP rank {s} is not divisible by --linear-chunk-size {m.linear_chunk_size}",
+                f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size}",
             ),
             (
                 cp == 1 or m.seq_length // cp >= halo,

@@ -228,13 +228,9 @@ REMOTE = {
     "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--normalization", "LayerNorm"]
     + ["--activation", "gelu", "--untie-embeddings-and-output-weights"],
     "gdn": ["--attention-type", "gdn"],
-    "gdn_hybrid": [
-        "--attention-type",
-        "gdn",
-        "--softmax-attention-every",
-        "2",
-        "--untie-embeddings-and-output-weights",
-    ],
+    # grouped value heads and K != V (Megatron's layout): 2 key heads of 8 channels, 4 value heads of 12
+    "gdn_hybrid": ["--attention-type", "gdn", "--softmax-attention-every", "2", "--untie-embeddings-and-output-weights"]
+    + "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 12".split(),
 }
 REMOTE_BASE = BASE + ["--init-method-std", "0.2"]  # larger weights: logits far apart, so greedy has no near-ties
 

@@ -3,6 +3,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -18,10 +19,12 @@ from tests.old_defaults import old_model
 
 
 def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """The layer token by token in the input's dtype, from the paper and megatron-core's head layout: value head j
+    reads key head j // (H / Hk); q, k normalised as fla's l2norm, x / sqrt(sum x^2 + 1e-6)."""
     B, T, _ = x.shape
-    H, D = layer.heads, layer.head_dim
+    Hk, H, K, V = layer.key_heads, layer.heads, layer.key_dim, layer.head_dim
     h = x @ layer.proj_in.weight.T
-    qkv, gate, a, b = h.split([3 * H * D, H * D, H, H], dim=-1)
+    qkv, gate, a, b = h.split([2 * Hk * K + H * V, H * V, H, H], dim=-1)
     out = torch.zeros_like(qkv)
     kernel = layer.conv.shape[1]
     for t in range(T):  # the conv: taps over earlier tokens of the same document only
@@ -29,12 +32,14 @@ def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> 
             s = t - j
             if s >= 0 and bool((doc[:, s] == doc[:, t]).all()):
                 out[:, t] += qkv[:, s] * layer.conv[:, kernel - 1 - j]
-    q, k, v = (t.view(B, T, H, D) for t in F.silu(out).split(H * D, dim=-1))
-    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    q, k, v = F.silu(out).split([Hk * K, Hk * K, H * V], dim=-1)
+    q, k = (t.view(B, T, Hk, K) / (t.view(B, T, Hk, K).square().sum(-1, keepdim=True) + 1e-6).sqrt() for t in (q, k))
+    group = torch.arange(H) // (H // Hk)  # the key head of each value head
+    q, k, v = q[:, :, group], k[:, :, group], v.view(B, T, H, V)
     decay = (-layer.A_log.exp() * F.softplus(a + layer.dt_bias)).exp()
     beta = b.sigmoid()
-    S = torch.zeros(B, H, D, D, dtype=x.dtype)
-    eye = torch.eye(D, dtype=x.dtype)
+    S = torch.zeros(B, H, K, V, dtype=x.dtype)
+    eye = torch.eye(K, dtype=x.dtype)
     outs = []
     for t in range(T):
         if t > 0 and bool((doc[:, t] != doc[:, t - 1]).all()):
@@ -42,15 +47,22 @@ def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> 
         kt, bt = k[:, t], beta[:, t, :, None, None]
         P = eye - bt * kt[..., :, None] * kt[..., None, :]
         S = decay[:, t, :, None, None] * (P @ S) + bt * kt[..., :, None] * v[:, t, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * D**-0.5)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S) * K**-0.5)
     o = torch.stack(outs, dim=1)
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.head_norm.view(H, D)
-    return (o.reshape(B, T, H * D) * F.silu(gate)) @ layer.proj_out.weight.T
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps) * layer.head_norm  # one [V] weight, every head
+    return (o.reshape(B, T, H * V) * F.silu(gate)) @ layer.proj_out.weight.T
 
 
-def test_gdn_layer_matches_token_loop():
-    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8)
+@pytest.mark.parametrize("heads", [(2, 2, 16, 16), (2, 4, 8, 12)], ids=["plain", "grouped_k_ne_v"])
+def test_gdn_layer_matches_token_loop(heads):
+    """One value head per key head at K = V, and Megatron's layout scaled down: 2 key heads of K = 8, 4 value heads
+    of V = 12."""
+    Hk, H, K, V = heads
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8, attention_type="gdn")
+    cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim = heads
     layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
+    assert (layer.key_heads, layer.heads, layer.key_dim, layer.head_dim) == heads
+    assert tuple(layer.head_norm.shape) == (V,)
     init_weights(layer, seed=3)
     layer = layer.double()
     with torch.no_grad():  # other values than the init's, so that every parameter matters
@@ -63,6 +75,19 @@ def test_gdn_layer_matches_token_loop():
     x = torch.randn(1, T, 32, dtype=torch.float64, requires_grad=True)
     out, ref = layer(x, documents=Documents(doc_ids=doc)), token_loop_gdn(layer, x, doc)
     assert_matches_with_grads(layer, x, out, ref, (1e-9, 1e-11), (1e-8, 1e-11))
+
+
+def test_conv_init_is_conv1ds_default():
+    """The depthwise convolution starts as nn.Conv1d's default (kaiming_uniform, a = sqrt(5)): U(+-1/sqrt(kernel)),
+    as megatron-core's and fla's; over 4096 x 4 draws: the range, mean and variance (kernel / 3 ... 1/12 of 1)."""
+    with torch.device("meta"):
+        layer = GatedDeltaNet(old_model(hidden_size=2048, num_attention_heads=2), ParallelContext(), 0.02)
+    conv = torch.empty(layer.conv.shape)
+    RankInit([layer], 5, 0, 1, torch.device("cpu")).fill(layer.conv, conv.view(-1))
+    ref = torch.nn.Conv1d(8, 8, kernel_size=4, groups=8).weight  # [8, 1, 4]: the bound torch draws from
+    bound = 1 / math.sqrt(4)
+    assert ref.abs().max() <= bound and conv.abs().max() <= bound and conv.abs().max() > 0.99 * bound
+    assert abs(conv.mean().item()) < 0.01 and abs(conv.var().item() - bound**2 / 3) < 0.003  # sd of var ~ 9e-4
 
 
 def test_gate_init_draws_megatrons_A_range_and_flas_dt():
@@ -115,3 +140,42 @@ def test_tp2_weights_are_slices_of_the_tp1_weights():
             assert torch.equal(unshard([r[name] for r in pieces], p.tp_split), p), name
     for name in ("layers.0.mixer.A_log", "layers.0.mixer.dt_bias"):
         assert torch.equal(pieces[1][name], full[name][2:]) and torch.equal(pieces[0][name], full[name][:2])
+
+
+@pytest.mark.parametrize("heads", [(2, 4, 16, 16), (2, 4, 8, 12)], ids=["megatron_layout", "k_ne_v"])
+def test_gdn_layer_equals_megatron_cores(heads):
+    """megatron-core 0.19.2's GatedDeltaNet, run on CPU with our weights (checkpoint/formats/mcore_gdn.py's map),
+    gives our layer's output and every gradient in fp64 to 1e-12: at Megatron's default layout scaled down (2 key
+    heads, 4 value heads: its 16/32) with K = V and with K != V. Its delta rule is our token loop in fp64 (fla's
+    kernels need a GPU; see testing/peers/megatron_gdn.py); our layer runs the chunked op."""
+    from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
+    from megatron_zpp.testing.peers.megatron_gdn import load_from_ours, mcore_gdn_cpu, mcore_gdn_layer
+
+    cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8, attention_type="gdn")
+    cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim = heads
+    ours = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
+    init_weights(ours, seed=4)
+    ours = ours.double()
+    with torch.no_grad():  # away from the init's ones and narrow ranges: every parameter matters
+        ours.head_norm.uniform_(0.5, 1.5)
+        ours.A_log.uniform_(-1, 1)
+        ours.dt_bias.uniform_(-1, 1)
+        ours.proj_in.weight.normal_(0, 0.3)
+    with mcore_gdn_cpu():
+        ref = mcore_gdn_layer(cfg, lambda q, k, v, g, beta: naive_recurrent_gdn(q, k, v, g, beta)[0])
+        load_from_ours(ref, ours, cfg)
+        x = torch.randn(2, 24, 32, dtype=torch.float64, requires_grad=True)
+        out = ours(x)
+        theirs, bias = ref(x.transpose(0, 1), attention_mask=None)  # megatron-core: [T, B, hidden]
+        theirs = theirs.transpose(0, 1)
+        assert bias is None
+        torch.testing.assert_close(out, theirs, rtol=1e-12, atol=1e-12)
+        mine = torch.autograd.grad(out.square().sum(), [x, *(p for _, p in ours.named_parameters())])
+        peer = dict(zip(["x", *(n for n, _ in ref.named_parameters())],
+                        torch.autograd.grad(theirs.square().sum(), [x, *ref.parameters()])))  # fmt: skip
+    from megatron_zpp.checkpoint.formats.mcore_gdn import gdn_from_mcore
+
+    back = gdn_from_mcore({k: v for k, v in peer.items() if k != "x"}, cfg)  # their gradients in our layout
+    torch.testing.assert_close(mine[0], peer["x"], rtol=1e-12, atol=1e-12)
+    for (name, _), got in zip(ours.named_parameters(), mine[1:]):
+        torch.testing.assert_close(got, back[name], rtol=1e-12, atol=1e-12, msg=name)

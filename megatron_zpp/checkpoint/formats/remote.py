@@ -12,7 +12,9 @@ Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,u
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
 gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with its bias), g_norm
 (the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them; a GDN layer's is
-`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm, o_proj.
+`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (one [V] weight,
+or per head with gdn_head_norm per_head), o_proj, its heads in linear_num_key_heads / linear_num_value_heads /
+linear_key_head_dim / linear_value_head_dim (megatron-core's meaning).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "gla_chunk_size": m.linear_chunk_size,  # the remote config's key, unchanged
         "linear_attention_type": "gdn" if m.attention_type == "gdn" else "gla",
         "linear_conv_kernel": GDN_CONV_KERNEL,
+        **(_gdn_config(m) if m.attention_type == "gdn" else {}),
         "initializer_range": m.init_method_std,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "torch_dtype": "float32",
@@ -91,6 +94,17 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "use_cache": True,
     }
     return out | special_token_ids(tokenizer)
+
+
+def _gdn_config(m) -> dict:
+    g = m.gdn_heads
+    return {
+        "linear_num_key_heads": g.key_heads,
+        "linear_num_value_heads": g.value_heads,
+        "linear_key_head_dim": g.key_dim,
+        "linear_value_head_dim": g.value_dim,
+        "gdn_head_norm": m.gdn_head_norm,
+    }
 
 
 def write_remote_code(output: str) -> None:
@@ -155,7 +169,7 @@ def _fused(cfg) -> list[tuple[str, list[str], list[int]]]:
             names = [f"{dst}attn.{n}_proj.weight" for n in ("q", "k", "v", "g", "a", "b")]
             out.append((src + "mixer.proj_in.weight", names, list(shape.sections)))
             conv = [f"{dst}attn.{n}_conv.weight" for n in "qkv"]
-            out.append((src + "mixer.conv", conv, [shape.conv_channels // 3] * 3))
+            out.append((src + "mixer.conv", conv, list(shape.sections[:3])))
         else:  # q | k | v | output gate (| decay gate at full rank): the sections of proj_in
             names = ["q_proj", "k_proj", "v_proj", "g_proj"] + ([] if m.gla_gate_low_rank else ["gk_proj"])
             out.append((src + "mixer.proj_in.weight", [f"{dst}attn.{n}.weight" for n in names], list(shape.sections)))
@@ -249,6 +263,10 @@ def _config_from_remote(hf: dict):
     m.linear_chunk_size = hf["gla_chunk_size"]
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
+    if linear == "gdn":  # exports before these keys: one value head per key head of head_dim, per-head norm weights
+        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
+            setattr(m, key, hf.get(key))
+        m.gdn_head_norm = hf.get("gdn_head_norm", "per_head")
     return cfg
 
 
