@@ -38,7 +38,10 @@ BASE = (
     "--disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 "
     "--attention-output-gate --qk-layernorm --apply-layernorm-1p "
 )
-HYBRID = BASE + "--attention-type gdn --softmax-attention-every 4 "
+HYBRID = BASE + (  # grouped value heads (2 query/key heads of 8 channels, 4 value heads of 16), K != V
+    "--attention-type gdn --softmax-attention-every 4 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+    "--linear-key-head-dim 8 --linear-value-head-dim 16 "
+)
 MOE = (
     "--num-experts 4 --moe-ffn-hidden-size 24 --moe-router-topk 2 --moe-shared-expert-intermediate-size 16 "
     "--moe-shared-expert-gate "
@@ -64,10 +67,6 @@ def _our_weights(cfg) -> dict[str, torch.Tensor]:
     model = GPT(cfg.model, ROWS)
     init_weights(model, 3)
     _perturb(model.parameters(), 4)
-    with torch.no_grad():  # one GDN norm weight for all heads, as Qwen's
-        for name, p in model.named_parameters():
-            if name.endswith("head_norm"):
-                p.copy_(p.view(-1, cfg.model.head_dim)[0].repeat(p.numel() // cfg.model.head_dim))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -158,7 +157,7 @@ def _transformers_model(kind: str, layer_types=None):
 def _text_config(layer_types=None) -> dict:
     return dict(
         vocab_size=ROWS, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=layer_types,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
     )  # fmt: skip
@@ -221,8 +220,7 @@ QWEN3_NEXT_FLAGS = (  # the flags of _transformers_model("qwen3_next") imported,
     HYBRID.replace("--vocab-size 100 ", "--vocab-size 128 ")
     + MOE
     + "--moe-layer-freq [1,0,1,1] --rotary-base 20000 --train-iters 2 --global-batch-size 4 --micro-batch-size 1 "
-    "--lr 1e-3 --seed 3 --linear-num-key-heads 4 --linear-num-value-heads 4 --linear-key-head-dim 16 "
-    "--linear-value-head-dim 16 --linear-conv-kernel-dim 4"
+    "--lr 1e-3 --seed 3 --linear-conv-kernel-dim 4"
 ).split()
 
 
@@ -244,11 +242,10 @@ def test_transformers_model_trained_at_tp2_pp2_exports_back(tmp_path):
 
 
 def test_export_refusals_are_one_named_line(tmp_path, capsys):
-    """Per-head GDN norms that differ (Qwen holds one): one line, nothing written; a model without the output gate
-    goes to our remote code, not to Qwen's classes."""
-    cfg = _cfg(HYBRID)
+    """Per-head GDN norms (--gdn-head-norm per_head) that differ (Qwen holds one): one line, nothing written; a
+    model without the output gate or the q/k norm is not Qwen's."""
+    cfg = _cfg(HYBRID + "--gdn-head-norm per_head")
     weights = _our_weights(cfg)
-    weights["layers.0.mixer.head_norm"][0] += 1
     with pytest.raises(ConversionError, match="layers.0's GDN head norm differs between heads"):
         hf_formats.export_hf(weights, cfg.to_dict(), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf" / "model.safetensors")

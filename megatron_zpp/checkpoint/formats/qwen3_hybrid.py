@@ -365,6 +365,7 @@ def config_from(hf: dict, model_type: str):
         m.linear_num_key_heads, m.linear_num_value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
         m.linear_key_head_dim, m.linear_value_head_dim = hf["linear_key_head_dim"], hf["linear_value_head_dim"]
         m.linear_conv_kernel_dim = hf.get("linear_conv_kernel_dim", 4)
+        m.gdn_head_norm = "shared"  # one [Dv] weight for every head, as theirs
     return cfg
 
 
