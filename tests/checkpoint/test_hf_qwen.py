@@ -253,6 +253,43 @@ def test_export_refusals_are_one_named_line(tmp_path, capsys):
     with pytest.raises(ConversionError, match="layers.0's GDN head norm differs between heads"):
         hf_formats.export_hf(weights, cfg.to_dict(), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf" / "model.safetensors")
+    flags, ours = EXPORTS["qwen3_next"][0], str(tmp_path / "ours")
+    save_weights(ours, _cfg(flags), _our_weights(_cfg(flags)))
+    capsys.readouterr()
+    assert (
+        _convert(
+            [
+                "--load",
+                ours,
+                "--to",
+                "hf",
+                "--output",
+                str(tmp_path / "a"),
+                "--hf-architecture",
+                "Qwen3_5MoeForCausalLM",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        "error: cannot export to HF as Qwen3_5MoeForCausalLM: some of its layers are dense (--moe-layer-freq); every "
+        "Qwen3.5-MoE layer is sparse"
+    )
+    with pytest.raises(SystemExit):  # argparse's one line: the flag goes with --to hf
+        _convert(
+            [
+                "--load",
+                ours,
+                "--to",
+                "consolidated",
+                "--output",
+                str(tmp_path / "c.pt"),
+                "--hf-architecture",
+                "Qwen3NextForCausalLM",
+            ]
+        )
+    assert "--hf-architecture goes with --to hf" in capsys.readouterr().err
+    assert not any(os.path.exists(tmp_path / n) for n in ("a", "c.pt"))
     plain = _cfg(HYBRID.replace("--attention-output-gate --qk-layernorm ", ""))
     why = hf_formats.qwen3_5.unsupported(plain)
     assert why == [
