@@ -32,8 +32,8 @@ from ..layout import config_from_dict
 from . import gpt2, hf_files, llama, mixtral, qwen3_5, qwen3_moe, qwen3_next, remote
 from .base import ConversionError, HFFormat
 
-# the export's order of preference
-HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, qwen3_next, qwen3_5, remote, qwen3_moe, mixtral)
+# the export's order of preference (a GDN model our remote code holds as it is, norms included, goes there)
+HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, remote, qwen3_moe, mixtral, qwen3_next, qwen3_5)
 BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
     hf_remote.MODEL_TYPE: remote,
     "gpt2": gpt2,

@@ -358,7 +358,8 @@ def config_from(hf: dict, model_type: str):
     m.norm_epsilon, m.rotary_base, m.rotary_percent = hf.get("rms_norm_eps", 1e-6), rope_theta(_plain(hf)), partial
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear = "RMSNorm", "swiglu", "rope", False
-    m.apply_layernorm_1p = m.qk_layernorm = m.attention_output_gate = True
+    m.apply_layernorm_1p = True
+    m.qk_layernorm = m.attention_output_gate = FULL in kinds  # theirs on every softmax layer
     m.attention_dropout = float(hf.get("attention_dropout", 0.0))
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
     if m.attention_type == "gdn":
