@@ -100,16 +100,17 @@ def check_gla(device, B, T, H, D, C, dtype, h0):
     return out
 
 
-def _check_delta_rule(op, per_key, device, B, T, H, D, C, dtype, h0):
+def _check_delta_rule(op, per_key, device, B, T, H, D, C, dtype, h0, V=None):
     """A gated delta rule op (chunk_gdn: a gate per head; chunk_kda: per key channel) on the kernels against its
-    chunked PyTorch form on the last batch and head."""
+    chunked PyTorch form on the last batch and head; K = D, V value channels (default D)."""
+    V = V or D
     q, k = (F.normalize(randn((B, T, H, D), device, torch.float32, s), dim=-1).to(dtype) for s in (1, 2))
-    v = randn((B, T, H, D), device, dtype, 3)
+    v = randn((B, T, H, V), device, dtype, 3)
     g = F.logsigmoid(randn((B, T, H, D) if per_key else (B, T, H), device, torch.float32, 4)) / 16
     beta = torch.sigmoid(randn((B, T, H), device, torch.float32, 8)).to(dtype)
-    state = randn((B, H, D, D), device, torch.float32, 5) if h0 else None
-    do = randn((B, T, H, D), device, dtype, 6)
-    dS = randn((B, H, D, D), device, torch.float32, 7) if h0 else None
+    state = randn((B, H, D, V), device, torch.float32, 5) if h0 else None
+    do = randn((B, T, H, V), device, dtype, 6)
+    dS = randn((B, H, D, V), device, torch.float32, 7) if h0 else None
 
     def run(q, k, v, g, beta, state, do, dS):
         def fn(q, k, v, g, beta, *s):
@@ -132,8 +133,8 @@ def _check_delta_rule(op, per_key, device, B, T, H, D, C, dtype, h0):
     return out
 
 
-def check_gdn(device, B, T, H, D, C, dtype, h0):
-    return _check_delta_rule(chunk_gdn, False, device, B, T, H, D, C, dtype, h0)
+def check_gdn(device, B, T, H, D, C, dtype, h0, V=None):
+    return _check_delta_rule(chunk_gdn, False, device, B, T, H, D, C, dtype, h0, V)
 
 
 def check_kda(device, B, T, H, D, C, dtype, h0):

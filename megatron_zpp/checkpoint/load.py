@@ -24,7 +24,7 @@ from .files import (
     train_state_of,
 )
 from .layout import RankLayout, layout_changes, rank_layout
-from .reshard import SavedCheckpoint, check_same_model, rank_state_for
+from .reshard import SavedCheckpoint, check_same_model, head_norm_change, rank_state_for
 from .rng import get_rng_state
 
 if TYPE_CHECKING:  # for the annotations only
@@ -172,7 +172,7 @@ def plan_load(target: LoadTarget, path: str, meta: dict, weights_only: bool) -> 
     tensors of this layout's shapes); with `weights_only` (--no-load-optim, --finetune) the AdamW state is
     not restored. Raises CheckpointError; collective for no format."""
     check_same_model(path, meta, target.cfg, target.padded_vocab_size)
-    changes = layout_changes(meta, target.cfg)
+    changes = layout_changes(meta, target.cfg) + head_norm_change(meta, target.cfg)
     if meta["format"] == DCP_FORMAT:
         plan = _plan_dcp(target, path, meta, changes, weights_only)
     elif changes:

@@ -124,14 +124,36 @@ class SavedCheckpoint:
 
 
 def _fit(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """`t` at `shape`: as it is, or a vocabulary padded differently: padding rows cut, or
-    added as copies of the last (padding) row, as Megatron's converter does;
-    `check_same_model` has refused any other difference."""
+    """`t` at `shape`: as it is, a GDN output-norm weight saved per head and now shared (`_shared_head_norm`),
+    or a vocabulary padded differently: padding rows cut, or added as copies of the last (padding) row, as
+    Megatron's converter does; `check_same_model` has refused any other difference."""
     if tuple(t.shape) == shape:
         return t
+    if _per_head_to_shared(name, tuple(t.shape), shape):
+        return _shared_head_norm(name, t, shape[0])
     if shape[0] <= t.shape[0]:
         return t[: shape[0]]
     return torch.cat([t, t[-1:].expand(shape[0] - t.shape[0], *shape[1:])])
+
+
+HEAD_NORM_FLAG = "--gdn-head-norm per_head"
+
+
+def _per_head_to_shared(name: str, saved: tuple, now: tuple) -> bool:
+    """A GDN output-norm weight saved per head [H x V] (--gdn-head-norm per_head, or before the shared weight) where
+    this run shares one [V]."""
+    return name.endswith("mixer.head_norm") and len(saved) == len(now) == 1 and saved[0] % now[0] == 0 < now[0]
+
+
+def _shared_head_norm(name: str, t: torch.Tensor, V: int) -> torch.Tensor:
+    """The one [V] weight of a per-head [H x V] one whose heads are all equal; else the load is refused."""
+    heads = t.view(-1, V)
+    if not bool((heads == heads[0]).all()):
+        raise CheckpointError(
+            f"{name} holds one GDN output-norm weight per head ({heads.shape[0]} x {V}) and they differ (or their "
+            f"AdamW moments do); this run shares one [{V}] weight: load it with {HEAD_NORM_FLAG}"
+        )
+    return heads[0].clone()
 
 
 def _vocab_padding_only(name: str, a: tuple, b: tuple) -> bool:
@@ -188,6 +210,14 @@ def check_same_experts(path: str, saved_cfg, cfg) -> None:
             )
 
 
+def head_norm_change(meta: dict, cfg) -> list[str]:
+    """The GDN output-norm weight saved per head and shared in this run (a change the reshard path maps), or []."""
+    saved = config_from_dict(meta["config"]).model.gdn_head_norm
+    if cfg.model.attention_type != "gdn" or saved == cfg.model.gdn_head_norm:
+        return []
+    return [f"GDN output-norm weight {saved} -> {cfg.model.gdn_head_norm}"]
+
+
 def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     """Refuse, before loading anything, a checkpoint whose parameters differ from this
     model's (names or shapes; a vocabulary padded for another TP size is fine); another expert
@@ -199,7 +229,9 @@ def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     shapes = [
         f"{n} {theirs[n]} (checkpoint) vs {mine[n]} (this run)"
         for n in sorted(set(mine) & set(theirs))
-        if theirs[n] != mine[n] and not _vocab_padding_only(n, theirs[n], mine[n])
+        if theirs[n] != mine[n]
+        and not _vocab_padding_only(n, theirs[n], mine[n])
+        and not (meta["format"] != DCP_FORMAT and _per_head_to_shared(n, theirs[n], mine[n]))
     ]
     if missing or extra or shapes:
         what = (
@@ -230,7 +262,10 @@ def rank_state_for(saved: SavedCheckpoint, cfg, vocab: int, rank: int, dtype: to
     for s in lay.slots:
         by_name.setdefault(s.name, []).append(s)
     for name, slots in progress(by_name.items(), "resharding", unit=" tensors"):  # memory: one parameter's
-        full = {k: _fit(name, t, slots[0].full_shape) for k, t in saved.full(name).items()}
+        try:
+            full = {k: _fit(name, t, slots[0].full_shape) for k, t in saved.full(name).items()}
+        except CheckpointError as e:
+            raise CheckpointError(f"{saved.path}: {e}") from None
         for s in slots:
             n = s.hi - s.lo
             piece = {

@@ -80,7 +80,8 @@ class ModelConfig(MoEFields):
         "read too); default 64 on CUDA, 16 on CPU. On a GPU 64 keeps per token "
         "and head (K = V = 128) K*V/C = 256 fp32 entering-state values and C = 64 scores, 1.3 KB, where 16 keeps "
         "1024 + 16, 4.2 KB, and the sequential state scan takes T/64 steps instead of T/16 (fla's chunk_gla uses "
-        "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference",
+        "64); on CPU 16 is the chunk bench/gla.py measures for the PyTorch reference. GLA needs a sequence (per CP "
+        "rank) divisible by it; GDN takes any length (its op pads the last chunk)",
         renamed_from="gla_chunk_size",
     )
     gla_gate_low_rank: int = opt(

@@ -64,6 +64,12 @@ class MixerShape:
         return {"decay": self.key_dim, "dense": self.key_dim * self.key_dim}.get(self.transition, 0)
 
     @property
+    def scan_extent(self) -> int:
+        """The state dimension All-Scan's blocks cut: K under a diagonal decay (GLA), V under a dense transition
+        (GDN: M mixes the K rows)."""
+        return self.value_dim if self.transition == "dense" else self.key_dim
+
+    @property
     def scan_waits_for_local_pass(self) -> bool:
         """GLA's CP scan hides behind its intra-chunk work; a dense transition (GDN) comes out of the local
         pass, so the scan waits for it."""

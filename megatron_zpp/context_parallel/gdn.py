@@ -90,10 +90,11 @@ def gdn_context_parallel(
 ) -> Tensor:
     """Gated DeltaNet over a sequence split in contiguous slices over the CP group (rank order).
 
-    q, k [B, T_local, H, K]; v [B, T_local, H, V]; g, beta [B, T_local, H]; T_local a multiple of
-    chunk_size. Returns this rank's slice of chunk_gdn over the whole sequence, o [B, T_local, H, V]
-    in v's dtype or out_dtype. `initial_state` [B,H,K,V] enters rank 0's slice (only rank 0 reads
-    it). `blocks`: all-scan's block count along V (0: auto_blocks). Gradients are exact."""
+    q, k [B, T_local, H, K]; v [B, T_local, H, V]; g, beta [B, T_local, H]; any T_local (chunk_gdn pads each
+    slice's last chunk with identity tokens, which leave its (U, M) and outputs unchanged). Returns this rank's
+    slice of chunk_gdn over the whole sequence, o [B, T_local, H, V] in v's dtype or out_dtype. `initial_state`
+    [B,H,K,V] enters rank 0's slice (only rank 0 reads it). `blocks`: all-scan's block count along V (0:
+    auto_blocks). Gradients are exact."""
     check_algo(algo)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cp is None or cp.size == 1:

@@ -107,16 +107,13 @@ class GatedDeltaNet(nn.Module):
         return causal_conv(torch.cat([halo, qkv], dim=1), self.conv, doc)[:, lead:]
 
     def _mix(self, q, k, v, g, beta) -> torch.Tensor:
-        ctx, chunk, T = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type), q.shape[1]
+        ctx, chunk = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type)
         out_dtype = torch.promote_types(v.dtype, torch.float32)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
             return gdn_context_parallel(
                 q, k, v, g, beta, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk, out_dtype=out_dtype
             )
-        pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
-        if pad:
-            q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
-        return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
+        return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0]  # any T (the op pads)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc: torch.Tensor | None) -> torch.Tensor:

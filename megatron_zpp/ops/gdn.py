@@ -12,7 +12,8 @@ out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp
 
     naive_recurrent_gdn   the token loop (ops/gdn_naive.py; any dtype; the tests' fp64 reference)
     chunk_gdn             chunked WY/UT form with its own backward (ops/gdn_chunked.py describes it); the
-                          Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`)
+                          Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`); any T
+                          (identity tokens pad the last chunk)
 
 Context parallelism. A slice's entering state acts affinely: S_out = M S_in + U_loc and
 o = o_loc + scale * (q^T P_t) S_in, P_t the product of the transitions up to t. Both come from one call:
@@ -29,6 +30,7 @@ groups of 128, exactly, since the state's columns never mix; the caller makes on
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import dispatch
@@ -129,11 +131,24 @@ def chunk_gdn(
     chunk_size: int = 64,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked GDN (same result as `gdn_naive.naive_recurrent_gdn`). T must be a multiple of chunk_size.
+    """Chunked GDN (same result as `gdn_naive.naive_recurrent_gdn`), any T: a T that is not a multiple of chunk_size
+    is padded at the end with identity tokens (k = 0, beta = 0, g = 0: S_t = S_{t-1}), whose outputs are dropped, so
+    the final state and every gradient are those of the T tokens.
 
     Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
     q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
     """
+    T = q.shape[1]
+    if chunk_size > 0 and T % chunk_size:
+        pad = -T % chunk_size
+        q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+        o, final_state = _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype)
+        return o[:, :T], final_state
+    return _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype)
+
+
+def _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype):
+    """chunk_gdn at a T that is a multiple of chunk_size."""
     V = v.shape[-1]
     if V <= KERNEL_V or not _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, initial_state):
         o, final_state = ChunkGDNFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)

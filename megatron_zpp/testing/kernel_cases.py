@@ -21,6 +21,7 @@ from megatron_zpp.kernels import (
     rope,
     swiglu,
 )
+from megatron_zpp.ops.delta_rule import KERNEL_V
 from megatron_zpp.ops.quantize import wire_bytes
 
 META = torch.device("meta")
@@ -69,12 +70,16 @@ def gla_case(B, T, H, D, C, dtype, h0):
     return run
 
 
-def gdn_case(B, T, H, D, C, dtype, h0):
+def gdn_case(B, T, H, D, C, dtype, h0, V=None):
+    """K = D key channels, V value channels (default D); a V wider than the kernels' KERNEL_V runs, as chunk_gdn
+    runs it, in column groups of KERNEL_V: one launch each, all of the same shape (launched once here)."""
+
     def run():
-        q, gate = empty(B, T, H, D, dtype=dtype), empty(B, T, H, dtype=FP32)
-        state = empty(B, H, D, D, dtype=FP32) if h0 else None
-        gdn.fwd(q, q, q, gate, gate, state, D**-0.5, C)
-        gdn.bwd(q, q, q, gate, gate, state, q, state, D**-0.5, C)  # recomputes the forward, as training
+        width = min(V or D, KERNEL_V)
+        q, v, gate = empty(B, T, H, D, dtype=dtype), empty(B, T, H, width, dtype=dtype), empty(B, T, H, dtype=FP32)
+        state = empty(B, H, D, width, dtype=FP32) if h0 else None
+        gdn.fwd(q, q, v, gate, gate, state, D**-0.5, C)
+        gdn.bwd(q, q, v, gate, gate, state, v, state, D**-0.5, C)  # recomputes the forward, as training
 
     return run
 
@@ -181,8 +186,10 @@ def _quantize_bytes(bits, block, r, m, x_dtype, op, seed=None, accumulate=False,
     return 3 * r * m * _size(x_dtype) + 3 * r * wire_bytes(m, block, bits) + 3 * m * 4
 
 
-def _gdn_bytes(B, T, H, D, C, dtype, h0):
-    # as GLA's, with the WY factors (two [T, D] fp32 tensors a head) in place of the per-key gate
+def _gdn_bytes(B, T, H, D, C, dtype, h0, V=None):
+    # as GLA's, with the WY factors (two [T, D] fp32 tensors a head) in place of the per-key gate (K != V: bounded
+    # by the wider of the two)
+    D = max(D, V or D)
     per_token, states = 8 * _size(dtype) + 16, 3 * -(-T // C) * D * D * 4
     return B * T * H * D * per_token + B * H * states + T * D * per_token + states
 
@@ -258,6 +265,11 @@ def _linear_attention_cases() -> list[Case]:
         for what, B, T, H, D in LINEAR_AT_RISK:
             params = dict(B=B, T=T, H=H, D=D, C=16, dtype=BF16, h0=True)
             cases.append(Case(family, f"{family} C=16 K=V={D} bf16 h0 {what}", params, True, True))
+    # GDN at K != V (the full sweep; the CI subset's K = V = 128 differs from the first only by H): 32 value heads
+    # (megatron-core's default) of K = 128 and V = 256 (run in column groups of 128), and a narrower K under V = 128
+    for K, V in ((128, 256), (64, 128)):
+        params = dict(B=2, T=4096, H=32, D=K, C=64, dtype=BF16, h0=True, V=V)
+        cases.append(Case("gdn", f"gdn C=64 K={K} V={V} bf16 h0 [2,4096,32]", params, False, True))
     return cases
 
 

@@ -77,13 +77,13 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
             ),
             (m.seq_length % cp == 0, f"--seq-length {m.seq_length} is not divisible by --context-parallel-size {cp}"),
             (
-                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and mixer.key_dim % p.all_scan_blocks == 0),
-                f"--all-scan-blocks {p.all_scan_blocks} must divide the state's key dim {mixer.key_dim} (or be 0: "
-                "auto)",
+                p.all_scan_blocks == 0 or (p.all_scan_blocks >= 1 and mixer.scan_extent % p.all_scan_blocks == 0),
+                f"--all-scan-blocks {p.all_scan_blocks} must divide the state dimension its blocks cut, "
+                f"{mixer.scan_extent} (or be 0: auto)",
             ),
             (
-                m.attention_type == "softmax" or s % derived(m.linear_chunk_size) == 0,
-                f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size}",
+                m.attention_type != "gla" or s % derived(m.linear_chunk_size) == 0,  # GDN's op pads the last chunk
+                f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size} (GLA)",
             ),
             (
                 cp == 1 or m.seq_length // cp >= halo,

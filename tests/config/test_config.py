@@ -169,6 +169,18 @@ def test_error_names_flags(settings, world, flags):
         assert any(flag in ln for ln in lines), (flag, lines)
 
 
+def test_gdn_takes_any_sequence_length_and_gla_names_no_cp_it_does_not_have():
+    """GDN's op pads the last chunk: a sequence (or CP slice) that is not a multiple of the chunk validates; GLA's
+    refusal names --seq-length without CP, the sequence per CP rank with it."""
+    for cp in (1, 2):
+        gdn = dict(model__attention_type="gdn", model__seq_length=100, model__linear_chunk_size=64)
+        validate(make(**gdn, parallel__context_parallel_size=cp), cp)  # raises nothing
+    gla = dict(model__attention_type="gla", model__seq_length=100, model__linear_chunk_size=16)
+    assert errors_of(make(**gla), 1) == ["--seq-length 100 is not divisible by --linear-chunk-size 16 (GLA)"]
+    (line,) = errors_of(make(**gla, parallel__context_parallel_size=2), 2)
+    assert line == "sequence per CP rank 50 is not divisible by --linear-chunk-size 16 (GLA)"
+
+
 @pytest.mark.parametrize(
     "name,flag",
     [

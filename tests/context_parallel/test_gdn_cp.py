@@ -72,6 +72,26 @@ def _check_operator(rank, world, cp):
                 got = outputs_and_grads(fn, local, h0 if rank == 0 else None, do[:, sl])
                 assert len(got) == len(ref)
                 assert_rel_close(got, ref, tol, f"CP{world} rank {rank} {algo}/{blocks} {dtype} {gates} h0={with_h0}")
+            # a slice of T_LOCAL = 16 tokens in a chunk of 24 (the op pads it with identity tokens); and of 12 in 8
+            for chunk, short in ((24, 0), (8, 4)) if with_h0 and gates == "reset" else ():
+                n = T_LOCAL - short
+                part = [x[:, rank * T_LOCAL : rank * T_LOCAL + n] for x in (q, k, v, g, beta)]
+                whole = [
+                    torch.cat([x[:, r * T_LOCAL : r * T_LOCAL + n] for r in range(world)], 1)
+                    for x in (q, k, v, g, beta)
+                ]
+                d_whole = torch.cat([do[:, r * T_LOCAL : r * T_LOCAL + n] for r in range(world)], 1)
+                want = outputs_and_grads(loop, whole, h0, d_whole.double())
+                want = [x[:, rank * n : (rank + 1) * n] for x in want[:6]] + (want[6:] if rank == 0 else [])
+
+                def padded(*a, chunk=chunk):
+                    kw = dict(algo="all-scan", blocks=2, scale=0.3, chunk_size=chunk, initial_state=a[5])
+                    return gdn_context_parallel(*a[:5], cp, **kw)
+
+                got = outputs_and_grads(
+                    padded, part, h0 if rank == 0 else None, do[:, rank * T_LOCAL : rank * T_LOCAL + n]
+                )
+                assert_rel_close(got, want, tol, f"CP{world} rank {rank} {n} tokens in chunk {chunk} {dtype} {gates}")
 
 
 def _check_ledger(rank, world, cp):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_zpp import training
 from megatron_zpp.config.arguments import parse_args
 from megatron_zpp.model import ParallelContext, init_weights
 from megatron_zpp.model.documents import Documents
@@ -14,8 +15,10 @@ from megatron_zpp.model.gated_deltanet import GatedDeltaNet
 from megatron_zpp.model.init import RankInit, materialize
 from megatron_zpp.pipeline_parallel import build_rank_chunks, stand_in_context
 from megatron_zpp.tensor_parallel.layers import unshard
+from megatron_zpp.validation import validate
+from tests.dist import run_distributed
 from tests.model import assert_matches_with_grads
-from tests.old_defaults import old_model
+from tests.old_defaults import OLD_DEFAULTS, old_model
 
 
 def token_loop_gdn(layer: GatedDeltaNet, x: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
@@ -119,11 +122,15 @@ def test_gate_init_draws_megatrons_A_range_and_flas_dt():
     assert not torch.equal(got["A_log"], got["dt_bias"])  # each parameter has its own generator
 
 
+GROUPED = "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 12"
+
+
 def test_tp2_weights_are_slices_of_the_tp1_weights():
-    """Every parameter of a GDN hybrid built for TP rank 0 and 1 of TP2 reassembles to the TP1 model's,
-    and the per-head gate parameters are the TP1 heads' halves."""
+    """Every parameter of a GDN hybrid (2 key heads, 4 value heads, K != V) built for TP rank 0 and 1 of TP2
+    reassembles to the TP1 model's, the per-value-head gate parameters are the TP1 heads' halves, and the shared
+    norm weight is whole on each rank."""
     flags = "--mock-data --attention-type gdn --softmax-attention-every 2 --num-layers 2 --hidden-size 32"
-    flags += " --num-attention-heads 4 --vocab-size 64 --make-vocab-size-divisible-by 1"
+    flags += " --num-attention-heads 4 --vocab-size 64 --make-vocab-size-divisible-by 1 " + GROUPED
 
     def weights(tp, tp_rank):
         cfg = parse_args([*flags.split(), "--tensor-model-parallel-size", str(tp)])
@@ -140,6 +147,32 @@ def test_tp2_weights_are_slices_of_the_tp1_weights():
             assert torch.equal(unshard([r[name] for r in pieces], p.tp_split), p), name
     for name in ("layers.0.mixer.A_log", "layers.0.mixer.dt_bias"):
         assert torch.equal(pieces[1][name], full[name][2:]) and torch.equal(pieces[0][name], full[name][:2])
+    assert full["layers.0.mixer.head_norm"].shape == (12,) and pieces[1]["layers.0.mixer.head_norm"].shape == (12,)
+    conv = full["layers.0.mixer.conv"]  # q | k (2 key heads of 8) | v (4 value heads of 12): rank 1's halves of each
+    want = torch.cat([conv[8:16], conv[24:32], conv[56:80]])
+    assert torch.equal(pieces[1]["layers.0.mixer.conv"], want)
+
+
+def _losses(rank, world, argv):
+    return [h["loss"] for h in training.train(training.setup(validate(parse_args(argv), world)))]
+
+
+def test_grouped_heads_any_length_under_tp_and_cp_equal_one_rank():
+    """A GDN hybrid with grouped value heads and K != V, at a sequence that is no multiple of the chunk (40 tokens
+    in chunks of 16; CP2: slices of 20): TP2 x SP and CP2 train 2 steps to the single rank's losses."""
+    argv = (
+        OLD_DEFAULTS
+        + (
+            "--mock-data --hidden-size 32 --num-attention-heads 4 --seq-length 40 --vocab-size 128 --num-layers 2 "
+            "--make-vocab-size-divisible-by 32 --attention-type gdn --softmax-attention-every 2 --linear-chunk-size 16 "
+            "--global-batch-size 2 --micro-batch-size 1 --seed 7 --device cpu --train-iters 2 --lr 1e-2 "
+            "--init-method-std 0.2 " + GROUPED
+        ).split()
+    )
+    one = run_distributed(_losses, 1, argv)[0]
+    for layout in ("--context-parallel-size 2", "--tensor-model-parallel-size 2 --sequence-parallel"):
+        got = run_distributed(_losses, 2, argv + layout.split())[0]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-5, atol=0, msg=layout)
 
 
 @pytest.mark.parametrize("heads", [(2, 4, 16, 16), (2, 4, 8, 12)], ids=["megatron_layout", "k_ne_v"])
@@ -179,3 +212,31 @@ def test_gdn_layer_equals_megatron_cores(heads):
     torch.testing.assert_close(mine[0], peer["x"], rtol=1e-12, atol=1e-12)
     for (name, _), got in zip(ours.named_parameters(), mine[1:]):
         torch.testing.assert_close(got, back[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_init_branch_reaches_the_head_norm_above_its_eps():
+    """At init (hidden 1024, 8 heads of 128, 256 tokens of unit-RMS input) the op's output reaches the head RMSNorm
+    at a mean square above its eps 1e-5: norm gain sqrt(ms / (ms + eps)) about 0.74, megatron-core's 0.743 (its
+    nn.Conv1d init); with the convolution drawn N(0, init std), as before, about 0.07 (ms 5e-8: the mixers started
+    10x weaker)."""
+    cfg = old_model(hidden_size=1024, num_attention_heads=8, attention_type="gdn", linear_chunk_size=64)
+    x = torch.randn(2, 256, 1024, generator=torch.Generator().manual_seed(0))
+    gains = {}
+    for conv in ("uniform", "normal"):
+        layer = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
+        if conv == "normal":
+            layer.conv.init = ("normal", cfg.init_method_std)
+        init_weights(layer, seed=1234)
+        mix, seen = layer._mix, []
+
+        def recording(*a, mix=mix, seen=seen):
+            seen.append(mix(*a))
+            return seen[-1]
+
+        layer._mix = recording
+        with torch.no_grad():
+            layer(x)
+        ms = seen[0].square().mean().item()
+        gains[conv] = (ms / (ms + cfg.norm_epsilon)) ** 0.5
+    print(f"head-norm gain at init: {gains['uniform']:.3f} (nn.Conv1d's init), {gains['normal']:.3f} (N(0, 0.02))")
+    assert 0.6 < gains["uniform"] < 0.9 and gains["normal"] < 0.1

@@ -71,6 +71,18 @@ def test_chunk_matches_the_token_loop_fp64(chunk_size, gate):
         assert a.dtype == torch.float64 and rel_err(a, b) <= 1e-12, (name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("gate", ["mild", "reset"])
+def test_any_length_pads_the_last_chunk_with_identity_tokens(gate):
+    """T = 100 at chunk 64 (one full chunk and 36 tokens): output, final state and every gradient equal the token
+    loop's over the 100 tokens (fp64), as do T = 5 at chunk 64 (a partial chunk only) and K != V."""
+    for T, K, V in ((100, 8, 6), (5, 4, 10)):
+        inputs = case(gate, dtype=torch.float64, T=T, K=K, V=V, seed=T)
+        got = run(chunk_gdn, *inputs, chunk_size=64)
+        assert got[0].shape == (2, T, 2, V)
+        for name, a, b in zip(NAMES, got, fp64_token_loop(*inputs)):
+            assert rel_err(a, b) <= 1e-12, (name, T, rel_err(a, b))
+
+
 @pytest.mark.parametrize("gate", ["mild", "strong", "mixed", "reset"])
 @pytest.mark.parametrize("beta", ["low", "high", "mixed"])
 def test_chunk_fp32_matches_the_fp64_token_loop(gate, beta):
@@ -176,5 +188,5 @@ def test_bad_shapes_are_refused_in_one_line():
             chunk_gdn(*args, chunk_size=8)
     with pytest.raises(ValueError, match="initial_state must be"):
         chunk_gdn(q, k, v, g, beta, initial_state=h0[..., :2], chunk_size=8)
-    with pytest.raises(ValueError, match="multiple of chunk_size=12"):
-        chunk_gdn(q, k, v, g, beta, chunk_size=12)
+    with pytest.raises(ValueError, match="multiple of chunk_size=0"):
+        chunk_gdn(q, k, v, g, beta, chunk_size=0)

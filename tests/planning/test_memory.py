@@ -1,9 +1,10 @@
 """The memory estimator against measured peaks: the peak live tensor bytes of a second training step
 (LiveBytes, entered before the model is built) within 10% of megatron_zpp.planning.memory's estimate, for a
-GLA+softmax and a GDN+softmax model without recompute, with selective and with full recompute on one rank, a
-2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2 (both ranks checked), and two mixture-of-
-experts layouts: one rank (8 experts, top-2, a gated shared expert, balancing and z losses) and EP2 alltoall under
-ZeRO-1 over 2 ranks (both ranks: their routed rows are the router's, the estimate's an even share).
+GLA+softmax and a GDN+softmax model without recompute (and GDN with grouped value heads, K != V), with selective
+and with full recompute on one rank, a 2-rank ZeRO-3 + hpZ run with selective recompute and a GDN hybrid at CP2
+(both ranks checked), and two mixture-of-experts layouts: one rank (8 experts, top-2, a gated shared expert,
+balancing and z losses) and EP2 alltoall under ZeRO-1 over 2 ranks (both ranks: their routed rows are the
+router's, the estimate's an even share).
 bench/memory.py runs the full matrix of layouts and recompute modes at a larger size."""
 
 import math
@@ -50,6 +51,13 @@ def _check(result, what):
 @pytest.mark.parametrize("flags", [[], ["--recompute-granularity", "selective"], FULL], ids=["none", "sel", "full"])
 def test_single_rank_estimate_matches_measured_peak(flags, mixer):
     _check(_measure(0, 1, flags + ["--attention-type", mixer]), f"single rank {mixer} {flags}")
+
+
+def test_gdn_grouped_heads_estimate_matches_measured_peak():
+    """GDN with Megatron's head layout scaled down: 2 key heads of K = 16 under 4 value heads of V = 32 (the
+    estimate reads the shape: value heads, K and V apart; its fitted constants are K = V's)."""
+    heads = "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 16 --linear-value-head-dim 32"
+    _check(_measure(0, 1, ["--attention-type", "gdn", *heads.split()]), "single rank GDN, grouped heads, K != V")
 
 
 def test_zero3_hpz_two_ranks_estimate_matches_measured_peak():

@@ -45,7 +45,10 @@ LAYOUTS = {
     "--sequence-parallel",
     "zero-3 + hierarchy, bf16 gradient wire": "--zero-stage 3 --zero-hierarchy 2 --grad-reduce-in-bf16",
     "plain DP4, bf16 gradient wire": "--grad-reduce-in-bf16",
-    "GDN hybrid, TP2 + CP2 all-scan": "--attention-type gdn --tensor-model-parallel-size 2 --context-parallel-size 2",
+    # grouped value heads with K != V: the scan's K x V state per value head, the halo's q | k | v channels
+    "GDN hybrid (2 key, 4 value heads, K 8, V 12), TP2 + CP2 all-scan": "--attention-type gdn "
+    "--tensor-model-parallel-size 2 --context-parallel-size 2 --linear-num-key-heads 2 --linear-num-value-heads 4 "
+    "--linear-key-head-dim 8 --linear-value-head-dim 12",
     "GDN hybrid, CP4 all-gather, bf16": "--attention-type gdn --context-parallel-size 4 --cp-algo all-gather --bf16",
     # Mixture of experts. A token exchange's rows depend on the routing (the ledger counts them exactly); the
     # simulator's are the even load's, which is also the exact mean over an EP group whose ranks route alike:

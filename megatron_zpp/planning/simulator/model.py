@@ -171,7 +171,7 @@ def scan_time(cfg: Config, cl: Cluster, cp: Group, ranks_per_node: int) -> float
     class _Dev:  # auto_blocks reads only the device type
         type = cl.device
 
-    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, mixer.key_dim)
+    K = p.all_scan_blocks or auto_blocks(state, cp, _Dev, mixer.scan_extent)
     alpha = link.alpha + cl.scan_msg_s  # per message: the link's alpha + the CPU cost of one send (emulated)
     return (P - 2 + K) * (alpha + state / K / bw) if P > 2 else alpha + state / bw
 
