@@ -298,7 +298,7 @@ def test_gqa_and_unbuilt_values_are_refused_by_name():
     assert parse_config(["--mock-data", "--group-query-attention"], 1).model.kv_heads == 1  # Megatron: 1 group
     for kind, why in [("yarn", "YaRN"), ("mrope", "multimodal RoPE"), ("relative", "T5-style relative")]:
         assert f"--position-embedding-type {kind}: {why}" in errors(["--position-embedding-type", kind])
-    assert "--kv-channels 8" in errors(["--kv-channels", "8"])
+    assert "--kv-channels 0: the head dim must be at least 1" in errors(["--kv-channels", "0"])
     assert "--rotary-percent 0.1: rotates 3 of the 32" in errors(["--rotary-percent", "0.1"])  # Megatron's int()
     assert "either --fp16 or --bf16" in errors(["--fp16", "--bf16"])
     assert "give --ffn-hidden-size" in errors(["--hidden-size", "16", "--num-attention-heads", "2", "--swiglu"])

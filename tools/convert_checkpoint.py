@@ -5,6 +5,7 @@
         with torch.load(..., weights_only=True); "model" is a single-rank GPT's state dict (its weights and
         persistent buffers: the routers' expert bias), which its load_state_dict(strict=True) takes
     python tools/convert_checkpoint.py --load ckpt --to hf --output hf_dir [--tokenizer-model tok.model]
+                                       [--hf-architecture CLASS]
         Megatron's default GPT (softmax attention, LayerNorm, gelu, learned absolute positions, linear
         biases, no GQA): a GPT2LMHeadModel directory (megatron_zpp/checkpoint/formats/gpt2.py);
         softmax-attention models with RMSNorm, SwiGLU and RoPE, no biases: a LlamaForCausalLM directory,
@@ -12,14 +13,17 @@
         own Qwen3MoeForCausalLM (with --qk-layernorm) or MixtralForCausalLM (every layer sparse), the experts one
         per expert as the hub's files hold them (formats/qwen3_moe.py, mixtral.py); GDN/softmax hybrids built as
         OLMo Hybrid (--reordered-norms softmax --qk-layernorm --qk-layernorm-full-width --linear-norm-epsilon 1e-5):
-        transformers' own OlmoHybridForCausalLM (formats/olmo_hybrid.py); every other model (GLA, hybrid,
+        transformers' own OlmoHybridForCausalLM (formats/olmo_hybrid.py); GDN hybrids with gated softmax
+        attention, zero-centred norms and query/key norms: transformers' own Qwen3NextForCausalLM (with experts and a
+        gated shared expert), Qwen3_5ForCausalLM (dense) or, with --hf-architecture, Qwen3_5MoeForCausalLM
+        (formats/qwen3_next.py, qwen3_5.py; docs/checkpoints.md); every other model (GLA, hybrid,
         LayerNorm, GeLU; RoPE or no positions, no biases): the same files plus our remote code (megatron_zpp/hf_remote/:
         configuration_megatron_zpp_gla.py, modeling_megatron_zpp_gla.py, plain PyTorch; with a
         tokenizer, tokenizer_config.json naming Llama's), loaded with
         AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     python tools/convert_checkpoint.py --from hf --load hf_dir --to sharded --output ckpt
-        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE and Mixtral
-        directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
+        a HF directory of any of these kinds (model.safetensors or its sharded index; Qwen3-MoE, Mixtral, Qwen3-Next
+        and Qwen3.5 directories as save_pretrained writes them, or a hub checkpoint's files) -> a weights-only
         checkpoint of ours (iteration 0, no optimizer state); pretrain_gpt.py --load ckpt
         reshards it to any layout (pass the model flags that match; a mismatch is named)
 
@@ -69,6 +73,7 @@ from megatron_zpp.checkpoint.files import find_checkpoint, os_error_line
 from megatron_zpp.checkpoint.formats import gpt2 as hf_gpt2
 from megatron_zpp.checkpoint.formats import remote as hf_gla
 from megatron_zpp.checkpoint.formats.base import ConversionError
+from megatron_zpp.checkpoint.formats.hf import architectures as hf_architectures
 from megatron_zpp.checkpoint.formats.hf import export_hf, import_hf
 from megatron_zpp.checkpoint.formats.llama import config_from_hf, from_hf_state, hf_unsupported, to_hf_state
 
@@ -119,7 +124,7 @@ def _from_ours(args, stage: str) -> str:
     if args.to == "consolidated":
         torch.save({"config": config, "model": state}, stage)
     else:
-        what = f"hf {export_hf(state, config, stage, args.tokenizer_model)}"
+        what = f"hf {export_hf(state, config, stage, args.tokenizer_model, args.hf_architecture)}"
     n = sum(t.numel() for t in state.values())
     return f"wrote {args.output} ({what}: {len(state)} tensors, {n / 1e6:.2f}M parameters)"
 
@@ -185,8 +190,8 @@ def _parser() -> argparse.ArgumentParser:
         default="megatron_zpp",
         choices=["megatron_zpp", "hf", "megatron"],
         help="what --load is: our sharded checkpoint (default), a HF directory (Llama, GPT-2, OLMo Hybrid, "
-        "Qwen3-MoE, Mixtral, or our GLA/hybrid export) or a megatron-core torch_dist checkpoint (Megatron-LM's "
-        "--ckpt-format torch_dist)",
+        "Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5's text models, or our GLA/hybrid export) or a megatron-core "
+        "torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist)",
     )
     ap.add_argument(
         "--load",
@@ -211,6 +216,13 @@ def _parser() -> argparse.ArgumentParser:
         "--tokenizer-model",
         default=None,
         help="--to hf: the sentencepiece .model to copy as tokenizer.model (default: the run's)",
+    )
+    ap.add_argument(
+        "--hf-architecture",
+        default=None,
+        choices=hf_architectures(),
+        help="--to hf: the transformers class to write (default: the first that holds the model, in this order), "
+        "e.g. Qwen3_5MoeForCausalLM for a Qwen3-Next-shaped model whose every layer is sparse",
     )
     return ap
 
@@ -255,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--no-optim goes with --from megatron or --to megatron")
     if args.expert_model_parallel_size is not None and (args.to != "megatron" or args.expert_model_parallel_size < 1):
         ap.error("--expert-model-parallel-size goes with --to megatron and is at least 1")
+    if args.hf_architecture and (args.to != "hf" or args.source != "megatron_zpp"):
+        ap.error("--hf-architecture goes with --to hf (an import reads the class from config.json)")
     if args.transformer_impl and args.to != "megatron":
         ap.error("--transformer-impl goes with --to megatron (an import reads either spec's names)")
     if args.use_distributed_optimizer and (args.to != "megatron" or args.no_optim):

@@ -134,7 +134,10 @@ class ModelConfig(MoEFields):
         False, "--group-query-attention", "grouped-query attention with --num-query-groups key/value heads"
     )
     kv_channels: int | None = opt(
-        None, "--kv-channels", "head dim (default and only supported value: --hidden-size / --num-attention-heads)"
+        None,
+        "--kv-channels",
+        "the head dim of every mixer, as Megatron (default: --hidden-size / --num-attention-heads; Qwen3-Next's "
+        "head_dim 256 at hidden 2048 and 16 heads is another): the attention's projections are heads x head dim wide",
     )
     position_embedding_type: str = opt(
         "learned_absolute",
@@ -283,7 +286,8 @@ class ModelConfig(MoEFields):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """--kv-channels, else --hidden-size / --num-attention-heads (Megatron's rule)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:

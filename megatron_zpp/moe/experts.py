@@ -54,7 +54,8 @@ def check_expert_split(cfg: MoEConfig, ep_size: int, etp_size: int) -> None:
 def _expert_weight(shape: tuple[int, int], std: float, tp_split: tuple, dtype: torch.dtype) -> nn.Parameter:
     p = mark(nn.Parameter(torch.empty(shape, dtype=dtype)), ("normal", std), tp_split=tp_split)
     p.expert_parallel = True  # type: ignore[attr-defined]
-    nn.init.normal_(p, std=std)  # a local draw, so that a layer built alone runs; the model's init redraws by name
+    if not p.is_meta:  # on meta (the planning tools, a sharded start-up) a draw is shapes only, and 3 ms an expert
+        nn.init.normal_(p, std=std)  # a local draw, so that a layer built alone runs; the model's init redraws by name
     return p
 
 

@@ -152,7 +152,8 @@ class TopKRouter(nn.Module):
         self.cfg, self.tp_cp = cfg, tp_cp
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         mark(self.weight, ("normal", init_std), tp_partial_grad=sequence_parallel)
-        nn.init.normal_(self.weight, std=init_std)
+        if not self.weight.is_meta:  # on meta a draw is shapes only (and loads torch's decompositions)
+            nn.init.normal_(self.weight, std=init_std)
         # the tokens each expert received while training, since the last update_expert_bias (or reset by the
         # training step: the log's expert load)
         self.register_buffer(

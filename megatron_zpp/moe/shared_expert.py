@@ -30,7 +30,10 @@ class SharedExpert(nn.Module):
         if self.gate is not None:
             mark(self.gate.weight, ("normal", init_std), tp_partial_grad=sp)
         for lin in (self.fc1, self.fc2, self.gate):
-            if lin is not None:  # a local draw, so that a layer built alone runs; the model's init redraws by name
+            if (
+                lin is not None and not lin.weight.is_meta
+            ):  # a local draw, so that a layer built alone runs; the model's
+                # init redraws by name (on meta a draw is shapes only)
                 nn.init.normal_(lin.weight, std=lin.weight.init[1])
         self.to(dtype)  # in place: the parameters keep their marks
 

@@ -177,9 +177,9 @@ def check_megatron_model(cfg: Config, world_size: int) -> list[str]:
                 "rope or none",
             ),
             (
-                m.kv_channels is None or m.kv_channels * m.num_attention_heads == m.hidden_size,
-                f"--kv-channels {m.kv_channels}: only --hidden-size / --num-attention-heads = {m.head_dim} is built "
-                "(the head dim); drop it",
+                m.kv_channels is None or m.kv_channels >= 1,
+                f"--kv-channels {m.kv_channels}: the head dim must be at least 1 (or drop it: --hidden-size / "
+                "--num-attention-heads)",
             ),
             (
                 0 < m.rotary_percent <= 1 and m.rotary_dim >= 2 and m.rotary_dim % 2 == 0,

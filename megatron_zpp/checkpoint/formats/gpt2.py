@@ -36,6 +36,10 @@ def unsupported(cfg) -> list[str]:
         ),
         (m.add_bias_linear, "it has no linear biases; GPT-2 has them in every linear layer"),
         (m.kv_heads == m.num_attention_heads, "it uses grouped-query attention; GPT-2 has one kv head per head"),
+        (
+            m.head_dim * m.num_attention_heads == m.hidden_size,
+            f"its heads are {m.head_dim} wide (--kv-channels); GPT-2's are hidden size / heads",
+        ),
         (not m.qk_layernorm, "it normalizes query and key heads (--qk-layernorm); GPT-2 does not"),
         (not m.attention_output_gate, "it gates its attention output (--attention-output-gate); GPT-2 does not"),
     ]

@@ -5,8 +5,9 @@
 
 GPT-2 (gpt2.py) holds Megatron's default GPT, Llama (llama.py) softmax/RMSNorm/SwiGLU/RoPE models without
 biases, transformers' OLMo Hybrid (olmo_hybrid.py) GDN/softmax hybrids built as OLMo's (--reordered-norms softmax,
---qk-layernorm-full-width), our remote code (remote.py) every other dense model without biases or learned
-positions; models with
+--qk-layernorm-full-width), transformers' Qwen3-Next and Qwen3.5 (qwen3_next.py, qwen3_5.py: GDN hybrids with gated
+attention, zero-centred norms, partial RoPE; Qwen3-Next with experts, Qwen3.5 dense or every layer sparse), our
+remote code (remote.py) every other dense model without biases or learned positions; models with
 experts go to transformers' own Qwen3-MoE (qwen3_moe.py: with --qk-layernorm, dense layers allowed) or Mixtral
 (mixtral.py: every layer sparse, no query/key norm). A HF directory is
 read by its content (hf_files.py): names, shapes and dtypes checked against the model config.json describes
@@ -29,28 +30,39 @@ from ... import hf_remote
 from ...data.tokenizer import SENTENCEPIECE_TYPES
 from ..files import save_safetensors
 from ..layout import config_from_dict
-from . import gpt2, hf_files, llama, mixtral, olmo_hybrid, qwen3_moe, remote
+from . import gpt2, hf_files, llama, mixtral, olmo_hybrid, qwen3_5, qwen3_moe, qwen3_next, remote
 from .base import ConversionError, HFFormat
 
-HF_FORMATS: tuple[HFFormat, ...] = (
-    gpt2,
-    llama,
-    olmo_hybrid,
-    remote,
-    qwen3_moe,
-    mixtral,
-)  # the export's order of preference
+# the export's order of preference (a GDN model our remote code holds as it is, norms included, goes there, unless
+# it is built as OLMo Hybrid)
+HF_FORMATS: tuple[HFFormat, ...] = (gpt2, llama, olmo_hybrid, remote, qwen3_moe, mixtral, qwen3_next, qwen3_5)
 BY_MODEL_TYPE: dict[str, HFFormat] = {  # else llama (it names the rest)
     hf_remote.MODEL_TYPE: remote,
     "gpt2": gpt2,
     "qwen3_moe": qwen3_moe,
     "mixtral": mixtral,
     "olmo_hybrid": olmo_hybrid,
+    "qwen3_next": qwen3_next,
+    **{kind: qwen3_5 for kind in (*qwen3_5.MODEL_TYPES, *qwen3_5.IMAGE_TEXT)},
 }
 
 
-def export_format(cfg) -> HFFormat:
-    """The first HF format that holds the model; refuses by name, with every format's reasons, when none does."""
+def architectures() -> list[str]:
+    """Every transformers class an export can write (config.json's architectures[0])."""
+    return [a for fmt in HF_FORMATS for a in getattr(fmt, "ARCHITECTURES", (fmt.ARCHITECTURE,))]
+
+
+def export_format(cfg, architecture: str | None = None) -> HFFormat:
+    """The first HF format that holds the model (or the one writing `architecture`, e.g. Qwen3_5MoeForCausalLM for
+    a model Qwen3-Next holds too); refuses by name, with the reasons, when none does."""
+    if architecture is not None:
+        fmt = next(f for f in HF_FORMATS if architecture in getattr(f, "ARCHITECTURES", (f.ARCHITECTURE,)))
+        why = fmt.unsupported(cfg)
+        if not why and (writes := fmt.config(cfg, 1)["architectures"][0]) != architecture:
+            why = [f"this model is a {writes} (with or without experts)"]
+        if why:
+            raise ConversionError(f"cannot export to HF as {architecture}: " + "; ".join(why))
+        return fmt
     for fmt in HF_FORMATS:
         if not fmt.unsupported(cfg):
             return fmt
@@ -61,6 +73,8 @@ def export_format(cfg) -> HFFormat:
         "remote": "with our remote code",
         "qwen3_moe": "as Qwen3-MoE",
         "mixtral": "as Mixtral",
+        "qwen3_next": "as Qwen3-Next",
+        "qwen3_5": "as Qwen3.5",
     }
     raise ConversionError(
         "cannot export to HF: " + "; ".join(f"{named[f.NAME]} " + "; ".join(f.unsupported(cfg)) for f in HF_FORMATS)
@@ -77,12 +91,17 @@ def _tokenizer(cfg, tokenizer_model: str | None):
     return None, tok_model
 
 
-def export_hf(state: dict, config: dict, output: str, tokenizer_model: str | None = None) -> str:
+def export_hf(
+    state: dict, config: dict, output: str, tokenizer_model: str | None = None, architecture: str | None = None
+) -> str:
     """Write the HF directory `output`; returns its architecture (GPT2LMHeadModel, LlamaForCausalLM,
-    OlmoHybridForCausalLM, Qwen3MoeForCausalLM or MixtralForCausalLM when one of them holds the model, else our
-    remote-code MegatronZppGLAForCausalLM)."""
-    state, cfg = gpt2.fold_layernorm_1p(state, config_from_dict(config))  # HF norms scale by w itself
-    fmt = export_format(cfg)
+    OlmoHybridForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM or
+    MixtralForCausalLM when one of them holds the model, else our remote-code MegatronZppGLAForCausalLM;
+    `architecture`: that class)."""
+    cfg: typing.Any = config_from_dict(config)
+    fmt = export_format(cfg, architecture)
+    if not getattr(fmt, "ZERO_CENTRED", False):  # HF norms scale by w itself (Qwen3-Next's and Qwen3.5's by 1 + w)
+        state, cfg = gpt2.fold_layernorm_1p(state, cfg)
     tokenizer, tok_model = _tokenizer(cfg, tokenizer_model)
     vocab = state["embedding.weight"].shape[0]
     try:
@@ -113,7 +132,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
     try:
         hf_cfg = hf_files.read_config(hf_dir)
         fmt, cfg = _config_of(hf_cfg, hf_dir)
-        entries = hf_files.read_headers(hf_dir)
+        entries = their_entries(fmt, hf_cfg, hf_files.read_headers(hf_dir))
         if isinstance(cfg.model.num_layers, int) and cfg.model.num_layers > len(entries):  # before building it
             raise ConversionError(
                 f"config.json says {cfg.model.num_layers} layers but the files hold {len(entries)} tensors in all"
@@ -127,6 +146,23 @@ def import_hf(hf_dir: str, output: str) -> tuple[dict, str]:
         raise ConversionError(f"cannot import {hf_dir}: {e}") from None
     state = fmt.from_theirs(hf, cfg)
     return state, save_weights(output, cfg, state)
+
+
+def their_entries(fmt: HFFormat, hf_cfg: dict, entries: dict) -> dict:
+    """The files' tensors under the names the format reads: those it skips by prefix left out (Qwen's multi-token
+    prediction layers, an image-text model's vision tower), its renamed prefixes renamed (that model's language
+    model: model.language_model.* -> model.*); nothing for the other formats."""
+    skipped: tuple[str, ...] = getattr(fmt, "SKIPPED", ())
+    renamed: dict[str, str] = getattr(fmt, "renamed_prefixes", lambda hf: {})(hf_cfg)
+    out = {}
+    for name, e in entries.items():
+        if name.startswith(skipped):
+            continue
+        old = next((p for p in renamed if name.startswith(p)), None)
+        if old is not None:
+            name, e = renamed[old] + name[len(old) :], dataclasses.replace(e, stored=name)
+        out[name] = e
+    return out
 
 
 def _with_tokenizer(cfg, hf_dir: str):

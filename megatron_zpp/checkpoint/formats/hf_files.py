@@ -40,6 +40,7 @@ class TensorEntry:
     file: str  # the file name inside the directory
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: F32, BF16, ...
+    stored: str = ""  # the name in the file when the format reads it under another (hf.py: `their_entries`)
 
 
 def _read_json(hf_dir: str, name: str):
@@ -175,7 +176,7 @@ def read_tensors(hf_dir: str, entries: dict[str, TensorEntry], names) -> dict[st
         try:
             with safe_open(os.path.join(hf_dir, file), framework="pt") as f:
                 for n in tensors:
-                    out[n] = f.get_tensor(n)
+                    out[n] = f.get_tensor(entries[n].stored or n)
                     if not torch.isfinite(out[n]).all():
                         bad = int((~torch.isfinite(out[n])).sum())
                         raise HFImportError(f"{file}: tensor {n} holds {bad} non-finite values (NaN or inf)")

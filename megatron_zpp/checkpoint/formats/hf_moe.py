@@ -202,7 +202,7 @@ def moe_config_from(hf: dict, experts, expert_width: int, pattern: list[int]):
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
             ("it has attention biases", bool(hf.get("attention_bias"))),
             (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads (no other --kv-channels is built here)",
+                f"head_dim {hf.get('head_dim')} is not hidden_size / heads (not imported as Qwen3-MoE or Mixtral)",
                 (hf.get("head_dim") or hidden // heads) != hidden // heads,
             ),
             (f"num_experts {experts!r} is not a positive integer", not (isinstance(experts, int) and experts > 0)),
