@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .. import recompute
@@ -85,6 +85,7 @@ class Dims:
     moe_imbalance: float = 1.0  # an MoE layer's busiest rank: its routed rows over an even share (moe_memory.py)
     gate: bool = False  # softmax attention's output gate (--attention-output-gate)
     keyed_probs: bool = False  # attention dropout with layout-invariant masks: explicit attention, its core rerun
+    key_slices: int = 0  # the CP slices of keys a softmax query sees on this rank (cp_rank + 1; 0: the last rank's)
     # GDN per TP rank: value heads, key dim K, value dim V, convolution channels (zeros: heads, d, d, 3 width)
     gdn: tuple[int, int, int, int] = (0, 0, 0, 0)
 
@@ -204,11 +205,11 @@ def softmax_backward_live(x: Dims) -> int:
     the training dtype (none at fp32), the bool keep mask and the dropped probabilities (e): 9 bytes at fp32 and
     at bf16, beside the mask hash's three int64 temporaries (24, over at most dropout.HASH_SLICE elements at a
     time). Measured: 33 bytes per element at fp32 (LiveBytes, tests/planning/test_memory.py); the Llama-3-70B
-    dry run (bf16, docs/dry_run.md) 9.7. keys: the whole sequence under CP (the last rank's). 0 otherwise:
+    dry run (bf16, docs/dry_run.md) 9.7. keys: the slices up to this CP rank's (`key_slices`). 0 otherwise:
     SDPA's fused backward stays below its FFN's."""
     if not x.keyed_probs:
         return 0
-    elements = x.b * x.heads * x.s * x.s * x.cp
+    elements = x.b * x.heads * x.s * x.s * (x.key_slices or x.cp)
     return softmax_layer(x, True) + elements * 9 + min(elements, HASH_SLICE) * 24
 
 
@@ -414,7 +415,8 @@ def chunk_activations(cfg: Config, x: Dims, layer_ids: list[int], cp_rank: int =
             if mixer.backward_live:  # a linear mixer's operator backward may peak above its FFN's
                 rerun = selective and not again  # selective: the core reruns in the backward
                 core = per_layer[j] - mixer.kept(x, True) - ffn_saved(cfg, x, layer_ids[j])
-                peak = max(peak, mixer.backward_live(x) + (core if rerun else 0))
+                during = mixer.backward_live(replace(x, key_slices=cp_rank + 1))  # a softmax query's keys
+                peak = max(peak, during + (core if rerun else 0))
             live.append(held + peak)
             held += acts[j]
         group = sum(per_layer[start:stop])
