@@ -489,7 +489,7 @@ def test_megatron_split_flags_refused_where_they_cannot_map(flags, line):
 
 # ------------------------------------------------------------------ Megatron's gated delta net flags
 
-GDN_BASE = "--mock-data --num-layers 7 --hidden-size 64 --num-attention-heads 4"  # head dim 16
+GDN_BASE = "--mock-data --num-layers 7 --hidden-size 64 --num-attention-heads 4 --normalization RMSNorm"  # head dim 16
 GDN_SHAPES = "--linear-key-head-dim 16 --linear-value-head-dim 16 --linear-num-key-heads 4 --linear-num-value-heads 4"
 MEGATRON_GDN = f"--experimental-attention-variant gated_delta_net {GDN_SHAPES} --linear-conv-kernel-dim 4"
 

@@ -468,8 +468,14 @@ def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, caps
         return err
 
     assert "its layers are GLA" in refused(SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2")
-    layer_norm = GDN_FLAGS.replace("--normalization RMSNorm", "--normalization LayerNorm")
-    assert "--normalization LayerNorm: megatron-core's gated delta net output norm" in refused(layer_norm)
+    # our GDN (--attention-type gdn) in a LayerNorm model: megatron-core's out_norm would be a LayerNorm (Megatron's
+    # variant flag with LayerNorm is refused earlier, by validation: config/megatron_flags.check_megatron_gdn)
+    layer_norm = GDN_FLAGS.replace("--normalization RMSNorm", "--normalization LayerNorm").replace(
+        "--experimental-attention-variant gated_delta_net --linear-attention-freq 2", "--attention-type gdn"
+    )
+    assert "--normalization LayerNorm: megatron-core's gated delta net output norm" in refused(
+        layer_norm + " --softmax-attention-every 2"
+    )
     assert "--gdn-head-norm per_head: megatron-core's" in refused(GDN_FLAGS + " --gdn-head-norm per_head")
     # Megatron-LM's list pattern that no period gives
     mlm = _saved(str(tmp_path), "list", GDN_FLAGS, True)
