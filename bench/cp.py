@@ -82,6 +82,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_zpp import comm
 from megatron_zpp.testing.cluster import ADDRS, VETHS, Cluster, parse_rate, take_lock
 from megatron_zpp.testing.cp_operators import DELTA_RULE, NO_COMM, make_inputs, run_operator
 from megatron_zpp.testing.dist import run_distributed
@@ -128,8 +129,6 @@ def timed(fn) -> tuple[float, float]:
 
 def ledger_bytes(fn) -> dict:
     """Bytes this rank sends in fn(), forward and backward phases apart."""
-    from megatron_zpp import comm
-
     comm.LEDGER.reset()
     fn()
     rows = comm.LEDGER.local_rows()
