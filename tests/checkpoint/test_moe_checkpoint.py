@@ -148,7 +148,8 @@ CHAIN = [  # each loads the previous one's save and saves at once (no step)
 def test_reshard_across_expert_parallel_sizes(tmp_path):
     src = str(tmp_path / "src")
     bias = run_distributed(_train, 4, BASE + ["--zero-stage", "3", "--save", src])
-    assert all(np.abs(b).sum() > 0 for b in bias[0].values()), "the expert bias never moved"
+    # sign updates of +-rate: two steps may cancel in one layer (its loads crossed the mean), not in every layer
+    assert any(np.abs(b).sum() > 0 for b in bias[0].values()), "the expert bias never moved"
     want = full_state(src, optimizer=True)
     assert any(EXPERT.match(n) for n in want.weights) and want.moments is not None
     previous = src
