@@ -34,10 +34,10 @@ dense [K, K] again and everything above holds with chunk_kda as the local operat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import recompute
+from ..ops.delta_rule import padded_to_chunk
 from ..ops.gdn import chunk_gdn, gdn_affine, gdn_vjp
 from ..ops.kda import chunk_kda, kda_affine, kda_vjp
 from ..topology import Group
@@ -132,12 +132,11 @@ def scanned_gdn(
     q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
 ) -> Tensor:
     """This slice's output (`op`: chunk_gdn or chunk_kda) with S_in from `scan` (any object with the scans' forward
-    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype. A slice that is no multiple of the
-    chunk is padded at its end with identity tokens (k = 0, beta = 0, g = 0: S_t = S_{t-1}), which change neither
-    (U, M) nor the outputs before them, and their outputs dropped."""
-    T = q.shape[1]
-    pad = -T % chunk_size
-    if pad:
-        q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
-    o = ScannedDeltaRule.apply(q, k, v, g, beta, head, scan, scale, chunk_size, op)[:, :T]
+    and backward): ScannedDeltaRule, rounded once to v's dtype or out_dtype; any slice length (identity tokens pad
+    it to the chunk: ops/delta_rule.padded_to_chunk)."""
+
+    def scanned(*inputs):
+        return (ScannedDeltaRule.apply(*inputs, head, scan, scale, chunk_size, op),)
+
+    (o,) = padded_to_chunk(scanned, chunk_size, q, k, v, g, beta)
     return o.to(v.dtype if out_dtype is None else out_dtype)

@@ -102,8 +102,9 @@ class HiddenDropout(nn.Module):
 
 
 def probabilities_dropout(p: float, site: int, first_head: int):
-    """The attention-probability dropout of one softmax layer, or None (per-rank masks: SDPA's own): a function
-    (probs [B, heads, Tq, Tk], first query position) -> the dropped probabilities, keyed on (site, sample, head,
+    """The layout-invariant attention-probability dropout of one softmax layer (the caller uses it when
+    `layout_invariant`; else SDPA's own): a function (probs [B, heads, Tq, Tk], first query position) -> the
+    dropped probabilities, keyed on (site, sample, head,
     query, key). first_head: this TP rank's first head."""
     samples = tp_random.micro_batch_samples()
 

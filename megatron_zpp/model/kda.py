@@ -93,17 +93,14 @@ class KimiDeltaAttention(nn.Module):
         return (o * gate).reshape(B, T, local).to(h.dtype)
 
     def _mix(self, q, k, v, g, beta) -> torch.Tensor:
-        ctx, chunk, T = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type), q.shape[1]
+        ctx, chunk = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type)
         out_dtype = torch.promote_types(v.dtype, torch.float32)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
             algo, blocks = ctx.cp_algo, ctx.all_scan_blocks
             return gdn_context_parallel(
                 q, k, v, g, beta, ctx.cp, algo, blocks, chunk_size=chunk, out_dtype=out_dtype, op=chunk_kda
             )
-        pad = -T % chunk  # e.g. generation: zero tokens at the end leave earlier outputs unchanged
-        if pad:
-            q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
-        return chunk_kda(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0][:, :T]
+        return chunk_kda(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0]  # any T (the op pads)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -155,3 +155,17 @@ def vjp_kernels(bwd, q, k, v, g, beta, h0, do, d_final, scale: float, chunk_size
 def as_inputs(grads, *inputs: Tensor) -> tuple[Tensor, ...]:
     """Each gradient in its input's dtype."""
     return tuple(d.to(x.dtype) for d, x in zip(grads, inputs))
+
+
+def padded_to_chunk(fn, chunk_size: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
+    """fn(q, k, v, g, beta) -> (o [B, T', ...], *rest) at a T' that is a multiple of chunk_size: a T that is not is
+    padded at the end with identity tokens (k = 0, beta = 0, g = 0: S_t = S_{t-1}, for GDN's scalar and KDA's
+    per-channel decay alike), which change neither the state nor the outputs before them; their outputs are
+    dropped, so the final state and every gradient are those of the T tokens."""
+    T = q.shape[1]
+    pad = -T % chunk_size if chunk_size > 0 else 0
+    if not pad:
+        return fn(q, k, v, g, beta)
+    q, k, v, g, beta = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
+    o, *rest = fn(q, k, v, g, beta)
+    return (o[:, :T], *rest)

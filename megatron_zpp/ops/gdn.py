@@ -33,12 +33,11 @@ caller makes one call whatever the widths.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import dispatch, gdn_chunked
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
-from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, vjp_kernels
+from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, padded_to_chunk, vjp_kernels
 from .delta_rule import use_kernel as _use_kernel
 from .gdn_chunked import (
     Decays,
@@ -143,13 +142,8 @@ def chunk_gdn(
     Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
     q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
     """
-    T = q.shape[1]
-    if chunk_size > 0 and T % chunk_size:
-        pad = -T % chunk_size
-        q, k, v, g, beta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
-        o, final_state = _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype)
-        return o[:, :T], final_state
-    return _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype)
+    rest = (scale, initial_state, output_final_state, chunk_size, out_dtype)
+    return padded_to_chunk(lambda *x: _chunk_gdn(*x, *rest), chunk_size, q, k, v, g, beta)
 
 
 def _chunk_gdn(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype):

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import dispatch, kda_chunked
 from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
-from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, vjp_kernels
+from .delta_rule import KERNEL_V, affine_kernels, affine_reference, as_inputs, kernel_ops, padded_to_chunk, vjp_kernels
 from .delta_rule import use_kernel as _use_kernel
 from .kda_chunked import Decays, bwd_chunks, bwd_states, fwd_output, fwd_states, prepare
 
@@ -133,11 +133,18 @@ def chunk_kda(
     chunk_size: int = 64,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked KDA (same result as `kda_naive.naive_recurrent_kda`). T must be a multiple of chunk_size.
+    """Chunked KDA (same result as `kda_naive.naive_recurrent_kda`), any T: a T that is not a multiple of chunk_size
+    is padded with identity tokens (ops/delta_rule.padded_to_chunk).
 
     Returns (o [B,T,H,V] in v's dtype or out_dtype, final state [B,H,K,V] fp32/fp64 or None). Gradients reach
     q, k, v, g, beta and initial_state. out_dtype fp32 for bf16 inputs keeps the fp32 output as computed.
     """
+    rest = (scale, initial_state, output_final_state, chunk_size, out_dtype)
+    return padded_to_chunk(lambda *x: _chunk_kda(*x, *rest), chunk_size, q, k, v, g, beta)
+
+
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype):
+    """chunk_kda at a T that is a multiple of chunk_size."""
     V = v.shape[-1]
     if V <= KERNEL_V or not _use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, initial_state):
         o, final_state = ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)

@@ -83,7 +83,7 @@ def check_model(cfg: Config, world_size: int) -> list[str]:
                 f"{mixer.scan_extent} (or be 0: auto)",
             ),
             (
-                # GDN's op and KDA's layer pad the last chunk, and so does their CP operator
+                # GDN's and KDA's ops pad the last chunk, and so does their CP operator
                 m.attention_type != "gla" or s % derived(m.linear_chunk_size) == 0,
                 f"{seq} is not divisible by --linear-chunk-size {m.linear_chunk_size} ({m.attention_type.upper()})",
             ),

@@ -180,7 +180,7 @@ def test_gdn_takes_any_sequence_length_and_gla_names_no_cp_it_does_not_have():
     (line,) = errors_of(make(**gla, parallel__context_parallel_size=2), 2)
     assert line == "sequence per CP rank 50 is not divisible by --linear-chunk-size 16 (GLA)"
     kda = dict(model__attention_type="kda", model__seq_length=100, model__linear_chunk_size=16)
-    for cp in (1, 2):  # KDA's layer pads on one rank, the CP operator each slice
+    for cp in (1, 2):  # KDA's op pads on one rank, the CP operator each slice
         validate(make(**kda, parallel__context_parallel_size=cp), cp)
 
 

@@ -207,5 +207,20 @@ def test_bad_shapes_are_refused_in_one_line():
                 fn(*args)
     with pytest.raises(ValueError, match="initial_state must be"):
         chunk_kda(q, k, v, g, beta, initial_state=h0[..., :2], chunk_size=8)
-    with pytest.raises(ValueError, match="multiple of chunk_size=12"):
-        chunk_kda(q, k, v, g, beta, chunk_size=12)
+    assert chunk_kda(q, k, v, g, beta, chunk_size=12)[0].shape == v.shape  # any T: padded (test below)
+
+
+def test_any_length_equals_the_fp64_token_loop():
+    """T = 20 in chunks of 8 and of 64: the op pads with identity tokens (per-channel g = 0, beta = 0, k = 0), the
+    outputs, the final state and every gradient equal the loop's in fp64."""
+    q, k, v, g, beta, h0, _, _ = case(T=20, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    for chunk in (8, 64):
+        o, s = chunk_kda(*leaves[:5], 0.5, leaves[5], True, chunk)
+        o_ref, s_ref = naive_recurrent_kda(*leaves[:5], 0.5, leaves[5], True)
+        torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+        grads = torch.autograd.grad((o * o_ref.detach()).sum() + s.sum(), leaves)
+        ref = torch.autograd.grad((o_ref * o_ref.detach()).sum() + s_ref.sum(), leaves)
+        for got, want in zip(grads, ref):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
