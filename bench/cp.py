@@ -279,16 +279,20 @@ def summarize(per_rank: list[dict], cfg: dict) -> dict:
             row.update(comm_ms=1e3 * statistics.median(fb), comm_iqr_ms=1e3 * iqr(fb))
             row.update(comm_fwd_ms=1e3 * statistics.median(f), comm_bwd_ms=1e3 * statistics.median(b))
         rows[name] = row
-    sc, ag = slowest(per_rank, AUTO), slowest(per_rank, "all-gather")
-    vs = {
-        "e2e_ratio": rows["all-gather"]["e2e_ms"] / rows[AUTO]["e2e_ms"],
-        "e2e_wins": sum(a < b for a, b in zip(sc, ag)),
-        "iterations": len(sc),
-        "comm_ratio": rows["all-gather"]["comm_ms"] / rows[AUTO]["comm_ms"],
-    }
+    sc = slowest(per_rank, AUTO)
+    vs = {}  # All-Scan (auto K) against each baseline; paired: the same iteration's samples, one load for both
+    for other in ("all-gather", "ring"):
+        ot = slowest(per_rank, other)
+        vs[other] = {
+            "e2e_ratio": rows[other]["e2e_ms"] / rows[AUTO]["e2e_ms"],
+            "e2e_wins": sum(a < b for a, b in zip(sc, ot)),
+            "iterations": len(sc),
+            "paired_pct": 100 * statistics.median(b / a - 1 for a, b in zip(sc, ot)),
+            "comm_ratio": rows[other]["comm_ms"] / rows[AUTO]["comm_ms"],
+        }
     own = rows["no-comm op"]  # the operator's own arithmetic against the plain local pass, wall and CPU time
     cost = {"wall": own["e2e_ms"] / rows["ideal"]["e2e_ms"], "cpu": own["cpu_ms"] / rows["ideal"]["cpu_ms"]}
-    out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs_all_gather": vs}
+    out = {"k_auto": per_rank[0]["k_auto"], "link": per_rank[0]["link"], "rows": rows, "auto_vs": vs}
     return {**out, "operator_cost": cost, "chain": fit_chain(rows, per_rank[0]["hops"], per_rank[0]["k_auto"], cfg)}
 
 
@@ -354,7 +358,7 @@ def print_setting(title: str, res: dict, cfg: dict) -> None:
                 f"{lead} {name:<14} {row_k(name, r):>3} {v['e2e_ms']:9.1f} {v['overhead_pct']:+6.1f} {exp:>18} "
                 f"{com:>32} {st['fwd']:6.2f}+{st['bwd']:<6.2f}"
             )
-        vs, cost, ch = r["auto_vs_all_gather"], r["operator_cost"], r["chain"]
+        cost, ch = r["operator_cost"], r["chain"]
         print(
             f"{'':>31} CP operator's own arithmetic (no-comm op / ideal): wall x{cost['wall']:.3f}, CPU time "
             f"x{cost['cpu']:.3f} (ideal {r['rows']['ideal']['cpu_ms']:.1f} ms CPU)"
@@ -363,10 +367,12 @@ def print_setting(title: str, res: dict, cfg: dict) -> None:
             f"{'':>31} chain per-message host cost fitted from comm-only (context_parallel/chain.py): "
             f"{ch['msg_s'] * 1e3:.2f} ms -> the model picks K={ch['blocks']} (links alone: K={ch['links_blocks']})"
         )
-        print(
-            f"{'':>31} all-scan auto vs all-gather: e2e x{vs['e2e_ratio']:.3f} (faster in {vs['e2e_wins']}/"
-            f"{vs['iterations']} iterations), comm-only x{vs['comm_ratio']:.2f}"
-        )
+        for other, vs in r["auto_vs"].items():
+            print(
+                f"{'':>31} all-scan auto vs {other}: e2e x{vs['e2e_ratio']:.3f}, paired median "
+                f"{vs['paired_pct']:+.1f}% (faster in {vs['e2e_wins']}/{vs['iterations']} iterations), "
+                f"comm-only x{vs['comm_ratio']:.2f}"
+            )
 
 
 def zeco_table(results: dict, cfg: dict) -> dict:
@@ -449,10 +455,8 @@ def print_ledger(res: dict, cfg: dict) -> None:
         if name != "ideal":
             cells = [res[P]["rows"][name]["ledger_states_max_rank"] for P in res]
             print(f"{name:16}" + "".join(f"{c['fwd']:7.2f} +{c['bwd']:6.2f}" for c in cells))
-    if cfg["mixer"] in DELTA_RULE:
-        print("   (all-gather forward also carries the P-1 transitions M: (P-1) * (1 + K/V) states)")
-    else:
-        print("   (all-gather forward also carries the P-1 gammas: (P-1) * (1 + 1/V) states)")
+    extra = "transitions M: (P-1) * (1 + K/V)" if cfg["mixer"] in DELTA_RULE else "gammas: (P-1) * (1 + 1/V)"
+    print(f"   (all-gather forward also carries the P-1 {extra} states)")
 
 
 # ---------------------------------------------------------------- main
@@ -468,9 +472,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head-k", type=int, default=128)
     ap.add_argument("--head-v", type=int, default=None, help="value head dim (default GLA 256, GDN 128)")
     ap.add_argument("--mixer", choices=["gla", *DELTA_RULE], default="gla", help="the CP operator: GLA, GDN or KDA")
-    ap.add_argument(
-        "--t-local", type=int, default=None, help="tokens per rank (weak scaling; default 2048, quick 1024)"
-    )
+    ap.add_argument("--t-local", type=int, help="tokens per rank (weak scaling; default 2048, quick 1024)")
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=None, help="add an all-scan row with this many blocks")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 6, quick 2)")
@@ -534,9 +536,8 @@ def print_header(a: argparse.Namespace, cfg: dict, skipped: str, qdisc: str, loa
     T, C, ncpu = cfg["t_local"], cfg["chunk"], os.cpu_count()
     print(
         f"\n{label(cfg)} context parallelism: B=1, H={a.heads}, K={a.head_k}, V={cfg['head_v']}, "
-        f"T_local={T} tokens per rank "
-        f"({T // C} chunks of {C}; sequence = P * {T}), fp32, forward+backward (loss = o.sum()); state = "
-        f"{state_bytes(cfg) / 2**20:.2f} MiB"
+        f"T_local={T} tokens per rank ({T // C} chunks of {C}; sequence = P * {T}), fp32, forward+backward "
+        f"(loss = o.sum()); state = {state_bytes(cfg) / 2**20:.2f} MiB"
     )
     print(
         f"e2e: median of {cfg['iters']} iterations after {1 + cfg['warmup']} warmup call(s); comm-only: median of "
@@ -561,9 +562,8 @@ def main(argv=None) -> int:
     parse_rate(a.rate)  # a bad rate fails before the loopback runs, not after
     cfg, t0, load0 = make_cfg(a), time.time(), os.getloadavg()[0]
     skipped, qdisc, lock_fd = "--quick" if a.quick else "--no-netns" if a.no_netns else "", "", None
-    if (
-        not skipped
-    ):  # megatron_zpp/testing/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
+    # megatron_zpp/testing/cluster.py's lock: one emulated cluster (and one bench on the cores) at a time
+    if not skipped:
         try:
             lock_fd = take_lock()
         except SystemExit as e:
