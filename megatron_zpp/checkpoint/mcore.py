@@ -372,10 +372,18 @@ def _adam_common(cfg, step: float, nested: bool) -> dict:
     return {0: one(_param_groups(cfg)), 1: one([experts])}
 
 
-def _scheduler_state(cfg, consumed: int) -> dict:
-    """Megatron's OptimizerParamScheduler.state_dict() of our schedule after `consumed` samples."""
+def _scheduler_state(cfg, consumed: int, load: str) -> dict:
+    """Megatron's OptimizerParamScheduler.state_dict() of our schedule after `consumed` samples: its steps (in
+    samples) from --train-samples when the run gave it, else from --train-iters x --global-batch-size, as
+    Megatron's get_optimizer_param_scheduler; with neither (hand-written args) refused by name."""
     from ..optim.schedules import schedule_for
 
+    if cfg.train.train_iters is None and cfg.train.train_samples is None:
+        raise ConversionError(
+            f"cannot convert {load} with its optimizer: its run gives neither --train-iters nor --train-samples "
+            "(meta.json's config), so Megatron's learning-rate schedule (opt_param_scheduler) has no length; "
+            "export it with --no-optim"
+        )
     o, s = cfg.optim, schedule_for(cfg.optim, cfg.train)
     start_wd, end_wd = o.weight_decay_span()
     return {"max_lr": o.lr, "lr_warmup_steps": int(s.warmup), "num_steps": consumed, "lr_decay_style": o.lr_decay_style,
@@ -409,6 +417,7 @@ def export_checkpoint(
     why = unsupported(cfg) + ([MOE_OPTIMIZER + "export it without --use-distributed-optimizer"] if moe_adam else [])
     if why:
         raise ConversionError(f"cannot convert {load} to megatron-core's GPTModel: " + "; ".join(why))
+    scheduler = _scheduler_state(cfg, meta["consumed_samples"], load) if moments is not None else None
     low = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
     masters = to_mcore(weights, cfg, impl)
     if lost := sorted(set(expected_shapes(cfg, weights["embedding.weight"].shape[0], impl)) - set(masters)):
@@ -427,7 +436,7 @@ def export_checkpoint(
         per_kind = {kind: to_mcore({n: moments[n][kind] for n in weights}, cfg, impl) for kind in MOMENTS}
         state, optim = mcore_optimizer.write_fully_reshardable(masters, per_kind, float(step or 0), _param_groups(cfg))
         tensors.update(state)
-        common.update(optim, opt_param_scheduler=_scheduler_state(cfg, meta["consumed_samples"]))
+        common.update(optim, opt_param_scheduler=scheduler)
     elif moments is not None:
         for kind in MOMENTS:
             mcore = to_mcore({n: moments[n][kind] for n in weights}, cfg, impl)
@@ -435,7 +444,7 @@ def export_checkpoint(
         if low:
             tensors.update({f"optimizer.state.fp32_param.{k}": v for k, v in masters.items()})
         common["optimizer"] = _adam_common(cfg, float(step or 0), low is not None)
-        common["opt_param_scheduler"] = _scheduler_state(cfg, meta["consumed_samples"])
+        common["opt_param_scheduler"] = scheduler
     rows = weights["embedding.weight"].shape[0]
     common["args"] = args_from_config(cfg, meta["iteration"], meta["consumed_samples"], rows, moments is not None, impl)
     if distributed_optimizer:

@@ -332,6 +332,32 @@ def test_hf_remote_import_round_trip(remote, kind, tmp_path):
         assert torch.equal(p.detach(), original[name]), name
 
 
+def test_hf_remote_head_dim_round_trips_as_kv_channels(tmp_path):
+    """A GLA hybrid whose heads are not hidden / heads wide (--kv-channels 16 at hidden 32 and 4 heads): the remote
+    code's config.json holds head_dim, its logits equal ours, and the import gives back --kv-channels and every
+    weight bitwise."""
+    from megatron_zpp.checkpoint.formats import hf as hf_formats
+
+    cfg = rope_config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.attention_type, m.softmax_attention_every, m.kv_channels = 2, 32, "gla", 2, 16
+    m.init_method_std, m.linear_chunk_size = 0.2, 8  # logits far apart: a head read at the wrong width shows
+    model = GPT(m, 64)
+    init_weights(model, 1)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    assert hf_formats.export_hf(state, cfg.to_dict(), str(tmp_path / "hf")) == "MegatronZppGLAForCausalLM"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["head_dim"] == 16
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.eval()(tokens=tokens)
+        got = _load_remote(str(tmp_path / "hf"))(input_ids=tokens, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    hf_formats.import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    imported, config = consolidate(str(tmp_path / "back"))
+    assert config_from_dict(config).model.kv_channels == 16
+    assert imported.keys() == state.keys() and all(torch.equal(imported[n], w) for n, w in state.items())
+
+
 def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
     from megatron_zpp.checkpoint.formats import remote as hf_remote_export
 

@@ -6,7 +6,8 @@
   (mlp_only_layers) and both routers (norm_topk_prob true: our top-k softmax; false: --moe-router-pre-softmax),
   Mixtral with every layer sparse.
 - a tiny model transformers builds from its own config and saves (save_pretrained: the hub's per-expert files)
-  imports here with its logits.
+  imports here with its logits; one whose head_dim is not hidden / heads (Llama, Qwen3-MoE, Mixtral) as
+  --kv-channels, exported back to the same files bitwise.
 - what a class cannot hold is refused by name, before a file is written.
 """
 
@@ -103,13 +104,20 @@ def _perturbed(model):
     return model.eval()
 
 
-def _transformers_model(kind: str):
+def _transformers_model(kind: str, head_dim: int | None = None):
+    """A tiny model of transformers' own class of `kind`, off its init; `head_dim`: its heads' width (default
+    hidden / heads)."""
     import transformers
 
     common = dict(
         vocab_size=ROWS, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
     )  # fmt: skip
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    if kind == "llama":
+        return _perturbed(transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=40)))
+    common["num_experts_per_tok"] = 2
     qwen = dict(intermediate_size=40, moe_intermediate_size=24, num_experts=4)
     if kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(
@@ -143,6 +151,28 @@ def test_transformers_model_imports_with_its_logits(kind, tmp_path):
     assert cfg.model.moe_router_pre_softmax == (kind == "qwen3_moe_step2")  # norm_topk_prob false: no renorm
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral"])
+def test_head_dim_other_than_hidden_over_heads_is_kv_channels(kind, tmp_path):
+    """A model whose heads are not hidden / heads wide (Qwen3-0.6B's head_dim 128 at hidden 1024 and 16 heads; 16
+    at 32 and 4 here), made by transformers' own class: imported as --kv-channels with its logits, exported back
+    to the files save_pretrained wrote, bitwise, with the same head_dim."""
+    from safetensors.torch import load_file
+
+    model = _transformers_model(kind, head_dim=16)
+    model.save_pretrained(str(tmp_path / "hf"))
+    with torch.no_grad():
+        theirs = model(_tokens(), use_cache=False).logits
+    hf_formats.import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    weights, config = consolidate(str(tmp_path / "ours"))
+    cfg = _cfg_of(config)
+    assert (cfg.model.kv_channels, cfg.model.head_dim) == (16, 16)
+    assert (theirs - _our_logits(cfg, weights)).abs().max().item() < TOL
+    assert hf_formats.export_hf(weights, config, str(tmp_path / "back")) == type(model).__name__
+    saved, back = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "back"))
+    assert saved.keys() == back.keys() and all(torch.equal(saved[n], back[n]) for n in saved)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == 16
+
+
 def _cfg_of(config: dict):
     from megatron_zpp.checkpoint.layout import config_from_dict
 
@@ -172,7 +202,8 @@ def test_export_refuses_what_the_classes_cannot_hold_by_name(extra, named, tmp_p
 
 IMPORT_REFUSALS = [  # (kind, config.json change, what the line names)
     ("mixtral", {"sliding_window": 8}, "sliding_window 8: attention over a window is not built here"),
-    ("qwen3_moe", {"head_dim": 16}, "head_dim 16 is not hidden_size / heads"),
+    # head_dim is --kv-channels: heads twice as wide as the files' are refused by the first tensor's shape
+    ("qwen3_moe", {"head_dim": 16}, "q_proj.weight has shape [32, 32], config.json implies [64, 32]"),
     ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "it scales RoPE"),
 ]
 

@@ -470,6 +470,37 @@ def test_tool_round_trip_keeps_weights_moments_and_position(dtype, tmp_path, cap
     assert all(torch.equal(got_moments[n][k], moments[n][k]) for n in weights for k in mcore.MOMENTS)
 
 
+def test_export_schedule_of_a_sample_based_run_and_none(tmp_path, capsys):
+    """--train-samples: opt_param_scheduler's steps are Megatron's sample-based ones (get_optimizer_param_scheduler:
+    lr_decay_steps = --lr-decay-samples or --train-samples, lr_warmup_steps = --lr-warmup-samples, wd_incr_steps =
+    --train-samples). A config with neither --train-iters nor --train-samples: one line naming both, nothing
+    written; --no-optim exports its weights."""
+    from megatron_zpp.checkpoint.save import save_full_dcp
+
+    run = RUN.replace("--train-iters 5", "--train-samples 40").replace("--lr-warmup-iters 1", "--lr-warmup-samples 8")
+    gen = torch.Generator().manual_seed(0)
+    for name, flags in [("samples", run), ("decay", run + " --lr-decay-samples 32"), ("none", RUN)]:
+        cfg = _cfg(LLAMA_FLAGS + flags)
+        if name == "none":  # as a hand-written Megatron args Namespace imports
+            cfg.train.train_iters = None
+        weights = {n: torch.randn(p.shape, generator=gen) for n, p in GPT(cfg.model, ROWS).named_parameters()}
+        moments = {n: {k: torch.rand(w.shape, generator=gen) for k in mcore.MOMENTS} for n, w in weights.items()}
+        save_full_dcp(str(tmp_path / name), cfg, weights, moments, 3.0, 3, 12)
+        out = str(tmp_path / f"{name}_mlm")
+        rc = _convert(["--load", str(tmp_path / name), "--to", "megatron", "--save", out])
+        if name == "none":
+            err = capsys.readouterr().err.strip()
+            assert rc == 2 and len(err.splitlines()) == 1 and not os.path.exists(out)
+            assert "gives neither --train-iters nor --train-samples" in err and "--no-optim" in err
+            assert _convert(["--load", str(tmp_path / name), "--to", "megatron", "--save", out, "--no-optim"]) == 0
+            continue
+        assert rc == 0
+        sched = mcore.read_common(mcore.iteration_dir(out))["opt_param_scheduler"]
+        decay = 32 if name == "decay" else 40
+        assert (sched["lr_decay_steps"], sched["lr_warmup_steps"], sched["wd_incr_steps"]) == (decay, 8, 40)
+        assert sched["num_steps"] == 12
+
+
 def test_tool_refuses_what_has_no_counterpart_by_name(tmp_path, capsys):
     cfg = _cfg(LLAMA_FLAGS)
     gen = torch.Generator().manual_seed(0)

@@ -2,15 +2,16 @@
 
 * its per-step bytes per (role, phase, op, link) equal a real --comm-report ledger exactly,
   for ZeRO++ (qwZ + hpZ + qgZ over 2 emulated nodes), ZeRO-3 with PP 1F1B and CP All-Scan,
-  and TP (sequence parallel) with PP: one 4-rank gloo spawn, one step each;
+  TP (sequence parallel) with PP, and a GDN hybrid at TP2 x SP x CP2 under full recompute (each rerun stops
+  before the reduce-scatter that ends its layer): one 4-rank gloo spawn, one step each;
 * the pipeline timing of the real schedules gives 1F1B's bubble (p-1)/(m+p-1) exactly with
   uniform forward/backward times, and the interleaved schedule a smaller one;
 * more inter-node bandwidth never makes a step slower;
 * qgZ's cross-node gradient bytes per node are 1/4 of a 16-bit gradient's (the paper's M/4),
   plus its fp32 block scales;
 * mixture of experts: the same exact ledger for EP2 alltoall, EP2 x TP2 (SP, expert TP 1) alltoall with a
-  shared expert under ZeRO-1, EP2 x expert TP2 allgather under ZeRO-3, and EP4 alltoall padded to the
-  capacity with a random router (in the 4-rank spawn above);
+  shared expert under ZeRO-1, EP2 x expert TP2 allgather under ZeRO-3 (and with a shared expert under
+  --moe-layer-recompute), and EP4 alltoall padded to the capacity with a random router (in the 4-rank spawn above);
   a token exchange's bytes per rank are tokens x topk x H x (EP-1)/EP on the EP group's link class (intra-
   or inter-node by the node size), and an imbalance stretches the busiest rank's exchange and compute;
 * the CLI prints a table and a JSONL row.
@@ -50,6 +51,11 @@ LAYOUTS = {
     "--tensor-model-parallel-size 2 --context-parallel-size 2 --linear-num-key-heads 2 --linear-num-value-heads 4 "
     "--linear-key-head-dim 8 --linear-value-head-dim 12",
     "GDN hybrid, CP4 all-gather, bf16": "--attention-type gdn --context-parallel-size 4 --cp-algo all-gather --bf16",
+    # full recompute without dropout: each layer's rerun stops at fc2's input (torch.utils.checkpoint's early stop),
+    # before its reduce-scatter; the scan's state and the halo are recalled, not sent again
+    "GDN hybrid, TP2 x SP x CP2, full recompute, no dropout": "--attention-type gdn --tensor-model-parallel-size 2 "
+    "--sequence-parallel --context-parallel-size 2 --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 1 --hidden-dropout 0 --attention-dropout 0",
     # Mixture of experts. A token exchange's rows depend on the routing (the ledger counts them exactly); the
     # simulator's are the even load's, which is also the exact mean over an EP group whose ranks route alike:
     # --init-method-std 0 makes every router send every token to the lowest experts (ties to the lower index).
@@ -61,6 +67,10 @@ LAYOUTS = {
     "--moe-shared-expert-gate",
     "MoE EP2 x expert TP2 allgather, ZeRO-3, bf16": MOE
     + "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --zero-stage 3 --bf16",
+    # the MoE layer's rerun: its shared expert's gather again, not the shared expert's reduce-scatter that ends it
+    "MoE EP2 x expert TP2 allgather, shared expert, --moe-layer-recompute": MOE
+    + "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+    "--moe-shared-expert-intermediate-size 32 --moe-layer-recompute",
     # padded to the capacity, every expert takes exactly its capacity from each rank: exact with a random router
     "MoE EP4 alltoall padded to capacity, random router": MOE.replace("--init-method-std 0 ", "")
     + "--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.5 "

@@ -81,13 +81,17 @@ def special_token_ids(tokenizer) -> dict:
 
 
 def decoder_config(hf: dict):
-    """Our Config with what every HF decoder config.json we import says alike: layers, width, (GQA) heads, the
-    MLP width, vocabulary and positions; dropout 0 (the exports hold none; a format may set its own)."""
+    """Our Config with what every HF decoder config.json we import says alike: layers, width, (GQA) heads and
+    their head_dim (--kv-channels where it is not hidden_size / heads: Qwen3-0.6B's 128 at hidden 1024 and 16
+    heads; null or absent: the quotient, as transformers reads it), the MLP width, vocabulary and positions;
+    dropout 0 (the exports hold none; a format may set its own)."""
     from ...config import Config
 
     cfg = Config()
     m, heads = cfg.model, hf["num_attention_heads"]
     m.num_layers, m.hidden_size, m.num_attention_heads = hf["num_hidden_layers"], hf["hidden_size"], heads
+    if (head_dim := hf.get("head_dim")) is not None and head_dim != hf["hidden_size"] // heads:
+        m.kv_channels = head_dim  # validation refuses one below 1 by --kv-channels; a wrong type: hf._ill_typed
     m.group_query_attention, m.num_query_groups = True, hf.get("num_key_value_heads", heads)
     m.hidden_dropout = m.attention_dropout = 0.0
     m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]

@@ -195,16 +195,11 @@ def rope_theta(hf: dict) -> float:
 def moe_config_from(hf: dict, experts, expert_width: int, pattern: list[int]):
     """Our Config of a HF MoE decoder (the keys both formats read alike): softmax attention, RMSNorm, SwiGLU,
     RoPE, no biases; `pattern`: one 1 (MoE) or 0 (dense) per layer."""
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     why = [
         w
         for w, bad in [
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
             ("it has attention biases", bool(hf.get("attention_bias"))),
-            (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads (not imported as Qwen3-MoE or Mixtral)",
-                (hf.get("head_dim") or hidden // heads) != hidden // heads,
-            ),
             (f"num_experts {experts!r} is not a positive integer", not (isinstance(experts, int) and experts > 0)),
             (
                 f"sliding_window {hf.get('sliding_window')}: attention over a window is not built here",

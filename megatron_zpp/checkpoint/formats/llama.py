@@ -126,7 +126,6 @@ def config_from(hf: dict):
     """Our Config of the Llama model a HF config.json describes; refuses what we cannot hold."""
     from ... import hf_remote
 
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     why = [
         w
         for w, bad in [
@@ -138,10 +137,6 @@ def config_from(hf: dict):
             (f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)", hf.get("hidden_act", "silu") != "silu"),
             ("it uses rope_scaling", bool(hf.get("rope_scaling"))),
             ("it has attention or MLP biases", hf.get("attention_bias") or hf.get("mlp_bias")),
-            (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
-                hf.get("head_dim", hidden // heads) != hidden // heads,
-            ),
         ]
         if bad
     ]

@@ -234,7 +234,7 @@ def config_from(hf: dict):
 
 
 def _config_from_remote(hf: dict):
-    heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
+    kinds = list(hf["layer_types"])
     linear = hf.get("linear_attention_type", "gla")
     known = linear in ("gla", "gdn", "kda")
     period = _hybrid_period(kinds, linear) if set(kinds) <= {LINEAR, FULL} and known else None
@@ -249,10 +249,6 @@ def _config_from_remote(hf: dict):
             (
                 f"linear_conv_kernel {hf.get('linear_conv_kernel')} is not our GDN's and KDA's {GDN_CONV_KERNEL}",
                 linear in ("gdn", "kda") and hf.get("linear_conv_kernel", GDN_CONV_KERNEL) != GDN_CONV_KERNEL,
-            ),
-            (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
-                hf.get("head_dim", hidden // heads) != hidden // heads,
             ),
             (
                 f"num_hidden_layers {hf['num_hidden_layers']!r} but {len(kinds)} layer_types",

@@ -17,6 +17,11 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
 * moe/ (simulator/moe.py): an MoE layer's router counts and token exchanges per micro-batch;
   its routed experts' gradients over the expert-data-parallel group (their own DDP buffer, or
   each block's expert unit under ZeRO: gathered before the block, reduced before it, flat);
+* recompute.py: a region's rerun in the backward repeats its forward collectives (a full-recompute group's TP,
+  softmax K|V gathers and MoE exchanges; an MoE layer's under --moe-layer-recompute) but the CP state and halo it
+  recalls, and stops once the last tensor the backward keeps is recomputed (torch.utils.checkpoint's early
+  stop): the collective that ends a region with nothing kept after it (its last FFN's reduce-scatter without
+  hidden dropout) is not repeated;
 * pipeline_parallel/: the sends of the real schedule (schedule.stage_ops);
 * zero/: plain DP's fp32 gradient all-reduce; ZeRO units (the engine's own padding,
   zero/sharded_params.flat_geometry) gathered and released by the hooks' rules (a block
@@ -153,24 +158,26 @@ def _tp_exit(g: ProcessGroups, sp: bool, nbytes: float, fwd: bool) -> list[Coll]
 
 
 def _block_colls(
-    cfg: Config, g: ProcessGroups, layer: int, fwd: bool, rerun: bool = False, imbalance: float = 1.0
+    cfg: Config,
+    g: ProcessGroups,
+    layer: int,
+    fwd: bool,
+    rerun: bool = False,
+    imbalance: float = 1.0,
+    ends_group: bool = False,
+    in_group: bool = False,
 ) -> list[Coll]:
-    """TP, CP and MoE collectives of one block's forward (fwd) or backward; `rerun`: the forward
-    collectives a full-recompute rerun repeats (TP, softmax K|V gather, MoE dispatch; not the GLA scan).
-    An MoE layer's with --moe-layer-recompute: its forward's again before its backward's."""
+    """TP, CP and MoE collectives of one block's forward (fwd) or backward. `rerun`: the forward collectives the
+    rerun of a full-recompute group repeats (TP, softmax K|V gather, MoE dispatch; not the linear mixers' scan and
+    halo, which it recalls); `ends_group`: the block ends that group, whose rerun stops once the last tensor the
+    backward keeps is recomputed (torch.utils.checkpoint's early stop, recompute.py), before the FFN branch's last
+    collective when nothing after it keeps one (`_ffn_colls`; in the block: no hidden dropout mask, no norm of the
+    branch's output). An MoE layer's backward with --moe-layer-recompute: its own forward's again first (stopping
+    likewise), unless the block is `in_group` (a recompute region inside another just runs)."""
     m, p = cfg.model, cfg.parallel
-    e, act = _act_bytes(cfg)
+    e = _act_bytes(cfg)[0]
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
-    out: list[Coll] = []
-    if m.ffn(layer).kind == "moe":
-        again = not fwd and m.moe_layer_recompute
-        out += [_recomputed(c) for c in moe_colls(cfg, g, True, imbalance)] if again else []
-        out += moe_colls(cfg, g, fwd, imbalance)
-    if tp > 1:
-        for width in _product_widths(cfg, layer):  # mixer, then MLP: enter the TP region, leave it
-            flops = 2 * act * width / tp  # one of the product's backward matmuls: [b s, h] x [h, width / TP]
-            out += _tp_enter(g, p.sequence_parallel, act * e, fwd, flops)
-            out += _tp_exit(g, p.sequence_parallel, act * e, fwd)
+    out = _tp_product(cfg, g, _product_widths(cfg, layer)[0], fwd) if tp > 1 else []  # the mixer's projections
     if tp > 1 and m.qk_layernorm_full_width and m.layer_kind(layer) == "softmax":  # q's, k's fp32 sums of squares
         rows = cfg.train.micro_batch_size * (m.seq_length // cp) * 4
         out += [_coll(g.tp, "tp_fwd_allreduce" if fwd else "tp_bwd_allreduce", "all_reduce", rows, "tp")] * 2
@@ -186,7 +193,44 @@ def _block_colls(
         elif not rerun:  # the halo before the operator's scan; its gradient after the scan's
             scan, halo = _scan_colls(cfg, g, fwd, mixer), _halo_colls(cfg, g, fwd, mixer, e)
             out += halo + scan if fwd else scan + halo
-    return [_recomputed(c) for c in out] if rerun else out
+    ffn, ends_with_last = _ffn_colls(cfg, g, layer, fwd, imbalance)
+    if rerun:
+        kept_after = m.hidden_dropout > 0 or m.reordered_norm(layer)  # the dropout's mask, the norm's input
+        stops = ends_group and ends_with_last and not kept_after
+        return [_recomputed(c) for c in out + (ffn[:-1] if stops else ffn)]
+    if not fwd and m.ffn(layer).kind == "moe" and m.moe_layer_recompute and not in_group:
+        again, ends_with_last = _ffn_colls(cfg, g, layer, True, imbalance)
+        out += [_recomputed(c) for c in (again[:-1] if ends_with_last else again)]
+    return out + ffn
+
+
+def _ffn_colls(cfg: Config, g: ProcessGroups, layer: int, fwd: bool, imbalance: float = 1.0) -> tuple[list, bool]:
+    """(the FFN branch's collectives of a forward or backward, whether its forward keeps no tensor for the backward
+    after the last of them): a dense MLP ends with its TP exit; an MoE layer with its shared expert's TP exit unless
+    that is gated (the gate multiplies its output), without one with the allgather dispatcher's scatter (the
+    alltoall dispatcher's unpermute scales the combined rows by the probabilities)."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    widths = _product_widths(cfg, layer)[1:]  # the dense MLP's fc1, or an MoE layer's shared expert's if any
+    out: list[Coll] = []
+    ends = True
+    if m.ffn(layer).kind == "moe":
+        out += moe_colls(cfg, g, fwd, imbalance)
+        if widths:  # the shared expert runs after the dispatcher
+            ends = tp > 1 and not m.moe_shared_expert_gate
+        else:
+            ends = m.moe_token_dispatcher_type != "alltoall" and g.etp_ep.size > 1
+    if tp > 1 and widths:
+        out += _tp_product(cfg, g, widths[0], fwd)
+    return out, ends and bool(out)
+
+
+def _tp_product(cfg: Config, g: ProcessGroups, width: int, fwd: bool) -> list[Coll]:
+    """A column-parallel product of full output `width` and the row-parallel one after it: enter the TP region,
+    leave it."""
+    e, act = _act_bytes(cfg)
+    flops = 2 * act * width / cfg.parallel.tensor_model_parallel_size  # a backward matmul: [b s, h] x [h, width/TP]
+    sp = cfg.parallel.sequence_parallel
+    return _tp_enter(g, sp, act * e, fwd, flops) + _tp_exit(g, sp, act * e, fwd)
 
 
 def _recomputed(c: Coll) -> Coll:
@@ -431,10 +475,11 @@ def rank_step(cfg: Config, rank: int, moe_imbalance: float = 1.0) -> RankStep:
             colls += [(u.name, c) for u in reversed(by_chunk[op.chunk]) for c in _reduction(cfg, g, u)]
         tp_cp = _end_colls(cfg, g, chunk, fwd)
         rerun = {layer_ids[j] for a, b, again in chunk.block_groups if again for j in range(a, b)}
+        ends = {layer_ids[b - 1] for a, b, again in chunk.block_groups if again}  # each group's last block
         for layer in layer_ids if fwd else reversed(layer_ids):
             if not fwd and layer in rerun:
-                tp_cp += _block_colls(cfg, g, layer, True, rerun=True, imbalance=moe_imbalance)
-            tp_cp += _block_colls(cfg, g, layer, fwd, imbalance=moe_imbalance)
+                tp_cp += _block_colls(cfg, g, layer, True, True, moe_imbalance, ends_group=layer in ends)
+            tp_cp += _block_colls(cfg, g, layer, fwd, imbalance=moe_imbalance, in_group=layer in rerun)
         colls += [(None, c) for c in tp_cp]
         v = op.chunk * pp + g.pp_rank
         if pp > 1 and fwd and v < pp * V - 1:
