@@ -48,7 +48,7 @@ OLMO = (
 EXPORTS = {
     "rope_untied": "--position-embedding-type rope --rotary-base 20000 --untie-embeddings-and-output-weights "
     "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 16",
-    "nope_tied": "--position-embedding-type none",
+    "nope_tied": "--position-embedding-type none --kv-channels 12",  # head_dim other than hidden / heads
 }
 
 

@@ -94,6 +94,7 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim,  # read by the class's attention (getattr; hidden_size / heads without it)
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_epsilon,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
@@ -234,7 +235,7 @@ def config_from(hf: dict):
     """Our Config of the OLMo Hybrid model a HF config.json describes; refuses what we cannot hold."""
     if hf.get("model_type") != NAME:
         raise ConversionError(f"model_type {hf.get('model_type')!r} is not {NAME}")
-    heads, hidden, kinds = hf["num_attention_heads"], hf["hidden_size"], list(hf["layer_types"])
+    kinds = list(hf["layer_types"])
     period = _hybrid_period(kinds, "gdn") if set(kinds) <= {LINEAR, FULL} else None
     rope = hf.get("rope_parameters") or {}
     nope = isinstance(rope, dict) and rope.get("rope_theta", 0) is None  # rotary_emb None: no positions
@@ -251,10 +252,6 @@ def config_from(hf: dict):
             ),
             (f"hidden_act {hf.get('hidden_act')!r} is not silu", hf.get("hidden_act", "silu") != "silu"),
             ("it has attention biases", bool(hf.get("attention_bias"))),
-            (
-                f"head_dim {hf.get('head_dim')} is not hidden_size / heads",
-                (hf.get("head_dim") or hidden // heads) != hidden // heads,
-            ),
             (
                 f"linear_conv_kernel_dim {hf.get('linear_conv_kernel_dim')} is not our GDN's {GDN_CONV_KERNEL}",
                 hf.get("linear_conv_kernel_dim", GDN_CONV_KERNEL) != GDN_CONV_KERNEL,
@@ -286,7 +283,7 @@ def config_from(hf: dict):
 def _linear_shape(m, hf: dict) -> None:
     """The GDN heads and head dims config.json gives, as Megatron's --linear-* flags (validation refuses what our
     layer does not build, by flag)."""
-    heads, head_dim = hf["num_attention_heads"], hf["hidden_size"] // hf["num_attention_heads"]
+    heads, head_dim = hf["num_attention_heads"], m.head_dim  # decoder_config set --kv-channels from head_dim
     key_heads = hf.get("linear_num_key_heads") or heads
     key_dim = hf.get("linear_key_head_dim") or int(0.75 * hf["hidden_size"] / key_heads)  # the class's defaults
     m.linear_num_key_heads, m.linear_num_value_heads = key_heads, hf.get("linear_num_value_heads") or heads

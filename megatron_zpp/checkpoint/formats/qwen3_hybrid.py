@@ -326,7 +326,7 @@ def config_from(hf: dict, model_type: str):
     """Our Config of a Qwen3-Next/Qwen3.5 config.json (the decoder, GDN and layer pattern; the MLPs: the caller's)."""
     if hf.get("model_type") != model_type:
         raise ConversionError(f"model_type {hf.get('model_type')!r} is not {model_type}")
-    kinds, heads, hidden = layer_types(hf), hf["num_attention_heads"], hf["hidden_size"]
+    kinds = layer_types(hf)
     period = _hybrid_period(kinds, "gdn") if set(kinds) <= {LINEAR, FULL} else None
     rope = hf.get("rope_parameters") or {}
     partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
@@ -353,8 +353,6 @@ def config_from(hf: dict, model_type: str):
     m = cfg.model
     assert period is not None
     m.attention_type, m.softmax_attention_every = period
-    if (head_dim := hf.get("head_dim") or hidden // heads) != hidden // heads:
-        m.kv_channels = head_dim  # Qwen3-Next's 256 at hidden 2048 and 16 heads
     m.norm_epsilon, m.rotary_base, m.rotary_percent = hf.get("rms_norm_eps", 1e-6), rope_theta(_plain(hf)), partial
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear = "RMSNorm", "swiglu", "rope", False
