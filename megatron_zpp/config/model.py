@@ -266,6 +266,15 @@ class ModelConfig(MoEFields):
         "with per-head weights loads into shared ones when every head's weights are equal, else give per_head",
         choices=["shared", "per_head"],
     )
+    gdn_out_norm: str = opt(
+        "model",
+        "--gdn-out-norm",
+        "Gated DeltaNet's output norm (per value head, before the silu gate): model, the model's --normalization "
+        "and --apply-layernorm-1p (megatron-core's out_norm: a LayerNorm with a bias under LayerNorm, the weight "
+        "zero-centred, applied as 1 + w, under 1p), or rmsnorm, a plain RMSNorm whatever they are (fla's "
+        "GatedDeltaNet; GDN checkpoints saved before this flag load as rmsnorm)",
+        choices=["model", "rmsnorm"],
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -307,6 +316,13 @@ class ModelConfig(MoEFields):
         return self.reordered_norms == "all" or (
             self.reordered_norms == "softmax" and self.layer_kind(layer) == "softmax"
         )
+
+    @property
+    def gdn_norm(self) -> tuple[str, bool]:
+        """The GDN output norm: (RMSNorm or LayerNorm, zero-centred), by --gdn-out-norm."""
+        if self.gdn_out_norm == "rmsnorm":
+            return "RMSNorm", False
+        return self.normalization, self.apply_layernorm_1p
 
     @property
     def gdn_norm_epsilon(self) -> float:

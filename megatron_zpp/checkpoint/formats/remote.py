@@ -12,9 +12,10 @@ Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,u
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
 gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with its bias), g_norm
 (the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them; a GDN layer's is
-`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (one [V] weight,
-or per head with gdn_head_norm per_head), o_proj, its heads in linear_num_key_heads / linear_num_value_heads /
-linear_key_head_dim / linear_value_head_dim (megatron-core's meaning); a KDA layer's `attn` with q/k/v/b_proj,
+`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (an RMSNorm of
+one plain [V] weight, or per head with gdn_head_norm per_head; ours zero-centred goes out as 1 + w), o_proj, its
+heads in linear_num_key_heads / linear_num_value_heads / linear_key_head_dim / linear_value_head_dim
+(megatron-core's meaning); a KDA layer's `attn` with q/k/v/b_proj,
 f_a/f_b_proj and g_a/g_b_proj (Kimi Linear's names), q/k/v_conv, A_log, dt_bias, o_norm ([head dim], shared) and
 o_proj.
 """
@@ -52,6 +53,11 @@ def unsupported(cfg) -> list[str]:
         (
             not m.attention_output_gate,
             "it gates its attention output (--attention-output-gate); the remote code does not",
+        ),
+        (
+            m.attention_type != "gdn" or m.gdn_norm[0] == "RMSNorm",
+            "its GDN output norm is a LayerNorm with a bias (--normalization LayerNorm, --gdn-out-norm model); the "
+            "remote code's is an RMSNorm",
         ),
     ]
     why = [why for ok, why in checks if not ok] + block_refusals(cfg, "the remote code")
@@ -279,6 +285,7 @@ def _config_from_remote(hf: dict):
         for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
             setattr(m, key, hf.get(key))
         m.gdn_head_norm = hf.get("gdn_head_norm", "per_head")
+        m.gdn_out_norm = "model" if m.normalization == "RMSNorm" else "rmsnorm"  # its o_norm: an RMSNorm always
     return cfg
 
 
