@@ -49,12 +49,12 @@ RUNS = {
     "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (4, {}),
     "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, {}),
 }
-# MoE fixture -> (MoE layers, EP)
+# MoE fixture -> (MoE layers, EP, whether it logs a balancing loss: not at Megatron's default --moe-aux-loss-coeff 0)
 MOE_RUNS = {
-    "gpt3_mcore_te_tp2_pp1_gdn": (6, 1),
-    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4),
-    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2),
-    "qwen3_30b_a3b_modelopt_conf": (2, 2),
+    "gpt3_mcore_te_tp2_pp1_gdn": (6, 1, False),
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4, True),
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2, True),
+    "qwen3_30b_a3b_modelopt_conf": (2, 2, True),
 }
 # the ones refused in one pass (checked without processes; their world size is the layout's)
 REFUSED = {
@@ -194,7 +194,8 @@ def test_functional_configs_run_two_iterations(world, data):
     for name, (losses, noops, (moe, ep)) in zip(names, results[0]):
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, losses)
         assert "--use-mcore-models" in noops, name  # every config passes it; a no-op, logged
-        layers, want_ep = MOE_RUNS.get(name, (0, 1))  # an MoE run logs its balancing loss and per-layer expert loads
+        layers, want_ep, balancing = MOE_RUNS.get(name, (0, 1, False))  # an MoE run logs its per-layer expert loads
         loads = [f"moe/expert_load_{m}/layer{i}" for m in ("max", "min") for i in range(layers)]
-        assert moe == (sorted(["load_balancing_loss", "moe/expert_load_max_over_mean", *loads]) if layers else []), name
+        aux = ["load_balancing_loss"] if balancing else []
+        assert moe == (sorted([*aux, "moe/expert_load_max_over_mean", *loads]) if layers else []), name
         assert ep == want_ep, name
