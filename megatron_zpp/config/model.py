@@ -209,7 +209,7 @@ class ModelConfig(MoEFields):
         False,
         "--apply-layernorm-1p",
         "zero-centred norm weights: stored w, initialised 0, applied as 1 + w (LayerNorm and RMSNorm, as Megatron's "
-        "transformer-engine norms)",
+        "transformer-engine norms; the Gated DeltaNet output norm's too, as megatron-core's: --gdn-out-norm)",
     )
     attention_backend: str = opt(
         "auto",
@@ -261,7 +261,7 @@ class ModelConfig(MoEFields):
     gdn_head_norm: str = opt(
         "shared",
         "--gdn-head-norm",
-        "Gated DeltaNet's output RMSNorm weight: shared, one [value head dim] weight for every head (megatron-core, "
+        "Gated DeltaNet's output norm weight: shared, one [value head dim] weight for every head (megatron-core, "
         "fla, Qwen3-Next), or per_head, one per channel of every head (this codebase before): a checkpoint saved "
         "with per-head weights loads into shared ones when every head's weights are equal, else give per_head",
         choices=["shared", "per_head"],
