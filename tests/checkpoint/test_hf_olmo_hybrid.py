@@ -218,8 +218,6 @@ REFUSALS = [  # (flags replaced, what the export line must name)
     (("--reordered-norms softmax", ""), "OLMo Hybrid normalizes its attention layers' outputs"),
     (("--qk-layernorm-full-width", ""), "OLMo Hybrid normalizes the whole q and k projections"),
     (("--linear-norm-epsilon 1e-5", ""), "OLMo Hybrid's is 1e-05 (--linear-norm-epsilon 1e-05)"),
-    # megatron-core's GDN output norm under LayerNorm (a [V] bias; the last --normalization wins): neither class has it
-    (("--qk-layernorm-full-width", "--normalization LayerNorm"), "output norm is a LayerNorm with a bias"),
 ]
 
 
