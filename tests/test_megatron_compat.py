@@ -567,6 +567,12 @@ def test_gdn_heads_refused_in_one_line(flags, world, line):
     [
         ("--experimental-attention-variant dsa", "--experimental-attention-variant dsa: DeepSeek sparse attention is"),
         (f"--attention-type gla {MEGATRON_GDN}", "--experimental-attention-variant gated_delta_net (our --attention"),
+        # megatron-core's GDN output norm follows --apply-layernorm-1p; a plain RMSNorm would be another layer
+        (
+            f"{MEGATRON_GDN} --apply-layernorm-1p --gdn-out-norm rmsnorm",
+            "--experimental-attention-variant gated_delta_net with --gdn-out-norm rmsnorm and --normalization RMSNorm "
+            "--apply-layernorm-1p: megatron-core's GDN output norm follows",
+        ),
         # a shape flag without GDN layers would shape nothing (Megatron ignores it)
         ("--linear-num-key-heads 4", "--linear-num-key-heads: shapes Megatron's gated delta net layers only"),
         (f"{MEGATRON_GDN} --linear-attention-freq [1,1,0]", "--linear-attention-freq: '[1,1,0]': a per-layer list"),

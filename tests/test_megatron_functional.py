@@ -33,6 +33,10 @@ RUNS = {
     "gpt3_mcore_te_tp1_pp2_rope_embeddings": (2, {}),
     "gpt3_mcore_tp1_pp1_dist_optimizer_overlap_grad_reduce_param_gather": (2, {}),
     "gpt3_mcore_te_tp1_pp1_uniform_full_recompute": (2, {}),
+    # Megatron's GDN hybrid with MoE, read as ours (--attention-type gdn, --softmax-attention-every 3, its 2 key
+    # heads under 4 value heads of 16 channels) at TP 2 + SP; Megatron's default LayerNorm with 1p: every norm, the
+    # GDN output norm too (megatron-core's out_norm), a zero-centred LayerNorm with a bias
+    "gpt3_mcore_te_tp2_pp1_gdn": (2, {}),
     "qwen3_30b_a3b_modelopt_conf": (2, {}),  # Qwen3-MoE's shape at EP 2 (the conf file's MODEL_ARGS)
     "gpt3_mcore_tp2_pp2_uninstall_te": (4, {}),
     "gpt3_mcore_te_tp1_pp4_vp1": (4, {}),
@@ -45,22 +49,17 @@ RUNS = {
     "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (4, {}),
     "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, {}),
 }
-# MoE fixture -> (MoE layers, EP)
+# MoE fixture -> (MoE layers, EP, whether it logs a balancing loss: not at Megatron's default --moe-aux-loss-coeff 0)
 MOE_RUNS = {
-    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4),
-    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2),
-    "qwen3_30b_a3b_modelopt_conf": (2, 2),
+    "gpt3_mcore_te_tp2_pp1_gdn": (6, 1, False),
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4": (2, 4, True),
+    "mixtral_8x7b_alltoall_tp2pp4ep4_release": (4, 2, True),
+    "qwen3_30b_a3b_modelopt_conf": (2, 2, True),
 }
 # the ones refused in one pass (checked without processes; their world size is the layout's)
 REFUSED = {
-    # Megatron's GDN hybrid with MoE: read as ours (--attention-type gdn, --softmax-attention-every 3, its 2 key heads
-    # under 4 value heads of 16 channels) but for its output norm: Megatron's default LayerNorm with 1p makes
-    # megatron-core's out_norm a zero-centred LayerNorm, ours is a plain RMSNorm: refused in one line
-    "gpt3_mcore_te_tp2_pp1_gdn": (2, {"--experimental-attention-variant": "megatron-core's GDN output norm"}),
-    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (
-        2,
-        {"--experimental-attention-variant": "megatron-core's GDN output norm"},
-    ),
+    # nothing refused: the same model as gpt3_mcore_te_tp2_pp1_gdn (RUNS), parsed only
+    "gpt3_mcore_te_tp2_pp1_gdn_no_nvrx_sync": (2, {}),
     # Megatron's S-BASE routing (sinkhorn) is not built; its top-1 then falls to the softmax router, where a
     # softmax over one score is 1 (Megatron refuses that too, but for sinkhorn)
     "gpt3_mcore_tp2_pp2_resume_torch_dist_te_2experts": (
@@ -195,7 +194,8 @@ def test_functional_configs_run_two_iterations(world, data):
     for name, (losses, noops, (moe, ep)) in zip(names, results[0]):
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, losses)
         assert "--use-mcore-models" in noops, name  # every config passes it; a no-op, logged
-        layers, want_ep = MOE_RUNS.get(name, (0, 1))  # an MoE run logs its balancing loss and per-layer expert loads
+        layers, want_ep, balancing = MOE_RUNS.get(name, (0, 1, False))  # an MoE run logs its per-layer expert loads
         loads = [f"moe/expert_load_{m}/layer{i}" for m in ("max", "min") for i in range(layers)]
-        assert moe == (sorted(["load_balancing_loss", "moe/expert_load_max_over_mean", *loads]) if layers else []), name
+        aux = ["load_balancing_loss"] if balancing else []
+        assert moe == (sorted([*aux, "moe/expert_load_max_over_mean", *loads]) if layers else []), name
         assert ep == want_ep, name

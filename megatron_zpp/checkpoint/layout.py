@@ -46,11 +46,14 @@ def config_from_dict(d: dict) -> Config:
 def _upgrade_old_config(d: dict, cfg: Config) -> None:
     """Checkpoints saved before the Megatron defaults have no model.group_query_attention:
     GDN models saved before the shared output-norm weight have no model.gdn_head_norm: theirs was per head;
+    those saved before --gdn-out-norm have no model.gdn_out_norm: their output norm was a plain RMSNorm;
     there --num-query-groups alone meant GQA and a SwiGLU MLP width rounded up to 64; those saved before
     Megatron's gelu rule have no model.openai_gelu: their gelu was the tanh form."""
     m, saved = cfg.model, d.get("model", {})
     if "gdn_head_norm" not in saved and m.attention_type == "gdn":  # saved before the shared [V] norm weight
         m.gdn_head_norm = "per_head"
+    if "gdn_out_norm" not in saved and m.attention_type == "gdn":  # saved before the norm followed the model's
+        m.gdn_out_norm = "rmsnorm"
     if "openai_gelu" not in saved:  # saved before Megatron's gelu rule: gelu was always the tanh form
         m.openai_gelu = True
     if "group_query_attention" in saved:

@@ -232,13 +232,32 @@ def check_same_mixers(path: str, saved_cfg, cfg) -> None:
         )
 
 
+def _gdn_norm(m) -> str:
+    kind, one_plus = m.gdn_norm
+    return kind + (", zero-centred: 1 + w" if one_plus else "")
+
+
+def check_same_gdn_norm(path: str, saved_cfg, cfg) -> None:
+    """Refuse in one line a GDN checkpoint whose output norm (--gdn-out-norm) computes another function than this
+    run's with the same tensors (a plain RMSNorm saved before the flag, resumed under --apply-layernorm-1p)."""
+    saved, now = saved_cfg.model, cfg.model
+    if now.attention_type != "gdn" or saved.gdn_out_norm == now.gdn_out_norm or saved.gdn_norm == now.gdn_norm:
+        return
+    raise CheckpointError(
+        f"{path} was saved with --gdn-out-norm {saved.gdn_out_norm} (GDN output norm: {_gdn_norm(saved)}), this run "
+        f"has --gdn-out-norm {now.gdn_out_norm} ({_gdn_norm(now)}): give --gdn-out-norm {saved.gdn_out_norm}"
+    )
+
+
 def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:
     """Refuse, before loading anything, a checkpoint whose parameters differ from this
     model's (names or shapes; a vocabulary padded for another TP size is fine); another linear mixer kind
-    (check_same_mixers), expert count, MoE pattern or expert width first, in one line (check_same_experts)."""
+    (check_same_mixers), expert count, MoE pattern or expert width first, in one line (check_same_experts), and
+    a GDN output norm of another function (check_same_gdn_norm)."""
     saved_cfg = config_from_dict(meta["config"])
     check_same_mixers(path, saved_cfg, cfg)
     check_same_experts(path, saved_cfg, cfg)
+    check_same_gdn_norm(path, saved_cfg, cfg)
     mine, theirs = model_shapes(cfg, vocab), model_shapes(saved_cfg, meta["padded_vocab_size"])
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     shapes = [

@@ -476,13 +476,12 @@ def check_megatron_gdn(m: ModelConfig) -> list[str]:
             f"--experimental-attention-variant gated_delta_net (our --attention-type gdn) conflicts with "
             f"--attention-type {m.attention_type}: give one"
         ]
-    if variant == "gated_delta_net" and (m.normalization != "RMSNorm" or m.apply_layernorm_1p):
+    if variant == "gated_delta_net" and m.gdn_norm != (m.normalization, m.apply_layernorm_1p):
         given = f"--normalization {m.normalization}" + (" --apply-layernorm-1p" if m.apply_layernorm_1p else "")
         return [
-            f"--experimental-attention-variant gated_delta_net with {given}: megatron-core's GDN output norm follows "
-            "them (a LayerNorm with a bias, zero-centred with 1p); ours is a plain RMSNorm over one [V] weight (fla's, "
-            "Qwen3-Next's), so this would train another model: not built; give --normalization RMSNorm without "
-            "--apply-layernorm-1p, or --attention-type gdn for our GDN as it is"
+            f"--experimental-attention-variant gated_delta_net with --gdn-out-norm rmsnorm and {given}: "
+            "megatron-core's GDN output norm follows --normalization and --apply-layernorm-1p: drop --gdn-out-norm "
+            "rmsnorm, or give --attention-type gdn for a plain RMSNorm output norm"
         ]
     ours = {  # field -> (our value, what it is here); the head counts and dims build (ModelConfig.gdn_heads)
         "linear_conv_kernel_dim": (

@@ -209,7 +209,7 @@ class ModelConfig(MoEFields):
         False,
         "--apply-layernorm-1p",
         "zero-centred norm weights: stored w, initialised 0, applied as 1 + w (LayerNorm and RMSNorm, as Megatron's "
-        "transformer-engine norms)",
+        "transformer-engine norms; the Gated DeltaNet output norm's too, as megatron-core's: --gdn-out-norm)",
     )
     attention_backend: str = opt(
         "auto",
@@ -261,10 +261,19 @@ class ModelConfig(MoEFields):
     gdn_head_norm: str = opt(
         "shared",
         "--gdn-head-norm",
-        "Gated DeltaNet's output RMSNorm weight: shared, one [value head dim] weight for every head (megatron-core, "
+        "Gated DeltaNet's output norm weight: shared, one [value head dim] weight for every head (megatron-core, "
         "fla, Qwen3-Next), or per_head, one per channel of every head (this codebase before): a checkpoint saved "
         "with per-head weights loads into shared ones when every head's weights are equal, else give per_head",
         choices=["shared", "per_head"],
+    )
+    gdn_out_norm: str = opt(
+        "model",
+        "--gdn-out-norm",
+        "Gated DeltaNet's output norm (per value head, before the silu gate): model, the model's --normalization "
+        "and --apply-layernorm-1p (megatron-core's out_norm: a LayerNorm with a bias under LayerNorm, the weight "
+        "zero-centred, applied as 1 + w, under 1p), or rmsnorm, a plain RMSNorm whatever they are (fla's "
+        "GatedDeltaNet; GDN checkpoints saved before this flag load as rmsnorm)",
+        choices=["model", "rmsnorm"],
     )
 
     @property
@@ -307,6 +316,13 @@ class ModelConfig(MoEFields):
         return self.reordered_norms == "all" or (
             self.reordered_norms == "softmax" and self.layer_kind(layer) == "softmax"
         )
+
+    @property
+    def gdn_norm(self) -> tuple[str, bool]:
+        """The GDN output norm: (RMSNorm or LayerNorm, zero-centred), by --gdn-out-norm."""
+        if self.gdn_out_norm == "rmsnorm":
+            return "RMSNorm", False
+        return self.normalization, self.apply_layernorm_1p
 
     @property
     def gdn_norm_epsilon(self) -> float:

@@ -47,6 +47,7 @@ class MegatronZppGLAConfig(PretrainedConfig):
         linear_key_head_dim: int | None = None,
         linear_value_head_dim: int | None = None,
         gdn_head_norm: str = "per_head",
+        gdn_out_norm: str = "rmsnorm",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         tie_word_embeddings: bool = True,
@@ -72,6 +73,8 @@ class MegatronZppGLAConfig(PretrainedConfig):
         # GDN's output norm weight: "shared" [V] for every head, or "per_head" [heads x V] (exports before the
         # shared weight carry no key: theirs is per head)
         self.gdn_head_norm = gdn_head_norm
+        # GDN's output norm: "rmsnorm", or "layernorm" with a bias too (megatron-core's out_norm under LayerNorm)
+        self.gdn_out_norm = gdn_out_norm
         self._check()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -106,6 +109,10 @@ class MegatronZppGLAConfig(PretrainedConfig):
                     f"gdn_head_norm {self.gdn_head_norm!r} is not shared or per_head",
                     self.gdn_head_norm not in ("shared", "per_head"),
                 ),  # fmt: skip
+                (
+                    f"gdn_out_norm {self.gdn_out_norm!r} is not rmsnorm or layernorm",
+                    self.gdn_out_norm not in ("rmsnorm", "layernorm"),
+                ),
                 (
                     "num_attention_heads is not a multiple of num_key_value_heads",
                     self.num_attention_heads % self.num_key_value_heads != 0,

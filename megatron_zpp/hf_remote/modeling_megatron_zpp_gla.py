@@ -74,16 +74,19 @@ class MegatronZppLayerNorm(nn.Module):
 
 class MegatronZppHeadRMSNorm(nn.Module):
     """RMSNorm over each head's d channels of a [B, T, H, d] tensor, one weight per channel of every head (heads = 1:
-    one [d] weight every head shares)."""
+    one [d] weight every head shares); with `layer_norm`, a LayerNorm with a bias of the weight's shape."""
 
-    def __init__(self, heads: int, head_dim: int, eps: float):
+    def __init__(self, heads: int, head_dim: int, eps: float, layer_norm: bool = False):
         super().__init__()
         self.heads, self.head_dim, self.eps = heads, head_dim, eps
         self.weight = nn.Parameter(torch.ones(heads * head_dim))
+        self.bias = nn.Parameter(torch.zeros(heads * head_dim)) if layer_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(x.float(), (self.head_dim,), eps=self.eps)
-        return x * self.weight.float().view(self.heads, self.head_dim)
+        if self.bias is None:
+            return F.rms_norm(x.float(), (self.head_dim,), eps=self.eps) * self.weight.float().view(self.heads, -1)
+        x = F.layer_norm(x.float(), (self.head_dim,), eps=self.eps)
+        return x * self.weight.float().view(self.heads, -1) + self.bias.float().view(self.heads, -1)
 
 
 def build_norm(config: MegatronZppGLAConfig) -> nn.Module:
@@ -193,7 +196,8 @@ class MegatronZppCausalConv(nn.Module):
 class MegatronZppGatedDeltaNet(nn.Module):
     """Gated DeltaNet with megatron-core's / Qwen3-Next's heads: Hk query/key heads of K channels, H value heads of V
     (value head j reads key head j // (H / Hk)); q, k L2-normalised as fla's l2norm (eps 1e-6 on the sum of
-    squares); the output RMSNorm's weight one [V] for every head (or one per head's channel: gdn_head_norm)."""
+    squares); the output RMSNorm's weight one [V] for every head (or one per head's channel: gdn_head_norm), a
+    LayerNorm with a bias with gdn_out_norm layernorm (megatron-core's out_norm under --normalization LayerNorm)."""
 
     def __init__(self, config: MegatronZppGLAConfig, layer_idx: int):
         super().__init__()
@@ -214,7 +218,8 @@ class MegatronZppGatedDeltaNet(nn.Module):
         self.v_conv = MegatronZppCausalConv(width, self.kernel)
         self.A_log, self.dt_bias = nn.Parameter(torch.zeros(heads)), nn.Parameter(torch.zeros(heads))
         shared = config.gdn_head_norm == "shared"
-        self.o_norm = MegatronZppHeadRMSNorm(1 if shared else self.heads, self.head_dim, config.norm_eps)
+        layer_norm = getattr(config, "gdn_out_norm", "rmsnorm") == "layernorm"
+        self.o_norm = MegatronZppHeadRMSNorm(1 if shared else self.heads, self.head_dim, config.norm_eps, layer_norm)
         self.o_proj = nn.Linear(width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:

@@ -5,14 +5,23 @@
 q, k, v: head-split projections, each through a short causal depthwise convolution and SiLU;
 q and k L2-normalised (fla's l2norm, eps 1e-6 on the sum of squares); b = sigmoid(x W_b)
 (2 sigmoid with --linear-allow-neg-eigval);
-log a = -exp(A_log) * softplus(x W_a + dt_bias). Output: RMSNorm over each head's V channels with one
-shared [V] weight, times silu(x W_gate), then the output projection.
+log a = -exp(A_log) * softplus(x W_a + dt_bias). Output: a norm over each head's V channels with one
+shared [V] weight, times silu(x W_gate), then the output projection. The norm is megatron-core's out_norm
+(GatedDeltaNet builds it from the config: Transformer Engine's RMSNorm / LayerNorm, apex's or torch's without it),
+in fp32, eps --norm-epsilon (--linear-norm-epsilon), o_t one head's [V] channels:
+
+    RMSNorm                    y = o_t / sqrt(mean(o_t^2) + eps) * g
+    LayerNorm                  y = (o_t - mean(o_t)) / sqrt(var(o_t) + eps) * g + b     (biased variance)
+    g = w (init 1), or with --apply-layernorm-1p g = 1 + w (zero_centered_gamma, w init 0); b [V] init 0
+
+--gdn-out-norm rmsnorm keeps the plain RMSNorm (g = w) whatever --normalization and --apply-layernorm-1p say
+(fla's GatedDeltaNet; the checkpoints saved before the flag). Qwen3-Next's RMSNormGated stores g itself.
 
 Heads as megatron-core's GatedDeltaNet (and Qwen3-Next's): Hk query/key heads of K channels and H value
 heads of V (--linear-num-key-heads, --linear-num-value-heads, --linear-key-head-dim, --linear-value-head-dim);
 H is a multiple of Hk and value head j reads key head j // (H / Hk); the state is K x V per value head.
 Every projection is split by heads over TP, each rank holding whole groups (the convolution is per
-channel, A_log and dt_bias per value head; the norm weight is replicated).
+channel, A_log and dt_bias per value head; the norm weight and bias are replicated, their gradients summed over TP).
 
 Packed documents: log a = -inf at each document's first token (the state resets) and the
 convolution reads no token of an earlier document.
@@ -36,7 +45,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
 from .context import ParallelContext
 from .documents import Documents
-from .norm import l2norm
+from .norm import gain, gain_init, l2norm
 from .short_conv import conv_with_halo
 
 
@@ -68,12 +77,20 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mark(nn.Parameter(torch.empty(self.heads)), ("log_of_uniform", 1.0, 16.0), (0, heads))
         dt_init = ("softplus_inverse_of_log_uniform", 1e-3, 0.1, 1e-4)
         self.dt_bias = mark(nn.Parameter(torch.empty(self.heads)), dt_init, (0, heads))
-        if cfg.gdn_head_norm == "shared":  # one [V] weight for every head (megatron-core, fla, Qwen3-Next)
-            norm = nn.Parameter(torch.empty(self.head_dim))
-            self.head_norm = mark(norm, ("ones",), tp_partial_grad=tp > 1)  # each TP rank's heads give a share
-        else:  # --gdn-head-norm per_head: one weight per channel of every head, split with the heads
-            self.head_norm = mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), ("ones",), (0, (v,)))
+        # the output norm (--gdn-out-norm): megatron-core's out_norm by --normalization / --apply-layernorm-1p
+        kind, self.one_plus = cfg.gdn_norm
+        per_head = cfg.gdn_head_norm == "per_head"
+        self.head_norm = self._norm_parameter(per_head, gain_init(self.one_plus), v)
+        self.head_norm_bias = self._norm_parameter(per_head, ("zeros",), v) if kind == "LayerNorm" else None
         self.proj_out = RowParallelLinear(v, cfg.hidden_size, ctx.tp, out_std, ctx.sequence_parallel)
+
+    def _norm_parameter(self, per_head: bool, init: tuple, v: int) -> nn.Parameter:
+        """An output-norm weight or bias: one [V] for every head (megatron-core, fla, Qwen3-Next), replicated over
+        TP, each TP rank's heads giving a share of its gradient; or (--gdn-head-norm per_head) one per channel of
+        every head, split with the heads."""
+        if not per_head:
+            return mark(nn.Parameter(torch.empty(self.head_dim)), init, tp_partial_grad=self.ctx.tp_size > 1)
+        return mark(nn.Parameter(torch.empty(self.heads * self.head_dim)), init, (0, (v,)))
 
     def forward(self, x: torch.Tensor, rope=None, documents: Documents | None = None) -> torch.Tensor:
         h = self.proj_in(x)
@@ -95,8 +112,15 @@ class GatedDeltaNet(nn.Module):
         if separate:
             g = g.masked_fill(documents.starts(T)[:, :, None], float("-inf"))
         o = self._mix(q, k, v.view(B, T, H, V), g, _fp32(b).sigmoid() * self.beta_scale)
-        o = F.rms_norm(_fp32(o), (V,), eps=self.eps) * _fp32(self.head_norm).view(-1, V)
-        return (o.reshape(B, T, H * V) * F.silu(_fp32(gate))).to(h.dtype)
+        return (self._norm(_fp32(o)).reshape(B, T, H * V) * F.silu(_fp32(gate))).to(h.dtype)
+
+    def _norm(self, o: torch.Tensor) -> torch.Tensor:
+        """The output norm over each head's V channels of o [B, T, H, V] (see the module docstring)."""
+        V = self.head_dim
+        scale = gain(self.head_norm, self.one_plus).to(o.dtype).view(-1, V)
+        if self.head_norm_bias is None:
+            return F.rms_norm(o, (V,), eps=self.eps) * scale
+        return F.layer_norm(o, (V,), eps=self.eps) * scale + self.head_norm_bias.to(o.dtype).view(-1, V)
 
     def _conv(self, qkv: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """The causal convolution with the document resets and the CP halo (model/short_conv.py)."""

@@ -25,14 +25,10 @@ class _Norm(nn.Module):
     def __init__(self, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False):
         super().__init__()
         self.eps, self.one_plus = eps, one_plus
-        init = ("zeros",) if one_plus else ("ones",)
-        self.weight = mark(nn.Parameter(torch.empty(dim)), init, tp_partial_grad=sequence_parallel)
+        self.weight = mark(nn.Parameter(torch.empty(dim)), gain_init(one_plus), tp_partial_grad=sequence_parallel)
 
     def scale(self) -> torch.Tensor:
-        """The weight the norm multiplies by: w, or 1 + w with --apply-layernorm-1p, formed in fp32 (as
-        transformer-engine's zero-centred gamma and Qwen3-Next's `1.0 + weight.float()`): in bf16, 1 + w would
-        round w to steps of 2^-7 near 1 and lose the zero-centred weight's precision."""
-        return self.weight.float() + 1 if self.one_plus else self.weight
+        return gain(self.weight, self.one_plus)
 
 
 class RMSNorm(_Norm):
@@ -46,8 +42,8 @@ class LayerNorm(_Norm):
         self.bias = mark(nn.Parameter(torch.empty(dim)), ("zeros",), tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.float() if self.one_plus else self.bias  # the scale's dtype (one kernel call)
-        return norm_ops.layer_norm(x, self.scale(), bias, self.eps)
+        scale = self.scale()
+        return norm_ops.layer_norm(x, scale, self.bias.to(scale.dtype), self.eps)  # one dtype: one kernel call
 
 
 class FullWidthRMSNorm(nn.Module):
@@ -56,14 +52,25 @@ class FullWidthRMSNorm(nn.Module):
     def __init__(self, width: int, eps: float, tp: Group | None, tp_size: int, one_plus: bool = False):
         super().__init__()
         self.width, self.eps, self.tp, self.one_plus = width, eps, tp, one_plus
-        init = ("zeros",) if one_plus else ("ones",)
-        self.weight = mark(nn.Parameter(torch.empty(width // tp_size)), init, (0, (width,)))
+        self.weight = mark(nn.Parameter(torch.empty(width // tp_size)), gain_init(one_plus), (0, (width,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.flatten(-2).float()
         square_sum = sum_over_tp(flat.pow(2).sum(-1, keepdim=True), self.tp)
-        scale = self.weight.float() + 1 if self.one_plus else self.weight.float()
+        scale = gain(self.weight, self.one_plus).float()
         return (flat * torch.rsqrt(square_sum / self.width + self.eps) * scale).to(x.dtype).view_as(x)
+
+
+def gain_init(one_plus: bool) -> tuple:
+    """A norm weight's init: zeros when zero-centred (--apply-layernorm-1p: the gain 1 + w starts at 1), else ones."""
+    return ("zeros",) if one_plus else ("ones",)
+
+
+def gain(weight: torch.Tensor, one_plus: bool) -> torch.Tensor:
+    """The weight a norm multiplies by: w, or 1 + w with --apply-layernorm-1p, formed in fp32 (fp64 stays fp64;
+    as transformer-engine's zero-centred gamma and Qwen3-Next's `1.0 + weight.float()`): in bf16, 1 + w would
+    round w to steps of 2^-7 near 1 and lose the zero-centred weight's precision."""
+    return weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1 if one_plus else weight
 
 
 def build_norm(kind: str, dim: int, eps: float, sequence_parallel: bool = False, one_plus: bool = False) -> nn.Module:

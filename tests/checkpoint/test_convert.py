@@ -227,7 +227,8 @@ REMOTE = {
     "gla": ["--attention-type", "gla", "--gla-gate-low-rank", "4"],
     "hybrid": ["--attention-type", "gla", "--softmax-attention-every", "2", "--normalization", "LayerNorm"]
     + ["--activation", "gelu", "--untie-embeddings-and-output-weights"],
-    "gdn": ["--attention-type", "gdn"],
+    # Megatron's default LayerNorm: megatron-core's GDN output norm is then a LayerNorm with a bias (gdn_out_norm)
+    "gdn": ["--attention-type", "gdn", "--normalization", "LayerNorm"],
     # grouped value heads and K != V (Megatron's layout): 2 key heads of 8 channels, 4 value heads of 12
     "gdn_hybrid": ["--attention-type", "gdn", "--softmax-attention-every", "2", "--untie-embeddings-and-output-weights"]
     + "--linear-num-key-heads 2 --linear-num-value-heads 4 --linear-key-head-dim 8 --linear-value-head-dim 12".split(),

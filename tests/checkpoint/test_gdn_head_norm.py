@@ -1,7 +1,8 @@
 """A GDN checkpoint saved with one output-norm weight per head (--gdn-head-norm per_head, this codebase's layout
 before the shared [V] weight of megatron-core, fla and Qwen3-Next) loads into a run with the shared weight when
 every head's weight (and AdamW moment) is equal, and is refused in one line naming the tensor and the flag
-otherwise; a checkpoint whose config predates the flag is read as per head."""
+otherwise; a checkpoint whose config predates the flag is read as per head. And the output norm's function
+(--gdn-out-norm): a checkpoint saved before that flag reads as a plain RMSNorm; resuming it as another is refused."""
 
 import pytest
 import torch
@@ -78,3 +79,31 @@ def test_a_config_saved_before_the_flag_is_per_head():
     assert config_from_dict(d).model.gdn_head_norm == "per_head"
     d["model"]["attention_type"] = "gla"
     assert config_from_dict(d).model.gdn_head_norm == "shared"  # no GDN layer: nothing to say
+
+
+def test_a_config_saved_before_the_out_norm_flag_is_a_plain_rmsnorm():
+    """GDN checkpoints saved before --gdn-out-norm had a plain RMSNorm output norm whatever --apply-layernorm-1p
+    said: their config reads as --gdn-out-norm rmsnorm (the function they were trained with)."""
+    cfg = validate(parse_args(BASE + ["--apply-layernorm-1p"]), 1)
+    d = cfg.to_dict()
+    assert config_from_dict(d).model.gdn_norm == ("RMSNorm", True)
+    del d["model"]["gdn_out_norm"]
+    assert config_from_dict(d).model.gdn_norm == ("RMSNorm", False)
+    d["model"]["attention_type"] = "gla"
+    assert config_from_dict(d).model.gdn_out_norm == "model"  # no GDN layer: nothing to say
+
+
+def test_a_plain_rmsnorm_checkpoint_resumed_zero_centred_is_refused_by_name(tmp_path):
+    """A --apply-layernorm-1p GDN checkpoint whose output norm is a plain RMSNorm (--gdn-out-norm rmsnorm, as every
+    one saved before the flag) into a run whose output norm is zero-centred: the same tensors, another function:
+    refused in one line naming the flag; with the flag as saved it loads and the weight is the saved one."""
+    ckpt, one_p = str(tmp_path / "ckpt"), ["--apply-layernorm-1p"]
+    run_distributed(_train, 1, BASE + one_p + ["--gdn-out-norm", "rmsnorm", "--save", ckpt])
+    with pytest.raises(CheckpointError) as info:
+        _setup(BASE + one_p + ["--load", ckpt])
+    (line,) = str(info.value).splitlines()
+    assert "saved with --gdn-out-norm rmsnorm (GDN output norm: RMSNorm)" in line, line
+    assert line.endswith("has --gdn-out-norm model (RMSNorm, zero-centred: 1 + w): give --gdn-out-norm rmsnorm")
+    run = _setup(BASE + one_p + ["--load", ckpt, "--gdn-out-norm", "rmsnorm"])
+    mine = dict(run.chunks[0].named_parameters())["layers.0.mixer.head_norm"].detach()
+    assert torch.equal(mine, consolidate(ckpt)[0]["layers.0.mixer.head_norm"].to(mine.dtype))

@@ -3,7 +3,9 @@
 
 - ours -> `tools/convert_checkpoint.py --to hf` -> `from_pretrained`: logits within 1e-4 uncached and cached (a
   prefill, then one token at a time through their recurrent and key/value cache), greedy `generate` (cached and
-  not) equal to ours (megatron_zpp.generation); `--from hf` brings every tensor back bitwise.
+  not) equal to ours (megatron_zpp.generation), every norm zero-centred (--apply-layernorm-1p), the GDN output
+  norm too, which goes out as Qwen's plain gain 1 + w; `--from hf` brings every tensor back bitwise (that one
+  within 2^-24: 1 + w is rounded).
 - transformers' gated attention (Qwen3NextAttention: the q|gate interleave, partial RoPE, zero-centred q/k norms)
   on the same weights as ours: a model of softmax layers only.
 - a tiny model transformers builds from its own config (random init, perturbed) imports here with its logits and
@@ -131,7 +133,12 @@ def test_export_imports_back_bitwise(exported, tmp_path):
     back = ["--from", "hf", "--load", hf_dir, "--to", "sharded", "--output", str(tmp_path / "back")]
     assert _convert(back) == 0
     got, config = consolidate(str(tmp_path / "back"))
-    assert got.keys() == weights.keys() and all(torch.equal(got[n], w) for n, w in weights.items())
+    assert got.keys() == weights.keys()
+    # the GDN output norm's zero-centred w goes out as Qwen's plain gain 1 + w (fp32: rounded within 2^-24) and
+    # comes back as (1 + w) - 1; every other tensor bitwise
+    gain = {n for n in weights if n.endswith("mixer.head_norm")}
+    assert len(gain) == 3 and all(torch.equal(got[n], w) for n, w in weights.items() if n not in gain)
+    assert all((got[n] - weights[n]).abs().max() <= 2**-24 for n in gain)
     m = config_from_dict(config).model
     assert (m.attention_output_gate, m.qk_layernorm, m.apply_layernorm_1p, m.rotary_percent) == (True, True, True, 0.5)
     assert (m.attention_type, m.softmax_attention_every) == ("gdn", 4)

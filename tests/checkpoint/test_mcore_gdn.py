@@ -4,8 +4,9 @@ N: its `get_linear_attention_pattern` places the layers, its `get_gated_delta_ne
 (GatedDeltaNet: fused in_proj q | k | v | z | beta | alpha, depthwise conv1d [C, 1, kernel], A_log, dt_bias, a
 shared out_norm, out_proj) and the local spec the softmax layers and MLPs; fp32 on CPU.
 
-One 2-rank gloo job imports megatron-core once and runs every case, for equal heads at TP1 and for Megatron's
-default head ratio (key heads = value heads / 2) with key and value head dims apart at TP1 and TP2:
+One 2-rank gloo job imports megatron-core once and runs every case, for equal heads at TP1, for Megatron's
+default head ratio (key heads = value heads / 2) with key and value head dims apart at TP1 and TP2, and for
+Megatron-LM's Qwen3-Next recipe (--apply-layernorm-1p: every norm zero-centred, the GDN out_norm too) at TP1:
 
 * our GDN hybrid written by our exporter (export_checkpoint, args and all) is loaded by megatron-core's
   `dist_checkpointing.load`: its logits must be ours;
@@ -20,12 +21,16 @@ CPU stand-ins (no GPU, no Transformer Engine): test_mcore._cpu_shims; fla's Trit
 (x / sqrt(sum x^2 + 1e-6), fla.modules.l2norm's kernel); megatron-core's torch.compile'd helpers run eagerly;
 --deterministic-mode (megatron-core's torch chunked delta rule and F.conv1d in place of fla's kernels); and
 Transformer Engine's fused norm + column-parallel linear (in_proj's `layer_norm_weight`, the key Megatron-LM's TE
-spec saves) as that norm followed by megatron-core's ColumnParallelLinear.
+spec saves) as that norm followed by megatron-core's ColumnParallelLinear; under --apply-layernorm-1p, whose
+zero_centered_gamma torch's norms (the local spec's) refuse, Transformer Engine's norms by their formula
+(testing/peers/megatron_gdn.TENorm).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -35,7 +40,7 @@ import torch.nn.functional as F
 from megatron_zpp.checkpoint import mcore
 from megatron_zpp.checkpoint.save import save_full_dcp
 from megatron_zpp.model import GPT, init_weights
-from megatron_zpp.testing.peers.megatron_gdn import fla_l2norm
+from megatron_zpp.testing.peers.megatron_gdn import TENorm, fla_l2norm
 from tests.checkpoint.test_mcore import (
     ROWS,
     SEQ,
@@ -67,8 +72,11 @@ MOE = GROUPED + (
     " --num-experts 4 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate "
     "--moe-router-topk 2 --qk-layernorm --attention-output-gate"
 )
-CASES = {"equal_heads": GDN_FLAGS, "grouped": GROUPED, "moe": MOE}
-LAYOUTS = [("equal_heads", 1), ("grouped", 1), ("moe", 1), ("grouped", 2)]
+# Qwen3-Next's recipe (Megatron-LM's: --normalization RMSNorm --apply-layernorm-1p): every norm zero-centred, the GDN
+# out_norm too
+ONE_P = GROUPED + " --apply-layernorm-1p"
+CASES = {"equal_heads": GDN_FLAGS, "grouped": GROUPED, "moe": MOE, "one_p": ONE_P}
+LAYOUTS = [("equal_heads", 1), ("grouped", 1), ("moe", 1), ("one_p", 1), ("grouped", 2)]
 
 
 def _gdn_shims():
@@ -93,16 +101,19 @@ def _mcore_gdn_model(cfg, tp: int):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     class NormColumnParallelLinear(ColumnParallelLinear):  # Transformer Engine's LayerNormColumnParallelLinear
         def __init__(self, input_size, output_size, *, config, **kwargs):
             super().__init__(input_size, output_size, config=config, **kwargs)
-            self.layer_norm_weight = nn.Parameter(torch.ones(input_size))
+            self.one_p = config.layernorm_zero_centered_gamma  # TE's zero_centered_gamma: 1 + w, w initialised 0
+            self.layer_norm_weight = nn.Parameter(torch.zeros(input_size) if self.one_p else torch.ones(input_size))
             self.eps = config.layernorm_epsilon
 
         def forward(self, x):
-            return super().forward(F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps))
+            weight = self.layer_norm_weight + 1 if self.one_p else self.layer_norm_weight
+            return super().forward(F.rms_norm(x, x.shape[-1:], weight, self.eps))
 
     class Backend(LocalSpecProvider):
         def column_parallel_layer_norm_linear(self):
@@ -119,7 +130,8 @@ def _mcore_gdn_model(cfg, tp: int):
         linear_conv_kernel_dim=m.linear_conv_kernel_dim, linear_key_head_dim=m.linear_key_head_dim,
         linear_value_head_dim=m.linear_value_head_dim, linear_num_key_heads=m.linear_num_key_heads,
         linear_num_value_heads=m.linear_num_value_heads, qk_layernorm=m.qk_layernorm,
-        attention_output_gate=m.attention_output_gate, **_moe_settings(m),
+        attention_output_gate=m.attention_output_gate, layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        **_moe_settings(m),
     )  # fmt: skip
     local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm)
     layers = [local] * m.num_layers  # MoE: megatron-core's local MoE layers (SequentialMLP, allgather dispatcher)
@@ -137,10 +149,14 @@ def _mcore_gdn_model(cfg, tp: int):
         for layer, linear in zip(layers, get_linear_attention_pattern(tc))
     ]
     block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=local.submodules.input_layernorm)
-    return GPTModel(
-        tc, block, vocab_size=ROWS, max_sequence_length=SEQ, position_embedding_type="rope",
-        share_embeddings_and_output_weights=False, parallel_output=False,
-    )  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if m.apply_layernorm_1p:  # torch's norms (its local spec's) refuse zero_centered_gamma: TE's by its formula
+            new = staticmethod(lambda cls, config, hidden_size, eps=1e-5, **kw: TENorm(config, hidden_size, eps))
+            stack.enter_context(mock.patch.object(WrappedTorchNorm, "__new__", new))
+        return GPTModel(
+            tc, block, vocab_size=ROWS, max_sequence_length=SEQ, position_embedding_type="rope",
+            share_embeddings_and_output_weights=False, parallel_output=False,
+        )  # fmt: skip
 
 
 def _moe_settings(m) -> dict:
@@ -172,7 +188,8 @@ def _megatron_args(cfg, tp: int):
         linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
         linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
         qk_layernorm=m.qk_layernorm, attention_output_gate=m.attention_output_gate,
-        transformer_impl="local", **{k: v for k, v in _moe_settings(m).items() if k != "num_moe_experts"},
+        apply_layernorm_1p=m.apply_layernorm_1p, transformer_impl="local",
+        **{k: v for k, v in _moe_settings(m).items() if k != "num_moe_experts"},
     )  # fmt: skip
 
 
@@ -468,14 +485,19 @@ def test_tool_refuses_what_megatron_cores_gdn_cannot_hold_by_name(tmp_path, caps
         return err
 
     assert "its layers are GLA" in refused(SOFTMAX_FLAGS + " --attention-type gla --softmax-attention-every 2")
-    # our GDN (--attention-type gdn) in a LayerNorm model: megatron-core's out_norm would be a LayerNorm (Megatron's
-    # variant flag with LayerNorm is refused earlier, by validation: config/megatron_flags.check_megatron_gdn)
+    # our GDN (--attention-type gdn) with a plain RMSNorm output norm in a LayerNorm model: megatron-core's out_norm
+    # would be a LayerNorm (Megatron's variant flag with it is refused earlier, by validation: check_megatron_gdn)
     layer_norm = GDN_FLAGS.replace("--normalization RMSNorm", "--normalization LayerNorm").replace(
         "--experimental-attention-variant gated_delta_net --linear-attention-freq 2", "--attention-type gdn"
     )
-    assert "--normalization LayerNorm: megatron-core's gated delta net output norm" in refused(
-        layer_norm + " --softmax-attention-every 2"
+    assert "--gdn-out-norm rmsnorm: megatron-core's gated delta net output norm follows --normalization LayerNorm" in (
+        refused(layer_norm + " --softmax-attention-every 2 --gdn-out-norm rmsnorm")
     )
+    # as megatron-core builds it (--gdn-out-norm model), its LayerNorm out_norm's bias goes out as out_norm.bias
+    ln = _saved(str(tmp_path), "layer_norm", layer_norm + " --softmax-attention-every 2", True)
+    bias = mcore.read_tensors(mcore.iteration_dir(ln))["decoder.layers.0.self_attention.out_norm.bias"]
+    ours = mcore.our_full_state(os.path.join(tmp_path, "layer_norm"))[0]
+    assert torch.equal(bias, ours["layers.0.mixer.head_norm_bias"])
     assert "--gdn-head-norm per_head: megatron-core's" in refused(GDN_FLAGS + " --gdn-head-norm per_head")
     # Megatron-LM's list pattern that no period gives
     mlm = _saved(str(tmp_path), "list", GDN_FLAGS, True)

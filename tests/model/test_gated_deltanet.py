@@ -159,14 +159,17 @@ def _losses(rank, world, argv):
 
 def test_grouped_heads_any_length_under_tp_and_cp_equal_one_rank():
     """A GDN hybrid with grouped value heads and K != V, at a sequence that is no multiple of the chunk (40 tokens
-    in chunks of 16; CP2: slices of 20): TP2 x SP and CP2 train 2 steps to the single rank's losses."""
+    in chunks of 16; CP2: slices of 20): TP2 x SP and CP2 train 2 steps to the single rank's losses. Its norms are
+    Megatron's default LayerNorm with 1p, the GDN output norm too (megatron-core's out_norm: a zero-centred [V]
+    weight and a [V] bias, replicated over TP, their gradients partial sums per TP rank); test_parity runs the
+    plain RMSNorm one under every layout."""
     argv = (
         OLD_DEFAULTS
         + (
             "--mock-data --hidden-size 32 --num-attention-heads 4 --seq-length 40 --vocab-size 128 --num-layers 2 "
             "--make-vocab-size-divisible-by 32 --attention-type gdn --softmax-attention-every 2 --linear-chunk-size 16 "
             "--global-batch-size 2 --micro-batch-size 1 --seed 7 --device cpu --train-iters 2 --lr 1e-2 "
-            "--init-method-std 0.2 " + GROUPED
+            "--init-method-std 0.2 --normalization LayerNorm --apply-layernorm-1p " + GROUPED
         ).split()
     )
     one = run_distributed(_losses, 1, argv)[0]
@@ -175,22 +178,43 @@ def test_grouped_heads_any_length_under_tp_and_cp_equal_one_rank():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-5, atol=0, msg=layout)
 
 
-@pytest.mark.parametrize("heads", [(2, 4, 16, 16), (2, 4, 8, 12)], ids=["megatron_layout", "k_ne_v"])
-def test_gdn_layer_equals_megatron_cores(heads):
+MEGATRON_LAYOUT, K_NE_V = (2, 4, 16, 16), (2, 4, 8, 12)
+
+
+@pytest.mark.parametrize(
+    "heads,norm",
+    [
+        (MEGATRON_LAYOUT, "RMSNorm"),
+        (K_NE_V, "RMSNorm"),
+        (K_NE_V, "RMSNorm 1p"),
+        (K_NE_V, "LayerNorm"),
+        (K_NE_V, "LayerNorm 1p"),
+    ],
+    ids=["megatron_layout", "k_ne_v", "rmsnorm_1p", "layernorm", "layernorm_1p"],
+)
+def test_gdn_layer_equals_megatron_cores(heads, norm):
     """megatron-core 0.19.2's GatedDeltaNet, run on CPU with our weights (checkpoint/formats/mcore_gdn.py's map),
     gives our layer's output and every gradient in fp64 to 1e-12: at Megatron's default layout scaled down (2 key
-    heads, 4 value heads: its 16/32) with K = V and with K != V. Its delta rule is our token loop in fp64 (fla's
-    kernels need a GPU; see testing/peers/megatron_gdn.py); our layer runs the chunked op."""
+    heads, 4 value heads: its 16/32) with K = V and with K != V, and its out_norm under each --normalization with
+    and without --apply-layernorm-1p (a LayerNorm with a bias; the weight applied as 1 + w, initialised 0). Its
+    delta rule is our token loop in fp64 (fla's kernels need a GPU; see testing/peers/megatron_gdn.py, also for
+    Transformer Engine's zero-centred norm); our layer runs the chunked op."""
     from megatron_zpp.ops.gdn_naive import naive_recurrent_gdn
     from megatron_zpp.testing.peers.megatron_gdn import load_from_ours, mcore_gdn_cpu, mcore_gdn_layer
 
     cfg = old_model(hidden_size=32, num_attention_heads=2, linear_chunk_size=8, attention_type="gdn")
     cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim = heads
+    cfg.normalization, one_p = norm.split()[0], norm.endswith("1p")
+    cfg.apply_layernorm_1p = one_p
     ours = GatedDeltaNet(cfg, ParallelContext(), out_std=0.02)
     init_weights(ours, seed=4)
+    assert bool((ours.head_norm == (0 if one_p else 1)).all())  # megatron-core's init: the gain starts at 1
+    assert (ours.head_norm_bias is not None) == (cfg.normalization == "LayerNorm")
     ours = ours.double()
     with torch.no_grad():  # away from the init's ones and narrow ranges: every parameter matters
         ours.head_norm.uniform_(0.5, 1.5)
+        if ours.head_norm_bias is not None:
+            ours.head_norm_bias.normal_(0, 0.5)
         ours.A_log.uniform_(-1, 1)
         ours.dt_bias.uniform_(-1, 1)
         ours.proj_in.weight.normal_(0, 0.3)

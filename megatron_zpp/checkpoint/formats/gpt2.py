@@ -104,14 +104,24 @@ def _is_norm_weight(name: str) -> bool:
     return name.endswith(norms) or name == "final_norm.weight"
 
 
+def follows_1p(name: str, m) -> bool:
+    """Whether --apply-layernorm-1p zero-centres weight `name` of model `m`: a block, final or q/k norm's, and a
+    GDN layer's output norm's where it follows the model's norms (--gdn-out-norm model)."""
+    if _is_norm_weight(name):
+        return True
+    gdn_norm = name.startswith("layers.") and name.endswith(".mixer.head_norm") and m.gdn_out_norm == "model"
+    return gdn_norm and m.layer_kind(int(name.split(".")[1])) == "gdn"
+
+
 def fold_layernorm_1p(state: dict, cfg) -> tuple[dict, object]:
-    """(state, cfg) with --apply-layernorm-1p folded in: the block and final norms' weights as 1 + w and
-    the flag off (a copy; HF models scale by the weight itself). Unchanged without the flag."""
+    """(state, cfg) with --apply-layernorm-1p folded in: the zero-centred norms' weights (`follows_1p`) as 1 + w
+    and the flag off (a copy; HF models scale by the weight itself). Unchanged without the flag."""
     if not cfg.model.apply_layernorm_1p:
         return state, cfg
+    m = cfg.model
     cfg = copy.deepcopy(cfg)
     cfg.model.apply_layernorm_1p = False
-    return {n: (w + 1 if _is_norm_weight(n) else w) for n, w in state.items()}, cfg
+    return {n: (w + 1 if follows_1p(n, m) else w) for n, w in state.items()}, cfg
 
 
 def to_theirs(state: dict, cfg) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ import torch
 
 from ...config.moe import moe_layer_pattern
 from ..files import CheckpointError
+from . import mcore_gdn
 from .base import block_refusals
-from .mcore_gdn import NAMES, gdn_from_mcore, gdn_to_mcore
+from .mcore_gdn import gdn_from_mcore, gdn_to_mcore
 
 NAME = "mcore"
 # our per-layer suffix -> megatron-core's stacked key (local spec names)
@@ -77,6 +78,7 @@ GDN_SECTIONS = {
     "conv1d.weight": ("query", "key", "value"),
 }
 GDN_WHOLE = ("A_log", "dt_bias", "out_norm.weight", "out_proj.weight")
+GDN_BIAS = "out_norm.bias"  # a LayerNorm output norm's (--normalization LayerNorm)
 GDN_LINEARS = ("self_attention.in_proj", "self_attention.out_proj")
 
 
@@ -94,11 +96,9 @@ def unsupported(cfg) -> list[str]:
     why = block_refusals(cfg, "megatron-core's GPTModel")
     if "gdn" not in kinds:
         return why
-    if m.normalization != "RMSNorm":  # its out_norm is the --normalization norm; ours an RMSNorm always
-        why.append(f"--normalization {m.normalization}: megatron-core's gated delta net output norm is then a "
-                   f"{m.normalization} (with a bias), ours an RMSNorm")  # fmt: skip
-    if m.apply_layernorm_1p:
-        why.append("--apply-layernorm-1p: megatron-core's gated delta net output norm is then zero-centred, ours not")
+    if m.gdn_norm != (m.normalization, m.apply_layernorm_1p):  # its out_norm follows them; ours a plain RMSNorm
+        why.append(f"--gdn-out-norm rmsnorm: megatron-core's gated delta net output norm follows --normalization "
+                   f"{m.normalization}" + (" and --apply-layernorm-1p" if m.apply_layernorm_1p else ""))  # fmt: skip
     if m.gdn_head_norm != "shared":
         why.append(f"--gdn-head-norm {m.gdn_head_norm}: megatron-core's gated delta net output norm is one weight "
                    "shared by the heads (--gdn-head-norm shared)")  # fmt: skip
@@ -167,10 +167,15 @@ def _layer_names(m, i: int, impl: str) -> dict[str, str]:
     return names | (MOE_KEYS if moe else {}) | (GDN_NORM if gdn else {})
 
 
-def _gdn_names() -> list[str]:
+def _gdn_whole(m) -> tuple[str, ...]:
+    """megatron-core's GDN tensors saved whole: with its LayerNorm out_norm's bias where it has one."""
+    return GDN_WHOLE + ((GDN_BIAS,) if m.gdn_norm[0] == "LayerNorm" else ())
+
+
+def _gdn_names(m) -> list[str]:
     """megatron-core's layer names of a GDN layer's mixer tensors (its sectioned ones cut)."""
-    cut = [f"{GDN}{key}.{name}" for key, names in GDN_SECTIONS.items() for name in names]
-    return cut + [GDN + name for name in GDN_WHOLE]
+    cut = [f"{GDN}{key}.{name}" for key, sections in GDN_SECTIONS.items() for name in sections]
+    return cut + [GDN + name for name in _gdn_whole(m)]
 
 
 def _gdn_rows(m) -> dict[str, list[int]]:
@@ -187,7 +192,7 @@ def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
     ours = {k[len(src) :]: t for k, t in state.items() if k.startswith(src)}
     if not ours:
         return {}
-    if lost := sorted(set(NAMES) - set(ours)):
+    if lost := sorted(set(mcore_gdn.names(m)) - set(ours)):
         raise CheckpointError(f"the checkpoint holds no {src}{lost[0]}, which the model of its config has")
     out = {}
     for name, t in gdn_to_mcore(ours, m).items():
@@ -200,9 +205,9 @@ def _gdn_to(state: dict, m, i: int) -> dict[str, torch.Tensor]:
 
 def _gdn_from(layer: dict[str, torch.Tensor], m, i: int) -> dict[str, torch.Tensor]:
     """The inverse of `_gdn_to` (megatron-core's layer i by its layer names); {} unless it holds all of it."""
-    if not all(name in layer for name in _gdn_names()):
+    if not all(name in layer for name in _gdn_names(m)):
         return {}
-    theirs = {name: layer[GDN + name] for name in GDN_WHOLE}
+    theirs = {name: layer[GDN + name] for name in _gdn_whole(m)}
     for name, sections in GDN_SECTIONS.items():
         theirs[name] = torch.cat([layer[f"{GDN}{name}.{s}"] for s in sections])
     return {f"layers.{i}.mixer.{k}": t for k, t in gdn_from_mcore(theirs, m).items()}
@@ -298,7 +303,7 @@ def model_keys(cfg) -> set[str]:
     layer = set()
     for i in range(m.num_layers):
         names = {n for impl in PRE_MLP_NORM for n in _layer_names(m, i, impl).values()}
-        names |= set(_gdn_names()) if m.layer_kind(i) == "gdn" else set()
+        names |= set(_gdn_names(m)) if m.layer_kind(i) == "gdn" else set()
         names |= set(EXPERTS.values()) if m.is_moe_layer(i) else set()
         layer |= {f"{LAYERS}{i}.{n}" for n in names}
     return set(TOP_KEYS.values()) | layer

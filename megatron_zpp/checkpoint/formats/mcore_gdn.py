@@ -7,6 +7,7 @@ and the tests that run its class on CPU read it).
     conv             [2 Hk K + H V, kernel]       conv1d.weight    [2 Hk K + H V, 1, kernel]
     A_log, dt_bias   [H]                          A_log, dt_bias   [H]
     head_norm        [V]                          out_norm.weight  [V]
+    head_norm_bias   [V]                          out_norm.bias    [V]     (LayerNorm only)
     proj_out.weight  [hidden, H V]                out_proj.weight  [hidden, H V]
 
 (Hk key heads of K channels, H value heads of V.) The rows of both projections are the same sections but for
@@ -15,6 +16,9 @@ convolutions put the current token's tap last, and neither has a bias (megatron-
 default False). Under TP megatron-core's in_proj holds each rank's sections side by side; its sharded state dict
 (in_proj_split_sections) and this map see the full sections. The layer's input norm is megatron-core's
 in_proj.layer_norm_weight (a fused norm + linear, its hybrid spec): the converter maps that with the block.
+Both output norms follow --normalization and --apply-layernorm-1p alike (model/gated_deltanet.py), so the norm's
+tensors map as stored (zero-centred under 1p on both sides); formats/mcore.py refuses --gdn-out-norm rmsnorm
+where megatron-core's out_norm would be another function.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ NAMES = {
     "head_norm": "out_norm.weight",
     "proj_out.weight": "out_proj.weight",
 }
+BIAS = {"head_norm_bias": "out_norm.bias"}  # the output norm's bias: a LayerNorm's (ModelConfig.gdn_norm)
+
+
+def names(m: ModelConfig) -> dict[str, str]:
+    """NAMES of the GDN layer of `m`: with the LayerNorm output norm's bias where it has one."""
+    return NAMES | (BIAS if m.gdn_norm[0] == "LayerNorm" else {})
 
 
 def _swap_gates(proj_in: Tensor, m: ModelConfig) -> Tensor:
@@ -44,7 +54,7 @@ def _swap_gates(proj_in: Tensor, m: ModelConfig) -> Tensor:
 
 def gdn_to_mcore(ours: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """Our GDN layer's full tensors (names as in NAMES, without the layer prefix) -> megatron-core's."""
-    out = {NAMES[k]: t for k, t in ours.items()}
+    out = {names(m)[k]: t for k, t in ours.items()}
     out["in_proj.weight"] = _swap_gates(ours["proj_in.weight"], m)
     out["conv1d.weight"] = ours["conv"].unsqueeze(1)
     return out
@@ -52,7 +62,7 @@ def gdn_to_mcore(ours: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
 
 def gdn_from_mcore(theirs: dict[str, Tensor], m: ModelConfig) -> dict[str, Tensor]:
     """megatron-core's GatedDeltaNet tensors (its names, without the layer prefix) -> ours: the inverse."""
-    back = {v: k for k, v in NAMES.items()}
+    back = {v: k for k, v in names(m).items()}
     out = {back[k]: t for k, t in theirs.items() if k in back}
     out["proj_in.weight"] = _swap_gates(theirs["in_proj.weight"], m)
     out["conv"] = theirs["conv1d.weight"].squeeze(1)

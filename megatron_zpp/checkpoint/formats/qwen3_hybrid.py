@@ -9,7 +9,8 @@ Both are hybrids of Gated DeltaNet layers and output-gated softmax attention at 
   and the element-wise sigmoid output gate (--attention-output-gate). Their q_proj emits q and the gate per head
   ([q_h | gate_h] for h = 0..H-1), ours q | k | v | gate: rows reordered here;
 - GDN layers: q | k | v through one depthwise convolution (conv1d [C, 1, K], ours [C, K]), A_log and dt_bias per
-  value head, one RMSNorm weight over a value head's channels (plain w, not zero-centred) times silu(z), out_proj.
+  value head, one RMSNorm weight over a value head's channels (the plain gain g, not zero-centred: ours, which
+  follows --apply-layernorm-1p, goes out as 1 + w and comes in as g - 1) times silu(z), out_proj.
   Qwen3-Next fuses the input projection per key head (in_proj_qkvz: [q_g | k_g | v_g | z_g] for each key head g,
   its value heads r = Hv / Hk together; in_proj_ba: [b_g | a_g]); Qwen3.5 keeps in_proj_qkv, in_proj_z,
   in_proj_b, in_proj_a apart. Ours: proj_in = q | k | v | z | a | b, each head-major;
@@ -84,15 +85,17 @@ def moe_refusals(cfg, target: str) -> list[str]:
 
 
 def zero_centred(state: dict, cfg) -> tuple[dict, object]:
-    """(state, cfg) with the block, final and q/k norms zero-centred (as Qwen's: applied as 1 + w): unchanged with
-    --apply-layernorm-1p, else w - 1 and the flag set (a copy)."""
+    """(state, cfg) with the block, final and q/k norms zero-centred (as Qwen's: applied as 1 + w), and the GDN
+    output norm where it follows them (gpt2.follows_1p): unchanged with --apply-layernorm-1p, else w - 1 and the
+    flag set (a copy)."""
     if cfg.model.apply_layernorm_1p:
         return state, cfg
-    from .gpt2 import _is_norm_weight
+    from .gpt2 import follows_1p
 
+    m = cfg.model
     cfg = copy.deepcopy(cfg)
     cfg.model.apply_layernorm_1p = True
-    return {n: (w - 1 if _is_norm_weight(n) else w) for n, w in state.items()}, cfg
+    return {n: (w - 1 if follows_1p(n, m) else w) for n, w in state.items()}, cfg
 
 
 class Heads:
@@ -144,7 +147,7 @@ def gdn_to_hf(state: Reads, cfg, i: int, grouped: bool) -> dict[str, torch.Tenso
         dst + "conv1d.weight": state[src + "conv"].unsqueeze(1),
         dst + "A_log": state[src + "A_log"],
         dst + "dt_bias": state[src + "dt_bias"],
-        dst + "norm.weight": _shared_norm(state[src + "head_norm"], h, f"layers.{i}"),
+        dst + "norm.weight": _shared_norm(gain(state[src + "head_norm"], cfg.model), h, f"layers.{i}"),
         dst + "out_proj.weight": state[src + "proj_out.weight"],
     }
     if grouped:
@@ -173,7 +176,7 @@ def gdn_from_hf(hf: Reads, cfg, i: int, grouped: bool, norm_numel: int) -> dict[
     else:
         q, k, v = hf[src + "in_proj_qkv.weight"].split(h.sections[:3], dim=0)
         z, b, a = hf[src + "in_proj_z.weight"], hf[src + "in_proj_b.weight"], hf[src + "in_proj_a.weight"]
-    norm = hf[src + "norm.weight"]
+    norm = hf[src + "norm.weight"].float() - (1 if cfg.model.gdn_norm[1] else 0)  # ours zero-centred: g = 1 + w
     return {
         dst + "proj_in.weight": torch.cat([q, k, v, z, a, b]),
         dst + "conv": hf[src + "conv1d.weight"].squeeze(1),
@@ -182,6 +185,12 @@ def gdn_from_hf(hf: Reads, cfg, i: int, grouped: bool, norm_numel: int) -> dict[
         dst + "head_norm": norm.repeat(norm_numel // norm.numel()),
         dst + "proj_out.weight": hf[src + "out_proj.weight"],
     }
+
+
+def gain(weight: torch.Tensor, m) -> torch.Tensor:
+    """The GDN output norm's gain g from our weight: 1 + w where it is zero-centred (ModelConfig.gdn_norm), else w;
+    Qwen's RMSNormGated stores g itself."""
+    return weight + 1 if m.gdn_norm[1] else weight
 
 
 def _shared_norm(weight: torch.Tensor, h: Heads, where: str) -> torch.Tensor:

@@ -12,9 +12,11 @@ Names: Llama's where the layer is Llama's (self_attn.{q,k,v,o}_proj, mlp.{gate,u
 input/post_attention_layernorm); a GLA layer's mixer is `attn` with q/k/v_proj, g_proj (the output
 gate), gk_proj (the decay gate, full rank) or gk_down + gk_up (low rank, with its bias), g_norm
 (the per-head norm) and o_proj, as flash-linear-attention's HF GLA models name them; a GDN layer's is
-`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (one [V] weight,
-or per head with gdn_head_norm per_head), o_proj, its heads in linear_num_key_heads / linear_num_value_heads /
-linear_key_head_dim / linear_value_head_dim (megatron-core's meaning); a KDA layer's `attn` with q/k/v/b_proj,
+`attn` with q/k/v/g/a/b_proj, q/k/v_conv (depthwise, [channels, kernel]), A_log, dt_bias, o_norm (an RMSNorm of
+one plain [V] weight, or per head with gdn_head_norm per_head; ours zero-centred goes out as 1 + w; a LayerNorm
+with its bias, gdn_out_norm layernorm, where ours is one), o_proj, its
+heads in linear_num_key_heads / linear_num_value_heads / linear_key_head_dim / linear_value_head_dim
+(megatron-core's meaning); a KDA layer's `attn` with q/k/v/b_proj,
 f_a/f_b_proj and g_a/g_b_proj (Kimi Linear's names), q/k/v_conv, A_log, dt_bias, o_norm ([head dim], shared) and
 o_proj.
 """
@@ -107,6 +109,7 @@ def _gdn_config(m) -> dict:
         "linear_key_head_dim": g.key_dim,
         "linear_value_head_dim": g.value_dim,
         "gdn_head_norm": m.gdn_head_norm,
+        "gdn_out_norm": m.gdn_norm[0].lower(),  # "rmsnorm" or "layernorm" (with a bias: --gdn-out-norm model)
     }
 
 
@@ -145,6 +148,8 @@ def _plain_pairs(cfg) -> list[tuple[str, str]]:
         pairs += [(src + "mixer.proj_out.weight", dst + "attn.o_proj.weight")]
         if m.layer_kind(i) in ("gdn", "kda"):
             pairs += [(src + "mixer.head_norm", dst + "attn.o_norm.weight")]
+            if m.layer_kind(i) == "gdn" and m.gdn_norm[0] == "LayerNorm":
+                pairs += [(src + "mixer.head_norm_bias", dst + "attn.o_norm.bias")]
             pairs += [(src + f"mixer.{n}", dst + f"attn.{n}") for n in ("A_log", "dt_bias")]
             if m.layer_kind(i) == "kda":  # the low-rank gates' up-projections (Kimi Linear's f_b, g_b)
                 pairs += [(src + "mixer.decay_up", dst + "attn.f_b_proj.weight")]
@@ -275,6 +280,8 @@ def _config_from_remote(hf: dict):
         for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"):
             setattr(m, key, hf.get(key))
         m.gdn_head_norm = hf.get("gdn_head_norm", "per_head")
+        layer_norm = hf.get("gdn_out_norm", "rmsnorm") == "layernorm"  # exports before the key: an RMSNorm
+        m.gdn_out_norm = "model" if layer_norm == (m.normalization == "LayerNorm") else "rmsnorm"
     return cfg
 
 

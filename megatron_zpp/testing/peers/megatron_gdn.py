@@ -1,7 +1,10 @@
 """megatron-core's `GatedDeltaNet` (megatron/core/ssm/gated_delta_net) on CPU, one rank, as the tests' peer for our
 layer: its own projections (local ColumnParallelLinear / RowParallelLinear), its split of q | k | v | z | beta | alpha,
 its depthwise conv1d (the deterministic path: F.conv1d), its q/k L2 norm and repeat_interleave to the value heads,
-its gates and its output RMSNorm and gate, loaded with one of our layers' weights (checkpoint/formats/mcore_gdn.py).
+its gates and its output norm and gate, loaded with one of our layers' weights (checkpoint/formats/mcore_gdn.py).
+Its out_norm is built as megatron-core builds it from the config (--normalization, --apply-layernorm-1p as
+layernorm_zero_centered_gamma): Transformer Engine's norm (TENorm) on Megatron-LM's spec, torch's (WrappedTorchNorm)
+without it, which refuses zero_centered_gamma; TE needs a GPU, so `TENorm` stands in for it by its formula.
 
 Shims (`mcore_gdn_cpu`), none of its layer arithmetic touched:
 - `torch.cuda.current_device()` -> 'cpu' (where it allocates);
@@ -26,6 +29,26 @@ import torch
 import torch.nn.functional as F
 
 from ...checkpoint.formats.mcore_gdn import gdn_to_mcore
+
+
+class TENorm:
+    """Transformer Engine's RMSNorm / LayerNorm as megatron-core's TENorm builds it (the config's normalization,
+    zero_centered_gamma=config.layernorm_zero_centered_gamma), by TE's documented formula: torch's norm (what
+    WrappedTorchNorm builds), its gamma applied as 1 + gamma when zero-centred (TE: "the LayerNorm formula changes
+    to y = (x - E[x]) / sqrt(Var[x] + eps) * (1 + gamma) + beta", RMSNorm alike) and initialised to 0. A class, as
+    megatron-core's (build_module returns a plain function unbuilt)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        layer = config.normalization == "LayerNorm"
+        norm = (torch.nn.LayerNorm if layer else torch.nn.RMSNorm)(hidden_size, eps=eps)
+        if config.layernorm_zero_centered_gamma:
+            torch.nn.init.zeros_(norm.weight)
+            shape = norm.normalized_shape
+            if layer:
+                norm.forward = lambda x: F.layer_norm(x, shape, norm.weight + 1, norm.bias, norm.eps)
+            else:
+                norm.forward = lambda x: F.rms_norm(x, shape, norm.weight + 1, norm.eps)
+        return norm
 
 
 class _GroupOfOne:
@@ -68,31 +91,31 @@ def mcore_gdn_cpu():
 
 
 def mcore_gdn_layer(m, delta_rule, dtype: torch.dtype = torch.float64):
-    """megatron-core's GatedDeltaNet for our ModelConfig `m` (its heads: m.gdn_heads), RMSNorm output norm of eps
-    m.norm_epsilon, the op `delta_rule(q, k, v, g, beta)` -> o in place of fla's kernel. Call inside
-    `mcore_gdn_cpu()`."""
+    """megatron-core's GatedDeltaNet for our ModelConfig `m` (its heads: m.gdn_heads), its output norm of
+    m.normalization (zero-centred with m.apply_layernorm_1p: `TENorm`) and eps m.norm_epsilon, the op
+    `delta_rule(q, k, v, g, beta)` -> o in place of fla's kernel. Call inside `mcore_gdn_cpu()`."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     g = m.gdn_heads
     tcfg = TransformerConfig(
         num_layers=1, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=dtype, perform_initialization=False, normalization="RMSNorm",
-        layernorm_epsilon=m.norm_epsilon, deterministic_mode=True, activation_func=F.silu,
+        use_cpu_initialization=True, params_dtype=dtype, perform_initialization=False, normalization=m.normalization,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p, layernorm_epsilon=m.norm_epsilon, deterministic_mode=True,
+        activation_func=F.silu,
         linear_conv_kernel_dim=4, linear_key_head_dim=g.key_dim, linear_value_head_dim=g.value_dim,
         linear_num_key_heads=g.key_heads, linear_num_value_heads=g.value_heads,
     )  # fmt: skip
     one = _GroupOfOne()
-    subs = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)
+    subs = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=TENorm, out_proj=RowParallelLinear)
     layer = GatedDeltaNet(tcfg, subs, layer_number=1, pg_collection=types.SimpleNamespace(tp=one, cp=one))
 
     def rule(q, k, v, g, beta, **kw):  # megatron-core's call: keywords it passes fla's kernel besides
         return delta_rule(q, k, v, g, beta), None
 
     layer.gated_delta_rule = rule
-    return layer.to(dtype)  # its out_norm (torch's RMSNorm) is built in the default dtype
+    return layer.to(dtype)  # its out_norm (torch's norm) is built in the default dtype
 
 
 def load_from_ours(ref, ours, m) -> None:
@@ -101,6 +124,8 @@ def load_from_ours(ref, ours, m) -> None:
         "proj_in.weight": ours.proj_in.weight, "conv": ours.conv, "A_log": ours.A_log, "dt_bias": ours.dt_bias,
         "head_norm": ours.head_norm, "proj_out.weight": ours.proj_out.weight,
     }  # fmt: skip
+    if ours.head_norm_bias is not None:
+        state["head_norm_bias"] = ours.head_norm_bias
     theirs = gdn_to_mcore({k: v.detach() for k, v in state.items()}, m)
     with torch.no_grad():
         for name, p in ref.named_parameters():
