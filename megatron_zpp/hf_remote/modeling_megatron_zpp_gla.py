@@ -40,6 +40,8 @@ with zeros is refused): the model was trained on unpadded packed sequences.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -193,6 +195,49 @@ class MegatronZppCausalConv(nn.Module):
         self.weight = nn.Parameter(torch.zeros(channels, kernel))
 
 
+def _conv_from_cache(mixer: nn.Module, qkv: torch.Tensor, cache, state_shape: tuple[int, ...]):
+    """A delta-rule mixer's (GDN's, KDA's) entering state [B, *state_shape] fp32 and its short convolution's
+    SiLU output over qkv [B, T, C]: the cache holds the state and the convolution's last kernel-1 inputs, packed
+    (zeros without a cache or before its first update). Returns (state, silu(conv), the inputs with those before)."""
+    (B, T, C), lead = qkv.shape, mixer.kernel - 1
+    layer = _recurrent_cache_layer(cache, mixer.layer_idx) if cache is not None else None
+    packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
+    size = math.prod(state_shape)
+    if packed is None:
+        state, history = qkv.new_zeros(B, *state_shape, dtype=torch.float32), qkv.new_zeros(B, lead, C)
+    else:
+        state = packed[:, :size].view(B, *state_shape).clone()
+        history = packed[:, size:].view(B, lead, -1).to(qkv.dtype)
+    ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
+    weight = torch.cat([mixer.q_conv.weight, mixer.k_conv.weight, mixer.v_conv.weight])  # [channels, kernel]
+    conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(mixer.kernel))
+    return state, F.silu(conv), ext
+
+
+def _save_to_cache(mixer: nn.Module, cache, state: torch.Tensor, ext: torch.Tensor) -> None:
+    """The state and the convolution's last kernel-1 inputs, packed into the cache (as _conv_from_cache reads)."""
+    if cache is None:
+        return
+    B, lead = state.shape[0], mixer.kernel - 1
+    tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
+    cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), mixer.layer_idx)
+
+
+def _delta_rule(q, k, v, g, beta, state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token from state [B, H, K, V]: (o [B, T, H, V], the last state). g [B, T, H]
+    (a decay per head: GDN) or [B, T, H, K] (per channel: KDA) applies first, then S - b k (k^T S) + b k v^T: a
+    -inf gate resets exactly."""
+    outs = []
+    for t in range(q.shape[1]):
+        a = g[:, t].exp()
+        state = (a[..., None] if a.dim() == 3 else a[..., None, None]) * state
+        kt = k[:, t]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
+        state = state + kt[..., None] * delta[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * scale)
+    return torch.stack(outs, dim=1), state
+
+
 class MegatronZppGatedDeltaNet(nn.Module):
     """Gated DeltaNet with megatron-core's / Qwen3-Next's heads: Hk query/key heads of K channels, H value heads of V
     (value head j reads key head j // (H / Hk)); q, k L2-normalised as fla's l2norm (eps 1e-6 on the sum of
@@ -224,35 +269,18 @@ class MegatronZppGatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        Hk, H, K, V, lead = self.key_heads, self.heads, self.key_dim, self.head_dim, self.kernel - 1
+        Hk, H, K, V = self.key_heads, self.heads, self.key_dim, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
-        packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
-        if packed is None:
-            state, history = qkv.new_zeros(B, H, K, V, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
-        else:
-            state = packed[:, : H * K * V].view(B, H, K, V).clone()
-            history = packed[:, H * K * V :].view(B, lead, -1).to(qkv.dtype)
-        ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
-        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [channels, kernel]
-        conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(self.kernel))
-        q, k, v = F.silu(conv).float().split([Hk * K, Hk * K, H * V], dim=-1)
+        state, conv, ext = _conv_from_cache(self, qkv, cache, (H, K, V))
+        q, k, v = conv.float().split([Hk * K, Hk * K, H * V], dim=-1)
         q, k = (t.view(B, T, Hk, K) for t in (q, k))
         q, k = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm
         q, k, v = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2), v.view(B, T, H, V)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         beta = self.b_proj(x).float().sigmoid()
-        outs = []
-        for t in range(T):  # S - b k (k^T S) after the decay: a -inf gate resets exactly
-            state = g[:, t].exp()[..., None, None] * state
-            kt = k[:, t]
-            delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
-            state = state + kt[..., None] * delta[..., None, :]
-            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * K**-0.5)
-        if cache is not None:
-            tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
-            cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), self.layer_idx)
-        o = self.o_norm(torch.stack(outs, dim=1)) * F.silu(self.g_proj(x).float()).view(B, T, H, V)
+        o, state = _delta_rule(q, k, v, g, beta, state, K**-0.5)
+        _save_to_cache(self, cache, state, ext)
+        o = self.o_norm(o) * F.silu(self.g_proj(x).float()).view(B, T, H, V)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
 
@@ -277,35 +305,18 @@ class MegatronZppKimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, D, lead = self.heads, self.head_dim, self.kernel - 1
+        H, D = self.heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        layer = _recurrent_cache_layer(cache, self.layer_idx) if cache is not None else None
-        packed = layer.recurrent_states[0] if layer is not None and layer.is_recurrent_states_initialized[0] else None
-        if packed is None:
-            state, history = qkv.new_zeros(B, H, D, D, dtype=torch.float32), qkv.new_zeros(B, lead, qkv.shape[-1])
-        else:
-            state = packed[:, : H * D * D].view(B, H, D, D).clone()
-            history = packed[:, H * D * D :].view(B, lead, -1).to(qkv.dtype)
-        ext = torch.cat([history, qkv], dim=1)  # the kernel-1 inputs before these tokens, then theirs
-        weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])  # [3 width, kernel]
-        conv = sum(ext[:, j : j + T] * weight[:, j] for j in range(self.kernel))
-        q, k, v = (t.view(B, T, H, D).float() for t in F.silu(conv).split(H * D, dim=-1))
+        state, conv, ext = _conv_from_cache(self, qkv, cache, (H, D, D))
+        q, k, v = (t.view(B, T, H, D).float() for t in conv.split(H * D, dim=-1))
         q, k = (t / torch.sqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))  # fla's l2norm
         f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(B, T, H, D))  # [B, T, H, D]: per channel
         beta = self.b_proj(x).float().sigmoid()
-        outs = []
-        for t in range(T):  # Diag(a) first, then S - b k (k^T S) + b k v^T
-            state = g[:, t].exp()[..., None] * state
-            kt = k[:, t]
-            delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
-            state = state + kt[..., None] * delta[..., None, :]
-            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state) * D**-0.5)
-        if cache is not None:
-            tail = ext[:, -lead:].float().reshape(B, -1) if lead else ext.new_zeros(B, 0, dtype=torch.float32)
-            cache.update_recurrent_state(torch.cat([state.reshape(B, -1), tail], dim=1), self.layer_idx)
+        o, state = _delta_rule(q, k, v, g, beta, state, D**-0.5)
+        _save_to_cache(self, cache, state, ext)
         gate = self.g_b_proj(self.g_a_proj(x)).float().sigmoid().view(B, T, H, D)
-        o = self.o_norm(torch.stack(outs, dim=1)).float() * gate
+        o = self.o_norm(o).float() * gate
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
 
 

@@ -12,14 +12,15 @@ offsets are 64-bit.
 Decomposition (fla's chunk_gated_delta_rule, with the GLA op's numerics):
 
     _gdn_prepare_kernel      per chunk: T = (I + L)^-1, A = lower(q k^T exp(seg)), W = T (beta exp(G) k), U = T (beta v)
-    _gdn_fwd_states_kernel   the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
-    _gdn_output_kernel       o = scale ((q exp(G)) S_in + A v_new)
-    _gdn_bwd_states_kernel   the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
+    _delta_fwd_states_kernel the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
+    _delta_output_kernel     o = scale ((q exp(G)) S_in + A v_new)
+    _delta_bwd_states_kernel the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
     _gdn_bwd_state_grads_kernel  per chunk: the gradients through the states and W (dq, dk's shares, dW T^T)
     _gdn_bwd_wy_kernel       per chunk: dv, the scores' gradient dA, and dL = -T^T dT T^T
     _gdn_bwd_chunk_kernel    per chunk: through L and A the rest of dq, dk, dbeta, and dg
 
-The backward recomputes the forward's intermediates (prepare and the state scan) from the inputs.
+The backward recomputes the forward's intermediates (prepare and the state scan) from the inputs. The two scans
+and the output are kernels/delta_rule.py's, shared with KDA (PER_CHANNEL=False: g's per-head copy, token stride 1).
 
 Numerics: every exponent is a sum of g <= 0 accumulated over its own tokens (a masked cumsum for the pair
 decays, a reverse cumsum of g loaded one token later for the decay to the chunk's end), never a difference of
@@ -34,8 +35,9 @@ import triton
 
 from . import target
 from .chunk_common import bf16_dots, contiguous_fp32, strided
-from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_state_grads_kernel, _gdn_bwd_states_kernel, _gdn_bwd_wy_kernel
-from .gdn_fwd import _gdn_fwd_states_kernel, _gdn_output_kernel, _gdn_prepare_kernel
+from .delta_rule import _delta_bwd_states_kernel, _delta_fwd_states_kernel, _delta_output_kernel
+from .gdn_bwd import _gdn_bwd_chunk_kernel, _gdn_bwd_state_grads_kernel, _gdn_bwd_wy_kernel
+from .gdn_fwd import _gdn_prepare_kernel
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int]:
@@ -106,6 +108,7 @@ class _Forward:
         B, T, H, K = q.shape
         V, N = v.shape[-1], T // C
         g, beta = _per_head(g), _per_head(beta)
+        sg = (g.stride(0), g.stride(2), g.stride(1))  # [B, H, T]: the shared kernels' (batch, token, head) strides
         f32 = dict(dtype=torch.float32, device=q.device)
         self.T, self.A = torch.empty(B, H, T, C, **f32), torch.empty(B, H, T, C, **f32)
         self.W, self.U = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, V, **f32)
@@ -119,11 +122,13 @@ class _Forward:
         self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
         cfg = _config("fwd_states", C, K, V, bf16, q.device)
         NV = triton.cdiv(V, cfg["BV"])
-        _gdn_fwd_states_kernel[(NV * B * H,)](
+        _delta_fwd_states_kernel[(NV * B * H,)](
             k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
-            T, N, *sk, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], USE_H0=h0 is not None, BF16=bf16, **cfg,
+            T, N, *sk, *sg, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], USE_H0=h0 is not None,
+            PER_CHANNEL=False, BF16=bf16, **cfg,
         )  # fmt: skip
         self.q, self.sq, self.k, self.sk, self.v, self.sv, self.g, self.beta = q, sq, k, sk, v, sv, g, beta
+        self.sg = sg
 
 
 def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
@@ -136,8 +141,9 @@ def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
     o = q.new_empty(B, T, H, V, dtype=torch.float32)
     cfg = _config("output", C, K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _gdn_output_kernel[(NV * N * B * H,)](
-        f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, H=H, K=K, V=V, C=C, NV=NV, BF16=bf16, **cfg
+    _delta_output_kernel[(NV * N * B * H,)](
+        f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, *f.sg,
+        H=H, K=K, V=V, C=C, NV=NV, PER_CHANNEL=False, BF16=bf16, **cfg,
     )  # fmt: skip
     return o, f.final
 
@@ -158,10 +164,10 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     dh0 = torch.empty(B, H, K, V, **f32)
     cfg = _config("bwd_states", C, K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _gdn_bwd_states_kernel[(NV * B * H,)](
+    _delta_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
-        *f.sq, *f.sk, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do, HAS_DS=dS is not None,
-        BF16=bf16, **cfg,
+        *f.sq, *f.sk, *f.sg, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do,
+        HAS_DS=dS is not None, PER_CHANNEL=False, BF16=bf16, **cfg,
     )  # fmt: skip
     dq, dk = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dv = torch.empty(B, T, H, V, **f32)

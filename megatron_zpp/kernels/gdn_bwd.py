@@ -1,5 +1,6 @@
-"""Backward Triton kernels of chunked Gated DeltaNet: the reverse state scan and the per-chunk gradients
-(kernels/gdn.py describes the decomposition and launches them; ops/gdn_chunked.py has the same math in torch)."""
+"""Backward Triton kernels of chunked Gated DeltaNet: the per-chunk gradients (kernels/gdn.py describes the
+decomposition and launches them; ops/gdn_chunked.py has the same math in torch; the reverse state scan is
+kernels/delta_rule.py's, shared with KDA)."""
 
 from __future__ import annotations
 
@@ -7,66 +8,7 @@ import triton
 import triton.language as tl
 
 from .chunk_common import delta_wy_backward, dot, load_rows
-from .gdn_fwd import _chunk_gates
-
-
-@triton.jit
-def _gdn_bwd_states_kernel(
-    q_ptr, k_ptr, g_ptr, A_ptr, W_ptr, do_ptr, dS_ptr, d_ends_ptr, dvnew_ptr, dh0_ptr, T, N, scale,
-    sqb, sqt, sqh, skb, skt, skh, sob, sot, soh,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, SPLIT: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """Reverse scan per (V tile, head): d_ends[n] (the gradient of the state leaving chunk n), dv_new and dh0;
-    the state gradient in one [BK, BV] tile or, with SPLIT, two (as _gdn_fwd_states_kernel).
-
-    dv_new = scale A^T do + (k exp(suf)) dS_out;  dS_in = exp(G_{C-1}) dS_out + scale (q exp(G))^T do - W^T dv_new."""
-    pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
-    i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
-    b, h = i_bh // H, i_bh % H
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    rk2 = BK + rk
-    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
-    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
-    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DS:
-        dS = tl.load(dS_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
-        if SPLIT:
-            dS2 = tl.load(dS_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
-    q_ptr += b * sqb + h * sqh
-    k_ptr += b * skb + h * skh
-    do_ptr += b * sob + h * soh
-    for step in range(N):
-        i_n = i_bh * 0 + (N - 1 - step)  # 64-bit: the chunk's offsets below can pass 2^31
-        tok = i_bh * T + i_n * C
-        end_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
-        tl.store(end_ptr + kv, dS, mask=mkv)
-        start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
-        total = tl.sum(tl.where(rc == C - 1, start, 0.0), axis=0)
-        dv_new = dot(load_rows(k_ptr + i_n * C * skt, rc, rk, all_rows, mk, skt) * end[:, None], dS, BF16)
-        dS = dS * total
-        if SPLIT:
-            tl.store(end_ptr + kv2, dS2, mask=mkv2)
-            dv_new += dot(load_rows(k_ptr + i_n * C * skt, rc, rk2, all_rows, mk2, skt) * end[:, None], dS2, BF16)
-            dS2 = dS2 * total
-        if HAS_DO:
-            do = load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
-            A = load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-            dv_new += dot(tl.trans(A), do, BF16)
-            q_start = load_rows(q_ptr + i_n * C * sqt, rc, rk, all_rows, mk, sqt) * start[:, None]
-            dS += dot(tl.trans(q_start), do, BF16)
-            if SPLIT:
-                q_start = load_rows(q_ptr + i_n * C * sqt, rc, rk2, all_rows, mk2, sqt) * start[:, None]
-                dS2 += dot(tl.trans(q_start), do, BF16)
-        tl.store(dvnew_ptr + tok * V + rc[:, None] * V + rv[None, :], dv_new, mask=mv[None, :])
-        dS -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
-        if SPLIT:
-            dS2 -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
-    tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
-    if SPLIT:
-        tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
+from .delta_rule import chunk_gates
 
 
 @triton.jit
@@ -89,7 +31,7 @@ def _gdn_bwd_state_grads_kernel(
     all_rows = rc < C
     row0 = i_n * C
     tok = i_bh * T + row0
-    start, end, _ = _chunk_gates(g_ptr + tok, rc, C)
+    start, end, _ = chunk_gates(g_ptr + tok, rc, C)
     beta = tl.load(beta_ptr + tok + rc)
     inv = load_rows(T_ptr + tok * C, rc, rc, all_rows, all_rows, C)
     S_ptr = states_ptr + (i_bh * N + i_n) * (K * V)
@@ -178,7 +120,7 @@ def _gdn_bwd_chunk_kernel(
         k_tile = load_rows(k_ptr + k0, rc, rk, all_rows, k0 + rk < K, skt)
         kk += dot(k_tile, tl.trans(k_tile), BF16)
     # dg and dbeta are finished before the last K loop: fewer [C, C] tiles live at once
-    _, _, pair = _chunk_gates(g_ptr + tok, rc, C)
+    _, _, pair = chunk_gates(g_ptr + tok, rc, C)
     kk = tl.where(strict, kk * pair, 0.0)
     dL = tl.load(dL_ptr + tok * C + cc)
     tl.store(dbeta_ptr + tok + rc, tl.load(dbeta_ptr + tok + rc) + tl.sum(dL * kk, axis=1))

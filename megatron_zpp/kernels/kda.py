@@ -13,15 +13,16 @@ Decomposition (fla's chunk_kda, with the GLA kernels' intra-chunk numerics):
 
     _kda_scores_kernel        per sub-block of 16 rows: A = lower(sum_d q_id k_jd exp(seg[i, j, d])) and L's kernel
     _kda_prepare_kernel       per chunk: T = (I + beta L)^-1, W = T (beta exp(G) k), U = T (beta v)
-    _kda_fwd_states_kernel    the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
-    _kda_output_kernel        o = scale ((q exp(G)) S_in + A v_new)
-    _kda_bwd_states_kernel    the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
+    _delta_fwd_states_kernel  the scan over chunks per V tile: S_in per chunk, v_new = U - W S_in, the final state
+    _delta_output_kernel      o = scale ((q exp(G)) S_in + A v_new)
+    _delta_bwd_states_kernel  the reverse scan: d_ends (the gradient of each chunk's leaving state), dv_new, dh0
     _kda_bwd_state_grads_kernel  per chunk: the gradients through the states and W (dq, dk's shares, dW T^T)
     _kda_bwd_wy_kernel        per chunk: dv, the scores' gradient dA, and dL = -T^T dT T^T
     _kda_bwd_intra_kernel     per sub-block: through A and L the rest of dq and dk
     _kda_bwd_gate_kernel      per chunk: dg, and L's share of dbeta
 
-The backward recomputes the forward's intermediates (scores, prepare and the state scan) from the inputs.
+The backward recomputes the forward's intermediates (scores, prepare and the state scan) from the inputs. The two
+scans and the output are kernels/delta_rule.py's, shared with GDN (PER_CHANNEL=True).
 
 Numerics: every exponent is a sum of g <= 0 over its own tokens: the decay from the chunk's start a cumsum, to its
 end a reverse cumsum of g loaded one token later, a pair in two sub-blocks factors at a sub-block boundary
@@ -41,14 +42,9 @@ import triton
 
 from . import target
 from .chunk_common import LOG_TINY_FP32, SUB_BLOCK, bf16_dots, contiguous_fp32, strided
-from .kda_bwd import (
-    _kda_bwd_gate_kernel,
-    _kda_bwd_intra_kernel,
-    _kda_bwd_state_grads_kernel,
-    _kda_bwd_states_kernel,
-    _kda_bwd_wy_kernel,
-)
-from .kda_fwd import _kda_fwd_states_kernel, _kda_output_kernel, _kda_prepare_kernel, _kda_scores_kernel
+from .delta_rule import _delta_bwd_states_kernel, _delta_fwd_states_kernel, _delta_output_kernel
+from .kda_bwd import _kda_bwd_gate_kernel, _kda_bwd_intra_kernel, _kda_bwd_state_grads_kernel, _kda_bwd_wy_kernel
+from .kda_fwd import _kda_prepare_kernel, _kda_scores_kernel
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 1, **tiles: int) -> dict[str, int]:
@@ -130,9 +126,10 @@ class _Forward:
         self.v_new, self.final = torch.empty(B, H, T, V, **f32), torch.empty(B, H, K, V, **f32)
         cfg = _config("fwd_states", K, V, bf16, q.device)
         NV = triton.cdiv(V, cfg["BV"])
-        _kda_fwd_states_kernel[(NV * B * H,)](
+        _delta_fwd_states_kernel[(NV * B * H,)](
             k, g, self.W, self.U, h0 if h0 is not None else self.final, self.states, self.v_new, self.final,
-            T, N, *sk, *sg, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], USE_H0=h0 is not None, BF16=bf16, **cfg,
+            T, N, *sk, *sg, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], USE_H0=h0 is not None,
+            PER_CHANNEL=True, BF16=bf16, **cfg,
         )  # fmt: skip
         self.q, self.sq, self.k, self.sk, self.v, self.sv, self.g, self.sg = q, sq, k, sk, v, sv, g, sg
         self.beta = beta
@@ -148,8 +145,9 @@ def fwd(q, k, v, g, beta, initial_state, scale, chunk_size):
     o = q.new_empty(B, T, H, V, dtype=torch.float32)
     cfg = _config("output", K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _kda_output_kernel[(NV * N * B * H,)](
-        f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, *f.sg, H=H, K=K, V=V, C=C, NV=NV, BF16=bf16, **cfg
+    _delta_output_kernel[(NV * N * B * H,)](
+        f.q, f.g, f.A, f.states, f.v_new, o, T, N, scale, *f.sq, *f.sg,
+        H=H, K=K, V=V, C=C, NV=NV, PER_CHANNEL=True, BF16=bf16, **cfg,
     )  # fmt: skip
     return o, f.final
 
@@ -170,10 +168,10 @@ def bwd(q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
     dh0 = torch.empty(B, H, K, V, **f32)
     cfg = _config("bwd_states", K, V, bf16, q.device)
     NV = triton.cdiv(V, cfg["BV"])
-    _kda_bwd_states_kernel[(NV * B * H,)](
+    _delta_bwd_states_kernel[(NV * B * H,)](
         f.q, f.k, f.g, f.A, f.W, do, dS if dS is not None else dh0, d_ends, dv_new, dh0, T, N, scale,
         *f.sq, *f.sk, *f.sg, *so, H=H, K=K, V=V, C=C, NV=NV, SPLIT=K > cfg["BK"], HAS_DO=has_do,
-        HAS_DS=dS is not None, BF16=bf16, **cfg,
+        HAS_DS=dS is not None, PER_CHANNEL=True, BF16=bf16, **cfg,
     )  # fmt: skip
     dq, dk, dGc, dsuf, dg = (torch.empty(B, T, H, K, **f32) for _ in range(5))
     dv = torch.empty(B, T, H, V, **f32)

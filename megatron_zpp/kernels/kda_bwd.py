@@ -1,5 +1,6 @@
-"""Backward Triton kernels of chunked Kimi Delta Attention: the reverse state scan and the per-chunk gradients
-(kernels/kda.py describes the decomposition and launches them; ops/kda_chunked.py has the same math in torch)."""
+"""Backward Triton kernels of chunked Kimi Delta Attention: the per-chunk gradients (kernels/kda.py describes the
+decomposition and launches them; ops/kda_chunked.py has the same math in torch; the reverse state scan is
+kernels/delta_rule.py's, shared with GDN)."""
 
 from __future__ import annotations
 
@@ -7,69 +8,6 @@ import triton
 import triton.language as tl
 
 from .chunk_common import blocks_between, delta_wy_backward, device_fn, dot, exclusive_suffix, load_rows, pair_decays
-
-
-@triton.jit
-def _kda_bwd_states_kernel(
-    q_ptr, k_ptr, g_ptr, A_ptr, W_ptr, do_ptr, dS_ptr, d_ends_ptr, dvnew_ptr, dh0_ptr, T, N, scale,
-    sqb, sqt, sqh, skb, skt, skh, sgb, sgt, sgh, sob, sot, soh,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, SPLIT: tl.constexpr, HAS_DO: tl.constexpr, HAS_DS: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """Reverse scan per (V tile, head): d_ends[n] (the gradient of the state leaving chunk n), dv_new and dh0.
-
-    dv_new = scale A^T do + (k exp(suf)) dS_out;  dS_in = Diag(exp(G_{C-1})) dS_out + scale (q exp(G))^T do - W^T
-    dv_new. The state gradient in one [BK, BV] tile or, with SPLIT, two."""
-    pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
-    i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
-    b, h = i_bh // H, i_bh % H
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    rk2 = BK + rk
-    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
-    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
-    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DS:
-        dS = tl.load(dS_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
-        if SPLIT:
-            dS2 = tl.load(dS_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
-    q_ptr += b * sqb + h * sqh
-    k_ptr += b * skb + h * skh
-    g_ptr += b * sgb + h * sgh
-    do_ptr += b * sob + h * soh
-    for step in range(N):
-        i_n = i_bh * 0 + (N - 1 - step)  # 64-bit: the chunk's offsets below can pass 2^31
-        tok = i_bh * T + i_n * C
-        kc, gc, qc = k_ptr + i_n * C * skt, g_ptr + i_n * C * sgt, q_ptr + i_n * C * sqt
-        end_ptr = d_ends_ptr + (i_bh * N + i_n) * (K * V)
-        tl.store(end_ptr + kv, dS, mask=mkv)
-        g = load_rows(gc, rc, rk, all_rows, mk, sgt)
-        k_end = load_rows(kc, rc, rk, all_rows, mk, skt) * tl.exp(exclusive_suffix(gc, rc, rk, mk, C, sgt))
-        dv_new = dot(k_end, dS, BF16)
-        dS = dS * tl.exp(tl.sum(g, axis=0))[:, None]
-        if SPLIT:
-            tl.store(end_ptr + kv2, dS2, mask=mkv2)
-            g2 = load_rows(gc, rc, rk2, all_rows, mk2, sgt)
-            k_end = load_rows(kc, rc, rk2, all_rows, mk2, skt) * tl.exp(exclusive_suffix(gc, rc, rk2, mk2, C, sgt))
-            dv_new += dot(k_end, dS2, BF16)
-            dS2 = dS2 * tl.exp(tl.sum(g2, axis=0))[:, None]
-        if HAS_DO:
-            do = load_rows(do_ptr + i_n * C * sot, rc, rv, all_rows, mv, sot) * scale
-            A = load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-            dv_new += dot(tl.trans(A), do, BF16)
-            q_start = load_rows(qc, rc, rk, all_rows, mk, sqt) * tl.exp(tl.cumsum(g, axis=0))
-            dS += dot(tl.trans(q_start), do, BF16)
-            if SPLIT:
-                q_start = load_rows(qc, rc, rk2, all_rows, mk2, sqt) * tl.exp(tl.cumsum(g2, axis=0))
-                dS2 += dot(tl.trans(q_start), do, BF16)
-        tl.store(dvnew_ptr + tok * V + rc[:, None] * V + rv[None, :], dv_new, mask=mv[None, :])
-        dS -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K)), dv_new, BF16)
-        if SPLIT:
-            dS2 -= dot(tl.trans(load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K)), dv_new, BF16)
-    tl.store(dh0_ptr + i_bh * (K * V) + kv, dS, mask=mkv)
-    if SPLIT:
-        tl.store(dh0_ptr + i_bh * (K * V) + kv2, dS2, mask=mkv2)
 
 
 @device_fn

@@ -1,6 +1,6 @@
-"""Forward Triton kernels of chunked Kimi Delta Attention: the intra-chunk pair sums with per-channel decays, the
-per-chunk WY/UT factors, the state scan and the output (kernels/kda.py describes the decomposition and launches
-them)."""
+"""Forward Triton kernels of chunked Kimi Delta Attention: the intra-chunk pair sums with per-channel decays and
+the per-chunk WY/UT factors (kernels/kda.py describes the decomposition and launches them; the state scan and the
+output are kernels/delta_rule.py's, shared with GDN)."""
 
 from __future__ import annotations
 
@@ -94,80 +94,3 @@ def _kda_prepare_kernel(
         vv = load_rows(v_ptr + v0, rc, rv, all_rows, mv, svt)
         U = dot(inv, vv * beta[:, None], BF16)
         tl.store(U_ptr + tok * V + v0 + rc[:, None] * V + rv[None, :], U, mask=mv[None, :])
-
-
-@triton.jit
-def _kda_fwd_states_kernel(
-    k_ptr, g_ptr, W_ptr, U_ptr, h0_ptr, states_ptr, vnew_ptr, final_ptr, T, N, skb, skt, skh, sgb, sgt, sgh,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """The scan over chunks per (V tile, head): S_in of each chunk, v_new = U - W S_in, the final state, with
-    S_out = Diag(exp(G_{C-1})) S_in + (k exp(suf))^T v_new. The state is one [BK, BV] tile, or with SPLIT two
-    (rows BK..2BK-1 in S2; K <= 2 BK)."""
-    pid = tl.program_id(0).to(tl.int64)  # (V tile, b*H + h)
-    i_v, i_bh = (pid % NV).to(tl.int32), pid // NV
-    b, h = i_bh // H, i_bh % H
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    rk2 = BK + rk
-    mk, mk2, mv, all_rows = rk < K, rk2 < K, rv < V, rc < C
-    kv, kv2 = rk[:, None] * V + rv[None, :], rk2[:, None] * V + rv[None, :]
-    mkv, mkv2 = mk[:, None] & mv[None, :], mk2[:, None] & mv[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    S2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        S = tl.load(h0_ptr + i_bh * (K * V) + kv, mask=mkv, other=0.0)
-        if SPLIT:
-            S2 = tl.load(h0_ptr + i_bh * (K * V) + kv2, mask=mkv2, other=0.0)
-    k_ptr += b * skb + h * skh
-    g_ptr += b * sgb + h * sgh
-    for n in range(N):
-        i_n = i_bh * 0 + n  # 64-bit: the chunk's offsets below can pass 2^31
-        tok = i_bh * T + i_n * C
-        state_ptr = states_ptr + (i_bh * N + i_n) * (K * V)
-        kc, gc = k_ptr + i_n * C * skt, g_ptr + i_n * C * sgt
-        tl.store(state_ptr + kv, S, mask=mkv)
-        v_new = load_rows(U_ptr + tok * V, rc, rv, all_rows, mv, V)
-        v_new -= dot(load_rows(W_ptr + tok * K, rc, rk, all_rows, mk, K), S, BF16)
-        if SPLIT:
-            tl.store(state_ptr + kv2, S2, mask=mkv2)
-            v_new -= dot(load_rows(W_ptr + tok * K, rc, rk2, all_rows, mk2, K), S2, BF16)
-        tl.store(vnew_ptr + tok * V + rc[:, None] * V + rv[None, :], v_new, mask=mv[None, :])
-        total = tl.exp(tl.sum(load_rows(gc, rc, rk, all_rows, mk, sgt), axis=0))
-        k_end = load_rows(kc, rc, rk, all_rows, mk, skt) * tl.exp(exclusive_suffix(gc, rc, rk, mk, C, sgt))
-        S = S * total[:, None] + dot(tl.trans(k_end), v_new, BF16)
-        if SPLIT:
-            total = tl.exp(tl.sum(load_rows(gc, rc, rk2, all_rows, mk2, sgt), axis=0))
-            k_end = load_rows(kc, rc, rk2, all_rows, mk2, skt) * tl.exp(exclusive_suffix(gc, rc, rk2, mk2, C, sgt))
-            S2 = S2 * total[:, None] + dot(tl.trans(k_end), v_new, BF16)
-    tl.store(final_ptr + i_bh * (K * V) + kv, S, mask=mkv)
-    if SPLIT:
-        tl.store(final_ptr + i_bh * (K * V) + kv2, S2, mask=mkv2)
-
-
-@triton.jit
-def _kda_output_kernel(
-    q_ptr, g_ptr, A_ptr, states_ptr, vnew_ptr, o_ptr, T, N, scale, sqb, sqt, sqh, sgb, sgt, sgh,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
-    """o = scale ((q * exp(G)) S_in + A v_new), o [B, T, H, V] contiguous; K in tiles of BK."""
-    pid = tl.program_id(0).to(tl.int64)  # (V tile, chunk, b*H + h)
-    i_v, rest = (pid % NV).to(tl.int32), pid // NV
-    i_n, i_bh = rest % N, rest // N
-    b, h = i_bh // H, i_bh % H
-    rc, rk, rv = tl.arange(0, C), tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    mv, all_rows = rv < V, rc < C
-    tok = i_bh * T + i_n * C
-    A = load_rows(A_ptr + tok * C, rc, rc, all_rows, all_rows, C)
-    o = dot(A, load_rows(vnew_ptr + tok * V, rc, rv, all_rows, mv, V), BF16)
-    q_ptr += b * sqb + h * sqh + i_n * C * sqt
-    g_ptr += b * sgb + h * sgh + i_n * C * sgt
-    states_ptr += (i_bh * N + i_n) * (K * V)
-    for k0 in range(0, K, BK):
-        mk = k0 + rk < K
-        start = tl.exp(tl.cumsum(load_rows(g_ptr + k0, rc, rk, all_rows, mk, sgt), axis=0))
-        q_tile = load_rows(q_ptr + k0, rc, rk, all_rows, mk, sqt) * start
-        o += dot(q_tile, load_rows(states_ptr + k0 * V, rk, rv, mk, mv, V), BF16)
-    o_rows = (b * T + i_n * C + rc) * H + h
-    tl.store(o_ptr + o_rows[:, None] * V + rv[None, :], scale * o, mask=mv[None, :])

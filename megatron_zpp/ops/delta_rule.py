@@ -1,10 +1,20 @@
-"""What the delta-rule ops (Gated DeltaNet: ops/gdn.py; Kimi Delta Attention: ops/kda.py) share around their
-Triton kernels: which calls the kernels take, and the kernel launches as custom ops with their fakes. The two
-families differ only in the decay's shape: a scalar per head (GDN, g [B, T, H]) or one per key channel (KDA,
-g [B, T, H, K]), so their gate gradient has that shape too.
+"""The delta-rule ops (Gated DeltaNet: ops/gdn.py; Kimi Delta Attention: ops/kda.py) written once: `DeltaRuleOp`
+binds a family's chunked PyTorch form (ops/gdn_chunked.py, ops/kda_chunked.py) and its Triton kernels
+(kernels/<family>.py, as the custom ops <family>_fwd / <family>_bwd with their fakes) and dispatches between them:
+which calls the kernels take, the autograd Function, a T padded to the chunk, a V wider than the kernels' in
+column groups. The two families differ only in the decay's shape: a scalar per head (GDN, g [B, T, H]) or one per
+key channel (KDA, g [B, T, H, K]), so their gate gradient has that shape too.
 
 And the two passes of context parallelism (context_parallel/gdn.py), written once for both families. A slice
-acts on the state entering it affinely, S_out = M S_in + U and o = o_loc + r S_in (r [T, K]):
+acts on the state entering it affinely, S_out = M S_in + U and o = o_loc + r S_in (r [T, K]), r_t = scale P_t^T q_t
+with P_t the product of the transitions up to t and M = P_T. As the recurrence is linear in (v, S) jointly,
+
+    op(q, k, [v, 0_K], g, beta, initial_state=[0_V, I_K], output_final_state=True)
+        == (o' = [o_loc, r], final_state = [U, M])      (V + K value columns)
+
+which is what the tests check the two passes against. The op takes any V != K and an initial state that requires
+grad (its gradient is returned); the Triton kernels take V <= KERNEL_V and the op runs a wider V in column groups,
+exactly (a column of the state never mixes with another): the caller makes one call whatever the widths.
 
     affine    (o_loc, r, U, M): the plain local pass from a zero state (o_loc, U), then the transition pass
               over K x K matrices only. Per chunk n, from the WY form the local pass already built (W [C, K]),
@@ -37,7 +47,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .chunking import compute_dtype, from_chunks, to_chunks
+from .chunking import check_chunk_size, check_shapes, compute_dtype, from_chunks, to_chunks
 
 KERNEL_V = 128  # the kernels' widest V: the ops run a wider V in column groups of this width
 
@@ -169,3 +179,136 @@ def padded_to_chunk(fn, chunk_size: int, q: Tensor, k: Tensor, v: Tensor, g: Ten
     q, k, v, g, beta = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, g, beta))
     o, *rest = fn(q, k, v, g, beta)
     return (o[:, :T], *rest)
+
+
+# ---------------------------------------------------------------- one family's op, written once
+
+
+class DeltaRuleOp:
+    """A delta-rule family's op: `chunked` its chunked PyTorch form (Decays, prepare, fwd_states, fwd_output,
+    bwd_states, bwd_chunks, entering_factors), kernels/<family>.py its Triton kernels (fwd, bwd), g [B, T, H, K]
+    when `per_channel_gate` else [B, T, H]. ops/gdn.py and ops/kda.py each build one and name its parts."""
+
+    def __init__(self, family: str, chunked: ModuleType, per_channel_gate: bool):
+        self.family, self.chunked, self.per_channel_gate = family, chunked, per_channel_gate
+        self.fwd_kernel, self.bwd_kernel = kernel_ops(family, per_channel_gate)
+        self.function = _chunk_function(self)
+
+    def check(self, q, k, v, g, beta, initial_state, chunk_size: int) -> None:
+        """The inputs' shapes and the chunk size, refused in one line (ops/chunking.py)."""
+        check_shapes(q, k, v, initial_state, self.per_channel_gate, g=g)
+        check_shapes(q, k, v, None, False, beta=beta)
+        check_chunk_size(q.shape[1], chunk_size)
+
+    def uses_kernels(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int) -> bool:
+        """Whether the op runs the Triton kernels for these inputs (else the chunked PyTorch form); a V wider than
+        the kernels' runs in column groups."""
+        return use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta)
+
+    def _chunks(self, q, k, v, g, beta, initial_state, chunk_size):
+        """The inputs in chunks, in the compute dtype, and the chunk decays."""
+        dt = compute_dtype(q, k, v, g, beta, initial_state)
+        qc, kc, vc, gc = (to_chunks(x, chunk_size, dt) for x in (q, k, v, g))
+        h0 = initial_state.to(dt) if initial_state is not None else None
+        return dt, qc, kc, vc, to_chunks(beta, chunk_size, dt), self.chunked.Decays(gc), h0
+
+    def reference_fwd(self, q, k, v, g, beta, initial_state, scale, chunk_size):
+        """(o, final state) by the chunked PyTorch form."""
+        _, qc, kc, vc, bc, dec, h0 = self._chunks(q, k, v, g, beta, initial_state, chunk_size)
+        _, W, U = self.chunked.prepare(kc, vc, bc, dec)
+        states_in, v_new, final = self.chunked.fwd_states(kc, W, U, dec, h0)
+        return from_chunks(self.chunked.fwd_output(qc, kc, v_new, states_in, dec, scale)), final
+
+    def reference_bwd(self, q, k, v, g, beta, initial_state, do, d_final_state, scale, chunk_size):
+        """(dq, dk, dv, dg, dbeta, dh0) by the chunked PyTorch form; d_final_state may be a function returning it."""
+        chunked = self.chunked
+        dt, qc, kc, vc, bc, dec, h0 = self._chunks(q, k, v, g, beta, initial_state, chunk_size)
+        T, W, U = chunked.prepare(kc, vc, bc, dec)
+        states_in, v_new, _ = chunked.fwd_states(kc, W, U, dec, h0)
+        doc = to_chunks(do, chunk_size, dt) if do is not None else torch.zeros_like(v_new)
+        if callable(d_final_state):  # context parallelism's reverse scan, run while the states above were recomputed
+            d_final_state = d_final_state()
+        dS = d_final_state.to(dt) if d_final_state is not None else None
+        d_ends, dv_new, dh0 = chunked.bwd_states(qc, kc, W, dec, doc, dS, scale)
+        grads = chunked.bwd_chunks(qc, kc, vc, bc, dec, T, W, v_new, states_in, d_ends, doc, dv_new, scale)
+        return (*(from_chunks(x) for x in grads), dh0)
+
+    def __call__(self, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype):
+        """The op at any T (padded_to_chunk): (o, final state or None)."""
+        rest = (scale, initial_state, output_final_state, chunk_size, out_dtype)
+        return padded_to_chunk(lambda *x: self._whole_chunks(*x, *rest), chunk_size, q, k, v, g, beta)
+
+    def _whole_chunks(self, q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, out_dtype):
+        """The op at a T that is a multiple of chunk_size."""
+        if v.shape[-1] <= KERNEL_V or not use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, initial_state):
+            o, final_state = self.function.apply(q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype)
+            return o, (final_state if output_final_state else None)
+        # The kernels take KERNEL_V value columns: a column of the state never mixes with another (the transitions
+        # act on the K rows) and o's columns are q^T times the state's, so wider V runs exactly in column groups.
+        groups = v.split(KERNEL_V, dim=-1)
+        states = [None] * len(groups) if initial_state is None else initial_state.split(KERNEL_V, dim=-1)
+        apply = self.function.apply
+        outs = [apply(q, k, x, g, beta, s, scale, chunk_size, out_dtype) for x, s in zip(groups, states)]
+        o, final_state = (torch.cat(parts, dim=-1) for parts in zip(*outs))
+        return o, (final_state if output_final_state else None)
+
+    def affine(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int, on_state=None
+    ):
+        """(o_loc [B,T,H,V], r [B,T,H,K], U [B,H,K,V], M [B,H,K,K]) of a context-parallel slice, no autograd, in
+        the state's dtype: S_out = M S_in + U and o = o_loc + r S_in (the plain pass, then the transition pass over
+        K x K matrices); on_state(U, M) as soon as both are known."""
+        self.check(q, k, v, g, beta, None, chunk_size)
+        if self.uses_kernels(q, k, v, g, beta, chunk_size):
+            return affine_kernels(self.fwd_kernel, q, k, v, g, beta, scale, chunk_size, on_state)
+        return affine_reference(self.chunked, q, k, v, g, beta, scale, chunk_size, on_state)
+
+    def vjp(self, q, k, v, g, beta, h0: Tensor, do: Tensor, d_final, scale: float, chunk_size: int):
+        """(dq, dk, dv, dg, dbeta, dh0) of the op at initial_state=h0 for the cotangents do (of o, in v's dtype) and
+        d_final (of the final state; or a function returning it, called once the recompute is done), no autograd:
+        context parallelism's backward."""
+        if use_kernel(chunk_size, q, v[..., :KERNEL_V], k, g, beta, h0, do):  # d_final: h0's dtype
+            grads = vjp_kernels(self.bwd_kernel, q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+        else:
+            grads = self.reference_bwd(q, k, v, g, beta, h0, do, d_final, scale, chunk_size)
+        return as_inputs(grads, q, k, v, g, beta, h0)
+
+
+def _chunk_function(op: DeltaRuleOp) -> type[torch.autograd.Function]:
+    """The family's autograd Function (ChunkGDNFunction, ChunkKDAFunction)."""
+
+    class ChunkFunction(torch.autograd.Function):
+        """(o [B,T,H,V] in v's dtype or out_dtype, final_state [B,H,K,V] fp32) = the chunked op with its own
+        backward. Saves only the inputs; the backward recomputes T, W, U and the states (one forward's work).
+        apply(q, k, v, g, beta, initial_state or None, scale or None (K**-0.5), chunk_size[, out_dtype or None])."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, out_dtype=None):
+            op.check(q, k, v, g, beta, initial_state, chunk_size)
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            ctx.save_for_backward(q, k, v, g, beta, initial_state)
+            ctx.scale, ctx.chunk_size = scale, chunk_size
+            ctx.set_materialize_grads(False)  # a None cotangent skips its share of the backward
+            use = use_kernel(chunk_size, q, v, k, g, beta, initial_state)
+            o, final_state = (op.fwd_kernel if use else op.reference_fwd)(
+                q, k, v, g, beta, initial_state, scale, chunk_size
+            )
+            return o.to(v.dtype if out_dtype is None else out_dtype), final_state
+
+        @staticmethod
+        def backward(ctx, do, d_final_state):
+            q, k, v, g, beta, initial_state = ctx.saved_tensors
+            if do is None and d_final_state is None:
+                return (None,) * 9
+            if do is not None:  # o's gradient in v's dtype, as the cotangent of an output in v's dtype would be
+                do = do.to(v.dtype)
+            use = use_kernel(ctx.chunk_size, q, v, k, g, beta, initial_state, do, d_final_state)
+            dq, dk, dv, dg, dbeta, dh0 = (op.bwd_kernel if use else op.reference_bwd)(
+                q, k, v, g, beta, initial_state, do, d_final_state, ctx.scale, ctx.chunk_size
+            )
+            dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+            grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0)
+            return (*grads, None, None, None)
+
+    ChunkFunction.__name__ = ChunkFunction.__qualname__ = f"Chunk{op.family.upper()}Function"
+    return ChunkFunction

@@ -70,6 +70,7 @@ def test_ci_subset(ci_rows, arch, check):
 def test_every_kernel_is_compiled(ci_rows):
     from megatron_zpp.kernels import (
         cross_entropy,
+        delta_rule,
         gdn,
         gla,
         grouped_gemm,
@@ -81,7 +82,7 @@ def test_every_kernel_is_compiled(ci_rows):
         swiglu,
     )
 
-    modules = (cross_entropy, gdn, gla, grouped_gemm, kda, moe_permute, norm, quantize, rope, swiglu)
+    modules = (cross_entropy, delta_rule, gdn, gla, grouped_gemm, kda, moe_permute, norm, quantize, rope, swiglu)
     kernels = {name for m in modules for name in vars(m) if name.startswith("_") and name.endswith("_kernel")}
     for arch in ARCHS:
         compiled = {r["kernel"] for r in ci_rows if r["arch"] == arch}
