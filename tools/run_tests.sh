@@ -22,6 +22,14 @@ done
 args=("$@")
 [ "$has_path" = 1 ] || args=(tests "$@")
 
+# the whole suite: one pytest worker per core (at most 4; TEST_WORKERS overrides, 0 runs in this process), a test
+# file per worker (--dist loadfile: a module's fixtures, e.g. the AOT compiles, are built once); a single-rank test
+# uses one core, so on CI's 2 cores two files run side by side (multi-rank tests share the cores as they would)
+if [ "$has_path" = 0 ] && [[ " $* " != *" -n "* && " $* " != *" --numprocesses"* ]]; then
+  cores=$(nproc 2>/dev/null || echo 2)
+  workers=${TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+  [ "$workers" -gt 1 ] && args=(-n "$workers" --dist loadfile "${args[@]}")
+fi
 if [ "${RUN_TESTS_DRY_RUN:-0}" = 1 ]; then
   printf '%s\n' "${args[@]}"
   exit 0

@@ -9,8 +9,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def pytest_args(*argv):
-    env = dict(os.environ, RUN_TESTS_DRY_RUN="1")
+def pytest_args(*argv, workers="0"):
+    env = dict(os.environ, RUN_TESTS_DRY_RUN="1", TEST_WORKERS=workers)
     out = subprocess.run(["bash", "tools/run_tests.sh", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
@@ -30,6 +30,13 @@ def pytest_args(*argv):
 )
 def test_paths_given_are_the_paths_run(argv, expected):
     assert pytest_args(*argv) == expected
+
+
+def test_the_whole_suite_runs_a_file_per_worker():
+    assert pytest_args(workers="2") == ["-n", "2", "--dist", "loadfile", "tests"]
+    assert pytest_args("-k", "x", workers="2") == ["-n", "2", "--dist", "loadfile", "tests", "-k", "x"]
+    assert pytest_args("-n", "3", workers="2") == ["tests", "-n", "3"]  # the caller's own count
+    assert pytest_args("tests/data", workers="2") == ["tests/data"]  # given paths: in this process
 
 
 def test_ci_runs_the_whole_suite():
