@@ -20,7 +20,7 @@ COPY megatron_zpp ./megatron_zpp
 RUN pip install --no-cache-dir --no-deps -e . \
  && pip install --no-cache-dir -c /etc/pip-image-constraints.txt \
       numpy pyyaml tqdm "safetensors>=0.4" "sentencepiece>=0.2" "datasets>=3" zstandard tensorboard wandb \
-      "transformers>=5.24" "fla-core==0.6.0" "pytest>=8" pytest-timeout \
+      "transformers>=5.24" "fla-core==0.6.0" "pytest>=8" pytest-timeout "pytest-xdist>=3.8" \
  && test "$(python -c 'import torch; print(torch.__version__)')" = "$(cat /tmp/torch_version)" \
  && python -c "import megatron_zpp, transformers, fla; print('transformers', transformers.__version__)"
 COPY . .
