@@ -5,7 +5,7 @@
   prefill, then one token at a time through their recurrent and key/value cache), greedy `generate` (cached and
   not) equal to ours (megatron_zpp.generation), every norm zero-centred (--apply-layernorm-1p), the GDN output
   norm too, which goes out as Qwen's plain gain 1 + w; `--from hf` brings every tensor back bitwise (that one
-  within 2^-24: 1 + w is rounded).
+  as the gain 1 + w: an import takes Qwen's plain gain as it is, `--gdn-out-norm rmsnorm`).
 - transformers' gated attention (Qwen3NextAttention: the q|gate interleave, partial RoPE, zero-centred q/k norms)
   on the same weights as ours: a model of softmax layers only.
 - a tiny model transformers builds from its own config (random init, perturbed) imports here with its logits and
@@ -134,12 +134,13 @@ def test_export_imports_back_bitwise(exported, tmp_path):
     assert _convert(back) == 0
     got, config = consolidate(str(tmp_path / "back"))
     assert got.keys() == weights.keys()
-    # the GDN output norm's zero-centred w goes out as Qwen's plain gain 1 + w (fp32: rounded within 2^-24) and
-    # comes back as (1 + w) - 1; every other tensor bitwise
+    # the GDN output norm's zero-centred w goes out as Qwen's plain gain 1 + w and comes back as that gain, held
+    # as it is (--gdn-out-norm rmsnorm); every other tensor bitwise
     gain = {n for n in weights if n.endswith("mixer.head_norm")}
     assert len(gain) == 3 and all(torch.equal(got[n], w) for n, w in weights.items() if n not in gain)
-    assert all((got[n] - weights[n]).abs().max() <= 2**-24 for n in gain)
+    assert all(torch.equal(got[n], weights[n] + 1) for n in gain)
     m = config_from_dict(config).model
+    assert m.gdn_out_norm == "rmsnorm"
     assert (m.attention_output_gate, m.qk_layernorm, m.apply_layernorm_1p, m.rotary_percent) == (True, True, True, 0.5)
     assert (m.attention_type, m.softmax_attention_every) == ("gdn", 4)
     assert m.moe_layer_freq == cfg.model.moe_layer_freq.replace(",", ", ")
@@ -191,6 +192,7 @@ def test_transformers_model_imports_with_its_logits_and_exports_back(kind, tmp_p
     model = _transformers_model(kind)
     weights, cfg = _import(model, tmp_path, mtp=kind == "qwen3_next")
     assert ("output.weight" in weights) != (kind == "qwen3_5_tied")
+    assert cfg.model.gdn_out_norm == "rmsnorm"  # their gated norm's plain gain, as it is (bitwise both ways)
     with torch.no_grad():
         theirs = model(_tokens(), use_cache=False).logits
         ours = _our_model(cfg, weights)(_tokens())
@@ -240,7 +242,7 @@ QWEN3_NEXT_FLAGS = (  # the flags of _transformers_model("qwen3_next") imported,
     HYBRID.replace("--vocab-size 100 ", "--vocab-size 128 ")
     + MOE
     + "--moe-layer-freq [1,0,1,1] --rotary-base 20000 --train-iters 2 --global-batch-size 4 --micro-batch-size 1 "
-    "--lr 1e-3 --seed 3 --linear-conv-kernel-dim 4"
+    "--lr 1e-3 --seed 3 --linear-conv-kernel-dim 4 --gdn-out-norm rmsnorm"
 ).split()
 
 

@@ -10,7 +10,8 @@ Both are hybrids of Gated DeltaNet layers and output-gated softmax attention at 
   ([q_h | gate_h] for h = 0..H-1), ours q | k | v | gate: rows reordered here;
 - GDN layers: q | k | v through one depthwise convolution (conv1d [C, 1, K], ours [C, K]), A_log and dt_bias per
   value head, one RMSNorm weight over a value head's channels (the plain gain g, not zero-centred: ours, which
-  follows --apply-layernorm-1p, goes out as 1 + w and comes in as g - 1) times silu(z), out_proj.
+  follows --apply-layernorm-1p, goes out as 1 + w; an import holds g as it is: --gdn-out-norm rmsnorm) times
+  silu(z), out_proj.
   Qwen3-Next fuses the input projection per key head (in_proj_qkvz: [q_g | k_g | v_g | z_g] for each key head g,
   its value heads r = Hv / Hk together; in_proj_ba: [b_g | a_g]); Qwen3.5 keeps in_proj_qkv, in_proj_z,
   in_proj_b, in_proj_a apart. Ours: proj_in = q | k | v | z | a | b, each head-major;
@@ -176,7 +177,7 @@ def gdn_from_hf(hf: Reads, cfg, i: int, grouped: bool, norm_numel: int) -> dict[
     else:
         q, k, v = hf[src + "in_proj_qkv.weight"].split(h.sections[:3], dim=0)
         z, b, a = hf[src + "in_proj_z.weight"], hf[src + "in_proj_b.weight"], hf[src + "in_proj_a.weight"]
-    norm = hf[src + "norm.weight"].float() - (1 if cfg.model.gdn_norm[1] else 0)  # ours zero-centred: g = 1 + w
+    norm = hf[src + "norm.weight"].float()  # the plain gain g, held as it is (the import's --gdn-out-norm rmsnorm)
     return {
         dst + "proj_in.weight": torch.cat([q, k, v, z, a, b]),
         dst + "conv": hf[src + "conv1d.weight"].squeeze(1),
@@ -366,6 +367,7 @@ def config_from(hf: dict, model_type: str):
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear = "RMSNorm", "swiglu", "rope", False
     m.apply_layernorm_1p = True
+    m.gdn_out_norm = "rmsnorm"  # Qwen's RMSNormGated holds the plain gain: taken as it is, bitwise both ways
     m.qk_layernorm = m.attention_output_gate = FULL in kinds  # theirs on every softmax layer
     m.attention_dropout = float(hf.get("attention_dropout", 0.0))
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
