@@ -257,11 +257,12 @@ def kda_layer(x: Dims, selective: bool) -> int:
 
 
 def kda_backward_live(x: Dims) -> int:
-    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and the chunked form's per-channel pair decays:
-    [C, C, K] per chunk and head, i.e. C values per channel and token, with their exponent sums and gradients
-    (ops/kda_chunked.py), 4.75 C + 8 fp32 [b, s, width] tensors more, fitted to LiveBytes at C = 16..64, d = 16
-    and 32 (within 1.5%; the PyTorch reference, not the kernels)."""
-    return gdn_backward_live(x) + int(4 * x.b * x.s * x.width * (4.75 * x.chunk + 8))
+    """While chunk_kda's backward runs: GDN's (`gdn_backward_live`) and what the chunked form's per-channel decays
+    change (ops/kda_chunked.py: its pair decays' factors, log2 C levels of [b, s, width] each, and [C, C] matrices
+    fewer than GDN's fit counts), 19.5 - 4.2 C/d fp32 [b, s, width] tensors, fitted to LiveBytes at C = 16..64,
+    d = 16 and 32 (C/d from 1/2 to 4, within 1.4 units; the PyTorch reference, not the kernels)."""
+    w = sum(x.gdn_width) / 2
+    return gdn_backward_live(x) + int(4 * x.b * x.s * w * (19.5 - 4.2 * x.chunk / x.gdn_k))
 
 
 def dropout_saved(x: Dims) -> int:

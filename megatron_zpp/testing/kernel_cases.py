@@ -197,9 +197,10 @@ def _gdn_bytes(B, T, H, D, C, dtype, h0, V=None):
 def _kda_bytes(B, T, H, D, C, dtype, h0):
     # as GDN's, with the per-key gate and its gradient and the backward's fp32 [T, D] buffers (dq, dk, dg and the
     # exponents' two gradients): twelve fp32 [T, D] tensors a head in all; the reference (one head) also holds its
-    # per-channel pair decays [T, C, D] fp32 and their gradient's einsum temporaries (six such)
+    # pair decays' factors (log2 C levels of [T, D] fp32 and their gradients) and its [C, C] matrices ([T, C])
     per_token, states = 8 * _size(dtype) + 48, 3 * -(-T // C) * D * D * 4
-    return B * T * H * D * per_token + B * H * states + T * D * per_token + states + 6 * T * C * D * 4
+    reference = (2 * C.bit_length() + 8) * T * D * 4 + 8 * T * C * 4
+    return B * T * H * D * per_token + B * H * states + T * D * per_token + states + reference
 
 
 # per kernel family: the launches of one case (on CPU tensors: the compile test intercepts them) and the device
