@@ -6,18 +6,18 @@
     sudo .venv/bin/python bench/cp.py --mixer gdn --ps 4 8    (Gated DeltaNet, K = V = 128: All-Scan vs all-gather)
     .venv/bin/python bench/cp.py --mixer kda --no-netns --ps 2   (Kimi Delta Attention: the operator's own cost)
 
---mixer gdn / kda run the same rows on Gated DeltaNet's / Kimi Delta Attention's operator (context_parallel/gdn.py):
-ideal = chunk_gdn / chunk_kda on the slice, the operator = gdn_context_parallel (the plain local pass and a K x K
-transition pass for (U, M, r); the scan waits for (U, M), so the overhead target is GLA's only; its own target:
-the no-comm op at most 1.3x the ideal, wall and CPU time), the all-gather = fla's KCP exchange ((U, M): (P-1) x
-(1 + K/V) states forward), All-Scan's blocks cut along V; All-Scan against the all-gather at every P > 2.
+--mixer gdn / kda run the same rows on Gated DeltaNet's / Kimi Delta Attention's operator
+(context_parallel/delta_rule.py): ideal = chunk_gdn / chunk_kda on the slice, the operator =
+delta_rule_context_parallel (the plain local pass and a K x K transition pass for (U, M, r); the scan waits for
+(U, M), so the overhead target is GLA's only; its own target: the no-comm op at most 1.3x the ideal, wall and CPU
+time), the all-gather = fla's KCP exchange ((U, M): (P-1) x (1 + K/V) states forward), All-Scan's blocks cut
+along V; All-Scan against the all-gather at every P > 2.
 
-Shape: B = 1, H = 8 heads, key/value head dims K = 128, V = 256, T_local = 2048 tokens per rank in chunks
-of 64 (32 chunks per rank), fp32; weak scaling as in the ZeCO paper (the sequence is P * T_local). A state
-is B*H*K*V*4 = 1 MiB. 2048 x 64 is the smallest point of the long-sequence regime (>= 2048 tokens and >= 16
-chunks per rank, where the local work can hide the scan): one rank's forward+backward is ~1 s on one core,
-and the CP operator's ~1.8 s, so at P = 8 (4 ranks per core) a call is ~7 s and the default run (6 rows x 7
-calls x P = 2, 4, 8, two settings) ~20 min; T_local 4096 would double it.
+Shape: B = 1, H = 8 heads, K = 128, V = 256, T_local = 2048 tokens per rank in chunks of 64 (32 a rank), fp32; weak
+scaling as in the ZeCO paper (the sequence is P * T_local). A state is B*H*K*V*4 = 1 MiB. 2048 x 64 is the smallest
+point of the long-sequence regime (>= 2048 tokens and >= 16 chunks per rank, where the local work can hide the scan):
+one rank's forward+backward is ~1 s on one core (GLA; KDA ~0.7 s, GDN ~0.3 s at V = 128), the CP operator's 1.0-1.1x
+that; the default run (6 rows x 7 calls x P = 2, 4, 8, two settings) takes ~20 min, T_local 4096 twice that.
 
 Rows, every one on the same tensors (each rank its own slice, the same seed in every row):
   ideal          chunk_gla_local on the slice from a zero state: the local pass only, no communication

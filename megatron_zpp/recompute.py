@@ -18,13 +18,16 @@ The rerun must compute what the first run computed, bit for bit:
   as if there had been no rerun.
 * communication whose result is already known is not repeated: a layer calls `recall()` before
   it communicates (the rerun gets what the first run received, in call order) and `remember()`
-  after (the first run keeps it). The GLA state entering a context-parallel slice (All-Scan,
-  LASP-2, ring) goes this way: the rerun neither sends nor receives it.
+  after (the first run keeps it). The state entering a context-parallel slice of a linear mixer
+  (GLA, GDN, KDA; All-Scan, all-gather, ring) goes this way: the rerun neither sends nor receives it.
 
 Collectives the rerun does repeat (the sequence-parallel gathers and scatters inside a block,
 the K/V gather of softmax attention under CP in a full recompute, and a ZeRO-3 gather that the
 rerun of a group needs before its block's backward would have issued it) are recorded in the
-ledger under their phase + ":recompute" (comm.recompute_phase).
+ledger under their phase + ":recompute" (comm.recompute_phase). The rerun stops at the last
+tensor the backward needs (checkpoint's early stop), so a region's closing collective with
+nothing kept after it (a block's last reduce-scatter) is not repeated; the simulator
+(planning/simulator/collectives.py) counts the same.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ def test_kernels_are_reached_only_through_the_ops_dispatch():
 
 def _mixer(module: str) -> str | None:
     """The linear-attention mixer a package module belongs to by its name (gla*, linear_attention: GLA; gdn*,
-    gated_deltanet: GDN), else None (the shared files, and hf_remote's one model file that runs both)."""
+    gated_deltanet: GDN; kda*: KDA), else None (the shared files: chunking, delta_rule, scans, ...; and hf_remote's
+    one model file that runs them all)."""
     name = module.split(".")[-1]
     if module.startswith("megatron_zpp.hf_remote"):
         return None
@@ -240,15 +241,17 @@ def _mixer(module: str) -> str | None:
         return "gla"
     if name.startswith("gdn") or name == "gated_deltanet":
         return "gdn"
+    if name.startswith("kda"):
+        return "kda"
     return None
 
 
 def test_no_mixer_imports_another_mixers_module():
     # the linear-attention family shares neutral files (ops/chunking, kernels/chunk_common, context_parallel/scans,
-    # ...), fla's ops/common model: a GDN module imports no GLA module, nor the other way round
+    # ...), fla's ops/common model: a GDN module imports no GLA or KDA module, and so on for each
     graph = import_graph()
     mixers = {m: _mixer(m) for m in graph}
-    assert {"gla", "gdn"} <= set(mixers.values())
+    assert {"gla", "gdn", "kda"} <= set(mixers.values())
     for module, imports in graph.items():
         own = mixers[module]
         bad = sorted(m for m in imports if own and mixers.get(m) not in (None, own))

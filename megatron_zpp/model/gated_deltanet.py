@@ -26,7 +26,7 @@ channel, A_log and dt_bias per value head; the norm weight and bias are replicat
 Packed documents: log a = -inf at each document's first token (the state resets) and the
 convolution reads no token of an earlier document.
 
-Context parallelism (context_parallel/gdn.py): the operator's state goes over the CP ranks by --cp-algo
+Context parallelism (context_parallel/delta_rule.py): the operator's state goes over the CP ranks by --cp-algo
 (All-Scan, all-gather or ring), and the convolution reads the previous rank's last kernel-1 tokens.
 
 --attention-type gdn (hybrids with --softmax-attention-every); chunk length --linear-chunk-size."""
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .. import recompute
 from ..config import ModelConfig, default_linear_chunk_size
-from ..context_parallel.gdn import gdn_context_parallel
+from ..context_parallel.delta_rule import delta_rule_context_parallel
 from ..ops.gdn import chunk_gdn
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
@@ -130,7 +130,7 @@ class GatedDeltaNet(nn.Module):
         ctx, chunk = self.ctx, self.chunk_size or default_linear_chunk_size(q.device.type)
         out_dtype = torch.promote_types(v.dtype, torch.float32)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
-            return gdn_context_parallel(
+            return delta_rule_context_parallel(
                 q, k, v, g, beta, ctx.cp, ctx.cp_algo, ctx.all_scan_blocks, chunk_size=chunk, out_dtype=out_dtype
             )
         return chunk_gdn(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0]  # any T (the op pads)

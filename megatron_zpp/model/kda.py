@@ -15,7 +15,7 @@ low-rank gate) and their gradient, like the shared norm weight's, is a partial s
 
 Packed documents: g = -inf on every channel at each document's first token (chunk_kda's hard reset) and the
 convolution reads no token of an earlier document. Context parallelism: the operator's state goes over the CP
-ranks by --cp-algo through context_parallel/gdn.py with chunk_kda as the local operator (a dense [K, K]
+ranks by --cp-algo through context_parallel/delta_rule.py with chunk_kda as the local operator (a dense [K, K]
 transition), and the convolution reads the previous rank's last kernel-1 tokens (model/short_conv.py).
 
 --attention-type kda (hybrids with --softmax-attention-every); chunk length --linear-chunk-size."""
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import recompute
 from ..config import ModelConfig, default_linear_chunk_size
-from ..context_parallel.gdn import gdn_context_parallel
+from ..context_parallel.delta_rule import delta_rule_context_parallel
 from ..ops.kda import chunk_kda
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import mark
@@ -97,7 +97,7 @@ class KimiDeltaAttention(nn.Module):
         out_dtype = torch.promote_types(v.dtype, torch.float32)
         if ctx.cp_size > 1:  # this rank's slice; the state flows over the CP ranks
             algo, blocks = ctx.cp_algo, ctx.all_scan_blocks
-            return gdn_context_parallel(
+            return delta_rule_context_parallel(
                 q, k, v, g, beta, ctx.cp, algo, blocks, chunk_size=chunk, out_dtype=out_dtype, op=chunk_kda
             )
         return chunk_kda(q, k, v, g, beta, chunk_size=chunk, out_dtype=out_dtype)[0]  # any T (the op pads)

@@ -5,7 +5,7 @@ which calls the kernels take, the autograd Function, a T padded to the chunk, a 
 column groups. The two families differ only in the decay's shape: a scalar per head (GDN, g [B, T, H]) or one per
 key channel (KDA, g [B, T, H, K]), so their gate gradient has that shape too.
 
-And the two passes of context parallelism (context_parallel/gdn.py), written once for both families. A slice
+And the two passes of context parallelism (context_parallel/delta_rule.py), written once for both families. A slice
 acts on the state entering it affinely, S_out = M S_in + U and o = o_loc + r S_in (r [T, K]), r_t = scale P_t^T q_t
 with P_t the product of the transitions up to t and M = P_T. As the recurrence is linear in (v, S) jointly,
 

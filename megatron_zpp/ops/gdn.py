@@ -15,7 +15,7 @@ out_dtype). Work is in fp32 (fp64 when any input is fp64; bf16 is computed in fp
                           Triton kernels on CUDA when they take the call (`chunk_gdn_uses_kernels`); any T
                           (identity tokens pad the last chunk)
 
-Context parallelism (context_parallel/gdn.py): `gdn_affine` (the slice's affine map of its entering state) and
+Context parallelism (context_parallel/delta_rule.py): `gdn_affine` (the slice's affine map of its entering state) and
 `gdn_vjp` (the backward at that state); ops/delta_rule.py, written once for GDN and KDA, states the map, the
 identity the tests check them against, and the column groups of a V wider than the kernels' KERNEL_V = 128.
 """

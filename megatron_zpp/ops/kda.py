@@ -15,7 +15,7 @@ g [B, T, H, K]; beta [B, T, H]; states [B, H, K, V]; o [B, T, H, V] in v's dtype
     chunk_kda             chunked WY/UT form with its own backward (ops/kda_chunked.py describes it); the
                           Triton kernels on CUDA when they take the call (`chunk_kda_uses_kernels`)
 
-Context parallelism (context_parallel/gdn.py): `kda_affine` (the slice's affine map of its entering state) and
+Context parallelism (context_parallel/delta_rule.py): `kda_affine` (the slice's affine map of its entering state) and
 `kda_vjp` (the backward at that state); ops/delta_rule.py, written once for GDN and KDA, states the map, the
 identity the tests check them against, and the column groups of a V wider than the kernels' KERNEL_V = 128.
 """

@@ -216,7 +216,7 @@ def gdn_layer(x: Dims, selective: bool) -> int:
 
 
 def gdn_cp_saved(x: Dims) -> int:
-    """Under CP (context_parallel/gdn.py's ScannedDeltaRule), beyond the single-rank layer: r [b, s, heads, d]
+    """Under CP (context_parallel/delta_rule.py's ScannedDeltaRule), beyond the single-rank layer: r [b, s, heads, d]
     (1 fp32 width; the op's inputs are the single-rank layer's), S_in and M (the scan's transition; 2 fp32
     [b, heads, d, d]); the all-gather also every rank's packed (state, M) buffer (P x 2 of them)."""
     if x.cp == 1:
@@ -239,7 +239,7 @@ def gdn_backward_live(x: Dims) -> int:
     reference backward's fp32 working set (ops/gdn_chunked.py: the recomputed T, W, U, states and v_new,
     their gradients, dq dk dv), in units of one [b, s, width] fp32 tensor: 15.4 + 10.9 C/d + 3.4 d/C, fitted
     to LiveBytes at (d, C) = (16..64, 16..64) (C/d from 1/4 to 2: within 0.3 units); under CP the same (the
-    operator of context_parallel/gdn.py runs that backward at the entering state) and `gdn_cp_saved`."""
+    operator of context_parallel/delta_rule.py runs that backward at the entering state) and `gdn_cp_saved`."""
     bs, (wk, wv), C, d = x.b * x.s, x.gdn_width, x.chunk, x.gdn_k
     w = (wk + wv) / 2  # the fit's width (K = V there): the mean of the key and value widths
     kept = norm_saved(x) + linear_input(x) + x.e * bs * (x.h + x.linear_proj)

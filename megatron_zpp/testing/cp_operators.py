@@ -1,6 +1,6 @@
 """What bench/cp.py runs on each rank (and its smoke test through it): the operators under context parallelism on
 one rank's slice, built from a config dict: GLA's (context_parallel/gla.py) and the delta-rule one of Gated
-DeltaNet and Kimi Delta Attention (context_parallel/gdn.py), the plain local pass they are measured against, and
+DeltaNet and Kimi Delta Attention (context_parallel/delta_rule.py), the plain local pass they are measured against, and
 the operator on a silent scan (its own arithmetic without communication)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 NO_COMM = "none"  # the algorithm name of the operator on a SilentScan
-DELTA_RULE = ("gdn", "kda")  # Gated DeltaNet and Kimi Delta Attention: one CP operator (context_parallel/gdn.py)
+DELTA_RULE = ("gdn", "kda")  # Gated DeltaNet and Kimi Delta Attention: one CP operator (context_parallel/delta_rule.py)
 
 
 def make_inputs(cfg: dict, rank: int) -> dict:
@@ -46,7 +46,7 @@ class SilentScan:
 
 def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int, mixer: str) -> None:
     from megatron_zpp.context_parallel import gla_context_parallel
-    from megatron_zpp.context_parallel.gdn import gdn_context_parallel, scanned_gdn
+    from megatron_zpp.context_parallel.delta_rule import delta_rule_context_parallel, scanned_delta_rule
     from megatron_zpp.context_parallel.gla import ContextParallelGLA
     from megatron_zpp.ops.gdn import chunk_gdn
     from megatron_zpp.ops.gla import chunk_gla_local
@@ -59,11 +59,11 @@ def run_operator(x: dict, cp, algo: str | None, blocks: int, chunk: int, mixer: 
     if algo is None:
         o = (op or chunk_gla_local)(*x["leaves"], chunk_size=chunk)[0]
     elif algo == NO_COMM and op is not None:
-        o = scanned_gdn(*x["leaves"], SilentScan(), None, scale, chunk, None, op)
+        o = scanned_delta_rule(*x["leaves"], SilentScan(), None, scale, chunk, None, op)
     elif algo == NO_COMM:
         o = ContextParallelGLA.apply(*x["leaves"], None, SilentScan(), scale, chunk)
     elif op is not None:
-        o = gdn_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk, op=op)
+        o = delta_rule_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk, op=op)
     else:
         o = gla_context_parallel(*x["leaves"], cp, algo, blocks, chunk_size=chunk)
     o.sum().backward()

@@ -381,6 +381,8 @@ def test_hf_remote_import_refuses_what_we_cannot_hold(tmp_path, capsys):
     cfg = rope_config()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.attention_type = 1, 32, "gla"
     state = {n: p.detach() for n, p in GPT(cfg.model, 64).named_parameters()}
+    assert cfg.model.linear_chunk_size is None  # unset: the device's default, not a null in config.json
+    assert "gla_chunk_size" not in hf_remote_export.config(cfg, 64)
     theirs = hf_remote_export.to_remote_state(state, cfg)
     with pytest.raises(hf_remote_export.RemoteConversionError, match="does not have: model.layers.0.attn.extra"):
         hf_remote_export.from_remote_state({**theirs, "model.layers.0.attn.extra": torch.zeros(1)}, cfg)

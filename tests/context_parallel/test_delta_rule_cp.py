@@ -1,4 +1,4 @@
-"""The context-parallel passes of the delta-rule ops (ops/delta_rule.py through context_parallel/gdn.py's
+"""The context-parallel passes of the delta-rule ops (ops/delta_rule.py through context_parallel/delta_rule.py's
 ScannedDeltaRule), Gated DeltaNet and KDA, against the wide pass they replace: the op on [v, 0_K] from the initial
 state [0, I_K] (o = [o_loc, r], final state = [U, M]), differentiated by autograd through the op's own backward.
 In fp64 with packed documents inside the slice (g = -inf on a chunk's first, a middle and a last token of
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zpp.context_parallel.gdn import ScannedDeltaRule
+from megatron_zpp.context_parallel.delta_rule import ScannedDeltaRule
 from megatron_zpp.ops.gdn import chunk_gdn
 from megatron_zpp.ops.kda import chunk_kda
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet and Kimi Delta Attention under context parallelism (context_parallel/gdn.py with chunk_gdn or
+"""Gated DeltaNet and Kimi Delta Attention under context parallelism (context_parallel/delta_rule.py with chunk_gdn or
 chunk_kda as the local operator: All-Scan, all-gather, ring), one harness for both mixers.
 
 The operator against the fp64 token loop over the whole sequence at CP 2/4/8 for every algorithm (an initial state
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from megatron_zpp import comm, training
 from megatron_zpp.config.arguments import parse_args
-from megatron_zpp.context_parallel.gdn import gdn_context_parallel
+from megatron_zpp.context_parallel.delta_rule import delta_rule_context_parallel
 from megatron_zpp.context_parallel.halo import previous_tokens
 from megatron_zpp.topology import Topology, build_groups
 from megatron_zpp.validation import validate
@@ -94,7 +94,7 @@ def _cp_op(mixer, cp, algo, blocks, chunk):
 
     def fn(*a):
         kw = dict(algo=algo, blocks=blocks, scale=0.3, chunk_size=chunk, initial_state=a[5], op=MIXERS[mixer].op)
-        return gdn_context_parallel(*a[:5], cp, **kw)
+        return delta_rule_context_parallel(*a[:5], cp, **kw)
 
     return fn
 
@@ -143,7 +143,7 @@ def _check_ledger(mixer, rank, world, cp):
     local = [x[:, sl].clone().requires_grad_() for x in (q, k, v, g, beta)]
     for algo, blocks in ALGOS:
         comm.LEDGER.reset()
-        o = gdn_context_parallel(*local, cp, algo=algo, blocks=blocks, chunk_size=CHUNK, op=MIXERS[mixer].op)
+        o = delta_rule_context_parallel(*local, cp, algo=algo, blocks=blocks, chunk_size=CHUNK, op=MIXERS[mixer].op)
         (o * do[:, sl]).sum().backward()
         name = {"all-scan": "allscan", "all-gather": "lasp2", "ring": "ring"}[algo]
         fwd, bwd = sent(f"cp_{name}_fwd"), sent(f"cp_{name}_bwd")
@@ -316,16 +316,16 @@ def test_context_parallel_matches_token_loop_and_one_rank(world):
 def test_single_rank_is_the_op_and_a_bad_algo_is_refused(mixer, gates):
     q, k, v, g, beta, h0, _ = make_inputs(mixer, 2 * T_LOCAL, torch.float64, gates)
     op = MIXERS[mixer].op
-    o = gdn_context_parallel(q, k, v, g, beta, None, chunk_size=CHUNK, initial_state=h0, op=op)
+    o = delta_rule_context_parallel(q, k, v, g, beta, None, chunk_size=CHUNK, initial_state=h0, op=op)
     torch.testing.assert_close(o, MIXERS[mixer].loop(q, k, v, g, beta, initial_state=h0)[0])
     with pytest.raises(ValueError, match="unknown CP algorithm"):
-        gdn_context_parallel(q, k, v, g, beta, None, algo="zigzag", op=op)
+        delta_rule_context_parallel(q, k, v, g, beta, None, algo="zigzag", op=op)
 
 
 def _sabotaged(rank, world, runs):
     """collect() of each (argv, sabotage) in `runs`: "correction" drops the entering state's term r^T S_in (the
     scan is skipped), "halo" gives the convolution zeros for the previous slice's tokens."""
-    import megatron_zpp.context_parallel.gdn as cp_gdn
+    import megatron_zpp.context_parallel.delta_rule as cp_gdn
     import megatron_zpp.model.short_conv as short_conv
 
     entering, halo, out = cp_gdn.EnteringState.apply, short_conv.previous_tokens, []

@@ -88,7 +88,8 @@ def config(cfg, vocab: int, tokenizer=None) -> dict:
         "max_position_embeddings": m.max_position_embeddings or m.seq_length,
         "gla_gate_low_rank": m.gla_gate_low_rank,
         "gla_gate_normalizer": m.gla_gate_normalizer,
-        "gla_chunk_size": m.linear_chunk_size,  # the remote config's key, unchanged
+        # the remote config's key, unchanged; unset (the device's default) leaves the remote config's own
+        **({"gla_chunk_size": m.linear_chunk_size} if m.linear_chunk_size else {}),
         "linear_attention_type": m.attention_type if m.attention_type in ("gdn", "kda") else "gla",
         "linear_conv_kernel": GDN_CONV_KERNEL,
         **(_gdn_config(m) if m.attention_type == "gdn" else {}),
@@ -273,7 +274,7 @@ def _config_from_remote(hf: dict):
     m.position_embedding_type, m.add_bias_linear = "rope", False  # what the remote code holds (unsupported)
     m.openai_gelu = hf.get("gelu_approximate", "tanh") == "tanh"  # without biases, Megatron's tanh gelu is this one
     m.gla_gate_low_rank, m.gla_gate_normalizer = hf["gla_gate_low_rank"], float(hf["gla_gate_normalizer"])
-    m.linear_chunk_size = hf["gla_chunk_size"]
+    m.linear_chunk_size = hf.get("gla_chunk_size")
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", True)
     m.init_method_std = hf.get("initializer_range", m.init_method_std)
     if linear == "gdn":  # exports before these keys: one value head per key head of head_dim, per-head norm weights

@@ -13,7 +13,7 @@ Enumerated the way the engines issue them (read alongside the code they mirror):
   GLA and GDN layers pass one fp32 state [b, heads, d, d] down the chain (all-scan, ring)
   or all-gather every state with its transition (GLA's decay [b, heads, d], GDN's M [b, heads,
   d, d]), forward and backward; GDN's convolution sends its last 3 q|k|v tokens to the next
-  rank (context_parallel/gdn.py) and gets their gradient back;
+  rank (context_parallel/delta_rule.py) and gets their gradient back;
 * moe/ (simulator/moe.py): an MoE layer's router counts and token exchanges per micro-batch;
   its routed experts' gradients over the expert-data-parallel group (their own DDP buffer, or
   each block's expert unit under ZeRO: gathered before the block, reduced before it, flat);

@@ -21,7 +21,7 @@ Overlap, per rank, with one compute stream and one communication stream per link
 * the GLA state scan runs while the layer computes its local output (context_parallel/
   gla.py): exposed is what exceeds the GLA operator's share of the layer; its time is the
   chain on the group's hops (context_parallel/chain.py: All-Scan in the K blocks the runtime
-  picks, the ring in one) or LASP-2's all-gather; GDN's scan (context_parallel/gdn.py) waits
+  picks, the ring in one) or LASP-2's all-gather; GDN's scan (context_parallel/delta_rule.py) waits
   for the local pass: all exposed,
   as is GDN's convolution halo (one p2p of 3 tokens each way);
 * ZeRO-3: a unit's gather is issued when the previous unit starts computing (prefetch of

@@ -94,7 +94,7 @@ class ScannedDeltaRule(torch.autograd.Function):
         return (*grads, d_head, None, None, None, None)
 
 
-def gdn_context_parallel(
+def delta_rule_context_parallel(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -125,10 +125,10 @@ def gdn_context_parallel(
     V = v.shape[-1]
     scan = make_scan(algo, cp, blocks, B * H * K * V * 4, q.device, V)
     head = initial_state if initial_state is not None and cp.rank == 0 else None
-    return scanned_gdn(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype, op)
+    return scanned_delta_rule(q, k, v, g, beta, scan, head, scale, chunk_size, out_dtype, op)
 
 
-def scanned_gdn(
+def scanned_delta_rule(
     q, k, v, g, beta, scan, head: Tensor | None, scale: float, chunk_size: int, out_dtype=None, op=chunk_gdn
 ) -> Tensor:
     """This slice's output (`op`: chunk_gdn or chunk_kda) with S_in from `scan` (any object with the scans' forward
