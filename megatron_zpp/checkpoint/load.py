@@ -24,7 +24,7 @@ from .files import (
     train_state_of,
 )
 from .layout import RankLayout, layout_changes, rank_layout
-from .reshard import SavedCheckpoint, check_same_model, head_norm_change, rank_state_for
+from .reshard import SavedCheckpoint, check_same_model, function_changes, head_norm_change, rank_state_for
 from .rng import get_rng_state
 
 if TYPE_CHECKING:  # for the annotations only
@@ -330,5 +330,6 @@ def load_checkpoint(
         # (the MFU peak's matmul probe, a profiler) shifts the dropout streams of a resumed run
         rng if t.load_rng and not finetune else None,
         plan.changes or None,  # resharded: RNG states stay this run's fresh seeds
-        legacy_warning(plan.meta),  # a checkpoint saved before meta.json.sha256: loaded, unverified
+        # a checkpoint saved before meta.json.sha256 (loaded, unverified); settings that change what its tensors do
+        "; ".join(filter(None, (legacy_warning(plan.meta), function_changes(plan.meta, target.cfg)))) or None,
     )

@@ -26,6 +26,8 @@ never a target, but their logits are in the softmax, so the loss moves slightly.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config.moe import moe_layer_pattern
@@ -247,6 +249,37 @@ def check_same_gdn_norm(path: str, saved_cfg, cfg) -> None:
         f"{path} was saved with --gdn-out-norm {saved.gdn_out_norm} (GDN output norm: {_gdn_norm(saved)}), this run "
         f"has --gdn-out-norm {now.gdn_out_norm} ({_gdn_norm(now)}): give --gdn-out-norm {saved.gdn_out_norm}"
     )
+
+
+# Model settings that change what the same tensors compute, not their names or shapes: a load that changes one goes
+# on (a longer context's --rotary-base is a deliberate change) and says so in one warning (function_changes).
+SAME_TENSORS_OTHER_FUNCTION = (
+    "apply_layernorm_1p",
+    "norm_epsilon",
+    "activation",
+    "openai_gelu",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "gla_gate_normalizer",
+    "linear_allow_neg_eigval",
+    "linear_norm_epsilon",
+)
+
+
+def function_changes(meta: dict, cfg) -> str | None:
+    """'--flag a -> b, ...: ...' for the settings of SAME_TENSORS_OTHER_FUNCTION this run changes, or None."""
+    saved, now = config_from_dict(meta["config"]).model, cfg.model
+    flags = {f.name: f.metadata["flag"] for f in dataclasses.fields(now)}
+    changed = [
+        f"{flags[k]} {getattr(saved, k)} -> {getattr(now, k)}"
+        for k in SAME_TENSORS_OTHER_FUNCTION
+        if getattr(saved, k) != getattr(now, k)
+    ]
+    if not changed:
+        return None
+    return f"this run changes {', '.join(changed)} from the checkpoint's: its tensors load and compute another function"
 
 
 def check_same_model(path: str, meta: dict, cfg, vocab: int) -> None:

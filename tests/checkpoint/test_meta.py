@@ -201,3 +201,20 @@ def test_legacy_checkpoint_consolidates_with_the_warning(capsys):
     assert "warning:" in capsys.readouterr().err
     raw = load_file(os.path.join(LEGACY, "iter_0000002", files.rank_file(0)))  # the file itself, read plainly
     assert state and all(torch.equal(t, raw[f"/model/chunk0.{n}"]) for n, t in state.items())
+
+
+def test_a_resume_that_changes_what_the_tensors_compute_says_so_in_one_warning(tmp_path, capsys):
+    """--apply-layernorm-1p and --rotary-base changed between save and resume: the same names and shapes load (a
+    longer context's RoPE base is a deliberate change), with one warning naming each flag and both values."""
+    ck, argv = str(tmp_path / "ck"), LEGACY_ARGV + ["--train-iters", "1"]
+    training.train(training.setup(validate(parse_args(argv + ["--save", ck]), 1)))
+    capsys.readouterr()
+    training.setup(validate(parse_args(argv + ["--load", ck, "--apply-layernorm-1p", "--rotary-base", "500000"]), 1))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning:" in line]
+    assert len(warnings) == 1, warnings
+    assert (
+        "changes --apply-layernorm-1p False -> True, --rotary-base 10000.0 -> 500000.0 from the checkpoint's"
+        in warnings[0]
+    ), warnings
+    training.setup(validate(parse_args(argv + ["--load", ck]), 1))  # unchanged: no warning
+    assert "warning:" not in capsys.readouterr().out
